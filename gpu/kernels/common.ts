@@ -1,0 +1,41 @@
+/**
+ * WGSL snippets and dispatch helpers shared by the kernel generators.
+ */
+
+import { PCG_WGSL } from "../rng.ts";
+
+/** GELU, tanh form, and its derivative, on vec4. */
+export const GELU_WGSL = /* wgsl */ `
+const GELU_K: f32 = 0.7978845608028654; // sqrt(2/pi)
+fn gelu4(x: vec4<f32>) -> vec4<f32> {
+  let u = GELU_K * (x + 0.044715 * x * x * x);
+  return 0.5 * x * (1.0 + tanh(clamp(u, vec4<f32>(-15.0), vec4<f32>(15.0))));
+}
+fn gelu_grad4(x: vec4<f32>) -> vec4<f32> {
+  let u = GELU_K * (x + 0.044715 * x * x * x);
+  let t = tanh(clamp(u, vec4<f32>(-15.0), vec4<f32>(15.0)));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_K * (1.0 + 3.0 * 0.044715 * x * x);
+}`;
+
+/**
+ * Per-step dropout parameters: one vec4 per dropout site (key, threshold, bitcast scale, unused),
+ * bound as a uniform at group 1. `keep(i, site)` returns the multiplier of element i: 0 or 1/(1-p).
+ */
+export function dropWgsl(nSites: number): string {
+  return `${PCG_WGSL}
+@group(1) @binding(0) var<uniform> drop: array<vec4<u32>, ${nSites}>;
+fn keep(i: u32, site: u32) -> f32 {
+  let d = drop[site];
+  return select(0.0, bitcast<f32>(d.z), pcg(pcg(i) ^ d.x) >= d.y);
+}`;
+}
+
+/** Splits `n` workgroups into an (x, y) grid within the per-dimension limit. */
+export function grid1d(n: number, maxPerDim = 65535): [number, number, number] {
+  if (n <= maxPerDim) return [Math.max(1, n), 1, 1];
+  const y = Math.ceil(n / maxPerDim);
+  return [Math.ceil(n / y), y, 1];
+}
+
+/** WGSL expression of the linear workgroup id for a {@link grid1d} dispatch. */
+export const LINEAR_WG = "(wg.x + wg.y * nwg.x)";

@@ -1,0 +1,130 @@
+/**
+ * Build once, dispatch many: compiled pipelines are cached by their WGSL, and an `Op` is a
+ * pipeline with its bind groups and grid, created once when a model is planned. Encoding a step
+ * only records dispatches. With timestamp queries each op gets its own pass and timing.
+ */
+
+import { createPipeline, type GpuContext, GpuError } from "./device.ts";
+
+/** A range of a buffer bound to a kernel. Offset and size in bytes. */
+export interface View {
+  buffer: GPUBuffer;
+  offset?: number;
+  size?: number;
+}
+
+/** Phases of a training step, for the timing breakdown. */
+export type Phase = "forward" | "backward" | "optimizer";
+
+/** Kernel families, for the per-kernel table of the benchmark. */
+export type OpKind =
+  | "matmul_fwd"
+  | "matmul_bwd"
+  | "attention_fwd"
+  | "attention_bwd"
+  | "layernorm"
+  | "cross_entropy"
+  | "embedding"
+  | "reduce"
+  | "elementwise"
+  | "optimizer";
+
+/** One recorded dispatch. */
+export interface Op {
+  label: string;
+  phase: Phase;
+  kind: OpKind;
+  pipeline: GPUComputePipeline;
+  bindGroups: GPUBindGroup[];
+  grid: [number, number, number];
+  flops: number;
+}
+
+/** Compiles each distinct WGSL source once per device. */
+export class PipelineCache {
+  #ctx: GpuContext;
+  #cache = new Map<string, Promise<GPUComputePipeline>>();
+  constructor(ctx: GpuContext) {
+    this.#ctx = ctx;
+  }
+  /** The pipeline for `code`, compiled on first use. */
+  get(name: string, code: string): Promise<GPUComputePipeline> {
+    let p = this.#cache.get(code);
+    if (!p) {
+      p = createPipeline(this.#ctx, name, code);
+      this.#cache.set(code, p);
+    }
+    return p;
+  }
+  get size(): number {
+    return this.#cache.size;
+  }
+}
+
+/** Creates the op: bind group 0 from `views` in binding order, group 1 the optional uniform. */
+export function makeOp(
+  ctx: GpuContext,
+  pipeline: GPUComputePipeline,
+  o: {
+    label: string;
+    phase: Phase;
+    kind: OpKind;
+    views: View[];
+    uniform?: GPUBuffer;
+    grid: [number, number, number] | [number, number] | [number];
+    flops?: number;
+  },
+): Op {
+  const { device } = ctx;
+  const maxWg = ctx.limits.maxComputeWorkgroupsPerDimension;
+  const grid: [number, number, number] = [o.grid[0], o.grid[1] ?? 1, o.grid[2] ?? 1];
+  if (grid.some((g) => g > maxWg || g < 1)) {
+    throw new GpuError(`Kernel "${o.label}"`, `grid ${grid.join("x")} exceeds the device's ${maxWg} workgroups per dimension`);
+  }
+  const entries: GPUBindGroupEntry[] = o.views.map((v, i) => {
+    const size = v.size ?? v.buffer.size - (v.offset ?? 0);
+    if (size > ctx.limits.maxStorageBufferBindingSize) {
+      throw new GpuError(
+        `Kernel "${o.label}"`,
+        `binding ${i} of ${size} bytes exceeds maxStorageBufferBindingSize ${ctx.limits.maxStorageBufferBindingSize}`,
+      );
+    }
+    return { binding: i, resource: { buffer: v.buffer, offset: v.offset ?? 0, size } };
+  });
+  const bindGroups = [device.createBindGroup({ label: o.label, layout: pipeline.getBindGroupLayout(0), entries })];
+  if (o.uniform) {
+    bindGroups.push(device.createBindGroup({
+      label: o.label + ".uniform",
+      layout: pipeline.getBindGroupLayout(1),
+      entries: [{ binding: 0, resource: { buffer: o.uniform } }],
+    }));
+  }
+  return { label: o.label, phase: o.phase, kind: o.kind, pipeline, bindGroups, grid, flops: o.flops ?? 0 };
+}
+
+/** Records ops into one compute pass (or one pass per op with timestamps at `querySet`). */
+export function encodeOps(enc: GPUCommandEncoder, ops: Op[], querySet?: GPUQuerySet, queryBase = 0): void {
+  if (!querySet) {
+    const pass = enc.beginComputePass();
+    for (const op of ops) {
+      pass.setPipeline(op.pipeline);
+      for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
+      pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
+    }
+    pass.end();
+    return;
+  }
+  ops.forEach((op, i) => {
+    const pass = enc.beginComputePass({
+      timestampWrites: {
+        querySet,
+        beginningOfPassWriteIndex: queryBase + 2 * i,
+        endOfPassWriteIndex: queryBase + 2 * i + 1,
+      },
+    });
+    pass.setPipeline(op.pipeline);
+    for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
+    pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
+    pass.end();
+  });
+}

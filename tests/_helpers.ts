@@ -1,0 +1,61 @@
+/**
+ * Test helpers: one shared GPU device for the GPU tests (skipped when no adapter exists), upload
+ * helpers, and an error measure for comparing GPU results with the CPU reference.
+ */
+
+import { createStorage, type GpuContext, openDevice } from "../gpu/device.ts";
+
+let ctxPromise: Promise<GpuContext | null> | null = null;
+
+/** The test device, or null when no WebGPU adapter is available (tests then skip). */
+export function testContext(): Promise<GpuContext | null> {
+  ctxPromise ??= openDevice().catch(() => null);
+  return ctxPromise;
+}
+
+/** Whether a GPU adapter exists (evaluated once at module load for `ignore`). */
+export const noGpu = (await testContext()) === null;
+
+/** Uploads floats into a new storage buffer. */
+export async function upload(ctx: GpuContext, label: string, data: Float32Array | Uint32Array): Promise<GPUBuffer> {
+  const buf = await createStorage(ctx, label, data.byteLength);
+  ctx.device.queue.writeBuffer(buf, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
+  return buf;
+}
+
+/** Largest |a - b| / (|b| + atol) over all elements, and where it happened. */
+export function maxRelErr(a: ArrayLike<number>, b: ArrayLike<number>, atol = 1e-6): { err: number; at: number } {
+  if (a.length !== b.length) throw new Error(`Length mismatch: ${a.length} vs ${b.length}`);
+  let err = 0, at = -1;
+  for (let i = 0; i < a.length; i++) {
+    const e = Math.abs(a[i] - b[i]) / (Math.abs(b[i]) + atol);
+    if (!(e <= err)) {
+      err = e;
+      at = i;
+    }
+  }
+  return { err, at };
+}
+
+/** ‖a − b‖ / ‖b‖. */
+export function relNorm(a: ArrayLike<number>, b: ArrayLike<number>): number {
+  let num = 0, den = 0;
+  for (let i = 0; i < a.length; i++) {
+    num += (a[i] - b[i]) ** 2;
+    den += b[i] ** 2;
+  }
+  return Math.sqrt(num / Math.max(den, 1e-30));
+}
+
+/** Deterministic pseudo-random floats in [-1, 1). */
+export function randomFloats(n: number, seed: number): Float32Array {
+  const out = new Float32Array(n);
+  let s = seed >>> 0 || 1;
+  for (let i = 0; i < n; i++) {
+    s ^= s << 13;
+    s ^= s >>> 17;
+    s ^= s << 5;
+    out[i] = ((s >>> 0) / 4294967296) * 2 - 1;
+  }
+  return out;
+}
