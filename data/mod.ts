@@ -1,0 +1,80 @@
+/**
+ * The data pipeline's public surface: URL filtering, download, merge, cleaning, MinHash dedup,
+ * GPT-2 tokenization, splitting, the dataset store and the training sampler.
+ *
+ * Import from here, not from the individual files, so internals can move freely.
+ */
+export {
+  BUILTIN_DESCRIPTIONS,
+  BUILTIN_NAMES,
+  builtinDocuments,
+  type BuiltinName,
+  isBuiltinName,
+} from "./builtin.ts";
+export {
+  DEFAULT_USER_AGENT,
+  type DownloadCounts,
+  type DownloadFailure,
+  type DownloadOptions,
+  type DownloadProgress,
+  downloadUrls,
+  type WebDocument,
+} from "./download.ts";
+export { type ExtractedText, extractMainText } from "./extract.ts";
+export {
+  emptyMergeCounts,
+  JSON_EXTENSIONS,
+  type MergeCounts,
+  type MergeOptions,
+  mergeToLooseJson,
+  parseJsonLine,
+  readDocuments,
+  readLineBytes,
+  type SourceDocument,
+  TEXT_EXTENSIONS,
+} from "./merge.ts";
+export {
+  DEFAULT_MINHASH,
+  estimateJaccard,
+  type HashFamily,
+  hashFamily,
+  lshBands,
+  LshIndex,
+  type MinHashParams,
+  minhashSignature,
+} from "./minhash.ts";
+export { type DatasetSource, prepareDataset, type PrepareOptions, type Progress } from "./prepare.ts";
+export { Sampler, type SamplerOptions, type SamplerState } from "./sampler.ts";
+export { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
+export {
+  checkDatasetId,
+  DATASET_ID_RE,
+  datasetDir,
+  type DatasetInfo,
+  getDataset,
+  listDatasets,
+  loadDocumentIndex,
+  loadSplit,
+  PathOutsideRootError,
+  resolveUnderRoot,
+  type SplitCounts,
+  type SplitName,
+  SPLITS,
+} from "./store.ts";
+export { cleanText, type DecodedText, decodeUtf8, looksBinary } from "./text.ts";
+export {
+  createTokenizePool,
+  type PoolOptions,
+  type TokenizePool,
+  type WorkerConfig,
+  type WorkerResult,
+} from "./tokenize_pool.ts";
+export {
+  DEFAULT_BLACKLIST,
+  filterUrls,
+  NON_TEXT_EXTENSIONS,
+  normalizeUrl,
+  type UrlCounts,
+  urlExtension,
+  type UrlFilterOptions,
+} from "./urls.ts";

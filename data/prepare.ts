@@ -1,0 +1,522 @@
+/**
+ * The end-to-end preparation: source → (URLs → download) → merge → clean → min-token filter →
+ * MinHash/LSH dedup → GPT-2 tokens → train/valid/test split → `<root>/datasets/<id>/`.
+ *
+ * Streaming throughout: documents flow in batches through a worker pool (clean, tokenize and
+ * signature per core) while the main thread keeps only the LSH index and document offsets; tokens
+ * go straight to disk. Everything is written in a temporary folder that is renamed into place at
+ * the end, so nothing already prepared is lost or corrupted by a failure half-way.
+ */
+import { createHash } from "node:crypto";
+import { join, relative } from "node:path";
+import { builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
+import { type DownloadCounts, type DownloadFailure, type DownloadOptions, downloadUrls } from "./download.ts";
+import { emptyMergeCounts, type MergeCounts, readDocuments, type SourceDocument } from "./merge.ts";
+import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
+import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
+import {
+  checkDatasetId,
+  datasetDir,
+  type DatasetInfo,
+  datasetsDir,
+  getDataset,
+  resolveUnderRoot,
+  type SplitCounts,
+  SPLITS,
+} from "./store.ts";
+import { createTokenizePool, type WorkerResult } from "./tokenize_pool.ts";
+import { filterUrls, type UrlCounts } from "./urls.ts";
+
+/** Where a dataset's documents come from: exactly one of these. */
+export type DatasetSource =
+  | { builtin: BuiltinName }
+  | { path: string }
+  | { urls: string[] }
+  | { url_list: string }
+  | { texts: string[] };
+
+/** Options of {@link prepareDataset} (snake_case, as in the HTTP body). */
+export interface PrepareOptions {
+  /** Dataset id (default: the built-in's name, or derived from the source and options). */
+  id?: string;
+  /** Documents with fewer GPT-2 tokens are dropped (default 128, as in the seed). */
+  min_tokens?: number;
+  /** Jaccard similarity at or above which a document is a near-duplicate (default 0.8); 1 keeps all but exact shingle matches. */
+  dedup_threshold?: number;
+  /** Turn near-duplicate removal off (default true: on). */
+  dedup?: boolean;
+  /** MinHash hash functions (default 128). */
+  num_perm?: number;
+  /** Words per shingle (default 5). */
+  shingle_size?: number;
+  /** Split weights train, valid, test (default "949,50,1"). */
+  split?: string | number[];
+  /** Every split with positive weight must hold one window of seq_len + 1 tokens (default 1024). */
+  seq_len?: number;
+  /** Read at most this many source documents (a quick subset, e.g. for tests). */
+  max_documents?: number;
+  /** Tokenize workers (default: all cores). */
+  workers?: number;
+  /** Prepare again even if a dataset with the same id, source and options exists. */
+  force?: boolean;
+  /** Domains dropped from URL sources (default: the built-in blacklist). */
+  blacklist?: string[];
+  /** Download settings for URL sources. */
+  download?: DownloadOptions;
+  /** Largest `.txt` file or JSON line read, in bytes (default 64 MiB). */
+  max_document_bytes?: number;
+}
+
+/** Progress of a preparation. */
+export interface Progress {
+  /** The dataset id. */
+  id: string;
+  /** Current stage. */
+  stage: "urls" | "download" | "tokenize" | "split" | "done";
+  /** Units done in this stage (bytes for tokenize, URLs for download). */
+  done: number;
+  /** Units in this stage, when known. */
+  total?: number;
+  /** Source documents read so far. */
+  documents_read: number;
+  /** Documents kept so far. */
+  documents: number;
+  /** Tokens kept so far. */
+  tokens: number;
+}
+
+/** Stage counts recorded in the manifest's `stats`. */
+interface Stats {
+  urls?: UrlCounts;
+  download?: DownloadCounts & { failures_file?: string };
+  merge: MergeCounts;
+  documents_read: number;
+  empty_after_cleaning: number;
+  under_min_tokens: number;
+  near_duplicates: number;
+  characters: number;
+  lsh?: { bands: number; rows: number; num_perm: number; shingle_size: number };
+}
+
+/** Characters per batch sent to a worker. */
+const BATCH_CHARS = 1 << 19;
+/** Bytes buffered before a write to disk. */
+const WRITE_BUFFER = 1 << 22;
+
+/** A short SHA-256 hex digest of a string. */
+function shortHash(s: string): string {
+  return createHash("sha256").update(s).digest("hex").slice(0, 10);
+}
+
+/** Normalised options, defaults applied. */
+function resolveOptions(o: PrepareOptions) {
+  const min_tokens = o.min_tokens ?? 128;
+  if (!Number.isInteger(min_tokens) || min_tokens < 0) {
+    throw new RangeError(`min_tokens must be a non-negative integer, got ${min_tokens}`);
+  }
+  const dedup_threshold = o.dedup_threshold ?? 0.8;
+  if (!(dedup_threshold > 0 && dedup_threshold <= 1)) {
+    throw new RangeError(`dedup_threshold must be in (0, 1], got ${dedup_threshold}`);
+  }
+  const seq_len = o.seq_len ?? 1024;
+  if (!Number.isInteger(seq_len) || seq_len < 1) {
+    throw new RangeError(`seq_len must be a positive integer, got ${seq_len}`);
+  }
+  const num_perm = o.num_perm ?? DEFAULT_MINHASH.numPerm;
+  const shingle_size = o.shingle_size ?? DEFAULT_MINHASH.shingleSize;
+  if (!Number.isInteger(num_perm) || num_perm < 8 || num_perm > 1024) {
+    throw new RangeError(`num_perm must be an integer in [8, 1024], got ${num_perm}`);
+  }
+  if (!Number.isInteger(shingle_size) || shingle_size < 1 || shingle_size > 32) {
+    throw new RangeError(`shingle_size must be an integer in [1, 32], got ${shingle_size}`);
+  }
+  const max_documents = o.max_documents;
+  if (max_documents !== undefined && (!Number.isInteger(max_documents) || max_documents < 1)) {
+    throw new RangeError(`max_documents must be a positive integer, got ${max_documents}`);
+  }
+  return {
+    min_tokens,
+    dedup: o.dedup ?? true,
+    dedup_threshold,
+    num_perm,
+    shingle_size,
+    split: parseSplitWeights(o.split ?? DEFAULT_SPLIT),
+    seq_len,
+    ...(max_documents !== undefined ? { max_documents } : {}),
+  };
+}
+
+/** Which single key a source uses, validated. */
+function sourceKind(source: DatasetSource): "builtin" | "path" | "urls" | "url_list" | "texts" {
+  const keys = Object.keys(source ?? {});
+  if (keys.length !== 1) {
+    throw new Error(
+      `Source must name exactly one of "builtin", "path", "urls", "url_list", "texts"; got ${
+        JSON.stringify(source)
+      }`,
+    );
+  }
+  return keys[0] as ReturnType<typeof sourceKind>;
+}
+
+/** An async buffered file writer. */
+class Writer {
+  #file: Deno.FsFile;
+  #buf = new Uint8Array(WRITE_BUFFER);
+  #len = 0;
+  constructor(file: Deno.FsFile) {
+    this.#file = file;
+  }
+  async write(bytes: Uint8Array): Promise<void> {
+    if (this.#len + bytes.length > this.#buf.length) await this.flush();
+    if (bytes.length > this.#buf.length) return void (await this.#writeAll(bytes));
+    this.#buf.set(bytes, this.#len);
+    this.#len += bytes.length;
+  }
+  async flush(): Promise<void> {
+    await this.#writeAll(this.#buf.subarray(0, this.#len));
+    this.#len = 0;
+  }
+  async #writeAll(b: Uint8Array) {
+    for (let off = 0; off < b.length;) off += await this.#file.write(b.subarray(off));
+  }
+}
+
+/** SHA-256 of a file, also fed to `also` (for the combined checksum). */
+async function hashFile(
+  path: string,
+  also: ReturnType<typeof createHash>,
+): Promise<{ bytes: number; sha256: string }> {
+  const h = createHash("sha256");
+  using f = await Deno.open(path, { read: true });
+  const buf = new Uint8Array(1 << 22);
+  let bytes = 0;
+  while (true) {
+    const n = await f.read(buf);
+    if (n === null) break;
+    h.update(buf.subarray(0, n));
+    also.update(buf.subarray(0, n));
+    bytes += n;
+  }
+  return { bytes, sha256: h.digest("hex") };
+}
+
+/** Copy `count` uint16 tokens from token offset `start` of `src` into a new file `dst`. */
+async function copyRange(src: Deno.FsFile, start: number, count: number, dst: string): Promise<void> {
+  using out = await Deno.open(dst, { write: true, create: true, truncate: true });
+  await src.seek(start * 2, Deno.SeekMode.Start);
+  const buf = new Uint8Array(1 << 22);
+  let left = count * 2;
+  while (left > 0) {
+    const n = await src.read(buf.subarray(0, Math.min(buf.length, left)));
+    if (n === null) throw new Error(`Cannot copy split: token file ended ${left} bytes early`);
+    for (let off = 0; off < n;) off += await out.write(buf.subarray(off, n));
+    left -= n;
+  }
+}
+
+/**
+ * Prepare a dataset from `source` under `<root>/datasets/<id>/` and return its manifest. A dataset
+ * with the same id, source and options is reused as it is (unless `force`); `{builtin: "sotu"}`
+ * with default options has the id "sotu". Throws with a clear message when nothing is left to
+ * train on or a split is too small for one sequence.
+ */
+export async function prepareDataset(
+  root: string,
+  source: DatasetSource,
+  options: PrepareOptions = {},
+  onProgress?: (p: Progress) => void,
+): Promise<DatasetInfo> {
+  const started = performance.now();
+  const kind = sourceKind(source);
+  const opts = resolveOptions(options);
+  // Describe the source stably (for the id and cache key) and resolve paths under the root.
+  let describe: Record<string, unknown>;
+  let resolvedPath: string | undefined;
+  let baseName: string;
+  if (kind === "builtin") {
+    const name = (source as { builtin: string }).builtin;
+    if (!isBuiltinName(name)) {
+      throw new Error(`Unknown built-in dataset "${name}": expected "sotu" or "moby-dick"`);
+    }
+    describe = { builtin: name };
+    baseName = name;
+  } else if (kind === "path" || kind === "url_list") {
+    const p = (source as Record<string, string>)[kind];
+    if (typeof p !== "string" || !p) throw new Error(`Source "${kind}" must be a non-empty string`);
+    resolvedPath = await resolveUnderRoot(root, p);
+    const rel = relative(await Deno.realPath(root), resolvedPath) || ".";
+    describe = { [kind]: rel };
+    baseName = rel.split(/[\\/]/).filter(Boolean).pop()?.replace(/\.[^.]*$/, "") || "data";
+  } else if (kind === "urls" || kind === "texts") {
+    const list = (source as Record<string, unknown>)[kind];
+    if (!Array.isArray(list) || list.some((x) => typeof x !== "string")) {
+      throw new Error(`Source "${kind}" must be an array of strings`);
+    }
+    if (list.length === 0) throw new Error(`Source "${kind}" is empty`);
+    describe = {
+      [kind]: list.length,
+      sha256: createHash("sha256").update(JSON.stringify(list)).digest("hex"),
+    };
+    baseName = kind;
+  } else {
+    throw new Error(`Unknown source "${kind}": expected "builtin", "path", "urls", "url_list" or "texts"`);
+  }
+  const keyOptions = { ...opts, blacklist: options.blacklist ?? null };
+  const sourceKey = shortHash(JSON.stringify({ describe, keyOptions }));
+  const defaults = JSON.stringify(resolveOptions({})) === JSON.stringify(opts) && !options.blacklist;
+  const id = options.id ??
+    (kind === "builtin" && defaults
+      ? baseName
+      : `${baseName.replace(/[^A-Za-z0-9._-]/g, "_").slice(0, 40) || "data"}-${sourceKey.slice(0, 8)}`);
+  checkDatasetId(id);
+
+  if (!options.force) {
+    const existing = await getDataset(root, id).catch(() => undefined);
+    if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;
+  }
+
+  const progress: Progress = { id, stage: "tokenize", done: 0, documents_read: 0, documents: 0, tokens: 0 };
+  const report = () => onProgress?.({ ...progress });
+  await Deno.mkdir(datasetsDir(root), { recursive: true });
+  const tmp = await Deno.makeTempDir({ dir: datasetsDir(root), prefix: `.tmp-${id}-` });
+  const stats: Stats = {
+    merge: emptyMergeCounts(),
+    documents_read: 0,
+    empty_after_cleaning: 0,
+    under_min_tokens: 0,
+    near_duplicates: 0,
+    characters: 0,
+  };
+  let pool: ReturnType<typeof createTokenizePool> | undefined;
+  try {
+    // Stages 1-3: turn the source into a document stream.
+    let docs: AsyncIterable<SourceDocument> | Iterable<SourceDocument>;
+    let totalBytes: number | undefined;
+    if (kind === "builtin") {
+      const list = await builtinDocuments((source as { builtin: BuiltinName }).builtin);
+      docs = list;
+      totalBytes = list.reduce((s, d) => s + d.text.length, 0);
+    } else if (kind === "texts") {
+      const list = (source as { texts: string[] }).texts;
+      docs = list.map((text) => ({ text }));
+      totalBytes = list.reduce((s, t) => s + t.length, 0);
+    } else if (kind === "path") {
+      totalBytes = await treeSize(resolvedPath!);
+      docs = readDocuments(resolvedPath!, stats.merge, {
+        maxDocumentBytes: options.max_document_bytes,
+        onBytes: (n) => (progress.done = n),
+      });
+    } else {
+      let lines: string[];
+      if (kind === "urls") lines = (source as { urls: string[] }).urls;
+      else {
+        try {
+          lines = (await Deno.readTextFile(resolvedPath!)).split(/\r?\n/);
+        } catch (e) {
+          throw new Error(
+            `Cannot read "${(source as { url_list: string }).url_list}": ${(e as Error).message}`,
+          );
+        }
+      }
+      progress.stage = "urls";
+      report();
+      const { urls, counts } = filterUrls(lines, { blacklist: options.blacklist });
+      stats.urls = counts;
+      progress.stage = "download";
+      progress.total = urls.length;
+      report();
+      const outPath = join(tmp, "downloads.jsonl");
+      const failures: DownloadFailure[] = [];
+      {
+        using out = await Deno.open(outPath, { write: true, create: true, truncate: true });
+        const writer = new Writer(out);
+        const enc = new TextEncoder();
+        const res = await downloadUrls(
+          urls,
+          options.download ?? {},
+          (doc) => writer.write(enc.encode(JSON.stringify(doc) + "\n")),
+          (p) => {
+            progress.done = p.done;
+            report();
+          },
+        );
+        await writer.flush();
+        failures.push(...res.failures);
+        stats.download = res.counts;
+      }
+      if (failures.length > 0) {
+        await Deno.writeTextFile(
+          join(tmp, "failures.jsonl"),
+          failures.map((f) => JSON.stringify(f)).join("\n") + "\n",
+        );
+        stats.download!.failures_file = "failures.jsonl";
+      }
+      if (stats.download!.ok === 0) {
+        throw new Error(
+          `No documents downloaded: all ${urls.length} URLs failed (first: "${failures[0]?.url}": ${
+            failures[0]?.error
+          })`,
+        );
+      }
+      totalBytes = (await Deno.stat(outPath)).size;
+      docs = readDocuments(outPath, stats.merge, {});
+    }
+    progress.stage = "tokenize";
+    progress.done = 0;
+    progress.total = totalBytes;
+    report();
+
+    // Stages 4-6: clean, filter, dedup, tokenize (workers) and write tokens (here).
+    const minhash: MinHashParams | null = opts.dedup
+      ? { numPerm: opts.num_perm, shingleSize: opts.shingle_size, seed: DEFAULT_MINHASH.seed }
+      : null;
+    const lsh = minhash ? new LshIndex(minhash.numPerm, opts.dedup_threshold) : undefined;
+    if (lsh) {
+      stats.lsh = {
+        bands: lsh.bands,
+        rows: lsh.rows,
+        num_perm: opts.num_perm,
+        shingle_size: opts.shingle_size,
+      };
+    }
+    const allPath = join(tmp, "all.bin");
+    using allFile = await Deno.open(allPath, { read: true, write: true, create: true, truncate: true });
+    const writer = new Writer(allFile);
+    let offsets = new Float64Array(1024);
+    let docCount = 0, tokenCount = 0;
+    const onResult = async (r: WorkerResult) => {
+      stats.under_min_tokens += r.short;
+      stats.empty_after_cleaning += r.empty;
+      let tokOff = 0, sigIdx = 0;
+      const n = minhash?.numPerm ?? 0;
+      for (let i = 0; i < r.lengths.length; i++) {
+        const len = r.lengths[i];
+        if (len === 0) continue;
+        const toks = r.tokens.subarray(tokOff, tokOff + len);
+        tokOff += len;
+        const sig = lsh ? r.sigs.subarray(sigIdx * n, sigIdx * n + n) : undefined;
+        sigIdx++;
+        if (lsh && lsh.addUnlessDuplicate(sig!)) {
+          stats.near_duplicates++;
+          continue;
+        }
+        if (docCount + 1 >= offsets.length) {
+          const grown = new Float64Array(offsets.length * 2);
+          grown.set(offsets);
+          offsets = grown;
+        }
+        offsets[docCount++] = tokenCount;
+        tokenCount += len;
+        await writer.write(new Uint8Array(toks.buffer, toks.byteOffset, toks.byteLength));
+      }
+      stats.characters += r.chars;
+      progress.documents = docCount;
+      progress.tokens = tokenCount;
+      report();
+    };
+    pool = createTokenizePool({ minTokens: opts.min_tokens, minhash }, onResult, {
+      workers: options.workers,
+    });
+    let batch: string[] = [], batchChars = 0, read = 0, charsRead = 0;
+    for await (const doc of docs as AsyncIterable<SourceDocument>) {
+      if (opts.max_documents !== undefined && read >= opts.max_documents) break;
+      read++;
+      batch.push(doc.text);
+      batchChars += doc.text.length;
+      if (kind !== "path") progress.done = charsRead += doc.text.length;
+      progress.documents_read = read;
+      if (batchChars >= BATCH_CHARS) {
+        await pool.submit(batch);
+        batch = [];
+        batchChars = 0;
+      }
+    }
+    if (batch.length > 0) await pool.submit(batch);
+    await pool.drain();
+    pool.close();
+    pool = undefined;
+    await writer.flush();
+    stats.documents_read = read;
+
+    if (docCount === 0) {
+      throw new Error(
+        `No documents left to train on: ${read} read, ${stats.empty_after_cleaning} empty after cleaning, ` +
+          `${stats.under_min_tokens} under ${opts.min_tokens} tokens, ${stats.near_duplicates} near-duplicates`,
+      );
+    }
+
+    // Stage 7: split (throws naming a split too small for one sequence).
+    progress.stage = "split";
+    report();
+    const sizes: SplitCounts = splitSizes(tokenCount, opts.split, opts.seq_len);
+    await copyRange(allFile, sizes.train, sizes.valid, join(tmp, "valid.bin"));
+    await copyRange(allFile, sizes.train + sizes.valid, sizes.test, join(tmp, "test.bin"));
+    await allFile.truncate(sizes.train * 2);
+    allFile.close();
+    await Deno.rename(allPath, join(tmp, "train.bin"));
+    const idx = new BigUint64Array(docCount + 1);
+    for (let i = 0; i < docCount; i++) idx[i] = BigInt(offsets[i]);
+    idx[docCount] = BigInt(tokenCount);
+    await Deno.writeFile(join(tmp, "documents.idx"), new Uint8Array(idx.buffer));
+
+    const all = createHash("sha256");
+    const files: Record<string, { bytes: number; sha256: string }> = {};
+    for (const s of SPLITS) files[`${s}.bin`] = await hashFile(join(tmp, `${s}.bin`), all);
+    files["documents.idx"] = await hashFile(join(tmp, "documents.idx"), createHash("sha256"));
+    const info: DatasetInfo & { source_key: string } = {
+      id,
+      documents: docCount,
+      tokens: tokenCount,
+      splits: sizes,
+      format: "gpt2-webgpu-dataset/1",
+      source: describe,
+      tokenizer: { name: "gpt2 (r50k_base)", vocab_size: 50257, eot: 50256, dtype: "uint16" },
+      options: { ...opts, split: opts.split.join(",") },
+      stats: stats as unknown as Record<string, unknown>,
+      files,
+      checksum: all.digest("hex"),
+      created_at: new Date().toISOString(),
+      seconds: Math.round((performance.now() - started) / 10) / 100,
+      source_key: sourceKey,
+    };
+    await Deno.writeTextFile(join(tmp, "manifest.json"), JSON.stringify(info, null, 2) + "\n");
+
+    // Publish atomically: rename the finished folder into place, moving any older one aside first.
+    const final = datasetDir(root, id);
+    const old = `${tmp}.old`;
+    let hadOld = false;
+    try {
+      await Deno.rename(final, old);
+      hadOld = true;
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+    }
+    try {
+      await Deno.rename(tmp, final);
+    } catch (e) {
+      if (hadOld) await Deno.rename(old, final).catch(() => {});
+      throw new Error(`Cannot publish dataset "${id}": ${(e as Error).message}`);
+    }
+    if (hadOld) await Deno.remove(old, { recursive: true }).catch(() => {});
+    progress.stage = "done";
+    report();
+    return info;
+  } catch (e) {
+    pool?.close();
+    await Deno.remove(tmp, { recursive: true }).catch(() => {});
+    throw e;
+  }
+}
+
+/** Total size in bytes of the regular files under `path` (for progress). */
+async function treeSize(path: string): Promise<number> {
+  const info = await Deno.lstat(path);
+  if (info.isFile) return info.size;
+  if (!info.isDirectory) return 0;
+  let total = 0;
+  for await (const e of Deno.readDir(path)) {
+    if (!e.name.startsWith(".")) total += await treeSize(join(path, e.name));
+  }
+  return total;
+}
