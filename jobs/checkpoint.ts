@@ -1,0 +1,303 @@
+/**
+ * Checkpoints on disk. Each one is a directory `<job dir>/iter_0000100/` holding:
+ * - `model.safetensors`: weights under Hugging Face GPT-2 names and layout (Conv1D weights
+ *   [in, out], `lm_head` tied and omitted, wte cut to the real 50257 rows, metadata format "pt"),
+ * - `config.json`: a GPT2Config that `transformers` accepts, so `from_pretrained(dir)` loads it,
+ * - `optimizer.safetensors`: AdamW's m and v in the engine's flat layout,
+ * - `manifest.json`: the full model config (real and padded vocabulary), iteration, training
+ *   config, RNG and sampler state: everything needed to resume bit for bit.
+ * A checkpoint is written under a temporary name and renamed into place, so a crash never
+ * leaves a half-written directory that looks complete; only the newest `keep` survive.
+ */
+
+import { makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
+import type { TrainConfig } from "./types.ts";
+import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
+
+/** Identifies our manifests. */
+export const CHECKPOINT_FORMAT = "gpt2-webgpu-checkpoint";
+export const CHECKPOINT_VERSION = 1;
+
+/** Sampler position (data/ Sampler's `state`). */
+export interface SamplerState {
+  epoch: number;
+  position: number;
+}
+
+/** What `manifest.json` holds. */
+export interface CheckpointManifest {
+  format: typeof CHECKPOINT_FORMAT;
+  version: number;
+  job_id: string;
+  name: string;
+  /** Iterations done when saved; training resumes at this step. */
+  iteration: number;
+  created_at: string;
+  model: ModelConfig;
+  train: TrainConfig;
+  /** Dropout is counter-based: (seed, step) is the whole RNG state. */
+  rng: { seed: number; step: number };
+  sampler: SamplerState;
+  metrics: { loss: number | null; val_loss: number | null };
+  files: { model: string; optimizer: string; hf_config: string };
+}
+
+/** The engine state a checkpoint stores (flat layout of `paramLayout(model)`). */
+export interface CheckpointState {
+  step: number;
+  params: Float32Array;
+  m: Float32Array;
+  v: Float32Array;
+}
+
+/** A checkpoint found on disk. */
+export interface CheckpointInfo {
+  name: string;
+  path: string;
+  iteration: number;
+  created_at: string;
+  bytes: number;
+  metrics: CheckpointManifest["metrics"];
+}
+
+/** Directory name of the checkpoint at `iteration`. */
+export function checkpointName(iteration: number): string {
+  return `iter_${String(iteration).padStart(7, "0")}`;
+}
+
+/** Splits a flat parameter buffer into Hugging Face tensors; wte keeps only the real vocabulary rows. */
+export function exportTensors(config: ModelConfig, params: Float32Array): NamedTensor[] {
+  const layout = paramLayout(config);
+  if (params.length !== layout.totalSize) {
+    throw new Error(
+      `Cannot export parameters: ${params.length} floats do not match the layout's ${layout.totalSize}`,
+    );
+  }
+  return layout.tensors
+    .slice()
+    .sort((a, b) => hfOrder(a.name) - hfOrder(b.name) || a.name.localeCompare(b.name))
+    .map((t) => {
+      if (t.name === "wte.weight") {
+        const shape = [config.vocab_size, config.n_embd];
+        return { name: t.name, shape, data: params.subarray(t.offset, t.offset + shape[0] * shape[1]) };
+      }
+      return { name: t.name, shape: t.shape, data: params.subarray(t.offset, t.offset + t.size) };
+    });
+}
+
+function hfOrder(name: string): number {
+  if (name.startsWith("wte.")) return 0;
+  if (name.startsWith("wpe.")) return 1;
+  if (name.startsWith("ln_f.")) return 1e9;
+  return 2 + Number(name.split(".")[1]);
+}
+
+/**
+ * Rebuilds the flat parameter buffer from Hugging Face tensors (names with or without the
+ * `transformer.` prefix), padding wte back to `padded_vocab_size` with zero rows.
+ */
+export function importTensors(
+  config: ModelConfig,
+  tensors: Map<string, { shape: number[]; data: Float32Array }>,
+  what = "checkpoint",
+): Float32Array {
+  const layout = paramLayout(config);
+  const flat = new Float32Array(layout.totalSize);
+  for (const t of layout.tensors) {
+    const found = tensors.get(t.name) ?? tensors.get(`transformer.${t.name}`);
+    if (!found) throw new Error(`Cannot load checkpoint "${what}": tensor "${t.name}" is missing`);
+    const want = t.name === "wte.weight" ? [config.vocab_size, config.n_embd] : t.shape;
+    if (t.name === "wte.weight" && found.shape[0] !== config.vocab_size) {
+      throw new Error(
+        `Cannot load checkpoint "${what}": vocabulary ${found.shape[0]} does not match ${config.vocab_size}`,
+      );
+    }
+    if (found.shape.join(",") !== want.join(",")) {
+      throw new Error(
+        `Cannot load checkpoint "${what}": tensor "${t.name}" has shape [${found.shape}], expected [${want}]`,
+      );
+    }
+    flat.set(found.data, t.offset); // wte's padded rows stay zero
+  }
+  return flat;
+}
+
+/** A `config.json` that transformers' GPT2Config accepts. */
+export function hfConfig(
+  model: ModelConfig,
+  train: Pick<TrainConfig, "attention_dropout" | "hidden_dropout">,
+) {
+  return {
+    architectures: ["GPT2LMHeadModel"],
+    model_type: "gpt2",
+    vocab_size: model.vocab_size,
+    n_positions: model.n_positions,
+    n_ctx: model.n_positions,
+    n_embd: model.n_embd,
+    n_layer: model.n_layer,
+    n_head: model.n_head,
+    n_inner: null,
+    activation_function: "gelu_new",
+    resid_pdrop: train.hidden_dropout,
+    embd_pdrop: train.hidden_dropout,
+    attn_pdrop: train.attention_dropout,
+    layer_norm_epsilon: 1e-5,
+    initializer_range: 0.02,
+    scale_attn_weights: true,
+    use_cache: true,
+    bos_token_id: 50256,
+    eos_token_id: 50256,
+    tie_word_embeddings: true,
+    torch_dtype: "float32",
+  };
+}
+
+/** Everything `saveCheckpoint` writes besides the tensors. */
+export interface CheckpointMeta {
+  job_id: string;
+  model: ModelConfig;
+  train: TrainConfig;
+  sampler: SamplerState;
+  metrics: CheckpointManifest["metrics"];
+}
+
+/**
+ * Writes a checkpoint into `jobDir` under a temporary name, renames it into place, then keeps
+ * only the newest `keep`. Returns its name and path.
+ */
+export async function saveCheckpoint(
+  jobDir: string,
+  meta: CheckpointMeta,
+  state: CheckpointState,
+  keep: number,
+): Promise<{ name: string; path: string }> {
+  await Deno.mkdir(jobDir, { recursive: true });
+  const name = checkpointName(state.step);
+  const tmp = `${jobDir}/.tmp-${name}-${crypto.randomUUID().slice(0, 8)}`;
+  await Deno.mkdir(tmp);
+  const manifest: CheckpointManifest = {
+    format: CHECKPOINT_FORMAT,
+    version: CHECKPOINT_VERSION,
+    job_id: meta.job_id,
+    name,
+    iteration: state.step,
+    created_at: new Date().toISOString(),
+    model: meta.model,
+    train: meta.train,
+    rng: { seed: meta.train.seed, step: state.step },
+    sampler: meta.sampler,
+    metrics: meta.metrics,
+    files: { model: "model.safetensors", optimizer: "optimizer.safetensors", hf_config: "config.json" },
+  };
+  await writeSafetensors(`${tmp}/model.safetensors`, exportTensors(meta.model, state.params), {
+    format: "pt",
+  });
+  await writeSafetensors(`${tmp}/optimizer.safetensors`, [
+    { name: "m", shape: [state.m.length], data: state.m },
+    { name: "v", shape: [state.v.length], data: state.v },
+  ], { format: "pt", layout: "flat", step: String(state.step) });
+  await Deno.writeTextFile(
+    `${tmp}/config.json`,
+    JSON.stringify(hfConfig(meta.model, meta.train), null, 2) + "\n",
+  );
+  // The manifest goes last: a directory with a manifest is complete.
+  await Deno.writeTextFile(`${tmp}/manifest.json`, JSON.stringify(manifest, null, 2) + "\n");
+  const path = `${jobDir}/${name}`;
+  await Deno.remove(path, { recursive: true }).catch(() => {});
+  await Deno.rename(tmp, path);
+  await pruneCheckpoints(jobDir, keep);
+  return { name, path };
+}
+
+/** Complete checkpoints in `jobDir`, oldest first; temporary directories are skipped. */
+export async function listCheckpoints(jobDir: string): Promise<CheckpointInfo[]> {
+  const out: CheckpointInfo[] = [];
+  let entries: Deno.DirEntry[];
+  try {
+    entries = await Array.fromAsync(Deno.readDir(jobDir));
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return [];
+    throw e;
+  }
+  for (const e of entries) {
+    if (!e.isDirectory || !e.name.startsWith("iter_")) continue;
+    const path = `${jobDir}/${e.name}`;
+    let manifest: CheckpointManifest;
+    try {
+      manifest = JSON.parse(await Deno.readTextFile(`${path}/manifest.json`));
+    } catch {
+      continue;
+    }
+    let bytes = 0;
+    for await (const f of Deno.readDir(path)) {
+      if (f.isFile) bytes += (await Deno.stat(`${path}/${f.name}`)).size;
+    }
+    out.push({
+      name: e.name,
+      path,
+      iteration: manifest.iteration,
+      created_at: manifest.created_at,
+      bytes,
+      metrics: manifest.metrics,
+    });
+  }
+  return out.sort((a, b) => a.iteration - b.iteration);
+}
+
+/** Removes all but the newest `keep` checkpoints and any leftover temporary directories. */
+export async function pruneCheckpoints(jobDir: string, keep: number): Promise<void> {
+  const all = await listCheckpoints(jobDir);
+  for (const c of all.slice(0, Math.max(0, all.length - Math.max(1, keep)))) {
+    await Deno.remove(c.path, { recursive: true });
+  }
+  for await (const e of Deno.readDir(jobDir)) {
+    if (e.name.startsWith(".tmp-")) {
+      await Deno.remove(`${jobDir}/${e.name}`, { recursive: true }).catch(() => {});
+    }
+  }
+}
+
+/** Reads a checkpoint's manifest. */
+export async function readManifest(path: string): Promise<CheckpointManifest> {
+  let manifest: CheckpointManifest;
+  try {
+    manifest = JSON.parse(await Deno.readTextFile(`${path}/manifest.json`));
+  } catch (e) {
+    throw new Error(`Cannot load checkpoint "${path}": ${(e as Error).message}`);
+  }
+  if (manifest.format !== CHECKPOINT_FORMAT || manifest.version !== CHECKPOINT_VERSION) {
+    throw new Error(
+      `Cannot load checkpoint "${path}": format "${manifest.format}" v${manifest.version} is not "${CHECKPOINT_FORMAT}" v${CHECKPOINT_VERSION}`,
+    );
+  }
+  return manifest;
+}
+
+/**
+ * Loads a checkpoint for training with `model`: its manifest and the engine state. Refuses a
+ * checkpoint whose architecture differs.
+ */
+export async function loadCheckpoint(
+  path: string,
+  model: ModelConfig,
+): Promise<{ manifest: CheckpointManifest; state: CheckpointState }> {
+  const manifest = await readManifest(path);
+  const saved = makeConfig(manifest.model);
+  for (
+    const k of ["n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "padded_vocab_size"] as const
+  ) {
+    if (saved[k] !== model[k]) {
+      throw new Error(`Cannot load checkpoint "${path}": ${k} ${saved[k]} does not match ${model[k]}`);
+    }
+  }
+  const weights = await readSafetensors(`${path}/${manifest.files.model}`);
+  const params = importTensors(model, weights.tensors, path);
+  const opt = await readSafetensors(`${path}/${manifest.files.optimizer}`);
+  const m = opt.tensors.get("m"), v = opt.tensors.get("v");
+  if (!m || !v || m.data.length !== params.length || v.data.length !== params.length) {
+    throw new Error(
+      `Cannot load checkpoint "${path}": optimizer state does not match ${params.length} parameters`,
+    );
+  }
+  return { manifest, state: { step: manifest.iteration, params, m: m.data, v: v.data } };
+}

@@ -1,0 +1,56 @@
+/**
+ * Messages between the HTTP thread (the runner) and a GPU Worker. The Worker owns its device and
+ * never sees the store: it receives a fully resolved job and reports progress, evaluations,
+ * checkpoints and the outcome. Cancellation is a shared Int32 flag the training loop polls
+ * between steps, so it works even while the loop does not yield to the event loop.
+ */
+
+import type { PhaseTimes, TrainConfig } from "./types.ts";
+
+/** Index in the shared cancel flag: non-zero asks the running job to stop. */
+export const CANCEL_FLAG = 0;
+
+/** A job handed to a Worker. */
+export interface WorkerJob {
+  id: string;
+  config: TrainConfig;
+  /** Data directory (datasets live under it). */
+  root: string;
+  /** Directory holding this job's checkpoints. */
+  checkpoint_dir: string;
+  /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
+  resume_path: string | null;
+}
+
+/** HTTP thread → Worker. */
+export type ToWorker =
+  | { type: "init"; gpu: number; cancel: SharedArrayBuffer }
+  | { type: "train"; job: WorkerJob }
+  | { type: "shutdown" };
+
+/** Worker → HTTP thread. */
+export type FromWorker =
+  | { type: "ready"; gpu: number; adapter: string; max_buffer_bytes: number; max_binding_bytes: number }
+  | { type: "unavailable"; gpu: number; error: string }
+  | { type: "started"; id: string; iteration: number; resumed_from: string | null; gpu_memory_bytes: number }
+  | {
+    type: "progress";
+    id: string;
+    iteration: number;
+    loss: number;
+    grad_norm: number;
+    lr: number;
+    tokens_per_s: number;
+    timings: PhaseTimes;
+    gpu_memory_bytes: number;
+  }
+  | { type: "eval"; id: string; iteration: number; split: "valid" | "test"; loss: number; perplexity: number }
+  | { type: "log"; id: string; level: "info" | "warn"; message: string }
+  | { type: "checkpoint"; id: string; iteration: number; name: string; path: string }
+  | {
+    type: "done";
+    id: string;
+    status: "succeeded" | "failed" | "cancelled";
+    iteration: number;
+    error: string | null;
+  };

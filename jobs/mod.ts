@@ -1,0 +1,20 @@
+/**
+ * The job layer: SQLite store, per-GPU queues, the runner owning one Worker per GPU, the
+ * messages between them, and checkpoints on disk. Re-exports only.
+ */
+
+export * from "./types.ts";
+export * from "./errors.ts";
+export * from "./messages.ts";
+export { isFinished, type JobPatch, JobStore } from "./store.ts";
+export {
+  type GpuState,
+  JobRunner,
+  type RunnerOptions,
+  spawnGpuWorker,
+  type SpawnWorker,
+  type WorkerPort,
+} from "./runner.ts";
+export * from "./checkpoint.ts";
+export * from "./safetensors.ts";
+export * from "./model.ts";

@@ -1,0 +1,129 @@
+/**
+ * A minimal safetensors reader and writer (float32 only): an 8-byte little-endian header length,
+ * a JSON header naming each tensor's dtype, shape and byte range, then the raw data. The header
+ * is padded with spaces to a multiple of 8 so every tensor can be viewed in place as a
+ * Float32Array. Files are streamed tensor by tensor to keep peak memory near one model copy.
+ */
+
+/** One float32 tensor. `data.length` must equal the product of `shape`. */
+export interface NamedTensor {
+  name: string;
+  shape: number[];
+  data: Float32Array;
+}
+
+interface HeaderEntry {
+  dtype: string;
+  shape: number[];
+  data_offsets: [number, number];
+}
+
+/** Builds the padded header bytes for `tensors` in the given order. */
+function encodeHeader(tensors: NamedTensor[], metadata: Record<string, string>): Uint8Array {
+  const header: Record<string, unknown> = { __metadata__: metadata };
+  let offset = 0;
+  for (const t of tensors) {
+    const n = t.shape.reduce((a, b) => a * b, 1);
+    if (n !== t.data.length) {
+      throw new Error(
+        `Cannot write tensor "${t.name}": shape [${t.shape}] holds ${n} values, data has ${t.data.length}`,
+      );
+    }
+    header[t.name] = { dtype: "F32", shape: t.shape, data_offsets: [offset, offset + n * 4] };
+    offset += n * 4;
+  }
+  const json = new TextEncoder().encode(JSON.stringify(header));
+  const padded = Math.ceil(json.length / 8) * 8;
+  const out = new Uint8Array(8 + padded).fill(0x20);
+  new DataView(out.buffer).setBigUint64(0, BigInt(padded), true);
+  out.set(json, 8);
+  return out;
+}
+
+function tensorBytes(t: NamedTensor): Uint8Array {
+  return new Uint8Array(t.data.buffer, t.data.byteOffset, t.data.byteLength);
+}
+
+/** Encodes tensors as one safetensors byte array (for small files and tests). */
+export function encodeSafetensors(tensors: NamedTensor[], metadata: Record<string, string> = {}): Uint8Array {
+  const header = encodeHeader(tensors, metadata);
+  const total = header.length + tensors.reduce((a, t) => a + t.data.byteLength, 0);
+  const out = new Uint8Array(total);
+  out.set(header, 0);
+  let at = header.length;
+  for (const t of tensors) {
+    out.set(tensorBytes(t), at);
+    at += t.data.byteLength;
+  }
+  return out;
+}
+
+/** Writes tensors to `path`, streaming each tensor's bytes. */
+export async function writeSafetensors(
+  path: string,
+  tensors: NamedTensor[],
+  metadata: Record<string, string> = {},
+): Promise<void> {
+  using file = await Deno.open(path, { write: true, create: true, truncate: true });
+  const writeAll = async (bytes: Uint8Array) => {
+    let done = 0;
+    while (done < bytes.length) done += await file.write(bytes.subarray(done));
+  };
+  await writeAll(encodeHeader(tensors, metadata));
+  for (const t of tensors) await writeAll(tensorBytes(t));
+  await file.sync();
+}
+
+/** Decoded safetensors contents: tensors by name (views into one buffer) and the metadata. */
+export interface SafetensorsFile {
+  tensors: Map<string, { shape: number[]; data: Float32Array }>;
+  metadata: Record<string, string>;
+}
+
+/** Decodes safetensors bytes; only F32 tensors are accepted. `what` names the source in errors. */
+export function decodeSafetensors(bytes: Uint8Array, what = "safetensors"): SafetensorsFile {
+  if (bytes.length < 8) {
+    throw new Error(`Cannot read "${what}": ${bytes.length} bytes is too short for a header`);
+  }
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  const headerLen = Number(view.getBigUint64(0, true));
+  if (8 + headerLen > bytes.length) {
+    throw new Error(
+      `Cannot read "${what}": header length ${headerLen} runs past the file (${bytes.length} bytes)`,
+    );
+  }
+  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + headerLen))) as Record<
+    string,
+    unknown
+  >;
+  const dataStart = 8 + headerLen;
+  const tensors = new Map<string, { shape: number[]; data: Float32Array }>();
+  let metadata: Record<string, string> = {};
+  for (const [name, value] of Object.entries(header)) {
+    if (name === "__metadata__") {
+      metadata = value as Record<string, string>;
+      continue;
+    }
+    const e = value as HeaderEntry;
+    if (e.dtype !== "F32") {
+      throw new Error(`Cannot read "${what}": tensor "${name}" has dtype "${e.dtype}", expected "F32"`);
+    }
+    const [start, end] = e.data_offsets;
+    const n = e.shape.reduce((a, b) => a * b, 1);
+    if (end - start !== n * 4 || dataStart + end > bytes.length) {
+      throw new Error(`Cannot read "${what}": tensor "${name}" has a bad byte range [${start}, ${end}]`);
+    }
+    const abs = bytes.byteOffset + dataStart + start;
+    // Copy only when the range is misaligned for a Float32Array view.
+    const data = abs % 4 === 0
+      ? new Float32Array(bytes.buffer, abs, n)
+      : new Float32Array(bytes.slice(dataStart + start, dataStart + end).buffer);
+    tensors.set(name, { shape: e.shape, data });
+  }
+  return { tensors, metadata };
+}
+
+/** Reads a safetensors file. */
+export async function readSafetensors(path: string): Promise<SafetensorsFile> {
+  return decodeSafetensors(await Deno.readFile(path), path);
+}

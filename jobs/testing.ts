@@ -1,0 +1,63 @@
+/**
+ * A test double of the GPU Worker for route and runner tests that must not touch a GPU: it
+ * answers `init` like a real Worker (ready, or unavailable), records the jobs it is handed, and
+ * lets the test play back the messages a real Worker would send. It trains nothing.
+ */
+
+import type { FromWorker, ToWorker, WorkerJob } from "./messages.ts";
+import { CANCEL_FLAG } from "./messages.ts";
+import type { WorkerPort } from "./runner.ts";
+
+/** A scripted stand-in for jobs/gpu_worker.ts. */
+export class ScriptedWorker implements WorkerPort {
+  onmessage: ((e: MessageEvent<FromWorker>) => void) | null = null;
+  onerror: ((e: ErrorEvent) => void) | null = null;
+  /** Jobs received, in order. */
+  readonly jobs: WorkerJob[] = [];
+  terminated = false;
+  #cancel: Int32Array | null = null;
+  #gpu = 0;
+  #unavailable: string | null;
+
+  /** `unavailable`: answer init as a Worker with no adapter would, with this message. */
+  constructor(opts: { unavailable?: string } = {}) {
+    this.#unavailable = opts.unavailable ?? null;
+  }
+
+  postMessage(msg: ToWorker): void {
+    if (msg.type === "init") {
+      this.#gpu = msg.gpu;
+      this.#cancel = new Int32Array(msg.cancel);
+      const reply: FromWorker = this.#unavailable
+        ? { type: "unavailable", gpu: msg.gpu, error: this.#unavailable }
+        : {
+          type: "ready",
+          gpu: msg.gpu,
+          adapter: "scripted test double",
+          max_buffer_bytes: 2 ** 28,
+          max_binding_bytes: 2 ** 27,
+        };
+      queueMicrotask(() => this.send(reply));
+    } else if (msg.type === "train") {
+      this.jobs.push(msg.job);
+    }
+  }
+
+  /** Delivers `msg` to the runner as if the Worker had posted it. */
+  send(msg: FromWorker): void {
+    this.onmessage?.(new MessageEvent("message", { data: msg }));
+  }
+
+  /** Whether the runner has raised the shared cancel flag. */
+  get cancelRequested(): boolean {
+    return this.#cancel !== null && Atomics.load(this.#cancel, CANCEL_FLAG) !== 0;
+  }
+
+  get gpu(): number {
+    return this.#gpu;
+  }
+
+  terminate(): void {
+    this.terminated = true;
+  }
+}

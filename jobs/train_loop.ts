@@ -1,0 +1,210 @@
+/**
+ * One training job inside a GPU Worker: build the model from gpu/, pull batches from the data/
+ * sampler, run steps (one submission each, no readback between logs), evaluate, checkpoint,
+ * and report through `hooks`. Kept apart from the Worker's message plumbing so a test can run a
+ * job in-process and compare losses bit for bit.
+ */
+
+import type { GpuContext } from "../gpu/device.ts";
+import { ConfigError } from "../gpu/config.ts";
+import type { LrSchedule } from "../gpu/schedule.ts";
+import { Trainer, type TrainerState } from "../gpu/trainer.ts";
+import { getDataset, loadSplit, prepareDataset, Sampler } from "../data/mod.ts";
+import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
+import type { FromWorker, WorkerJob } from "./messages.ts";
+import type { TrainConfig } from "./types.ts";
+import { resolveModel } from "./model.ts";
+
+/** How a running job talks to the outside. */
+export interface TrainHooks {
+  post(msg: FromWorker): void;
+  /** Polled between steps. */
+  cancelled(): boolean;
+}
+
+/** The outcome message of a job. */
+export type DoneMessage = Extract<FromWorker, { type: "done" }>;
+
+/** The LR schedule of a job: warmup is a fraction of train_iters, decay ends at train_iters. */
+export function scheduleOf(c: TrainConfig): LrSchedule {
+  return {
+    lr: c.lr,
+    min_lr: c.min_lr,
+    warmup_iters: Math.round(c.warmup * c.train_iters),
+    decay_iters: c.train_iters,
+    style: c.lr_decay_style,
+  };
+}
+
+/** The builtin datasets prepareDataset can build on first use. */
+const BUILTINS = new Set(["sotu"]);
+
+/** Loads the three splits of a job's dataset (preparing a builtin on first use). */
+export async function loadSplits(root: string, dataset: string) {
+  if (BUILTINS.has(dataset)) await prepareDataset(root, { builtin: dataset as "sotu" });
+  else if (!(await getDataset(root, dataset))) throw new Error(`Unknown dataset "${dataset}"`);
+  const [train, valid, test] = await Promise.all([
+    loadSplit(root, dataset, "train"),
+    loadSplit(root, dataset, "valid"),
+    loadSplit(root, dataset, "test"),
+  ]);
+  return { train, valid, test };
+}
+
+/** Mean loss over `iters` batches of `tokens`, drawn by a sampler seeded from the job (independent of training). */
+async function evaluate(trainer: Trainer, tokens: Uint16Array, c: TrainConfig): Promise<number | null> {
+  if (tokens.length < c.batch_size * (c.seq_len + 1)) return null;
+  const sampler = new Sampler(tokens, { seqLen: c.seq_len, batchSize: c.batch_size, seed: c.seed });
+  let sum = 0;
+  for (let i = 0; i < c.eval_iters; i++) sum += await trainer.evalLoss(sampler.nextBatch());
+  return sum / c.eval_iters;
+}
+
+/** Runs `job` to the end, cancellation or failure; never throws. */
+export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
+  let trainer: Trainer | null = null;
+  let iteration = 0;
+  const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
+    type: "done",
+    id: job.id,
+    status,
+    iteration,
+    error,
+  });
+  try {
+    const c = job.config;
+    const model = resolveModel(c);
+    const t0 = performance.now();
+    const data = await loadSplits(job.root, c.dataset);
+    const dataLoaderMs = performance.now() - t0;
+
+    let state: TrainerState | undefined;
+    let samplerState: SamplerState | undefined;
+    if (job.resume_path) {
+      const ck = await loadCheckpoint(job.resume_path, model);
+      state = ck.state;
+      samplerState = ck.manifest.sampler;
+      iteration = ck.state.step;
+    }
+    trainer = await Trainer.create(ctx, {
+      config: model,
+      batchSize: c.batch_size,
+      seqLen: c.seq_len,
+      schedule: scheduleOf(c),
+      adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
+      attnDropout: c.attention_dropout,
+      hiddenDropout: c.hidden_dropout,
+      seed: c.seed,
+    }, state);
+    const sampler = new Sampler(
+      data.train,
+      { seqLen: c.seq_len, batchSize: c.batch_size, seed: c.seed },
+      samplerState,
+    );
+    iteration = trainer.step;
+    hooks.post({
+      type: "started",
+      id: job.id,
+      iteration,
+      resumed_from: job.resume_path,
+      gpu_memory_bytes: trainer.memoryBytes,
+    });
+
+    let lastLoss: number | null = null, lastVal: number | null = null, lastSaved = -1;
+    const save = async () => {
+      const { name, path } = await saveCheckpoint(
+        job.checkpoint_dir,
+        {
+          job_id: job.id,
+          model,
+          train: c,
+          sampler: { ...sampler.state },
+          metrics: { loss: lastLoss, val_loss: lastVal },
+        },
+        await trainer!.exportState(),
+        c.keep_checkpoints,
+      );
+      lastSaved = trainer!.step;
+      hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
+    };
+    const evalValid = async () => {
+      const loss = await evaluate(trainer!, data.valid, c);
+      if (loss === null) {
+        hooks.post({
+          type: "log",
+          id: job.id,
+          level: "warn",
+          message: "Validation split is smaller than one batch",
+        });
+        return;
+      }
+      lastVal = loss;
+      hooks.post({ type: "eval", id: job.id, iteration, split: "valid", loss, perplexity: Math.exp(loss) });
+    };
+
+    let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
+    while (trainer.step < c.train_iters) {
+      if (hooks.cancelled()) return done("cancelled", null);
+      const tb = performance.now();
+      const tokens = sampler.nextBatch();
+      batchMs += performance.now() - tb;
+      trainer.trainStep(tokens);
+      iteration = trainer.step;
+      windowSteps++;
+      const last = iteration === c.train_iters;
+      if (iteration % c.log_interval === 0 || last) {
+        const stats = await trainer.lastStats();
+        const phases = await trainer.phaseTimes();
+        const elapsed = performance.now() - windowStart;
+        lastLoss = stats.loss;
+        if (!Number.isFinite(stats.loss)) throw new Error(`Loss is ${stats.loss} at iteration ${iteration}`);
+        hooks.post({
+          type: "progress",
+          id: job.id,
+          iteration,
+          loss: stats.loss,
+          grad_norm: stats.gradNorm,
+          lr: stats.lr,
+          tokens_per_s: (windowSteps * c.batch_size * c.seq_len) / (elapsed / 1000),
+          timings: {
+            forward_ms: phases?.forward_ms ?? null,
+            backward_ms: phases?.backward_ms ?? null,
+            allreduce_ms: 0,
+            optimizer_ms: phases?.optimizer_ms ?? null,
+            batch_generator_ms: batchMs / windowSteps,
+            data_loader_ms: dataLoaderMs,
+            step_ms: elapsed / windowSteps,
+          },
+          gpu_memory_bytes: trainer.memoryBytes,
+        });
+        windowStart = performance.now();
+        windowSteps = 0;
+        batchMs = 0;
+      }
+      if (!last && c.eval_interval > 0 && iteration % c.eval_interval === 0) await evalValid();
+      if (!last && c.save_interval > 0 && iteration % c.save_interval === 0) await save();
+    }
+    await evalValid();
+    const testLoss = await evaluate(trainer, data.test, c);
+    if (testLoss !== null) {
+      hooks.post({
+        type: "eval",
+        id: job.id,
+        iteration,
+        split: "test",
+        loss: testLoss,
+        perplexity: Math.exp(testLoss),
+      });
+    }
+    if (lastSaved !== trainer.step) await save();
+    return done("succeeded", null);
+  } catch (e) {
+    const err = e as Error;
+    const message = err instanceof ConfigError
+      ? `Cannot train this configuration: ${err.message}`
+      : err.message;
+    return done("failed", message || String(e));
+  } finally {
+    trainer?.destroy();
+  }
+}

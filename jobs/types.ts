@@ -1,0 +1,150 @@
+/**
+ * The shapes a training job takes on the HTTP thread: its configuration (Megatron-style
+ * arguments, already validated and defaulted by the routes), its status, its latest metrics and
+ * the events streamed to clients. Kept apart from the store so routes, runner and Worker share
+ * one vocabulary without importing SQLite.
+ */
+
+import type { LrDecayStyle } from "../gpu/schedule.ts";
+
+/** Explicit model dimensions (the vocabulary is always GPT-2's, padded to 128). */
+export interface ModelDims {
+  n_layer: number;
+  n_head: number;
+  n_embd: number;
+  n_positions: number;
+}
+
+/** A training job's configuration, named after Megatron-LM's arguments. */
+export interface TrainConfig {
+  /** Preset name ("gpt2-tiny", ...) or explicit dimensions. */
+  model: string | ModelDims;
+  /** Dataset id (see `GET /datasets`). */
+  dataset: string;
+  /** Train/valid/test proportions as Megatron writes them ("969,30,1"); recorded with the job. */
+  split: string;
+  /** Total optimizer steps (a resumed job counts the steps already done). */
+  train_iters: number;
+  batch_size: number;
+  seq_len: number;
+  lr: number;
+  min_lr: number;
+  lr_decay_style: LrDecayStyle;
+  /** Fraction of train_iters spent in linear warmup. */
+  warmup: number;
+  weight_decay: number;
+  /** Global gradient-norm clip; 0 disables it. */
+  clip_grad: number;
+  attention_dropout: number;
+  hidden_dropout: number;
+  seed: number;
+  /** Steps between loss readbacks and progress events. */
+  log_interval: number;
+  /** Steps between validation runs; 0 evaluates only at the end. */
+  eval_interval: number;
+  /** Batches per validation run. */
+  eval_iters: number;
+  /** Steps between checkpoints; 0 saves only at the end. */
+  save_interval: number;
+  /** Checkpoints kept per job (the newest). */
+  keep_checkpoints: number;
+  /** A checkpoint to start from: "<job id>" (its newest) or "<job id>/<checkpoint name>". */
+  resume_from?: string;
+}
+
+/** Lifecycle of a job. `interrupted` means the server died while it ran; it resumes on its own. */
+export type JobStatus = "queued" | "running" | "succeeded" | "failed" | "cancelled" | "interrupted";
+
+/** Statuses after which a job never changes again. */
+export const FINISHED_STATUSES: readonly JobStatus[] = ["succeeded", "failed", "cancelled"];
+
+/** Milliseconds per step spent in each phase (Megatron's timers). */
+export interface PhaseTimes {
+  forward_ms: number | null;
+  backward_ms: number | null;
+  allreduce_ms: number;
+  optimizer_ms: number | null;
+  /** Time to draw one batch from the sampler. */
+  batch_generator_ms: number;
+  /** Time spent loading the dataset splits (once per job run). */
+  data_loader_ms: number;
+  /** Wall time per step, averaged over the last log interval. */
+  step_ms: number;
+}
+
+/** The newest numbers a job has reported. */
+export interface JobMetrics {
+  loss: number | null;
+  grad_norm: number | null;
+  lr: number | null;
+  tokens_per_s: number | null;
+  val_loss: number | null;
+  val_perplexity: number | null;
+  test_loss: number | null;
+  test_perplexity: number | null;
+  timings: PhaseTimes | null;
+  gpu_memory_bytes: number | null;
+}
+
+/** A job as the API shows it. */
+export interface Job {
+  id: string;
+  status: JobStatus;
+  /** The GPU whose queue holds the job. */
+  gpu: number;
+  config: TrainConfig;
+  created_at: string;
+  started_at: string | null;
+  finished_at: string | null;
+  /** Iterations done. */
+  iteration: number;
+  metrics: JobMetrics;
+  error: string | null;
+  cancel_requested: boolean;
+  /** Times the job was restarted from its own checkpoint after an interruption. */
+  resumes: number;
+  /** The checkpoint the current run started from, if any. */
+  resumed_from: string | null;
+  /** Name of the newest checkpoint. */
+  last_checkpoint: string | null;
+}
+
+/** Kinds of server-sent events. */
+export type JobEventType = "progress" | "log" | "checkpoint" | "done";
+
+/** One stored event; `id` increases across all jobs and is the SSE id. */
+export interface JobEvent {
+  id: number;
+  job_id: string;
+  type: JobEventType;
+  data: Record<string, unknown>;
+  at: string;
+}
+
+/** One row of the metrics history. */
+export interface MetricPoint {
+  iteration: number;
+  /** "train" for training loss, "valid" or "test" for evaluations. */
+  split: "train" | "valid" | "test";
+  loss: number;
+  perplexity: number | null;
+  lr: number | null;
+  tokens_per_s: number | null;
+  at: string;
+}
+
+/** Metrics of a job that has reported nothing yet. */
+export function emptyMetrics(): JobMetrics {
+  return {
+    loss: null,
+    grad_norm: null,
+    lr: null,
+    tokens_per_s: null,
+    val_loss: null,
+    val_perplexity: null,
+    test_loss: null,
+    test_perplexity: null,
+    timings: null,
+    gpu_memory_bytes: null,
+  };
+}

@@ -1,0 +1,52 @@
+/**
+ * Builds the Hono app: bearer-token check (when a token is configured), a body-size limit,
+ * the job, health and any extra route groups, and the single error handler. No state of its own:
+ * everything comes from the arguments.
+ */
+
+import { Hono } from "hono";
+import { bearerAuth } from "hono/bearer-auth";
+import { bodyLimit } from "hono/body-limit";
+import { HTTPException } from "hono/http-exception";
+import type { JobRunner } from "../jobs/mod.ts";
+import { onError } from "./errors.ts";
+import { healthRoutes } from "./health.ts";
+import { jobRoutes } from "./jobs.ts";
+
+/** What the app is built from. */
+export interface AppOptions {
+  runner: JobRunner;
+  /** Bearer token required on every route, or null for none (loopback only). */
+  token: string | null;
+  /** Largest accepted request body in bytes. */
+  maxBodyBytes?: number;
+  /** Other route groups mounted at "/" (e.g. datasets). */
+  extra?: Hono[];
+  /** Server start time in ms (for uptime). */
+  startedAt?: number;
+}
+
+/** The default request body limit: 64 KiB is plenty for a training config. */
+export const DEFAULT_MAX_BODY_BYTES = 64 * 1024;
+
+/** Builds the HTTP app. */
+export function createApp(opts: AppOptions): Hono {
+  const app = new Hono();
+  app.onError(onError);
+  app.notFound((c) => c.json({ error: `No route for ${c.req.method} ${c.req.path}` }, 404));
+  if (opts.token) app.use("*", bearerAuth({ token: opts.token }));
+  const maxSize = opts.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES;
+  app.use(
+    "*",
+    bodyLimit({
+      maxSize,
+      onError: () => {
+        throw new HTTPException(413, { message: `Request body is larger than ${maxSize} bytes` });
+      },
+    }),
+  );
+  app.route("/", healthRoutes(opts.runner, opts.startedAt ?? Date.now()));
+  app.route("/", jobRoutes(opts.runner));
+  for (const extra of opts.extra ?? []) app.route("/", extra);
+  return app;
+}

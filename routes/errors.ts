@@ -1,0 +1,23 @@
+/**
+ * The one error handler: HTTPExceptions keep their status (with zod issues when present), the
+ * job layer's caller errors map to 404/409/400, and anything else is a logged 500 whose message
+ * is still shown, since this is a local tool and the message is what a user needs.
+ */
+
+import type { Context } from "hono";
+import { HTTPException } from "hono/http-exception";
+import { InvalidJobError, JobConflictError, JobNotFoundError } from "../jobs/mod.ts";
+
+/** Renders any thrown error as JSON `{error, ...}` with the right status. */
+export function onError(err: Error, c: Context): Response {
+  if (err instanceof HTTPException) {
+    const body: Record<string, unknown> = { error: err.message || "HTTP error" };
+    if (Array.isArray(err.cause)) body.issues = err.cause;
+    return c.json(body, err.status);
+  }
+  if (err instanceof JobNotFoundError) return c.json({ error: err.message }, 404);
+  if (err instanceof JobConflictError) return c.json({ error: err.message }, 409);
+  if (err instanceof InvalidJobError) return c.json({ error: err.message, field: err.field }, 400);
+  console.error(err);
+  return c.json({ error: `Internal error: ${err.message}` }, 500);
+}

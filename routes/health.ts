@@ -1,0 +1,79 @@
+/**
+ * `GET /health` (liveness plus each GPU's state) and `GET /metrics` (Prometheus text format:
+ * job counts, per-job progress, GPU slots), read from the runner and its store.
+ */
+
+import { Hono } from "hono";
+import type { JobRunner } from "../jobs/mod.ts";
+
+/** Health and Prometheus routes. `startedAt` is the server's start time (ms). */
+export function healthRoutes(runner: JobRunner, startedAt: number): Hono {
+  const app = new Hono();
+
+  app.get("/health", (c) =>
+    c.json({
+      status: "ok",
+      uptime_s: Math.round((Date.now() - startedAt) / 1000),
+      gpus: runner.gpus(),
+      jobs: runner.store.countByStatus(),
+    }));
+
+  app.get("/metrics", (c) => {
+    const lines: string[] = [];
+    const metric = (
+      name: string,
+      help: string,
+      samples: Array<[Record<string, string | number>, number]>,
+    ) => {
+      lines.push(`# HELP ${name} ${help}`, `# TYPE ${name} gauge`);
+      for (const [labels, value] of samples) {
+        const l = Object.entries(labels).map(([k, v]) => `${k}="${String(v).replace(/["\\\n]/g, "_")}"`).join(
+          ",",
+        );
+        lines.push(`${name}${l ? `{${l}}` : ""} ${Number.isFinite(value) ? value : "NaN"}`);
+      }
+    };
+    metric("gpt2_uptime_seconds", "Seconds since the server started", [[
+      {},
+      (Date.now() - startedAt) / 1000,
+    ]]);
+    metric(
+      "gpt2_jobs",
+      "Jobs by status",
+      Object.entries(runner.store.countByStatus()).map(([s, n]) => [{ status: s }, n]),
+    );
+    const gpus = runner.gpus();
+    metric(
+      "gpt2_gpu_busy",
+      "Whether the GPU runs a job",
+      gpus.map((g) => [{ gpu: g.index }, g.state === "busy" ? 1 : 0]),
+    );
+    metric("gpt2_gpu_queue_length", "Jobs waiting per GPU", gpus.map((g) => [{ gpu: g.index }, g.queued]));
+    const live = [
+      ...runner.store.listJobs({ status: "running" }),
+      ...runner.store.listJobs({ status: "interrupted" }),
+    ];
+    const per = (pick: (m: (typeof live)[number]) => number | null) =>
+      live.flatMap((j) => {
+        const v = pick(j);
+        return v === null
+          ? []
+          : [[{ job: j.id, gpu: j.gpu }, v] as [Record<string, string | number>, number]];
+      });
+    metric("gpt2_job_iteration", "Iterations done", per((j) => j.iteration));
+    metric("gpt2_job_loss", "Latest training loss", per((j) => j.metrics.loss));
+    metric("gpt2_job_val_loss", "Latest validation loss", per((j) => j.metrics.val_loss));
+    metric("gpt2_job_lr", "Current learning rate", per((j) => j.metrics.lr));
+    metric("gpt2_job_tokens_per_second", "Training throughput", per((j) => j.metrics.tokens_per_s));
+    metric(
+      "gpt2_job_gpu_memory_bytes",
+      "GPU memory allocated by the job",
+      per((j) => j.metrics.gpu_memory_bytes),
+    );
+    return c.text(lines.join("\n") + "\n", 200, {
+      "Content-Type": "text/plain; version=0.0.4; charset=utf-8",
+    });
+  });
+
+  return app;
+}
