@@ -11,7 +11,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { dropKeep, dropoutKey, dropoutSite, dropThreshold, Rng } from "./rng.ts";
+import { dropKeep, dropoutKey, dropoutSite, dropThreshold, pcg, Rng } from "./rng.ts";
 import type { AdamWConfig } from "./schedule.ts";
 
 /** Token windows: B rows of T+1 ids (inputs are the first T, targets the last T). */
@@ -91,7 +91,13 @@ export function paramViews(config: ModelConfig, buf: Float64Array): ParamViews {
       fcprojb: view(p + "mlp.c_proj.bias"),
     });
   }
-  return { wte: view("wte.weight"), wpe: view("wpe.weight"), layers, lnfw: view("ln_f.weight"), lnfb: view("ln_f.bias") };
+  return {
+    wte: view("wte.weight"),
+    wpe: view("wpe.weight"),
+    layers,
+    lnfw: view("ln_f.weight"),
+    lnfb: view("ln_f.bias"),
+  };
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -265,7 +271,7 @@ export function matmul_backward(
 ): void {
   for (let bt = 0; bt < B * T; bt++) {
     const o = bt * OC, ii = bt * C;
-    if (dbias) for (let j = 0; j < OC; j++) dbias[j] += dout[o + j];
+    if (dbias) { for (let j = 0; j < OC; j++) dbias[j] += dout[o + j]; }
     for (let c = 0; c < C; c++) {
       const a = inp[ii + c], w = c * OC;
       let d = 0;
@@ -554,11 +560,18 @@ export interface ForwardResult {
   cache: ForwardCache;
 }
 
-function splitTokens(config: ModelConfig, tokens: TokenArray, B: number, T: number): [Int32Array, Int32Array] {
+function splitTokens(
+  config: ModelConfig,
+  tokens: TokenArray,
+  B: number,
+  T: number,
+): [Int32Array, Int32Array] {
   if (!Number.isInteger(B) || B <= 0 || !Number.isInteger(T) || T <= 0) {
     throw new RangeError(`Batch size and sequence length must be positive integers, got B=${B} T=${T}`);
   }
-  if (T > config.n_positions) throw new RangeError(`Sequence length ${T} exceeds n_positions ${config.n_positions}`);
+  if (T > config.n_positions) {
+    throw new RangeError(`Sequence length ${T} exceeds n_positions ${config.n_positions}`);
+  }
   if (tokens.length !== B * (T + 1)) {
     throw new RangeError(`Expected ${B * (T + 1)} tokens (B*(T+1)), got ${tokens.length}`);
   }
@@ -623,7 +636,22 @@ export function referenceForward(
     dropout_forward(tmp, tmp, BTC, o.hiddenDropout, key(dropoutSite.mlpProj(l)));
     const resid3 = new Float64Array(BTC);
     for (let i = 0; i < BTC; i++) resid3[i] = resid2[i] + tmp[i];
-    layers.push({ resid, ln1, ln1Mean, ln1Rstd, qkv, att, attDrop, atty, resid2, ln2, ln2Mean, ln2Rstd, fc, gelu });
+    layers.push({
+      resid,
+      ln1,
+      ln1Mean,
+      ln1Rstd,
+      qkv,
+      att,
+      attDrop,
+      atty,
+      resid2,
+      ln2,
+      ln2Mean,
+      ln2Rstd,
+      fc,
+      gelu,
+    });
     resid = resid3;
   }
 
@@ -674,7 +702,19 @@ export function referenceBackward(
   lmhead_backward(dlnf, G.wte, dlogits, cache.lnf, P.wte, B, T, C, V, Vp);
   // dresid: gradient flowing down the residual stream
   let dresid = new Float64Array(BTC);
-  layernorm_backward(dresid, G.lnfw, G.lnfb, dlnf, cache.residL, P.lnfw, cache.lnfMean, cache.lnfRstd, B, T, C);
+  layernorm_backward(
+    dresid,
+    G.lnfw,
+    G.lnfb,
+    dlnf,
+    cache.residL,
+    P.lnfw,
+    cache.lnfMean,
+    cache.lnfRstd,
+    B,
+    T,
+    C,
+  );
 
   for (let l = config.n_layer - 1; l >= 0; l--) {
     const w = P.layers[l], g = G.layers[l], a = cache.layers[l];
@@ -694,7 +734,19 @@ export function referenceBackward(
     const datty = new Float64Array(BTC);
     matmul_backward(datty, g.attprojw, g.attprojb, dattproj, a.atty, w.attprojw, B, T, C, C);
     const dqkv = new Float64Array(BT * 3 * C);
-    attention_backward(dqkv, datty, a.qkv, a.att, a.attDrop, B, T, C, NH, o.attnDropout, key(dropoutSite.attnProbs(l)));
+    attention_backward(
+      dqkv,
+      datty,
+      a.qkv,
+      a.att,
+      a.attDrop,
+      B,
+      T,
+      C,
+      NH,
+      o.attnDropout,
+      key(dropoutSite.attnProbs(l)),
+    );
     const dln1 = new Float64Array(BTC);
     matmul_backward(dln1, g.qkvw, g.qkvb, dqkv, a.ln1, w.qkvw, B, T, C, 3 * C);
     const dresid1 = new Float64Array(dresid2);
@@ -749,7 +801,7 @@ export function referenceAdamWStep(
   const gradNorm = Math.sqrt(sumSq);
   if (adamw.clip_grad > 0) {
     const clipCoef = adamw.clip_grad / (gradNorm + 1e-6);
-    if (clipCoef < 1) for (let i = 0; i < grads.length; i++) grads[i] *= clipCoef;
+    if (clipCoef < 1) { for (let i = 0; i < grads.length; i++) grads[i] *= clipCoef; }
   }
   const t = step + 1;
   const { beta1: b1, beta2: b2, eps } = adamw;
@@ -793,23 +845,62 @@ const zigK = new Float64Array(128), zigW = new Float64Array(128), zigF = new Flo
 
 /** A standard normal draw from `rng` by the ziggurat method (one u32 per draw ~98.8% of the time). */
 export function normalZiggurat(rng: Rng): number {
-  for (;;) {
-    const u = rng.nextU32();
-    const iz = u & 127, j = (u | 0) >> 7; // j: signed 25-bit integer in [-2^24, 2^24)
-    const x = j * zigW[iz];
-    if (Math.abs(j) < zigK[iz]) return x; // inside the layer's rectangle
-    if (iz === 0) {
-      // the tail beyond ZIG_R
-      let tx: number, ty: number;
-      do {
-        tx = -Math.log(rng.uniform()) / ZIG_R;
-        ty = -Math.log(rng.uniform());
-      } while (ty + ty < tx * tx);
-      return j > 0 ? ZIG_R + tx : -ZIG_R - tx;
-    }
-    // the wedge: accept under the density, else draw again
-    if (zigF[iz] + rng.uniform() * (zigF[iz - 1] - zigF[iz]) < Math.exp(-0.5 * x * x)) return x;
+  const out = new Float64Array(1);
+  fillNormal(out, rng, 1);
+  return out[0];
+}
+
+// Result of zigSlow (kept out of closures: a captured generator state makes the hot loop ~10x slower).
+const zigSlowValue = new Float64Array(1);
+
+/** The rare ziggurat paths (tail and wedges). Returns the new state; the draw (NaN: retry) goes to zigSlowValue. */
+function zigSlow(state: number, iz: number, j: number, x: number): number {
+  const uniform = () => {
+    state = (state + 0x9e3779b9) >>> 0;
+    return (pcg(state) + 0.5) / 4294967296;
+  };
+  if (iz === 0) {
+    let tx: number, ty: number;
+    do {
+      tx = -Math.log(uniform()) / ZIG_R;
+      ty = -Math.log(uniform());
+    } while (ty + ty < tx * tx);
+    zigSlowValue[0] = j > 0 ? ZIG_R + tx : -ZIG_R - tx;
+  } else {
+    zigSlowValue[0] = zigF[iz] + uniform() * (zigF[iz - 1] - zigF[iz]) < Math.exp(-0.5 * x * x) ? x : NaN;
   }
+  return state;
+}
+
+/**
+ * Fills `dst` with N(0, std²) ziggurat draws from `rng`. The generator's state is stepped locally
+ * (exactly as {@link Rng.nextU32} does) and written back, so the draws equal those of repeated
+ * {@link normalZiggurat} calls while the hot loop stays free of calls through the class.
+ */
+export function fillNormal(dst: Float32Array | Float64Array, rng: Rng, std: number): void {
+  // in chunks, so V8 optimises zigFill as a whole function (its OSR code runs ~3x slower)
+  let state = rng.state;
+  for (let i = 0; i < dst.length; i += 65536) state = zigFill(dst.subarray(i, i + 65536), state, std);
+  rng.state = state;
+}
+
+// The hot loop, kept free of property accesses: V8 otherwise deoptimises its OSR code on the way out.
+function zigFill(dst: Float32Array | Float64Array, state: number, std: number): number {
+  for (let i = 0; i < dst.length; i++) {
+    let x: number;
+    for (;;) {
+      state = (state + 0x9e3779b9) >>> 0; // Rng.nextU32
+      const u = pcg(state);
+      const iz = u & 127, j = (u | 0) >> 7; // j: signed 25-bit integer in [-2^24, 2^24)
+      x = j * zigW[iz];
+      if (Math.abs(j) < zigK[iz]) break; // inside the layer's rectangle: the common case
+      state = zigSlow(state, iz, j, x);
+      x = zigSlowValue[0];
+      if (x === x) break;
+    }
+    dst[i] = x * std;
+  }
+  return state;
 }
 
 /**
@@ -828,7 +919,7 @@ export function initParams(config: ModelConfig, seed: number): Float32Array {
       const std = /\.c_proj\.weight$/.test(t.name) ? residStd : 0.02;
       // only the real vocabulary rows of wte are drawn; padded rows stay 0
       const n = t.name === "wte.weight" ? config.vocab_size * config.n_embd : t.size;
-      for (let i = t.offset, end = t.offset + n; i < end; i++) out[i] = normalZiggurat(rng) * std;
+      fillNormal(out.subarray(t.offset, t.offset + n), rng, std);
     } else if (/ln_\w+\.weight$/.test(t.name)) {
       out.fill(1, t.offset, t.offset + t.size);
     }
