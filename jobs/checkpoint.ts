@@ -10,7 +10,7 @@
  * leaves a half-written directory that looks complete; only the newest `keep` survive.
  */
 
-import { makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
+import { allTensorShapes, makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
 import type { TrainConfig } from "./types.ts";
 import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
 
@@ -73,23 +73,13 @@ export function exportTensors(config: ModelConfig, params: Float32Array): NamedT
       `Cannot export parameters: ${params.length} floats do not match the layout's ${layout.totalSize}`,
     );
   }
-  return layout.tensors
-    .slice()
-    .sort((a, b) => hfOrder(a.name) - hfOrder(b.name) || a.name.localeCompare(b.name))
-    .map((t) => {
-      if (t.name === "wte.weight") {
-        const shape = [config.vocab_size, config.n_embd];
-        return { name: t.name, shape, data: params.subarray(t.offset, t.offset + shape[0] * shape[1]) };
-      }
-      return { name: t.name, shape: t.shape, data: params.subarray(t.offset, t.offset + t.size) };
-    });
-}
-
-function hfOrder(name: string): number {
-  if (name.startsWith("wte.")) return 0;
-  if (name.startsWith("wpe.")) return 1;
-  if (name.startsWith("ln_f.")) return 1e9;
-  return 2 + Number(name.split(".")[1]);
+  // Hugging Face order (wte, wpe, h.0 ... h.{L-1}, ln_f), not the decay-first buffer order.
+  return allTensorShapes(config).map(([name]) => {
+    const t = layout.byName.get(name)!;
+    const shape = name === "wte.weight" ? [config.vocab_size, config.n_embd] : t.shape;
+    const size = shape[0] * (shape[1] ?? 1);
+    return { name, shape, data: params.subarray(t.offset, t.offset + size) };
+  });
 }
 
 /**

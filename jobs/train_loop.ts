@@ -9,7 +9,7 @@ import type { GpuContext } from "../gpu/device.ts";
 import { ConfigError } from "../gpu/config.ts";
 import type { LrSchedule } from "../gpu/schedule.ts";
 import { Trainer, type TrainerState } from "../gpu/trainer.ts";
-import { getDataset, loadSplit, prepareDataset, Sampler } from "../data/mod.ts";
+import { DEFAULT_SPLIT, getDataset, isBuiltinName, loadSplit, prepareDataset, Sampler } from "../data/mod.ts";
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
 import type { FromWorker, WorkerJob } from "./messages.ts";
 import type { TrainConfig } from "./types.ts";
@@ -36,25 +36,35 @@ export function scheduleOf(c: TrainConfig): LrSchedule {
   };
 }
 
-/** The builtin datasets prepareDataset can build on first use. */
-const BUILTINS = new Set(["sotu"]);
-
-/** Loads the three splits of a job's dataset (preparing a builtin on first use). */
-export async function loadSplits(root: string, dataset: string) {
-  if (BUILTINS.has(dataset)) await prepareDataset(root, { builtin: dataset as "sotu" });
-  else if (!(await getDataset(root, dataset))) throw new Error(`Unknown dataset "${dataset}"`);
+/**
+ * Loads the three splits of a job's dataset. A builtin (e.g. "sotu") is prepared on first use;
+ * a split other than the data pipeline's default prepares it under its own derived id.
+ */
+export async function loadSplits(root: string, dataset: string, split: string) {
+  let id = dataset;
+  if (isBuiltinName(dataset)) {
+    const isDefault = split.replaceAll(" ", "") === DEFAULT_SPLIT.join(",");
+    id = (await prepareDataset(root, { builtin: dataset }, isDefault ? {} : { split })).id;
+  } else if (!(await getDataset(root, dataset))) {
+    throw new Error(`Unknown dataset "${dataset}"`);
+  }
   const [train, valid, test] = await Promise.all([
-    loadSplit(root, dataset, "train"),
-    loadSplit(root, dataset, "valid"),
-    loadSplit(root, dataset, "test"),
+    loadSplit(root, id, "train"),
+    loadSplit(root, id, "valid"),
+    loadSplit(root, id, "test"),
   ]);
-  return { train, valid, test };
+  return { id, train, valid, test };
 }
 
 /** Mean loss over `iters` batches of `tokens`, drawn by a sampler seeded from the job (independent of training). */
 async function evaluate(trainer: Trainer, tokens: Uint16Array, c: TrainConfig): Promise<number | null> {
   if (tokens.length < c.batch_size * (c.seq_len + 1)) return null;
-  const sampler = new Sampler(tokens, { seqLen: c.seq_len, batchSize: c.batch_size, seed: c.seed });
+  const sampler = new Sampler(tokens, {
+    seqLen: c.seq_len,
+    batchSize: c.batch_size,
+    seed: c.seed,
+    onEpoch: () => {},
+  });
   let sum = 0;
   for (let i = 0; i < c.eval_iters; i++) sum += await trainer.evalLoss(sampler.nextBatch());
   return sum / c.eval_iters;
@@ -75,7 +85,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     const c = job.config;
     const model = resolveModel(c);
     const t0 = performance.now();
-    const data = await loadSplits(job.root, c.dataset);
+    const data = await loadSplits(job.root, c.dataset, c.split);
     const dataLoaderMs = performance.now() - t0;
 
     let state: TrainerState | undefined;

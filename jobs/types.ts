@@ -21,7 +21,7 @@ export interface TrainConfig {
   model: string | ModelDims;
   /** Dataset id (see `GET /datasets`). */
   dataset: string;
-  /** Train/valid/test proportions as Megatron writes them ("969,30,1"); recorded with the job. */
+  /** Train/valid/test weights as Megatron writes them ("949,50,1"); a builtin dataset is split this way. */
   split: string;
   /** Total optimizer steps (a resumed job counts the steps already done). */
   train_iters: number;

@@ -5,6 +5,7 @@
 
 import { z } from "zod";
 import { PRESET_NAMES } from "../gpu/config.ts";
+import { DEFAULT_SPLIT } from "../data/mod.ts";
 
 const positiveInt = z.number().int().positive();
 
@@ -20,8 +21,8 @@ export const ModelDimsSchema = z.strictObject({
 export const TrainRequestSchema = z.strictObject({
   model: z.union([z.string().min(1), ModelDimsSchema]).default("gpt2-tiny"),
   dataset: z.string().min(1).max(200).default("sotu"),
-  split: z.string().regex(/^\d+(,\d+){0,2}$/, 'expected Megatron\'s form, e.g. "969,30,1"').default(
-    "969,30,1",
+  split: z.string().regex(/^\d+(,\d+){0,2}$/, 'expected Megatron\'s form, e.g. "949,50,1"').default(
+    DEFAULT_SPLIT.join(","),
   ),
   train_iters: positiveInt.max(10_000_000).default(1000),
   batch_size: positiveInt.max(4096).default(4),

@@ -1,0 +1,152 @@
+/**
+ * The runner and store without a GPU (the Worker is the scripted double in jobs/testing.ts):
+ * FIFO order per GPU, spreading over several GPUs, crash recovery from the store on disk, and a
+ * Worker crash failing only its job.
+ */
+
+import assert from "node:assert/strict";
+import { paramLayout, presetConfig } from "../gpu/config.ts";
+import { JobRunner, JobStore, saveCheckpoint, type TrainConfig, type TrainRequest } from "../jobs/mod.ts";
+import { ScriptedWorker } from "../jobs/testing.ts";
+
+const tick = () => new Promise((r) => setTimeout(r, 5));
+const req = (over: Partial<TrainRequest> = {}): TrainRequest => ({
+  model: "gpt2-tiny",
+  dataset: "sotu",
+  split: "949,50,1",
+  train_iters: 20,
+  batch_size: 2,
+  lr: 1e-3,
+  min_lr: 1e-4,
+  lr_decay_style: "cosine",
+  warmup: 0,
+  weight_decay: 0.1,
+  clip_grad: 1,
+  attention_dropout: 0,
+  hidden_dropout: 0,
+  seed: 1,
+  log_interval: 5,
+  eval_interval: 0,
+  eval_iters: 1,
+  save_interval: 10,
+  keep_checkpoints: 2,
+  ...over,
+});
+
+function makeRunner(store: JobStore, root: string, gpus = 1) {
+  const workers: ScriptedWorker[] = [];
+  const runner = new JobRunner(store, {
+    root,
+    gpus,
+    spawn: () => {
+      const w = new ScriptedWorker();
+      workers.push(w);
+      return w;
+    },
+    datasetExists: (id) => Promise.resolve(id === "sotu"),
+  });
+  return { runner, workers };
+}
+
+Deno.test("JobRunner runs one job per GPU in FIFO order and spreads jobs over GPUs", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root, 2);
+  try {
+    runner.start();
+    await tick();
+    const ids = [];
+    for (let i = 0; i < 4; i++) ids.push((await runner.submit(req({ seed: i }))).id);
+    await tick();
+    assert.deepEqual(ids.map((id) => store.getJob(id)!.gpu), [0, 1, 0, 1]);
+    assert.deepEqual(workers.map((w) => w.jobs.map((j) => j.id)), [[ids[0]], [ids[1]]]);
+    assert.deepEqual(store.queue(0).map((j) => j.id), [ids[2]]);
+    workers[0].send({ type: "done", id: ids[0], status: "succeeded", iteration: 20, error: null });
+    await tick();
+    assert.deepEqual(workers[0].jobs.map((j) => j.id), [ids[0], ids[2]]);
+    assert.equal(store.getJob(ids[0])!.status, "succeeded");
+    assert.equal(store.getJob(ids[2])!.status, "running");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("JobRunner.start() marks jobs a dead server left running as interrupted and resumes them from their newest checkpoint first", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const path = `${root}/jobs.sqlite`;
+  try {
+    // First server: two jobs, the first running with a checkpoint at 10, then the process "dies".
+    let store = new JobStore(path);
+    const first = makeRunner(store, root);
+    first.runner.start();
+    await tick();
+    const a = (await first.runner.submit(req())).id;
+    const b = (await first.runner.submit(req())).id;
+    await tick();
+    first.workers[0].send({ type: "started", id: a, iteration: 0, resumed_from: null, gpu_memory_bytes: 1 });
+    const model = presetConfig("gpt2-tiny");
+    const n = paramLayout(model).totalSize;
+    const ck = await saveCheckpoint(
+      first.runner.checkpointDir(a),
+      {
+        job_id: a,
+        model,
+        train: store.getJob(a)!.config as TrainConfig,
+        sampler: { epoch: 0, position: 20 },
+        metrics: { loss: 6, val_loss: null },
+      },
+      { step: 10, params: new Float32Array(n), m: new Float32Array(n), v: new Float32Array(n) },
+      2,
+    );
+    first.workers[0].send({ type: "checkpoint", id: a, iteration: 10, name: ck.name, path: ck.path });
+    first.runner.shutdown(); // no "done": like SIGKILL, the store still says running
+    store.close();
+
+    store = new JobStore(path);
+    assert.equal(store.getJob(a)!.status, "running");
+    const second = makeRunner(store, root);
+    second.runner.start();
+    assert.equal(store.getJob(a)!.status, "interrupted");
+    const events = store.eventsAfter(a).map((e) => e.data.status).filter(Boolean);
+    assert.deepEqual(events, ["queued", "running", "interrupted"]);
+    await tick();
+    const handed = second.workers[0].jobs;
+    assert.deepEqual(handed.map((j) => j.id), [a]);
+    assert.equal(handed[0].resume_path, ck.path);
+    const job = store.getJob(a)!;
+    assert.equal(job.status, "running");
+    assert.equal(job.resumes, 1);
+    assert.equal(job.last_checkpoint, "iter_0000010");
+    assert.equal(store.getJob(b)!.status, "queued");
+    second.runner.shutdown();
+    store.close();
+  } finally {
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("a crashed Worker fails only its job and is replaced", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root);
+  try {
+    runner.start();
+    await tick();
+    const a = (await runner.submit(req())).id;
+    const b = (await runner.submit(req())).id;
+    await tick();
+    workers[0].onerror!(new ErrorEvent("error", { message: "Uncaught RangeError: boom", cancelable: true }));
+    await tick();
+    assert.equal(store.getJob(a)!.status, "failed");
+    assert.equal(store.getJob(a)!.error, "GPU worker crashed: Uncaught RangeError: boom");
+    assert.ok(workers[0].terminated);
+    assert.equal(workers.length, 2);
+    assert.deepEqual(workers[1].jobs.map((j) => j.id), [b]);
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
