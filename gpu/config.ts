@@ -53,7 +53,9 @@ const PRESET_DIMS: Record<PresetName, [number, number, number, number]> = {
 /** Returns the configuration of a preset, or throws naming the unknown preset. */
 export function presetConfig(name: string): ModelConfig {
   const dims = PRESET_DIMS[name as PresetName];
-  if (!dims) throw new ConfigError("model", `unknown preset "${name}": expected one of ${PRESET_NAMES.join(", ")}`);
+  if (!dims) {
+    throw new ConfigError("model", `unknown preset "${name}": expected one of ${PRESET_NAMES.join(", ")}`);
+  }
   const [n_layer, n_head, n_embd, n_positions] = dims;
   return makeConfig({ n_layer, n_head, n_embd, n_positions });
 }
@@ -91,7 +93,9 @@ function positiveInt(field: string, value: unknown): void {
 
 /** Checks the architecture alone (device limits are checked by the engine when it plans buffers). */
 export function validateConfig(c: ModelConfig): void {
-  for (const f of ["n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "padded_vocab_size"] as const) {
+  for (
+    const f of ["n_layer", "n_head", "n_embd", "n_positions", "vocab_size", "padded_vocab_size"] as const
+  ) {
     positiveInt(f, c[f]);
   }
   if (c.n_embd % c.n_head !== 0) {
@@ -99,7 +103,10 @@ export function validateConfig(c: ModelConfig): void {
   }
   const hd = c.n_embd / c.n_head;
   if (hd % 4 !== 0 || hd > 128) {
-    throw new ConfigError("n_embd", `head size n_embd/n_head = ${hd} must be a multiple of 4 and at most 128`);
+    throw new ConfigError(
+      "n_embd",
+      `head size n_embd/n_head = ${hd} must be a multiple of 4 and at most 128`,
+    );
   }
   if (c.padded_vocab_size < c.vocab_size || c.padded_vocab_size % 4 !== 0) {
     throw new ConfigError(
@@ -107,14 +114,19 @@ export function validateConfig(c: ModelConfig): void {
       `${c.padded_vocab_size} must be a multiple of 4 and at least vocab_size ${c.vocab_size}`,
     );
   }
-  if (c.vocab_size > 65536) throw new ConfigError("vocab_size", `${c.vocab_size} exceeds the uint16 token range`);
+  if (c.vocab_size > 65536) {
+    throw new ConfigError("vocab_size", `${c.vocab_size} exceeds the uint16 token range`);
+  }
 }
 
 /** Checks a training/inference sequence length against the position table. */
 export function validateSeqLen(c: ModelConfig, seqLen: number): void {
   positiveInt("seq_len", seqLen);
   if (seqLen > c.n_positions) {
-    throw new ConfigError("seq_len", `${seqLen} is past the position table of ${c.n_positions} (n_positions)`);
+    throw new ConfigError(
+      "seq_len",
+      `${seqLen} is past the position table of ${c.n_positions} (n_positions)`,
+    );
   }
 }
 
@@ -185,7 +197,13 @@ export function paramLayout(c: ModelConfig): ParamLayout {
   for (const [name, shape] of shapes) if (shape.length === 2) place(name, shape, true);
   const decayEnd = offset;
   for (const [name, shape] of shapes) if (shape.length !== 2) place(name, shape, false);
-  return { tensors, byName: new Map(tensors.map((t) => [t.name, t])), totalSize: offset, decayEnd, numParams };
+  return {
+    tensors,
+    byName: new Map(tensors.map((t) => [t.name, t])),
+    totalSize: offset,
+    decayEnd,
+    numParams,
+  };
 }
 
 /** Parameter count by formula: V·C + P·C + L·(12C² + 13C) + 2C (padded vocabulary). */

@@ -57,12 +57,16 @@ const WANTED_LIMITS = [
 export async function openDevice(opts: { features?: string[] } = {}): Promise<GpuContext> {
   if (!("gpu" in navigator) || !navigator.gpu) throw new NoAdapterError("navigator.gpu is not available");
   const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
-  if (!adapter) throw new NoAdapterError("requestAdapter returned null (is a Vulkan or GL driver installed?)");
+  if (!adapter) {
+    throw new NoAdapterError("requestAdapter returned null (is a Vulkan or GL driver installed?)");
+  }
   const wanted = opts.features ?? OPTIONAL_FEATURES;
   const requiredFeatures: GPUFeatureName[] = [];
   for (const f of wanted) {
     // "subgroups" is requestable on some backends without being listed: try it separately.
-    if (adapter.features.has(f as GPUFeatureName) || f === "subgroups") requiredFeatures.push(f as GPUFeatureName);
+    if (adapter.features.has(f as GPUFeatureName) || f === "subgroups") {
+      requiredFeatures.push(f as GPUFeatureName);
+    }
   }
   const requiredLimits: Record<string, number> = {};
   for (const name of WANTED_LIMITS) requiredLimits[name] = adapter.limits[name];
@@ -77,7 +81,10 @@ export async function openDevice(opts: { features?: string[] } = {}): Promise<Gp
   }
   for (const name of WANTED_LIMITS) {
     if (device.limits[name] < requiredLimits[name]) {
-      throw new GpuError("requestDevice", `limit ${name} is ${device.limits[name]}, asked for ${requiredLimits[name]}`);
+      throw new GpuError(
+        "requestDevice",
+        `limit ${name} is ${device.limits[name]}, asked for ${requiredLimits[name]}`,
+      );
     }
   }
   const info = adapter.info;
@@ -113,13 +120,19 @@ export async function openDevice(opts: { features?: string[] } = {}): Promise<Gp
 export function describeDevice(ctx: GpuContext): string {
   const gib = (n: number) => (n / 2 ** 30).toFixed(2) + " GiB";
   return `${ctx.adapterInfo.description || ctx.adapterInfo.vendor} [${[...ctx.features].join(", ")}] ` +
-    `storage binding ${gib(ctx.limits.maxStorageBufferBindingSize)}, buffer ${gib(ctx.limits.maxBufferSize)}, ` +
+    `storage binding ${gib(ctx.limits.maxStorageBufferBindingSize)}, buffer ${
+      gib(ctx.limits.maxBufferSize)
+    }, ` +
     `workgroup storage ${ctx.limits.maxComputeWorkgroupStorageSize} B, ` +
     `${ctx.limits.maxComputeInvocationsPerWorkgroup} invocations`;
 }
 
 /** Compiles a compute pipeline, raising "Shader compilation failed" with the kernel's name and the GPU's message. */
-export async function createPipeline(ctx: GpuContext, name: string, code: string): Promise<GPUComputePipeline> {
+export async function createPipeline(
+  ctx: GpuContext,
+  name: string,
+  code: string,
+): Promise<GPUComputePipeline> {
   const { device } = ctx;
   device.pushErrorScope("validation");
   const module = device.createShaderModule({ label: name, code });
@@ -136,7 +149,10 @@ export async function createPipeline(ctx: GpuContext, name: string, code: string
 /** Creates a storage buffer inside an out-of-memory scope, naming it on failure. */
 export async function createStorage(ctx: GpuContext, label: string, bytes: number): Promise<GPUBuffer> {
   if (bytes > ctx.limits.maxBufferSize) {
-    throw new GpuError(`Buffer "${label}"`, `${bytes} bytes exceeds the device's maxBufferSize ${ctx.limits.maxBufferSize}`);
+    throw new GpuError(
+      `Buffer "${label}"`,
+      `${bytes} bytes exceeds the device's maxBufferSize ${ctx.limits.maxBufferSize}`,
+    );
   }
   ctx.device.pushErrorScope("out-of-memory");
   ctx.device.pushErrorScope("validation");
@@ -152,8 +168,16 @@ export async function createStorage(ctx: GpuContext, label: string, bytes: numbe
 }
 
 /** Reads `bytes` bytes from `src` at `offset` (a staging copy plus mapAsync: blocks ~10 ms on real GPUs). */
-export async function readBuffer(ctx: GpuContext, src: GPUBuffer, offset = 0, bytes = src.size - offset): Promise<ArrayBuffer> {
-  const staging = ctx.device.createBuffer({ size: bytes, usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST });
+export async function readBuffer(
+  ctx: GpuContext,
+  src: GPUBuffer,
+  offset = 0,
+  bytes = src.size - offset,
+): Promise<ArrayBuffer> {
+  const staging = ctx.device.createBuffer({
+    size: bytes,
+    usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
+  });
   const enc = ctx.device.createCommandEncoder();
   enc.copyBufferToBuffer(src, offset, staging, 0, bytes);
   ctx.device.queue.submit([enc.finish()]);
@@ -166,7 +190,12 @@ export async function readBuffer(ctx: GpuContext, src: GPUBuffer, offset = 0, by
 }
 
 /** Reads a float32 buffer (or a range of it, in floats). */
-export async function readFloats(ctx: GpuContext, src: GPUBuffer, offset = 0, count?: number): Promise<Float32Array> {
+export async function readFloats(
+  ctx: GpuContext,
+  src: GPUBuffer,
+  offset = 0,
+  count?: number,
+): Promise<Float32Array> {
   const n = count ?? src.size / 4 - offset;
   return new Float32Array(await readBuffer(ctx, src, offset * 4, n * 4));
 }

@@ -79,7 +79,10 @@ export function makeOp(
   const maxWg = ctx.limits.maxComputeWorkgroupsPerDimension;
   const grid: [number, number, number] = [o.grid[0], o.grid[1] ?? 1, o.grid[2] ?? 1];
   if (grid.some((g) => g > maxWg || g < 1)) {
-    throw new GpuError(`Kernel "${o.label}"`, `grid ${grid.join("x")} exceeds the device's ${maxWg} workgroups per dimension`);
+    throw new GpuError(
+      `Kernel "${o.label}"`,
+      `grid ${grid.join("x")} exceeds the device's ${maxWg} workgroups per dimension`,
+    );
   }
   const entries: GPUBindGroupEntry[] = o.views.map((v, i) => {
     const size = v.size ?? v.buffer.size - (v.offset ?? 0);
@@ -91,7 +94,9 @@ export function makeOp(
     }
     return { binding: i, resource: { buffer: v.buffer, offset: v.offset ?? 0, size } };
   });
-  const bindGroups = [device.createBindGroup({ label: o.label, layout: pipeline.getBindGroupLayout(0), entries })];
+  const bindGroups = [
+    device.createBindGroup({ label: o.label, layout: pipeline.getBindGroupLayout(0), entries }),
+  ];
   if (o.uniform) {
     bindGroups.push(device.createBindGroup({
       label: o.label + ".uniform",

@@ -40,4 +40,10 @@ export interface AdamWConfig {
 }
 
 /** Megatron's defaults for GPT-2. */
-export const DEFAULT_ADAMW: AdamWConfig = { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01, clip_grad: 1.0 };
+export const DEFAULT_ADAMW: AdamWConfig = {
+  beta1: 0.9,
+  beta2: 0.95,
+  eps: 1e-8,
+  weight_decay: 0.01,
+  clip_grad: 1.0,
+};

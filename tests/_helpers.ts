@@ -17,14 +17,22 @@ export function testContext(): Promise<GpuContext | null> {
 export const noGpu = (await testContext()) === null;
 
 /** Uploads floats into a new storage buffer. */
-export async function upload(ctx: GpuContext, label: string, data: Float32Array | Uint32Array): Promise<GPUBuffer> {
+export async function upload(
+  ctx: GpuContext,
+  label: string,
+  data: Float32Array | Uint32Array,
+): Promise<GPUBuffer> {
   const buf = await createStorage(ctx, label, data.byteLength);
   ctx.device.queue.writeBuffer(buf, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
   return buf;
 }
 
 /** Largest |a - b| / (|b| + atol) over all elements, and where it happened. */
-export function maxRelErr(a: ArrayLike<number>, b: ArrayLike<number>, atol = 1e-6): { err: number; at: number } {
+export function maxRelErr(
+  a: ArrayLike<number>,
+  b: ArrayLike<number>,
+  atol = 1e-6,
+): { err: number; at: number } {
   if (a.length !== b.length) throw new Error(`Length mismatch: ${a.length} vs ${b.length}`);
   let err = 0, at = -1;
   for (let i = 0; i < a.length; i++) {

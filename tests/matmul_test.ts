@@ -5,7 +5,13 @@
 
 import assert from "node:assert/strict";
 import { readFloats } from "../gpu/device.ts";
-import { chooseTile, type MatmulSpec, matmulBindings, matmulGrid, matmulWgsl } from "../gpu/kernels/matmul.ts";
+import {
+  chooseTile,
+  matmulBindings,
+  matmulGrid,
+  type MatmulSpec,
+  matmulWgsl,
+} from "../gpu/kernels/matmul.ts";
 import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
@@ -63,7 +69,8 @@ async function run(spec: MatmulSpec, tile = chooseTile(spec)) {
   if (spec.epilogue === "gelu_grad") {
     ref.forEach((v, i) => {
       const x = aux[i], u = Math.sqrt(2 / Math.PI) * (x + 0.044715 * x ** 3), t = Math.tanh(u);
-      ref[i] = v * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * Math.sqrt(2 / Math.PI) * (1 + 3 * 0.044715 * x * x));
+      ref[i] = v *
+        (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * Math.sqrt(2 / Math.PI) * (1 + 3 * 0.044715 * x * x));
     });
   }
   Object.values(bufs).forEach((b) => b.destroy());
@@ -108,7 +115,15 @@ Deno.test({
   ignore: noGpu,
   fn: async () => {
     for (const epilogue of ["store", "accumulate", "residual", "gelu", "gelu_grad"] as const) {
-      const err = await run({ M: 64, N: 64, K: 32, transA: false, transB: false, bias: epilogue !== "gelu_grad", epilogue });
+      const err = await run({
+        M: 64,
+        N: 64,
+        K: 32,
+        transA: false,
+        transB: false,
+        bias: epilogue !== "gelu_grad",
+        epilogue,
+      });
       assert.ok(err < 1e-5, `${epilogue}: rel err ${err}`);
     }
   },

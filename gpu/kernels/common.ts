@@ -39,3 +39,20 @@ export function grid1d(n: number, maxPerDim = 65535): [number, number, number] {
 
 /** WGSL expression of the linear workgroup id for a {@link grid1d} dispatch. */
 export const LINEAR_WG = "(wg.x + wg.y * nwg.x)";
+
+/** out = src ∘ dropout mask of `site` (the backward of a dropout). Grid1d(n4 / 64). */
+export function dropoutMaskWgsl(n4: number, site: number, nSites: number): string {
+  return `
+@group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;
+${dropWgsl(nSites)}
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let g = (wg.x + wg.y * nwg.x) * 64u + tid;
+  if (g >= ${n4}u) { return; }
+  let e = g * 4u;
+  out[g] = src[g] * vec4<f32>(keep(e, ${site}u), keep(e + 1u, ${site}u), keep(e + 2u, ${site}u), keep(e + 3u, ${site}u));
+}
+`;
+}

@@ -72,8 +72,12 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const { BM, BN, BK, TM, TN } = tile;
   if (![4, 8].includes(TM) || ![4, 8].includes(TN)) throw new RangeError(`Matmul tile TM/TN must be 4 or 8`);
   if (BK % 4 !== 0) throw new RangeError(`Matmul tile BK ${BK} must be a multiple of 4`);
-  if ((transA ? M : K) % 4 !== 0) throw new RangeError(`Matmul A's contiguous dimension must be a multiple of 4`);
-  if ((transB ? K : N) % 4 !== 0) throw new RangeError(`Matmul B's contiguous dimension must be a multiple of 4`);
+  if ((transA ? M : K) % 4 !== 0) {
+    throw new RangeError(`Matmul A's contiguous dimension must be a multiple of 4`);
+  }
+  if ((transB ? K : N) % 4 !== 0) {
+    throw new RangeError(`Matmul B's contiguous dimension must be a multiple of 4`);
+  }
   if (N % 4 !== 0) throw new RangeError(`Matmul N ${N} must be a multiple of 4`);
   const TX = BN / TN, TY = BM / TM, THREADS = TX * TY;
   const gM = TM / 4, gN = TN / 4; // groups of 4 rows / 4 columns per thread
@@ -87,7 +91,11 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const bindings = matmulBindings(spec);
   const rw = new Set(["out", "out2"]);
   bindings.forEach((name, i) => {
-    L.push(`@group(0) @binding(${i}) var<storage, ${rw.has(name) ? "read_write" : "read"}> ${name}: array<vec4<f32>>;`);
+    L.push(
+      `@group(0) @binding(${i}) var<storage, ${
+        rw.has(name) ? "read_write" : "read"
+      }> ${name}: array<vec4<f32>>;`,
+    );
   });
   L.push(`var<workgroup> As: array<vec4<f32>, ${aVec4s}>;`);
   L.push(`var<workgroup> Bs: array<vec4<f32>, ${bVec4s}>;`);
@@ -103,7 +111,9 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       loadA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       const read = `A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`;
-      loadA.push(`  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`);
+      loadA.push(
+        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+      );
       storeA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
         storeA.push(`  As[(kq * 4u + ${c}u) * ${BM / 4}u + row / 4u][row % 4u] = ra${s}[${c}];`);
@@ -114,7 +124,9 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       loadA.push(`{ let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`);
       const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
       const read = `A[((k0 + kr) * ${M}u + m0) / 4u + mq]`;
-      loadA.push(`  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`);
+      loadA.push(
+        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+      );
       storeA.push(`As[${lin}] = ra${s};`);
     }
   }
@@ -125,14 +137,18 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       loadB.push(`{ let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`);
       const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
       const read = `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`;
-      loadB.push(`  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`);
+      loadB.push(
+        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+      );
       storeB.push(`Bs[${lin}] = rb${s};`);
     } else {
       // B stored [N,K]: vec4 along k. Tile = BN rows × BK/4 vec4.
       loadB.push(`{ let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       const read = `B[((n0 + col) * ${K}u + k0 + kq * 4u) / 4u]`;
-      loadB.push(`  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`);
+      loadB.push(
+        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+      );
       storeB.push(`{ let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
         storeB.push(`  Bs[(kq * 4u + ${c}u) * ${BN / 4}u + col / 4u][col % 4u] = rb${s}[${c}];`);
@@ -148,13 +164,17 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     for (let h = 0; h < gN; h++) fma.push(`b${h} = Bs[${kk * (BN / 4) + h * (BN / gN / 4)}u + tx];`);
     for (let g = 0; g < gM; g++) {
       for (let i = 0; i < 4; i++) {
-        for (let h = 0; h < gN; h++) fma.push(`acc${g}_${i}_${h} = fma(vec4<f32>(a${g}[${i}]), b${h}, acc${g}_${i}_${h});`);
+        for (let h = 0; h < gN; h++) {
+          fma.push(`acc${g}_${i}_${h} = fma(vec4<f32>(a${g}[${i}]), b${h}, acc${g}_${i}_${h});`);
+        }
       }
     }
   }
   const decl: string[] = [];
   for (let g = 0; g < gM; g++) {
-    for (let i = 0; i < 4; i++) for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
+    }
   }
   for (let g = 0; g < gM; g++) decl.push(`var a${g}: vec4<f32>;`);
   for (let h = 0; h < gN; h++) decl.push(`var b${h}: vec4<f32>;`);
@@ -184,7 +204,9 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
             if (spec.dropout) {
               const st = `${spec.dropout.site}u`;
               body.push(`let e = q * 4u;`);
-              body.push(`v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`);
+              body.push(
+                `v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`,
+              );
             }
             body.push(`out[q] = res[q] + v;`);
             break;

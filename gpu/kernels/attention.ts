@@ -1,0 +1,271 @@
+/**
+ * Causal multi-head attention, tiled with an online softmax (FlashAttention style): the B×H×T×T
+ * score matrix is never stored. Forward keeps each row's log-sum-exp; backward recomputes the
+ * probabilities from it in two kernels, one parallel over keys (dK, dV) and one over queries (dQ),
+ * so no atomics are needed and results are deterministic.
+ *
+ * Layout: qkv is (B, T, 3C) with q, k, v in column blocks [0,C), [C,2C), [2C,3C); head h uses
+ * columns h·D … h·D+D-1 of each block. Output y is (B, T, C); lse and delta are (B, H, T).
+ * Attention dropout (seeded, see rng.ts) multiplies probabilities of element ((b·H+h)·T+i)·T+j.
+ */
+
+import { dropWgsl } from "./common.ts";
+
+/** Attention problem sizes and tiling. */
+export interface AttentionSpec {
+  B: number;
+  T: number;
+  H: number;
+  /** Head size (multiple of 4). */
+  D: number;
+  /** Queries per workgroup (threads of the forward and dQ kernels). */
+  BQ: number;
+  /** Keys per tile (threads of the dK/dV kernel). */
+  BKV: number;
+  dropout?: { site: number; nSites: number };
+}
+
+/** Picks tiles that fit the device's workgroup memory. */
+export function chooseAttentionTiles(
+  dims: Pick<AttentionSpec, "T" | "D">,
+  maxWorkgroupBytes: number,
+): { BQ: number; BKV: number } {
+  let BQ = 64, BKV = 32;
+  const bwdBytes = (bq: number, bkv: number) => (2 * bq * dims.D + 2 * bkv * (dims.D + 4) + 2 * bq) * 4;
+  while (BKV > 8 && bwdBytes(BQ, BKV) > maxWorkgroupBytes) {
+    if (BQ > BKV) BQ /= 2;
+    else BKV /= 2;
+  }
+  while (BQ > 8 && bwdBytes(BQ, BKV) > maxWorkgroupBytes) BQ /= 2;
+  return { BQ: Math.min(BQ, 64), BKV };
+}
+
+function dotExpr(a: (c: number) => string, b: (c: number) => string, D4: number): string {
+  const terms: string[] = [];
+  for (let c = 0; c < D4; c++) terms.push(`dot(${a(c)}, ${b(c)})`);
+  return terms.join(" + ");
+}
+
+function header(s: AttentionSpec) {
+  const D4 = s.D / 4, C4 = (s.H * s.D) / 4, R4 = 3 * C4;
+  return { D4, C4, R4, scale: 1 / Math.sqrt(s.D) };
+}
+
+const dropIdx = (s: AttentionSpec) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj`;
+
+/** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
+export function attentionForwardWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse: array<f32>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
+var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
+
+@compute @workgroup_size(${s.BQ})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let qi = wg.x * ${s.BQ}u + tid;
+  let qok = qi < ${s.T}u;
+  let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
+  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
+  ${range(D4).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  var m = -1e30;
+  var l = 0.0;
+  let kvEnd = min(${s.T}u, wg.x * ${s.BQ}u + ${s.BQ}u);
+  for (var kt = 0u; kt < kvEnd; kt = kt + ${s.BKV}u) {
+    for (var e = tid; e < ${s.BKV * D4}u; e = e + ${s.BQ}u) {
+      let kr = kt + e / ${D4}u;
+      let src = (b * ${s.T}u + min(kr, ${s.T - 1}u)) * ${R4}u + h * ${D4}u + e % ${D4}u;
+      Ks[e] = qkv[src + ${C4}u];
+      Vs[e] = qkv[src + ${2 * C4}u];
+    }
+    workgroupBarrier();
+    let jn = u32(clamp(i32(qi) + 1 - i32(kt), 0, ${s.BKV}));
+    for (var j = 0u; j < jn; j = j + 1u) {
+      let kb = j * ${D4}u;
+      let sc = ${dotExpr((c) => `q${c}`, (c) => `Ks[kb + ${c}u]`, D4)};
+      if (sc > m) {
+        let corr = exp(m - sc);
+        l = l * corr;
+        ${range(D4).map((c) => `o${c} = o${c} * corr;`).join(" ")}
+        m = sc;
+      }
+      let p = exp(sc - m);
+      l = l + p;
+      ${s.dropout ? `let kj = kt + j; let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+      ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c}u], o${c});`).join("\n      ")}
+    }
+    workgroupBarrier();
+  }
+  if (qok) {
+    let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
+    let inv = 1.0 / l;
+    ${range(D4).map((c) => `y[orow + ${c}u] = o${c} * inv;`).join("\n    ")}
+    lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l);
+  }
+}
+`;
+}
+
+/** delta[b,h,i] = dot(dy_i, y_i) over the head's columns. One thread per (b, t, h); grid1d over B·T·H/64. */
+export function attentionDeltaWgsl(s: AttentionSpec): string {
+  const { D4, C4 } = header(s);
+  return `
+@group(0) @binding(0) var<storage, read> y: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> delta: array<f32>;
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let g = (wg.x + wg.y * nwg.x) * 64u + tid;
+  if (g >= ${s.B * s.T * s.H}u) { return; }
+  let h = g % ${s.H}u;
+  let bt = g / ${s.H}u;
+  let base = bt * ${C4}u + h * ${D4}u;
+  var acc = 0.0;
+  for (var c = 0u; c < ${D4}u; c = c + 1u) { acc = acc + dot(y[base + c], dy[base + c]); }
+  let b = bt / ${s.T}u;
+  let t = bt % ${s.T}u;
+  delta[(b * ${s.H}u + h) * ${s.T}u + t] = acc;
+}
+`;
+}
+
+/** dK and dV: one thread per key, looping over the queries that see it. Grid (ceil(T/BKV), H, B). */
+export function attentionBackwardKVWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> delta: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
+var<workgroup> dOs: array<vec4<f32>, ${s.BQ * D4}>;
+var<workgroup> Ls: array<f32, ${s.BQ}>;
+var<workgroup> Ds: array<f32, ${s.BQ}>;
+var<workgroup> Kown: array<vec4<f32>, ${s.BKV * P}>;
+var<workgroup> Vown: array<vec4<f32>, ${s.BKV * P}>;
+
+@compute @workgroup_size(${s.BKV})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let kj = wg.x * ${s.BKV}u + tid;
+  let kok = kj < ${s.T}u;
+  let krow = (b * ${s.T}u + min(kj, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
+  let own = tid * ${P}u;
+  ${range(D4).map((c) => `Kown[own + ${c}u] = qkv[krow + ${C4 + c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `Vown[own + ${c}u] = qkv[krow + ${2 * C4 + c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${range(D4).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let lhbase = (b * ${s.H}u + h) * ${s.T}u;
+  for (var qt = (wg.x * ${s.BKV}u / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
+    workgroupBarrier();
+    for (var e = tid; e < ${s.BQ * D4}u; e = e + ${s.BKV}u) {
+      let qr = min(qt + e / ${D4}u, ${s.T - 1}u);
+      Qs[e] = qkv[(b * ${s.T}u + qr) * ${R4}u + h * ${D4}u + e % ${D4}u] * ${scale};
+      dOs[e] = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];
+    }
+    for (var e = tid; e < ${s.BQ}u; e = e + ${s.BKV}u) {
+      let qr = min(qt + e, ${s.T - 1}u);
+      Ls[e] = lse[lhbase + qr];
+      Ds[e] = delta[lhbase + qr];
+    }
+    workgroupBarrier();
+    let i0 = u32(clamp(i32(kj) - i32(qt), 0, ${s.BQ}));
+    let i1 = min(${s.BQ}u, ${s.T}u - qt);
+    for (var i = i0; i < i1; i = i + 1u) {
+      let qb = i * ${D4}u;
+      let sc = ${dotExpr((c) => `Qs[qb + ${c}u]`, (c) => `Kown[own + ${c}u]`, D4)};
+      let p = exp(sc - Ls[i]);
+      var dp = ${dotExpr((c) => `dOs[qb + ${c}u]`, (c) => `Vown[own + ${c}u]`, D4)};
+      ${
+    s.dropout
+      ? `let qi = qt + i; let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; dp = dp * kp;`
+      : "let pd = p;"
+  }
+      let ds = p * (dp - Ds[i]);
+      ${range(D4).map((c) => `dv${c} = fma(vec4<f32>(pd), dOs[qb + ${c}u], dv${c});`).join("\n      ")}
+      ${range(D4).map((c) => `dk${c} = fma(vec4<f32>(ds), Qs[qb + ${c}u], dk${c});`).join("\n      ")}
+    }
+  }
+  if (kok) {
+    ${range(D4).map((c) => `dqkv[krow + ${C4 + c}u] = dk${c};`).join("\n    ")}
+    ${range(D4).map((c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`).join("\n    ")}
+  }
+}
+`;
+}
+
+/** dQ: one thread per query, looping over the keys it sees. Grid (ceil(T/BQ), H, B). */
+export function attentionBackwardQWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const P = D4 + 1;
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> delta: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
+var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
+var<workgroup> Qown: array<vec4<f32>, ${s.BQ * P}>;
+var<workgroup> dOown: array<vec4<f32>, ${s.BQ * P}>;
+
+@compute @workgroup_size(${s.BQ})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let qi = wg.x * ${s.BQ}u + tid;
+  let qok = qi < ${s.T}u;
+  let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
+  let orow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${C4}u + h * ${D4}u;
+  let own = tid * ${P}u;
+  ${range(D4).map((c) => `Qown[own + ${c}u] = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
+  ${range(D4).map((c) => `dOown[own + ${c}u] = dy[orow + ${c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let li = lse[(b * ${s.H}u + h) * ${s.T}u + min(qi, ${s.T - 1}u)];
+  let di = delta[(b * ${s.H}u + h) * ${s.T}u + min(qi, ${s.T - 1}u)];
+  let kvEnd = min(${s.T}u, wg.x * ${s.BQ}u + ${s.BQ}u);
+  for (var kt = 0u; kt < kvEnd; kt = kt + ${s.BKV}u) {
+    workgroupBarrier();
+    for (var e = tid; e < ${s.BKV * D4}u; e = e + ${s.BQ}u) {
+      let kr = min(kt + e / ${D4}u, ${s.T - 1}u);
+      let src = (b * ${s.T}u + kr) * ${R4}u + h * ${D4}u + e % ${D4}u;
+      Ks[e] = qkv[src + ${C4}u];
+      Vs[e] = qkv[src + ${2 * C4}u];
+    }
+    workgroupBarrier();
+    let jn = u32(clamp(i32(qi) + 1 - i32(kt), 0, ${s.BKV}));
+    for (var j = 0u; j < jn; j = j + 1u) {
+      let kb = j * ${D4}u;
+      let sc = ${dotExpr((c) => `Qown[own + ${c}u]`, (c) => `Ks[kb + ${c}u]`, D4)};
+      let p = exp(sc - li);
+      var dp = ${dotExpr((c) => `dOown[own + ${c}u]`, (c) => `Vs[kb + ${c}u]`, D4)};
+      ${s.dropout ? `let kj = kt + j; dp = dp * keep(${dropIdx(s)}, ${s.dropout.site}u);` : ""}
+      let ds = p * (dp - di);
+      ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c}u], dq${c});`).join("\n      ")}
+    }
+  }
+  if (qok) {
+    ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n    ")}
+  }
+}
+`;
+}
+
+/** FLOPs of causal attention forward (QKᵀ and PV over the lower triangle). */
+export function attentionFlops(s: Pick<AttentionSpec, "B" | "T" | "H" | "D">): number {
+  return 2 * 2 * s.B * s.H * s.D * (s.T * (s.T + 1)) / 2;
+}

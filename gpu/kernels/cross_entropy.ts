@@ -1,0 +1,91 @@
+/**
+ * Softmax cross-entropy over the real vocabulary, fused with its gradient: the logits (B·T, Vp)
+ * are overwritten in place by dloss/dlogits = (softmax − onehot) / (B·T). Padded columns
+ * (ids ≥ vocab_size) take no part in the softmax and get gradient 0, so they are never learned.
+ */
+
+const WG = 256;
+
+/** Sizes of the loss kernels. */
+export interface CrossEntropySpec {
+  /** Rows (B·T). */
+  rows: number;
+  T: number;
+  V: number;
+  Vp: number;
+  /** Write the gradient into the logits (training) or leave them (evaluation). */
+  grad: boolean;
+}
+
+/** One workgroup per row: losses[row] and, if grad, dlogits in place. Grid1d(rows). */
+export function crossEntropyWgsl(s: CrossEntropySpec): string {
+  return `
+@group(0) @binding(0) var<storage, read_write> logits: array<f32>;
+@group(0) @binding(1) var<storage, read> tokens: array<u32>;
+@group(0) @binding(2) var<storage, read_write> losses: array<f32>;
+var<workgroup> ms: array<f32, ${WG}>;
+var<workgroup> ss: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
+  if (row >= ${s.rows}u) { return; }
+  let base = row * ${s.Vp}u;
+  // Online max and sum of exponentials per thread, then merged.
+  var m = -1e30;
+  var sum = 0.0;
+  for (var v = tid; v < ${s.V}u; v = v + ${WG}u) {
+    let x = logits[base + v];
+    if (x > m) { sum = sum * exp(m - x); m = x; }
+    sum = sum + exp(x - m);
+  }
+  ms[tid] = m;
+  ss[tid] = sum;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) {
+      let m2 = max(ms[tid], ms[tid + k]);
+      ss[tid] = ss[tid] * exp(ms[tid] - m2) + ss[tid + k] * exp(ms[tid + k] - m2);
+      ms[tid] = m2;
+    }
+    workgroupBarrier();
+  }
+  let mx = ms[0];
+  let lse = mx + log(ss[0]);
+  let tgt = tokens[(row / ${s.T}u) * ${s.T + 1}u + row % ${s.T}u + 1u];
+  if (tid == 0u) { losses[row] = lse - logits[base + tgt]; }
+  ${
+    s.grad
+      ? `workgroupBarrier();
+  let inv = 1.0 / ${s.rows}.0;
+  for (var v = tid; v < ${s.Vp}u; v = v + ${WG}u) {
+    var d = 0.0;
+    if (v < ${s.V}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, v == tgt)) * inv; }
+    logits[base + v] = d;
+  }`
+      : ""
+  }
+}
+`;
+}
+
+/** out[slot] = mean(losses) by one workgroup, deterministically. */
+export function meanLossWgsl(rows: number, slot: number): string {
+  return `
+@group(0) @binding(0) var<storage, read> losses: array<f32>;
+@group(0) @binding(1) var<storage, read_write> out: array<f32>;
+var<workgroup> ss: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(local_invocation_index) tid: u32) {
+  var acc = 0.0;
+  for (var i = tid; i < ${rows}u; i = i + ${WG}u) { acc = acc + losses[i]; }
+  ss[tid] = acc;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { ss[tid] = ss[tid] + ss[tid + k]; }
+    workgroupBarrier();
+  }
+  if (tid == 0u) { out[${slot}] = ss[0] / ${rows}.0; }
+}
+`;
+}

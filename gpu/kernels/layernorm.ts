@@ -1,0 +1,171 @@
+/**
+ * LayerNorm forward and backward over rows of C (eps 1e-5, biased variance).
+ *
+ * Backward is split for determinism: one workgroup per row computes dx (stored or added into the
+ * residual gradient), and the weight/bias gradients are summed over rows in two stages
+ * (per-block partials, then `reduceRowsWgsl`), never with atomics.
+ */
+
+const WG = 64;
+
+/** Tree-sums the per-thread value `v` through workgroup array `arr` into `let ${out}`. */
+function rowReduce(v: string, arr: string, out: string): string {
+  return `
+  ${arr}[tid] = ${v};
+  workgroupBarrier();
+  for (var s = ${WG / 2}u; s > 0u; s = s >> 1u) {
+    if (tid < s) { ${arr}[tid] = ${arr}[tid] + ${arr}[tid + s]; }
+    workgroupBarrier();
+  }
+  let ${out} = ${arr}[0];
+  workgroupBarrier();`;
+}
+
+/** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
+export function layernormForwardWgsl(C: number): string {
+  const C4 = C / 4;
+  return `
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> bias: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> stats: array<vec2<f32>>; // (mean, rstd) per row
+var<workgroup> as_: array<f32, ${WG}>;
+var<workgroup> bs_: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
+  let base = row * ${C4}u;
+  var a_ = 0.0;
+  for (var c = tid; c < ${C4}u; c = c + ${WG}u) { let v = x[base + c]; a_ = a_ + v.x + v.y + v.z + v.w; }
+  ${rowReduce("a_", "as_", "a_sum")}
+  let mean = a_sum / ${C}.0;
+  var b_ = 0.0;
+  for (var c = tid; c < ${C4}u; c = c + ${WG}u) { let d = x[base + c] - vec4<f32>(mean); b_ = b_ + dot(d, d); }
+  ${rowReduce("b_", "bs_", "b_sum")}
+  let rstd = inverseSqrt(b_sum / ${C}.0 + 1e-5);
+  for (var c = tid; c < ${C4}u; c = c + ${WG}u) {
+    out[base + c] = (x[base + c] - vec4<f32>(mean)) * rstd * w[c] + bias[c];
+  }
+  if (tid == 0u) { stats[row] = vec2<f32>(mean, rstd); }
+}
+`;
+}
+
+/**
+ * dx of LayerNorm: dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w.
+ * `accumulate` adds into dx (the residual stream's gradient) instead of storing.
+ */
+export function layernormBackwardWgsl(C: number, accumulate: boolean): string {
+  const C4 = C / 4;
+  return `
+@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(4) var<storage, read_write> dx: array<vec4<f32>>;
+var<workgroup> as_: array<f32, ${WG}>;
+var<workgroup> bs_: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
+  let base = row * ${C4}u;
+  let st = stats[row];
+  var a_ = 0.0;
+  var b_ = 0.0;
+  for (var c = tid; c < ${C4}u; c = c + ${WG}u) {
+    let g = dy[base + c] * w[c];
+    let xh = (x[base + c] - vec4<f32>(st.x)) * st.y;
+    a_ = a_ + g.x + g.y + g.z + g.w;
+    b_ = b_ + dot(g, xh);
+  }
+  ${rowReduce("a_", "as_", "a_sum")}
+  ${rowReduce("b_", "bs_", "b_sum")}
+  let mg = a_sum / ${C}.0;
+  let mgx = b_sum / ${C}.0;
+  for (var c = tid; c < ${C4}u; c = c + ${WG}u) {
+    let g = dy[base + c] * w[c];
+    let xh = (x[base + c] - vec4<f32>(st.x)) * st.y;
+    let d = st.y * (g - vec4<f32>(mg) - xh * mgx);
+    ${accumulate ? "dx[base + c] = dx[base + c] + d;" : "dx[base + c] = d;"}
+  }
+}
+`;
+}
+
+/** Rows summed per block by the partial-sum kernels. */
+export const ROW_BLOCK = 32;
+
+/** Float offset of the db partials in the partial buffer (256-byte aligned, after the dw partials). */
+export function lnBiasPartialOffset(C: number, rows: number): number {
+  return Math.ceil((Math.ceil(rows / ROW_BLOCK) * C) / 64) * 64;
+}
+
+/**
+ * Partial sums of dw = Σ dy·x̂ and db = Σ dy over blocks of ROW_BLOCK rows: writes dw partials
+ * [blocks, C] at 0 and db partials at lnBiasPartialOffset. One thread per column vec4; grid (ceil(C4/64), blocks).
+ */
+export function layernormParamPartialWgsl(C: number, rows: number): string {
+  const C4 = C / 4, dbBase4 = lnBiasPartialOffset(C, rows) / 4;
+  return `
+@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(3) var<storage, read_write> part: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let c = gid.x;
+  let blk = gid.y;
+  if (c >= ${C4}u) { return; }
+  var dw = vec4<f32>(0.0);
+  var db = vec4<f32>(0.0);
+  let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
+  for (var r = blk * ${ROW_BLOCK}u; r < r1; r = r + 1u) {
+    let st = stats[r];
+    let g = dy[r * ${C4}u + c];
+    dw = dw + g * (x[r * ${C4}u + c] - vec4<f32>(st.x)) * st.y;
+    db = db + g;
+  }
+  part[blk * ${C4}u + c] = dw;
+  part[${dbBase4}u + blk * ${C4}u + c] = db;
+}
+`;
+}
+
+/** Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N]. Grid (ceil(N4/64), blocks). */
+export function colsumPartialWgsl(N: number, rows: number): string {
+  const N4 = N / 4;
+  return `
+@group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> part: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let c = gid.x;
+  let blk = gid.y;
+  if (c >= ${N4}u) { return; }
+  var acc = vec4<f32>(0.0);
+  let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
+  for (var r = blk * ${ROW_BLOCK}u; r < r1; r = r + 1u) { acc = acc + src[r * ${N4}u + c]; }
+  part[blk * ${N4}u + c] = acc;
+}
+`;
+}
+
+/** out[c] = Σ_blk part[blk, c] for `blocks` rows of N. Grid (ceil(N4/64)). */
+export function reduceRowsWgsl(N: number, blocks: number): string {
+  const N4 = N / 4;
+  return `
+@group(0) @binding(0) var<storage, read> part: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let c = gid.x;
+  if (c >= ${N4}u) { return; }
+  var acc = vec4<f32>(0.0);
+  for (var r = 0u; r < ${blocks}u; r = r + 1u) { acc = acc + part[r * ${N4}u + c]; }
+  out[c] = acc;
+}
+`;
+}

@@ -1,0 +1,253 @@
+/**
+ * The training engine's public face: one `Trainer` owns a planned GPU model, its AdamW state and
+ * learning-rate schedule. `trainStep` writes the batch and per-step scalars, records forward,
+ * loss, backward and optimizer into one submission and returns without reading anything back.
+ */
+
+import { type ModelConfig, paramLayout } from "./config.ts";
+import { type GpuContext, GpuError, readBuffer, readFloats } from "./device.ts";
+import { initParams } from "./init.ts";
+import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
+import { encodeOps, type Op } from "./ops.ts";
+import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
+import { type AdamWConfig, learningRate, type LrSchedule } from "./schedule.ts";
+
+/** What a trainer is built from. */
+export interface TrainerOptions {
+  config: ModelConfig;
+  batchSize: number;
+  seqLen: number;
+  schedule: LrSchedule;
+  adamw: AdamWConfig;
+  attnDropout: number;
+  hiddenDropout: number;
+  seed: number;
+  /** Time every kernel with timestamp queries (one pass per kernel; for benchmarks). */
+  profile?: boolean;
+}
+
+/** Everything needed to resume exactly: flat parameters and AdamW moments, and the step count. */
+export interface TrainerState {
+  step: number;
+  params: Float32Array;
+  m: Float32Array;
+  v: Float32Array;
+}
+
+/** Timing of one kernel in the last profiled step. */
+export interface OpTiming {
+  label: string;
+  kind: string;
+  phase: string;
+  ms: number;
+  flops: number;
+}
+
+/** Trains one GPT-2 model on one GPU. */
+export class Trainer {
+  readonly opts: TrainerOptions;
+  #ctx: GpuContext;
+  #model: GpuModel;
+  #step: number;
+  #stepOps: Op[];
+  #querySet?: GPUQuerySet;
+  #queryBuf?: GPUBuffer;
+  #lastLr = 0;
+
+  private constructor(ctx: GpuContext, opts: TrainerOptions, model: GpuModel, step: number) {
+    this.#ctx = ctx;
+    this.opts = opts;
+    this.#model = model;
+    this.#step = step;
+    this.#stepOps = [...model.forward, ...model.loss, ...model.backward, ...model.optimizer];
+    if (opts.profile && ctx.hasTimestamps) {
+      const count = 2 * this.#stepOps.length;
+      this.#querySet = ctx.device.createQuerySet({ type: "timestamp", count });
+      this.#queryBuf = ctx.device.createBuffer({
+        size: count * 8,
+        usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
+      });
+    }
+  }
+
+  /** Plans the model on the device and loads `state` or fresh parameters. Throws ConfigError when it can't fit. */
+  static async create(ctx: GpuContext, opts: TrainerOptions, state?: TrainerState): Promise<Trainer> {
+    const model = await buildModel(ctx, {
+      config: opts.config,
+      B: opts.batchSize,
+      T: opts.seqLen,
+      attnDropout: opts.attnDropout,
+      hiddenDropout: opts.hiddenDropout,
+    });
+    const n = paramLayout(opts.config).totalSize;
+    const q = ctx.device.queue;
+    if (state) {
+      for (const [name, arr] of [["params", state.params], ["m", state.m], ["v", state.v]] as const) {
+        if (arr.length !== n) {
+          destroyModel(model);
+          throw new GpuError(
+            "Cannot load trainer state",
+            `${name} has ${arr.length} floats, the model needs ${n}`,
+          );
+        }
+      }
+      write(q, model.params, state.params);
+      write(q, model.adamM, state.m);
+      write(q, model.adamV, state.v);
+    } else {
+      write(q, model.params, initParams(opts.config, opts.seed));
+    }
+    return new Trainer(ctx, opts, model, state?.step ?? 0);
+  }
+
+  /** Iterations done so far. */
+  get step(): number {
+    return this.#step;
+  }
+
+  /** GPU memory allocated, in bytes. */
+  get memoryBytes(): number {
+    return this.#model.memoryBytes;
+  }
+
+  /** The planned model (buffers and op lists), for tests and benchmarks. */
+  get model(): GpuModel {
+    return this.#model;
+  }
+
+  #writeTokens(tokens: Uint16Array | Uint32Array): void {
+    const { batchSize: B, seqLen: T, config } = this.opts;
+    if (tokens.length !== B * (T + 1)) {
+      throw new RangeError(
+        `Batch has ${tokens.length} tokens, expected batch_size·(seq_len+1) = ${B * (T + 1)}`,
+      );
+    }
+    const u32 = tokens instanceof Uint32Array ? tokens : Uint32Array.from(tokens);
+    for (let i = 0; i < u32.length; i++) {
+      if (u32[i] >= config.vocab_size) {
+        throw new RangeError(`Token ${u32[i]} at ${i} is outside the vocabulary`);
+      }
+    }
+    write(this.#ctx.device.queue, this.#model.tokens, u32);
+  }
+
+  #writeDropout(step: number, train: boolean): void {
+    const { attnDropout, hiddenDropout, seed, config } = this.opts;
+    if (attnDropout <= 0 && hiddenDropout <= 0) return;
+    const n = dropoutSite.count(config.n_layer);
+    const u = new Uint32Array(n * 4);
+    const f = new Float32Array(u.buffer);
+    for (let s = 0; s < n; s++) {
+      const p = train ? (s > 0 && (s - 1) % 3 === 0 ? attnDropout : hiddenDropout) : 0;
+      u[4 * s] = dropoutKey(seed, step, s);
+      u[4 * s + 1] = dropThreshold(p);
+      f[4 * s + 2] = 1 / (1 - p);
+    }
+    write(this.#ctx.device.queue, this.#model.dropUniform, u);
+  }
+
+  /** Submits one training step on B·(T+1) tokens (rows are windows; targets are inputs shifted by one). */
+  trainStep(tokens: Uint16Array | Uint32Array): void {
+    if (this.#ctx.lostReason) throw new GpuError("Device lost", this.#ctx.lostReason);
+    const { adamw, schedule } = this.opts;
+    const t = this.#step + 1;
+    this.#writeTokens(tokens);
+    this.#writeDropout(this.#step, true);
+    const lr = learningRate(schedule, this.#step);
+    const hp = new Float32Array([
+      lr,
+      adamw.beta1,
+      adamw.beta2,
+      adamw.eps,
+      adamw.weight_decay,
+      1 / (1 - adamw.beta1 ** t),
+      1 / (1 - adamw.beta2 ** t),
+      adamw.clip_grad,
+    ]);
+    write(this.#ctx.device.queue, this.#model.adamUniform, hp);
+    const enc = this.#ctx.device.createCommandEncoder();
+    encodeOps(enc, this.#stepOps, this.#querySet);
+    if (this.#querySet && this.#queryBuf) {
+      enc.resolveQuerySet(this.#querySet, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
+    }
+    this.#ctx.device.queue.submit([enc.finish()]);
+    this.#lastLr = lr;
+    this.#step++;
+  }
+
+  /** Loss, gradient norm (before clipping) and learning rate of the last submitted step (one readback). */
+  async lastStats(): Promise<{ loss: number; gradNorm: number; lr: number }> {
+    const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);
+    return { loss: s[STAT.loss], gradNorm: s[STAT.gradNorm], lr: this.#lastLr };
+  }
+
+  /** Mean loss of a forward pass without dropout on B·(T+1) tokens. */
+  async evalLoss(tokens: Uint16Array | Uint32Array): Promise<number> {
+    this.#writeTokens(tokens);
+    this.#writeDropout(this.#step, false);
+    const enc = this.#ctx.device.createCommandEncoder();
+    encodeOps(enc, [...this.#model.forward, ...this.#model.evalLoss]);
+    this.#ctx.device.queue.submit([enc.finish()]);
+    const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);
+    return s[STAT.evalLoss];
+  }
+
+  /** Logits (B·T·Vp) of the last forward pass, before the loss overwrote them: runs a forward pass. */
+  async logits(tokens: Uint16Array | Uint32Array): Promise<Float32Array> {
+    this.#writeTokens(tokens);
+    this.#writeDropout(this.#step, false);
+    const enc = this.#ctx.device.createCommandEncoder();
+    encodeOps(enc, this.#model.forward);
+    this.#ctx.device.queue.submit([enc.finish()]);
+    const buf = this.#model.buffers.find((b) => b.label === "logits")!;
+    return await readFloats(this.#ctx, buf);
+  }
+
+  /** Per-kernel GPU times of the last step (profile mode with timestamp queries only). */
+  async profile(): Promise<OpTiming[] | null> {
+    if (!this.#queryBuf) return null;
+    const raw = new BigInt64Array(await readBuffer(this.#ctx, this.#queryBuf));
+    return this.#stepOps.map((op, i) => ({
+      label: op.label,
+      kind: op.kind,
+      phase: op.phase,
+      ms: Number(raw[2 * i + 1] - raw[2 * i]) / 1e6,
+      flops: op.flops,
+    }));
+  }
+
+  /** Forward, backward and optimizer GPU time of the last step, when profiling. */
+  async phaseTimes(): Promise<{ forward_ms: number; backward_ms: number; optimizer_ms: number } | null> {
+    const p = await this.profile();
+    if (!p) return null;
+    const sum = (ph: string) => p.filter((o) => o.phase === ph).reduce((a, o) => a + o.ms, 0);
+    return { forward_ms: sum("forward"), backward_ms: sum("backward"), optimizer_ms: sum("optimizer") };
+  }
+
+  /** Reads parameters and optimizer moments back (for checkpoints). */
+  async exportState(): Promise<TrainerState> {
+    const [params, m, v] = [
+      await readFloats(this.#ctx, this.#model.params),
+      await readFloats(this.#ctx, this.#model.adamM),
+      await readFloats(this.#ctx, this.#model.adamV),
+    ];
+    const n = this.#model.layout.totalSize;
+    return { step: this.#step, params: params.slice(0, n), m: m.slice(0, n), v: v.slice(0, n) };
+  }
+
+  /** Gradients of the last step (flat layout), for tests. */
+  async gradients(): Promise<Float32Array> {
+    return (await readFloats(this.#ctx, this.#model.grads)).slice(0, this.#model.layout.totalSize);
+  }
+
+  /** Frees the GPU buffers. */
+  destroy(): void {
+    destroyModel(this.#model);
+    this.#querySet?.destroy();
+    this.#queryBuf?.destroy();
+  }
+}
+
+function write(q: GPUQueue, buf: GPUBuffer, data: Float32Array | Uint32Array): void {
+  q.writeBuffer(buf, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
+}
