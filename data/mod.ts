@@ -36,8 +36,6 @@ export {
 export {
   DEFAULT_MINHASH,
   estimateJaccard,
-  type HashFamily,
-  hashFamily,
   lshBands,
   LshIndex,
   type MinHashParams,

@@ -37,6 +37,8 @@ export interface WorkerResult {
   empty: number;
   /** Characters of kept documents after cleaning. */
   chars: number;
+  /** Milliseconds the worker spent cleaning, tokenizing and signing this batch. */
+  ms: [number, number, number];
 }
 
 /** A running pool of tokenize workers. */

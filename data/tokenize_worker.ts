@@ -7,18 +7,16 @@
  * while the main thread only reads input, runs the LSH index and writes tokens.
  */
 /// <reference lib="deno.worker" />
-import { encode } from "gpt-tokenizer/encoding/r50k_base";
+import { createFastEncoder, fastEncode } from "./fast_encode.ts";
 import { cleanText } from "./text.ts";
-import { hashFamily, type MinHashParams, minhashSignature } from "./minhash.ts";
+import { type MinHashParams, minhashSignature } from "./minhash.ts";
 import type { WorkerBatch, WorkerConfig, WorkerResult } from "./tokenize_pool.ts";
 
 /** `<|endoftext|>` in r50k_base. */
 const EOT = 50256;
-/** Treat a literal "<|endoftext|>" inside a document as ordinary text, never as the special token. */
-const ENCODE_OPTS = { disallowedSpecial: new Set<string>() };
-
 let config: WorkerConfig | undefined;
-let family: ReturnType<typeof hashFamily> | undefined;
+/** This worker's encoder caches (a literal "<|endoftext|>" in a document is encoded as text). */
+const encoder = createFastEncoder();
 
 /** Process one batch. */
 function run(batch: WorkerBatch, cfg: WorkerConfig): WorkerResult {
@@ -27,13 +25,17 @@ function run(batch: WorkerBatch, cfg: WorkerConfig): WorkerResult {
   const encoded: ArrayLike<number>[] = [];
   const kept: string[] = [];
   let total = 0, short = 0, empty = 0, chars = 0;
+  const t0 = performance.now();
+  let tClean = 0;
   for (let i = 0; i < n; i++) {
+    const c0 = performance.now();
     const text = cleanText(batch.texts[i]);
+    tClean += performance.now() - c0;
     if (text.length === 0) {
       empty++;
       continue;
     }
-    const ids = encode(text, ENCODE_OPTS);
+    const ids = fastEncode(encoder, text);
     if (ids.length < cfg.minTokens) {
       short++;
       continue;
@@ -51,21 +53,30 @@ function run(batch: WorkerBatch, cfg: WorkerConfig): WorkerResult {
     off += ids.length;
     tokens[off++] = EOT;
   }
+  const t1 = performance.now();
   const mh = cfg.minhash;
   const sigs = new Uint32Array(mh ? kept.length * mh.numPerm : 0);
   if (mh) {
-    family ??= hashFamily(mh);
     for (let i = 0; i < kept.length; i++) {
-      minhashSignature(kept[i], family, mh.shingleSize, sigs, i * mh.numPerm);
+      minhashSignature(kept[i], mh, sigs, i * mh.numPerm);
     }
   }
-  return { seq: batch.seq, lengths, tokens, sigs, short, empty, chars };
+  const t2 = performance.now();
+  return {
+    seq: batch.seq,
+    lengths,
+    tokens,
+    sigs,
+    short,
+    empty,
+    chars,
+    ms: [tClean, t1 - t0 - tClean, t2 - t1],
+  };
 }
 
 self.onmessage = (e: MessageEvent<{ config?: WorkerConfig; batch?: WorkerBatch }>) => {
   if (e.data.config) {
     config = e.data.config;
-    family = undefined;
     return;
   }
   const batch = e.data.batch!;

