@@ -41,7 +41,14 @@ export {
   type MinHashParams,
   minhashSignature,
 } from "./minhash.ts";
-export { type DatasetSource, prepareDataset, type PrepareOptions, type Progress } from "./prepare.ts";
+export {
+  type DatasetPlan,
+  type DatasetSource,
+  planDataset,
+  prepareDataset,
+  type PrepareOptions,
+  type Progress,
+} from "./prepare.ts";
 export { Sampler, type SamplerOptions, type SamplerState } from "./sampler.ts";
 export { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 export {

@@ -65,6 +65,8 @@ export interface PrepareOptions {
   download?: DownloadOptions;
   /** Largest `.txt` file or JSON line read, in bytes (default 64 MiB). */
   max_document_bytes?: number;
+  /** Accept `path` / `url_list` sources outside the root (the CLI's choice; never set from HTTP). */
+  allow_any_path?: boolean;
 }
 
 /** Progress of a preparation. */
@@ -215,19 +217,31 @@ async function copyRange(src: Deno.FsFile, start: number, count: number, dst: st
   }
 }
 
+/** A resolved preparation: what {@link planDataset} decides before any work starts. */
+export interface DatasetPlan {
+  /** The dataset id. */
+  id: string;
+  /** Which source key is used. */
+  kind: "builtin" | "path" | "urls" | "url_list" | "texts";
+  /** A stable description of the source (recorded in the manifest). */
+  describe: Record<string, unknown>;
+  /** Real path of a `path` or `url_list` source. */
+  resolvedPath?: string;
+  /** Hash of source and options: a dataset with the same key is reused. */
+  sourceKey: string;
+  /** Options with defaults applied. */
+  opts: ReturnType<typeof resolveOptions>;
+}
+
 /**
- * Prepare a dataset from `source` under `<root>/datasets/<id>/` and return its manifest. A dataset
- * with the same id, source and options is reused as it is (unless `force`); `{builtin: "sotu"}`
- * with default options has the id "sotu". Throws with a clear message when nothing is left to
- * train on or a split is too small for one sequence.
+ * Validate a source and options and decide the dataset id, without preparing anything. Throws
+ * {@link PathOutsideRootError} for a path outside the root and a clear error for bad options.
  */
-export async function prepareDataset(
+export async function planDataset(
   root: string,
   source: DatasetSource,
   options: PrepareOptions = {},
-  onProgress?: (p: Progress) => void,
-): Promise<DatasetInfo> {
-  const started = performance.now();
+): Promise<DatasetPlan> {
   const kind = sourceKind(source);
   const opts = resolveOptions(options);
   // Describe the source stably (for the id and cache key) and resolve paths under the root.
@@ -244,8 +258,15 @@ export async function prepareDataset(
   } else if (kind === "path" || kind === "url_list") {
     const p = (source as Record<string, string>)[kind];
     if (typeof p !== "string" || !p) throw new Error(`Source "${kind}" must be a non-empty string`);
-    resolvedPath = await resolveUnderRoot(root, p);
-    const rel = relative(await Deno.realPath(root), resolvedPath) || ".";
+    resolvedPath = options.allow_any_path
+      ? await Deno.realPath(p).catch((e) => {
+        throw new Error(`Cannot read "${p}": ${(e as Error).message}`);
+      })
+      : await resolveUnderRoot(root, p);
+    const rootReal = await Deno.realPath(root).catch(() => root);
+    const rel = options.allow_any_path && relative(rootReal, resolvedPath).startsWith("..")
+      ? resolvedPath
+      : relative(rootReal, resolvedPath) || ".";
     describe = { [kind]: rel };
     baseName = rel.split(/[\\/]/).filter(Boolean).pop()?.replace(/\.[^.]*$/, "") || "data";
   } else if (kind === "urls" || kind === "texts") {
@@ -271,6 +292,23 @@ export async function prepareDataset(
       : `${baseName.replace(/[^A-Za-z0-9._-]/g, "_").slice(0, 40) || "data"}-${sourceKey.slice(0, 8)}`);
   checkDatasetId(id);
 
+  return { id, kind, describe, ...(resolvedPath ? { resolvedPath } : {}), sourceKey, opts };
+}
+
+/**
+ * Prepare a dataset from `source` under `<root>/datasets/<id>/` and return its manifest. A dataset
+ * with the same id, source and options is reused as it is (unless `force`); `{builtin: "sotu"}`
+ * with default options has the id "sotu". Throws with a clear message when nothing is left to
+ * train on or a split is too small for one sequence.
+ */
+export async function prepareDataset(
+  root: string,
+  source: DatasetSource,
+  options: PrepareOptions = {},
+  onProgress?: (p: Progress) => void,
+): Promise<DatasetInfo> {
+  const started = performance.now();
+  const { id, kind, describe, resolvedPath, sourceKey, opts } = await planDataset(root, source, options);
   if (!options.force) {
     const existing = await getDataset(root, id).catch(() => undefined);
     if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;
