@@ -9,6 +9,9 @@
 import { Readability } from "@mozilla/readability";
 import { parseHTML } from "linkedom";
 
+/** Articles shorter than this (in characters) are not trusted; the cleaned body is used instead. */
+const MIN_ARTICLE_CHARS = 200;
+
 /** Elements that end a block of text (a paragraph break after them). */
 const BLOCK_TAGS = new Set([
   "P",
@@ -112,11 +115,12 @@ export function extractMainText(html: string, url?: string): ExtractedText {
     // deno-lint-ignore no-explicit-any
     const doc = document as any;
     if (url && doc.documentURI === undefined) doc.documentURI = url;
-    const parsed = new Readability(doc, { charThreshold: 200 }).parse();
+    const parsed = new Readability(doc, { charThreshold: MIN_ARTICLE_CHARS }).parse();
     if (parsed?.content) {
       const articleDoc = parseDocument(`<!doctype html><html><body>${parsed.content}</body></html>`);
       const text = domText(articleDoc.body as unknown as DomNode, false);
-      if (text.length > 0) return { title: parsed.title?.trim() || title, text, article: true };
+      // Below the threshold Readability is guessing: the furniture-free body is more reliable.
+      if (text.length >= MIN_ARTICLE_CHARS) return { title: parsed.title?.trim() || title, text, article: true };
     }
   } catch {
     // Readability rejected the page: fall through to the body.
