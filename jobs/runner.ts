@@ -112,7 +112,7 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    const job = this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config);
     this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return this.#store.getJob(id)!;

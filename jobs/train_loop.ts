@@ -105,6 +105,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       attnDropout: c.attention_dropout,
       hiddenDropout: c.hidden_dropout,
       seed: c.seed,
+      // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
+      profile: ctx.hasTimestamps,
     }, state);
     const sampler = new Sampler(
       data.train,
@@ -158,11 +160,12 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       const tb = performance.now();
       const tokens = sampler.nextBatch();
       batchMs += performance.now() - tb;
-      trainer.trainStep(tokens);
+      const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
+      trainer.trainStep(tokens, logStep);
       iteration = trainer.step;
       windowSteps++;
       const last = iteration === c.train_iters;
-      if (iteration % c.log_interval === 0 || last) {
+      if (logStep) {
         const stats = await trainer.lastStats();
         const phases = await trainer.phaseTimes();
         const elapsed = performance.now() - windowStart;
@@ -191,8 +194,17 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         windowSteps = 0;
         batchMs = 0;
       }
-      if (!last && c.eval_interval > 0 && iteration % c.eval_interval === 0) await evalValid();
-      if (!last && c.save_interval > 0 && iteration % c.save_interval === 0) await save();
+      const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
+      const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
+      if (evalNow) await evalValid();
+      if (saveNow) await save();
+      if (evalNow || saveNow) {
+        // Throughput and step time measure training only: restart the window after the pause.
+        await ctx.device.queue.onSubmittedWorkDone();
+        windowStart = performance.now();
+        windowSteps = 0;
+        batchMs = 0;
+      }
     }
     await evalValid();
     const testLoss = await evaluate(trainer, data.test, c);

@@ -27,9 +27,10 @@ async function startServer(home: string): Promise<Server> {
   const output: string[] = [];
   const decoder = new TextDecoderStream();
   child.stdout.pipeTo(decoder.writable).catch(() => {});
-  child.stderr.pipeTo(new WritableStream({ write: (b) => void output.push(new TextDecoder().decode(b)) })).catch(
-    () => {},
-  );
+  child.stderr.pipeTo(new WritableStream({ write: (b) => void output.push(new TextDecoder().decode(b)) }))
+    .catch(
+      () => {},
+    );
   const reader = decoder.readable.getReader();
   let buffered = "";
   const deadline = Date.now() + 60_000;
@@ -146,7 +147,10 @@ Deno.test({
       server = await startServer(home);
       const after = await (await fetch(`${server.url}/jobs/${id}`)).json();
       // Interrupted until the fresh Worker has opened its device and taken the job again.
-      assert.ok(after.status === "interrupted" || (after.status === "running" && after.resumes === 1), after.status);
+      assert.ok(
+        after.status === "interrupted" || (after.status === "running" && after.resumes === 1),
+        after.status,
+      );
 
       const more: SseEvent[] = [];
       await follow(`${server.url}/jobs/${id}/events`, seen.at(-1)!.id, (e) => {
@@ -162,7 +166,9 @@ Deno.test({
       const resumedAt = Number(resumedLog.data.iteration);
       assert.ok(resumedAt >= Number(lastCheckpoint.data.iteration), `resumed at ${resumedAt}`);
       const firstAfter = more.find((e) => e.event === "progress" && e.data.kind === "train")!;
-      assert.ok(Number(firstAfter.data.iteration) > resumedAt && Number(firstAfter.data.iteration) <= resumedAt + 5);
+      assert.ok(
+        Number(firstAfter.data.iteration) > resumedAt && Number(firstAfter.data.iteration) <= resumedAt + 5,
+      );
 
       const job = await (await fetch(`${server.url}/jobs/${id}`)).json();
       assert.equal(job.status, "succeeded");
@@ -174,7 +180,10 @@ Deno.test({
       assert.ok(job.metrics.val_loss > 0 && job.metrics.test_loss > 0);
       assert.equal(job.metrics.val_perplexity, Math.exp(job.metrics.val_loss));
       const ckpts = await (await fetch(`${server.url}/jobs/${id}/checkpoints`)).json();
-      assert.deepEqual(ckpts.checkpoints.map((c: { name: string }) => c.name), ["iter_0000080", "iter_0000100"]);
+      assert.deepEqual(ckpts.checkpoints.map((c: { name: string }) => c.name), [
+        "iter_0000080",
+        "iter_0000100",
+      ]);
     } finally {
       server.child.kill("SIGKILL");
       await server.child.status;

@@ -25,7 +25,7 @@ async function setup(opts: { token?: string; unavailable?: string } = {}) {
   });
   runner.start();
   await new Promise((r) => setTimeout(r, 0)); // let the worker answer init
-  const app = createApp({ runner, token: opts.token ?? null, maxBodyBytes: 4096 });
+  const app = createApp({ runner, token: opts.token ?? null, maxBodyBytes: 4096, maxUploadBytes: 8192 });
   const post = (path: string, body: unknown, headers: Record<string, string> = {}) =>
     app.request(path, {
       method: "POST",
@@ -126,6 +126,10 @@ Deno.test("POST /train returns 413 for an oversized body", async () => {
     const res = await t.post("/train", { dataset: "x".repeat(5000) });
     assertEquals(res.status, 413);
     assertMatch((await res.json()).error, /larger than 4096 bytes/);
+    // Other routes (dataset uploads) have their own, larger limit.
+    const other = await t.post("/elsewhere", { texts: ["x".repeat(5000)] });
+    assertEquals(other.status, 404);
+    assertEquals((await t.post("/elsewhere", { texts: ["x".repeat(9000)] })).status, 413);
   } finally {
     await t.cleanup();
   }
