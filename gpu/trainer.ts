@@ -146,8 +146,11 @@ export class Trainer {
     write(this.#ctx.device.queue, this.#model.dropUniform, u);
   }
 
-  /** Submits one training step on B·(T+1) tokens (rows are windows; targets are inputs shifted by one). */
-  trainStep(tokens: Uint16Array | Uint32Array): void {
+  /**
+   * Submits one training step on B·(T+1) tokens (rows are windows; targets are inputs shifted by one).
+   * With `profile` (and a trainer created with `profile: true`), every kernel is timed; see `profile()`.
+   */
+  trainStep(tokens: Uint16Array | Uint32Array, profile = false): void {
     if (this.#ctx.lostReason) throw new GpuError("Device lost", this.#ctx.lostReason);
     const { adamw, schedule } = this.opts;
     const t = this.#step + 1;
@@ -203,7 +206,7 @@ export class Trainer {
     return await readFloats(this.#ctx, buf);
   }
 
-  /** Per-kernel GPU times of the last step (profile mode with timestamp queries only). */
+  /** Per-kernel GPU times of the last profiled step (timestamp queries only). */
   async profile(): Promise<OpTiming[] | null> {
     if (!this.#queryBuf) return null;
     const raw = new BigInt64Array(await readBuffer(this.#ctx, this.#queryBuf));

@@ -1,0 +1,21 @@
+/**
+ * `deno task bench [train|data|matmul] [options]`: the benchmarks. With no suite named it runs the
+ * training benchmark (bench/train_bench.ts); `data` runs the data pipeline benchmark and `matmul`
+ * the matmul tile sweep. Options pass through to the suite.
+ */
+
+const suites: Record<string, string> = {
+  train: "./train_bench.ts",
+  data: "./data_bench.ts",
+  matmul: "./matmul_bench.ts",
+};
+const [first, ...rest] = Deno.args;
+const name = first && first in suites ? first : "train";
+const args = first && first in suites ? rest : Deno.args;
+const script = new URL(suites[name], import.meta.url).pathname;
+const status = await new Deno.Command(Deno.execPath(), {
+  args: ["run", "-A", script, ...args],
+  stdout: "inherit",
+  stderr: "inherit",
+}).spawn().status;
+Deno.exit(status.code);

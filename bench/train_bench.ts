@@ -1,0 +1,184 @@
+/**
+ * Training-step benchmark: tokens/s and ms/step of GPT-2 presets on the adapter it finds, then a
+ * per-kernel table from timestamp queries (time, share, achieved TFLOP/s), and optionally the
+ * PyTorch peer (bench/torch_gpt2.py) run in the same process tree for a side-by-side ratio.
+ *
+ *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
+ *
+ * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
+ */
+
+import { presetConfig } from "../gpu/config.ts";
+import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import { type OpTiming, Trainer } from "../gpu/trainer.ts";
+
+/** One model's measured figures. */
+export interface TrainBenchResult {
+  model: string;
+  batch: number;
+  seq: number;
+  ms_per_step: number;
+  tokens_per_s: number;
+  loss: number;
+  kernels: Array<{ kind: string; ms: number; share: number; tflops: number }>;
+  phases: Record<string, number>;
+  torch?: { tokens_per_s: number; ms_per_step: number } | { error: string };
+}
+
+function arg(args: string[], name: string, def: string): string {
+  const i = args.indexOf(`--${name}`);
+  return i >= 0 && i + 1 < args.length ? args[i + 1] : def;
+}
+
+/** Times `steps` training steps (after warmup) and one profiled step. */
+export async function benchTraining(
+  ctx: GpuContext,
+  model: string,
+  B: number,
+  T: number,
+  steps: number,
+): Promise<TrainBenchResult> {
+  const config = presetConfig(model);
+  const t0 = performance.now();
+  const tr = await Trainer.create(ctx, {
+    config,
+    batchSize: B,
+    seqLen: T,
+    schedule: { lr: 1e-4, min_lr: 1e-5, warmup_iters: 0, decay_iters: 1000, style: "cosine" },
+    adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.01, clip_grad: 1.0 },
+    attnDropout: 0,
+    hiddenDropout: 0,
+    seed: 1,
+    profile: ctx.hasTimestamps,
+  });
+  console.error(
+    `${model}: planned in ${((performance.now() - t0) / 1000).toFixed(1)} s, ` +
+      `${(tr.memoryBytes / 2 ** 30).toFixed(2)} GiB on the GPU`,
+  );
+  const tokens = new Uint16Array(B * (T + 1));
+  let s = 12345;
+  for (let i = 0; i < tokens.length; i++) {
+    s = (Math.imul(s, 1103515245) + 12345) >>> 0;
+    tokens[i] = (s >>> 8) % config.vocab_size;
+  }
+  for (let i = 0; i < 2; i++) tr.trainStep(tokens);
+  await tr.lastStats();
+  const start = performance.now();
+  for (let i = 0; i < steps; i++) tr.trainStep(tokens);
+  const { loss } = await tr.lastStats();
+  const ms = (performance.now() - start) / steps;
+  const result: TrainBenchResult = {
+    model,
+    batch: B,
+    seq: T,
+    ms_per_step: ms,
+    tokens_per_s: (B * T) / (ms / 1000),
+    loss,
+    kernels: [],
+    phases: {},
+  };
+  if (ctx.hasTimestamps) {
+    tr.trainStep(tokens, true);
+    const prof = (await tr.profile())!;
+    result.kernels = aggregate(prof);
+    for (const p of prof) result.phases[p.phase] = (result.phases[p.phase] ?? 0) + p.ms;
+  }
+  tr.destroy();
+  return result;
+}
+
+function aggregate(prof: OpTiming[]) {
+  const total = prof.reduce((a, p) => a + p.ms, 0);
+  const by = new Map<string, { ms: number; flops: number }>();
+  for (const p of prof) {
+    const e = by.get(p.kind) ?? { ms: 0, flops: 0 };
+    e.ms += p.ms;
+    e.flops += p.flops;
+    by.set(p.kind, e);
+  }
+  return [...by.entries()]
+    .map(([kind, e]) => ({ kind, ms: e.ms, share: e.ms / total, tflops: e.flops / (e.ms / 1000) / 1e12 }))
+    .sort((a, b) => b.ms - a.ms);
+}
+
+async function runTorch(model: string, B: number, T: number, steps: number) {
+  try {
+    const out = await new Deno.Command("python3", {
+      args: [
+        "bench/torch_gpt2.py",
+        "--model",
+        model,
+        "--batch",
+        `${B}`,
+        "--seq",
+        `${T}`,
+        "--steps",
+        `${steps}`,
+      ],
+      stderr: "inherit",
+    }).output();
+    const line = new TextDecoder().decode(out.stdout).trim().split("\n").pop() ?? "";
+    if (!out.success) return { error: `python3 exited with ${out.code}` };
+    const j = JSON.parse(line);
+    return { tokens_per_s: j.tokens_per_s as number, ms_per_step: j.ms_per_step as number };
+  } catch (e) {
+    return { error: String(e) };
+  }
+}
+
+/** Prints a result as a table. */
+export function printResult(r: TrainBenchResult): void {
+  const f = (n: number, d = 1) => n.toFixed(d);
+  console.log(
+    `\n${r.model}  batch ${r.batch} seq ${r.seq}: ${f(r.ms_per_step)} ms/step, ${
+      f(r.tokens_per_s, 0)
+    } tokens/s, loss ${f(r.loss, 3)}`,
+  );
+  if (r.torch) {
+    if ("error" in r.torch) console.log(`  PyTorch fp32 eager: ${r.torch.error}`);
+    else {
+      console.log(
+        `  PyTorch fp32 eager: ${f(r.torch.tokens_per_s, 0)} tokens/s -> ratio ${
+          f(r.tokens_per_s / r.torch.tokens_per_s, 3)
+        }x`,
+      );
+    }
+  }
+  if (r.kernels.length) {
+    console.log(
+      `  phases (GPU ms, profiled step): ${
+        Object.entries(r.phases).map(([k, v]) => `${k} ${f(v)}`).join(", ")
+      }`,
+    );
+    console.log("  kernel           ms      share   TFLOP/s");
+    for (const k of r.kernels) {
+      console.log(
+        `  ${k.kind.padEnd(15)} ${f(k.ms).padStart(7)}  ${(f(k.share * 100) + "%").padStart(6)}  ${
+          k.tflops > 0 ? f(k.tflops, 2).padStart(7) : "      -"
+        }`,
+      );
+    }
+  }
+}
+
+if (import.meta.main) {
+  const args = Deno.args;
+  const ctx = await openDevice();
+  console.log(describeDevice(ctx));
+  const cpu = /llvmpipe|lavapipe|swiftshader/i.test(ctx.adapterInfo.description);
+  const models = arg(args, "models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M").split(",");
+  const B = +arg(args, "batch", cpu ? "4" : "8"), T = +arg(args, "seq", cpu ? "64" : "1024");
+  const steps = +arg(args, "steps", cpu ? "3" : "10");
+  if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
+  const results: TrainBenchResult[] = [];
+  for (const model of models) {
+    const r = await benchTraining(ctx, model, B, T, steps);
+    if (args.includes("--torch")) r.torch = await runTorch(model, B, T, steps);
+    printResult(r);
+    results.push(r);
+  }
+  const out = arg(args, "json", "");
+  if (out) await Deno.writeTextFile(out, JSON.stringify({ device: describeDevice(ctx), results }, null, 2));
+  ctx.device.destroy();
+  Deno.exit(0);
+}

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine: installs the Vulkan CPU driver (lavapipe) when it
+# is missing, so the GPU tests run on the CPU adapter, then runs `deno task test` with Deno from npm.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
+  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq >/dev/null
+  $sudo apt-get install -y -qq libvulkan1 mesa-vulkan-drivers >/dev/null
+fi
+export DENO_WEBGPU_BACKEND=${DENO_WEBGPU_BACKEND:-vulkan}
+deno_cmd=(npx --yes deno@2.9.6)
+command -v deno >/dev/null 2>&1 && [ "$(deno --version | head -1 | cut -d' ' -f2)" = "2.9.6" ] && deno_cmd=(deno)
+exec "${deno_cmd[@]}" task test "$@"
