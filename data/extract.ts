@@ -120,7 +120,9 @@ export function extractMainText(html: string, url?: string): ExtractedText {
       const articleDoc = parseDocument(`<!doctype html><html><body>${parsed.content}</body></html>`);
       const text = domText(articleDoc.body as unknown as DomNode, false);
       // Below the threshold Readability is guessing: the furniture-free body is more reliable.
-      if (text.length >= MIN_ARTICLE_CHARS) return { title: parsed.title?.trim() || title, text, article: true };
+      if (text.length >= MIN_ARTICLE_CHARS) {
+        return { title: parsed.title?.trim() || title, text, article: true };
+      }
     }
   } catch {
     // Readability rejected the page: fall through to the body.

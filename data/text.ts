@@ -7,6 +7,7 @@
  */
 
 /** Control characters removed by {@link cleanText}: C0 (except tab and newline), DEL, C1, BOM and U+FFFD. */
+// deno-lint-ignore no-control-regex -- stripping control characters is the point
 const CONTROL_RE = /[\u0000-\u0008\u000B\u000C\u000E-\u001F\u007F-\u009F\uFEFF\uFFFD]/g;
 /** Runs of three or more newlines (after trailing-space removal) collapse to one blank line. */
 const BLANK_RUN_RE = /\n{3,}/g;

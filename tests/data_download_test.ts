@@ -5,11 +5,15 @@
 import assert from "node:assert/strict";
 import { DEFAULT_USER_AGENT, downloadUrls, extractMainText, type WebDocument } from "../data/mod.ts";
 
-const PARAGRAPH = "The committee met on Tuesday to review the annual budget and the state of the harbour works. ";
-const ARTICLE_HTML = `<!doctype html><html><head><title>Harbour report</title><style>p{color:red}</style></head><body>
+const PARAGRAPH =
+  "The committee met on Tuesday to review the annual budget and the state of the harbour works. ";
+const ARTICLE_HTML =
+  `<!doctype html><html><head><title>Harbour report</title><style>p{color:red}</style></head><body>
 <nav><a href="/">Home</a> | <a href="/about">About us</a> | <a href="/contact">Contact</a></nav>
 <header>Site banner and login</header>
-<article><h1>Harbour report</h1><p>${PARAGRAPH.repeat(4)}</p><p>Second paragraph. ${PARAGRAPH.repeat(3)}</p></article>
+<article><h1>Harbour report</h1><p>${PARAGRAPH.repeat(4)}</p><p>Second paragraph. ${
+    PARAGRAPH.repeat(3)
+  }</p></article>
 <aside>Related: ten tricks for cheap flights</aside>
 <footer>Copyright 2024 Example Corp</footer><script>var tracking = "should not appear";</script></body></html>`;
 
@@ -25,7 +29,9 @@ Deno.test("extractMainText keeps the article and drops navigation, scripts and f
 });
 
 Deno.test("extractMainText returns the text of short pages without menus or scripts", () => {
-  const { text } = extractMainText("<html><body><nav>Menu</nav><p>Just one line.</p><script>x()</script></body></html>");
+  const { text } = extractMainText(
+    "<html><body><nav>Menu</nav><p>Just one line.</p><script>x()</script></body></html>",
+  );
   assert.equal(text, "Just one line.");
 });
 
@@ -33,20 +39,43 @@ Deno.test("downloadUrls extracts pages, retries server errors and records every 
   let flaky = 0;
   const agents = new Set<string>();
   const controller = new AbortController();
-  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, signal: controller.signal, onListen: () => {} }, async (req) => {
-    agents.add(req.headers.get("user-agent") ?? "");
-    const path = new URL(req.url).pathname;
-    if (path === "/article") return new Response(ARTICLE_HTML, { headers: { "content-type": "text/html; charset=utf-8" } });
-    if (path === "/plain") return new Response("Plain text body.", { headers: { "content-type": "text/plain" } });
-    if (path === "/flaky") return ++flaky < 2 ? new Response("busy", { status: 503 }) : new Response("Recovered text.", { headers: { "content-type": "text/plain" } });
-    if (path === "/image") return new Response(new Uint8Array(10), { headers: { "content-type": "image/png" } });
-    if (path === "/big") return new Response("y".repeat(5000), { headers: { "content-type": "text/plain" } });
-    if (path === "/slow") {
-      await new Promise((r) => setTimeout(r, 1500));
-      return new Response("late", { headers: { "content-type": "text/plain" } });
-    }
-    return new Response("missing", { status: 404 });
-  });
+  const server = Deno.serve(
+    { hostname: "127.0.0.1", port: 0, signal: controller.signal, onListen: () => {} },
+    async (req) => {
+      agents.add(req.headers.get("user-agent") ?? "");
+      const path = new URL(req.url).pathname;
+      if (path === "/article") {
+        return new Response(ARTICLE_HTML, {
+          headers: { "content-type": "text/html; charset=utf-8" },
+        });
+      }
+      if (path === "/plain") {
+        return new Response("Plain text body.", {
+          headers: { "content-type": "text/plain" },
+        });
+      }
+      if (path === "/flaky") {
+        return ++flaky < 2
+          ? new Response("busy", { status: 503 })
+          : new Response("Recovered text.", { headers: { "content-type": "text/plain" } });
+      }
+      if (path === "/image") {
+        return new Response(new Uint8Array(10), {
+          headers: { "content-type": "image/png" },
+        });
+      }
+      if (path === "/big") {
+        return new Response("y".repeat(5000), {
+          headers: { "content-type": "text/plain" },
+        });
+      }
+      if (path === "/slow") {
+        await new Promise((r) => setTimeout(r, 1500));
+        return new Response("late", { headers: { "content-type": "text/plain" } });
+      }
+      return new Response("missing", { status: 404 });
+    },
+  );
   // A port nothing listens on: bind and close a listener to get one.
   const closed = Deno.listen({ hostname: "127.0.0.1", port: 0 });
   const deadPort = (closed.addr as Deno.NetAddr).port;
@@ -55,7 +84,16 @@ Deno.test("downloadUrls extracts pages, retries server errors and records every 
     const base = `http://127.0.0.1:${server.addr.port}`;
     const docs: WebDocument[] = [];
     const { counts, failures } = await downloadUrls(
-      [`${base}/article`, `${base}/plain`, `${base}/flaky`, `${base}/image`, `${base}/big`, `${base}/slow`, `${base}/gone`, `http://127.0.0.1:${deadPort}/x`],
+      [
+        `${base}/article`,
+        `${base}/plain`,
+        `${base}/flaky`,
+        `${base}/image`,
+        `${base}/big`,
+        `${base}/slow`,
+        `${base}/gone`,
+        `http://127.0.0.1:${deadPort}/x`,
+      ],
       { concurrency: 4, timeoutMs: 400, retries: 1, retryDelayMs: 10, maxBytes: 4000 },
       (d) => void docs.push(d),
     );

@@ -5,7 +5,10 @@ import { cleanText, emptyMergeCounts, mergeToLooseJson, readDocuments } from "..
 import { withRoot } from "./data_fixtures.ts";
 
 Deno.test("cleanText normalises to NFC, strips control characters and collapses blank lines", () => {
-  assert.equal(cleanText("\uFEFFCafe\u0301\r\nline\u0007two  \n\n\n\nend\uFFFD\u0000 "), "Caf\u00e9\nlinetwo\n\nend");
+  assert.equal(
+    cleanText("\uFEFFCafe\u0301\r\nline\u0007two  \n\n\n\nend\uFFFD\u0000 "),
+    "Caf\u00e9\nlinetwo\n\nend",
+  );
   assert.equal(cleanText("tab\tkept\n"), "tab\tkept");
 });
 
@@ -21,12 +24,26 @@ Deno.test("readDocuments merges txt and jsonl files and counts empty, binary, in
     const huge = "x".repeat(3000);
     await Deno.writeTextFile(
       join(dir, "sub", "b.jsonl"),
-      ['{"text": "Second.", "url": "https://e.com/2"}', '"Third."', "{not json", '{"title": "no text"}', "", JSON.stringify({ text: huge }), '{"text": "Fourth."}']
+      [
+        '{"text": "Second.", "url": "https://e.com/2"}',
+        '"Third."',
+        "{not json",
+        '{"title": "no text"}',
+        "",
+        JSON.stringify({ text: huge }),
+        '{"text": "Fourth."}',
+      ]
         .join("\n"),
     );
     const counts = emptyMergeCounts();
     const docs = await Array.fromAsync(readDocuments(dir, counts, { maxDocumentBytes: 1000 }));
-    assert.deepEqual(docs.map((d) => d.text), ["First document.", "Hi\uFFFD\uFFFD!", "Second.", "Third.", "Fourth."]);
+    assert.deepEqual(docs.map((d) => d.text), [
+      "First document.",
+      "Hi\uFFFD\uFFFD!",
+      "Second.",
+      "Third.",
+      "Fourth.",
+    ]);
     assert.equal(docs[2].url, "https://e.com/2");
     assert.deepEqual(counts, {
       files: 5,
@@ -44,7 +61,10 @@ Deno.test("readDocuments merges txt and jsonl files and counts empty, binary, in
 Deno.test("mergeToLooseJson writes one JSON object per line and keeps an old file when it fails", async () => {
   await withRoot(async (root) => {
     await Deno.writeTextFile(join(root, "x.txt"), "Hello\nworld");
-    await Deno.writeTextFile(join(root, "y.json"), JSON.stringify([{ text: "From array" }, "Bare string", 5]));
+    await Deno.writeTextFile(
+      join(root, "y.json"),
+      JSON.stringify([{ text: "From array" }, "Bare string", 5]),
+    );
     const out = join(root, "merged.jsonl");
     const counts = await mergeToLooseJson([join(root, "x.txt"), join(root, "y.json")], out);
     const lines = (await Deno.readTextFile(out)).trim().split("\n").map((l) => JSON.parse(l));

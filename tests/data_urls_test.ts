@@ -3,7 +3,10 @@ import assert from "node:assert/strict";
 import { filterUrls, normalizeUrl } from "../data/mod.ts";
 
 Deno.test("normalizeUrl lower-cases the host, drops www, fragment, tracking and trailing slash", () => {
-  assert.equal(normalizeUrl("HTTPS://WWW.Example.COM:443/a/b/?utm_source=x&q=1#frag"), "https://example.com/a/b?q=1");
+  assert.equal(
+    normalizeUrl("HTTPS://WWW.Example.COM:443/a/b/?utm_source=x&q=1#frag"),
+    "https://example.com/a/b?q=1",
+  );
   assert.equal(normalizeUrl("ftp://example.com/file"), undefined);
   assert.equal(normalizeUrl("not a url"), undefined);
 });
@@ -24,10 +27,17 @@ Deno.test("filterUrls reports invalid, duplicate, blacklisted and non-text count
     "# comment",
   ]);
   assert.deepEqual(counts, { input: 10, invalid: 1, duplicates: 1, blacklisted: 2, non_text: 3, kept: 3 });
-  assert.deepEqual(urls, ["https://example.com/article", "http://example.com/article", "https://news.example.org/story.html"]);
+  assert.deepEqual(urls, [
+    "https://example.com/article",
+    "http://example.com/article",
+    "https://news.example.org/story.html",
+  ]);
 });
 
 Deno.test("filterUrls throws with the counts when nothing is left", () => {
-  assert.throws(() => filterUrls(["https://youtube.com/x", "https://example.com/a.png"]), /No URLs left.*2 input.*1 blacklisted.*1 non-text/);
+  assert.throws(
+    () => filterUrls(["https://youtube.com/x", "https://example.com/a.png"]),
+    /No URLs left.*2 input.*1 blacklisted.*1 non-text/,
+  );
   assert.throws(() => filterUrls([]), /No URLs left/);
 });
