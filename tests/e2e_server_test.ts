@@ -67,29 +67,30 @@ async function follow(url: string, lastId: number, onEvent: (e: SseEvent) => boo
   assert.equal(res.status, 200);
   const reader = res.body!.pipeThrough(new TextDecoderStream()).getReader();
   let buf = "";
-  try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) return;
-      buf += value;
-      let i;
-      while ((i = buf.indexOf("\n\n")) >= 0) {
-        const block = buf.slice(0, i);
-        buf = buf.slice(i + 2);
-        if (block.startsWith(":")) continue;
-        const f: Record<string, string> = {};
-        for (const line of block.split("\n")) {
-          const c = line.indexOf(":");
-          f[line.slice(0, c)] = line.slice(c + 1).trimStart();
-        }
-        if (onEvent({ id: Number(f.id), event: f.event, data: JSON.parse(f.data) }) === false) {
-          await reader.cancel();
-          return;
-        }
+  for (;;) {
+    let chunk: ReadableStreamReadResult<string>;
+    try {
+      chunk = await reader.read();
+    } catch {
+      return; // the server was killed mid-stream
+    }
+    if (chunk.done) return;
+    buf += chunk.value;
+    let i;
+    while ((i = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, i);
+      buf = buf.slice(i + 2);
+      if (block.startsWith(":")) continue;
+      const f: Record<string, string> = {};
+      for (const line of block.split("\n")) {
+        const c = line.indexOf(":");
+        f[line.slice(0, c)] = line.slice(c + 1).trimStart();
+      }
+      if (onEvent({ id: Number(f.id), event: f.event, data: JSON.parse(f.data) }) === false) {
+        await reader.cancel();
+        return;
       }
     }
-  } catch {
-    // The server was killed mid-stream.
   }
 }
 
