@@ -29,7 +29,9 @@ import {
   attentionFlops,
   attentionForwardWgsl,
   type AttentionSpec,
+  chooseAttentionSplit,
   chooseAttentionTiles,
+  chooseSplitAttentionTiles,
 } from "./kernels/attention.ts";
 import {
   colsumPartialWgsl,
@@ -249,12 +251,17 @@ export async function buildModel(ctx: GpuContext, shape: ModelShape): Promise<Gp
   });
   const rowsGrid = grid1d(BT, ctx.limits.maxComputeWorkgroupsPerDimension);
   const elemGrid = (n4: number) => grid1d(Math.ceil(n4 / 64), ctx.limits.maxComputeWorkgroupsPerDimension);
+  const split = chooseAttentionSplit(D, ctx.hasSubgroups);
+  const wgBytes = ctx.limits.maxComputeWorkgroupStorageSize;
   const attn: AttentionSpec = {
     B,
     T,
     H,
     D,
-    ...chooseAttentionTiles({ T, D }, ctx.limits.maxComputeWorkgroupStorageSize),
+    split,
+    ...(split > 1
+      ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
+      : chooseAttentionTiles({ T, D }, wgBytes)),
   };
   const hidden = shape.hiddenDropout, ap = shape.attnDropout;
 

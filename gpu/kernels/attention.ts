@@ -23,6 +23,12 @@ export interface AttentionSpec {
   /** Keys per tile (threads of the dK/dV kernel). */
   BKV: number;
   dropout?: { site: number; nSites: number };
+  /**
+   * Threads per row in the backward kernels: 1 = the plain kernels; 2 or 4 = the subgroup
+   * variants, where S adjacent threads split a row's head dimension (needs the "subgroups"
+   * feature, a subgroup size ≥ S, and D/4 divisible by S). The forward is the same for all.
+   */
+  split?: 1 | 2 | 4;
 }
 
 /** Picks tiles that fit the device's workgroup memory. */
@@ -39,6 +45,36 @@ export function chooseAttentionTiles(
   while (BQ > 8 && bwdBytes(BQ, BKV) > maxWorkgroupBytes) BQ /= 2;
   return { BQ: Math.min(BQ, 64), BKV };
 }
+
+/** The widest split (4, 2 or 1) that divides D/4; 1 without subgroups. */
+export function chooseAttentionSplit(D: number, hasSubgroups: boolean): 1 | 2 | 4 {
+  if (!hasSubgroups) return 1;
+  return (D / 4) % 4 === 0 ? 4 : (D / 4) % 2 === 0 ? 2 : 1;
+}
+
+/**
+ * Tiles for the split (subgroup) backward kernels: the dK/dV kernel runs BKV·S threads and keeps
+ * Q/dO tiles of BQ rows plus lse/delta in workgroup memory; the dQ kernel runs BQ·S threads with
+ * K/V tiles of BKV rows (the forward uses the same K/V tiles with BQ threads).
+ */
+export function chooseSplitAttentionTiles(
+  dims: Pick<AttentionSpec, "T" | "D">,
+  maxWorkgroupBytes: number,
+  split: number,
+  maxThreads = 256,
+): { BQ: number; BKV: number } {
+  let BQ = 64, BKV = 64;
+  while (BQ > 8 && BQ * split > maxThreads) BQ /= 2;
+  while (BKV > 8 && BKV * split > maxThreads) BKV /= 2;
+  while (BQ > 8 && splitKVBytes(BQ, dims.D) > maxWorkgroupBytes) BQ /= 2;
+  while (BKV > 8 && splitQBytes(BKV, dims.D) > maxWorkgroupBytes) BKV /= 2;
+  return { BQ, BKV };
+}
+
+/** Workgroup bytes of the split dK/dV kernel (Q, dO tiles; lse, delta). */
+export const splitKVBytes = (BQ: number, D: number) => (2 * BQ * D + 2 * BQ) * 4;
+/** Workgroup bytes of the split dQ kernel and of the forward (K, V tiles). */
+export const splitQBytes = (BKV: number, D: number) => 2 * BKV * D * 4;
 
 function dotExpr(a: (c: number) => string, b: (c: number) => string, D4: number): string {
   const terms: string[] = [];
@@ -138,6 +174,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 
 /** dK and dV: one thread per key, looping over the queries that see it. Grid (ceil(T/BKV), H, B). */
 export function attentionBackwardKVWgsl(s: AttentionSpec): string {
+  if ((s.split ?? 1) > 1) return attentionBackwardKVSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
   const range = (n: number) => [...Array(n).keys()];
@@ -208,6 +245,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 
 /** dQ: one thread per query, looping over the keys it sees. Grid (ceil(T/BQ), H, B). */
 export function attentionBackwardQWgsl(s: AttentionSpec): string {
+  if ((s.split ?? 1) > 1) return attentionBackwardQSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1;
   const range = (n: number) => [...Array(n).keys()];
@@ -260,6 +298,162 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
   if (qok) {
     ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n    ")}
+  }
+}
+`;
+}
+
+/**
+ * Sum over the S threads of a row (adjacent invocations tid ^ 1, tid ^ 2): every thread ends with
+ * the full value. Must run in uniform control flow.
+ */
+function rowSum(v: string, S: number): string {
+  const out: string[] = [];
+  for (let m = 1; m < S; m *= 2) out.push(`${v} = ${v} + subgroupShuffleXor(${v}, ${m}u);`);
+  return out.join(" ");
+}
+
+/**
+ * dK and dV, split variant: S adjacent threads per key, thread `part` holding vec4 columns
+ * c·S + part (c < D/4/S) of k, v, dk, dv in registers; scores and dP dots are combined with
+ * subgroup shuffles. The query loop bounds are uniform per workgroup and the causal mask is a
+ * select(), so all threads of a subgroup shuffle together. Grid (ceil(T/BKV), H, B).
+ */
+function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const S = s.split!, N = D4 / S, NT = s.BKV * S;
+  if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
+  const range = (n: number) => [...Array(n).keys()];
+  const col = (c: number) => `${c * S}u + part`;
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> delta: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
+var<workgroup> dOs: array<vec4<f32>, ${s.BQ * D4}>;
+var<workgroup> Ls: array<f32, ${s.BQ}>;
+var<workgroup> Ds: array<f32, ${s.BQ}>;
+
+@compute @workgroup_size(${NT})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let part = tid % ${S}u;
+  let kFirst = wg.x * ${s.BKV}u;
+  let kj = kFirst + tid / ${S}u;
+  let kok = kj < ${s.T}u;
+  let krow = (b * ${s.T}u + min(kj, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
+  ${range(N).map((c) => `let k${c} = qkv[krow + ${C4}u + ${col(c)}];`).join("\n  ")}
+  ${range(N).map((c) => `let v${c} = qkv[krow + ${2 * C4}u + ${col(c)}];`).join("\n  ")}
+  ${range(N).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${range(N).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let lhbase = (b * ${s.H}u + h) * ${s.T}u;
+  for (var qt = (kFirst / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
+    workgroupBarrier();
+    for (var e = tid; e < ${s.BQ * D4}u; e = e + ${NT}u) {
+      let qr = min(qt + e / ${D4}u, ${s.T - 1}u);
+      Qs[e] = qkv[(b * ${s.T}u + qr) * ${R4}u + h * ${D4}u + e % ${D4}u] * ${scale};
+      dOs[e] = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];
+    }
+    for (var e = tid; e < ${s.BQ}u; e = e + ${NT}u) {
+      let qr = min(qt + e, ${s.T - 1}u);
+      Ls[e] = lse[lhbase + qr];
+      Ds[e] = delta[lhbase + qr];
+    }
+    workgroupBarrier();
+    let i0 = u32(clamp(i32(kFirst) - i32(qt), 0, ${s.BQ}));
+    let i1 = min(${s.BQ}u, ${s.T}u - qt);
+    for (var i = i0; i < i1; i = i + 1u) {
+      let qb = i * ${D4}u + part;
+      var sd = vec2<f32>(${dotExpr((c) => `Qs[qb + ${c * S}u]`, (c) => `k${c}`, N)}, ${
+    dotExpr((c) => `dOs[qb + ${c * S}u]`, (c) => `v${c}`, N)
+  });
+      ${rowSum("sd", S)}
+      let qi = qt + i;
+      let p = select(0.0, exp(sd.x - Ls[i]), qi >= kj);
+      ${
+    s.dropout
+      ? `let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; let dp = sd.y * kp;`
+      : "let pd = p; let dp = sd.y;"
+  }
+      let ds = p * (dp - Ds[i]);
+      ${range(N).map((c) => `dv${c} = fma(vec4<f32>(pd), dOs[qb + ${c * S}u], dv${c});`).join("\n      ")}
+      ${range(N).map((c) => `dk${c} = fma(vec4<f32>(ds), Qs[qb + ${c * S}u], dk${c});`).join("\n      ")}
+    }
+  }
+  if (kok) {
+    ${range(N).map((c) => `dqkv[krow + ${C4}u + ${col(c)}] = dk${c};`).join("\n    ")}
+    ${range(N).map((c) => `dqkv[krow + ${2 * C4}u + ${col(c)}] = dv${c};`).join("\n    ")}
+  }
+}
+`;
+}
+
+/**
+ * dQ, split variant: S adjacent threads per query, each holding D/S columns of q, dO and dq in
+ * registers; K/V tiles in workgroup memory. Uniform key bounds, causal mask by select().
+ * Grid (ceil(T/BQ), H, B).
+ */
+function attentionBackwardQSplitWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const S = s.split!, N = D4 / S, NT = s.BQ * S;
+  if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
+  const range = (n: number) => [...Array(n).keys()];
+  const col = (c: number) => `${c * S}u + part`;
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> delta: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
+var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
+
+@compute @workgroup_size(${NT})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let part = tid % ${S}u;
+  let qi = wg.x * ${s.BQ}u + tid / ${S}u;
+  let qok = qi < ${s.T}u;
+  let qc = min(qi, ${s.T - 1}u);
+  let qrow = (b * ${s.T}u + qc) * ${R4}u + h * ${D4}u;
+  let orow = (b * ${s.T}u + qc) * ${C4}u + h * ${D4}u;
+  ${range(N).map((c) => `let q${c} = qkv[qrow + ${col(c)}] * ${scale};`).join("\n  ")}
+  ${range(N).map((c) => `let o${c} = dy[orow + ${col(c)}];`).join("\n  ")}
+  ${range(N).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let li = lse[(b * ${s.H}u + h) * ${s.T}u + qc];
+  let di = delta[(b * ${s.H}u + h) * ${s.T}u + qc];
+  let qLast = min(wg.x * ${s.BQ}u + ${s.BQ - 1}u, ${s.T - 1}u);
+  for (var kt = 0u; kt <= qLast; kt = kt + ${s.BKV}u) {
+    workgroupBarrier();
+    for (var e = tid; e < ${s.BKV * D4}u; e = e + ${NT}u) {
+      let kr = min(kt + e / ${D4}u, ${s.T - 1}u);
+      let src = (b * ${s.T}u + kr) * ${R4}u + h * ${D4}u + e % ${D4}u;
+      Ks[e] = qkv[src + ${C4}u];
+      Vs[e] = qkv[src + ${2 * C4}u];
+    }
+    workgroupBarrier();
+    let jn = min(qLast + 1u - kt, ${s.BKV}u);
+    for (var j = 0u; j < jn; j = j + 1u) {
+      let kb = j * ${D4}u + part;
+      var sd = vec2<f32>(${dotExpr((c) => `q${c}`, (c) => `Ks[kb + ${c * S}u]`, N)}, ${
+    dotExpr((c) => `o${c}`, (c) => `Vs[kb + ${c * S}u]`, N)
+  });
+      ${rowSum("sd", S)}
+      let kj = kt + j;
+      let p = select(0.0, exp(sd.x - li), kj <= qi);
+      ${s.dropout ? `let dp = sd.y * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let dp = sd.y;"}
+      let ds = p * (dp - di);
+      ${range(N).map((c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c * S}u], dq${c});`).join("\n      ")}
+    }
+  }
+  if (qok) {
+    ${range(N).map((c) => `dqkv[qrow + ${col(c)}] = dq${c} * ${scale};`).join("\n    ")}
   }
 }
 `;
