@@ -259,6 +259,7 @@ export class JobRunner {
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
     });
     this.#startOnWorker(slot, job).catch((e) => {
+      if (this.#stopped) return;
       slot.job = null;
       slot.state = "idle";
       this.#finish(job.id, "failed", job.iteration, (e as Error).message);
@@ -271,6 +272,7 @@ export class JobRunner {
     const own = (await listCheckpoints(dir)).at(-1);
     const resume_path = own?.path ??
       (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
+    if (this.#stopped) return; // shut down meanwhile: the job stays "running" and resumes on the next start
     const msg: WorkerJob = {
       id: job.id,
       config: job.config,

@@ -10,6 +10,13 @@ import { JobRunner, JobStore, saveCheckpoint, type TrainConfig, type TrainReques
 import { ScriptedWorker } from "../jobs/testing.ts";
 
 const tick = () => new Promise((r) => setTimeout(r, 5));
+/** Waits until `cond()` holds (the runner works asynchronously; CI machines can be slow). */
+async function until(cond: () => boolean, what = "condition"): Promise<void> {
+  for (const end = Date.now() + 10_000; !cond();) {
+    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
+    await tick();
+  }
+}
 const req = (over: Partial<TrainRequest> = {}): TrainRequest => ({
   model: "gpt2-tiny",
   dataset: "sotu",
@@ -57,12 +64,12 @@ Deno.test("JobRunner runs one job per GPU in FIFO order and spreads jobs over GP
     await tick();
     const ids = [];
     for (let i = 0; i < 4; i++) ids.push((await runner.submit(req({ seed: i }))).id);
-    await tick();
+    await until(() => workers.every((w) => w.jobs.length === 1), "a job on each worker");
     assert.deepEqual(ids.map((id) => store.getJob(id)!.gpu), [0, 1, 0, 1]);
     assert.deepEqual(workers.map((w) => w.jobs.map((j) => j.id)), [[ids[0]], [ids[1]]]);
     assert.deepEqual(store.queue(0).map((j) => j.id), [ids[2]]);
     workers[0].send({ type: "done", id: ids[0], status: "succeeded", iteration: 20, error: null });
-    await tick();
+    await until(() => workers[0].jobs.length === 2, "the next job on GPU 0");
     assert.deepEqual(workers[0].jobs.map((j) => j.id), [ids[0], ids[2]]);
     assert.equal(store.getJob(ids[0])!.status, "succeeded");
     assert.equal(store.getJob(ids[2])!.status, "running");
@@ -84,7 +91,7 @@ Deno.test("JobRunner.start() marks jobs a dead server left running as interrupte
     await tick();
     const a = (await first.runner.submit(req())).id;
     const b = (await first.runner.submit(req())).id;
-    await tick();
+    await until(() => first.workers[0].jobs.length === 1, "job a on the worker");
     first.workers[0].send({ type: "started", id: a, iteration: 0, resumed_from: null, gpu_memory_bytes: 1 });
     const model = presetConfig("gpt2-tiny");
     const n = paramLayout(model).totalSize;
@@ -111,7 +118,7 @@ Deno.test("JobRunner.start() marks jobs a dead server left running as interrupte
     assert.equal(store.getJob(a)!.status, "interrupted");
     const events = store.eventsAfter(a).map((e) => e.data.status).filter(Boolean);
     assert.deepEqual(events, ["queued", "running", "interrupted"]);
-    await tick();
+    await until(() => second.workers[0].jobs.length === 1, "job a resumed on the worker");
     const handed = second.workers[0].jobs;
     assert.deepEqual(handed.map((j) => j.id), [a]);
     assert.equal(handed[0].resume_path, ck.path);
@@ -136,9 +143,9 @@ Deno.test("a crashed Worker fails only its job and is replaced", async () => {
     await tick();
     const a = (await runner.submit(req())).id;
     const b = (await runner.submit(req())).id;
-    await tick();
+    await until(() => workers[0].jobs.length === 1, "job a on the worker");
     workers[0].onerror!(new ErrorEvent("error", { message: "Uncaught RangeError: boom", cancelable: true }));
-    await tick();
+    await until(() => workers[1]?.jobs.length === 1, "job b on the fresh worker");
     assert.equal(store.getJob(a)!.status, "failed");
     assert.equal(store.getJob(a)!.error, "GPU worker crashed: Uncaught RangeError: boom");
     assert.ok(workers[0].terminated);

@@ -9,6 +9,14 @@ import { type FromWorker, JobRunner, JobStore } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
 
+/** Waits until `cond()` holds (the runner hands jobs over asynchronously; CI machines can be slow). */
+async function until(cond: () => boolean, what = "condition"): Promise<void> {
+  for (const end = Date.now() + 10_000; !cond();) {
+    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
 async function setup(opts: { token?: string; unavailable?: string } = {}) {
   const root = await Deno.makeTempDir({ prefix: "gpt2_routes_" });
   const store = new JobStore(":memory:");
@@ -48,7 +56,7 @@ Deno.test("POST /train queues a job with defaults and hands it to the GPU worker
     const body = await res.json();
     assertMatch(body.id, /^job_[0-9a-f]{12}$/);
     assertEquals(res.headers.get("Location"), `/jobs/${body.id}`);
-    await new Promise((r) => setTimeout(r, 10));
+    await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     assertEquals(t.workers[0].jobs.length, 1);
     const handed = t.workers[0].jobs[0];
     assertEquals(handed.id, body.id);
@@ -156,7 +164,7 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
   const t = await setup();
   try {
     const { id } = await (await t.post("/train", { train_iters: 20 })).json();
-    await new Promise((r) => setTimeout(r, 10));
+    await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     const w = t.workers[0];
     w.send({ type: "started", id, iteration: 0, resumed_from: null, gpu_memory_bytes: 1234 });
     const timings = {
@@ -226,7 +234,7 @@ Deno.test("GET /jobs/:id/events streams live events until done and replays after
   const t = await setup();
   try {
     const { id } = await (await t.post("/train", { train_iters: 20 })).json();
-    await new Promise((r) => setTimeout(r, 10));
+    await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     const w = t.workers[0];
     const res = await t.app.request(`/jobs/${id}/events`);
     assertEquals(res.status, 200);
@@ -269,7 +277,7 @@ Deno.test("POST /jobs/:id/cancel cancels queued jobs at once, flags running ones
   try {
     const a = (await (await t.post("/train", {})).json()).id;
     const b = (await (await t.post("/train", {})).json()).id;
-    await new Promise((r) => setTimeout(r, 10));
+    await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     assertEquals(t.workers[0].jobs.map((j) => j.id), [a]); // FIFO: b waits
 
     const qb = await t.post(`/jobs/${b}/cancel`, {});
@@ -285,7 +293,7 @@ Deno.test("POST /jobs/:id/cancel cancels queued jobs at once, flags running ones
     assertEquals((await (await t.app.request(`/jobs/${a}`)).json()).status, "cancelled");
 
     const c = (await (await t.post("/train", {})).json()).id;
-    await new Promise((r) => setTimeout(r, 10));
+    await until(() => t.workers[0].jobs.length === 2, "the job on the worker");
     t.workers[0].send({ type: "done", id: c, status: "succeeded", iteration: 1000, error: null });
     const late = await t.post(`/jobs/${c}/cancel`, {});
     assertEquals(late.status, 409);
