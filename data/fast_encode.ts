@@ -9,121 +9,116 @@
  * inside a document is ordinary text, and the separator is appended by the caller.
  */
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
+import { addWord, type ClassCache, scanPieces, type WordList } from "./pretokenize.ts";
 
-/** Character classes of the GPT-2 pre-tokenizer: letter, number, whitespace, other. */
-const L = 0, N = 1, S = 2, O = 3;
-/** Classes of the ASCII characters. */
-const ASCII_CLASS = new Uint8Array(128).map((_, c) =>
-  (c >= 65 && c <= 90) || (c >= 97 && c <= 122)
-    ? L
-    : c >= 48 && c <= 57
-    ? N
-    : (c >= 9 && c <= 13) || c === 32
-    ? S
-    : O
-);
-const LETTER_RE = /^\p{L}$/u, NUMBER_RE = /^\p{N}$/u, SPACE_RE = /^\s$/u;
 const ENCODE_OPTS = { disallowedSpecial: new Set<string>() };
 
-/** Encoder state: caches owned by one worker (no module-level state). */
+/**
+ * Encoder state owned by one worker (no module-level state): an open-addressing hash table from
+ * piece (compared in place, never sliced on a hit) to its tokens, and the classes of non-ASCII
+ * code points seen.
+ */
 export interface FastEncoder {
-  /** Piece → token(s). */
-  cache: Map<string, number | number[]>;
-  /** Code point → class, for non-ASCII. */
-  classes: Map<number, number>;
-  /** Cache entries allowed before the cache is cleared. */
+  /** Slots: entry index + 1, or 0 when empty (length a power of two). */
+  table: Int32Array;
+  /** Per entry: the piece's hash. */
+  hashes: Int32Array;
+  /** Per entry: the piece. */
+  keys: string[];
+  /** Per entry: first token in `pool`. */
+  starts: Int32Array;
+  /** Per entry: token count. */
+  lengths: Int32Array;
+  /** Token storage. */
+  pool: Uint16Array;
+  /** Tokens used in `pool`. */
+  poolUsed: number;
+  /** Entries used. */
+  count: number;
+  /** Entries allowed before the cache is cleared (at most half the table). */
   maxEntries: number;
+  /** Code point → class, for non-ASCII. */
+  classes: ClassCache;
 }
 
-/** A new encoder with a cache of at most `maxEntries` pieces (default 200000). */
-export function createFastEncoder(maxEntries = 200_000): FastEncoder {
-  return { cache: new Map(), classes: new Map(), maxEntries };
+/** A new encoder caching at most `maxEntries` pieces (default 2^18). */
+export function createFastEncoder(maxEntries = 1 << 18): FastEncoder {
+  let size = 16;
+  while (size < maxEntries * 2) size *= 2;
+  return {
+    table: new Int32Array(size),
+    hashes: new Int32Array(maxEntries),
+    keys: [],
+    starts: new Int32Array(maxEntries),
+    lengths: new Int32Array(maxEntries),
+    pool: new Uint16Array(maxEntries * 4),
+    poolUsed: 0,
+    count: 0,
+    maxEntries,
+    classes: new Map(),
+  };
 }
 
-/** The class of the code point at `i` (and its UTF-16 length via `width`). */
-function classAt(enc: FastEncoder, text: string, i: number): number {
-  const c = text.charCodeAt(i);
-  if (c < 128) return ASCII_CLASS[c];
-  const cp = text.codePointAt(i)!;
-  let k = enc.classes.get(cp);
-  if (k === undefined) {
-    const ch = String.fromCodePoint(cp);
-    k = LETTER_RE.test(ch) ? L : NUMBER_RE.test(ch) ? N : SPACE_RE.test(ch) ? S : O;
-    enc.classes.set(cp, k);
-  }
-  return k;
-}
-
-/** UTF-16 length of the code point at `i`. */
-function widthAt(text: string, i: number): number {
-  const c = text.charCodeAt(i);
-  return c >= 0xd800 && c <= 0xdbff && i + 1 < text.length ? 2 : 1;
-}
-
-/** Append the tokens of one piece. */
-function pushPiece(enc: FastEncoder, piece: string, out: number[]): void {
-  let t = enc.cache.get(piece);
-  if (t === undefined) {
-    const ids = encode(piece, ENCODE_OPTS);
-    t = ids.length === 1 ? ids[0] : ids;
-    if (enc.cache.size >= enc.maxEntries) enc.cache.clear();
-    enc.cache.set(piece, t);
-  }
-  if (typeof t === "number") out.push(t);
-  else for (let j = 0; j < t.length; j++) out.push(t[j]);
-}
-
-/** Whether a GPT-2 contraction ('s 't 're 've 'm 'll 'd) starts at `i` (text[i] is an apostrophe); its length or 0. */
-function contraction(text: string, i: number): number {
-  const a = text.charCodeAt(i + 1);
-  if (a === 115 || a === 116 || a === 109 || a === 100) return 2; // s t m d
-  const b = text.charCodeAt(i + 2);
-  if ((a === 114 && b === 101) || (a === 118 && b === 101) || (a === 108 && b === 108)) return 3; // re ve ll
-  return 0;
-}
-
-/** Encode `text` with GPT-2 BPE, appending token ids to `out` (and returning it). */
-export function fastEncode(enc: FastEncoder, text: string, out: number[] = []): number[] {
-  const n = text.length;
-  let i = 0;
-  while (i < n) {
-    const start = i;
-    const c = text.charCodeAt(i);
-    if (c === 39) {
-      const k = contraction(text, i);
-      if (k > 0) {
-        pushPiece(enc, text.slice(i, i + k), out);
-        i += k;
-        continue;
+/** Append the tokens of the piece `text[start, end)`. */
+function pushPiece(enc: FastEncoder, text: string, start: number, end: number, out: number[]): void {
+  let h = 0x811c9dc5 | 0;
+  for (let i = start; i < end; i++) h = Math.imul(h ^ text.charCodeAt(i), 0x01000193);
+  h ^= h >>> 15;
+  const len = end - start;
+  const mask = enc.table.length - 1;
+  let slot = h & mask;
+  while (true) {
+    const e = enc.table[slot] - 1;
+    if (e < 0) break;
+    if (enc.hashes[e] === h) {
+      const key = enc.keys[e];
+      if (key.length === len) {
+        let same = true;
+        for (let i = 0; i < len; i++) {
+          if (key.charCodeAt(i) !== text.charCodeAt(start + i)) {
+            same = false;
+            break;
+          }
+        }
+        if (same) {
+          const s = enc.starts[e], n = enc.lengths[e], pool = enc.pool;
+          for (let j = 0; j < n; j++) out.push(pool[s + j]);
+          return;
+        }
       }
     }
-    let cls = classAt(enc, text, i);
-    let j = i;
-    if (c === 32 && i + 1 < n) {
-      const next = classAt(enc, text, i + 1);
-      if (next !== S) {
-        cls = next;
-        j = i + 1;
-      }
-    }
-    if (cls !== S) {
-      // ` ?\p{L}+`, ` ?\p{N}+` or ` ?[^\s\p{L}\p{N}]+`: a run of one class.
-      j += widthAt(text, j);
-      while (j < n && classAt(enc, text, j) === cls) j += widthAt(text, j);
-      pushPiece(enc, text.slice(start, j), out);
-      i = j;
-      continue;
-    }
-    // Whitespace: `\s+(?!\S)` leaves the run's last character to the next piece when one follows; else `\s+`.
-    let last = j;
-    j += widthAt(text, j);
-    while (j < n && classAt(enc, text, j) === S) {
-      last = j;
-      j += widthAt(text, j);
-    }
-    const end = j < n && last > start ? last : j;
-    pushPiece(enc, text.slice(start, end), out);
-    i = end;
+    slot = (slot + 1) & mask;
   }
+  const piece = text.slice(start, end);
+  const ids = encode(piece, ENCODE_OPTS);
+  for (let j = 0; j < ids.length; j++) out.push(ids[j]);
+  if (enc.count >= enc.maxEntries || enc.poolUsed + ids.length > enc.pool.length) {
+    if (ids.length > enc.pool.length) return; // A piece too long to cache.
+    enc.table.fill(0);
+    enc.keys.length = 0;
+    enc.count = 0;
+    enc.poolUsed = 0;
+    slot = h & mask;
+  }
+  const e = enc.count++;
+  enc.table[slot] = e + 1;
+  enc.hashes[e] = h;
+  enc.keys[e] = piece;
+  enc.starts[e] = enc.poolUsed;
+  enc.lengths[e] = ids.length;
+  enc.pool.set(ids, enc.poolUsed);
+  enc.poolUsed += ids.length;
+}
+
+/**
+ * Encode `text` with GPT-2 BPE, appending token ids to `out` (and returning it). When `words` is
+ * given, the hashes of the text's words (its letter and number pieces) are appended to it, as
+ * `collectWords` (pretokenize.ts) computes them, for MinHash without a second scan.
+ */
+export function fastEncode(enc: FastEncoder, text: string, out: number[] = [], words?: WordList): number[] {
+  scanPieces(enc.classes, text, (start, end, wordStart) => {
+    pushPiece(enc, text, start, end, out);
+    if (words && wordStart >= 0) addWord(words, text, wordStart, end);
+  });
   return out;
 }

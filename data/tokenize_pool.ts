@@ -37,7 +37,7 @@ export interface WorkerResult {
   empty: number;
   /** Characters of kept documents after cleaning. */
   chars: number;
-  /** Milliseconds the worker spent cleaning, tokenizing and signing this batch. */
+  /** Milliseconds the worker spent cleaning, tokenizing and computing signatures for this batch. */
   ms: [number, number, number];
 }
 

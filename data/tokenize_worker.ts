@@ -1,87 +1,99 @@
 /**
  * Worker body of the tokenize stage: for a batch of raw documents it cleans the text, encodes it
  * with GPT-2 BPE (r50k_base), drops documents under the token minimum, appends `<|endoftext|>`
- * after each kept one and computes its MinHash signature.
+ * after each kept one and computes its MinHash signature from the word hashes collected while
+ * encoding.
  *
  * Doing clean + tokenize + signature in one worker pass keeps every core busy on the costly part
- * while the main thread only reads input, runs the LSH index and writes tokens.
+ * while the main thread only reads input, runs the LSH index and writes tokens. The worker's
+ * state (configuration, encoder cache) lives for the worker's lifetime and is created by the
+ * first "config" message.
  */
 /// <reference lib="deno.worker" />
-import { createFastEncoder, fastEncode } from "./fast_encode.ts";
+import { createFastEncoder, fastEncode, type FastEncoder } from "./fast_encode.ts";
+import { minhashFromWords } from "./minhash.ts";
+import { createWordList, type WordList } from "./pretokenize.ts";
 import { cleanText } from "./text.ts";
-import { type MinHashParams, minhashSignature } from "./minhash.ts";
 import type { WorkerBatch, WorkerConfig, WorkerResult } from "./tokenize_pool.ts";
 
 /** `<|endoftext|>` in r50k_base. */
 const EOT = 50256;
-let config: WorkerConfig | undefined;
-/** This worker's encoder caches (a literal "<|endoftext|>" in a document is encoded as text). */
-const encoder = createFastEncoder();
+
+/** What one worker keeps between batches. */
+interface WorkerState {
+  config: WorkerConfig;
+  encoder: FastEncoder;
+  words: WordList;
+}
 
 /** Process one batch. */
-function run(batch: WorkerBatch, cfg: WorkerConfig): WorkerResult {
+function run(state: WorkerState, batch: WorkerBatch): WorkerResult {
+  const { config: cfg, encoder, words } = state;
+  const mh = cfg.minhash;
   const n = batch.texts.length;
   const lengths = new Uint32Array(n);
-  const encoded: ArrayLike<number>[] = [];
-  const kept: string[] = [];
-  let total = 0, short = 0, empty = 0, chars = 0;
-  const t0 = performance.now();
-  let tClean = 0;
+  const sigs = new Uint32Array(mh ? n * mh.numPerm : 0);
+  let tokens = new Uint16Array(1 << 16);
+  let total = 0, short = 0, empty = 0, chars = 0, kept = 0;
+  let tClean = 0, tEncode = 0, tSign = 0;
+  const ids: number[] = [];
   for (let i = 0; i < n; i++) {
-    const c0 = performance.now();
+    const t0 = performance.now();
     const text = cleanText(batch.texts[i]);
-    tClean += performance.now() - c0;
+    const t1 = performance.now();
+    tClean += t1 - t0;
     if (text.length === 0) {
       empty++;
       continue;
     }
-    const ids = fastEncode(encoder, text);
+    ids.length = 0;
+    words.count = 0;
+    fastEncode(encoder, text, ids, mh ? words : undefined);
+    const t2 = performance.now();
+    tEncode += t2 - t1;
     if (ids.length < cfg.minTokens) {
       short++;
       continue;
     }
-    lengths[i] = ids.length + 1;
-    total += ids.length + 1;
-    chars += text.length;
-    encoded.push(ids);
-    kept.push(text);
-  }
-  const tokens = new Uint16Array(total);
-  let off = 0;
-  for (const ids of encoded) {
-    tokens.set(ids, off);
-    off += ids.length;
-    tokens[off++] = EOT;
-  }
-  const t1 = performance.now();
-  const mh = cfg.minhash;
-  const sigs = new Uint32Array(mh ? kept.length * mh.numPerm : 0);
-  if (mh) {
-    for (let i = 0; i < kept.length; i++) {
-      minhashSignature(kept[i], mh, sigs, i * mh.numPerm);
+    if (total + ids.length + 1 > tokens.length) {
+      let size = tokens.length * 2;
+      while (size < total + ids.length + 1) size *= 2;
+      const grown = new Uint16Array(size);
+      grown.set(tokens.subarray(0, total));
+      tokens = grown;
     }
+    tokens.set(ids, total);
+    tokens[total + ids.length] = EOT;
+    total += ids.length + 1;
+    lengths[i] = ids.length + 1;
+    chars += text.length;
+    if (mh) minhashFromWords(words.hashes, words.count, mh, sigs, kept * mh.numPerm);
+    kept++;
+    tSign += performance.now() - t2;
   }
-  const t2 = performance.now();
   return {
     seq: batch.seq,
     lengths,
-    tokens,
-    sigs,
+    tokens: tokens.slice(0, total),
+    sigs: mh ? sigs.slice(0, kept * mh.numPerm) : sigs,
     short,
     empty,
     chars,
-    ms: [tClean, t1 - t0 - tClean, t2 - t1],
+    ms: [tClean, tEncode, tSign],
   };
 }
 
+let state: WorkerState | undefined;
+
 self.onmessage = (e: MessageEvent<{ config?: WorkerConfig; batch?: WorkerBatch }>) => {
   if (e.data.config) {
-    config = e.data.config;
+    state = { config: e.data.config, encoder: createFastEncoder(), words: createWordList() };
     return;
   }
   const batch = e.data.batch!;
   try {
-    const out = run(batch, config!);
+    if (!state) throw new Error("No configuration received");
+    const out = run(state, batch);
     self.postMessage(out, [
       out.lengths.buffer as ArrayBuffer,
       out.tokens.buffer as ArrayBuffer,
@@ -94,5 +106,3 @@ self.onmessage = (e: MessageEvent<{ config?: WorkerConfig; batch?: WorkerBatch }
     });
   }
 };
-
-export type { MinHashParams };
