@@ -1,6 +1,6 @@
 /**
  * The attention kernels alone (forward output and the dqkv gradient) against the float64 CPU
- * reference at head size 64, for the plain kernels and the subgroup-split backward variants, with
+ * reference at head size 64, for the plain kernels and the subgroup-split variants, with
  * and without attention dropout, at a T that the tiles do not divide.
  */
 

@@ -24,9 +24,9 @@ export interface AttentionSpec {
   BKV: number;
   dropout?: { site: number; nSites: number };
   /**
-   * Threads per row in the backward kernels: 1 = the plain kernels; 2 or 4 = the subgroup
-   * variants, where S adjacent threads split a row's head dimension (needs the "subgroups"
-   * feature, a subgroup size ≥ S, and D/4 divisible by S). The forward is the same for all.
+   * Threads per row: 1 = the plain kernels; 2 or 4 = the subgroup variants (forward, dK/dV,
+   * dQ), where S adjacent threads split a row's head dimension (needs the "subgroups" feature,
+   * a subgroup size ≥ S, and D/4 divisible by S).
    */
   split?: 1 | 2 | 4;
 }
@@ -55,7 +55,7 @@ export function chooseAttentionSplit(D: number, hasSubgroups: boolean): 1 | 2 | 
 /**
  * Tiles for the split (subgroup) backward kernels: the dK/dV kernel runs BKV·S threads and keeps
  * Q/dO tiles of BQ rows plus lse/delta in workgroup memory; the dQ kernel runs BQ·S threads with
- * K/V tiles of BKV rows (the forward uses the same K/V tiles with BQ threads).
+ * K/V tiles of BKV rows, as does the split forward (BQ·S threads).
  */
 export function chooseSplitAttentionTiles(
   dims: Pick<AttentionSpec, "T" | "D">,
@@ -91,6 +91,7 @@ const dropIdx = (s: AttentionSpec) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.
 
 /** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
 export function attentionForwardWgsl(s: AttentionSpec): string {
+  if ((s.split ?? 1) > 1) return attentionForwardSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const range = (n: number) => [...Array(n).keys()];
   return `
@@ -143,6 +144,76 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let inv = 1.0 / l;
     ${range(D4).map((c) => `y[orow + ${c}u] = o${c} * inv;`).join("\n    ")}
     lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l);
+  }
+}
+`;
+}
+
+/**
+ * Forward, split variant: S adjacent threads per query, each holding D/S columns of q and the
+ * output accumulator in registers; scores combined by subgroup shuffles. Key loop bounds are
+ * uniform per workgroup and the causal mask is a select(). Grid (ceil(T/BQ), H, B).
+ */
+function attentionForwardSplitWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const S = s.split!, N = D4 / S, NT = s.BQ * S;
+  if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
+  const range = (n: number) => [...Array(n).keys()];
+  const col = (c: number) => `${c * S}u + part`;
+  return `
+@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse: array<f32>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
+var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
+
+@compute @workgroup_size(${NT})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let part = tid % ${S}u;
+  let qi = wg.x * ${s.BQ}u + tid / ${S}u;
+  let qok = qi < ${s.T}u;
+  let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
+  ${range(N).map((c) => `let q${c} = qkv[qrow + ${col(c)}] * ${scale};`).join("\n  ")}
+  ${range(N).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  var m = -1e30;
+  var l = 0.0;
+  let qLast = min(wg.x * ${s.BQ}u + ${s.BQ - 1}u, ${s.T - 1}u);
+  for (var kt = 0u; kt <= qLast; kt = kt + ${s.BKV}u) {
+    for (var e = tid; e < ${s.BKV * D4}u; e = e + ${NT}u) {
+      let kr = kt + e / ${D4}u;
+      let src = (b * ${s.T}u + min(kr, ${s.T - 1}u)) * ${R4}u + h * ${D4}u + e % ${D4}u;
+      Ks[e] = qkv[src + ${C4}u];
+      Vs[e] = qkv[src + ${2 * C4}u];
+    }
+    workgroupBarrier();
+    let jn = min(qLast + 1u - kt, ${s.BKV}u);
+    for (var j = 0u; j < jn; j = j + 1u) {
+      let kb = j * ${D4}u + part;
+      var sc = ${dotExpr((c) => `q${c}`, (c) => `Ks[kb + ${c * S}u]`, N)};
+      ${rowSum("sc", S)}
+      let kj = kt + j;
+      let ok = kj <= qi;
+      if (ok && sc > m) {
+        let corr = exp(m - sc);
+        l = l * corr;
+        ${range(N).map((c) => `o${c} = o${c} * corr;`).join(" ")}
+        m = sc;
+      }
+      let p = select(0.0, exp(sc - m), ok);
+      l = l + p;
+      ${s.dropout ? `let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+      ${range(N).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c * S}u], o${c});`).join("\n      ")}
+    }
+    workgroupBarrier();
+  }
+  if (qok) {
+    let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
+    let inv = 1.0 / l;
+    ${range(N).map((c) => `y[orow + ${col(c)}] = o${c} * inv;`).join("\n    ")}
+    if (part == 0u) { lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l); }
   }
 }
 `;
