@@ -85,6 +85,8 @@ export class JobRunner {
 
   /** Recovers interrupted jobs and starts one Worker per GPU. */
   start(): void {
+    // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
+    this.#store.requeueBeyond(this.#opts.gpus);
     for (const job of this.#store.markInterrupted()) {
       this.#emit(job.id, "log", {
         level: "warn",
@@ -112,10 +114,10 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    this.#store.createJob(id, gpu, config);
+    const job = this.#store.createJob(id, gpu, config);
     this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
-    return this.#store.getJob(id)!;
+    return job; // as accepted: "queued", even if its GPU already took it
   }
 
   /** Cancels a job: at once when waiting, between steps when running. Idempotent; 409 once it finished otherwise. */

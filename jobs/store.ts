@@ -162,6 +162,13 @@ export class JobStore {
     return rows.map((r) => this.updateJob(r.id as string, { status: "interrupted" }));
   }
 
+  /** Moves unfinished jobs queued on GPUs `>= gpus` onto GPU `index % gpus`. */
+  requeueBeyond(gpus: number): void {
+    this.#db.prepare(
+      "update jobs set gpu = gpu % ? where gpu >= ? and status in ('queued', 'interrupted', 'running')",
+    ).run(gpus, gpus);
+  }
+
   /** Job counts per status. */
   countByStatus(): Record<JobStatus, number> {
     const out: Record<JobStatus, number> = {

@@ -69,5 +69,7 @@ Deno.test("JobStore.nextQueued() serves interrupted jobs first, then FIFO, per G
     interrupted: 1,
   });
   assert.deepEqual(store.listJobs().map((j) => j.id), ["d", "c", "b", "a"]);
+  store.requeueBeyond(1); // restarted with one GPU: b moves from GPU 1 to GPU 0
+  assert.deepEqual(store.queue(0).map((j) => j.id), ["d", "a", "b", "c"]);
   store.close();
 });

@@ -55,6 +55,7 @@ Deno.test("POST /train queues a job with defaults and hands it to the GPU worker
     assertEquals(res.status, 202);
     const body = await res.json();
     assertMatch(body.id, /^job_[0-9a-f]{12}$/);
+    assertEquals(body.status, "queued");
     assertEquals(res.headers.get("Location"), `/jobs/${body.id}`);
     await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     assertEquals(t.workers[0].jobs.length, 1);
