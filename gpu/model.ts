@@ -65,7 +65,8 @@ export interface ModelShape {
   hiddenDropout: number;
 }
 
-interface LayerActs {
+/** Activations of one transformer block, each (B·T, ·). */
+export interface LayerActs {
   ln1: GPUBuffer;
   ln1s: GPUBuffer;
   qkv: GPUBuffer;
@@ -82,11 +83,17 @@ interface LayerActs {
 export interface GpuModel {
   shape: ModelShape;
   layout: ParamLayout;
+  /** Flat parameters (owned by the model unless passed in). */
   params: GPUBuffer;
-  grads: GPUBuffer;
-  adamM: GPUBuffer;
-  adamV: GPUBuffer;
+  /** Gradients and AdamW moments: null for an inference-only plan. */
+  grads: GPUBuffer | null;
+  adamM: GPUBuffer | null;
+  adamV: GPUBuffer | null;
   tokens: GPUBuffer;
+  /** Per-layer activations of the last forward pass. */
+  layers: LayerActs[];
+  /** (B·T, Vp) logits of the last forward pass (overwritten by their gradient in training). */
+  logits: GPUBuffer;
   stats: GPUBuffer;
   dropUniform: GPUBuffer;
   adamUniform: GPUBuffer;
@@ -139,8 +146,15 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
   }
 }
 
-/** Allocates all buffers and builds the op lists. */
-export async function buildModel(ctx: GpuContext, shape: ModelShape): Promise<GpuModel> {
+/**
+ * Allocates all buffers and builds the op lists. With `train: false` only the forward pass and the
+ * loss are planned (no gradients or optimizer state); `params` shares an existing parameter buffer.
+ */
+export async function buildModel(
+  ctx: GpuContext,
+  shape: ModelShape,
+  opts: { train?: boolean; params?: GPUBuffer } = {},
+): Promise<GpuModel> {
   checkFits(ctx, shape);
   const { config: c, B, T } = shape;
   const C = c.n_embd, L = c.n_layer, H = c.n_head, D = C / H, Vp = c.padded_vocab_size, BT = B * T;
@@ -154,10 +168,8 @@ export async function buildModel(ctx: GpuContext, shape: ModelShape): Promise<Gp
     memoryBytes += b.size;
     return b;
   };
-  const params = await alloc("params", layout.totalSize);
-  const grads = await alloc("grads", layout.totalSize);
-  const adamM = await alloc("adam.m", layout.totalSize);
-  const adamV = await alloc("adam.v", layout.totalSize);
+  const train = opts.train ?? true;
+  const params = opts.params ?? await alloc("params", layout.totalSize);
   const tokens = await alloc("tokens", B * (T + 1));
   const stats = await alloc("stats", 64);
   const nSites = dropoutSite.count(L);
@@ -192,23 +204,11 @@ export async function buildModel(ctx: GpuContext, shape: ModelShape): Promise<Gp
   }
   const lnf = await alloc("lnf", BT * C), lnfs = await alloc("lnfs", BT * 2);
   const logits = await alloc("logits", BT * Vp), losses = await alloc("losses", BT);
-  // Backward scratch.
-  const dres = await alloc("dres", BT * C), dtmp = await alloc("dtmp", BT * C);
-  const dln = await alloc("dln", BT * C), datty = await alloc("datty", BT * C);
-  const d4 = await alloc("d4c", BT * 4 * C), dqkv = await alloc("dqkv", BT * 3 * C);
-  const delta = await alloc("delta", B * H * T);
-  const blocks = Math.ceil(BT / ROW_BLOCK);
-  const part = await alloc("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)));
-  const normPart = await alloc("normPart", NORM_GROUPS);
 
   const P = (name: string): View => {
     const t = layout.byName.get(name);
     if (!t) throw new Error(`Unknown parameter "${name}"`);
     return { buffer: params, offset: t.offset * 4, size: t.size * 4 };
-  };
-  const G = (name: string): View => {
-    const t = layout.byName.get(name)!;
-    return { buffer: grads, offset: t.offset * 4, size: t.size * 4 };
   };
   const V = (buffer: GPUBuffer): View => ({ buffer });
 
@@ -378,237 +378,263 @@ export async function buildModel(ctx: GpuContext, shape: ModelShape): Promise<Gp
 
   // ---------------------------------------------------------------- backward
   const backward: Op[] = [];
-  const colsum = async (label: string, src: GPUBuffer, N: number, out: View) => {
+  let optimizer: Op[] = [];
+  let trainBufs: { grads: GPUBuffer; adamM: GPUBuffer; adamV: GPUBuffer } | null = null;
+  if (train) {
+    const grads = await alloc("grads", layout.totalSize);
+    const adamM = await alloc("adam.m", layout.totalSize);
+    const adamV = await alloc("adam.v", layout.totalSize);
+    // Backward scratch.
+    const dres = await alloc("dres", BT * C), dtmp = await alloc("dtmp", BT * C);
+    const dln = await alloc("dln", BT * C), datty = await alloc("datty", BT * C);
+    const d4 = await alloc("d4c", BT * 4 * C), dqkv = await alloc("dqkv", BT * 3 * C);
+    const delta = await alloc("delta", B * H * T);
+    const blocks = Math.ceil(BT / ROW_BLOCK);
+    const part = await alloc("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)));
+    const normPart = await alloc("normPart", NORM_GROUPS);
+    const G = (name: string): View => {
+      const t = layout.byName.get(name)!;
+      return { buffer: grads, offset: t.offset * 4, size: t.size * 4 };
+    };
+    const colsum = async (label: string, src: GPUBuffer, N: number, out: View) => {
+      backward.push(
+        await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT), [V(src), V(part)], [
+          Math.ceil(N / 4 / 64),
+          blocks,
+        ]),
+      );
+      backward.push(
+        await op("backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks), [
+          { buffer: part, offset: 0, size: blocks * N * 4 },
+          out,
+        ], [Math.ceil(N / 4 / 64)]),
+      );
+    };
+    const lnBwd = async (
+      label: string,
+      dy: GPUBuffer,
+      x: GPUBuffer,
+      st: GPUBuffer,
+      w: string,
+      b: string,
+      accumulate: boolean,
+    ) => {
+      backward.push(
+        await op("backward", "layernorm", label + ".dx", layernormBackwardWgsl(C, accumulate), [
+          V(dy),
+          V(x),
+          P(w),
+          V(st),
+          V(dres),
+        ], rowsGrid),
+      );
+      backward.push(
+        await op("backward", "layernorm", label + ".dw_part", layernormParamPartialWgsl(C, BT), [
+          V(dy),
+          V(x),
+          V(st),
+          V(part),
+        ], [Math.ceil(C / 4 / 64), blocks]),
+      );
+      const half = blocks * C * 4, dbOff = lnBiasPartialOffset(C, BT) * 4;
+      backward.push(
+        await op("backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks), [
+          { buffer: part, offset: 0, size: half },
+          G(w),
+        ], [Math.ceil(C / 4 / 64)]),
+      );
+      backward.push(
+        await op("backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks), [
+          { buffer: part, offset: dbOff, size: half },
+          G(b),
+        ], [Math.ceil(C / 4 / 64)]),
+      );
+    };
+    const maskOrSelf = async (label: string, p: number, site: number): Promise<GPUBuffer> => {
+      if (p <= 0) return dres;
+      backward.push(
+        await op(
+          "backward",
+          "elementwise",
+          label,
+          dropoutMaskWgsl((BT * C) / 4, site, nSites),
+          [V(dres), V(dtmp)],
+          elemGrid((BT * C) / 4),
+          {
+            uniform: dropUniform,
+          },
+        ),
+      );
+      return dtmp;
+    };
+
+    // LM head: dlnf = dlogits·wte; dwte = dlogitsᵀ·lnf (stored; the embedding adds to it later).
     backward.push(
-      await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT), [V(src), V(part)], [
-        Math.ceil(N / 4 / 64),
-        blocks,
-      ]),
+      await matmul("backward", "lm_head.dx", mm(BT, C, Vp), {
+        A: V(logits),
+        B: P("wte.weight"),
+        out: V(dln),
+      }),
     );
     backward.push(
-      await op("backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks), [
-        { buffer: part, offset: 0, size: blocks * N * 4 },
-        out,
-      ], [Math.ceil(N / 4 / 64)]),
+      await matmul("backward", "lm_head.dw", mm(Vp, C, BT, true, false), {
+        A: V(logits),
+        B: V(lnf),
+        out: G("wte.weight"),
+      }),
     );
-  };
-  const lnBwd = async (
-    label: string,
-    dy: GPUBuffer,
-    x: GPUBuffer,
-    st: GPUBuffer,
-    w: string,
-    b: string,
-    accumulate: boolean,
-  ) => {
-    backward.push(
-      await op("backward", "layernorm", label + ".dx", layernormBackwardWgsl(C, accumulate), [
-        V(dy),
-        V(x),
-        P(w),
-        V(st),
-        V(dres),
-      ], rowsGrid),
-    );
-    backward.push(
-      await op("backward", "layernorm", label + ".dw_part", layernormParamPartialWgsl(C, BT), [
-        V(dy),
-        V(x),
-        V(st),
-        V(part),
-      ], [Math.ceil(C / 4 / 64), blocks]),
-    );
-    const half = blocks * C * 4, dbOff = lnBiasPartialOffset(C, BT) * 4;
-    backward.push(
-      await op("backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks), [
-        { buffer: part, offset: 0, size: half },
-        G(w),
-      ], [Math.ceil(C / 4 / 64)]),
-    );
-    backward.push(
-      await op("backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks), [
-        { buffer: part, offset: dbOff, size: half },
-        G(b),
-      ], [Math.ceil(C / 4 / 64)]),
-    );
-  };
-  const maskOrSelf = async (label: string, p: number, site: number): Promise<GPUBuffer> => {
-    if (p <= 0) return dres;
+    await lnBwd("lnf.bwd", dln, res[L], lnfs, "ln_f.weight", "ln_f.bias", false);
+    for (let l = L - 1; l >= 0; l--) {
+      const a = acts[l], p = `h.${l}.`;
+      // MLP output projection (+ residual): dres is the gradient of res[l+1].
+      const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
+      backward.push(
+        await matmul("backward", `l${l}.fc_proj.dw`, mm(4 * C, C, BT, true, false), {
+          A: V(a.fcg),
+          B: V(dproj),
+          out: G(p + "mlp.c_proj.weight"),
+        }),
+      );
+      await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
+      backward.push(
+        await matmul("backward", `l${l}.fc_proj.dx`, {
+          ...mm(BT, 4 * C, C, false, true),
+          epilogue: "gelu_grad",
+        }, {
+          A: V(dproj),
+          B: P(p + "mlp.c_proj.weight"),
+          aux: V(a.fch),
+          out: V(d4),
+        }),
+      );
+      backward.push(
+        await matmul("backward", `l${l}.fc.dw`, mm(C, 4 * C, BT, true, false), {
+          A: V(a.ln2),
+          B: V(d4),
+          out: G(p + "mlp.c_fc.weight"),
+        }),
+      );
+      await colsum(`l${l}.fc.db`, d4, 4 * C, G(p + "mlp.c_fc.bias"));
+      backward.push(
+        await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * C, false, true), {
+          A: V(d4),
+          B: P(p + "mlp.c_fc.weight"),
+          out: V(dln),
+        }),
+      );
+      await lnBwd(`l${l}.ln2.bwd`, dln, a.res2, a.ln2s, p + "ln_2.weight", p + "ln_2.bias", true);
+      // Attention output projection (+ residual): dres is now the gradient of res2.
+      const dap = await maskOrSelf(`l${l}.attn_drop.bwd`, hidden, dropoutSite.attnProj(l));
+      backward.push(
+        await matmul("backward", `l${l}.attn_proj.dw`, mm(C, C, BT, true, false), {
+          A: V(a.atty),
+          B: V(dap),
+          out: G(p + "attn.c_proj.weight"),
+        }),
+      );
+      await colsum(`l${l}.attn_proj.db`, dap, C, G(p + "attn.c_proj.bias"));
+      backward.push(
+        await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, C, C, false, true), {
+          A: V(dap),
+          B: P(p + "attn.c_proj.weight"),
+          out: V(datty),
+        }),
+      );
+      const as = { ...attn, dropout: drop(ap, dropoutSite.attnProbs(l)) };
+      const u = { uniform: as.dropout ? dropUniform : undefined };
+      backward.push(
+        await op("backward", "attention_bwd", `l${l}.attention.delta`, attentionDeltaWgsl(as), [
+          V(a.atty),
+          V(datty),
+          V(delta),
+        ], grid1d(Math.ceil((BT * H) / 64), ctx.limits.maxComputeWorkgroupsPerDimension)),
+      );
+      const av = [V(a.qkv), V(datty), V(a.lse), V(delta), V(dqkv)];
+      backward.push(
+        await op("backward", "attention_bwd", `l${l}.attention.dkv`, attentionBackwardKVWgsl(as), av, [
+          Math.ceil(T / as.BKV),
+          H,
+          B,
+        ], { ...u, flops: 2 * attentionFlops(as) }),
+      );
+      backward.push(
+        await op("backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
+          Math.ceil(T / as.BQ),
+          H,
+          B,
+        ], { ...u, flops: 1.5 * attentionFlops(as) }),
+      );
+      backward.push(
+        await matmul("backward", `l${l}.qkv.dw`, mm(C, 3 * C, BT, true, false), {
+          A: V(a.ln1),
+          B: V(dqkv),
+          out: G(p + "attn.c_attn.weight"),
+        }),
+      );
+      await colsum(`l${l}.qkv.db`, dqkv, 3 * C, G(p + "attn.c_attn.bias"));
+      backward.push(
+        await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * C, false, true), {
+          A: V(dqkv),
+          B: P(p + "attn.c_attn.weight"),
+          out: V(dln),
+        }),
+      );
+      await lnBwd(`l${l}.ln1.bwd`, dln, res[l], a.ln1s, p + "ln_1.weight", p + "ln_1.bias", true);
+    }
     backward.push(
       await op(
         "backward",
-        "elementwise",
-        label,
-        dropoutMaskWgsl((BT * C) / 4, site, nSites),
-        [V(dres), V(dtmp)],
-        elemGrid((BT * C) / 4),
-        {
-          uniform: dropUniform,
-        },
+        "embedding",
+        "embedding_bwd",
+        embeddingBackwardWgsl(emb),
+        [
+          V(tokens),
+          V(dres),
+          G("wte.weight"),
+          G("wpe.weight"),
+        ],
+        elemGrid(((T + WTE_PARTITIONS) * C) / 4),
+        { uniform: hidden > 0 ? dropUniform : undefined },
       ),
     );
-    return dtmp;
-  };
 
-  // LM head: dlnf = dlogits·wte; dwte = dlogitsᵀ·lnf (stored; the embedding adds to it later).
-  backward.push(
-    await matmul("backward", "lm_head.dx", mm(BT, C, Vp), { A: V(logits), B: P("wte.weight"), out: V(dln) }),
-  );
-  backward.push(
-    await matmul("backward", "lm_head.dw", mm(Vp, C, BT, true, false), {
-      A: V(logits),
-      B: V(lnf),
-      out: G("wte.weight"),
-    }),
-  );
-  await lnBwd("lnf.bwd", dln, res[L], lnfs, "ln_f.weight", "ln_f.bias", false);
-  for (let l = L - 1; l >= 0; l--) {
-    const a = acts[l], p = `h.${l}.`;
-    // MLP output projection (+ residual): dres is the gradient of res[l+1].
-    const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
-    backward.push(
-      await matmul("backward", `l${l}.fc_proj.dw`, mm(4 * C, C, BT, true, false), {
-        A: V(a.fcg),
-        B: V(dproj),
-        out: G(p + "mlp.c_proj.weight"),
-      }),
-    );
-    await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
-    backward.push(
-      await matmul("backward", `l${l}.fc_proj.dx`, {
-        ...mm(BT, 4 * C, C, false, true),
-        epilogue: "gelu_grad",
-      }, {
-        A: V(dproj),
-        B: P(p + "mlp.c_proj.weight"),
-        aux: V(a.fch),
-        out: V(d4),
-      }),
-    );
-    backward.push(
-      await matmul("backward", `l${l}.fc.dw`, mm(C, 4 * C, BT, true, false), {
-        A: V(a.ln2),
-        B: V(d4),
-        out: G(p + "mlp.c_fc.weight"),
-      }),
-    );
-    await colsum(`l${l}.fc.db`, d4, 4 * C, G(p + "mlp.c_fc.bias"));
-    backward.push(
-      await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * C, false, true), {
-        A: V(d4),
-        B: P(p + "mlp.c_fc.weight"),
-        out: V(dln),
-      }),
-    );
-    await lnBwd(`l${l}.ln2.bwd`, dln, a.res2, a.ln2s, p + "ln_2.weight", p + "ln_2.bias", true);
-    // Attention output projection (+ residual): dres is now the gradient of res2.
-    const dap = await maskOrSelf(`l${l}.attn_drop.bwd`, hidden, dropoutSite.attnProj(l));
-    backward.push(
-      await matmul("backward", `l${l}.attn_proj.dw`, mm(C, C, BT, true, false), {
-        A: V(a.atty),
-        B: V(dap),
-        out: G(p + "attn.c_proj.weight"),
-      }),
-    );
-    await colsum(`l${l}.attn_proj.db`, dap, C, G(p + "attn.c_proj.bias"));
-    backward.push(
-      await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, C, C, false, true), {
-        A: V(dap),
-        B: P(p + "attn.c_proj.weight"),
-        out: V(datty),
-      }),
-    );
-    const as = { ...attn, dropout: drop(ap, dropoutSite.attnProbs(l)) };
-    const u = { uniform: as.dropout ? dropUniform : undefined };
-    backward.push(
-      await op("backward", "attention_bwd", `l${l}.attention.delta`, attentionDeltaWgsl(as), [
-        V(a.atty),
-        V(datty),
-        V(delta),
-      ], grid1d(Math.ceil((BT * H) / 64), ctx.limits.maxComputeWorkgroupsPerDimension)),
-    );
-    const av = [V(a.qkv), V(datty), V(a.lse), V(delta), V(dqkv)];
-    backward.push(
-      await op("backward", "attention_bwd", `l${l}.attention.dkv`, attentionBackwardKVWgsl(as), av, [
-        Math.ceil(T / as.BKV),
-        H,
-        B,
-      ], { ...u, flops: 2 * attentionFlops(as) }),
-    );
-    backward.push(
-      await op("backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
-        Math.ceil(T / as.BQ),
-        H,
-        B,
-      ], { ...u, flops: 1.5 * attentionFlops(as) }),
-    );
-    backward.push(
-      await matmul("backward", `l${l}.qkv.dw`, mm(C, 3 * C, BT, true, false), {
-        A: V(a.ln1),
-        B: V(dqkv),
-        out: G(p + "attn.c_attn.weight"),
-      }),
-    );
-    await colsum(`l${l}.qkv.db`, dqkv, 3 * C, G(p + "attn.c_attn.bias"));
-    backward.push(
-      await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * C, false, true), {
-        A: V(dqkv),
-        B: P(p + "attn.c_attn.weight"),
-        out: V(dln),
-      }),
-    );
-    await lnBwd(`l${l}.ln1.bwd`, dln, res[l], a.ln1s, p + "ln_1.weight", p + "ln_1.bias", true);
+    // ---------------------------------------------------------------- optimizer
+    const n4 = layout.totalSize / 4;
+    optimizer = [
+      await op("optimizer", "optimizer", "grad_norm.part", gradNormPartialWgsl(n4), [V(grads), V(normPart)], [
+        NORM_GROUPS,
+      ]),
+      await op(
+        "optimizer",
+        "optimizer",
+        "grad_norm",
+        gradNormFinalWgsl(STAT.gradNorm),
+        [V(normPart), V(stats)],
+        [1],
+      ),
+      await op(
+        "optimizer",
+        "optimizer",
+        "adamw",
+        adamwWgsl(n4, layout.decayEnd / 4, STAT.gradNorm),
+        [V(params), V(grads), V(adamM), V(adamV), V(stats)],
+        grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
+        { uniform: adamUniform },
+      ),
+    ];
+    trainBufs = { grads, adamM, adamV };
   }
-  backward.push(
-    await op(
-      "backward",
-      "embedding",
-      "embedding_bwd",
-      embeddingBackwardWgsl(emb),
-      [
-        V(tokens),
-        V(dres),
-        G("wte.weight"),
-        G("wpe.weight"),
-      ],
-      elemGrid(((T + WTE_PARTITIONS) * C) / 4),
-      { uniform: hidden > 0 ? dropUniform : undefined },
-    ),
-  );
-
-  // ---------------------------------------------------------------- optimizer
-  const n4 = layout.totalSize / 4;
-  const optimizer = [
-    await op("optimizer", "optimizer", "grad_norm.part", gradNormPartialWgsl(n4), [V(grads), V(normPart)], [
-      NORM_GROUPS,
-    ]),
-    await op(
-      "optimizer",
-      "optimizer",
-      "grad_norm",
-      gradNormFinalWgsl(STAT.gradNorm),
-      [V(normPart), V(stats)],
-      [1],
-    ),
-    await op(
-      "optimizer",
-      "optimizer",
-      "adamw",
-      adamwWgsl(n4, layout.decayEnd / 4, STAT.gradNorm),
-      [V(params), V(grads), V(adamM), V(adamV), V(stats)],
-      grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
-      { uniform: adamUniform },
-    ),
-  ];
 
   return {
     shape,
     layout,
     params,
-    grads,
-    adamM,
-    adamV,
+    grads: trainBufs?.grads ?? null,
+    adamM: trainBufs?.adamM ?? null,
+    adamV: trainBufs?.adamV ?? null,
     tokens,
+    layers: acts,
+    logits,
     stats,
     dropUniform,
     adamUniform,

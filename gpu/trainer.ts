@@ -92,8 +92,8 @@ export class Trainer {
         }
       }
       write(q, model.params, state.params);
-      write(q, model.adamM, state.m);
-      write(q, model.adamV, state.v);
+      write(q, model.adamM!, state.m);
+      write(q, model.adamV!, state.v);
     } else {
       write(q, model.params, initParams(opts.config, opts.seed));
     }
@@ -169,10 +169,9 @@ export class Trainer {
     ]);
     write(this.#ctx.device.queue, this.#model.adamUniform, hp);
     const enc = this.#ctx.device.createCommandEncoder();
-    encodeOps(enc, this.#stepOps, this.#querySet);
-    if (this.#querySet && this.#queryBuf) {
-      enc.resolveQuerySet(this.#querySet, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
-    }
+    const qs = profile ? this.#querySet : undefined;
+    encodeOps(enc, this.#stepOps, qs);
+    if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
     this.#ctx.device.queue.submit([enc.finish()]);
     this.#lastLr = lr;
     this.#step++;
@@ -202,8 +201,7 @@ export class Trainer {
     const enc = this.#ctx.device.createCommandEncoder();
     encodeOps(enc, this.#model.forward);
     this.#ctx.device.queue.submit([enc.finish()]);
-    const buf = this.#model.buffers.find((b) => b.label === "logits")!;
-    return await readFloats(this.#ctx, buf);
+    return await readFloats(this.#ctx, this.#model.logits);
   }
 
   /** Per-kernel GPU times of the last profiled step (timestamp queries only). */
@@ -231,8 +229,8 @@ export class Trainer {
   async exportState(): Promise<TrainerState> {
     const [params, m, v] = [
       await readFloats(this.#ctx, this.#model.params),
-      await readFloats(this.#ctx, this.#model.adamM),
-      await readFloats(this.#ctx, this.#model.adamV),
+      await readFloats(this.#ctx, this.#model.adamM!),
+      await readFloats(this.#ctx, this.#model.adamV!),
     ];
     const n = this.#model.layout.totalSize;
     return { step: this.#step, params: params.slice(0, n), m: m.slice(0, n), v: v.slice(0, n) };
@@ -240,7 +238,7 @@ export class Trainer {
 
   /** Gradients of the last step (flat layout), for tests. */
   async gradients(): Promise<Float32Array> {
-    return (await readFloats(this.#ctx, this.#model.grads)).slice(0, this.#model.layout.totalSize);
+    return (await readFloats(this.#ctx, this.#model.grads!)).slice(0, this.#model.layout.totalSize);
   }
 
   /** Frees the GPU buffers. */

@@ -1,0 +1,154 @@
+/**
+ * Kernels of incremental decoding with a KV cache. Positions and tokens live on the GPU in the
+ * per-stream state buffer (see sample.ts), so several decode steps run in one submission with no
+ * readback: embed the current token at its position, append its key and value to the cache, and
+ * attend over the cache up to that position.
+ *
+ * Cache layout per layer: k and v each (S, H, Tmax, D).
+ */
+
+import { STATE_WORDS } from "./sample.ts";
+
+/** Sizes of the decode kernels. */
+export interface DecodeSpec {
+  /** Streams decoded together. */
+  S: number;
+  H: number;
+  D: number;
+  /** Cache length (the model's n_positions). */
+  Tmax: number;
+}
+
+/** x[s] = wte[token[s]] + wpe[pos[s]]. Grid (ceil(S·C4/64)). */
+export function embedDecodeWgsl(s: DecodeSpec): string {
+  const C4 = (s.H * s.D) / 4;
+  return `
+@group(0) @binding(0) var<storage, read> state: array<u32>;
+@group(0) @binding(1) var<storage, read> wte: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> wpe: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> x: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let g = gid.x;
+  if (g >= ${s.S * C4}u) { return; }
+  let st = (g / ${C4}u) * ${STATE_WORDS}u;
+  let c = g % ${C4}u;
+  x[g] = wte[state[st] * ${C4}u + c] + wpe[state[st + 1u] * ${C4}u + c];
+}
+`;
+}
+
+/** Appends each stream's k and v (from qkv (S, 3C)) at its position. Grid (ceil(S·C4/64)). */
+export function kvAppendWgsl(s: DecodeSpec): string {
+  const D4 = s.D / 4, C4 = s.H * D4;
+  return `
+@group(0) @binding(0) var<storage, read> state: array<u32>;
+@group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> vc: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let g = gid.x;
+  if (g >= ${s.S * C4}u) { return; }
+  let sidx = g / ${C4}u;
+  let c = g % ${C4}u;
+  let h = c / ${D4}u;
+  let pos = state[sidx * ${STATE_WORDS}u + 1u];
+  let dst = ((sidx * ${s.H}u + h) * ${s.Tmax}u + pos) * ${D4}u + c % ${D4}u;
+  kc[dst] = qkv[sidx * ${3 * C4}u + ${C4}u + c];
+  vc[dst] = qkv[sidx * ${3 * C4}u + ${2 * C4}u + c];
+}
+`;
+}
+
+/**
+ * Copies a prefill's keys and values (qkv (Tb, 3C), rows < len) into stream `slot`'s cache.
+ * sel = [len - 1, slot, len]. Grid (ceil(Tb·C4/64)).
+ */
+export function kvStoreWgsl(s: DecodeSpec, Tb: number): string {
+  const D4 = s.D / 4, C4 = s.H * D4;
+  return `
+@group(0) @binding(0) var<storage, read> sel: array<u32>;
+@group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> vc: array<vec4<f32>>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let g = gid.x;
+  let t = g / ${C4}u;
+  if (t >= ${Tb}u || t >= sel[2]) { return; }
+  let c = g % ${C4}u;
+  let h = c / ${D4}u;
+  let dst = ((sel[1] * ${s.H}u + h) * ${s.Tmax}u + t) * ${D4}u + c % ${D4}u;
+  kc[dst] = qkv[t * ${3 * C4}u + ${C4}u + c];
+  vc[dst] = qkv[t * ${3 * C4}u + ${2 * C4}u + c];
+}
+`;
+}
+
+const WG = 256;
+
+/**
+ * One query per (stream, head) against the cache up to the stream's position: scores in workgroup
+ * memory, max and sum by reduction, then the weighted sum of values by (column, key group).
+ * Grid (S, H).
+ */
+export function attentionDecodeWgsl(s: DecodeSpec): string {
+  const D4 = s.D / 4, C4 = s.H * D4, G = WG / D4; // key groups for the output reduction
+  if (WG % D4 !== 0) throw new RangeError(`Head size ${s.D} does not divide the decode workgroup`);
+  const scale = 1 / Math.sqrt(s.D);
+  return `
+@group(0) @binding(0) var<storage, read> state: array<u32>;
+@group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> vc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<vec4<f32>>;
+var<workgroup> sc: array<f32, ${s.Tmax}>;
+var<workgroup> red: array<f32, ${WG}>;
+var<workgroup> part: array<vec4<f32>, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let sidx = wg.x;
+  let h = wg.y;
+  let n = state[sidx * ${STATE_WORDS}u + 1u] + 1u;
+  let qb = sidx * ${3 * C4}u + h * ${D4}u;
+  let cb = (sidx * ${s.H}u + h) * ${s.Tmax}u;
+  var m = -3.0e38;
+  for (var j = tid; j < n; j = j + ${WG}u) {
+    var d = 0.0;
+    for (var c = 0u; c < ${D4}u; c = c + 1u) { d = d + dot(qkv[qb + c], kc[(cb + j) * ${D4}u + c]); }
+    d = d * ${scale};
+    sc[j] = d;
+    m = max(m, d);
+  }
+  red[tid] = m;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
+    workgroupBarrier();
+  }
+  let mx = red[0];
+  workgroupBarrier();
+  var z = 0.0;
+  for (var j = tid; j < n; j = j + ${WG}u) { let p = exp(sc[j] - mx); sc[j] = p; z = z + p; }
+  red[tid] = z;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
+    workgroupBarrier();
+  }
+  let zs = red[0];
+  let c = tid % ${D4}u;
+  let grp = tid / ${D4}u;
+  var acc = vec4<f32>(0.0);
+  for (var j = grp; j < n; j = j + ${G}u) { acc = acc + sc[j] * vc[(cb + j) * ${D4}u + c]; }
+  part[tid] = acc;
+  workgroupBarrier();
+  if (grp == 0u) {
+    var tot = vec4<f32>(0.0);
+    for (var g = 0u; g < ${G}u; g = g + 1u) { tot = tot + part[g * ${D4}u + c]; }
+    y[sidx * ${C4}u + h * ${D4}u + c] = tot / zs;
+  }
+}
+`;
+}

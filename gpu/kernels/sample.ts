@@ -1,0 +1,207 @@
+/**
+ * Token sampling on the GPU, one workgroup per stream: temperature, top-k and top-p (nucleus)
+ * over the real vocabulary only (padded ids are never candidates), greedy when temperature is 0.
+ * Thresholds for top-k and top-p are found by bisection on the logit value with workgroup
+ * reductions, so no sort is needed; the draw walks chunk sums in vocabulary order, which makes it
+ * deterministic for a given seed and position.
+ *
+ * Per-stream state (u32 words, STATE_WORDS per stream): token, position, seed, active flag.
+ * Per-stream parameters (f32/u32 words, PARAM_WORDS per stream): temperature, top_k, top_p.
+ */
+
+import { PCG_WGSL } from "../rng.ts";
+
+/** u32 words of state per stream: [token, position, seed, steps written]. */
+export const STATE_WORDS = 4;
+/** Words of sampling parameters per stream: [temperature (f32), top_k (u32, 0 = off), top_p (f32), unused]. */
+export const PARAM_WORDS = 4;
+
+const WG = 256;
+const BISECT = 32;
+
+/** Sizes of the sampling kernel. */
+export interface SampleSpec {
+  V: number;
+  Vp: number;
+  /** Streams (workgroups). */
+  streams: number;
+  /** Tokens each stream can record per submission in `out` (steps of one chunk). */
+  chunk: number;
+  /**
+   * Where stream s's logits row is: "stream" reads row s (decode), "prefill" reads row
+   * `rowSel[0]` for the stream `rowSel[1]` (a prefill of one stream).
+   */
+  rows: "stream" | "prefill";
+  /** Largest position a stream may reach (its context); positions stop advancing there. */
+  maxPos: number;
+}
+
+/** The sampling kernel: writes the next token into state and out[stream, steps written]. */
+export function sampleWgsl(s: SampleSpec): string {
+  const per = Math.ceil(s.V / WG);
+  return `
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read_write> state: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<u32>;
+${s.rows === "prefill" ? "@group(0) @binding(4) var<storage, read> rowSel: array<u32>;" : ""}
+${PCG_WGSL}
+var<workgroup> red: array<f32, ${WG}>;
+var<workgroup> redi: array<u32, ${WG}>;
+
+fn sum_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
+    workgroupBarrier();
+  }
+  return red[0];
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
+    workgroupBarrier();
+  }
+  return red[0];
+}
+
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  ${
+    s.rows === "prefill"
+      ? "let stream = rowSel[1];\n  let row = rowSel[0];"
+      : "let stream = wg.x;\n  let row = wg.x;"
+  }
+  let base = row * ${s.Vp}u;
+  let temp = bitcast<f32>(params[stream * ${PARAM_WORDS}u]);
+  let topk = params[stream * ${PARAM_WORDS}u + 1u];
+  let topp = bitcast<f32>(params[stream * ${PARAM_WORDS}u + 2u]);
+  // Each thread owns a contiguous chunk of the vocabulary, so chunk order is vocabulary order.
+  let v0 = min(tid * ${per}u, ${s.V}u);
+  let v1 = min(v0 + ${per}u, ${s.V}u);
+  var tmax = -3.0e38;
+  var targ = 0xffffffffu;
+  for (var v = v0; v < v1; v = v + 1u) {
+    let x = logits[base + v];
+    if (x > tmax) { tmax = x; targ = v; }
+  }
+  let mx = max_all(tmax, tid);
+  var choice = 0u;
+  if (temp <= 0.0) {
+    // Greedy: the lowest id holding the maximum.
+    workgroupBarrier();
+    redi[tid] = select(0xffffffffu, targ, tmax == mx);
+    workgroupBarrier();
+    for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+      if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
+      workgroupBarrier();
+    }
+    choice = redi[0];
+  } else {
+    let inv = 1.0 / temp;
+    // Cut-off logit: keep ids with logit >= cut. Top-k: the largest cut keeping at least k ids.
+    var cut = -3.0e38;
+    var lo = mx - 80.0 * temp;
+    var hi = mx;
+    if (topk > 0u && topk < ${s.V}u) {
+      var lo2 = lo;
+      for (var v = v0; v < v1; v = v + 1u) { lo2 = min(lo2, logits[base + v]); }
+      workgroupBarrier();
+      red[tid] = lo2;
+      workgroupBarrier();
+      for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+        if (tid < k) { red[tid] = min(red[tid], red[tid + k]); }
+        workgroupBarrier();
+      }
+      var a = red[0];
+      var b = mx;
+      for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
+        let mid = 0.5 * (a + b);
+        var cnt = 0.0;
+        for (var v = v0; v < v1; v = v + 1u) { cnt = cnt + select(0.0, 1.0, logits[base + v] >= mid); }
+        if (sum_all(cnt, tid) >= f32(topk)) { a = mid; } else { b = mid; }
+      }
+      cut = a;
+    }
+    var z = 0.0;
+    for (var v = v0; v < v1; v = v + 1u) {
+      let x = logits[base + v];
+      if (x >= cut) { z = z + exp((x - mx) * inv); }
+    }
+    let zs = sum_all(z, tid);
+    if (topp > 0.0 && topp < 1.0) {
+      // Nucleus: the largest cut whose kept mass is still >= top_p.
+      var a = max(cut, lo);
+      var b = mx;
+      for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
+        let mid = 0.5 * (a + b);
+        var m = 0.0;
+        for (var v = v0; v < v1; v = v + 1u) {
+          let x = logits[base + v];
+          if (x >= mid && x >= cut) { m = m + exp((x - mx) * inv); }
+        }
+        if (sum_all(m, tid) >= topp * zs) { a = mid; } else { b = mid; }
+      }
+      cut = max(cut, a);
+    }
+    var mine = 0.0;
+    for (var v = v0; v < v1; v = v + 1u) {
+      let x = logits[base + v];
+      if (x >= cut) { mine = mine + exp((x - mx) * inv); }
+    }
+    let total = sum_all(mine, tid);
+    // Exclusive prefix of chunk masses (sequential over ${WG} values by thread 0: cheap, deterministic).
+    workgroupBarrier();
+    red[tid] = mine;
+    workgroupBarrier();
+    if (tid == 0u) {
+      let st = stream * ${STATE_WORDS}u;
+      let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
+      let u = (f32(r >> 8u) + 0.5) / 16777216.0 * total;
+      var acc = 0.0;
+      var owner = ${WG - 1}u;
+      for (var k = 0u; k < ${WG}u; k = k + 1u) {
+        if (u < acc + red[k] && red[k] > 0.0) { owner = k; break; }
+        acc = acc + red[k];
+      }
+      redi[0] = owner;
+      red[0] = u - acc;
+    }
+    workgroupBarrier();
+    let owner = redi[0];
+    let rest = red[0];
+    workgroupBarrier();
+    if (tid == owner) {
+      var acc = 0.0;
+      var pick = 0xffffffffu;
+      var last = v0;
+      for (var v = v0; v < v1; v = v + 1u) {
+        let x = logits[base + v];
+        if (x >= cut) {
+          last = v;
+          acc = acc + exp((x - mx) * inv);
+          if (pick == 0xffffffffu && rest < acc) { pick = v; }
+        }
+      }
+      redi[0] = select(pick, last, pick == 0xffffffffu);
+    }
+    workgroupBarrier();
+    choice = redi[0];
+  }
+  if (tid == 0u) {
+    let st = stream * ${STATE_WORDS}u;
+    state[st] = choice;
+    let n = state[st + 3u];
+    if (n < ${s.chunk}u) { out[stream * ${s.chunk}u + n] = choice; }
+    state[st + 3u] = n + 1u;
+    state[st + 1u] = min(state[st + 1u] + 1u, ${s.maxPos}u);
+  }
+}
+`;
+}
