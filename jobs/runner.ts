@@ -88,11 +88,14 @@ export class JobRunner {
     // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
     this.#store.requeueBeyond(this.#opts.gpus);
     for (const job of this.#store.markInterrupted()) {
+      const cancelled = job.cancel_requested;
       this.#emit(job.id, "log", {
         level: "warn",
-        message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: resuming`,
+        message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
+          (cancelled ? "it was being cancelled" : "resuming"),
         status: "interrupted",
       });
+      if (cancelled) this.#finish(job.id, "cancelled", job.iteration, null);
     }
     for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
   }

@@ -15,6 +15,9 @@ import type { FromWorker, WorkerJob } from "./messages.ts";
 import type { TrainConfig } from "./types.ts";
 import { resolveModel } from "./model.ts";
 
+/** Steps submitted without waiting for the GPU, at most. */
+const MAX_STEPS_IN_FLIGHT = 4;
+
 /** How a running job talks to the outside. */
 export interface TrainHooks {
   post(msg: FromWorker): void;
@@ -165,6 +168,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       iteration = trainer.step;
       windowSteps++;
       const last = iteration === c.train_iters;
+      // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
+      if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) await ctx.device.queue.onSubmittedWorkDone();
       if (logStep) {
         const stats = await trainer.lastStats();
         const phases = await trainer.phaseTimes();

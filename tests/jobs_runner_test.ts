@@ -127,7 +127,18 @@ Deno.test("JobRunner.start() marks jobs a dead server left running as interrupte
     assert.equal(job.resumes, 1);
     assert.equal(job.last_checkpoint, "iter_0000010");
     assert.equal(store.getJob(b)!.status, "queued");
+
+    // A job being cancelled when the server died is not resumed: it ends cancelled.
+    second.runner.cancel(a);
     second.runner.shutdown();
+    store.close();
+    store = new JobStore(path);
+    const third = makeRunner(store, root);
+    third.runner.start();
+    assert.equal(store.getJob(a)!.status, "cancelled");
+    await until(() => third.workers[0].jobs.length === 1, "job b on the worker");
+    assert.deepEqual(third.workers[0].jobs.map((j) => j.id), [b]);
+    third.runner.shutdown();
     store.close();
   } finally {
     await Deno.remove(root, { recursive: true });
