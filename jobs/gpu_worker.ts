@@ -10,65 +10,78 @@ import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
 import { CANCEL_FLAG, type FromWorker, type ToWorker } from "./messages.ts";
 import { runTraining } from "./train_loop.ts";
 
-let ctx: GpuContext | null = null;
-let cancel: Int32Array | null = null;
-let gpu = 0;
-let chain: Promise<void> = Promise.resolve();
+/** The state of this Worker: its device, its GPU index and the shared cancel flag. */
+class GpuWorker {
+  #ctx: GpuContext | null = null;
+  #cancel: Int32Array | null = null;
+  #gpu = 0;
+  #post: (msg: FromWorker) => void;
 
-const post = (msg: FromWorker) => self.postMessage(msg);
+  constructor(post: (msg: FromWorker) => void) {
+    this.#post = post;
+  }
 
-async function open(): Promise<GpuContext> {
-  if (!ctx || ctx.lostReason) ctx = await openDevice();
-  return ctx;
-}
+  /** The device, reopened if it was lost during an earlier job. */
+  async #open(): Promise<GpuContext> {
+    if (!this.#ctx || this.#ctx.lostReason) this.#ctx = await openDevice();
+    return this.#ctx;
+  }
 
-async function handle(msg: ToWorker): Promise<void> {
-  switch (msg.type) {
-    case "init": {
-      gpu = msg.gpu;
-      cancel = new Int32Array(msg.cancel);
-      try {
-        const c = await open();
-        post({
-          type: "ready",
-          gpu,
-          adapter: describeDevice(c),
-          max_buffer_bytes: c.limits.maxBufferSize,
-          max_binding_bytes: c.limits.maxStorageBufferBindingSize,
-        });
-      } catch (e) {
-        post({ type: "unavailable", gpu, error: (e as Error).message });
-      }
-      return;
-    }
-    case "train": {
-      const c = await open().catch(() => null);
-      if (!c) {
-        post({
-          type: "done",
-          id: msg.job.id,
-          status: "failed",
-          iteration: 0,
-          error: "GPU device could not be opened",
-        });
+  /** Handles one message; the caller runs them strictly in order. */
+  async handle(msg: ToWorker): Promise<void> {
+    switch (msg.type) {
+      case "init": {
+        this.#gpu = msg.gpu;
+        this.#cancel = new Int32Array(msg.cancel);
+        try {
+          const c = await this.#open();
+          this.#post({
+            type: "ready",
+            gpu: this.#gpu,
+            adapter: describeDevice(c),
+            max_buffer_bytes: c.limits.maxBufferSize,
+            max_binding_bytes: c.limits.maxStorageBufferBindingSize,
+          });
+        } catch (e) {
+          this.#post({ type: "unavailable", gpu: this.#gpu, error: (e as Error).message });
+        }
         return;
       }
-      const done = await runTraining(c, msg.job, {
-        post,
-        cancelled: () => cancel !== null && Atomics.load(cancel, CANCEL_FLAG) !== 0,
-      });
-      post(done);
-      return;
+      case "train": {
+        let ctx: GpuContext;
+        try {
+          ctx = await this.#open();
+        } catch (e) {
+          this.#post({
+            type: "done",
+            id: msg.job.id,
+            status: "failed",
+            iteration: 0,
+            error: `Cannot open GPU ${this.#gpu}: ${(e as Error).message}`,
+          });
+          return;
+        }
+        const cancel = this.#cancel;
+        this.#post(
+          await runTraining(ctx, msg.job, {
+            post: this.#post,
+            cancelled: () => cancel !== null && Atomics.load(cancel, CANCEL_FLAG) !== 0,
+          }),
+        );
+        return;
+      }
+      case "shutdown":
+        this.#ctx?.device.destroy();
+        this.#ctx = null;
+        self.close();
+        return;
     }
-    case "shutdown":
-      ctx?.device.destroy();
-      ctx = null;
-      self.close();
-      return;
   }
 }
 
+const worker = new GpuWorker((msg) => self.postMessage(msg));
+let chain: Promise<void> = Promise.resolve();
 // Messages are handled strictly in order: a job runs to completion before the next starts.
 self.onmessage = (e: MessageEvent<ToWorker>) => {
-  chain = chain.then(() => handle(e.data));
+  chain = chain.then(() => worker.handle(e.data));
 };

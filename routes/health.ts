@@ -70,6 +70,26 @@ export function healthRoutes(runner: JobRunner, startedAt: number): Hono {
       "GPU memory allocated by the job",
       per((j) => j.metrics.gpu_memory_bytes),
     );
+    const phases = [
+      "forward_ms",
+      "backward_ms",
+      "allreduce_ms",
+      "optimizer_ms",
+      "batch_generator_ms",
+      "step_ms",
+    ] as const;
+    metric(
+      "gpt2_job_phase_milliseconds",
+      "Milliseconds per step in each phase (last log interval)",
+      live.flatMap((j) =>
+        phases.flatMap((p) => {
+          const v = j.metrics.timings?.[p];
+          return typeof v === "number"
+            ? [[{ job: j.id, phase: p.slice(0, -3) }, v] as [Record<string, string>, number]]
+            : [];
+        })
+      ),
+    );
     return c.text(lines.join("\n") + "\n", 200, {
       "Content-Type": "text/plain; version=0.0.4; charset=utf-8",
     });

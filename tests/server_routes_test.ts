@@ -210,6 +210,7 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assert(text.includes(`gpt2_job_loss{job="${id}",gpu="0"} 7.5\n`), text);
     assert(text.includes(`gpt2_jobs{status="running"} 1\n`), text);
     assert(text.includes(`gpt2_gpu_busy{gpu="0"} 1\n`), text);
+    assert(text.includes(`gpt2_job_phase_milliseconds{job="${id}",phase="backward"} 3\n`), text);
     const health = await (await t.app.request("/health")).json();
     assertEquals(health.status, "ok");
     assertEquals(health.gpus[0].state, "busy");
