@@ -56,19 +56,26 @@ if (import.meta.main) {
     datasetExists: async (id) =>
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
   });
-  runner.start();
   const app = createApp({ runner, token: config.token, extra: [datasetRoutes(home)] });
-  const server = Deno.serve({
-    hostname: config.host,
-    port: config.port,
-    onListen: ({ hostname, port }) => {
-      console.log(
-        `GPT-2 server listening on http://${
-          hostname.includes(":") ? `[${hostname}]` : hostname
-        }:${port}/ (data in ${home})`,
-      );
-    },
-  }, app.fetch);
+  let server: Deno.HttpServer;
+  try {
+    server = Deno.serve({
+      hostname: config.host,
+      port: config.port,
+      onListen: ({ hostname, port }) => {
+        const host = hostname.includes(":") ? `[${hostname}]` : hostname;
+        console.log(`GPT-2 server listening on http://${host}:${port}/ (data in ${home})`);
+      },
+    }, app.fetch);
+  } catch (e) {
+    console.error(
+      `Cannot listen on ${config.host}:${config.port}: ${(e as Error).message} (set PORT or HOST)`,
+    );
+    store.close();
+    Deno.exit(1);
+  }
+  // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
+  runner.start();
   const stop = async () => {
     runner.shutdown();
     // Open event streams would keep shutdown() waiting: give them a moment, then exit.
