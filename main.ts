@@ -6,7 +6,7 @@
  */
 
 import { getDataset, isBuiltinName } from "./data/mod.ts";
-import { JobRunner, JobStore, spawnGpuWorker } from "./jobs/mod.ts";
+import { JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
 
@@ -48,6 +48,12 @@ if (import.meta.main) {
   }
   const { home } = config;
   await Deno.mkdir(home, { recursive: true });
+  try {
+    await lockDataDir(home);
+  } catch (e) {
+    console.error((e as Error).message);
+    Deno.exit(1);
+  }
   const store = new JobStore(`${home}/jobs.sqlite`);
   const runner = new JobRunner(store, {
     root: home,

@@ -18,3 +18,4 @@ export {
 export * from "./checkpoint.ts";
 export * from "./safetensors.ts";
 export * from "./model.ts";
+export { lockDataDir } from "./lock.ts";

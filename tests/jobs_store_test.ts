@@ -4,7 +4,7 @@
  */
 
 import assert from "node:assert/strict";
-import { JobStore, type TrainConfig } from "../jobs/mod.ts";
+import { JobStore, lockDataDir, type TrainConfig } from "../jobs/mod.ts";
 
 const config = { model: "gpt2-tiny", dataset: "sotu", train_iters: 10 } as TrainConfig;
 
@@ -72,4 +72,23 @@ Deno.test("JobStore.nextQueued() serves interrupted jobs first, then FIFO, per G
   store.requeueBeyond(1); // restarted with one GPU: b moves from GPU 1 to GPU 0
   assert.deepEqual(store.queue(0).map((j) => j.id), ["d", "a", "b", "c"]);
   store.close();
+});
+
+Deno.test({
+  name: "lockDataDir() lets one server hold a data directory and names the lock when taken",
+  sanitizeOps: false,
+  sanitizeResources: false,
+  fn: async () => {
+    const dir = await Deno.makeTempDir({ prefix: "gpt2_lock_" });
+    const held = await lockDataDir(dir);
+    try {
+      assert.equal(await Deno.readTextFile(`${dir}/server.lock`), `${Deno.pid}\n`);
+      await assert.rejects(lockDataDir(dir, 100), {
+        message: `Cannot use data directory "${dir}": another server holds "${dir}/server.lock"`,
+      });
+    } finally {
+      held.close();
+      await Deno.remove(dir, { recursive: true });
+    }
+  },
 });
