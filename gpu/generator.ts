@@ -22,6 +22,15 @@ import {
   kvStoreWgsl,
 } from "./kernels/decode.ts";
 import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "./kernels/sample.ts";
+import {
+  chooseKSplit,
+  GEMV_MAX_ROWS,
+  type GemvEpilogue,
+  gemvPartialWgsl,
+  gemvReduceBindings,
+  gemvReduceWgsl,
+  type GemvSpec,
+} from "./kernels/gemv.ts";
 
 /** How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. */
 export interface SamplingParams {
@@ -155,7 +164,7 @@ export class Generator {
     const mm = async (label: string, s: MatmulSpec, views: Record<string, View>) => {
       const tile = chooseTile(s, ctx.limits.maxComputeInvocationsPerWorkgroup);
       return await op(
-        s.transB ? "matmul_fwd" : "matmul_fwd",
+        "matmul_fwd",
         label,
         matmulWgsl(s, tile),
         matmulBindings(s).map((n) => views[n]),
@@ -163,6 +172,32 @@ export class Generator {
       );
     };
     const base = { transA: false, transB: false, bias: true } as const;
+    // Linear layers: the skinny gemv (split over K, then summed with the epilogue) for few streams.
+    const useGemv = S <= GEMV_MAX_ROWS;
+    const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
+    const partFloats = Math.max(...shapes.map(([n, k]) => chooseKSplit(n, k) * S * n));
+    const part = useGemv ? await f(partFloats) : null;
+    const lin = async (label: string, s: MatmulSpec, views: Record<string, View>): Promise<Op[]> => {
+      if (!part) return [await mm(label, s, views)];
+      const g: GemvSpec = {
+        M: s.M,
+        N: s.N,
+        K: s.K,
+        bias: s.bias,
+        epilogue: s.epilogue as GemvEpilogue,
+        KS: chooseKSplit(s.N, s.K),
+      };
+      const all: Record<string, View> = { ...views, part: V(part) };
+      return [
+        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), [views.A, views.B, V(part)], [
+          Math.ceil(s.N / 128),
+          g.KS,
+        ]),
+        await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
+          Math.ceil((s.M * s.N) / 4 / 64),
+        ]),
+      ];
+    };
     const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
       op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(ln), V(stats)], [S]);
     const ops: Op[] = [];
@@ -179,7 +214,7 @@ export class Generator {
       const p = `h.${l}.`;
       ops.push(await lnOp(x, p + "ln_1.weight", p + "ln_1.bias", `dec.l${l}.ln1`));
       ops.push(
-        await mm(`dec.l${l}.qkv`, { ...base, M: S, N: 3 * C, K: C, epilogue: "store" }, {
+        ...await lin(`dec.l${l}.qkv`, { ...base, M: S, N: 3 * C, K: C, epilogue: "store" }, {
           A: V(ln),
           B: P(p + "attn.c_attn.weight"),
           bias: P(p + "attn.c_attn.bias"),
@@ -204,7 +239,7 @@ export class Generator {
         ], [S, H]),
       );
       ops.push(
-        await mm(`dec.l${l}.proj`, { ...base, M: S, N: C, K: C, epilogue: "residual" }, {
+        ...await lin(`dec.l${l}.proj`, { ...base, M: S, N: C, K: C, epilogue: "residual" }, {
           A: V(y),
           B: P(p + "attn.c_proj.weight"),
           bias: P(p + "attn.c_proj.bias"),
@@ -214,7 +249,7 @@ export class Generator {
       );
       ops.push(await lnOp(x2, p + "ln_2.weight", p + "ln_2.bias", `dec.l${l}.ln2`));
       ops.push(
-        await mm(`dec.l${l}.fc`, { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" }, {
+        ...await lin(`dec.l${l}.fc`, { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" }, {
           A: V(ln),
           B: P(p + "mlp.c_fc.weight"),
           bias: P(p + "mlp.c_fc.bias"),
@@ -223,7 +258,7 @@ export class Generator {
         }),
       );
       ops.push(
-        await mm(`dec.l${l}.fcproj`, { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" }, {
+        ...await lin(`dec.l${l}.fcproj`, { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" }, {
           A: V(fcg),
           B: P(p + "mlp.c_proj.weight"),
           bias: P(p + "mlp.c_proj.bias"),

@@ -13,6 +13,7 @@ import {
   matmulWgsl,
 } from "../gpu/kernels/matmul.ts";
 import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
+import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../gpu/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 function cpuMatmul(s: MatmulSpec, A: Float32Array, B: Float32Array, bias?: Float32Array): Float64Array {
@@ -125,6 +126,69 @@ Deno.test({
         epilogue,
       });
       assert.ok(err < 1e-5, `${epilogue}: rel err ${err}`);
+    }
+  },
+});
+
+Deno.test({
+  name: "gemvPartialWgsl() + gemvReduceWgsl() match a float64 product for 1 to 8 rows and every epilogue",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    for (
+      const [M, epilogue, KS] of [[1, "store", 3], [3, "residual", 1], [8, "gelu", 5], [
+        5,
+        "store",
+        2,
+      ]] as const
+    ) {
+      const N = 200, K = 97;
+      const x = randomFloats(M * K, 11),
+        W = randomFloats(K * N, 12),
+        bias = randomFloats(N, 13),
+        res = randomFloats(M * N, 14);
+      const spec = { M, N, K, bias: true, epilogue, KS };
+      const bufs: Record<string, GPUBuffer> = {
+        x: await upload(ctx, "x", x),
+        W: await upload(ctx, "W", W),
+        part: await upload(ctx, "part", new Float32Array(KS * M * N)),
+        out: await upload(ctx, "out", new Float32Array(M * N)),
+        out2: await upload(ctx, "out2", new Float32Array(M * N)),
+        bias: await upload(ctx, "bias", bias),
+        res: await upload(ctx, "res", res),
+      };
+      const p1 = makeOp(ctx, await cache.get("gemv", gemvPartialWgsl(spec)), {
+        label: "gemv",
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: [{ buffer: bufs.x }, { buffer: bufs.W }, { buffer: bufs.part }],
+        grid: [Math.ceil(N / 128), KS],
+      });
+      const p2 = makeOp(ctx, await cache.get("gemv.sum", gemvReduceWgsl(spec)), {
+        label: "gemv.sum",
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: gemvReduceBindings(spec).map((n) => ({ buffer: bufs[n] })),
+        grid: [Math.ceil((M * N) / 4 / 64)],
+      });
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, [p1, p2]);
+      ctx.device.queue.submit([enc.finish()]);
+      const ref = cpuMatmul(
+        { M, N, K, transA: false, transB: false, bias: true, epilogue: "store" },
+        x,
+        W,
+        bias,
+      );
+      if (epilogue === "residual") ref.forEach((v, i) => ref[i] = v + res[i]);
+      const got = await readFloats(ctx, bufs.out);
+      assert.ok(relNorm(got, ref) < 1e-5, `M=${M} ${epilogue}: rel err ${relNorm(got, ref)}`);
+      if (epilogue === "gelu") {
+        const got2 = await readFloats(ctx, bufs.out2);
+        assert.ok(relNorm(got2, ref.map(gelu)) < 1e-5, `M=${M} gelu output`);
+      }
+      Object.values(bufs).forEach((b) => b.destroy());
     }
   },
 });
