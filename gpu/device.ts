@@ -23,6 +23,8 @@ export interface GpuContext {
   hasSubgroups: boolean;
   /** Set once the device is lost; later submissions fail with this reason. */
   lostReason: string | null;
+  /** The first validation error no error scope caught; the next readback raises it. */
+  uncaptured: string | null;
 }
 
 /** Raised when no adapter exists (e.g. no Vulkan driver); distinct from device failures. */
@@ -109,9 +111,13 @@ export async function openDevice(opts: { features?: string[] } = {}): Promise<Gp
     hasTimestamps: device.features.has("timestamp-query"),
     hasSubgroups: device.features.has("subgroups"),
     lostReason: null,
+    uncaptured: null,
   };
   device.lost.then((l) => {
     ctx.lostReason = `${l.reason}: ${l.message}`;
+  });
+  device.addEventListener("uncapturederror", (e) => {
+    ctx.uncaptured ??= (e as GPUUncapturedErrorEvent).error.message;
   });
   return ctx;
 }
@@ -185,8 +191,14 @@ export async function readBuffer(
   const out = staging.getMappedRange().slice(0);
   staging.unmap();
   staging.destroy();
-  if (ctx.lostReason) throw new GpuError("Device lost", ctx.lostReason);
+  checkDevice(ctx);
   return out;
+}
+
+/** Throws if the device was lost or raised a validation error that no scope caught. */
+export function checkDevice(ctx: GpuContext): void {
+  if (ctx.lostReason) throw new GpuError("Device lost", ctx.lostReason);
+  if (ctx.uncaptured) throw new GpuError("GPU validation error", ctx.uncaptured);
 }
 
 /** Reads a float32 buffer (or a range of it, in floats). */

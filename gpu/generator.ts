@@ -9,7 +9,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { createStorage, type GpuContext, GpuError } from "./device.ts";
+import { checkDevice, createStorage, type GpuContext, GpuError } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
@@ -425,7 +425,7 @@ export class Generator {
     await staging.mapAsync(GPUMapMode.READ);
     const bytes = staging.getMappedRange().slice(0);
     staging.destroy();
-    if (this.#ctx.lostReason) throw new GpuError("Device lost", this.#ctx.lostReason);
+    checkDevice(this.#ctx);
     const state = new Uint32Array(bytes, 0, sb / 4);
     const out = new Uint32Array(bytes, sb, ob / 4);
     const res: Uint32Array[] = [];

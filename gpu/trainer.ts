@@ -5,7 +5,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { type GpuContext, GpuError, readBuffer, readFloats } from "./device.ts";
+import { checkDevice, type GpuContext, GpuError, readBuffer, readFloats } from "./device.ts";
 import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
 import { encodeOps, type Op } from "./ops.ts";
@@ -151,7 +151,7 @@ export class Trainer {
    * With `profile` (and a trainer created with `profile: true`), every kernel is timed; see `profile()`.
    */
   trainStep(tokens: Uint16Array | Uint32Array, profile = false): void {
-    if (this.#ctx.lostReason) throw new GpuError("Device lost", this.#ctx.lostReason);
+    checkDevice(this.#ctx);
     const { adamw, schedule } = this.opts;
     const t = this.#step + 1;
     this.#writeTokens(tokens);

@@ -10,6 +10,8 @@ if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulka
   $sudo apt-get install -y -qq libvulkan1 mesa-vulkan-drivers >/dev/null
 fi
 export DENO_WEBGPU_BACKEND=${DENO_WEBGPU_BACKEND:-vulkan}
+# Mesa warns on every adapter request without it.
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-$(mktemp -d)}
 deno_cmd=(npx --yes deno@2.9.6)
 command -v deno >/dev/null 2>&1 && [ "$(deno --version | head -1 | cut -d' ' -f2)" = "2.9.6" ] && deno_cmd=(deno)
 exec "${deno_cmd[@]}" task test "$@"
