@@ -1,13 +1,19 @@
 /**
- * Benchmark of the data pipeline end to end: prepares a synthetic corpus of at least 100 MB
- * (State of the Union sentences recombined into new documents, with 2% planted near-duplicates)
- * from `.jsonl` files on disk, through clean, dedup, tokenize and split.
+ * Benchmark of the data pipeline end to end: prepares a synthetic corpus (State of the Union
+ * sentences recombined into new documents, with 2% planted near-duplicates) from `.jsonl` files on
+ * disk, through clean, dedup, tokenize and split.
  *
- * Reports throughput (input MB/s) and the process's peak RSS (VmHWM, workers included). Each
- * size runs in its own process so the peaks are independent; running two sizes shows that peak
- * memory does not grow with the input. Usage:
- *   deno run -A bench/data_bench.ts [--mb 100] [--sizes 25,100]
+ * Reports throughput (input MB/s, and MB per CPU-second, which is steadier on a shared machine)
+ * and the process's peak RSS (VmHWM, workers included). The corpus is written by this process;
+ * preparation runs in a fresh child so its peak RSS is the pipeline's alone, and running several
+ * sizes shows how memory depends on input size. Usage:
+ *   deno run -A bench/data_bench.ts [--sizes 25,100] [--heap-mb 128] [--cpu-prof DIR]
+ * `--heap-mb N` runs the child with V8's old space capped at N MB and its young generation at
+ * 2 MB per isolate (by default V8 grows the young generation of each of the three isolates with
+ * the allocation rate). Environment: DATA_BENCH_TRACE=1 prints memory every second,
+ * DATA_BENCH_GC=1 prints the main heap after a full GC, DATA_BENCH_NO_DEDUP=1 turns dedup off.
  */
+import process from "node:process";
 import { join } from "node:path";
 import { prepareDataset } from "../data/mod.ts";
 
@@ -86,31 +92,50 @@ function peakRss(): number {
   }
 }
 
-/** Run one size in this process and print one JSON line. */
-async function runOne(mb: number): Promise<void> {
-  const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-" });
-  try {
-    const corpus = await writeCorpus(join(root, "corpus"), mb);
-    const rssBefore = peakRss();
-    const t0 = performance.now();
-    const info = await prepareDataset(root, { path: "corpus" }, { id: "bench" });
-    const seconds = (performance.now() - t0) / 1000;
-    const stats = info.stats as Record<string, number>;
-    console.log(JSON.stringify({
-      input_mb: +(corpus.bytes / 1e6).toFixed(1),
-      input_documents: corpus.documents,
-      seconds: +seconds.toFixed(2),
-      mb_per_s: +(corpus.bytes / 1e6 / seconds).toFixed(1),
-      documents: info.documents,
-      near_duplicates: stats.near_duplicates,
-      tokens: info.tokens,
-      peak_rss_mb: +(peakRss() / 2 ** 20).toFixed(0),
-      rss_before_prepare_mb: +(rssBefore / 2 ** 20).toFixed(0),
-      cores: navigator.hardwareConcurrency,
-    }));
-  } finally {
-    await Deno.remove(root, { recursive: true });
+/** Prepare the corpus under `root` in this (fresh) process and print one JSON line of figures. */
+async function runPrepare(root: string, inputBytes: number, inputDocuments: number): Promise<void> {
+  const trace = Deno.env.get("DATA_BENCH_TRACE")
+    ? setInterval(() => {
+      const m = Deno.memoryUsage();
+      const st = Deno.readTextFileSync("/proc/self/status").split("\n").filter((l) =>
+        /^(RssAnon|RssFile|RssShmem|Threads)/.test(l)
+      ).map((l) => l.replace(/\s+/g, " ")).join(", ");
+      console.error(st);
+      console.error(
+        `rss ${(m.rss / 2 ** 20).toFixed(0)} MB, main heap ${(m.heapUsed / 2 ** 20).toFixed(0)}/${
+          (m.heapTotal / 2 ** 20).toFixed(0)
+        } MB, external ${(m.external / 2 ** 20).toFixed(0)} MB`,
+      );
+    }, 1000)
+    : undefined;
+  const cpu0 = process.cpuUsage();
+  const t0 = performance.now();
+  const info = await prepareDataset(root, { path: "corpus" }, {
+    id: "bench",
+    dedup: !Deno.env.get("DATA_BENCH_NO_DEDUP"),
+  });
+  const seconds = (performance.now() - t0) / 1000;
+  const cpu = process.cpuUsage(cpu0);
+  clearInterval(trace);
+  if (Deno.env.get("DATA_BENCH_GC")) {
+    (globalThis as unknown as { gc: () => void }).gc();
+    console.error(`main heap after gc: ${(Deno.memoryUsage().heapUsed / 2 ** 20).toFixed(1)} MB`);
   }
+  const cpuSeconds = (cpu.user + cpu.system) / 1e6;
+  const stats = info.stats as Record<string, number>;
+  console.log(JSON.stringify({
+    input_mb: +(inputBytes / 1e6).toFixed(1),
+    input_documents: inputDocuments,
+    seconds: +seconds.toFixed(2),
+    mb_per_s: +(inputBytes / 1e6 / seconds).toFixed(1),
+    cpu_seconds: +cpuSeconds.toFixed(2),
+    mb_per_cpu_s: +(inputBytes / 1e6 / cpuSeconds).toFixed(1),
+    documents: info.documents,
+    near_duplicates: stats.near_duplicates,
+    tokens: info.tokens,
+    peak_rss_mb: +(peakRss() / 2 ** 20).toFixed(0),
+    cores: navigator.hardwareConcurrency,
+  }));
 }
 
 if (import.meta.main) {
@@ -119,19 +144,39 @@ if (import.meta.main) {
     const i = args.indexOf(name);
     return i >= 0 ? args[i + 1] : undefined;
   };
-  const one = flag("--mb");
-  if (one) await runOne(Number(one));
+  const child = flag("--prepare");
+  if (child) await runPrepare(child, Number(flag("--bytes")), Number(flag("--documents")));
   else {
-    const sizes = (flag("--sizes") ?? "25,100").split(",").map(Number);
+    const sizes = (flag("--sizes") ?? flag("--mb") ?? "25,100").split(",").map(Number);
     for (const mb of sizes) {
-      const out = await new Deno.Command(Deno.execPath(), {
-        args: ["run", "-A", new URL(import.meta.url).pathname, "--mb", String(mb)],
-        stdout: "piped",
-        stderr: "inherit",
-      }).output();
-      const line = new TextDecoder().decode(out.stdout).trim();
-      if (!out.success) throw new Error(`Benchmark of ${mb} MB failed (exit ${out.code})`);
-      console.log(line);
+      const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-" });
+      try {
+        const corpus = await writeCorpus(join(root, "corpus"), mb);
+        const out = await new Deno.Command(Deno.execPath(), {
+          args: [
+            "run",
+            "-A",
+            ...(flag("--cpu-prof") ? ["--cpu-prof", `--cpu-prof-dir=${flag("--cpu-prof")}`] : []),
+            ...(Deno.env.get("DATA_BENCH_GC") ? ["--v8-flags=--expose-gc"] : []),
+            ...(flag("--heap-mb")
+              ? [`--v8-flags=--max-old-space-size=${flag("--heap-mb")},--max-semi-space-size=2`]
+              : []),
+            new URL(import.meta.url).pathname,
+            "--prepare",
+            root,
+            "--bytes",
+            String(corpus.bytes),
+            "--documents",
+            String(corpus.documents),
+          ],
+          stdout: "piped",
+          stderr: "inherit",
+        }).output();
+        if (!out.success) throw new Error(`Benchmark of ${mb} MB failed (exit ${out.code})`);
+        console.log(new TextDecoder().decode(out.stdout).trim());
+      } finally {
+        await Deno.remove(root, { recursive: true });
+      }
     }
   }
 }

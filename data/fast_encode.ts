@@ -59,6 +59,17 @@ export function createFastEncoder(maxEntries = 1 << 18): FastEncoder {
   };
 }
 
+/** A copy of `text[start, end)` that shares no memory with `text`. */
+function flatCopy(text: string, start: number, end: number): string {
+  let out = "";
+  for (let i = start; i < end; i += 4096) {
+    out += String.fromCharCode(
+      ...Array.from({ length: Math.min(4096, end - i) }, (_, k) => text.charCodeAt(i + k)),
+    );
+  }
+  return out;
+}
+
 /** Append the tokens of the piece `text[start, end)`. */
 function pushPiece(enc: FastEncoder, text: string, start: number, end: number, out: number[]): void {
   let h = 0x811c9dc5 | 0;
@@ -89,7 +100,9 @@ function pushPiece(enc: FastEncoder, text: string, start: number, end: number, o
     }
     slot = (slot + 1) & mask;
   }
-  const piece = text.slice(start, end);
+  // A flat copy: a slice of 13+ characters would be a view that keeps the whole document alive
+  // in this cache and in gpt-tokenizer's.
+  const piece = len >= 13 ? flatCopy(text, start, end) : text.slice(start, end);
   const ids = encode(piece, ENCODE_OPTS);
   for (let j = 0; j < ids.length; j++) out.push(ids[j]);
   if (enc.count >= enc.maxEntries || enc.poolUsed + ids.length > enc.pool.length) {
