@@ -3,7 +3,14 @@
  * HTTP server on 127.0.0.1 (no outside network; short timeouts keep it bounded).
  */
 import assert from "node:assert/strict";
-import { DEFAULT_USER_AGENT, downloadUrls, extractMainText, type WebDocument } from "../data/mod.ts";
+import { join } from "node:path";
+import {
+  DEFAULT_USER_AGENT,
+  downloadUrls,
+  extractMainText,
+  prepareDataset,
+  type WebDocument,
+} from "../data/mod.ts";
 
 const PARAGRAPH =
   "The committee met on Tuesday to review the annual budget and the state of the harbour works. ";
@@ -112,5 +119,74 @@ Deno.test("downloadUrls extracts pages, retries server errors and records every 
   } finally {
     controller.abort();
     await server.finished;
+  }
+});
+
+Deno.test("prepareDataset from urls filters, downloads, records failures and tokenizes the pages", async () => {
+  const controller = new AbortController();
+  const server = Deno.serve(
+    { hostname: "127.0.0.1", port: 0, signal: controller.signal, onListen: () => {} },
+    (req) => {
+      const path = new URL(req.url).pathname;
+      if (path.startsWith("/page")) {
+        return new Response(
+          ARTICLE_HTML.replace("Harbour report</h1>", `Harbour report ${path}</h1>`).replaceAll(
+            "Tuesday",
+            path,
+          ),
+          {
+            headers: { "content-type": "text/html" },
+          },
+        );
+      }
+      return new Response("missing", { status: 404 });
+    },
+  );
+  const root = await Deno.makeTempDir({ prefix: "gpt2-data-test-" });
+  try {
+    const base = `http://127.0.0.1:${server.addr.port}`;
+    const info = await prepareDataset(
+      root,
+      {
+        urls: [
+          `${base}/page1`,
+          `${base}/page2`,
+          `${base}/page1#again`,
+          `${base}/gone`,
+          `${base}/pic.png`,
+          "https://youtube.com/x",
+        ],
+      },
+      {
+        min_tokens: 16,
+        seq_len: 8,
+        split: "8,1,1",
+        dedup: false,
+        workers: 1,
+        download: { timeoutMs: 2000, retries: 0 },
+      },
+    );
+    const stats = info.stats as { urls: Record<string, number>; download: Record<string, number> };
+    assert.deepEqual(stats.urls, {
+      input: 6,
+      invalid: 0,
+      duplicates: 1,
+      blacklisted: 1,
+      non_text: 1,
+      kept: 3,
+    });
+    assert.equal(stats.download.ok, 2);
+    assert.equal(stats.download.failed, 1);
+    assert.equal(info.documents, 2);
+    const failures = await Deno.readTextFile(join(root, "datasets", info.id, "failures.jsonl"));
+    assert.match(failures, /\/gone.*HTTP 404/);
+    await assert.rejects(
+      () => prepareDataset(root, { urls: [`${base}/gone`] }, { workers: 1, download: { retries: 0 } }),
+      /No documents downloaded: all 1 URLs failed \(first: ".*\/gone": HTTP 404\)/,
+    );
+  } finally {
+    controller.abort();
+    await server.finished;
+    await Deno.remove(root, { recursive: true });
   }
 });
