@@ -97,6 +97,8 @@ interface Stats {
   under_min_tokens: number;
   near_duplicates: number;
   characters: number;
+  /** Worker milliseconds spent cleaning, tokenizing and computing signatures (summed over workers). */
+  worker_ms: { clean: number; tokenize: number; signatures: number };
   lsh?: { bands: number; rows: number; num_perm: number; shingle_size: number };
 }
 
@@ -331,6 +333,7 @@ export async function prepareDataset(
     under_min_tokens: 0,
     near_duplicates: 0,
     characters: 0,
+    worker_ms: { clean: 0, tokenize: 0, signatures: 0 },
   };
   let pool: ReturnType<typeof createTokenizePool> | undefined;
   try {
@@ -431,6 +434,9 @@ export async function prepareDataset(
     let docCount = 0, tokenCount = 0;
     const onResult = async (r: WorkerResult) => {
       stats.under_min_tokens += r.short;
+      stats.worker_ms.clean += Math.round(r.ms[0]);
+      stats.worker_ms.tokenize += Math.round(r.ms[1]);
+      stats.worker_ms.signatures += Math.round(r.ms[2]);
       stats.empty_after_cleaning += r.empty;
       let tokOff = 0, sigIdx = 0;
       const n = minhash?.numPerm ?? 0;
