@@ -6,7 +6,7 @@
  */
 
 import { getDataset, isBuiltinName } from "./data/mod.ts";
-import { JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
+import { GenerationManager, JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
 
@@ -62,7 +62,8 @@ if (import.meta.main) {
     datasetExists: async (id) =>
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
   });
-  const app = createApp({ runner, token: config.token, extra: [datasetRoutes(home)] });
+  const generation = new GenerationManager(runner, home);
+  const app = createApp({ runner, generation, token: config.token, extra: [datasetRoutes(home)] });
   let server: Deno.HttpServer;
   try {
     server = Deno.serve({

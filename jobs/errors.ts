@@ -26,3 +26,21 @@ export class InvalidJobError extends Error {
     this.name = "InvalidJobError";
   }
 }
+
+/** No checkpoint or model directory has this id (HTTP 404). */
+export class ModelNotFoundError extends Error {
+  constructor(readonly id: string) {
+    super(
+      `Model "${id}" not found: expected a job id, "<job id>/iter_N" or a directory under models/ (see GET /v1/models)`,
+    );
+    this.name = "ModelNotFoundError";
+  }
+}
+
+/** No GPU can serve the request now (HTTP 503). */
+export class GpuUnavailableError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "GpuUnavailableError";
+  }
+}

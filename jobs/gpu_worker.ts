@@ -1,7 +1,8 @@
 /**
  * The Worker that drives one GPU. It opens the device once, then runs the jobs the runner posts
  * one at a time (see train_loop.ts), polling a shared cancel flag between steps. All GPU waits
- * (mapAsync, onSubmittedWorkDone) happen here, never on the HTTP thread.
+ * (mapAsync, onSubmittedWorkDone) happen here, never on the HTTP thread. Generation requests
+ * bypass the job queue: they run on their own loop (generation_service.ts) beside any training job.
  */
 
 /// <reference lib="deno.worker" />
@@ -9,6 +10,7 @@
 import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
 import { CANCEL_FLAG, type FromWorker, type ToWorker } from "./messages.ts";
 import { runTraining } from "./train_loop.ts";
+import { GenerationService } from "./generation_service.ts";
 
 /** The state of this Worker: its device, its GPU index and the shared cancel flag. */
 class GpuWorker {
@@ -16,9 +18,17 @@ class GpuWorker {
   #cancel: Int32Array | null = null;
   #gpu = 0;
   #post: (msg: FromWorker) => void;
+  #generation: GenerationService;
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
+    this.#generation = new GenerationService(() => this.#open(), post);
+  }
+
+  /** Generation messages, handled at once (not queued behind a training job). */
+  generation(msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
+    if (msg.type === "generate") this.#generation.generate(msg.request);
+    else this.#generation.cancel(msg.id);
   }
 
   /** The device, reopened if it was lost during an earlier job. */
@@ -71,6 +81,7 @@ class GpuWorker {
         return;
       }
       case "shutdown":
+        await this.#generation.destroy();
         this.#ctx?.device.destroy();
         this.#ctx = null;
         self.close();
@@ -83,5 +94,7 @@ const worker = new GpuWorker((msg) => self.postMessage(msg));
 let chain: Promise<void> = Promise.resolve();
 // Messages are handled strictly in order: a job runs to completion before the next starts.
 self.onmessage = (e: MessageEvent<ToWorker>) => {
+  const msg = e.data;
+  if (msg.type === "generate" || msg.type === "generate_cancel") return worker.generation(msg);
   chain = chain.then(() => worker.handle(e.data));
 };

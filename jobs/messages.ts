@@ -6,6 +6,7 @@
  */
 
 import type { PhaseTimes, TrainConfig } from "./types.ts";
+import type { ModelConfig } from "../gpu/config.ts";
 
 /** Index in the shared cancel flag: non-zero asks the running job to stop. */
 export const CANCEL_FLAG = 0;
@@ -22,14 +23,56 @@ export interface WorkerJob {
   resume_path: string | null;
 }
 
+/** Where a generation model's weights are: one of our checkpoints or a Hugging Face GPT-2 directory. */
+export interface ModelSource {
+  /** The id clients use ("job_x", "job_x/iter_0000100", or a directory name under models/). */
+  id: string;
+  kind: "checkpoint" | "safetensors";
+  /** Directory holding `model.safetensors`. */
+  path: string;
+  /** Changes when the weights on disk change (checkpoint creation time, file mtime). */
+  version: string;
+  config: ModelConfig;
+}
+
+/** A generation handed to a Worker: the prompt already tokenized and cut to fit the context. */
+export interface WorkerGeneration {
+  id: string;
+  model: ModelSource;
+  /** 1 ... n_positions - max_tokens token ids. */
+  prompt: number[];
+  max_tokens: number;
+  temperature: number;
+  top_k: number;
+  top_p: number;
+  seed: number;
+  /** Stop at `<|endoftext|>` (not returned). */
+  stop_at_eos: boolean;
+}
+
 /** HTTP thread → Worker. */
 export type ToWorker =
   | { type: "init"; gpu: number; cancel: SharedArrayBuffer }
   | { type: "train"; job: WorkerJob }
+  | { type: "generate"; request: WorkerGeneration }
+  | { type: "generate_cancel"; id: string }
   | { type: "shutdown" };
+
+/** Worker → HTTP thread, for generations: accepted onto the GPU, new tokens, finished. */
+export type FromWorkerGeneration =
+  | { type: "gen_started"; id: string; load_ms: number }
+  | { type: "gen_tokens"; id: string; tokens: number[] }
+  | {
+    type: "gen_done";
+    id: string;
+    reason: "length" | "eos" | "cancelled" | "error";
+    error: string | null;
+    completion_tokens: number;
+  };
 
 /** Worker → HTTP thread. */
 export type FromWorker =
+  | FromWorkerGeneration
   | { type: "ready"; gpu: number; adapter: string; max_buffer_bytes: number; max_binding_bytes: number }
   | { type: "unavailable"; gpu: number; error: string }
   | { type: "started"; id: string; iteration: number; resumed_from: string | null; gpu_memory_bytes: number }

@@ -8,6 +8,7 @@ export * from "./errors.ts";
 export * from "./messages.ts";
 export { isFinished, type JobPatch, JobStore } from "./store.ts";
 export {
+  type GenerationReport,
   type GpuState,
   JobRunner,
   type RunnerOptions,
@@ -19,3 +20,6 @@ export * from "./checkpoint.ts";
 export * from "./safetensors.ts";
 export * from "./model.ts";
 export { lockDataDir } from "./lock.ts";
+export * from "./model_source.ts";
+export * from "./text_stream.ts";
+export * from "./generation.ts";

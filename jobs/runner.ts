@@ -9,7 +9,13 @@
 
 import { isFinished, type JobStore } from "./store.ts";
 import { InvalidJobError, JobConflictError, JobNotFoundError } from "./errors.ts";
-import { CANCEL_FLAG, type FromWorker, type ToWorker, type WorkerJob } from "./messages.ts";
+import {
+  CANCEL_FLAG,
+  type FromWorker,
+  type FromWorkerGeneration,
+  type ToWorker,
+  type WorkerJob,
+} from "./messages.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
 import { completeConfig, type TrainRequest } from "./model.ts";
@@ -65,6 +71,9 @@ export interface RunnerOptions {
 
 type Listener = (e: JobEvent) => void;
 
+/** What a GPU Worker reports about generations, plus its crash (every generation on it is lost). */
+export type GenerationReport = FromWorkerGeneration | { type: "gen_crash"; error: string };
+
 /** Schedules jobs onto GPU Workers and records what they report. */
 export class JobRunner {
   #store: JobStore;
@@ -72,6 +81,7 @@ export class JobRunner {
   #slots: Slot[] = [];
   #listeners = new Map<string, Set<Listener>>();
   #stopped = false;
+  #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
@@ -180,6 +190,18 @@ export class JobRunner {
       queued: this.#store.queue(s.index).length,
       max_buffer_bytes: s.maxBuffer,
     }));
+  }
+
+  /** Posts a generation message to GPU `gpu`'s Worker (see jobs/generation.ts). */
+  postGeneration(gpu: number, msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
+    const slot = this.#slots[gpu];
+    if (!slot || this.#stopped) throw new Error(`GPU ${gpu} has no worker`);
+    slot.worker.postMessage(msg);
+  }
+
+  /** Receives every Worker's generation reports (one receiver: the generation manager). */
+  onGeneration(fn: (gpu: number, msg: GenerationReport) => void): void {
+    this.#generation = fn;
   }
 
   /** Stops every Worker. Running jobs stay "running" in the store and resume on the next start. */
@@ -298,6 +320,11 @@ export class JobRunner {
   #onMessage(slot: Slot, msg: FromWorker): void {
     if (this.#stopped) return;
     switch (msg.type) {
+      case "gen_started":
+      case "gen_tokens":
+      case "gen_done":
+        this.#generation?.(slot.index, msg);
+        return;
       case "ready":
         slot.state = "idle";
         slot.adapter = msg.adapter;
@@ -416,6 +443,7 @@ export class JobRunner {
     slot.worker.terminate();
     const fresh = this.#spawn(slot.index);
     this.#slots[slot.index] = fresh;
+    this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
     if (jobId) {
       this.#finish(
         jobId,

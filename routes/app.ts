@@ -8,10 +8,11 @@ import { Hono } from "hono";
 import { bearerAuth } from "hono/bearer-auth";
 import { bodyLimit } from "hono/body-limit";
 import { HTTPException } from "hono/http-exception";
-import type { JobRunner } from "../jobs/mod.ts";
+import type { GenerationManager, JobRunner } from "../jobs/mod.ts";
 import { onError } from "./errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
+import { generateRoutes } from "./generate.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -22,6 +23,8 @@ export interface AppOptions {
   maxBodyBytes?: number;
   /** Largest accepted body for any other route (dataset uploads), in bytes. */
   maxUploadBytes?: number;
+  /** Generation (`GET /generate`, `/v1/completions`, `/v1/models`); absent: not served. */
+  generation?: GenerationManager;
   /** Other route groups mounted at "/" (e.g. datasets). */
   extra?: Hono[];
   /** Server start time in ms (for uptime). */
@@ -51,8 +54,10 @@ export function createApp(opts: AppOptions): Hono {
   const small = limit(opts.maxBodyBytes ?? DEFAULT_MAX_BODY_BYTES);
   app.use("/train", small);
   app.use("/jobs/*", small);
+  app.use("/v1/*", small);
   app.route("/", healthRoutes(opts.runner, opts.startedAt ?? Date.now()));
   app.route("/", jobRoutes(opts.runner));
+  if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;
 }

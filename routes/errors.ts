@@ -6,7 +6,13 @@
 
 import type { Context } from "hono";
 import { HTTPException } from "hono/http-exception";
-import { InvalidJobError, JobConflictError, JobNotFoundError } from "../jobs/mod.ts";
+import {
+  GpuUnavailableError,
+  InvalidJobError,
+  JobConflictError,
+  JobNotFoundError,
+  ModelNotFoundError,
+} from "../jobs/mod.ts";
 
 /** Renders any thrown error as JSON `{error, ...}` with the right status. */
 export function onError(err: Error, c: Context): Response {
@@ -16,6 +22,8 @@ export function onError(err: Error, c: Context): Response {
     return c.json(body, err.status);
   }
   if (err instanceof JobNotFoundError) return c.json({ error: err.message }, 404);
+  if (err instanceof ModelNotFoundError) return c.json({ error: err.message }, 404);
+  if (err instanceof GpuUnavailableError) return c.json({ error: err.message }, 503);
   if (err instanceof JobConflictError) return c.json({ error: err.message }, 409);
   if (err instanceof InvalidJobError) return c.json({ error: err.message, field: err.field }, 400);
   console.error(err);

@@ -4,6 +4,7 @@
 
 export { type AppOptions, createApp, DEFAULT_MAX_BODY_BYTES } from "./app.ts";
 export { jobRoutes } from "./jobs.ts";
+export { generateRoutes } from "./generate.ts";
 export { healthRoutes } from "./health.ts";
 export { onError } from "./errors.ts";
 export { streamJobEvents } from "./sse.ts";
