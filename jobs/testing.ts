@@ -4,7 +4,7 @@
  * lets the test play back the messages a real Worker would send. It trains nothing.
  */
 
-import type { FromWorker, ToWorker, WorkerJob } from "./messages.ts";
+import type { FromWorker, ToWorker, WorkerGeneration, WorkerJob } from "./messages.ts";
 import { CANCEL_FLAG } from "./messages.ts";
 import type { WorkerPort } from "./runner.ts";
 
@@ -14,6 +14,10 @@ export class ScriptedWorker implements WorkerPort {
   onerror: ((e: ErrorEvent) => void) | null = null;
   /** Jobs received, in order. */
   readonly jobs: WorkerJob[] = [];
+  /** Generation requests received, in order; the test answers them with `send`. */
+  readonly generations: WorkerGeneration[] = [];
+  /** Ids of generations the runner asked to cancel. */
+  readonly generationCancels: string[] = [];
   terminated = false;
   #cancel: Int32Array | null = null;
   #gpu = 0;
@@ -40,6 +44,10 @@ export class ScriptedWorker implements WorkerPort {
       queueMicrotask(() => this.send(reply));
     } else if (msg.type === "train") {
       this.jobs.push(msg.job);
+    } else if (msg.type === "generate") {
+      this.generations.push(msg.request);
+    } else if (msg.type === "generate_cancel") {
+      this.generationCancels.push(msg.id);
     }
   }
 

@@ -1,0 +1,331 @@
+/**
+ * Generation routes through `app.request()` with a scripted GPU Worker (no GPU): the SSE and
+ * OpenAI stream formats byte for byte, a multi-byte character split across tokens, stop
+ * sequences, end-of-text, bad input (404, 400 naming the parameters), prompt truncation, the
+ * empty prompt, disconnects reaching the Worker as a cancel, and the model list.
+ */
+
+import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
+import { encode } from "gpt-tokenizer/encoding/r50k_base";
+import { type FromWorker, GenerationManager, JobRunner, JobStore, TextStream } from "../jobs/mod.ts";
+import { ScriptedWorker } from "../jobs/testing.ts";
+import { createApp } from "../routes/mod.ts";
+
+async function until(cond: () => boolean, what: string): Promise<void> {
+  for (const end = Date.now() + 10_000; !cond();) {
+    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 2));
+  }
+}
+
+const tinyDims = { n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 };
+
+async function setup() {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_genroutes_" });
+  // A Hugging Face directory (the scripted worker never reads the weights) and a checkpoint manifest.
+  await Deno.mkdir(`${root}/models/tiny`, { recursive: true });
+  await Deno.writeTextFile(
+    `${root}/models/tiny/config.json`,
+    JSON.stringify({ ...tinyDims, vocab_size: 50257 }),
+  );
+  await Deno.writeFile(`${root}/models/tiny/model.safetensors`, new Uint8Array(8));
+  const ck = `${root}/checkpoints/job_0123456789ab/iter_0000005`;
+  await Deno.mkdir(ck, { recursive: true });
+  await Deno.writeTextFile(
+    `${ck}/manifest.json`,
+    JSON.stringify({
+      format: "gpt2-webgpu-checkpoint",
+      version: 1,
+      job_id: "job_0123456789ab",
+      name: "iter_0000005",
+      iteration: 5,
+      created_at: "2025-01-01T00:00:00.000Z",
+      model: { ...tinyDims, vocab_size: 50257, padded_vocab_size: 50304 },
+      metrics: { loss: 1, val_loss: null },
+    }),
+  );
+  const store = new JobStore(":memory:");
+  const workers: ScriptedWorker[] = [];
+  const runner = new JobRunner(store, {
+    root,
+    gpus: 1,
+    spawn: () => {
+      const w = new ScriptedWorker();
+      workers.push(w);
+      return w;
+    },
+    datasetExists: () => Promise.resolve(true),
+  });
+  const manager = new GenerationManager(runner, root);
+  runner.start();
+  await new Promise((r) => setTimeout(r, 0));
+  const app = createApp({ runner, generation: manager, token: null });
+  const worker = workers[0];
+  /** Waits for the n-th generation request and plays `msgs` back (ids filled in). */
+  const answer = async (n: number, msgs: Record<string, unknown>[]) => {
+    await until(() => worker.generations.length >= n, "the generation request");
+    const id = worker.generations[n - 1].id;
+    for (const m of msgs) worker.send({ id, ...m } as FromWorker);
+    return worker.generations[n - 1];
+  };
+  const cleanup = async () => {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  };
+  return { app, worker, manager, answer, cleanup };
+}
+
+const done = (reason: string, n: number) => ({ type: "gen_done", reason, error: null, completion_tokens: n });
+
+/** Splits an SSE body into events, dropping the variable timings of done events. */
+function sse(body: string) {
+  return body.split("\n\n").filter((b) => b).map((b) => {
+    const event = b.match(/^event: (.*)$/m)?.[1] ?? null;
+    const data = b.match(/^data: (.*)$/m)![1];
+    return { event, data: data === "[DONE]" ? data : JSON.parse(data) };
+  });
+}
+
+Deno.test("GET /generate streams one token event per token, then done with finish_reason, counts and timings", async () => {
+  const t = await setup();
+  try {
+    const q = "model=tiny&prompt=Hello&max_tokens=5&temperature=0.7&top_k=40&top_p=0.9&seed=3";
+    const resP = t.app.request(`/generate?${q}`);
+    const world = encode(" world!"); // [995, 0]
+    const req = await t.answer(1, [
+      { type: "gen_started", load_ms: 12 },
+      { type: "gen_tokens", tokens: world },
+      done("eos", 2),
+    ]);
+    assertEquals(req.prompt, encode("Hello"));
+    assertEquals([req.max_tokens, req.temperature, req.top_k, req.top_p, req.seed, req.stop_at_eos], [
+      5,
+      0.7,
+      40,
+      0.9,
+      3,
+      true,
+    ]);
+    const res = await resP;
+    assertEquals(res.status, 200);
+    assertEquals(res.headers.get("Content-Type"), "text/event-stream");
+    const body = await res.text();
+    assert(
+      body.startsWith(
+        `event: token\ndata: {"id":995,"text":" world"}\n\nevent: token\ndata: {"id":0,"text":"!"}\n\nevent: done\ndata: {"finish_reason":"eos",`,
+      ),
+      body,
+    );
+    const final = sse(body).at(-1)!.data;
+    assertEquals(final.model, "tiny");
+    assertEquals([final.prompt_tokens, final.completion_tokens, final.truncated_tokens, final.seed], [
+      1,
+      2,
+      0,
+      3,
+    ]);
+    assertEquals(final.timings.load_ms, 12);
+    assert(final.timings.ttft_ms >= 0 && final.timings.tokens_per_s > 0 && final.timings.total_ms > 0);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("GET /generate emits a multi-byte character split across tokens whole", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/generate?model=tiny&prompt=Hi");
+    const tokens = encode(" 😀 日"); // the emoji and 日 each span two tokens
+    await t.answer(1, [{ type: "gen_tokens", tokens }, done("length", tokens.length)]);
+    const events = sse(await (await resP).text());
+    const texts = events.filter((e) => e.event === "token").map((e) => e.data.text);
+    assertEquals(texts.join(""), " 😀 日");
+    assert(texts.every((s) => !s.includes("\uFFFD")), JSON.stringify(texts));
+    assertEquals(texts.length, tokens.length);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("TextStream keeps one decoder per stream: a partial character in one never leaks into another", () => {
+  const [a0, a1] = encode(" 😀"); // " \xf0\x9f\x98", "\x80"
+  const a = new TextStream(), b = new TextStream();
+  assertEquals(a.push(a0).text, " ");
+  assertEquals(b.push(encode("x")[0]).text, "x");
+  assertEquals(a.push(a1).text, "😀");
+  const c = new TextStream();
+  c.push(a0);
+  assertEquals(c.finish().text, "\uFFFD");
+});
+
+Deno.test("TextStream holds back a possible stop sequence and cuts the text before it", () => {
+  const s = new TextStream(["\n\n", "END"]);
+  const out = encode("one\ntwo EN").map((id) => s.push(id).text);
+  assertEquals(out.join(""), "one\ntwo ");
+  assertEquals(s.push(encode("D")[0]), { text: "", stopped: true });
+  assertEquals(s.text, "one\ntwo ");
+});
+
+Deno.test("a stop sequence ends the generation with finish_reason stop and cancels the worker", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/generate?model=tiny&prompt=Q&stop=%0A&stop=zzz&ignore_eos=true");
+    const req = await t.answer(1, [{ type: "gen_tokens", tokens: encode(" yes\nno more") }]);
+    assertEquals(req.stop_at_eos, false);
+    const events = sse(await (await resP).text());
+    assertEquals(events.filter((e) => e.event === "token").map((e) => e.data.text).join(""), " yes");
+    assertEquals(events.at(-1)!.data.finish_reason, "stop");
+    await until(() => t.worker.generationCancels.includes(req.id), "the cancel");
+    t.worker.send({ id: req.id, ...done("cancelled", 4) } as FromWorker);
+    await until(() => t.manager.active === 0, "the worker's confirmation");
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("POST /v1/completions streams OpenAI chunks then data: [DONE]", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/v1/completions", {
+      method: "POST",
+      body: JSON.stringify({ model: "job_0123456789ab", prompt: "Hi", max_tokens: 3, stream: true, seed: 1 }),
+      headers: { "Content-Type": "application/json" },
+    });
+    const req = await t.answer(1, [{ type: "gen_tokens", tokens: encode(" there") }, done("eos", 1)]);
+    assertEquals(req.model.id, "job_0123456789ab/iter_0000005");
+    assertEquals([req.temperature, req.top_k, req.top_p], [1, 0, 1]); // OpenAI's defaults
+    const res = await resP;
+    assertEquals(res.headers.get("Content-Type"), "text/event-stream");
+    const body = await res.text();
+    assert(body.endsWith("\n\ndata: [DONE]\n\n"), body);
+    const chunks = sse(body);
+    assertEquals(chunks.length, 3);
+    const [first, last] = [chunks[0].data, chunks[1].data];
+    assertMatch(first.id, /^cmpl-[0-9a-f]{12}$/);
+    assertEquals(first.object, "text_completion");
+    assertEquals(first.model, "job_0123456789ab/iter_0000005");
+    assertEquals(first.choices, [{ text: " there", index: 0, logprobs: null, finish_reason: null }]);
+    assertEquals(last.choices, [{ text: "", index: 0, logprobs: null, finish_reason: "stop" }]);
+    assertEquals(last.usage, { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 });
+    assertEquals(chunks.map((c) => c.event), [null, null, null]);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("POST /v1/completions without stream answers one OpenAI completion", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/v1/completions", {
+      method: "POST",
+      body: JSON.stringify({ model: "tiny", prompt: ["Hi"], max_tokens: 2, temperature: 0 }),
+      headers: { "Content-Type": "application/json" },
+    });
+    await t.answer(1, [{ type: "gen_tokens", tokens: encode(" there you") }, done("length", 2)]);
+    const res = await resP;
+    assertEquals(res.status, 200);
+    const body = await res.json();
+    assertEquals(body.object, "text_completion");
+    assertEquals(body.choices, [{ text: " there you", index: 0, logprobs: null, finish_reason: "length" }]);
+    assertEquals(body.usage, { prompt_tokens: 1, completion_tokens: 2, total_tokens: 3 });
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("unknown models are 404 and out-of-range parameters are 400 naming them", async () => {
+  const t = await setup();
+  try {
+    const missing = await t.app.request("/generate?model=nope&prompt=x");
+    assertEquals(missing.status, 404);
+    assertMatch((await missing.json()).error, /^Model "nope" not found/);
+    assertEquals((await t.app.request("/generate?model=job_0123456789ab/iter_0000009")).status, 404);
+    const bad = await t.app.request("/generate?model=tiny&temperature=-1&top_p=1.5&top_k=2.5&max_tokens=0");
+    assertEquals(bad.status, 400);
+    const err = await bad.json();
+    assertEquals(err.error, "Invalid parameters: max_tokens, temperature, top_k, top_p");
+    const long = await t.app.request("/generate?model=tiny&max_tokens=64");
+    assertEquals(long.status, 400);
+    assertEquals((await long.json()).field, "max_tokens");
+    const unknown = await t.app.request("/generate?model=tiny&temprature=1");
+    assertMatch((await unknown.json()).error, /Invalid parameters: body/);
+    const oa = await t.app.request("/v1/completions", {
+      method: "POST",
+      body: JSON.stringify({ model: "tiny", n: 2, top_p: 0 }),
+      headers: { "Content-Type": "application/json" },
+    });
+    assertEquals(oa.status, 400);
+    assertEquals((await oa.json()).error, "Invalid parameters: top_p, n");
+    assertEquals(t.worker.generations.length, 0);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("a prompt longer than the context is cut from the left and the response says so", async () => {
+  const t = await setup();
+  try {
+    const prompt = Array.from({ length: 100 }, (_, i) => `w${i}`).join(" ");
+    const resP = t.app.request(`/generate?model=tiny&max_tokens=16&prompt=${encodeURIComponent(prompt)}`);
+    const req = await t.answer(1, [done("length", 0)]);
+    const all = encode(prompt);
+    assertEquals(req.prompt, all.slice(all.length - 48)); // context 64 - 16 new tokens
+    const res = await resP;
+    assertEquals(res.headers.get("X-Prompt-Truncated"), String(all.length - 48));
+    const final = sse(await res.text()).at(-1)!.data;
+    assertEquals([final.prompt_tokens, final.truncated_tokens], [48, all.length - 48]);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("an empty prompt starts from <|endoftext|>", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/generate?model=tiny");
+    const req = await t.answer(1, [done("length", 0)]);
+    assertEquals(req.prompt, [50256]);
+    assertEquals(req.max_tokens, 32); // default: min(64, context / 2)
+    await (await resP).text();
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("a client that disconnects cancels its generation on the worker", async () => {
+  const t = await setup();
+  try {
+    const resP = t.app.request("/generate?model=tiny&prompt=Hi&max_tokens=30");
+    const req = await t.answer(1, [{ type: "gen_tokens", tokens: encode(" a b") }]);
+    const reader = (await resP).body!.getReader();
+    assertMatch(new TextDecoder().decode((await reader.read()).value), /^event: token\n/);
+    await reader.cancel();
+    await until(() => t.worker.generationCancels.includes(req.id), "the cancel on the worker");
+    assertEquals(t.manager.active, 1); // until the worker confirms
+    t.worker.send({ id: req.id, ...done("cancelled", 2) } as FromWorker);
+    assertEquals(t.manager.active, 0);
+    assertEquals(t.manager.stats.finished.cancelled, 1);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("GET /v1/models lists each job's newest checkpoint, every checkpoint and HF directories", async () => {
+  const t = await setup();
+  try {
+    const res = await t.app.request("/v1/models");
+    assertEquals(res.status, 200);
+    const body = await res.json();
+    assertEquals(body.object, "list");
+    assertEquals(body.data.map((m: { id: string; kind: string }) => [m.id, m.kind]), [
+      ["job_0123456789ab", "checkpoint"],
+      ["job_0123456789ab/iter_0000005", "checkpoint"],
+      ["tiny", "safetensors"],
+    ]);
+    assertEquals(body.data[0].object, "model");
+    assertEquals(body.data[0].n_positions, 64);
+  } finally {
+    await t.cleanup();
+  }
+});
