@@ -1,8 +1,8 @@
 /**
  * `deno task demo`: a newcomer's first command. It prepares the built-in `sotu` dataset, starts
  * the server, trains a small model for a few minutes on whatever WebGPU adapter it finds (a tiny
- * one on a CPU adapter such as lavapipe), prints progress from the event stream, and stops the
- * server. Text generation is not available yet, so no sample is streamed at the end.
+ * one on a CPU adapter such as lavapipe), prints progress from the event stream, streams a text
+ * sample from the trained checkpoint (GET /generate), and stops the server.
  *
  * Environment: GPT2_HOME (default ./.gpt2), PORT (default: any free port), DEMO_ITERS.
  */
@@ -37,6 +37,62 @@ async function startServer(): Promise<{ url: string; child: Deno.ChildProcess }>
       return { url: m[1], child };
     }
   }
+}
+
+/** Reads server-sent events from `res`, calling `on(event, data)` for each; stops when it returns true. */
+async function readEvents(res: Response, on: (event: string, data: string) => boolean): Promise<void> {
+  const reader = res.body!.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value;
+    let i;
+    while ((i = buf.indexOf("\n\n")) >= 0) {
+      const block = buf.slice(0, i);
+      buf = buf.slice(i + 2);
+      const type = block.match(/^event: (.*)$/m)?.[1];
+      const raw = block.match(/^data: (.*)$/m)?.[1];
+      if (type && raw && on(type, raw)) {
+        await reader.cancel();
+        return;
+      }
+    }
+  }
+}
+
+/** Streams a sample from the job's newest checkpoint to the terminal. */
+async function streamSample(url: string, jobId: string, maxTokens: number): Promise<boolean> {
+  const prompt = "Fellow citizens, the state of our Union is";
+  const q = new URLSearchParams({
+    model: jobId,
+    prompt,
+    max_tokens: String(maxTokens),
+    temperature: "0.8",
+    top_k: "40",
+  });
+  const res = await fetch(`${url}/generate?${q}`);
+  if (res.status !== 200) {
+    console.error(`Generation was refused (HTTP ${res.status}): ${await res.text()}`);
+    return false;
+  }
+  const out = (s: string) => Deno.stdout.writeSync(new TextEncoder().encode(s));
+  out(`   ${prompt}`);
+  let ok = false;
+  await readEvents(res, (type, raw) => {
+    const d = JSON.parse(raw);
+    if (type === "token") out(d.text.replaceAll("\n", "\n   "));
+    if (type !== "done") return false;
+    ok = d.finish_reason !== "error";
+    const t = d.timings;
+    console.log(
+      `\n   [${d.finish_reason}${d.error ? `: ${d.error}` : ""}] ${d.completion_tokens} tokens, first after ${
+        fmt(t.ttft_ms, 0)
+      } ms, ${fmt(t.tokens_per_s, 1)} tokens/s`,
+    );
+    return true;
+  });
+  return ok;
 }
 
 async function main(): Promise<number> {
@@ -155,8 +211,8 @@ async function main(): Promise<number> {
       }.`,
     );
     console.log(`   Checkpoints (Hugging Face safetensors + config.json): ${home}/checkpoints/${job.id}/`);
-    console.log("   Text generation is not available yet: no sample to stream.");
-    return 0;
+    console.log(`5. A sample from the model (scripts/generate.sh ${job.id} "your prompt" for more)`);
+    return (await streamSample(url, job.id, onCpu ? 40 : 120)) ? 0 : 1;
   } finally {
     await stop();
   }
