@@ -4,6 +4,8 @@
  * so nothing is read back inside a step.
  */
 
+import { treeReduce } from "./common.ts";
+
 const WG = 256;
 /** Workgroups of the first norm stage (each sums a strided share of the gradient). */
 export const NORM_GROUPS = 1024;
@@ -22,10 +24,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }u) { let g = grad[i]; acc = acc + dot(g, g); }
   ss[tid] = acc;
   workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { ss[tid] = ss[tid] + ss[tid + k]; }
-    workgroupBarrier();
-  }
+  ${treeReduce("ss", WG, "+")}
   if (tid == 0u) { part[wg.x] = ss[0]; }
 }
 `;
@@ -43,10 +42,7 @@ fn main(@builtin(local_invocation_index) tid: u32) {
   for (var i = tid; i < ${NORM_GROUPS}u; i = i + ${WG}u) { acc = acc + part[i]; }
   ss[tid] = acc;
   workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { ss[tid] = ss[tid] + ss[tid + k]; }
-    workgroupBarrier();
-  }
+  ${treeReduce("ss", WG, "+")}
   if (tid == 0u) { stats[${slot}] = sqrt(ss[0]); }
 }
 `;

@@ -56,3 +56,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 }
 `;
 }
+
+/**
+ * WGSL that tree-reduces workgroup array `arr[0..size)` into `arr[0]` with `op`, ending on a
+ * barrier. Every invocation (`tid`) of the workgroup must run it, after storing its value.
+ */
+export function treeReduce(arr: string, size: number, op: "+" | "max" | "min"): string {
+  const combine = op === "+" ? `${arr}[tid] + ${arr}[tid + k]` : `${op}(${arr}[tid], ${arr}[tid + k])`;
+  return `for (var k = ${size / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { ${arr}[tid] = ${combine}; }
+    workgroupBarrier();
+  }`;
+}

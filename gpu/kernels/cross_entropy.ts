@@ -4,6 +4,8 @@
  * (ids ≥ vocab_size) take no part in the softmax and get gradient 0, so they are never learned.
  */
 
+import { treeReduce } from "./common.ts";
+
 const WG = 256;
 
 /** Sizes of the loss kernels. */
@@ -81,10 +83,7 @@ fn main(@builtin(local_invocation_index) tid: u32) {
   for (var i = tid; i < ${rows}u; i = i + ${WG}u) { acc = acc + losses[i]; }
   ss[tid] = acc;
   workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { ss[tid] = ss[tid] + ss[tid + k]; }
-    workgroupBarrier();
-  }
+  ${treeReduce("ss", WG, "+")}
   if (tid == 0u) { out[${slot}] = ss[0] / ${rows}.0; }
 }
 `;

@@ -7,6 +7,8 @@
  * Cache layout per layer: k and v each (S, H, Tmax, D).
  */
 
+import { treeReduce } from "./common.ts";
+
 import { STATE_WORDS } from "./sample.ts";
 
 /** Sizes of the decode kernels. */
@@ -123,20 +125,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
   red[tid] = m;
   workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
-    workgroupBarrier();
-  }
+  ${treeReduce("red", WG, "max")}
   let mx = red[0];
   workgroupBarrier();
   var z = 0.0;
   for (var j = tid; j < n; j = j + ${WG}u) { let p = exp(sc[j] - mx); sc[j] = p; z = z + p; }
   red[tid] = z;
   workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
-    workgroupBarrier();
-  }
+  ${treeReduce("red", WG, "+")}
   let zs = red[0];
   let c = tid % ${D4}u;
   let grp = tid / ${D4}u;

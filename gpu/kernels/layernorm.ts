@@ -6,6 +6,8 @@
  * (per-block partials, then `reduceRowsWgsl`), never with atomics.
  */
 
+import { treeReduce } from "./common.ts";
+
 const WG = 64;
 
 /** Tree-sums the per-thread value `v` through workgroup array `arr` into `let ${out}`. */
@@ -13,10 +15,7 @@ function rowReduce(v: string, arr: string, out: string): string {
   return `
   ${arr}[tid] = ${v};
   workgroupBarrier();
-  for (var s = ${WG / 2}u; s > 0u; s = s >> 1u) {
-    if (tid < s) { ${arr}[tid] = ${arr}[tid] + ${arr}[tid + s]; }
-    workgroupBarrier();
-  }
+  ${treeReduce(arr, WG, "+")}
   let ${out} = ${arr}[0];
   workgroupBarrier();`;
 }
