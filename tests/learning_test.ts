@@ -42,7 +42,9 @@ Deno.test({
       else if (i % 50 === 0) console.log(`step ${i}: loss ${(await tr.lastStats()).loss.toFixed(3)}`);
     }
     const last = recent.reduce((a, b) => a + b, 0) / recent.length;
-    console.log(`tokens ${tokens.length}, initial loss ${first.toFixed(3)}, mean of last 20 steps ${last.toFixed(3)}`);
+    console.log(
+      `tokens ${tokens.length}, initial loss ${first.toFixed(3)}, mean of last 20 steps ${last.toFixed(3)}`,
+    );
     assert.ok(first > 10, `untrained loss ${first} should be near ln(50257)`);
     assert.ok(last < 6, `loss after ${STEPS} steps is ${last}, expected under 6`);
     tr.destroy();
