@@ -819,4 +819,23 @@ export function referenceAdamWStep(
   return { gradNorm };
 }
 
+/** Greedy continuation of `prompt` by `n` tokens (argmax over the real vocabulary, full forward each step). */
+export function referenceGreedy(
+  config: ModelConfig,
+  params: Float64Array,
+  prompt: number[],
+  n: number,
+): number[] {
+  const seq = [...prompt];
+  for (let i = 0; i < n; i++) {
+    const T = seq.length;
+    const { logits } = referenceForward(config, params, Int32Array.from([...seq, 0]), 1, T);
+    const row = logits.subarray((T - 1) * config.padded_vocab_size, T * config.padded_vocab_size);
+    let best = 0;
+    for (let v = 1; v < config.vocab_size; v++) if (row[v] > row[best]) best = v;
+    seq.push(best);
+  }
+  return seq.slice(prompt.length);
+}
+
 export { fillNormal, initParams, normalZiggurat } from "./init.ts";

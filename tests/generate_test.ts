@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
 import { Generator } from "../gpu/generator.ts";
-import { referenceForward } from "../gpu/reference.ts";
+import { referenceGreedy } from "../gpu/reference.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
@@ -42,19 +42,6 @@ async function train(): Promise<Float32Array> {
   return params;
 }
 
-function referenceGreedy(params: Float64Array, prompt: number[], n: number): number[] {
-  const seq = [...prompt];
-  for (let i = 0; i < n; i++) {
-    const T = seq.length;
-    const { logits } = referenceForward(config, params, Int32Array.from([...seq, 0]), 1, T);
-    const row = logits.subarray((T - 1) * config.padded_vocab_size, T * config.padded_vocab_size);
-    let best = 0;
-    for (let v = 1; v < config.vocab_size; v++) if (row[v] > row[best]) best = v;
-    seq.push(best);
-  }
-  return seq.slice(prompt.length);
-}
-
 const greedy = { temperature: 0, top_k: 0, top_p: 1, seed: 0 };
 
 Deno.test({
@@ -70,8 +57,8 @@ Deno.test({
     const second = await gen.decode(8);
     const got0 = [...first[0], ...second[0]], got1 = [...first[1], ...second[1]];
     const p64 = Float64Array.from(params);
-    assert.deepEqual(got0, referenceGreedy(p64, p0, 16));
-    assert.deepEqual(got1, referenceGreedy(p64, p1, 16));
+    assert.deepEqual(got0, referenceGreedy(config, p64, p0, 16));
+    assert.deepEqual(got1, referenceGreedy(config, p64, p1, 16));
     gen.destroy();
   },
 });

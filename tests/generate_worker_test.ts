@@ -20,7 +20,7 @@ import {
 import type { TrainRequest } from "../jobs/mod.ts";
 import { createApp } from "../routes/mod.ts";
 import { presetConfig } from "../gpu/config.ts";
-import { referenceForward } from "../gpu/reference.ts";
+import { referenceGreedy } from "../gpu/reference.ts";
 import { encodePrompt } from "../jobs/text_stream.ts";
 import { noGpu } from "./_helpers.ts";
 
@@ -79,20 +79,6 @@ function parseSse(body: string): { event: string; data: string }[] {
   }));
 }
 
-function referenceGreedy(params: Float64Array, prompt: number[], n: number): number[] {
-  const config = presetConfig("gpt2-tiny");
-  const seq = [...prompt];
-  for (let i = 0; i < n; i++) {
-    const T = seq.length;
-    const { logits } = referenceForward(config, params, Int32Array.from([...seq, 0]), 1, T);
-    const row = logits.subarray((T - 1) * config.padded_vocab_size, T * config.padded_vocab_size);
-    let best = 0;
-    for (let v = 1; v < config.vocab_size; v++) if (row[v] > row[best]) best = v;
-    seq.push(best);
-  }
-  return seq.slice(prompt.length);
-}
-
 Deno.test({
   name:
     "generation on the GPU worker: greedy equals the reference, seeds reproduce, disconnect stops, training continues",
@@ -142,7 +128,7 @@ Deno.test({
         assert.equal(res.headers.get("X-Model"), `${job.id}/${ck.name}`);
         const events = parseSse(await res.text());
         const tokens = events.filter((e) => e.event === "token").map((e) => JSON.parse(e.data).id);
-        assert.deepEqual(tokens, referenceGreedy(params, promptTokens, 10));
+        assert.deepEqual(tokens, referenceGreedy(presetConfig("gpt2-tiny"), params, promptTokens, 10));
         const done = JSON.parse(events.at(-1)!.data);
         assert.equal(events.at(-1)!.event, "done");
         assert.equal(done.finish_reason, "length");
