@@ -162,45 +162,33 @@ async function main(): Promise<number> {
     }
     console.log(`   job ${job.id}: follow it elsewhere with scripts/follow.sh ${job.id}`);
 
-    const events = await fetch(`${url}/jobs/${job.id}/events`);
-    const reader = events.body!.pipeThrough(new TextDecoderStream()).getReader();
-    let buf = "", outcome: Record<string, unknown> | null = null;
-    while (!outcome) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += value;
-      let i;
-      while ((i = buf.indexOf("\n\n")) >= 0) {
-        const block = buf.slice(0, i);
-        buf = buf.slice(i + 2);
-        const type = block.match(/^event: (.*)$/m)?.[1];
-        const raw = block.match(/^data: (.*)$/m)?.[1];
-        if (!type || !raw) continue;
-        const d = JSON.parse(raw);
-        if (type === "progress" && d.kind === "train") {
-          const t = d.timings;
-          const phases = t.forward_ms === null
-            ? ""
-            : `  (forward ${fmt(t.forward_ms, 1)}, backward ${fmt(t.backward_ms, 1)}, optimizer ${
-              fmt(t.optimizer_ms, 1)
-            } ms)`;
-          console.log(
-            `   iter ${String(d.iteration).padStart(5)}/${iters}  loss ${fmt(d.loss)}  lr ${
-              d.lr.toExponential(2)
-            }  ` +
-              `${Math.round(d.tokens_per_s)} tok/s  step ${fmt(t.step_ms, 0)} ms${phases}`,
-          );
-        } else if (type === "progress" && d.kind === "eval") {
-          console.log(`   ${d.split} loss ${fmt(d.loss)}  perplexity ${fmt(d.perplexity, 1)}`);
-        } else if (type === "checkpoint") {
-          console.log(`   checkpoint ${d.path}`);
-        } else if (type === "log" && d.level === "warn") {
-          console.log(`   ${d.message}`);
-        } else if (type === "done") {
-          outcome = d;
-        }
+    let outcome = null as Record<string, unknown> | null; // assigned in the callback
+    await readEvents(await fetch(`${url}/jobs/${job.id}/events`), (type, raw) => {
+      const d = JSON.parse(raw);
+      if (type === "progress" && d.kind === "train") {
+        const t = d.timings;
+        const phases = t.forward_ms === null
+          ? ""
+          : `  (forward ${fmt(t.forward_ms, 1)}, backward ${fmt(t.backward_ms, 1)}, optimizer ${
+            fmt(t.optimizer_ms, 1)
+          } ms)`;
+        console.log(
+          `   iter ${String(d.iteration).padStart(5)}/${iters}  loss ${fmt(d.loss)}  lr ${
+            d.lr.toExponential(2)
+          }  ` +
+            `${Math.round(d.tokens_per_s)} tok/s  step ${fmt(t.step_ms, 0)} ms${phases}`,
+        );
+      } else if (type === "progress" && d.kind === "eval") {
+        console.log(`   ${d.split} loss ${fmt(d.loss)}  perplexity ${fmt(d.perplexity, 1)}`);
+      } else if (type === "checkpoint") {
+        console.log(`   checkpoint ${d.path}`);
+      } else if (type === "log" && d.level === "warn") {
+        console.log(`   ${d.message}`);
+      } else if (type === "done") {
+        outcome = d;
       }
-    }
+      return outcome !== null;
+    });
     if (!outcome || outcome.status !== "succeeded") {
       console.error(`Training did not succeed: ${JSON.stringify(outcome)}`);
       return 1;
