@@ -25,8 +25,8 @@ export interface GenerationServiceOptions {
   maxModels: number;
 }
 
-/** Defaults: four concurrent streams per model, eight tokens per submission, two models loaded. */
-export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = { streams: 4, chunk: 8, maxModels: 2 };
+/** Defaults: four concurrent streams per model, sixteen tokens per submission, two models loaded. */
+export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = { streams: 4, chunk: 16, maxModels: 2 };
 
 type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;
 
@@ -34,7 +34,6 @@ interface Active {
   req: WorkerGeneration;
   produced: number;
   cancelled: boolean;
-  fresh: boolean;
 }
 
 /** One model on the GPU and the requests using it. */
@@ -148,19 +147,19 @@ class Engine {
         this.#done(req.id, "error", (e as Error).message, 0);
         continue;
       }
-      this.#slots[i] = { req, produced: 0, cancelled: false, fresh: true };
+      this.#slots[i] = { req, produced: 0, cancelled: false };
       this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
       prefilled = true;
     }
     const active = this.#slots.filter((s): s is Active => s !== null);
     if (active.length === 0) return;
-    // Enough steps for the stream needing most, within one chunk (a fresh prefill's token counts).
-    const need = Math.max(...active.map((s) => s.req.max_tokens - s.produced - (s.fresh ? 1 : 0)));
-    const steps = Math.max(0, Math.min(chunk - (prefilled ? 1 : 0), need));
+    // After a prefill, read its first token back at once (time to first token); otherwise enough
+    // steps for the stream needing most, within one chunk.
+    const need = Math.max(...active.map((s) => s.req.max_tokens - s.produced));
+    const steps = prefilled ? 0 : Math.max(0, Math.min(chunk, need));
     const out = await gen.decode(steps);
     for (const [i, s] of this.#slots.entries()) {
       if (!s) continue;
-      s.fresh = false;
       if (s.cancelled) {
         this.#done(s.req.id, "cancelled", null, s.produced);
         this.#slots[i] = null;
