@@ -55,7 +55,7 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/train", small);
   app.use("/jobs/*", small);
   app.use("/v1/*", small);
-  app.route("/", healthRoutes(opts.runner, opts.startedAt ?? Date.now()));
+  app.route("/", healthRoutes(opts.runner, opts.startedAt ?? Date.now(), opts.generation));
   app.route("/", jobRoutes(opts.runner));
   if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);

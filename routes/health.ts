@@ -1,13 +1,14 @@
 /**
  * `GET /health` (liveness plus each GPU's state) and `GET /metrics` (Prometheus text format:
- * job counts, per-job progress, GPU slots), read from the runner and its store.
+ * job counts, per-job progress, GPU slots, generation counts), read from the runner, its store and
+ * the generation manager.
  */
 
 import { Hono } from "hono";
-import type { JobRunner } from "../jobs/mod.ts";
+import type { GenerationManager, JobRunner } from "../jobs/mod.ts";
 
 /** Health and Prometheus routes. `startedAt` is the server's start time (ms). */
-export function healthRoutes(runner: JobRunner, startedAt: number): Hono {
+export function healthRoutes(runner: JobRunner, startedAt: number, generation?: GenerationManager): Hono {
   const app = new Hono();
 
   app.get("/health", (c) =>
@@ -90,6 +91,16 @@ export function healthRoutes(runner: JobRunner, startedAt: number): Hono {
         })
       ),
     );
+    if (generation) {
+      const g = generation.stats;
+      metric("gpt2_generations_started", "Generation requests started", [[{}, g.started]]);
+      metric(
+        "gpt2_generations_finished",
+        "Generation requests finished, by reason",
+        Object.entries(g.finished).map(([reason, n]) => [{ reason }, n]),
+      );
+      metric("gpt2_generated_tokens", "Tokens generated", [[{}, g.tokens]]);
+    }
     return c.text(lines.join("\n") + "\n", 200, {
       "Content-Type": "text/plain; version=0.0.4; charset=utf-8",
     });

@@ -87,7 +87,7 @@ function sse(body: string) {
   });
 }
 
-Deno.test("GET /generate streams one token event per token, then done with finish_reason, counts and timings", async () => {
+Deno.test("GET /generate streams one token event per token, then done with finish_reason, counts and timings; /metrics counts it", async () => {
   const t = await setup();
   try {
     const q = "model=tiny&prompt=Hello&max_tokens=5&temperature=0.7&top_k=40&top_p=0.9&seed=3";
@@ -127,6 +127,10 @@ Deno.test("GET /generate streams one token event per token, then done with finis
     ]);
     assertEquals(final.timings.load_ms, 12);
     assert(final.timings.ttft_ms >= 0 && final.timings.tokens_per_s > 0 && final.timings.total_ms > 0);
+    const prom = await (await t.app.request("/metrics")).text();
+    assert(prom.includes("gpt2_generations_started 1\n"), prom);
+    assert(prom.includes('gpt2_generations_finished{reason="eos"} 1\n'), prom);
+    assert(prom.includes("gpt2_generated_tokens 2\n"), prom);
   } finally {
     await t.cleanup();
   }
