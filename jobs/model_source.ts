@@ -3,7 +3,7 @@
  * - the product's own checkpoints, `checkpoints/<job id>/iter_N/` (id "<job id>" for the newest,
  *   "<job id>/iter_N" for one), whose manifest holds the model config;
  * - Hugging Face GPT-2 directories, `models/<name>/` with `config.json` and `model.safetensors`
- *   (float32, names with or without `transformer.`), id "<name>".
+ *   (F32, F16 or BF16, widened to float32; names with or without `transformer.`), id "<name>".
  * Both store wte with the real 50257 rows; `importTensors` pads it back to the padded vocabulary.
  * Resolving reads only small JSON files (HTTP thread); `loadWeights` reads the tensors (Worker).
  */

@@ -80,7 +80,34 @@ export interface SafetensorsFile {
   metadata: Record<string, string>;
 }
 
-/** Decodes safetensors bytes; only F32 tensors are accepted. `what` names the source in errors. */
+/** Bytes per element of the dtypes this reader widens to float32. */
+const DTYPE_BYTES: Record<string, number> = { F32: 4, F16: 2, BF16: 2 };
+
+/** IEEE half-precision bits to a number. */
+function halfToFloat(h: number): number {
+  const sign = h & 0x8000 ? -1 : 1, exp = (h >> 10) & 0x1f, frac = h & 0x3ff;
+  if (exp === 0) return sign * frac * 2 ** -24;
+  if (exp === 31) return frac ? NaN : sign * Infinity;
+  return sign * (1 + frac / 1024) * 2 ** (exp - 15);
+}
+
+/** Widens F16 or BF16 little-endian data to float32. */
+function widen(dtype: string, raw: Uint8Array, n: number): Float32Array {
+  const out = new Float32Array(n);
+  const view = new DataView(raw.buffer, raw.byteOffset, raw.byteLength);
+  if (dtype === "BF16") {
+    const bits = new Uint32Array(out.buffer);
+    for (let i = 0; i < n; i++) bits[i] = view.getUint16(2 * i, true) << 16;
+  } else {
+    for (let i = 0; i < n; i++) out[i] = halfToFloat(view.getUint16(2 * i, true));
+  }
+  return out;
+}
+
+/**
+ * Decodes safetensors bytes. F32 tensors are viewed in place where aligned; F16 and BF16 tensors
+ * (as Hugging Face often ships them) are widened to float32. `what` names the source in errors.
+ */
 export function decodeSafetensors(bytes: Uint8Array, what = "safetensors"): SafetensorsFile {
   if (bytes.length < 8) {
     throw new Error(`Cannot read "${what}": ${bytes.length} bytes is too short for a header`);
@@ -105,19 +132,23 @@ export function decodeSafetensors(bytes: Uint8Array, what = "safetensors"): Safe
       continue;
     }
     const e = value as HeaderEntry;
-    if (e.dtype !== "F32") {
-      throw new Error(`Cannot read "${what}": tensor "${name}" has dtype "${e.dtype}", expected "F32"`);
+    const size = DTYPE_BYTES[e.dtype];
+    if (!size) {
+      throw new Error(
+        `Cannot read "${what}": tensor "${name}" has dtype "${e.dtype}", expected F32, F16 or BF16`,
+      );
     }
     const [start, end] = e.data_offsets;
     const n = e.shape.reduce((a, b) => a * b, 1);
-    if (end - start !== n * 4 || dataStart + end > bytes.length) {
+    if (end - start !== n * size || dataStart + end > bytes.length) {
       throw new Error(`Cannot read "${what}": tensor "${name}" has a bad byte range [${start}, ${end}]`);
     }
     const abs = bytes.byteOffset + dataStart + start;
+    let data: Float32Array;
+    if (size === 2) data = widen(e.dtype, bytes.subarray(dataStart + start, dataStart + end), n);
     // Copy only when the range is misaligned for a Float32Array view.
-    const data = abs % 4 === 0
-      ? new Float32Array(bytes.buffer, abs, n)
-      : new Float32Array(bytes.slice(dataStart + start, dataStart + end).buffer);
+    else if (abs % 4 === 0) data = new Float32Array(bytes.buffer, abs, n);
+    else data = new Float32Array(bytes.slice(dataStart + start, dataStart + end).buffer);
     tensors.set(name, { shape: e.shape, data });
   }
   return { tensors, metadata };

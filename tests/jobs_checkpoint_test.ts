@@ -81,6 +81,32 @@ Deno.test("encodeSafetensors() writes an 8-aligned JSON header and decodeSafeten
   );
 });
 
+Deno.test("decodeSafetensors() widens F16 and BF16 tensors to float32 and names an unknown dtype", () => {
+  // Hand-built file: h (F16) = [1, -2, 0.5, 65504, 2^-24, -0]; b (BF16) = [1, -3.5, 2^100].
+  const f16 = [0x3c00, 0xc000, 0x3800, 0x7bff, 0x0001, 0x8000];
+  const bf16 = [0x3f80, 0xc060, 0x7180];
+  const header = JSON.stringify({
+    h: { dtype: "F16", shape: [2, 3], data_offsets: [0, 12] },
+    b: { dtype: "BF16", shape: [3], data_offsets: [12, 18] },
+  });
+  const hb = new TextEncoder().encode(header);
+  const bytes = new Uint8Array(8 + hb.length + 18);
+  const view = new DataView(bytes.buffer);
+  view.setBigUint64(0, BigInt(hb.length), true);
+  bytes.set(hb, 8);
+  [...f16, ...bf16].forEach((v, i) => view.setUint16(8 + hb.length + 2 * i, v, true));
+  const back = decodeSafetensors(bytes, "half.safetensors");
+  assert.deepEqual([...back.tensors.get("h")!.data], [1, -2, 0.5, 65504, 2 ** -24, -0]);
+  assert.deepEqual(back.tensors.get("h")!.shape, [2, 3]);
+  assert.deepEqual([...back.tensors.get("b")!.data], [1, -3.5, 2 ** 100]);
+  const bad = new Uint8Array(bytes);
+  bad.set(new TextEncoder().encode('"I8" '), 8 + header.indexOf('"F16"'));
+  assert.throws(
+    () => decodeSafetensors(bad, "bad.safetensors"),
+    /tensor "h" has dtype "I8", expected F32, F16 or BF16/,
+  );
+});
+
 Deno.test("exportTensors() uses Hugging Face names and [in, out] shapes, wte cut to 50257 rows; importTensors() pads back with zeros", () => {
   const config = presetConfig("gpt2-tiny");
   const layout = paramLayout(config);
