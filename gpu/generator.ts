@@ -172,13 +172,42 @@ export class Generator {
       );
     };
     const base = { transA: false, transB: false, bias: true } as const;
+    const C4g = Math.ceil((S * C) / 4 / 64);
     // Linear layers: the skinny gemv (split over K, then summed with the epilogue) for few streams.
     const useGemv = S <= GEMV_MAX_ROWS;
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
     const partFloats = Math.max(...shapes.map(([n, k]) => chooseKSplit(n, k) * S * n));
     const part = useGemv ? await f(partFloats) : null;
-    const lin = async (label: string, s: MatmulSpec, views: Record<string, View>): Promise<Op[]> => {
-      if (!part) return [await mm(label, s, views)];
+    const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
+      op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(ln), V(stats)], [S]);
+    /**
+     * One linear layer. `fuse.ln` names the LayerNorm before it (views.A is then its raw input),
+     * `fuse.kv` the layer whose KV cache the qkv output feeds. The skinny gemv fuses both; the
+     * tiled matmul (many streams) runs them as separate kernels.
+     */
+    const lin = async (
+      label: string,
+      s: MatmulSpec,
+      views: Record<string, View>,
+      fuse: { ln?: [string, string]; kv?: number } = {},
+    ): Promise<Op[]> => {
+      if (!part) {
+        const out: Op[] = [];
+        if (fuse.ln) out.push(await lnOp(views.A.buffer, fuse.ln[0], fuse.ln[1], label + ".ln"));
+        out.push(await mm(label, s, fuse.ln ? { ...views, A: V(ln) } : views));
+        if (fuse.kv !== undefined) {
+          const l = fuse.kv;
+          out.push(
+            await op("attention_fwd", label + ".kv", kvAppendWgsl(spec), [
+              V(this.#state),
+              views.out,
+              V(this.#kc[l]),
+              V(this.#vc[l]),
+            ], [C4g]),
+          );
+        }
+        return out;
+      }
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
@@ -186,22 +215,22 @@ export class Generator {
         bias: s.bias,
         epilogue: s.epilogue as GemvEpilogue,
         KS: chooseKSplit(s.N, s.K),
+        ln: !!fuse.ln,
+        kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
       };
       const all: Record<string, View> = { ...views, part: V(part) };
+      if (fuse.kv !== undefined) {
+        Object.assign(all, { state: V(this.#state), kc: V(this.#kc[fuse.kv]), vc: V(this.#vc[fuse.kv]) });
+      }
+      const partViews = [views.A, views.B, V(part), ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])];
       return [
-        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), [views.A, views.B, V(part)], [
-          Math.ceil(s.N / 128),
-          g.KS,
-        ]),
+        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [Math.ceil(s.N / 128), g.KS]),
         await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
           Math.ceil((s.M * s.N) / 4 / 64),
         ]),
       ];
     };
-    const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
-      op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(ln), V(stats)], [S]);
     const ops: Op[] = [];
-    const C4g = Math.ceil((S * C) / 4 / 64);
     ops.push(
       await op("embedding", "dec.embed", embedDecodeWgsl(spec), [
         V(this.#state),
@@ -212,22 +241,13 @@ export class Generator {
     );
     for (let l = 0; l < L; l++) {
       const p = `h.${l}.`;
-      ops.push(await lnOp(x, p + "ln_1.weight", p + "ln_1.bias", `dec.l${l}.ln1`));
       ops.push(
         ...await lin(`dec.l${l}.qkv`, { ...base, M: S, N: 3 * C, K: C, epilogue: "store" }, {
-          A: V(ln),
+          A: V(x),
           B: P(p + "attn.c_attn.weight"),
           bias: P(p + "attn.c_attn.bias"),
           out: V(qkv),
-        }),
-      );
-      ops.push(
-        await op("attention_fwd", `dec.l${l}.kv`, kvAppendWgsl(spec), [
-          V(this.#state),
-          V(qkv),
-          V(this.#kc[l]),
-          V(this.#vc[l]),
-        ], [C4g]),
+        }, { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l }),
       );
       ops.push(
         await op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec), [
@@ -247,15 +267,14 @@ export class Generator {
           out: V(x2),
         }),
       );
-      ops.push(await lnOp(x2, p + "ln_2.weight", p + "ln_2.bias", `dec.l${l}.ln2`));
       ops.push(
         ...await lin(`dec.l${l}.fc`, { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" }, {
-          A: V(ln),
+          A: V(x2),
           B: P(p + "mlp.c_fc.weight"),
           bias: P(p + "mlp.c_fc.bias"),
           out: V(fch),
           out2: V(fcg),
-        }),
+        }, { ln: [p + "ln_2.weight", p + "ln_2.bias"] }),
       );
       ops.push(
         ...await lin(`dec.l${l}.fcproj`, { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" }, {
