@@ -173,6 +173,43 @@ export async function createStorage(ctx: GpuContext, label: string, bytes: numbe
   return buf;
 }
 
+/** A byte range of a buffer to read back. */
+export interface ReadRange {
+  buffer: GPUBuffer;
+  offset?: number;
+  bytes?: number;
+}
+
+/**
+ * Reads several buffer ranges through one staging buffer and one mapAsync (each mapAsync blocks
+ * ~10 ms on real GPUs, so callers batch what they need). Returns one ArrayBuffer per range.
+ */
+export async function readBuffers(ctx: GpuContext, ranges: ReadRange[]): Promise<ArrayBuffer[]> {
+  const sized = ranges.map((r) => {
+    const offset = r.offset ?? 0;
+    return { buffer: r.buffer, offset, bytes: r.bytes ?? r.buffer.size - offset };
+  });
+  const total = sized.reduce((a, r) => a + r.bytes, 0);
+  const staging = ctx.device.createBuffer({
+    size: total,
+    usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
+  });
+  const enc = ctx.device.createCommandEncoder();
+  let at = 0;
+  for (const r of sized) {
+    enc.copyBufferToBuffer(r.buffer, r.offset, staging, at, r.bytes);
+    at += r.bytes;
+  }
+  ctx.device.queue.submit([enc.finish()]);
+  await staging.mapAsync(GPUMapMode.READ);
+  const all = staging.getMappedRange().slice(0);
+  staging.unmap();
+  staging.destroy();
+  checkDevice(ctx);
+  at = 0;
+  return sized.map((r) => all.slice(at, at += r.bytes));
+}
+
 /** Reads `bytes` bytes from `src` at `offset` (a staging copy plus mapAsync: blocks ~10 ms on real GPUs). */
 export async function readBuffer(
   ctx: GpuContext,
@@ -180,19 +217,7 @@ export async function readBuffer(
   offset = 0,
   bytes = src.size - offset,
 ): Promise<ArrayBuffer> {
-  const staging = ctx.device.createBuffer({
-    size: bytes,
-    usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
-  });
-  const enc = ctx.device.createCommandEncoder();
-  enc.copyBufferToBuffer(src, offset, staging, 0, bytes);
-  ctx.device.queue.submit([enc.finish()]);
-  await staging.mapAsync(GPUMapMode.READ);
-  const out = staging.getMappedRange().slice(0);
-  staging.unmap();
-  staging.destroy();
-  checkDevice(ctx);
-  return out;
+  return (await readBuffers(ctx, [{ buffer: src, offset, bytes }]))[0];
 }
 
 /** Throws if the device was lost or raised a validation error that no scope caught. */

@@ -9,7 +9,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { checkDevice, createStorage, type GpuContext, GpuError } from "./device.ts";
+import { createStorage, type GpuContext, GpuError, readBuffers } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
@@ -432,28 +432,17 @@ export class Generator {
       this.#pending = [];
     }
     for (let i = 0; i < steps; i++) encodeOps(enc, this.#decode);
-    // One staging copy of state and tokens: each mapAsync costs ~10 ms on a real GPU.
-    const sb = this.#state.size, ob = this.#out.size;
-    const staging = this.#ctx.device.createBuffer({
-      size: sb + ob,
-      usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
-    });
-    enc.copyBufferToBuffer(this.#state, 0, staging, 0, sb);
-    enc.copyBufferToBuffer(this.#out, 0, staging, sb, ob);
     this.#ctx.device.queue.submit([enc.finish()]);
-    await staging.mapAsync(GPUMapMode.READ);
-    const bytes = staging.getMappedRange().slice(0);
-    staging.destroy();
-    checkDevice(this.#ctx);
-    const state = new Uint32Array(bytes, 0, sb / 4);
-    const out = new Uint32Array(bytes, sb, ob / 4);
+    // State and tokens in one readback.
+    const [sbuf, obuf] = await readBuffers(this.#ctx, [{ buffer: this.#state }, { buffer: this.#out }]);
+    const state = new Uint32Array(sbuf), out = new Uint32Array(obuf);
     const res: Uint32Array[] = [];
-    const q = this.#ctx.device.queue;
     for (let s = 0; s < S; s++) {
-      const n = Math.min(state[s * STATE_WORDS + 3], chunk);
-      res.push(out.slice(s * chunk, s * chunk + n));
-      q.writeBuffer(this.#state, (s * STATE_WORDS + 3) * 4, new Uint32Array([0]));
+      res.push(out.slice(s * chunk, s * chunk + Math.min(state[s * STATE_WORDS + 3], chunk)));
+      state[s * STATE_WORDS + 3] = 0;
     }
+    // Nothing runs on the GPU now: write the state back with every stream's count reset.
+    this.#ctx.device.queue.writeBuffer(this.#state, 0, state);
     return res;
   }
 

@@ -5,7 +5,15 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { checkDevice, type GpuContext, GpuError, readBuffer, readFloats } from "./device.ts";
+import {
+  checkDevice,
+  type GpuContext,
+  GpuError,
+  readBuffer,
+  readBuffers,
+  readFloats,
+  type ReadRange,
+} from "./device.ts";
 import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
 import { encodeOps, type Op } from "./ops.ts";
@@ -53,6 +61,9 @@ export class Trainer {
   #querySet?: GPUQuerySet;
   #queryBuf?: GPUBuffer;
   #lastLr = 0;
+  /** Whether the last submitted step was profiled and its timings are not yet read. */
+  #profilePending = false;
+  #lastProfile: OpTiming[] | null = null;
 
   private constructor(ctx: GpuContext, opts: TrainerOptions, model: GpuModel, step: number) {
     this.#ctx = ctx;
@@ -172,15 +183,35 @@ export class Trainer {
     const qs = profile ? this.#querySet : undefined;
     encodeOps(enc, this.#stepOps, qs);
     if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
+    this.#profilePending = !!qs;
     this.#ctx.device.queue.submit([enc.finish()]);
     this.#lastLr = lr;
     this.#step++;
   }
 
-  /** Loss, gradient norm (before clipping) and learning rate of the last submitted step (one readback). */
+  /**
+   * Loss, gradient norm (before clipping) and learning rate of the last submitted step. One
+   * readback, which also fetches the step's kernel timings when it was profiled.
+   */
   async lastStats(): Promise<{ loss: number; gradNorm: number; lr: number }> {
-    const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);
+    const ranges: ReadRange[] = [{ buffer: this.#model.stats, bytes: 16 }];
+    if (this.#profilePending && this.#queryBuf) ranges.push({ buffer: this.#queryBuf });
+    const [stats, queries] = await readBuffers(this.#ctx, ranges);
+    if (queries) this.#takeProfile(queries);
+    const s = new Float32Array(stats);
     return { loss: s[STAT.loss], gradNorm: s[STAT.gradNorm], lr: this.#lastLr };
+  }
+
+  #takeProfile(raw: ArrayBuffer): void {
+    const t = new BigInt64Array(raw);
+    this.#lastProfile = this.#stepOps.map((op, i) => ({
+      label: op.label,
+      kind: op.kind,
+      phase: op.phase,
+      ms: Number(t[2 * i + 1] - t[2 * i]) / 1e6,
+      flops: op.flops,
+    }));
+    this.#profilePending = false;
   }
 
   /** Mean loss of a forward pass without dropout on B·(T+1) tokens. */
@@ -204,20 +235,15 @@ export class Trainer {
     return await readFloats(this.#ctx, this.#model.logits);
   }
 
-  /** Per-kernel GPU times of the last profiled step (timestamp queries only). */
+  /** Per-kernel GPU times of the last profiled step (timestamp queries only); reads back only if `lastStats` has not. */
   async profile(): Promise<OpTiming[] | null> {
-    if (!this.#queryBuf) return null;
-    const raw = new BigInt64Array(await readBuffer(this.#ctx, this.#queryBuf));
-    return this.#stepOps.map((op, i) => ({
-      label: op.label,
-      kind: op.kind,
-      phase: op.phase,
-      ms: Number(raw[2 * i + 1] - raw[2 * i]) / 1e6,
-      flops: op.flops,
-    }));
+    if (this.#profilePending && this.#queryBuf) {
+      this.#takeProfile(await readBuffer(this.#ctx, this.#queryBuf));
+    }
+    return this.#lastProfile;
   }
 
-  /** Forward, backward and optimizer GPU time of the last step, when profiling. */
+  /** Forward, backward and optimizer GPU time of the last profiled step. */
   async phaseTimes(): Promise<{ forward_ms: number; backward_ms: number; optimizer_ms: number } | null> {
     const p = await this.profile();
     if (!p) return null;

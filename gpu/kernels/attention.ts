@@ -87,6 +87,24 @@ function header(s: AttentionSpec) {
   return { D4, C4, R4, scale: 1 / Math.sqrt(s.D) };
 }
 
+/** Bindings of the forward kernels: qkv in, y and lse out (and the dropout uniform). */
+function forwardBindings(s: AttentionSpec): string {
+  return `@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> lse: array<f32>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}`;
+}
+
+/** Bindings of the backward kernels: qkv, dy, lse, delta in, dqkv out (and the dropout uniform). */
+function backwardBindings(s: AttentionSpec): string {
+  return `@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> lse: array<f32>;
+@group(0) @binding(3) var<storage, read> delta: array<f32>;
+@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.dropout ? dropWgsl(s.dropout.nSites) : ""}`;
+}
+
 const dropIdx = (s: AttentionSpec) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj`;
 
 /** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
@@ -95,10 +113,7 @@ export function attentionForwardWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
   const range = (n: number) => [...Array(n).keys()];
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> lse: array<f32>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${forwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
 var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
 
@@ -161,10 +176,7 @@ function attentionForwardSplitWgsl(s: AttentionSpec): string {
   const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> lse: array<f32>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${forwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
 var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
 
@@ -250,12 +262,7 @@ export function attentionBackwardKVWgsl(s: AttentionSpec): string {
   const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
   const range = (n: number) => [...Array(n).keys()];
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> lse: array<f32>;
-@group(0) @binding(3) var<storage, read> delta: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${backwardBindings(s)}
 var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
 var<workgroup> dOs: array<vec4<f32>, ${s.BQ * D4}>;
 var<workgroup> Ls: array<f32, ${s.BQ}>;
@@ -321,12 +328,7 @@ export function attentionBackwardQWgsl(s: AttentionSpec): string {
   const P = D4 + 1;
   const range = (n: number) => [...Array(n).keys()];
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> lse: array<f32>;
-@group(0) @binding(3) var<storage, read> delta: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${backwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
 var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
 var<workgroup> Qown: array<vec4<f32>, ${s.BQ * P}>;
@@ -397,12 +399,7 @@ function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
   const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> lse: array<f32>;
-@group(0) @binding(3) var<storage, read> delta: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${backwardBindings(s)}
 var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
 var<workgroup> dOs: array<vec4<f32>, ${s.BQ * D4}>;
 var<workgroup> Ls: array<f32, ${s.BQ}>;
@@ -475,12 +472,7 @@ function attentionBackwardQSplitWgsl(s: AttentionSpec): string {
   const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   return `
-@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> lse: array<f32>;
-@group(0) @binding(3) var<storage, read> delta: array<f32>;
-@group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${backwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
 var<workgroup> Vs: array<vec4<f32>, ${s.BKV * D4}>;
 
