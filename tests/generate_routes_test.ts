@@ -10,13 +10,7 @@ import { encode } from "gpt-tokenizer/encoding/r50k_base";
 import { type FromWorker, GenerationManager, JobRunner, JobStore, TextStream } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
-
-async function until(cond: () => boolean, what: string): Promise<void> {
-  for (const end = Date.now() + 10_000; !cond();) {
-    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 2));
-  }
-}
+import { until } from "./_wait.ts";
 
 const tinyDims = { n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 };
 

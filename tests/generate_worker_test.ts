@@ -23,6 +23,7 @@ import { presetConfig } from "../gpu/config.ts";
 import { referenceGreedy } from "../gpu/reference.ts";
 import { encodePrompt } from "../jobs/text_stream.ts";
 import { noGpu } from "./_helpers.ts";
+import { until } from "./_wait.ts";
 
 const train: TrainRequest = {
   model: "gpt2-tiny",
@@ -52,13 +53,6 @@ const texts = Array.from(
   { length: 40 },
   (_, d) => Array.from({ length: 60 }, (_, i) => words[(i * (d + 3) + d) % words.length]).join(" ") + ".",
 );
-
-async function until(cond: () => boolean, what: string, ms = 20_000): Promise<void> {
-  for (const end = Date.now() + ms; !cond();) {
-    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 10));
-  }
-}
 
 function finished(runner: JobRunner, id: string): Promise<Job> {
   return new Promise((resolve) => {
@@ -186,7 +180,7 @@ Deno.test({
         const first = new TextDecoder().decode((await reader.read()).value);
         assert.match(first, /^event: token\n/);
         await reader.cancel();
-        await until(() => manager.active === 0, "the worker to confirm the cancel");
+        await until(() => manager.active === 0, "the worker to confirm the cancel", 20_000);
         const after = manager.stats;
         assert.equal(after.finished.cancelled, before.finished.cancelled + 1);
         assert.ok(after.tokens - before.tokens < 56, `worker made ${after.tokens - before.tokens} tokens`);
@@ -203,7 +197,7 @@ Deno.test({
         });
         const out = await res.json();
         assert.equal(out.usage.completion_tokens, 8);
-        await until(() => runner.get(long.id).iteration > at + 2, "training to continue");
+        await until(() => runner.get(long.id).iteration > at + 2, "training to continue", 20_000);
         assert.equal(runner.get(long.id).status, "running");
         runner.cancel(long.id);
         await finished(runner, long.id);

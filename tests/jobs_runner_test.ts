@@ -8,15 +8,10 @@ import assert from "node:assert/strict";
 import { paramLayout, presetConfig } from "../gpu/config.ts";
 import { JobRunner, JobStore, saveCheckpoint, type TrainConfig, type TrainRequest } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
+import { until } from "./_wait.ts";
 
 const tick = () => new Promise((r) => setTimeout(r, 5));
 /** Waits until `cond()` holds (the runner works asynchronously; CI machines can be slow). */
-async function until(cond: () => boolean, what = "condition"): Promise<void> {
-  for (const end = Date.now() + 10_000; !cond();) {
-    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
-    await tick();
-  }
-}
 const req = (over: Partial<TrainRequest> = {}): TrainRequest => ({
   model: "gpt2-tiny",
   dataset: "sotu",

@@ -8,15 +8,9 @@ import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } f
 import { type FromWorker, JobRunner, JobStore } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
+import { until } from "./_wait.ts";
 
 /** Waits until `cond()` holds (the runner hands jobs over asynchronously; CI machines can be slow). */
-async function until(cond: () => boolean, what = "condition"): Promise<void> {
-  for (const end = Date.now() + 10_000; !cond();) {
-    if (Date.now() > end) throw new Error(`Timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 5));
-  }
-}
-
 async function setup(opts: { token?: string; unavailable?: string } = {}) {
   const root = await Deno.makeTempDir({ prefix: "gpt2_routes_" });
   const store = new JobStore(":memory:");
