@@ -14,13 +14,7 @@ import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
 import { layernormForwardWgsl } from "./kernels/layernorm.ts";
-import {
-  attentionDecodeWgsl,
-  type DecodeSpec,
-  embedDecodeWgsl,
-  kvAppendWgsl,
-  kvStoreWgsl,
-} from "./kernels/decode.ts";
+import { attentionDecodeWgsl, type DecodeSpec, embedDecodeWgsl, kvWriteWgsl } from "./kernels/decode.ts";
 import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "./kernels/sample.ts";
 import {
   chooseKSplit,
@@ -198,7 +192,7 @@ export class Generator {
         if (fuse.kv !== undefined) {
           const l = fuse.kv;
           out.push(
-            await op("attention_fwd", label + ".kv", kvAppendWgsl(spec), [
+            await op("attention_fwd", label + ".kv", kvWriteWgsl(spec, { append: true }), [
               V(this.#state),
               views.out,
               V(this.#kc[l]),
@@ -336,7 +330,7 @@ export class Generator {
     const spec: DecodeSpec = { S: this.opts.streams, H: c.n_head, D, Tmax: c.n_positions };
     const ops: Op[] = [...model.forward];
     for (let l = 0; l < c.n_layer; l++) {
-      const code = kvStoreWgsl(spec, Tb);
+      const code = kvWriteWgsl(spec, { prefillRows: Tb });
       ops.push(makeOp(ctx, await this.#cache.get("prefill.kv", code), {
         label: `prefill.l${l}.kv`,
         phase: "forward",

@@ -40,35 +40,19 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 `;
 }
 
-/** Appends each stream's k and v (from qkv (S, 3C)) at its position. Grid (ceil(S·C4/64)). */
-export function kvAppendWgsl(s: DecodeSpec): string {
-  const D4 = s.D / 4, C4 = s.H * D4;
-  return `
-@group(0) @binding(0) var<storage, read> state: array<u32>;
-@group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> kc: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> vc: array<vec4<f32>>;
-@compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let g = gid.x;
-  if (g >= ${s.S * C4}u) { return; }
-  let sidx = g / ${C4}u;
-  let c = g % ${C4}u;
-  let h = c / ${D4}u;
-  let pos = state[sidx * ${STATE_WORDS}u + 1u];
-  let dst = ((sidx * ${s.H}u + h) * ${s.Tmax}u + pos) * ${D4}u + c % ${D4}u;
-  kc[dst] = qkv[sidx * ${3 * C4}u + ${C4}u + c];
-  vc[dst] = qkv[sidx * ${3 * C4}u + ${2 * C4}u + c];
-}
-`;
-}
-
 /**
- * Copies a prefill's keys and values (qkv (Tb, 3C), rows < len) into stream `slot`'s cache.
- * sel = [len - 1, slot, len]. Grid (ceil(Tb·C4/64)).
+ * Writes keys and values from qkv rows (3C wide) into the cache. `append`: row s is stream s's
+ * current token, written at its position (binding 0 is the state buffer; rows = S). `prefill`:
+ * rows t < len of one prompt go to positions t of stream `slot` (binding 0 is sel = [len - 1,
+ * slot, len]; rows = Tb). Grid (ceil(rows·C4/64)).
  */
-export function kvStoreWgsl(s: DecodeSpec, Tb: number): string {
+export function kvWriteWgsl(s: DecodeSpec, mode: { append: true } | { prefillRows: number }): string {
   const D4 = s.D / 4, C4 = s.H * D4;
+  const append = "append" in mode;
+  const rows = append ? s.S : mode.prefillRows;
+  const [slot, pos, guard] = append
+    ? ["row", `sel[row * ${STATE_WORDS}u + 1u]`, ""]
+    : ["sel[1]", "row", "if (row >= sel[2]) { return; }"];
   return `
 @group(0) @binding(0) var<storage, read> sel: array<u32>;
 @group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
@@ -77,13 +61,13 @@ export function kvStoreWgsl(s: DecodeSpec, Tb: number): string {
 @compute @workgroup_size(64)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let g = gid.x;
-  let t = g / ${C4}u;
-  if (t >= ${Tb}u || t >= sel[2]) { return; }
+  let row = g / ${C4}u;
+  if (row >= ${rows}u) { return; }
+  ${guard}
   let c = g % ${C4}u;
-  let h = c / ${D4}u;
-  let dst = ((sel[1] * ${s.H}u + h) * ${s.Tmax}u + t) * ${D4}u + c % ${D4}u;
-  kc[dst] = qkv[t * ${3 * C4}u + ${C4}u + c];
-  vc[dst] = qkv[t * ${3 * C4}u + ${2 * C4}u + c];
+  let dst = ((${slot} * ${s.H}u + c / ${D4}u) * ${s.Tmax}u + ${pos}) * ${D4}u + c % ${D4}u;
+  kc[dst] = qkv[row * ${3 * C4}u + ${C4}u + c];
+  vc[dst] = qkv[row * ${3 * C4}u + ${2 * C4}u + c];
 }
 `;
 }
