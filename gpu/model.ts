@@ -101,7 +101,7 @@ export interface GpuModel {
   forward: Op[];
   /** Loss (with gradient written into the logits) and the mean into STAT.loss. */
   loss: Op[];
-  /** Loss without gradient into STAT.evalLoss. */
+  /** Loss without gradient, added into STAT.evalLoss (zeroed by the caller before a run of batches). */
   evalLoss: Op[];
   backward: Op[];
   optimizer: Op[];
@@ -370,7 +370,7 @@ export async function buildModel(
       V(tokens),
       V(losses),
     ], rowsGrid),
-    await op("forward", "cross_entropy", "mean_eval_loss", meanLossWgsl(BT, STAT.evalLoss), [
+    await op("forward", "cross_entropy", "mean_eval_loss", meanLossWgsl(BT, STAT.evalLoss, true), [
       V(losses),
       V(stats),
     ], [1]),

@@ -214,15 +214,24 @@ export class Trainer {
     this.#profilePending = false;
   }
 
-  /** Mean loss of a forward pass without dropout on B·(T+1) tokens. */
-  async evalLoss(tokens: Uint16Array | Uint32Array): Promise<number> {
-    this.#writeTokens(tokens);
+  /**
+   * Mean loss of forward passes without dropout over one or several batches of B·(T+1) tokens:
+   * one submission per batch, the losses summed on the GPU, one readback.
+   */
+  async evalLoss(batches: Uint16Array | Uint32Array | Array<Uint16Array | Uint32Array>): Promise<number> {
+    const list = Array.isArray(batches) ? batches : [batches];
+    if (list.length === 0) throw new RangeError("evalLoss needs at least one batch");
+    const q = this.#ctx.device.queue;
+    q.writeBuffer(this.#model.stats, STAT.evalLoss * 4, new Float32Array([0]));
     this.#writeDropout(this.#step, false);
-    const enc = this.#ctx.device.createCommandEncoder();
-    encodeOps(enc, [...this.#model.forward, ...this.#model.evalLoss]);
-    this.#ctx.device.queue.submit([enc.finish()]);
+    for (const tokens of list) {
+      this.#writeTokens(tokens);
+      const enc = this.#ctx.device.createCommandEncoder();
+      encodeOps(enc, [...this.#model.forward, ...this.#model.evalLoss]);
+      q.submit([enc.finish()]);
+    }
     const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);
-    return s[STAT.evalLoss];
+    return s[STAT.evalLoss] / list.length;
   }
 
   /** Logits (B·T·Vp) of the last forward pass, before the loss overwrote them: runs a forward pass. */

@@ -68,9 +68,7 @@ async function evaluate(trainer: Trainer, tokens: Uint16Array, c: TrainConfig): 
     seed: c.seed,
     onEpoch: () => {},
   });
-  let sum = 0;
-  for (let i = 0; i < c.eval_iters; i++) sum += await trainer.evalLoss(sampler.nextBatch());
-  return sum / c.eval_iters;
+  return await trainer.evalLoss(Array.from({ length: c.eval_iters }, () => sampler.nextBatch()));
 }
 
 /** Runs `job` to the end, cancellation or failure; never throws. */

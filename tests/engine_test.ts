@@ -56,6 +56,10 @@ Deno.test({
     assert.ok(err < 1e-5, `logits relative error ${err} (tolerance 1e-5)`);
     const loss = await tr.evalLoss(tokens);
     assert.ok(Math.abs(loss - ref.loss) < 1e-4 * ref.loss, `loss ${loss} vs reference ${ref.loss}`);
+    // Several batches in one call: the mean of their losses, read back once.
+    const other = batch(5), lossOther = await tr.evalLoss(other);
+    const both = await tr.evalLoss([tokens, other]);
+    assert.ok(Math.abs(both - (loss + lossOther) / 2) < 1e-6 * both, `two-batch loss ${both}`);
     tr.destroy();
   },
 });

@@ -71,8 +71,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 `;
 }
 
-/** out[slot] = mean(losses) by one workgroup, deterministically. */
-export function meanLossWgsl(rows: number, slot: number): string {
+/** out[slot] = mean(losses) (or += with `accumulate`), by one workgroup, deterministically. */
+export function meanLossWgsl(rows: number, slot: number, accumulate = false): string {
   return `
 @group(0) @binding(0) var<storage, read> losses: array<f32>;
 @group(0) @binding(1) var<storage, read_write> out: array<f32>;
@@ -84,7 +84,7 @@ fn main(@builtin(local_invocation_index) tid: u32) {
   ss[tid] = acc;
   workgroupBarrier();
   ${treeReduce("ss", WG, "+")}
-  if (tid == 0u) { out[${slot}] = ss[0] / ${rows}.0; }
+  if (tid == 0u) { out[${slot}] = ${accumulate ? `out[${slot}] + ` : ""}ss[0] / ${rows}.0; }
 }
 `;
 }
