@@ -50,11 +50,13 @@ export {
   type Progress,
 } from "./prepare.ts";
 export { Sampler, type SamplerOptions, type SamplerState } from "./sampler.ts";
+export { type EvalBatches, evalBatches, windowCount } from "./eval_windows.ts";
 export { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 export {
   checkDatasetId,
   DATASET_ID_RE,
   datasetDir,
+  datasetsDir,
   type DatasetInfo,
   getDataset,
   listDatasets,
