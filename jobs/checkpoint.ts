@@ -13,6 +13,7 @@
  */
 
 import { allTensorShapes, makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
+import type { ControlState } from "../gpu/kernels/adamw.ts";
 import type { TrainConfig } from "./types.ts";
 import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
 
@@ -41,6 +42,8 @@ export interface CheckpointManifest {
   rng: { seed: number; step: number };
   sampler: SamplerState;
   metrics: { loss: number | null; val_loss: number | null };
+  /** The optimizer's control state (see CheckpointState.control). */
+  control?: ControlState;
   files: { model: string; optimizer: string; hf_config: string };
 }
 
@@ -50,6 +53,8 @@ export interface CheckpointState {
   params: Float32Array;
   m: Float32Array;
   v: Float32Array;
+  /** Optimizer step, skipped-step counters and loss scaler (absent in older checkpoints: `step` optimizer steps). */
+  control?: ControlState;
 }
 
 /** A checkpoint found on disk. */
@@ -185,6 +190,7 @@ export async function saveCheckpoint(
     rng: { seed: meta.train.seed, step: state.step },
     sampler: meta.sampler,
     metrics: meta.metrics,
+    ...(state.control ? { control: state.control } : {}),
     files: { model: "model.safetensors", optimizer: "optimizer.safetensors", hf_config: "config.json" },
   };
   await writeSafetensors(`${tmp}/model.safetensors`, exportTensors(meta.model, state.params), {
@@ -354,5 +360,8 @@ export async function loadCheckpoint(
       `Cannot load checkpoint "${path}": optimizer state does not match ${params.length} parameters`,
     );
   }
-  return { manifest, state: { step: manifest.iteration, params, m: m.data, v: v.data } };
+  return {
+    manifest,
+    state: { step: manifest.iteration, params, m: m.data, v: v.data, control: manifest.control },
+  };
 }

@@ -9,8 +9,8 @@ import {
   deviceSelectEnv,
   grownGpu,
   parseSelectMode,
-  pciTag,
   type PciGpu,
+  pciTag,
 } from "../jobs/gpu_select.ts";
 
 const two: PciGpu[] = [{ index: 0, bus: "0000:19:00.0" }, { index: 1, bus: "0000:3B:00.0" }];
