@@ -8,6 +8,7 @@ const suites: Record<string, string> = {
   train: "./train_bench.ts",
   data: "./data_bench.ts",
   matmul: "./matmul_bench.ts",
+  runtime: "./runtime_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";
