@@ -239,8 +239,7 @@ Deno.test("JobRunner.submit() refuses a split shorter than one sequence, naming 
     runner.start();
     await assert.rejects(() => runner.submit(req({ dataset: "small", seq_len: 64 })), {
       name: "InvalidJobError",
-      message:
-        'The test split of dataset "small" has 60 tokens, fewer than one sequence of seq_len + 1 = 65',
+      message: 'The test split of dataset "small" has 60 tokens, fewer than one sequence of seq_len + 1 = 65',
     });
     // An empty split (weight 0) is not evaluated, and a sequence that fits is accepted.
     assert.equal((await runner.submit(req({ dataset: "small", seq_len: 32 }))).status, "queued");
