@@ -22,8 +22,11 @@ export {
 } from "./download.ts";
 export { type ExtractedText, extractMainText } from "./extract.ts";
 export {
+  DEFAULT_MAX_JSON_DEPTH,
   emptyMergeCounts,
+  type FileIssue,
   JSON_EXTENSIONS,
+  jsonTooDeep,
   type MergeCounts,
   type MergeOptions,
   mergeToLooseJson,
@@ -75,10 +78,15 @@ export {
   type WorkerResult,
 } from "./tokenize_pool.ts";
 export {
+  checkPublicUrl,
   DEFAULT_BLACKLIST,
   filterUrls,
   NON_TEXT_EXTENSIONS,
+  nonPublicRange,
   normalizeUrl,
+  type PublicUrlOptions,
+  resolveHost,
+  UrlRefusedError,
   type UrlCounts,
   urlExtension,
   type UrlFilterOptions,
