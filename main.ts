@@ -6,37 +6,17 @@
  */
 
 import { getDataset, isBuiltinName } from "./data/mod.ts";
-import { GenerationManager, JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
+import {
+  GenerationManager,
+  JobRunner,
+  JobStore,
+  lockDataDir,
+  readServerConfig,
+  type ServerConfig,
+  spawnGpuWorker,
+} from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
-
-/** Server settings, read once from the environment. */
-export interface ServerConfig {
-  host: string;
-  port: number;
-  /** Data directory: job store, datasets, checkpoints. */
-  home: string;
-  token: string | null;
-  gpus: number;
-}
-
-const LOOPBACK = new Set(["127.0.0.1", "::1", "localhost"]);
-
-/** Reads PORT, HOST, GPT2_HOME, GPT2_API_TOKEN and GPT2_GPUS; refuses a non-loopback host without a token. */
-export function readServerConfig(env: { get(key: string): string | undefined }): ServerConfig {
-  const host = env.get("HOST") || "127.0.0.1";
-  const port = Number(env.get("PORT") ?? "8080");
-  if (!Number.isInteger(port) || port < 0 || port > 65535) {
-    throw new Error(`Invalid PORT "${env.get("PORT")}"`);
-  }
-  const gpus = Number(env.get("GPT2_GPUS") ?? "1");
-  if (!Number.isInteger(gpus) || gpus < 1) throw new Error(`Invalid GPT2_GPUS "${env.get("GPT2_GPUS")}"`);
-  const token = env.get("GPT2_API_TOKEN") || null;
-  if (!LOOPBACK.has(host) && !token) {
-    throw new Error(`Refusing to bind "${host}" without GPT2_API_TOKEN: set a token or bind 127.0.0.1`);
-  }
-  return { host, port, home: env.get("GPT2_HOME") || "./.gpt2", token, gpus };
-}
 
 if (import.meta.main) {
   let config: ServerConfig;
@@ -48,6 +28,7 @@ if (import.meta.main) {
   }
   const { home } = config;
   await Deno.mkdir(home, { recursive: true });
+  await Deno.mkdir(config.sources, { recursive: true });
   try {
     await lockDataDir(home);
   } catch (e) {
@@ -63,7 +44,23 @@ if (import.meta.main) {
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
   });
   const generation = new GenerationManager(runner, home);
-  const app = createApp({ runner, generation, token: config.token, extra: [datasetRoutes(home)] });
+  const datasets = datasetRoutes(home, {
+    sources: config.sources,
+    limits: config.limits,
+    allowPrivateUrls: config.allowPrivateUrls,
+  });
+  const app = createApp({
+    runner,
+    generation,
+    token: config.token,
+    limits: config.limits,
+    host: config.host,
+    port: config.port,
+    allowedHosts: config.allowedHosts,
+    corsOrigins: config.corsOrigins,
+    home,
+    extra: [datasets],
+  });
   let server: Deno.HttpServer;
   try {
     server = Deno.serve({
