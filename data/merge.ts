@@ -121,7 +121,9 @@ class LineProblems {
   }
   /** The reason, or "" when nothing went wrong. */
   reason(): string {
-    return [...this.#lines].map(([kind, e]) => `${kind} on line${e.total > 1 ? "s" : ""} ${lineList(e.first, e.total)}`)
+    return [...this.#lines].map(([kind, e]) =>
+      `${kind} on line${e.total > 1 ? "s" : ""} ${lineList(e.first, e.total)}`
+    )
       .join("; ");
   }
 }
@@ -281,7 +283,9 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     }
     const reasons = [
       ...(invalid ? ["invalid UTF-8 (decoded with U+FFFD)"] : []),
-      ...(badTotal ? [`malformed documents at item${badTotal > 1 ? "s" : ""} ${lineList(bad, badTotal)}`] : []),
+      ...(badTotal
+        ? [`malformed documents at item${badTotal > 1 ? "s" : ""} ${lineList(bad, badTotal)}`]
+        : []),
     ];
     if (reasons.length) f.issue(reasons.join("; "));
     return;
@@ -297,7 +301,9 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     if (late()) {
       counts.timed_out++;
       const rest = problems.reason();
-      return f.issue(`timed out: longer than ${f.maxMs} ms, stopped at line ${line}${rest ? `; ${rest}` : ""}`);
+      return f.issue(
+        `timed out: longer than ${f.maxMs} ms, stopped at line ${line}${rest ? `; ${rest}` : ""}`,
+      );
     }
     if (bytes.length === 0 || (bytes.length === 1 && bytes[0] === 13)) continue;
     sawLine = true;

@@ -37,8 +37,10 @@ export {
   TEXT_EXTENSIONS,
 } from "./merge.ts";
 export {
+  candidateProbability,
   DEFAULT_MINHASH,
   estimateJaccard,
+  LSH_RECALL_AT_THRESHOLD,
   lshBands,
   LshIndex,
   type MinHashParams,
@@ -86,8 +88,8 @@ export {
   normalizeUrl,
   type PublicUrlOptions,
   resolveHost,
-  UrlRefusedError,
   type UrlCounts,
   urlExtension,
   type UrlFilterOptions,
+  UrlRefusedError,
 } from "./urls.ts";

@@ -11,7 +11,13 @@ import { createHash } from "node:crypto";
 import { join, relative } from "node:path";
 import { BUILTIN_DEFAULT_SPLIT, builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
 import { type DownloadCounts, type DownloadFailure, type DownloadOptions, downloadUrls } from "./download.ts";
-import { emptyMergeCounts, type FileIssue, type MergeCounts, readDocuments, type SourceDocument } from "./merge.ts";
+import {
+  emptyMergeCounts,
+  type FileIssue,
+  type MergeCounts,
+  readDocuments,
+  type SourceDocument,
+} from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
 import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 import {
@@ -273,7 +279,9 @@ export async function planDataset(
         throw new Error(`Cannot read "${p}": ${(e as Error).message}`);
       })
       : await resolveUnderRoot(options.sources_root ?? root, p);
-    const rootReal = await Deno.realPath(options.sources_root ?? root).catch(() => options.sources_root ?? root);
+    const rootReal = await Deno.realPath(options.sources_root ?? root).catch(() =>
+      options.sources_root ?? root
+    );
     const rel = options.allow_any_path && relative(rootReal, resolvedPath).startsWith("..")
       ? resolvedPath
       : relative(rootReal, resolvedPath) || ".";
@@ -504,7 +512,9 @@ export async function prepareDataset(
       throw new Error(
         `No documents left to train on: ${read} read, ${stats.empty_after_cleaning} empty after cleaning, ` +
           `${stats.under_min_tokens} under ${opts.min_tokens} tokens, ${stats.near_duplicates} near-duplicates` +
-          (files.length ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}` : ""),
+          (files.length
+            ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}`
+            : ""),
       );
     }
 

@@ -230,7 +230,8 @@ function parseIpv6(ip: string): number[] | null {
   if (v4) {
     const b = parseIpv4(v4[1]);
     if (!b) return null;
-    s = s.slice(0, -v4[1].length) + `${((b[0] << 8) | b[1]).toString(16)}:${((b[2] << 8) | b[3]).toString(16)}`;
+    s = s.slice(0, -v4[1].length) +
+      `${((b[0] << 8) | b[1]).toString(16)}:${((b[2] << 8) | b[3]).toString(16)}`;
   }
   const halves = s.split("::");
   if (halves.length > 2) return null;
@@ -277,7 +278,9 @@ export function nonPublicRange(ip: string): string | null {
   const g = parseIpv6(bare);
   if (!g) return "invalid";
   const embedded = (hi: number, lo: number) => ipv4Range([hi >> 8, hi & 255, lo >> 8, lo & 255]);
-  if (g.slice(0, 7).every((x) => x === 0)) return g[7] === 1 ? "loopback" : g[7] === 0 ? "unspecified" : "reserved";
+  if (g.slice(0, 7).every((x) => x === 0)) {
+    return g[7] === 1 ? "loopback" : g[7] === 0 ? "unspecified" : "reserved";
+  }
   if (g.slice(0, 5).every((x) => x === 0) && g[5] === 0xffff) return embedded(g[6], g[7]);
   if (g[0] === 0x64 && g[1] === 0xff9b && g.slice(2, 6).every((x) => x === 0)) return embedded(g[6], g[7]);
   if (g[0] === 0x2002) return embedded(g[1], g[2]);
@@ -310,7 +313,10 @@ export interface PublicUrlOptions {
 /** A and AAAA records of `host`; throws when it has neither. */
 export async function resolveHost(host: string): Promise<string[]> {
   const [a, aaaa] = await Promise.allSettled([Deno.resolveDns(host, "A"), Deno.resolveDns(host, "AAAA")]);
-  const out = [...(a.status === "fulfilled" ? a.value : []), ...(aaaa.status === "fulfilled" ? aaaa.value : [])];
+  const out = [
+    ...(a.status === "fulfilled" ? a.value : []),
+    ...(aaaa.status === "fulfilled" ? aaaa.value : []),
+  ];
   if (out.length === 0) {
     const why = a.status === "rejected" ? (a.reason as Error).message : "no A or AAAA records";
     throw new UrlRefusedError(`Cannot resolve "${host}": ${why}`);
@@ -331,13 +337,17 @@ export async function checkPublicUrl(url: string, options: PublicUrlOptions = {}
     throw new UrlRefusedError(`Invalid URL "${url}"`);
   }
   if (u.protocol !== "http:" && u.protocol !== "https:") {
-    throw new UrlRefusedError(`Unsupported scheme "${u.protocol.slice(0, -1)}": only http and https are fetched`);
+    throw new UrlRefusedError(
+      `Unsupported scheme "${u.protocol.slice(0, -1)}": only http and https are fetched`,
+    );
   }
   if (options.allowPrivate) return;
   const host = u.hostname.replace(/^\[|\]$/g, "").toLowerCase();
   if (options.allowHosts?.some((h) => h.toLowerCase().replace(/^\[|\]$/g, "") === host)) return;
   if (host === "localhost" || host.endsWith(".localhost")) {
-    throw new UrlRefusedError(`Refusing "${u.host}": a loopback name (set GPT2_ALLOW_PRIVATE_URLS=1 to allow)`);
+    throw new UrlRefusedError(
+      `Refusing "${u.host}": a loopback name (set GPT2_ALLOW_PRIVATE_URLS=1 to allow)`,
+    );
   }
   const literal = nonPublicRange(host);
   const addresses = literal === "invalid" ? await (options.resolve ?? resolveHost)(host) : [host];

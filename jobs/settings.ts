@@ -119,7 +119,9 @@ function positive(env: Env, name: string, fallback: number): number {
   const raw = env.get(name);
   if (raw === undefined || raw === "") return fallback;
   const n = Number(raw);
-  if (!Number.isSafeInteger(n) || n < 1) throw new Error(`Invalid ${name} "${raw}": expected a positive integer`);
+  if (!Number.isSafeInteger(n) || n < 1) {
+    throw new Error(`Invalid ${name} "${raw}": expected a positive integer`);
+  }
   return n;
 }
 
@@ -152,16 +154,22 @@ export function readServerConfig(
     try {
       u = new URL(o);
     } catch {
-      throw new Error(`Invalid GPT2_CORS_ORIGINS entry "${o}": expected an origin such as "https://example.com"`);
+      throw new Error(
+        `Invalid GPT2_CORS_ORIGINS entry "${o}": expected an origin such as "https://example.com"`,
+      );
     }
     if (u.origin === "null" || `${u.origin}/` !== u.href.replace(/\/?$/, "/")) {
-      throw new Error(`Invalid GPT2_CORS_ORIGINS entry "${o}": expected an origin such as "https://example.com"`);
+      throw new Error(
+        `Invalid GPT2_CORS_ORIGINS entry "${o}": expected an origin such as "https://example.com"`,
+      );
     }
     return u.origin;
   });
   const defaults = defaultLimits();
   const limits = Object.fromEntries(
-    (Object.keys(LIMIT_SETTINGS) as Array<keyof Limits>).map((k) => [k, positive(env, LIMIT_SETTINGS[k], defaults[k])]),
+    (Object.keys(LIMIT_SETTINGS) as Array<keyof Limits>).map((
+      k,
+    ) => [k, positive(env, LIMIT_SETTINGS[k], defaults[k])]),
   ) as unknown as Limits;
   const home = env.get("GPT2_HOME") || "./.gpt2";
   const allowPrivate = env.get("GPT2_ALLOW_PRIVATE_URLS") ?? "";
@@ -207,14 +215,18 @@ export function admitTrainJob(
   if (waiting >= limits.maxQueuedJobs) {
     throw new LimitError(
       429,
-      `Too many queued jobs: ${waiting} are waiting (limit ${limitName(limits, "maxQueuedJobs")}); retry when one starts`,
+      `Too many queued jobs: ${waiting} are waiting (limit ${
+        limitName(limits, "maxQueuedJobs")
+      }); retry when one starts`,
     );
   }
   const each = checkpointBytes(req.model);
   if (each !== null && each * req.keep_checkpoints > limits.maxCheckpointBytes) {
     throw new LimitError(
       507,
-      `Checkpoints would need ${each * req.keep_checkpoints} bytes (keep_checkpoints ${req.keep_checkpoints} × ${each} bytes), ` +
+      `Checkpoints would need ${
+        each * req.keep_checkpoints
+      } bytes (keep_checkpoints ${req.keep_checkpoints} × ${each} bytes), ` +
         `over the per-job disk limit ${limitName(limits, "maxCheckpointBytes")}: lower keep_checkpoints`,
       "keep_checkpoints",
     );

@@ -151,7 +151,9 @@ export class JobStore {
       where.push("seq < coalesce((select seq from jobs where id = ?), -1)");
       args.push(opts.after);
     }
-    const sql = `select * from jobs ${where.length ? `where ${where.join(" and ")}` : ""} order by seq desc limit ?`;
+    const sql = `select * from jobs ${
+      where.length ? `where ${where.join(" and ")}` : ""
+    } order by seq desc limit ?`;
     return (this.#db.prepare(sql).all(...args, limit) as Row[]).map(toJob);
   }
 
@@ -343,7 +345,9 @@ function migrate(db: DatabaseSync, path: string): void {
       db.exec("commit");
     } catch (e) {
       db.exec("rollback");
-      throw new Error(`Cannot migrate job store "${path}" to schema version ${v + 1}: ${(e as Error).message}`);
+      throw new Error(
+        `Cannot migrate job store "${path}" to schema version ${v + 1}: ${(e as Error).message}`,
+      );
     }
   }
 }

@@ -11,7 +11,13 @@ import { createHash, timingSafeEqual } from "node:crypto";
 import { Hono, type MiddlewareHandler } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import { cors } from "hono/cors";
-import { defaultLimits, type GenerationManager, type JobRunner, type Limits, LOOPBACK_HOSTS } from "../jobs/mod.ts";
+import {
+  defaultLimits,
+  type GenerationManager,
+  type JobRunner,
+  type Limits,
+  LOOPBACK_HOSTS,
+} from "../jobs/mod.ts";
 import { ApiError, errorHandler, pathAliases } from "./errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
@@ -64,7 +70,8 @@ export function parseHost(value: string): { name: string; port: number | null } 
   const m = /^(\[[0-9a-f:.]+\]|[^:\[\]]+)(?::(\d{1,5}))?$/i.exec(value.trim());
   if (!m) return null;
   const name = m[1].replace(/^\[|\]$/g, "").toLowerCase().replace(/\.$/, "");
-  return { name, port: m[2] === undefined ? null : Number(m[2]) };
+  const port = m[2] === undefined ? null : Number(m[2]);
+  return port !== null && port > 65535 ? null : { name, port };
 }
 
 function hostGuard(opts: AppOptions): MiddlewareHandler {
@@ -73,7 +80,7 @@ function hostGuard(opts: AppOptions): MiddlewareHandler {
   // A wildcard bind is reachable under any of the machine's names: only an explicit list narrows it.
   const any = WILDCARD_HOSTS.has(bound) && extra.length === 0;
   const names = new Set([...extra, ...(LOOPBACK_HOSTS.has(bound) ? LOOPBACK_HOSTS : [bound])]);
-  if (WILDCARD_HOSTS.has(bound)) for (const h of LOOPBACK_HOSTS) names.add(h);
+  if (WILDCARD_HOSTS.has(bound)) { for (const h of LOOPBACK_HOSTS) names.add(h); }
   const port = opts.port || null;
   return async (c, next) => {
     const raw = c.req.header("Host") ?? new URL(c.req.url).host;
@@ -104,7 +111,9 @@ function originGuard(allowed: ReadonlySet<string>): MiddlewareHandler {
       if (!sameOrigin && !allowed.has(origin)) {
         throw new ApiError(
           403,
-          `Origin "${origin.slice(0, 200)}" is not allowed: list it in GPT2_CORS_ORIGINS to call this server from it`,
+          `Origin "${
+            origin.slice(0, 200)
+          }" is not allowed: list it in GPT2_CORS_ORIGINS to call this server from it`,
           { param: "Origin", code: "origin_not_allowed" },
         );
       }
@@ -112,10 +121,14 @@ function originGuard(allowed: ReadonlySet<string>): MiddlewareHandler {
     // <img>, <form> and friends send no Origin on GET, but browsers mark them cross-site.
     const site = c.req.header("Sec-Fetch-Site");
     if ((site === "cross-site" || site === "same-site") && !sameOrigin && !(origin && allowed.has(origin))) {
-      throw new ApiError(403, `Cross-site request refused (Sec-Fetch-Site "${site}" without an allowed Origin)`, {
-        param: "Origin",
-        code: "cross_site_request",
-      });
+      throw new ApiError(
+        403,
+        `Cross-site request refused (Sec-Fetch-Site "${site}" without an allowed Origin)`,
+        {
+          param: "Origin",
+          code: "cross_site_request",
+        },
+      );
     }
     await next();
   };
@@ -173,7 +186,9 @@ export function createApp(opts: AppOptions): Hono {
 
   const app = new Hono();
   app.onError(render);
-  app.notFound((c) => render(new ApiError(404, `No route for ${c.req.method} ${c.req.path.slice(0, 200)}`), c));
+  app.notFound((c) =>
+    render(new ApiError(404, `No route for ${c.req.method} ${c.req.path.slice(0, 200)}`), c)
+  );
   app.use("*", async (c, next) => {
     await next();
     metrics.countRequest(c.req.method, c.res.status);

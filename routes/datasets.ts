@@ -207,7 +207,9 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
     const job = jobs.get(id);
     if (job) return c.json(jobView(job), 200);
     const info = await getDataset(root, id);
-    if (!info) throw new ApiError(404, `Dataset "${id}" not found`, { param: "id", code: "dataset_not_found" });
+    if (!info) {
+      throw new ApiError(404, `Dataset "${id}" not found`, { param: "id", code: "dataset_not_found" });
+    }
     return c.json(summary(info), 200);
   });
 

@@ -165,13 +165,17 @@ function toApiError(err: Error): ApiError {
     const fallback = status === 401 ? "Unauthorized" : `HTTP error ${status}`;
     return new ApiError(status, err.message || fallback);
   }
-  if (err instanceof JobNotFoundError) return new ApiError(404, err.message, { param: "id", code: "job_not_found" });
+  if (err instanceof JobNotFoundError) {
+    return new ApiError(404, err.message, { param: "id", code: "job_not_found" });
+  }
   if (err instanceof ModelNotFoundError) {
     return new ApiError(404, err.message, { param: "model", code: "model_not_found" });
   }
   if (err instanceof GpuUnavailableError) return new ApiError(503, err.message, { code: "gpu_unavailable" });
   if (err instanceof JobConflictError) return new ApiError(409, err.message, { code: "conflict" });
-  if (err instanceof InvalidJobError) return new ApiError(400, err.message, { param: err.field, code: "invalid_value" });
+  if (err instanceof InvalidJobError) {
+    return new ApiError(400, err.message, { param: err.field, code: "invalid_value" });
+  }
   if (err instanceof LimitError) {
     return new ApiError(err.status, err.message, { param: err.param, code: "limit_exceeded" });
   }

@@ -40,12 +40,17 @@ export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppM
 
   app.get("/ready", (c) => {
     const { gpus, reasons } = readiness();
-    if (reasons.length > 0) throw new ApiError(503, `Not ready: ${reasons.join("; ")}`, { code: "not_ready" });
+    if (reasons.length > 0) {
+      throw new ApiError(503, `Not ready: ${reasons.join("; ")}`, { code: "not_ready" });
+    }
     return c.json({ status: "ready", gpus: gpus.map((g) => ({ index: g.index, state: g.state })) });
   });
 
-  app.get("/metrics", async (c) =>
-    c.text(await metrics.registry.metrics(), 200, { "Content-Type": metrics.registry.contentType }));
+  app.get(
+    "/metrics",
+    async (c) =>
+      c.text(await metrics.registry.metrics(), 200, { "Content-Type": metrics.registry.contentType }),
+  );
 
   return app;
 }

@@ -23,12 +23,39 @@ export interface AppMetrics {
 }
 
 /** Upper bounds of the step-time histogram, in seconds. */
-export const STEP_SECONDS_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60];
+export const STEP_SECONDS_BUCKETS = [
+  0.001,
+  0.0025,
+  0.005,
+  0.01,
+  0.025,
+  0.05,
+  0.1,
+  0.25,
+  0.5,
+  1,
+  2.5,
+  5,
+  10,
+  30,
+  60,
+];
 
-const PHASES = ["forward_ms", "backward_ms", "allreduce_ms", "optimizer_ms", "batch_generator_ms", "step_ms"] as const;
+const PHASES = [
+  "forward_ms",
+  "backward_ms",
+  "allreduce_ms",
+  "optimizer_ms",
+  "batch_generator_ms",
+  "step_ms",
+] as const;
 
 /** Builds the registry of one app over `runner` (and `generation`, when served). */
-export function createMetrics(runner: JobRunner, startedAt: number, generation?: GenerationManager): AppMetrics {
+export function createMetrics(
+  runner: JobRunner,
+  startedAt: number,
+  generation?: GenerationManager,
+): AppMetrics {
   const registry = new Registry();
   const registers = [registry];
   const live = () => [
@@ -73,8 +100,11 @@ export function createMetrics(runner: JobRunner, startedAt: number, generation?:
       },
     });
   perGpu("gpt2_gpu_busy", "Whether the GPU runs a job", (g) => (g.state === "busy" ? 1 : 0));
-  perGpu("gpt2_gpu_available", "Whether the GPU's device is open (idle or busy)", (g) =>
-    g.state === "idle" || g.state === "busy" ? 1 : 0);
+  perGpu(
+    "gpt2_gpu_available",
+    "Whether the GPU's device is open (idle or busy)",
+    (g) => g.state === "idle" || g.state === "busy" ? 1 : 0,
+  );
   perGpu("gpt2_gpu_queue_length", "Jobs waiting per GPU", (g) => g.queued);
 
   type LiveJob = ReturnType<typeof live>[number];
@@ -96,7 +126,11 @@ export function createMetrics(runner: JobRunner, startedAt: number, generation?:
   perJob("gpt2_job_loss", "Latest training loss", (j) => j.metrics.loss);
   perJob("gpt2_job_val_loss", "Latest validation loss", (j) => j.metrics.val_loss);
   perJob("gpt2_job_learning_rate", "Current learning rate", (j) => j.metrics.lr);
-  perJob("gpt2_job_tokens_per_second", "Training throughput (last log interval)", (j) => j.metrics.tokens_per_s);
+  perJob(
+    "gpt2_job_tokens_per_second",
+    "Training throughput (last log interval)",
+    (j) => j.metrics.tokens_per_s,
+  );
   perJob("gpt2_job_gpu_memory_bytes", "GPU memory allocated by the job", (j) => j.metrics.gpu_memory_bytes);
   new Gauge({
     name: "gpt2_job_phase_seconds",

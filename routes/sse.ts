@@ -10,7 +10,14 @@
 
 import type { Context, MiddlewareHandler } from "hono";
 import { streamSSE } from "hono/streaming";
-import { isFinished, type JobEvent, type JobRunner, LimitError, limitName, type Limits } from "../jobs/mod.ts";
+import {
+  isFinished,
+  type JobEvent,
+  type JobRunner,
+  LimitError,
+  limitName,
+  type Limits,
+} from "../jobs/mod.ts";
 
 const KEEPALIVE_MS = 15_000;
 /** Stored events read per query while replaying. */

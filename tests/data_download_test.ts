@@ -181,7 +181,11 @@ Deno.test("prepareDataset from urls filters, downloads, records failures and tok
     const failures = await Deno.readTextFile(join(root, "datasets", info.id, "failures.jsonl"));
     assert.match(failures, /\/gone.*HTTP 404/);
     await assert.rejects(
-      () => prepareDataset(root, { urls: [`${base}/gone`] }, { workers: 1, download: { retries: 0, allowPrivate: true } }),
+      () =>
+        prepareDataset(root, { urls: [`${base}/gone`] }, {
+          workers: 1,
+          download: { retries: 0, allowPrivate: true },
+        }),
       /No documents downloaded: all 1 URLs failed \(first: ".*\/gone": HTTP 404\)/,
     );
   } finally {

@@ -74,7 +74,10 @@ Deno.test("readDocuments merges txt and jsonl files and counts empty, binary, in
       { file: "empty.txt", reason: "empty" },
       { file: "image.png", reason: 'unsupported extension ".png"' },
       { file: "link.txt", reason: "symlink (not followed)" },
-      { file: join("sub", "b.jsonl"), reason: "malformed JSON on lines 3, 4; over the 1000-byte cap on line 6" },
+      {
+        file: join("sub", "b.jsonl"),
+        reason: "malformed JSON on lines 3, 4; over the 1000-byte cap on line 6",
+      },
     ]);
   });
 });
@@ -114,12 +117,19 @@ Deno.test("readDocuments refuses deeply nested JSON fast, by file and by line, a
       onIssue: (i) => void issues.push(i),
     }));
     for (const name of ["lines.jsonl"]) {
-      docs.push(...await Array.fromAsync(readDocuments(join(root, name), counts, { onIssue: (i) => void issues.push(i) })));
+      docs.push(
+        ...await Array.fromAsync(readDocuments(join(root, name), counts, {
+          onIssue: (i) => void issues.push(i),
+        })),
+      );
     }
     assert.ok(performance.now() - t0 < 5000, `took ${performance.now() - t0} ms`);
     docs.push(
       ...await Array.fromAsync(
-        readDocuments(join(root, "slow.jsonl"), counts, { maxFileMs: 0, onIssue: (i) => void issues.push(i) }),
+        readDocuments(join(root, "slow.jsonl"), counts, {
+          maxFileMs: 0,
+          onIssue: (i) => void issues.push(i),
+        }),
       ),
     );
     assert.deepEqual(docs.map((d) => d.text), ["ok", "fine"]);

@@ -84,7 +84,10 @@ Deno.test("datasetRoutes rejects bad bodies with 400, paths outside the sources 
       code: "preparation_failed",
       message: /No documents left to train on/,
     });
-    await apiError(await app.request("/datasets/nope"), 404, { message: 'Dataset "nope" not found', param: "id" });
+    await apiError(await app.request("/datasets/nope"), 404, {
+      message: 'Dataset "nope" not found',
+      param: "id",
+    });
   });
 });
 
@@ -98,7 +101,10 @@ Deno.test("datasetRoutes names each bad file in a failed preparation and answers
     const app = datasetRoutes(root, { workers: 1, waitMs: 30_000 });
     const e = await apiError(await post(app, { path: "mail", ...OPTS }), 422);
     assert.match(e.message, /No documents left to train on: 0 read/);
-    assert.match(e.message, /files skipped or bad: "a\.txt": binary \(NUL bytes\); "b\.jsonl": malformed JSON on line 1; "c\.pdf": unsupported extension "\.pdf"/);
+    assert.match(
+      e.message,
+      /files skipped or bad: "a\.txt": binary \(NUL bytes\); "b\.jsonl": malformed JSON on line 1; "c\.pdf": unsupported extension "\.pdf"/,
+    );
     assert.ok(!e.message.includes(root), e.message);
 
     await Deno.writeTextFile(join(dir, "d.txt"), makeDocs(6, 100, 5).join("\n\n"));
@@ -120,7 +126,8 @@ Deno.test("datasetRoutes answers 429 naming the limit when too many preparations
     await apiError(await post(app, { texts: makeDocs(8, 100, 5), id: "two", ...OPTS }), 429, {
       type: "rate_limit_error",
       code: "limit_exceeded",
-      message: "Too many dataset preparations running: 1 (limit GPT2_MAX_PREPARATIONS=1); retry when one finishes",
+      message:
+        "Too many dataset preparations running: 1 (limit GPT2_MAX_PREPARATIONS=1); retry when one finishes",
     });
     for (let i = 0; i < 500; i++) {
       if ((await (await app.request("/datasets/one")).json()).status !== "running") break;

@@ -46,7 +46,9 @@ Deno.test("readServerConfig() reads PORT, HOST, GPT2_HOME, GPT2_SOURCES, GPT2_AP
   );
   assert.deepEqual(
     [c.host, c.port, c.home, c.sources, c.token, c.gpus, c.corsOrigins, c.allowedHosts, c.allowPrivateUrls],
-    ["0.0.0.0", 0, "/data", "/corpora", "t", 2, ["https://a.example", "http://localhost:3000"], ["gpu-box.lan"], true],
+    ["0.0.0.0", 0, "/data", "/corpora", "t", 2, ["https://a.example", "http://localhost:3000"], [
+      "gpu-box.lan",
+    ], true],
   );
   assert.equal(c.limits.maxQueuedJobs, 7);
   assert.equal(c.limits.maxStreams, 3);
@@ -62,8 +64,14 @@ Deno.test("readServerConfig() accepts tokens of any printable characters, inline
   assert.throws(() => readServerConfig(env({ GPT2_API_TOKEN_FILE: "/nope" }), read), {
     message: 'Cannot read GPT2_API_TOKEN_FILE "/nope": No such file "/nope"',
   });
-  assert.throws(() => readServerConfig(env({ GPT2_API_TOKEN: "tab\there" }), noFile), /^Error: Invalid API token/);
-  assert.throws(() => readServerConfig(env({ GPT2_API_TOKEN: "caf\u00e9" }), noFile), /^Error: Invalid API token/);
+  assert.throws(
+    () => readServerConfig(env({ GPT2_API_TOKEN: "tab\there" }), noFile),
+    /^Error: Invalid API token/,
+  );
+  assert.throws(
+    () => readServerConfig(env({ GPT2_API_TOKEN: "caf\u00e9" }), noFile),
+    /^Error: Invalid API token/,
+  );
   assert.throws(
     () => readServerConfig(env({ GPT2_API_TOKEN: "a", GPT2_API_TOKEN_FILE: "/run/secrets/token" }), read),
     { message: "Set GPT2_API_TOKEN or GPT2_API_TOKEN_FILE, not both" },
@@ -75,11 +83,14 @@ Deno.test("readServerConfig() refuses a non-loopback host without a token, bad n
     message: 'Refusing to bind "0.0.0.0" without GPT2_API_TOKEN: set a token or bind 127.0.0.1',
   });
   assert.throws(() => readServerConfig(env({ PORT: "http" }), noFile), { message: 'Invalid PORT "http"' });
-  assert.throws(() => readServerConfig(env({ GPT2_GPUS: "0" }), noFile), { message: 'Invalid GPT2_GPUS "0"' });
+  assert.throws(() => readServerConfig(env({ GPT2_GPUS: "0" }), noFile), {
+    message: 'Invalid GPT2_GPUS "0"',
+  });
   assert.throws(() => readServerConfig(env({ GPT2_MAX_STREAMS: "-1" }), noFile), {
     message: 'Invalid GPT2_MAX_STREAMS "-1": expected a positive integer',
   });
   assert.throws(() => readServerConfig(env({ GPT2_CORS_ORIGINS: "https://a.example/path" }), noFile), {
-    message: 'Invalid GPT2_CORS_ORIGINS entry "https://a.example/path": expected an origin such as "https://example.com"',
+    message:
+      'Invalid GPT2_CORS_ORIGINS entry "https://a.example/path": expected an origin such as "https://example.com"',
   });
 });

@@ -72,7 +72,11 @@ Deno.test("POST /train returns 400 naming every invalid field, the first as para
   const t = await setup();
   try {
     const res = await t.post("/train", { batch_size: -1, lr_decay_style: "step", bogus: 1 });
-    const e = await apiError(res, 400, { param: "batch_size", code: "too_small", type: "invalid_request_error" });
+    const e = await apiError(res, 400, {
+      param: "batch_size",
+      code: "too_small",
+      type: "invalid_request_error",
+    });
     assertMatch(e.message, /^Invalid training config: batch_size: Too small/);
     assertMatch(e.message, /; lr_decay_style: Invalid option/);
     assertMatch(e.message, /; bogus: Unrecognized key: "bogus"/);
@@ -90,7 +94,12 @@ Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or 
     });
     const dataset = await t.post("/train", { dataset: "nope" });
     assertEquals(await dataset.json(), {
-      error: { message: 'Unknown dataset "nope"', type: "invalid_request_error", param: "dataset", code: "invalid_value" },
+      error: {
+        message: 'Unknown dataset "nope"',
+        type: "invalid_request_error",
+        param: "dataset",
+        code: "invalid_value",
+      },
     });
     await apiError(await t.post("/train", { model: "gpt2-tiny", seq_len: 65 }), 400, { param: "seq_len" });
     const dims = await t.post("/train", { model: { n_layer: 2, n_head: 3, n_embd: 64, n_positions: 64 } });
@@ -241,7 +250,11 @@ Deno.test("GET /jobs/:id/events streams live events until done and replays after
     const events = parseSse(await body);
     assertEquals(events.map((e) => e.event), ["log", "log", "log", "checkpoint", "done"]);
     assertEquals(events[0].data.status, "queued");
-    assertEquals(events[3].data, { iteration: 10, name: "iter_0000010", path: `checkpoints/${id}/iter_0000010` });
+    assertEquals(events[3].data, {
+      iteration: 10,
+      name: "iter_0000010",
+      path: `checkpoints/${id}/iter_0000010`,
+    });
     assertEquals(events.at(-1)!.data.status, "succeeded");
     for (let i = 1; i < events.length; i++) assert(events[i].id > events[i - 1].id);
 

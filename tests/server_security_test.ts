@@ -74,14 +74,20 @@ Deno.test("state-changing routes require application/json: a text/plain form pos
   const t = await setup();
   try {
     const plain = { "Content-Type": "text/plain" };
-    await apiError(await t.post("/train", "{}", plain), 415, { param: "Content-Type", code: "unsupported_media_type" });
+    await apiError(await t.post("/train", "{}", plain), 415, {
+      param: "Content-Type",
+      code: "unsupported_media_type",
+    });
     await apiError(await t.post("/datasets", '{"builtin":"sotu"}', plain), 415);
     await apiError(await t.app.request("/train", { method: "POST", body: "{}" }), 415, {
       message: /^(Missing Content-Type|Unsupported Content-Type "text\/plain;charset=UTF-8")/,
     });
     assertEquals(t.store.listJobs().length, 0);
     const id = (await (await t.post("/train", {})).json()).id;
-    await apiError(await t.post(`/jobs/${id}/cancel`, "", { "Content-Type": "application/x-www-form-urlencoded" }), 415);
+    await apiError(
+      await t.post(`/jobs/${id}/cancel`, "", { "Content-Type": "application/x-www-form-urlencoded" }),
+      415,
+    );
     assertEquals(t.store.getJob(id)!.cancel_requested, false);
     assertEquals((await t.post(`/jobs/${id}/cancel`, {})).status, 202);
   } finally {
@@ -122,7 +128,10 @@ Deno.test("cross-site requests are refused; allowed CORS origins get a correct p
     // An <img src="http://127.0.0.1:8080/generate?..."> sends no Origin, but is marked cross-site.
     const img = await t.app.request("/jobs", { headers: { "Sec-Fetch-Site": "cross-site" } });
     await apiError(img, 403, { code: "cross_site_request" });
-    assertEquals((await t.app.request("/jobs", { headers: { "Sec-Fetch-Site": "same-origin" } })).status, 200);
+    assertEquals(
+      (await t.app.request("/jobs", { headers: { "Sec-Fetch-Site": "same-origin" } })).status,
+      200,
+    );
     assertEquals((await t.app.request("/jobs", { headers: { "Sec-Fetch-Site": "none" } })).status, 200);
     assertEquals((await t.post("/train", {}, { Origin: "http://localhost" })).status, 202); // same origin
     assertEquals(t.store.listJobs().length, 1);
@@ -142,7 +151,10 @@ Deno.test("cross-site requests are refused; allowed CORS origins get a correct p
     assertEquals(pre.headers.get("Access-Control-Allow-Headers"), "Authorization,Content-Type,Last-Event-ID");
     assertEquals(pre.headers.get("Access-Control-Max-Age"), "600");
     assert(pre.headers.get("Vary")!.includes("Origin"));
-    const actual = await t.post("/train", {}, { Origin: "https://dash.example", "Sec-Fetch-Site": "cross-site" });
+    const actual = await t.post("/train", {}, {
+      Origin: "https://dash.example",
+      "Sec-Fetch-Site": "cross-site",
+    });
     assertEquals(actual.status, 202);
     assertEquals(actual.headers.get("Access-Control-Allow-Origin"), "https://dash.example");
     const badPre = await t.app.request("/train", {
@@ -179,7 +191,11 @@ Deno.test("POST /train past the queue limit is 429 and past the checkpoint disk 
       param: "keep_checkpoints",
       type: "insufficient_storage_error",
     });
-    assert(e.message.startsWith("Checkpoints would need 4258455552000 bytes (keep_checkpoints 1000 × 4258455552 bytes)"));
+    assert(
+      e.message.startsWith(
+        "Checkpoints would need 4258455552000 bytes (keep_checkpoints 1000 × 4258455552 bytes)",
+      ),
+    );
     assert(e.message.includes("GPT2_MAX_CHECKPOINT_BYTES=68719476736"), e.message);
     assertEquals(d.store.listJobs().length, 0);
   } finally {
@@ -200,9 +216,13 @@ Deno.test("open event streams are bounded per client and in all; a closed stream
     const other = { remoteAddr: { hostname: "10.0.0.2" } };
     const second = await t.app.request(`/jobs/${id}/events`, {}, other);
     assertEquals(second.status, 200);
-    await apiError(await t.app.request(`/jobs/${id}/events`, {}, { remoteAddr: { hostname: "10.0.0.3" } }), 429, {
-      message: "Too many open streams: 2 (limit GPT2_MAX_STREAMS=2)",
-    });
+    await apiError(
+      await t.app.request(`/jobs/${id}/events`, {}, { remoteAddr: { hostname: "10.0.0.3" } }),
+      429,
+      {
+        message: "Too many open streams: 2 (limit GPT2_MAX_STREAMS=2)",
+      },
+    );
     await first.body!.cancel();
     const again = await t.app.request(`/jobs/${id}/events`);
     assertEquals(again.status, 200);
@@ -292,11 +312,18 @@ Deno.test("replay after Last-Event-ID reads the history a page at a time and mis
     const { id } = await (await t.post("/train", {})).json();
     await until(() => t.workers[0].jobs.length === 1, "the job on the worker");
     for (let i = 1; i <= 700; i++) t.store.addEvent(id, "progress", { kind: "train", iteration: i });
-    t.workers[0].send({ type: "checkpoint", id, iteration: 700, name: "iter_0000700", path: `${t.root}/abs` });
+    t.workers[0].send({
+      type: "checkpoint",
+      id,
+      iteration: 700,
+      name: "iter_0000700",
+      path: `${t.root}/abs`,
+    });
     t.workers[0].send({ type: "done", id, status: "succeeded", iteration: 700, error: null });
     const all = t.store.eventsAfter(id);
-    const text = await (await t.app.request(`/jobs/${id}/events`, { headers: { "Last-Event-ID": String(all[1].id) } }))
-      .text();
+    const text =
+      await (await t.app.request(`/jobs/${id}/events`, { headers: { "Last-Event-ID": String(all[1].id) } }))
+        .text();
     const ids = [...text.matchAll(/^id: (\d+)$/gm)].map((m) => Number(m[1]));
     assertEquals(ids, all.slice(2).map((e) => e.id));
     assert(text.includes(`"path":"checkpoints/${id}/iter_0000700"`), "checkpoint path relative");
