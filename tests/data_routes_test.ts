@@ -140,3 +140,36 @@ Deno.test("datasetRoutes answers 429 naming the limit when too many preparations
     }
   });
 });
+
+Deno.test("datasetRoutes refuses URL sources on loopback, private and link-local addresses without fetching them", async () => {
+  await withRoot(async (root) => {
+    let hits = 0;
+    const controller = new AbortController();
+    const server = Deno.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      signal: controller.signal,
+      onListen: () => {},
+    }, () => {
+      hits++;
+      return new Response("secret", { headers: { "content-type": "text/plain" } });
+    });
+    try {
+      const app = datasetRoutes(root, { workers: 1, waitMs: 30_000 });
+      const urls = [
+        `http://127.0.0.1:${server.addr.port}/admin`,
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1/",
+      ];
+      const e = await apiError(await post(app, { urls, ...OPTS }), 422, { code: "preparation_failed" });
+      assert.match(
+        e.message,
+      assert.match(e.message, /No documents downloaded: all 3 URLs failed \(first: "[^"]+": Refusing "[^"]+": a (loopback|link-local|private) address/);
+      );
+      assert.equal(hits, 0);
+    } finally {
+      controller.abort();
+      await server.finished;
+    }
+  });
+});
