@@ -164,7 +164,7 @@ Deno.test("datasetRoutes refuses URL sources on loopback, private and link-local
       const e = await apiError(await post(app, { urls, ...OPTS }), 422, { code: "preparation_failed" });
       assert.match(
         e.message,
-      assert.match(e.message, /No documents downloaded: all 3 URLs failed \(first: "[^"]+": Refusing "[^"]+": a (loopback|link-local|private) address/);
+        /No documents downloaded: all 3 URLs failed \(first: "[^"]+": Refusing "[^"]+": a (loopback|link-local|private) address/,
       );
       assert.equal(hits, 0);
     } finally {
