@@ -182,7 +182,8 @@ export function createApp(opts: AppOptions): Hono {
   const startedAt = opts.startedAt ?? Date.now();
   const metrics = createMetrics(opts.runner, startedAt, opts.generation);
   for (const hook of opts.metrics ?? []) metrics.register(hook);
-  const render = errorHandler(opts.home ? pathAliases(opts.home, "$GPT2_HOME") : []);
+  const aliases = opts.home ? pathAliases(opts.home, "$GPT2_HOME") : [];
+  const render = errorHandler(aliases);
 
   const app = new Hono();
   app.onError(render);
@@ -230,7 +231,7 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
-  app.route("/", jobRoutes(opts.runner, limits));
+  app.route("/", jobRoutes(opts.runner, limits, aliases));
   if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;

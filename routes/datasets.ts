@@ -21,7 +21,7 @@ import { join } from "node:path";
 import { Hono } from "hono";
 import { z } from "zod";
 import { defaultLimits, LIMIT_SETTINGS, LimitError, limitName, type Limits } from "../jobs/mod.ts";
-import { ApiError, errorHandler, jsonBody, pathAliases } from "./errors.ts";
+import { ApiError, errorHandler, jsonBody, pathAliases, scrubPaths } from "./errors.ts";
 import {
   BUILTIN_NAMES,
   type DatasetInfo,
@@ -104,14 +104,15 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
   const limits: Limits = { ...defaultLimits(), ...options.limits };
   const sources = options.sources ?? join(root, "sources");
   const running = () => [...jobs.values()].filter((j) => j.status === "running").length;
-  app.onError(errorHandler([...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")]));
+  const aliases = [...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")];
+  app.onError(errorHandler(aliases));
   const summary = (info: DatasetInfo) => ({ ...info, status: "ready" as const });
   const jobView = (j: Job) => ({
     id: j.id,
     status: j.status,
     started_at: j.started_at,
     ...(j.progress ? { progress: j.progress } : {}),
-    ...(j.error ? { error: j.error } : {}),
+    ...(j.error ? { error: scrubPaths(j.error, aliases) } : {}),
   });
 
   app.post("/datasets", jsonBody(createDatasetSchema, "dataset request"), async (c) => {

@@ -6,21 +6,22 @@
  */
 
 import { Hono } from "hono";
-import { admitTrainJob, type CheckpointInfo, type JobRunner, type Limits } from "../jobs/mod.ts";
-import { ApiError, jsonBody, queryParams } from "./errors.ts";
+import { admitTrainJob, type CheckpointInfo, type Job, type JobRunner, type Limits } from "../jobs/mod.ts";
+import { ApiError, jsonBody, type PathAlias, queryParams, scrubPaths } from "./errors.ts";
 import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./schemas.ts";
 import { checkpointPath, streamJobEvents } from "./sse.ts";
 
-/** Routes for training jobs, backed by `runner`, within `limits`. */
-export function jobRoutes(runner: JobRunner, limits: Limits): Hono {
+/** Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages. */
+export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
   const app = new Hono();
   const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
+  const shown = (job: Job): Job => (job.error ? { ...job, error: scrubPaths(job.error, aliases) } : job);
 
   app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
     const req = c.req.valid("json");
     admitTrainJob(limits, runner.store.waitingCount(), req);
     const job = await runner.submit(req);
-    return c.json({ id: job.id, status: job.status, job }, 202, { Location: `/jobs/${job.id}` });
+    return c.json({ id: job.id, status: job.status, job: shown(job) }, 202, { Location: `/jobs/${job.id}` });
   });
 
   app.get("/jobs", queryParams(JobListQuerySchema, "job list query"), (c) => {
@@ -32,7 +33,7 @@ export function jobRoutes(runner: JobRunner, limits: Limits): Hono {
       });
     }
     const page = runner.store.listJobs({ status, after, limit: limit + 1 });
-    const jobs = page.slice(0, limit);
+    const jobs = page.slice(0, limit).map(shown);
     return c.json({
       jobs,
       has_more: page.length > limit,
@@ -41,7 +42,7 @@ export function jobRoutes(runner: JobRunner, limits: Limits): Hono {
     });
   });
 
-  app.get("/jobs/:id", (c) => c.json(runner.get(c.req.param("id"))));
+  app.get("/jobs/:id", (c) => c.json(shown(runner.get(c.req.param("id")))));
 
   app.delete("/jobs/:id", async (c) => {
     const id = c.req.param("id");
@@ -67,7 +68,7 @@ export function jobRoutes(runner: JobRunner, limits: Limits): Hono {
         code: "invalid_value",
       });
     }
-    return streamJobEvents(c, runner, id, after);
+    return streamJobEvents(c, runner, id, after, aliases);
   });
 
   app.post("/jobs/:id/cancel", (c) => {

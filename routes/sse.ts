@@ -10,6 +10,7 @@
 
 import type { Context, MiddlewareHandler } from "hono";
 import { streamSSE } from "hono/streaming";
+import { type PathAlias, scrubPaths } from "./errors.ts";
 import {
   isFinished,
   type JobEvent,
@@ -28,16 +29,22 @@ export function checkpointPath(jobId: string, name: string): string {
   return `checkpoints/${jobId}/${name}`;
 }
 
-/** An event as sent: checkpoint paths relative to the data directory. */
-function publicData(e: JobEvent): Record<string, unknown> {
-  if (e.type === "checkpoint" && typeof e.data.name === "string") {
-    return { ...e.data, path: checkpointPath(e.job_id, e.data.name) };
-  }
-  return e.data;
+/** An event's data as sent: checkpoint paths relative to the data directory, `aliases` cut from text. */
+function publicData(e: JobEvent, aliases: readonly PathAlias[]): string {
+  const data = e.type === "checkpoint" && typeof e.data.name === "string"
+    ? { ...e.data, path: checkpointPath(e.job_id, e.data.name) }
+    : e.data;
+  return scrubPaths(JSON.stringify(data), aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name]));
 }
 
-/** Streams job `id`'s events after `afterId`. */
-export function streamJobEvents(c: Context, runner: JobRunner, id: string, afterId: number): Response {
+/** Streams job `id`'s events after `afterId`; `aliases` are cut from the events' text. */
+export function streamJobEvents(
+  c: Context,
+  runner: JobRunner,
+  id: string,
+  afterId: number,
+  aliases: readonly PathAlias[] = [],
+): Response {
   return streamSSE(c, async (stream) => {
     const pending: JobEvent[] = [];
     let wake: (() => void) | null = null;
@@ -53,7 +60,7 @@ export function streamJobEvents(c: Context, runner: JobRunner, id: string, after
     let last = afterId;
     const send = async (e: JobEvent) => {
       last = e.id;
-      await stream.writeSSE({ id: String(e.id), event: e.type, data: JSON.stringify(publicData(e)) });
+      await stream.writeSSE({ id: String(e.id), event: e.type, data: publicData(e, aliases) });
     };
     try {
       // Subscribed before reading the backlog, so nothing falls between the two; ids dedupe.

@@ -342,3 +342,22 @@ Deno.test("scrubPaths() replaces the data folder by its name, longest folder fir
     'Cannot read "$GPT2_SOURCES/x" or $GPT2_HOME/jobs.sqlite',
   );
 });
+
+Deno.test("job errors and events name the data directory $GPT2_HOME, never its absolute path", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_home_" });
+  const t = await setup({ unavailable: `Cannot open "${root}/gpu.lock": busy`, home: root });
+  try {
+    const { id } = await (await t.post("/train", {})).json();
+    const job = await (await t.app.request(`/jobs/${id}`)).json();
+    assertEquals(job.status, "failed");
+    assertEquals(job.error, 'Cannot open "$GPT2_HOME/gpu.lock": busy');
+    const list = await (await t.app.request("/jobs")).json();
+    assertEquals(list.jobs[0].error, 'Cannot open "$GPT2_HOME/gpu.lock": busy');
+    const events = await (await t.app.request(`/jobs/${id}/events`)).text();
+    assert(events.includes('Cannot open \\"$GPT2_HOME/gpu.lock\\": busy'), events);
+    assert(!events.includes(root) && !JSON.stringify(job).includes(root));
+  } finally {
+    await t.cleanup();
+    await Deno.remove(root, { recursive: true });
+  }
+});
