@@ -15,7 +15,11 @@ import { checkpointPath, streamJobEvents } from "./sse.ts";
 export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
   const app = new Hono();
   const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
-  const shown = (job: Job): Job => (job.error ? { ...job, error: scrubPaths(job.error, aliases) } : job);
+  // Errors and resumed_from may carry the data directory's absolute path: show it as $GPT2_HOME.
+  const inJson = aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name] as const);
+  const shown = (
+    job: Job,
+  ): Job => (aliases.length ? JSON.parse(scrubPaths(JSON.stringify(job), inJson)) : job);
 
   app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
     const req = c.req.valid("json");

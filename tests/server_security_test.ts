@@ -356,6 +356,9 @@ Deno.test("job errors and events name the data directory $GPT2_HOME, never its a
     const events = await (await t.app.request(`/jobs/${id}/events`)).text();
     assert(events.includes('Cannot open \\"$GPT2_HOME/gpu.lock\\": busy'), events);
     assert(!events.includes(root) && !JSON.stringify(job).includes(root));
+    t.store.updateJob(id, { resumed_from: `${root}/checkpoints/${id}/iter_0000040` });
+    const resumed = await (await t.app.request(`/jobs/${id}`)).json();
+    assertEquals(resumed.resumed_from, `$GPT2_HOME/checkpoints/${id}/iter_0000040`);
   } finally {
     await t.cleanup();
     await Deno.remove(root, { recursive: true });
