@@ -1,6 +1,6 @@
 /**
- * Training job routes: submit (`POST /train`), list, inspect, follow (SSE), cancel, and list
- * checkpoints and metrics history. Handlers validate and delegate to the runner.
+ * Training job routes: submit (`POST /train`), list, inspect, follow (SSE), cancel, list checkpoints
+ * and download their files, and metrics history. Handlers validate and delegate to the runner.
  */
 
 import { Hono } from "hono";
@@ -8,6 +8,9 @@ import { HTTPException } from "hono/http-exception";
 import type { JobRunner, JobStatus } from "../jobs/mod.ts";
 import { TrainRequestSchema } from "./schemas.ts";
 import { streamJobEvents } from "./sse.ts";
+
+/** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
+const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
 
 const STATUSES = ["queued", "running", "succeeded", "failed", "cancelled", "interrupted"];
 
@@ -69,6 +72,30 @@ export function jobRoutes(runner: JobRunner): Hono {
   app.get("/jobs/:id/checkpoints", async (c) => {
     const id = c.req.param("id");
     return c.json({ id, checkpoints: await runner.checkpoints(id) });
+  });
+
+  app.get("/jobs/:id/checkpoints/:name/:file", async (c) => {
+    const { id, name, file } = c.req.param();
+    if (!CHECKPOINT_FILES.includes(file)) {
+      throw new HTTPException(404, {
+        message: `Unknown checkpoint file "${file}": expected one of ${CHECKPOINT_FILES.join(", ")}`,
+      });
+    }
+    const ckpt = (await runner.checkpoints(id)).find((k) => k.name === name);
+    if (!ckpt) throw new HTTPException(404, { message: `Job "${id}" has no checkpoint "${name}"` });
+    let f: Deno.FsFile;
+    try {
+      f = await Deno.open(`${ckpt.path}/${file}`);
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+      throw new HTTPException(404, { message: `Checkpoint "${name}" of job "${id}" has no "${file}"` });
+    }
+    const { size } = await f.stat();
+    return c.body(f.readable, 200, {
+      "Content-Type": file.endsWith(".json") ? "application/json" : "application/octet-stream",
+      "Content-Length": String(size),
+      "Content-Disposition": `attachment; filename="${id}_${name}_${file}"`,
+    });
   });
 
   return app;
