@@ -13,6 +13,7 @@ import { onError } from "./errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { generateRoutes } from "./generate.ts";
+import { webRoutes } from "./web.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -41,6 +42,7 @@ export function createApp(opts: AppOptions): Hono {
   const app = new Hono();
   app.onError(onError);
   app.notFound((c) => c.json({ error: `No route for ${c.req.method} ${c.req.path}` }, 404));
+  app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
   if (opts.token) app.use("*", bearerAuth({ token: opts.token }));
   const limit = (maxSize: number) =>
     bodyLimit({
