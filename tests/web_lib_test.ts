@@ -5,6 +5,7 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
+import { fetchEstimate, followEvents, setToken } from "../web/api.js";
 import { SseParser } from "../web/sse.js";
 import { datasetCounts, errorInfo, estimateBytes, fmtBytes, fmtTick, JobSeries } from "../web/shapes.js";
 
@@ -102,4 +103,67 @@ Deno.test("fmtBytes() and fmtTick() format for people", () => {
   assertEquals(fmtTick(0.003), "3.0e-3");
   assertEquals(fmtTick(10.4), "10.4");
   assertEquals(fmtTick(null), "");
+});
+
+/** Serves `handler` on a free loopback port for the length of `fn`. */
+async function withServer(handler: (req: Request) => Response, fn: (base: string) => Promise<void>) {
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, handler);
+  try {
+    await fn(`http://127.0.0.1:${server.addr.port}`);
+  } finally {
+    await server.shutdown();
+  }
+}
+
+const sse = (text: string) => new Response(text, { headers: { "Content-Type": "text/event-stream" } });
+
+Deno.test("followEvents() reopens a broken stream with Last-Event-ID and sends the token", async () => {
+  const seen: Array<{ last: string | null; auth: string | null }> = [];
+  setToken("tok");
+  try {
+    await withServer((req) => {
+      seen.push({ last: req.headers.get("Last-Event-ID"), auth: req.headers.get("Authorization") });
+      // The first stream breaks after two events; the second replays from the last id.
+      return seen.length === 1
+        ? sse(
+          'id: 1\nevent: progress\ndata: {"iteration":1}\n\nid: 2\nevent: progress\ndata: {"iteration":2}\n\n',
+        )
+        : sse('id: 3\nevent: done\ndata: {"status":"succeeded"}\n\n');
+    }, async (base) => {
+      const got: Array<[string, unknown, number]> = [];
+      await followEvents(`${base}/jobs/x/events`, {
+        signal: new AbortController().signal,
+        onEvent: (type: string, data: unknown, id: number) => {
+          got.push([type, data, id]);
+          return type === "done";
+        },
+      });
+      assertEquals(got, [
+        ["progress", { iteration: 1 }, 1],
+        ["progress", { iteration: 2 }, 2],
+        ["done", { status: "succeeded" }, 3],
+      ]);
+    });
+    assertEquals(seen, [{ last: null, auth: "Bearer tok" }, { last: "2", auth: "Bearer tok" }]);
+  } finally {
+    setToken("");
+  }
+});
+
+Deno.test("fetchEstimate() reads the estimator's total, and is null when the server has no estimator", async () => {
+  let query = "";
+  await withServer((req) => {
+    query = new URL(req.url).search;
+    return Response.json({ model: "gpt2-tiny", total_bytes: 4096 });
+  }, async (base) => {
+    const cfg = { model: "gpt2-tiny", batch_size: 4, seq_len: 32, lr: 1e-3 };
+    assertEquals(await fetchEstimate(cfg, undefined, base), 4096);
+    assertEquals(query, "?model=gpt2-tiny&batch_size=4&seq_len=32");
+  });
+  await withServer(
+    () => Response.json({ error: "No route for GET /estimate" }, { status: 404 }),
+    async (base) => {
+      assertEquals(await fetchEstimate({ model: "gpt2-tiny" }, undefined, base), null);
+    },
+  );
 });

@@ -4,7 +4,7 @@
  * with fetch (EventSource cannot send headers), resumed with Last-Event-ID after a break.
  */
 
-import { errorInfo } from "./shapes.js";
+import { errorInfo, estimateBytes } from "./shapes.js";
 import { readSse } from "./sse.js";
 
 const TOKEN_KEY = "gpt2.token";
@@ -65,6 +65,24 @@ export async function postJson(path, body) {
     body: JSON.stringify(body ?? {}),
   });
   return { status: res.status, body: await res.json() };
+}
+
+/**
+ * The estimator's total bytes (`GET /estimate`) for a training config, or null when the server
+ * has no estimator (404) or it refused the config. `base` prefixes the path (tests).
+ */
+export async function fetchEstimate(config, signal, base = "") {
+  const q = new URLSearchParams();
+  q.set("model", typeof config.model === "string" ? config.model : JSON.stringify(config.model));
+  for (const k of ["batch_size", "seq_len", "precision", "checkpoint_activations", "checkpoint_num_layers"]) {
+    if (config[k] !== undefined && config[k] !== null && config[k] !== "") q.set(k, String(config[k]));
+  }
+  try {
+    const res = await apiFetch(`${base}/estimate?${q}`, { signal });
+    return estimateBytes(await res.json());
+  } catch {
+    return null;
+  }
 }
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));

@@ -6,28 +6,13 @@
  * load (so they survive a reload) and followed live, resumed with Last-Event-ID after a break.
  */
 
-import { ApiError, apiFetch, followEvents, getJson, getToken, postJson } from "./api.js";
+import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
 import { lineChart, timingBar } from "./charts.js";
 import { badge, h, setChildren, stat } from "./dom.js";
-import { estimateBytes, fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
+import { fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
 import { modelName } from "./view_jobs.js";
 
 const FINISHED = ["succeeded", "failed", "cancelled"];
-
-/** The estimator's total bytes for a training config, or null (no estimator, or it refused). */
-export async function fetchEstimate(config, signal) {
-  const q = new URLSearchParams();
-  q.set("model", typeof config.model === "string" ? config.model : JSON.stringify(config.model));
-  for (const k of ["batch_size", "seq_len", "precision", "checkpoint_activations", "checkpoint_num_layers"]) {
-    if (config[k] !== undefined && config[k] !== null && config[k] !== "") q.set(k, String(config[k]));
-  }
-  try {
-    const res = await apiFetch(`/estimate?${q}`, { signal });
-    return estimateBytes(await res.json());
-  } catch {
-    return null;
-  }
-}
 
 /** Downloads through fetch when a token is needed (a plain link cannot send it). */
 function downloadLink(href, label) {

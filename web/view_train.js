@@ -5,10 +5,9 @@
  * estimator's memory figure (`GET /estimate`, when the server has one) shows before submitting.
  */
 
-import { ApiError, getJson, postJson } from "./api.js";
+import { ApiError, fetchEstimate, getJson, postJson } from "./api.js";
 import { h, setChildren } from "./dom.js";
 import { fmtBytes } from "./shapes.js";
-import { fetchEstimate } from "./view_job.js";
 
 const PRIMARY = ["model", "dataset", "train_iters", "batch_size", "seq_len", "lr", "precision"];
 
