@@ -5,10 +5,11 @@
  * describes the API for the forms: model presets, built-in datasets and the JSON Schema of
  * `POST /train`, generated from the zod schema so the form never drifts from the validation.
  * Mounted ahead of the bearer-token check: these files hold no data, and the page is where a
- * user types the token.
+ * user types the token. Missing files are HTTPExceptions, so the app's one error handler shapes them.
  */
 
 import { Hono } from "hono";
+import { HTTPException } from "hono/http-exception";
 import { z } from "zod";
 import { PRESET_NAMES } from "../gpu/config.ts";
 import { BUILTIN_NAMES } from "../data/mod.ts";
@@ -42,10 +43,10 @@ export function webRoutes(): Hono {
         body = await Deno.readFile(url);
       } catch (e) {
         if (!(e instanceof Deno.errors.NotFound)) throw e;
-        const error = url.pathname.includes("/node_modules/")
+        const message = url.pathname.includes("/node_modules/")
           ? `Dashboard file "${name}" is missing from node_modules: run \`deno install\``
           : `No dashboard file "${name}"`;
-        return Response.json({ error }, { status: 404 });
+        throw new HTTPException(404, { message });
       }
       cache.set(url.href, body);
     }
@@ -69,12 +70,12 @@ export function webRoutes(): Hono {
   app.get("/web/vendor/:file", (c) => {
     const file = c.req.param("file");
     const url = VENDOR.get(file);
-    if (!url) return c.json({ error: `No dashboard file "vendor/${file}"` }, 404);
+    if (!url) throw new HTTPException(404, { message: `No dashboard file "vendor/${file}"` });
     return serve(url, file);
   });
   app.get("/web/:file", (c) => {
     const file = c.req.param("file");
-    if (!FILE_RE.test(file)) return c.json({ error: `No dashboard file "${file}"` }, 404);
+    if (!FILE_RE.test(file)) throw new HTTPException(404, { message: `No dashboard file "${file}"` });
     return serve(new URL(file, WEB_DIR), file);
   });
   return app;
