@@ -218,6 +218,41 @@ Deno.test({
       );
       await page.goto(`${server.url}/#/datasets`);
       await page.waitForSelector('tr[data-dataset="sotu"]');
+      // Prepare a dataset from the form: a bad field first, then a good one.
+      await page.select("#ds-kind", "texts");
+      const docs = Array.from(
+        { length: 6 },
+        (_, i) => `Document ${i} on the union, its roads and the budget of ${1900 + i}.`,
+      );
+      await page.type("#ds-source", docs.join("\n---\n"));
+      for (
+        const [name, value] of [["id", "tiny-texts"], ["min_tokens", "1"], ["split", "8,1,1"], [
+          "seq_len",
+          "4",
+        ]]
+      ) {
+        await page.type(`#ds-${name}`, value);
+      }
+      await page.type("#ds-dedup_threshold", "5");
+      await page.click('#dataset-form button[type="submit"]');
+      await page.waitForFunction(
+        () => document.querySelector('[data-error-for="dedup_threshold"]')?.textContent !== "",
+        { timeout: 10_000 },
+      );
+      assert.match(await page.$eval('[data-error-for="dedup_threshold"]', (el) => el.textContent!), /1/);
+      await page.$eval("#ds-dedup_threshold", (el) => ((el as HTMLInputElement).value = ""));
+      await page.click('#dataset-form button[type="submit"]');
+      await page.waitForSelector('tr[data-dataset="tiny-texts"]', { timeout: 30_000 });
+      assert.match(
+        await page.$eval("#ds-result", (el) => el.textContent!),
+        /^Ready: tiny-texts, \d documents/,
+      );
+      const cells = await page.$$eval(
+        'tr[data-dataset="tiny-texts"] td',
+        (tds) => tds.map((td) => td.textContent),
+      );
+      assert.deepEqual(cells.slice(0, 2), ["tiny-texts", "ready"]);
+      assert.equal(Number(cells[2]) + Number(cells[8]), 6); // kept + near-duplicates removed
       await page.screenshot({ path: `${shots}/datasets.png`, fullPage: true });
       await page.goto(`${server.url}/#/gpus`);
       await page.waitForSelector('[data-gpu="0"]');

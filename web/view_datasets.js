@@ -77,20 +77,21 @@ export function datasetsView(ctx) {
       placeholder: "default 0.8",
     }),
     split: h("input", { id: "ds-split", placeholder: "default 949,50,1" }),
+    seq_len: h("input", { id: "ds-seq_len", inputmode: "numeric", placeholder: "default 1024" }),
     max_documents: h("input", { id: "ds-max_documents", inputmode: "numeric", placeholder: "all" }),
   };
   const errors = new Map();
-  const field = (name, input) => {
+  const field = (name, input, wide = false) => {
     const err = h("small", { class: "field-error", "data-error-for": name });
     errors.set(name, err);
-    return h("label", { class: "field" }, h("span", {}, name), input, err);
+    return h("label", { class: wide ? "field wide" : "field" }, h("span", {}, name), input, err);
   };
   const formError = h("p", { class: "error", hidden: true });
   const result = h("p", { class: "muted", id: "ds-result" });
   const form = h(
     "form",
     { id: "dataset-form", novalidate: true },
-    h("div", { class: "grid" }, field("source", kind), field("value", source)),
+    h("div", { class: "grid" }, field("source", kind), field("value", source, true)),
     h("div", { class: "grid" }, Object.entries(opts).map(([n, i]) => field(n, i))),
     formError,
     h("div", { class: "actions" }, h("button", { type: "submit" }, "Prepare"), result),
