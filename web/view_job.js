@@ -254,6 +254,11 @@ export async function jobView(ctx, id) {
       onState: (s) => (conn.textContent = s),
       onEvent: (type, data) => {
         if (series.add(type, data)) redraw();
+        if (type === "progress" && data.kind === "eval") {
+          const p = data.split === "test" ? "test" : "val";
+          job.metrics[`${p}_loss`] = data.loss;
+          job.metrics[`${p}_perplexity`] = data.perplexity;
+        }
         if (type === "log") {
           addLog(data.message, data.level);
           if (data.status) refreshJob().catch(() => {});
