@@ -24,6 +24,7 @@ import { jobRoutes } from "./jobs.ts";
 import { generateRoutes } from "./generate.ts";
 import { createMetrics, type MetricsHook } from "./metrics.ts";
 import { type StreamCounter, streamLimit } from "./sse.ts";
+import { webRoutes } from "./web.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -209,6 +210,7 @@ export function createApp(opts: AppOptions): Hono {
       }),
     );
   }
+  app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
   if (opts.token) app.use("*", bearer(opts.token));
   app.use("*", requireJson);
   const limit = (maxSize: number) =>

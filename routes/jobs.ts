@@ -1,8 +1,8 @@
 /**
  * Training job routes: submit (`POST /train`), list (paged), inspect, follow (SSE), cancel,
- * delete, and list checkpoints and metrics history. Handlers validate and delegate to the
- * runner; limits (queue length, checkpoint disk) are checked before a job is stored. Paths in
- * answers are relative to the data directory.
+ * delete, list checkpoints and download their files, and metrics history. Handlers validate and
+ * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
+ * stored. Paths in answers are relative to the data directory.
  */
 
 import { Hono } from "hono";
@@ -10,6 +10,9 @@ import { admitTrainJob, type CheckpointInfo, type Job, type JobRunner, type Limi
 import { ApiError, jsonBody, type PathAlias, queryParams, scrubPaths } from "./errors.ts";
 import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./schemas.ts";
 import { checkpointPath, streamJobEvents } from "./sse.ts";
+
+/** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
+const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
 
 /** Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages. */
 export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
@@ -83,6 +86,34 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
   app.get("/jobs/:id/checkpoints", async (c) => {
     const id = c.req.param("id");
     return c.json({ id, checkpoints: (await runner.checkpoints(id)).map((ck) => view(id, ck)) });
+  });
+
+  app.get("/jobs/:id/checkpoints/:name/:file", async (c) => {
+    const { id, name, file } = c.req.param();
+    if (!CHECKPOINT_FILES.includes(file)) {
+      throw new ApiError(
+        404,
+        `Unknown checkpoint file "${file}": expected one of ${CHECKPOINT_FILES.join(", ")}`,
+        {
+          param: "file",
+        },
+      );
+    }
+    const ckpt = (await runner.checkpoints(id)).find((k) => k.name === name);
+    if (!ckpt) throw new ApiError(404, `Job "${id}" has no checkpoint "${name}"`, { param: "name" });
+    let f: Deno.FsFile;
+    try {
+      f = await Deno.open(`${ckpt.path}/${file}`);
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+      throw new ApiError(404, `Checkpoint "${name}" of job "${id}" has no "${file}"`, { param: "file" });
+    }
+    const { size } = await f.stat();
+    return c.body(f.readable, 200, {
+      "Content-Type": file.endsWith(".json") ? "application/json" : "application/octet-stream",
+      "Content-Length": String(size),
+      "Content-Disposition": `attachment; filename="${id}_${name}_${file}"`,
+    });
   });
 
   return app;
