@@ -1,0 +1,52 @@
+/**
+ * A rank Worker for the exchange tests: opens its own WebGPU device (once), uploads the buffer it
+ * is sent, sums the named bucket over the ranks with `BucketExchange`, and posts the whole
+ * buffer back as read from the GPU.
+ */
+/// <reference lib="deno.worker" />
+import { type GpuContext, openDevice, readBuffer } from "../gpu/device.ts";
+import { RingComm } from "../gpu/parallel/allreduce.ts";
+import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
+
+/** One exchange to run on this rank. */
+export interface ExchangeTask {
+  sab: SharedArrayBuffer;
+  rank: number;
+  path: ReducePath;
+  /** Initial contents of the GPU buffer. */
+  data: Uint8Array;
+  /** Bucket byte offset and element count. */
+  offset: number;
+  count: number;
+  stagingBytes: number;
+  inFlight: number;
+}
+
+let ctx: Promise<GpuContext> | null = null;
+
+self.onmessage = async (e: MessageEvent<ExchangeTask>) => {
+  const t = e.data;
+  try {
+    const gpu = await (ctx ??= openDevice());
+    const buffer = gpu.device.createBuffer({
+      label: "grads",
+      size: t.data.byteLength,
+      usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
+    });
+    gpu.device.queue.writeBuffer(buffer, 0, t.data as Uint8Array<ArrayBuffer>);
+    const comm = new RingComm(t.sab, t.rank, { timeoutMs: 30_000 });
+    const x = await BucketExchange.create(gpu, comm, {
+      path: t.path,
+      stagingBytes: t.stagingBytes,
+      inFlight: t.inFlight,
+    });
+    await x.run({ buffer, offset: t.offset, count: t.count });
+    await x.run({ buffer, offset: t.offset, count: 0 });
+    const out = new Uint8Array(await readBuffer(gpu, buffer));
+    x.destroy();
+    buffer.destroy();
+    self.postMessage({ ok: true, data: out });
+  } catch (err) {
+    self.postMessage({ ok: false, error: String(err) });
+  }
+};
