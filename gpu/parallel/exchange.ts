@@ -92,7 +92,7 @@ export class Stager {
  * A view of shared memory typed as writeBuffer's argument: the spec (and Deno) take an
  * AllowSharedBufferSource, @webgpu/types only BufferSource. Avoids a copy out of the shared slot.
  */
-const sharedSource = (v: Uint8Array): Uint8Array<ArrayBuffer> => v as Uint8Array<ArrayBuffer>;
+export const sharedSource = (v: Uint8Array): Uint8Array<ArrayBuffer> => v as Uint8Array<ArrayBuffer>;
 
 function checkRange(buffer: GPUBuffer, offset: number, bytes: number): void {
   if (!Number.isInteger(offset) || offset < 0 || offset % 4 !== 0) {

@@ -1,0 +1,172 @@
+/**
+ * Allreduce benchmark (issue 10): what the host path of data parallelism costs, to design the
+ * bucketed gradient exchange from measurements rather than from the 1.1 GB/s first seen.
+ *
+ *  1. Host ring allreduce between 2..4 Workers over shared memory, GB/s per rank (payload bytes
+ *     per rank / time; "bus" is that × 2(N−1)/N, what each rank moves), fp32 and bf16 payloads.
+ *  2. On the GPU (skipped without an adapter): readback GB/s by staging-buffer size and maps in
+ *     flight, and writeBuffer GB/s by piece size.
+ *  3. The full bucket exchange for 2 Workers sharing one GPU (each its own device), host-ring path
+ *     against GPU peer-add path, fp32 and bf16 payloads.
+ *
+ *   deno task bench allreduce            small sizes, for the CPU (lavapipe)
+ *   deno task bench allreduce --full     sizes up to 1.42 GB (gpt2-345M's fp32 gradients), for the H200
+ *   options: --part ring,gpu,exchange   --reps N
+ */
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import { type CommDtype, createCommBuffer } from "../gpu/parallel/allreduce.ts";
+import { type ReducePath, sharedSource, Stager } from "../gpu/parallel/exchange.ts";
+import type { BenchTask } from "./allreduce_worker.ts";
+
+const args = Deno.args;
+const opt = (name: string) => (args.includes(name) ? args[args.indexOf(name) + 1] : undefined);
+const full = args.includes("--full");
+const parts = (opt("--part") ?? "ring,gpu,exchange").split(",");
+const reps = Number(opt("--reps") ?? 3);
+const MB = 1 << 20, GRADS_345M = 1.42e9;
+
+/** Sizes (bytes of fp32 payload per rank) and slot capacity (elements) of each scale. */
+const ringBytes = full ? [16 * MB, 256 * MB, GRADS_345M] : [1 * MB, 16 * MB, 64 * MB];
+const capacity = full ? 64 * MB : 4 * MB; // elements: 256 MB fp32 slots on the H200, 16 MB here
+const gpuBytes = full ? GRADS_345M : 64 * MB;
+const stagingSizes = (full ? [1, 4, 16, 64, 256] : [1, 4, 16]).map((m) => m * MB);
+const inFlights = [1, 2, 4, 8];
+
+const gbps = (bytes: number, ms: number) => (bytes / ms / 1e6).toFixed(2);
+const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)];
+const fmtBytes = (b: number) => (b >= 1e9 ? `${(b / 1e9).toFixed(2)} GB` : `${(b / MB).toFixed(0)} MiB`);
+
+/** Runs one task per rank in fresh Workers; returns each repetition's time, slowest rank. */
+async function onRanks(n: number, task: (rank: number) => BenchTask): Promise<number[]> {
+  const workers = Array.from(
+    { length: n },
+    () => new Worker(new URL("./allreduce_worker.ts", import.meta.url).href, { type: "module" }),
+  );
+  try {
+    const res = await Promise.all(
+      workers.map((w, rank) =>
+        new Promise<{ ok: boolean; ms?: number[]; error?: string }>((resolve) => {
+          w.onmessage = (e) => resolve(e.data);
+          w.postMessage(task(rank));
+        })
+      ),
+    );
+    const bad = res.find((r) => !r.ok);
+    if (bad) throw new Error(`Rank failed: ${bad.error}`);
+    return res[0].ms!.map((_, i) => Math.max(...res.map((r) => r.ms![i])));
+  } finally {
+    for (const w of workers) w.terminate();
+  }
+}
+
+async function ringPart(): Promise<void> {
+  console.log(
+    `\nHost ring allreduce, slots of ${capacity} elements, median of ${reps} (GB/s per rank; bus GB/s)`,
+  );
+  console.log("ranks  dtype  payload/rank      ms    GB/s    bus");
+  for (const n of [2, 3, 4]) {
+    for (const dtype of ["f32", "bf16"] as CommDtype[]) {
+      const sab = createCommBuffer({ ranks: n, capacity, dtype });
+      for (const fp32Bytes of ringBytes) {
+        const count = Math.floor(fp32Bytes / 4), bytes = count * (dtype === "f32" ? 4 : 2);
+        const ms = median(await onRanks(n, (rank) => ({ kind: "ring", sab, rank, count, reps })));
+        const bus = (bytes * 2 * (n - 1)) / n;
+        console.log(
+          `${String(n).padStart(5)}  ${dtype.padEnd(5)}  ${fmtBytes(bytes).padStart(12)}  ${
+            ms.toFixed(1).padStart(7)
+          }` +
+            `  ${gbps(bytes, ms).padStart(6)}  ${gbps(bus, ms).padStart(5)}`,
+        );
+      }
+    }
+  }
+}
+
+async function gpuPart(ctx: GpuContext): Promise<void> {
+  const bytes = Math.min(gpuBytes, ctx.limits.maxBufferSize) & ~3;
+  const src = await createStorage(ctx, "bench grads", bytes);
+  const dst = new Uint8Array(new SharedArrayBuffer(bytes));
+  ctx.device.queue.writeBuffer(src, 0, new Uint8Array(bytes).fill(7));
+  await ctx.device.queue.onSubmittedWorkDone();
+  console.log(`\nReadback of ${fmtBytes(bytes)} into shared memory, median of ${reps} (GB/s)`);
+  console.log(`staging    ${inFlights.map((k) => `${k} in flight`.padStart(12)).join("")}`);
+  for (const size of stagingSizes) {
+    const row: string[] = [];
+    for (const inFlight of inFlights) {
+      const stager = new Stager(ctx, { stagingBytes: size, inFlight });
+      await stager.readInto(src, 0, Math.min(bytes, size * inFlight), dst); // warm up
+      const ms: number[] = [];
+      for (let r = 0; r < reps; r++) {
+        const t0 = performance.now();
+        await stager.readInto(src, 0, bytes, dst);
+        ms.push(performance.now() - t0);
+      }
+      stager.destroy();
+      row.push(gbps(bytes, median(ms)).padStart(12));
+    }
+    console.log(`${fmtBytes(size).padStart(8)}  ${row.join("")}`);
+  }
+  console.log(`\nwriteBuffer of ${fmtBytes(bytes)} from shared memory, median of ${reps} (GB/s)`);
+  for (const piece of [...new Set([4 * MB, 64 * MB, bytes].filter((p) => p <= bytes))]) {
+    const ms: number[] = [];
+    for (let r = 0; r <= reps; r++) {
+      const t0 = performance.now();
+      for (let at = 0; at < bytes; at += piece) {
+        ctx.device.queue.writeBuffer(
+          src,
+          at,
+          sharedSource(dst),
+          at,
+          Math.min(piece, bytes - at),
+        );
+      }
+      await ctx.device.queue.onSubmittedWorkDone();
+      if (r > 0) ms.push(performance.now() - t0);
+    }
+    console.log(`pieces of ${fmtBytes(piece).padStart(8)}: ${gbps(bytes, median(ms))}`);
+  }
+  src.destroy();
+}
+
+async function exchangePart(ctx: GpuContext): Promise<void> {
+  const bucket = full ? 64 * MB : 4 * MB; // elements per bucket (the slot capacity)
+  const best = full ? { stagingBytes: 64 * MB, inFlight: 4 } : { stagingBytes: 4 * MB, inFlight: 4 };
+  const elems = Math.floor(Math.min(gpuBytes, ctx.limits.maxBufferSize) / 4);
+  console.log(
+    `\nBucket exchange, 2 Workers sharing one GPU, ${elems} gradients in buckets of ${bucket}, ` +
+      `staging ${fmtBytes(best.stagingBytes)} × ${best.inFlight}, median of ${reps} (GB/s per rank)`,
+  );
+  console.log("path  dtype  payload/rank      ms    GB/s");
+  for (const path of ["host", "gpu"] as ReducePath[]) {
+    for (const dtype of ["f32", "bf16"] as CommDtype[]) {
+      const sab = createCommBuffer({ ranks: 2, capacity: bucket, dtype });
+      const ms = median(
+        await onRanks(2, (rank) => ({ kind: "exchange", sab, rank, count: elems, reps, path, ...best })),
+      );
+      const bytes = elems * (dtype === "f32" ? 4 : 2);
+      console.log(
+        `${path.padEnd(4)}  ${dtype.padEnd(5)}  ${fmtBytes(bytes).padStart(12)}  ${
+          ms.toFixed(1).padStart(7)
+        }` +
+          `  ${gbps(bytes, ms).padStart(6)}`,
+      );
+    }
+  }
+}
+
+console.log(
+  `Allreduce bench (${full ? "full sizes" : "CPU sizes"}), ${navigator.hardwareConcurrency} CPU threads`,
+);
+if (parts.includes("ring")) await ringPart();
+if (parts.includes("gpu") || parts.includes("exchange")) {
+  const ctx = await openDevice().catch((e) => {
+    console.log(`\nNo GPU part: ${e.message}`);
+    return null;
+  });
+  if (ctx) {
+    console.log(`\n${describeDevice(ctx)}`);
+    if (parts.includes("gpu")) await gpuPart(ctx);
+    if (parts.includes("exchange")) await exchangePart(ctx);
+    ctx.device.destroy();
+  }
+}
