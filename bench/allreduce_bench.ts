@@ -2,8 +2,9 @@
  * Allreduce benchmark (issue 10): what the host path of data parallelism costs, to design the
  * bucketed gradient exchange from measurements rather than from the 1.1 GB/s first seen.
  *
- *  1. Host ring allreduce between 2..4 Workers over shared memory, GB/s per rank (payload bytes
- *     per rank / time; "bus" is that × 2(N−1)/N, what each rank moves), fp32 and bf16 payloads.
+ *  1. Host allreduce between 2..4 Workers over shared memory, GB/s per rank (payload bytes per
+ *     rank / time; "bus" is that × 2(N−1)/N, NCCL's bus bandwidth), ring and direct algorithms,
+ *     fp32 and bf16 payloads.
  *  2. On the GPU (skipped without an adapter): readback GB/s by staging-buffer size and maps in
  *     flight, and writeBuffer GB/s by piece size.
  *  3. The full bucket exchange for 2 Workers sharing one GPU (each its own device), host-ring path
@@ -14,7 +15,7 @@
  *   options: --part ring,gpu,exchange   --reps N
  */
 import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
-import { type CommDtype, createCommBuffer } from "../gpu/parallel/allreduce.ts";
+import { type CommAlgorithm, type CommDtype, createCommBuffer } from "../gpu/parallel/allreduce.ts";
 import { type ReducePath, sharedSource, Stager } from "../gpu/parallel/exchange.ts";
 import type { BenchTask } from "./allreduce_worker.ts";
 
@@ -63,18 +64,22 @@ async function ringPart(): Promise<void> {
   console.log(
     `\nHost ring allreduce, slots of ${capacity} elements, median of ${reps} (GB/s per rank; bus GB/s)`,
   );
-  console.log("ranks  dtype  payload/rank      ms    GB/s    bus");
+  console.log("ranks  algorithm  dtype  payload/rank      ms    GB/s    bus");
+  const cases: [CommAlgorithm, CommDtype][] = [["ring", "f32"], ["direct", "f32"], ["ring", "bf16"], [
+    "direct",
+    "bf16",
+  ]];
   for (const n of [2, 3, 4]) {
-    for (const dtype of ["f32", "bf16"] as CommDtype[]) {
-      const sab = createCommBuffer({ ranks: n, capacity, dtype });
+    for (const [algorithm, dtype] of cases) {
+      const sab = createCommBuffer({ ranks: n, capacity, dtype, algorithm });
       for (const fp32Bytes of ringBytes) {
         const count = Math.floor(fp32Bytes / 4), bytes = count * (dtype === "f32" ? 4 : 2);
         const ms = median(await onRanks(n, (rank) => ({ kind: "ring", sab, rank, count, reps })));
         const bus = (bytes * 2 * (n - 1)) / n;
         console.log(
-          `${String(n).padStart(5)}  ${dtype.padEnd(5)}  ${fmtBytes(bytes).padStart(12)}  ${
-            ms.toFixed(1).padStart(7)
-          }` +
+          `${String(n).padStart(5)}  ${algorithm.padEnd(9)}  ${dtype.padEnd(5)}  ${
+            fmtBytes(bytes).padStart(12)
+          }  ${ms.toFixed(1).padStart(7)}` +
             `  ${gbps(bytes, ms).padStart(6)}  ${gbps(bus, ms).padStart(5)}`,
         );
       }
