@@ -1,7 +1,7 @@
 /**
  * A rank Worker for the exchange tests: opens its own WebGPU device (once), uploads the buffer it
- * is sent, sums the named bucket over the ranks with `BucketExchange`, and posts the whole
- * buffer back as read from the GPU.
+ * is sent, sums the named bucket over the ranks with `BucketExchange` (as three buckets issued at
+ * once, or reduce-scatter then all-gather), and posts the whole buffer back as read from the GPU.
  */
 /// <reference lib="deno.worker" />
 import { type GpuContext, openDevice, readBuffer } from "../gpu/device.ts";
@@ -10,7 +10,10 @@ import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
 
 /** One exchange to run on this rank. */
 export interface ExchangeTask {
-  sab: SharedArrayBuffer;
+  /** One communicator buffer per lane. */
+  sabs: SharedArrayBuffer[];
+  /** "allreduce": `run` on the bucket cut in three, issued at once; "rsag": reduceScatter then allGather. */
+  op: "allreduce" | "rsag";
   rank: number;
   path: ReducePath;
   /** Initial contents of the GPU buffer. */
@@ -34,14 +37,23 @@ self.onmessage = async (e: MessageEvent<ExchangeTask>) => {
       usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
     });
     gpu.device.queue.writeBuffer(buffer, 0, t.data as Uint8Array<ArrayBuffer>);
-    const comm = new RingComm(t.sab, t.rank, { timeoutMs: 30_000 });
-    const x = await BucketExchange.create(gpu, comm, {
+    const comms = t.sabs.map((sab) => new RingComm(sab, t.rank, { timeoutMs: 30_000 }));
+    const x = await BucketExchange.create(gpu, comms, {
       path: t.path,
       stagingBytes: t.stagingBytes,
       inFlight: t.inFlight,
     });
-    await x.run({ buffer, offset: t.offset, count: t.count });
-    await x.run({ buffer, offset: t.offset, count: 0 });
+    if (t.op === "rsag") {
+      await x.reduceScatter({ buffer, offset: t.offset, count: t.count });
+      await x.allGather({ buffer, offset: t.offset, count: t.count });
+    } else {
+      const elem = comms[0].dtype === "f32" ? 4 : 2, third = Math.floor(t.count / 6) * 2;
+      const parts = [third, third, t.count - 2 * third];
+      await Promise.all(
+        parts.map((count, i) => x.run({ buffer, offset: t.offset + i * third * elem, count })),
+      );
+      await x.run({ buffer, offset: t.offset, count: 0 });
+    }
     const out = new Uint8Array(await readBuffer(gpu, buffer));
     x.destroy();
     buffer.destroy();

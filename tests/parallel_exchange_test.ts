@@ -1,12 +1,12 @@
 /**
  * Tests of gpu/parallel/exchange.ts on lavapipe: two Workers, each with its own device, sum a
  * bucket of their GPU buffers by the host path (readback, CPU ring, writeBuffer) and by the GPU
- * path (peers' slots uploaded and added by a kernel); both buffers must hold the sum, identical
- * bits on both ranks, and the bytes outside the bucket must stay untouched.
+ * path (peers' slots uploaded and added by a kernel), with one lane or two (three sub-buckets
+ * issued at once), and by reduce-scatter then all-gather; both buffers must hold the sum,
+ * identical bits on both ranks, and the bytes outside the bucket must stay untouched.
  */
 import assert from "node:assert/strict";
 import { type CommDtype, createCommBuffer, f32BitsToF16 } from "../gpu/parallel/allreduce.ts";
-import type { ReducePath } from "../gpu/parallel/exchange.ts";
 import type { ExchangeTask } from "./_parallel_gpu_worker.ts";
 import { noGpu, randomFloats } from "./_helpers.ts";
 
@@ -16,22 +16,34 @@ const ranks = 2, words = 1500, offset = 84, count = { f32: 1000, f16: 1800, bf16
 function bufferFor(r: number, dtype: CommDtype): Uint8Array {
   const x = randomFloats(words * (dtype === "f32" ? 1 : 2), 17 + r);
   if (dtype === "f32") return new Uint8Array(x.buffer);
-  const bits = new Uint32Array(x.buffer);
-  const h = Uint16Array.from(bits, dtype === "f16" ? f32BitsToF16 : (b) => b >>> 16);
+  const bits = new Uint32Array(x.buffer), h = new Uint16Array(bits.length);
+  for (let i = 0; i < bits.length; i++) h[i] = dtype === "f16" ? f32BitsToF16(bits[i]) : bits[i] >>> 16;
   return new Uint8Array(h.buffer);
 }
 
 function decode(bytes: Uint8Array, dtype: CommDtype): Float32Array {
-  if (dtype === "f32") return new Float32Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 4);
-  const h = new Uint16Array(bytes.buffer, bytes.byteOffset, bytes.byteLength / 2);
-  return dtype === "f16"
-    ? new Float32Array(new Float16Array(h.buffer, h.byteOffset, h.length))
-    : new Float32Array(Uint32Array.from(h, (b) => b << 16).buffer);
+  if (dtype === "f32") return new Float32Array(bytes.slice().buffer);
+  const h = new Uint16Array(bytes.slice().buffer);
+  if (dtype === "f16") return new Float32Array(new Float16Array(h.buffer));
+  const out = new Uint32Array(h.length);
+  for (let i = 0; i < h.length; i++) out[i] = h[i] << 16;
+  return new Float32Array(out.buffer);
 }
+
+/** [path, dtype, lanes, op]: "rsag" is reduce-scatter then all-gather (host path). */
+const cases = [
+  ["host", "f32", 1, "allreduce"],
+  ["gpu", "f32", 2, "allreduce"],
+  ["host", "f16", 2, "allreduce"],
+  ["gpu", "f16", 1, "allreduce"],
+  ["gpu", "bf16", 2, "allreduce"],
+  ["host", "f32", 1, "rsag"],
+  ["host", "bf16", 2, "rsag"],
+] as const;
 
 Deno.test({
   name:
-    "BucketExchange.run() leaves both ranks' GPU buckets holding the sum (host and GPU paths; fp32, fp16, bf16)",
+    "BucketExchange leaves both ranks' GPU buckets holding the sum (host/GPU paths, 1-2 lanes, reduce-scatter)",
   ignore: noGpu,
   async fn() {
     const workers = Array.from(
@@ -39,23 +51,19 @@ Deno.test({
       () => new Worker(new URL("./_parallel_gpu_worker.ts", import.meta.url).href, { type: "module" }),
     );
     try {
-      const cases: [ReducePath, CommDtype][] = [["host", "f32"], ["gpu", "f32"], ["host", "f16"], [
-        "gpu",
-        "f16",
-      ], [
-        "gpu",
-        "bf16",
-      ]];
-      for (const [path, dtype] of cases) {
-        const n = count[dtype], elem = dtype === "f32" ? 4 : 2;
-        const sab = createCommBuffer({ ranks, capacity: 2048, dtype });
+      for (const [path, dtype, lanes, op] of cases) {
+        const n = count[dtype],
+          elem = dtype === "f32" ? 4 : 2,
+          what = `${op} ${path} ${dtype} ${lanes} lanes`;
+        const sabs = Array.from({ length: lanes }, () => createCommBuffer({ ranks, capacity: 2048, dtype }));
         const inputs = Array.from({ length: ranks }, (_, r) => bufferFor(r, dtype));
         const got = await Promise.all(
           workers.map((w, rank) =>
             new Promise<{ ok: boolean; data?: Uint8Array; error?: string }>((resolve) => {
               w.onmessage = (e) => resolve(e.data);
               const task: ExchangeTask = {
-                sab,
+                sabs,
+                op,
                 rank,
                 path,
                 data: inputs[rank],
@@ -68,9 +76,12 @@ Deno.test({
             })
           ),
         );
-        const lo = offset, hi = offset + n * elem, what = `${path} ${dtype}`;
+        const lo = offset, hi = offset + n * elem;
         const want = new Float32Array(n);
-        for (const input of inputs) decode(input.subarray(lo, hi), dtype).forEach((v, i) => want[i] += v);
+        for (const input of inputs) {
+          const v = decode(input.subarray(lo, hi), dtype);
+          for (let i = 0; i < n; i++) want[i] += v[i];
+        }
         const tol = dtype === "f32" ? 1e-7 : dtype === "f16" ? 2 ** -10 : 2 ** -7;
         for (let r = 0; r < ranks; r++) {
           assert.ok(got[r].ok, `${what}: ${got[r].error}`);

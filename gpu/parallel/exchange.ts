@@ -11,11 +11,13 @@
  *    "gpu": read back into the slot, wait until every rank has, upload the peers' slots and add
  *    them on the GPU (in rank order, so every rank gets the same bits), no CPU arithmetic.
  *  Both leave the bucket holding the sum over ranks in its own dtype (fp32, or fp16 / bf16 bits);
- *  the bench compares them.
+ *  the bench compares them. Given several communicators (lanes), successive buckets pipeline:
+ *  one is read back while the one before is reduced and written. `reduceScatter` and
+ *  `allGather` are the distributed optimizer's halves (host path).
  */
 
 import { createPipeline, createStorage, type GpuContext } from "../device.ts";
-import type { CommDtype, RingComm } from "./allreduce.ts";
+import { type CommDtype, type RingComm, shardRange } from "./allreduce.ts";
 
 /** Options of {@link Stager}. */
 export interface StagerOptions {
@@ -172,65 +174,185 @@ interface BucketBinding {
   workgroups: number;
 }
 
-/** Sums GPU buckets over the ranks of a communicator: readback, reduction, write-back. */
+/** One pipeline lane: a communicator with its own staging ring and GPU scratch, used by one bucket at a time. */
+interface Lane {
+  comm: RingComm;
+  stager: Stager;
+  scratch: GPUBuffer | null;
+  /** The last operation queued on this lane. */
+  tail: Promise<unknown>;
+}
+
+/**
+ * Sums GPU buckets over the ranks of a communicator: readback, reduction, write-back. With
+ * several communicators (lanes), successive calls rotate over them and may run concurrently: the
+ * readback of one bucket overlaps the reduction and write-back of the one before.
+ */
 export class BucketExchange {
   /** The reduction path. */
   readonly path: ReducePath;
-  /** The staging ring used for readbacks. */
-  readonly stager: Stager;
   #ctx: GpuContext;
-  #comm: RingComm;
+  #lanes: Lane[];
+  #next = 0;
   #elem: number;
   #pipeline: GPUComputePipeline | null = null;
-  #scratch: GPUBuffer | null = null;
   #bindings = new WeakMap<GPUBuffer, Map<string, BucketBinding>>();
 
-  private constructor(ctx: GpuContext, comm: RingComm, opts: ExchangeOptions) {
+  private constructor(ctx: GpuContext, comms: RingComm[], opts: ExchangeOptions) {
     this.#ctx = ctx;
-    this.#comm = comm;
     this.path = opts.path ?? "host";
-    this.#elem = comm.dtype === "f32" ? 4 : 2;
-    this.stager = new Stager(ctx, opts);
+    this.#elem = comms[0].dtype === "f32" ? 4 : 2;
+    this.#lanes = comms.map((comm) => ({
+      comm,
+      stager: new Stager(ctx, opts),
+      scratch: null,
+      tail: Promise.resolve(),
+    }));
   }
 
-  /** An exchange for `comm`'s rank on `ctx`; the "gpu" path compiles its kernel and a scratch buffer for the peers. */
-  static async create(ctx: GpuContext, comm: RingComm, opts: ExchangeOptions = {}): Promise<BucketExchange> {
+  /**
+   * An exchange for this rank on `ctx` over one communicator, or several (lanes: all of the same
+   * ranks, dtype and capacity, in the same order on every rank). The "gpu" path compiles its
+   * kernel and allocates a scratch buffer for the peers' slots per lane.
+   */
+  static async create(
+    ctx: GpuContext,
+    comms: RingComm | RingComm[],
+    opts: ExchangeOptions = {},
+  ): Promise<BucketExchange> {
     if (opts.path !== undefined && opts.path !== "host" && opts.path !== "gpu") {
       throw new RangeError(`path must be "host" or "gpu", got "${opts.path}"`);
     }
-    const x = new BucketExchange(ctx, comm, opts);
-    if (x.path === "gpu" && comm.size > 1) {
-      x.#pipeline = await createPipeline(ctx, `peer add ${comm.dtype}`, peerAddWgsl(comm.dtype));
-      x.#scratch = await createStorage(ctx, "exchange peers", (comm.size - 1) * comm.capacity * x.#elem);
+    const list = Array.isArray(comms) ? comms : [comms];
+    if (list.length === 0) throw new RangeError("An exchange needs at least one communicator");
+    const c0 = list[0];
+    for (const c of list) {
+      if (c.size !== c0.size || c.rank !== c0.rank || c.dtype !== c0.dtype || c.capacity !== c0.capacity) {
+        throw new RangeError(
+          `Lanes must match: ranks, rank, dtype and capacity "${c.size}/${c.rank}/${c.dtype}/${c.capacity}" ` +
+            `differ from "${c0.size}/${c0.rank}/${c0.dtype}/${c0.capacity}"`,
+        );
+      }
+    }
+    const x = new BucketExchange(ctx, list, opts);
+    if (x.path === "gpu" && c0.size > 1) {
+      x.#pipeline = await createPipeline(ctx, `peer add ${c0.dtype}`, peerAddWgsl(c0.dtype));
+      for (const [i, lane] of x.#lanes.entries()) {
+        lane.scratch = await createStorage(ctx, `exchange peers ${i}`, (c0.size - 1) * c0.capacity * x.#elem);
+      }
     }
     return x;
   }
 
-  /**
-   * Sums `bucket` over the ranks in place; every rank calls it with its own buffer, the same count,
-   * in the same order. A failure aborts the communicator, so peers fail too instead of waiting.
-   */
-  async run(bucket: Bucket): Promise<ExchangeTiming> {
-    const comm = this.#comm, bytes = bucket.count * this.#elem;
-    if (!Number.isInteger(bucket.count) || bucket.count < 0 || bucket.count > comm.capacity) {
-      throw new RangeError(`count must be an integer in [0, ${comm.capacity}], got "${bucket.count}"`);
-    }
-    if (bytes % 4 !== 0) throw new RangeError(`A 16-bit bucket needs an even count, got "${bucket.count}"`);
-    checkRange(bucket.buffer, bucket.offset, bytes);
-    try {
-      return await this.#run(bucket, bytes);
-    } catch (err) {
-      comm.abort(String(err));
-      throw err;
-    }
+  /** Number of lanes. */
+  get lanes(): number {
+    return this.#lanes.length;
   }
 
-  async #run(bucket: Bucket, bytes: number): Promise<ExchangeTiming> {
-    const comm = this.#comm;
+  /**
+   * Sums `bucket` over the ranks in place; every rank calls it with its own buffer, the same
+   * counts, in the same order. A failure aborts the communicator, so peers fail too instead of
+   * waiting. Calls may be issued without awaiting the previous one; they rotate over the lanes.
+   */
+  run(bucket: Bucket): Promise<ExchangeTiming> {
+    return this.#queue(bucket, (lane, bytes) => this.#allreduce(lane, bucket, bytes));
+  }
+
+  /**
+   * Reduce-scatter of a bucket (host path, for the distributed optimizer): afterwards this rank's
+   * shard `shardRange(count, ranks, rank)` of the bucket holds the sum over ranks; the rest of the
+   * bucket is left as it was. A 16-bit bucket needs a count divisible by 2 × ranks.
+   */
+  async reduceScatter(bucket: Bucket): Promise<[number, number]> {
+    let shard: [number, number] = [0, 0];
+    await this.#queue(bucket, async (lane, bytes) => {
+      const t0 = performance.now(), slot = await lane.comm.acquire();
+      await lane.stager.readInto(
+        bucket.buffer,
+        bucket.offset,
+        bytes,
+        new Uint8Array(slot.buffer, slot.byteOffset, bytes),
+      );
+      const t1 = performance.now();
+      shard = await lane.comm.reduceScatter(bucket.count);
+      const t2 = performance.now(), [a, b] = shard, e = this.#elem;
+      this.#ctx.device.queue.writeBuffer(
+        bucket.buffer,
+        bucket.offset + a * e,
+        sharedSource(new Uint8Array(slot.buffer, slot.byteOffset + a * e, (b - a) * e)),
+      );
+      return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
+    }, true);
+    return shard;
+  }
+
+  /**
+   * All-gather of a bucket (host path): each rank's shard `shardRange(count, ranks, rank)` is
+   * read back and every rank's bucket ends holding all shards (e.g. the weights each rank updated).
+   */
+  allGather(bucket: Bucket): Promise<ExchangeTiming> {
+    return this.#queue(bucket, async (lane, bytes) => {
+      const comm = lane.comm, e = this.#elem, [a, b] = shardRange(bucket.count, comm.size, comm.rank);
+      const t0 = performance.now(), slot = await comm.acquire();
+      await lane.stager.readInto(
+        bucket.buffer,
+        bucket.offset + a * e,
+        (b - a) * e,
+        new Uint8Array(slot.buffer, slot.byteOffset + a * e, (b - a) * e),
+      );
+      const t1 = performance.now();
+      await comm.allGather(bucket.count);
+      const t2 = performance.now();
+      this.#ctx.device.queue.writeBuffer(
+        bucket.buffer,
+        bucket.offset,
+        sharedSource(new Uint8Array(slot.buffer, slot.byteOffset, bytes)),
+      );
+      return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
+    }, true);
+  }
+
+  /** Checks a bucket, then runs `op` on the next lane once that lane's previous operation ended. */
+  #queue(
+    bucket: Bucket,
+    op: (lane: Lane, bytes: number) => Promise<ExchangeTiming>,
+    sharded = false,
+  ): Promise<ExchangeTiming> {
+    const lane = this.#lanes[this.#next], comm = lane.comm, bytes = bucket.count * this.#elem;
+    if (!Number.isInteger(bucket.count) || bucket.count < 0 || bucket.count > comm.capacity) {
+      return Promise.reject(
+        new RangeError(`count must be an integer in [0, ${comm.capacity}], got "${bucket.count}"`),
+      );
+    }
+    if (bytes % 4 !== 0 || (sharded && this.#elem === 2 && bucket.count % (2 * comm.size) !== 0)) {
+      return Promise.reject(
+        new RangeError(
+          sharded
+            ? `A sharded 16-bit bucket needs a count divisible by ${2 * comm.size}, got "${bucket.count}"`
+            : `A 16-bit bucket needs an even count, got "${bucket.count}"`,
+        ),
+      );
+    }
+    try {
+      checkRange(bucket.buffer, bucket.offset, bytes);
+    } catch (err) {
+      return Promise.reject(err);
+    }
+    this.#next = (this.#next + 1) % this.#lanes.length;
+    const run = lane.tail.then(() => op(lane, bytes)).catch((err) => {
+      comm.abort(String(err));
+      throw err;
+    });
+    lane.tail = run.catch(() => {});
+    return run;
+  }
+
+  async #allreduce(lane: Lane, bucket: Bucket, bytes: number): Promise<ExchangeTiming> {
+    const comm = lane.comm;
     const t0 = performance.now();
     const slot = await comm.acquire();
     const slotBytes = new Uint8Array(slot.buffer, slot.byteOffset, bytes);
-    await this.stager.readInto(bucket.buffer, bucket.offset, bytes, slotBytes);
+    await lane.stager.readInto(bucket.buffer, bucket.offset, bytes, slotBytes);
     const t1 = performance.now();
     const queue = this.#ctx.device.queue;
     if (this.path === "host" || comm.size === 1 || bytes === 0) {
@@ -244,13 +366,13 @@ export class BucketExchange {
     for (let q = 0, j = 0; q < comm.size; q++) {
       if (q === comm.rank) continue;
       queue.writeBuffer(
-        this.#scratch!,
+        lane.scratch!,
         j++ * bytes,
         sharedSource(new Uint8Array(slots[q].buffer, slots[q].byteOffset, bytes)),
       );
     }
     comm.release();
-    const b = this.#binding(bucket);
+    const b = this.#binding(lane, bucket);
     const enc = this.#ctx.device.createCommandEncoder();
     const pass = enc.beginComputePass();
     pass.setPipeline(this.#pipeline!);
@@ -262,13 +384,13 @@ export class BucketExchange {
   }
 
   /** The bind group of a bucket: its buffer bound from the 256-byte boundary below its offset. */
-  #binding(bucket: Bucket): BucketBinding {
+  #binding(lane: Lane, bucket: Bucket): BucketBinding {
     let perBuffer = this.#bindings.get(bucket.buffer);
     if (!perBuffer) this.#bindings.set(bucket.buffer, perBuffer = new Map());
-    const key = `${bucket.offset}:${bucket.count}`;
+    const key = `${this.#lanes.indexOf(lane)}:${bucket.offset}:${bucket.count}`;
     const hit = perBuffer.get(key);
     if (hit) return hit;
-    const { device } = this.#ctx, comm = this.#comm, bytes = bucket.count * this.#elem;
+    const { device } = this.#ctx, comm = lane.comm, bytes = bucket.count * this.#elem;
     const words = bytes / 4, bindAt = Math.floor(bucket.offset / 256) * 256;
     const params = device.createBuffer({
       label: "exchange params",
@@ -289,7 +411,7 @@ export class BucketExchange {
         },
         {
           binding: 1,
-          resource: { buffer: this.#scratch!, offset: 0, size: Math.max(4, (comm.size - 1) * bytes) },
+          resource: { buffer: lane.scratch!, offset: 0, size: Math.max(4, (comm.size - 1) * bytes) },
         },
         { binding: 2, resource: { buffer: params } },
       ],
@@ -299,9 +421,11 @@ export class BucketExchange {
     return b;
   }
 
-  /** Frees the staging ring and scratch buffer. */
+  /** Frees the staging rings and scratch buffers. */
   destroy(): void {
-    this.stager.destroy();
-    this.#scratch?.destroy();
+    for (const lane of this.#lanes) {
+      lane.stager.destroy();
+      lane.scratch?.destroy();
+    }
   }
 }
