@@ -8,7 +8,7 @@
  *  2. On the GPU (skipped without an adapter): readback GB/s by staging-buffer size and maps in
  *     flight, and writeBuffer GB/s by piece size.
  *  3. The full bucket exchange for 2 Workers sharing one GPU (each its own device), host-ring path
- *     against GPU peer-add path, fp32 and bf16 payloads.
+ *     against GPU peer-add path, one lane or two (pipelined buckets), fp32 and bf16 payloads.
  *
  *   deno task bench allreduce            small sizes, for the CPU (lavapipe)
  *   deno task bench allreduce --full     sizes up to 1.42 GB (gpt2-345M's fp32 gradients), for the H200
@@ -134,27 +134,36 @@ async function gpuPart(ctx: GpuContext): Promise<void> {
 }
 
 async function exchangePart(ctx: GpuContext): Promise<void> {
-  const bucket = full ? 64 * MB : 4 * MB; // elements per bucket (the slot capacity)
-  const best = full ? { stagingBytes: 64 * MB, inFlight: 4 } : { stagingBytes: 4 * MB, inFlight: 4 };
-  const elems = Math.floor(Math.min(gpuBytes, ctx.limits.maxBufferSize) / 4);
+  const bucket = full ? 64 * MB : 1 * MB; // elements per bucket (the slot capacity)
+  const best = full ? { stagingBytes: 64 * MB, inFlight: 4 } : { stagingBytes: 1 * MB, inFlight: 4 };
+  const elems = full ? Math.floor(Math.min(gpuBytes, ctx.limits.maxBufferSize) / 4) : 4 * MB;
   console.log(
     `\nBucket exchange, 2 Workers sharing one GPU, ${elems} gradients in buckets of ${bucket}, ` +
       `staging ${fmtBytes(best.stagingBytes)} × ${best.inFlight}, median of ${reps} (GB/s per rank)`,
   );
-  console.log("path  dtype  payload/rank      ms    GB/s");
+  console.log("path  lanes  dtype  payload/rank      ms    GB/s");
   for (const path of ["host", "gpu"] as ReducePath[]) {
-    for (const dtype of ["f32", "bf16"] as CommDtype[]) {
-      const sab = createCommBuffer({ ranks: 2, capacity: bucket, dtype });
-      const ms = median(
-        await onRanks(2, (rank) => ({ kind: "exchange", sab, rank, count: elems, reps, path, ...best })),
-      );
-      const bytes = elems * (dtype === "f32" ? 4 : 2);
-      console.log(
-        `${path.padEnd(4)}  ${dtype.padEnd(5)}  ${fmtBytes(bytes).padStart(12)}  ${
-          ms.toFixed(1).padStart(7)
-        }` +
-          `  ${gbps(bytes, ms).padStart(6)}`,
-      );
+    for (const lanes of [1, 2]) {
+      for (const dtype of ["f32", "bf16"] as CommDtype[]) {
+        const [sab, ...more] = Array.from(
+          { length: lanes },
+          () => createCommBuffer({ ranks: 2, capacity: bucket, dtype }),
+        );
+        const ms = median(
+          await onRanks(
+            2,
+            (rank) => ({ kind: "exchange", sab, more, rank, count: elems, reps, path, ...best }),
+          ),
+        );
+        const bytes = elems * (dtype === "f32" ? 4 : 2), cols = [path.padEnd(4), String(lanes).padStart(5)];
+        cols.push(
+          dtype.padEnd(5),
+          fmtBytes(bytes).padStart(12),
+          ms.toFixed(1).padStart(7),
+          gbps(bytes, ms).padStart(6),
+        );
+        console.log(cols.join("  "));
+      }
     }
   }
 }

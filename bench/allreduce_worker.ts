@@ -14,6 +14,8 @@ import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
 export interface BenchTask {
   kind: "ring" | "exchange";
   sab: SharedArrayBuffer;
+  /** Exchange only: more communicator buffers, one lane each beside `sab`. */
+  more?: SharedArrayBuffer[];
   rank: number;
   /** Elements per rank in all (several slots' worth when larger than the capacity). */
   count: number;
@@ -44,21 +46,26 @@ function ring(t: BenchTask): number[] {
 async function exchange(t: BenchTask): Promise<number[]> {
   const ctx = await openDevice();
   const comm = new RingComm(t.sab, t.rank);
+  const comms = [comm, ...(t.more ?? []).map((sab) => new RingComm(sab, t.rank))];
   const elem = comm.dtype === "f32" ? 4 : 2, bytes = t.count * elem;
   const buffer = ctx.device.createBuffer({
     label: "grads",
     size: bytes,
     usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
   });
-  const x = await BucketExchange.create(ctx, comm, {
+  const x = await BucketExchange.create(ctx, comms, {
     path: t.path,
     stagingBytes: t.stagingBytes,
     inFlight: t.inFlight,
   });
   const run = async () => {
+    const runs: Promise<unknown>[] = [];
     for (let at = 0; at < t.count; at += comm.capacity) {
-      await x.run({ buffer, offset: at * elem, count: Math.min(comm.capacity, t.count - at) });
+      runs.push(x.run({ buffer, offset: at * elem, count: Math.min(comm.capacity, t.count - at) }));
+      // Keep at most one bucket per lane in flight.
+      if (runs.length >= comms.length) await runs[runs.length - comms.length];
     }
+    await Promise.all(runs);
     await ctx.device.queue.onSubmittedWorkDone();
   };
   await run(); // warm up: bind groups, pages, pipelines
