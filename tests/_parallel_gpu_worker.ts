@@ -5,7 +5,7 @@
  */
 /// <reference lib="deno.worker" />
 import { type GpuContext, openDevice, readBuffer } from "../gpu/device.ts";
-import { RingComm } from "../gpu/parallel/allreduce.ts";
+import { type CommDtype, RingComm } from "../gpu/parallel/allreduce.ts";
 import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
 
 /** One exchange to run on this rank. */
@@ -16,6 +16,8 @@ export interface ExchangeTask {
   op: "allreduce" | "rsag";
   rank: number;
   path: ReducePath;
+  /** Element type of the GPU buffer (fp32 with a 16-bit communicator: packed on the GPU). */
+  bufferDtype: CommDtype;
   /** Initial contents of the GPU buffer. */
   data: Uint8Array;
   /** Bucket byte offset and element count. */
@@ -40,6 +42,7 @@ self.onmessage = async (e: MessageEvent<ExchangeTask>) => {
     const comms = t.sabs.map((sab) => new RingComm(sab, t.rank, { timeoutMs: 30_000 }));
     const x = await BucketExchange.create(gpu, comms, {
       path: t.path,
+      bufferDtype: t.bufferDtype,
       stagingBytes: t.stagingBytes,
       inFlight: t.inFlight,
     });
@@ -47,7 +50,7 @@ self.onmessage = async (e: MessageEvent<ExchangeTask>) => {
       await x.reduceScatter({ buffer, offset: t.offset, count: t.count });
       await x.allGather({ buffer, offset: t.offset, count: t.count });
     } else {
-      const elem = comms[0].dtype === "f32" ? 4 : 2, third = Math.floor(t.count / 6) * 2;
+      const elem = t.bufferDtype === "f32" ? 4 : 2, third = Math.floor(t.count / 6) * 2;
       const parts = [third, third, t.count - 2 * third];
       await Promise.all(
         parts.map((count, i) => x.run({ buffer, offset: t.offset + i * third * elem, count })),

@@ -14,10 +14,16 @@
  *  the bench compares them. Given several communicators (lanes), successive buckets pipeline:
  *  one is read back while the one before is reduced and written. `reduceScatter` and
  *  `allGather` are the distributed optimizer's halves (host path).
+ *
+ * An fp32 bucket can travel as fp16 or bf16 (`allreduce_dtype`; `bufferDtype: "f32"` with a
+ * 16-bit communicator): a kernel packs it into a per-lane 16-bit copy, which is read back (half
+ * the bytes); the host path unpacks the rounded sum, the GPU path sums every rank's rounded
+ * values straight into fp32.
  */
 
 import { createPipeline, createStorage, type GpuContext } from "../device.ts";
 import { type CommDtype, type RingComm, shardRange } from "./allreduce.ts";
+import { EXCHANGE_WG, packWgsl, peerAddCastWgsl, peerAddWgsl, unpackWgsl } from "./exchange_kernels.ts";
 
 /** Options of {@link Stager}. */
 export interface StagerOptions {
@@ -113,7 +119,7 @@ function checkRange(buffer: GPUBuffer, offset: number, bytes: number): void {
 /** How the bucket is summed: on the CPU by the ring, or on the GPU from the peers' uploaded slots. */
 export type ReducePath = "host" | "gpu";
 
-/** A bucket: `count` elements of the communicator's dtype at byte `offset` of `buffer`. */
+/** A bucket: `count` elements (of the exchange's buffer dtype) at byte `offset` of `buffer`. */
 export interface Bucket {
   buffer: GPUBuffer;
   offset: number;
@@ -125,7 +131,7 @@ export interface ExchangeTiming {
   readMs: number;
   reduceMs: number;
   writeMs: number;
-  /** Payload bytes of the bucket. */
+  /** Payload bytes sent per rank (16-bit when the bucket travels packed). */
   bytes: number;
 }
 
@@ -133,52 +139,36 @@ export interface ExchangeTiming {
 export interface ExchangeOptions extends StagerOptions {
   /** Reduction path (default "host"). */
   path?: ReducePath;
+  /**
+   * Element type of the buckets in GPU memory (default: the communicator's). "f32" with a 16-bit
+   * communicator packs each bucket on the GPU before it travels.
+   */
+  bufferDtype?: CommDtype;
 }
 
-/** WGSL of the peer-add kernel: own[i] = sum over ranks q (in order) of rank q's word i, in fp32. */
-export function peerAddWgsl(dtype: CommDtype): string {
-  const codec = {
-    f32: `fn dec(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w), 0.0); }
-fn enc(s: vec2<f32>) -> u32 { return bitcast<u32>(s.x); }`,
-    f16: `fn dec(w: u32) -> vec2<f32> { return unpack2x16float(w); }
-fn enc(s: vec2<f32>) -> u32 { return pack2x16float(s); }`,
-    bf16:
-      `fn dec(w: u32) -> vec2<f32> { return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u)); }
-fn rne(x: f32) -> u32 { let b = bitcast<u32>(x); return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u; }
-fn enc(s: vec2<f32>) -> u32 { return rne(s.x) | (rne(s.y) << 16u); }`,
-  }[dtype];
-  return `${codec}
-struct Params { words: u32, shift: u32, me: u32, ranks: u32 }
-@group(0) @binding(0) var<storage, read_write> own: array<u32>;
-@group(0) @binding(1) var<storage, read> peers: array<u32>;
-@group(0) @binding(2) var<uniform> p: Params;
-@compute @workgroup_size(256)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nw: vec3<u32>) {
-  for (var i = gid.x; i < p.words; i += nw.x * 256u) {
-    var s = vec2<f32>(0.0);
-    for (var q = 0u; q < p.ranks; q++) {
-      if (q == p.me) {
-        s += dec(own[p.shift + i]);
-      } else {
-        s += dec(peers[select(q - 1u, q, q < p.me) * p.words + i]);
-      }
-    }
-    own[p.shift + i] = enc(s);
-  }
-}`;
+/** Kernels of an exchange, compiled once. */
+interface Kernels {
+  add?: GPUComputePipeline;
+  pack?: GPUComputePipeline;
+  unpack?: GPUComputePipeline;
 }
 
-/** Bind group and parameters of one bucket for the GPU path, built on first use. */
+/** Parameters and bind groups of one bucket on one lane, built on first use. */
 interface BucketBinding {
-  group: GPUBindGroup;
+  add?: GPUBindGroup;
+  pack?: GPUBindGroup;
+  unpack?: GPUBindGroup;
   workgroups: number;
 }
 
-/** One pipeline lane: a communicator with its own staging ring and GPU scratch, used by one bucket at a time. */
+/** One pipeline lane: a communicator with its own staging ring and GPU buffers, one bucket at a time. */
 interface Lane {
   comm: RingComm;
   stager: Stager;
+  /** The peers' slots uploaded (GPU path). */
   scratch: GPUBuffer | null;
+  /** The packed 16-bit copy of an fp32 bucket (cast mode). */
+  packed: GPUBuffer | null;
   /** The last operation queued on this lane. */
   tail: Promise<unknown>;
 }
@@ -191,29 +181,34 @@ interface Lane {
 export class BucketExchange {
   /** The reduction path. */
   readonly path: ReducePath;
+  /** Element type of the buckets in GPU memory. */
+  readonly bufferDtype: CommDtype;
+  /** Element type on the wire (the communicators'). */
+  readonly wireDtype: CommDtype;
   #ctx: GpuContext;
   #lanes: Lane[];
   #next = 0;
-  #elem: number;
-  #pipeline: GPUComputePipeline | null = null;
+  #kernels: Kernels = {};
   #bindings = new WeakMap<GPUBuffer, Map<string, BucketBinding>>();
 
   private constructor(ctx: GpuContext, comms: RingComm[], opts: ExchangeOptions) {
     this.#ctx = ctx;
     this.path = opts.path ?? "host";
-    this.#elem = comms[0].dtype === "f32" ? 4 : 2;
+    this.wireDtype = comms[0].dtype;
+    this.bufferDtype = opts.bufferDtype ?? this.wireDtype;
     this.#lanes = comms.map((comm) => ({
       comm,
       stager: new Stager(ctx, opts),
       scratch: null,
+      packed: null,
       tail: Promise.resolve(),
     }));
   }
 
   /**
    * An exchange for this rank on `ctx` over one communicator, or several (lanes: all of the same
-   * ranks, dtype and capacity, in the same order on every rank). The "gpu" path compiles its
-   * kernel and allocates a scratch buffer for the peers' slots per lane.
+   * ranks, dtype and capacity, in the same order on every rank). Compiles the kernels its path
+   * needs and allocates the lanes' GPU buffers.
    */
   static async create(
     ctx: GpuContext,
@@ -234,12 +229,27 @@ export class BucketExchange {
         );
       }
     }
+    const buf = opts.bufferDtype ?? c0.dtype;
+    if (buf !== c0.dtype && !(buf === "f32" && c0.dtype !== "f32")) {
+      throw new RangeError(
+        `bufferDtype "${buf}" cannot travel as "${c0.dtype}": only fp32 buckets may be sent as fp16 or bf16`,
+      );
+    }
     const x = new BucketExchange(ctx, list, opts);
-    if (x.path === "gpu" && c0.size > 1) {
-      x.#pipeline = await createPipeline(ctx, `peer add ${c0.dtype}`, peerAddWgsl(c0.dtype));
-      for (const [i, lane] of x.#lanes.entries()) {
-        lane.scratch = await createStorage(ctx, `exchange peers ${i}`, (c0.size - 1) * c0.capacity * x.#elem);
+    const wire = c0.dtype, cast = x.#cast, gpu = x.path === "gpu" && c0.size > 1;
+    if (cast) {
+      const w = wire as "f16" | "bf16";
+      x.#kernels.pack = await createPipeline(ctx, `exchange pack ${w}`, packWgsl(w));
+      if (gpu) x.#kernels.add = await createPipeline(ctx, `exchange add ${w} to f32`, peerAddCastWgsl(w));
+      else x.#kernels.unpack = await createPipeline(ctx, `exchange unpack ${w}`, unpackWgsl(w));
+    } else if (gpu) {
+      x.#kernels.add = await createPipeline(ctx, `exchange add ${wire}`, peerAddWgsl(wire));
+    }
+    for (const [i, lane] of x.#lanes.entries()) {
+      if (gpu) {
+        lane.scratch = await createStorage(ctx, `exchange peers ${i}`, (c0.size - 1) * c0.capacity * x.#wire);
       }
+      if (cast) lane.packed = await createStorage(ctx, `exchange packed ${i}`, c0.capacity * 2);
     }
     return x;
   }
@@ -249,13 +259,28 @@ export class BucketExchange {
     return this.#lanes.length;
   }
 
+  /** Whether buckets are packed to 16 bits on the GPU before they travel. */
+  get #cast(): boolean {
+    return this.bufferDtype !== this.wireDtype;
+  }
+
+  /** Bytes per element on the wire. */
+  get #wire(): number {
+    return this.wireDtype === "f32" ? 4 : 2;
+  }
+
+  /** Bytes per element in GPU memory. */
+  get #elem(): number {
+    return this.bufferDtype === "f32" ? 4 : 2;
+  }
+
   /**
    * Sums `bucket` over the ranks in place; every rank calls it with its own buffer, the same
    * counts, in the same order. A failure aborts the communicator, so peers fail too instead of
    * waiting. Calls may be issued without awaiting the previous one; they rotate over the lanes.
    */
   run(bucket: Bucket): Promise<ExchangeTiming> {
-    return this.#queue(bucket, (lane, bytes) => this.#allreduce(lane, bucket, bytes));
+    return this.#queue(bucket, false, (lane) => this.#allreduce(lane, bucket));
   }
 
   /**
@@ -265,24 +290,22 @@ export class BucketExchange {
    */
   async reduceScatter(bucket: Bucket): Promise<[number, number]> {
     let shard: [number, number] = [0, 0];
-    await this.#queue(bucket, async (lane, bytes) => {
-      const t0 = performance.now(), slot = await lane.comm.acquire();
-      await lane.stager.readInto(
-        bucket.buffer,
-        bucket.offset,
-        bytes,
-        new Uint8Array(slot.buffer, slot.byteOffset, bytes),
-      );
+    await this.#queue(bucket, true, async (lane) => {
+      const e = this.#elem,
+        bytes = bucket.count * e,
+        t0 = performance.now(),
+        slot = await lane.comm.acquire();
+      await lane.stager.readInto(bucket.buffer, bucket.offset, bytes, bytesOf(slot, 0, bytes));
       const t1 = performance.now();
       shard = await lane.comm.reduceScatter(bucket.count);
-      const t2 = performance.now(), [a, b] = shard, e = this.#elem;
+      const t2 = performance.now(), [a, b] = shard;
       this.#ctx.device.queue.writeBuffer(
         bucket.buffer,
         bucket.offset + a * e,
-        sharedSource(new Uint8Array(slot.buffer, slot.byteOffset + a * e, (b - a) * e)),
+        bytesOf(slot, a * e, (b - a) * e),
       );
       return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
-    }, true);
+    });
     return shard;
   }
 
@@ -291,55 +314,38 @@ export class BucketExchange {
    * read back and every rank's bucket ends holding all shards (e.g. the weights each rank updated).
    */
   allGather(bucket: Bucket): Promise<ExchangeTiming> {
-    return this.#queue(bucket, async (lane, bytes) => {
-      const comm = lane.comm, e = this.#elem, [a, b] = shardRange(bucket.count, comm.size, comm.rank);
+    return this.#queue(bucket, true, async (lane) => {
+      const comm = lane.comm, e = this.#elem, bytes = bucket.count * e;
+      const [a, b] = shardRange(bucket.count, comm.size, comm.rank);
       const t0 = performance.now(), slot = await comm.acquire();
       await lane.stager.readInto(
         bucket.buffer,
         bucket.offset + a * e,
         (b - a) * e,
-        new Uint8Array(slot.buffer, slot.byteOffset + a * e, (b - a) * e),
+        bytesOf(slot, a * e, (b - a) * e),
       );
       const t1 = performance.now();
       await comm.allGather(bucket.count);
       const t2 = performance.now();
-      this.#ctx.device.queue.writeBuffer(
-        bucket.buffer,
-        bucket.offset,
-        sharedSource(new Uint8Array(slot.buffer, slot.byteOffset, bytes)),
-      );
+      this.#ctx.device.queue.writeBuffer(bucket.buffer, bucket.offset, bytesOf(slot, 0, bytes));
       return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
-    }, true);
+    });
   }
 
   /** Checks a bucket, then runs `op` on the next lane once that lane's previous operation ended. */
   #queue(
     bucket: Bucket,
-    op: (lane: Lane, bytes: number) => Promise<ExchangeTiming>,
-    sharded = false,
+    sharded: boolean,
+    op: (lane: Lane) => Promise<ExchangeTiming>,
   ): Promise<ExchangeTiming> {
-    const lane = this.#lanes[this.#next], comm = lane.comm, bytes = bucket.count * this.#elem;
-    if (!Number.isInteger(bucket.count) || bucket.count < 0 || bucket.count > comm.capacity) {
-      return Promise.reject(
-        new RangeError(`count must be an integer in [0, ${comm.capacity}], got "${bucket.count}"`),
-      );
-    }
-    if (bytes % 4 !== 0 || (sharded && this.#elem === 2 && bucket.count % (2 * comm.size) !== 0)) {
-      return Promise.reject(
-        new RangeError(
-          sharded
-            ? `A sharded 16-bit bucket needs a count divisible by ${2 * comm.size}, got "${bucket.count}"`
-            : `A 16-bit bucket needs an even count, got "${bucket.count}"`,
-        ),
-      );
-    }
+    const lane = this.#lanes[this.#next], comm = lane.comm;
     try {
-      checkRange(bucket.buffer, bucket.offset, bytes);
+      this.#check(bucket, comm, sharded);
     } catch (err) {
       return Promise.reject(err);
     }
     this.#next = (this.#next + 1) % this.#lanes.length;
-    const run = lane.tail.then(() => op(lane, bytes)).catch((err) => {
+    const run = lane.tail.then(() => op(lane)).catch((err) => {
       comm.abort(String(err));
       throw err;
     });
@@ -347,51 +353,72 @@ export class BucketExchange {
     return run;
   }
 
-  async #allreduce(lane: Lane, bucket: Bucket, bytes: number): Promise<ExchangeTiming> {
-    const comm = lane.comm;
+  #check(bucket: Bucket, comm: RingComm, sharded: boolean): void {
+    const { count } = bucket;
+    if (!Number.isInteger(count) || count < 0 || count > comm.capacity) {
+      throw new RangeError(`count must be an integer in [0, ${comm.capacity}], got "${count}"`);
+    }
+    if (this.#wire === 2 && count % 2 !== 0) {
+      throw new RangeError(`A bucket sent as 16-bit needs an even count, got "${count}"`);
+    }
+    if (sharded && this.#cast) {
+      throw new RangeError(`Reduce-scatter and all-gather need buckets in "${this.wireDtype}", not "f32"`);
+    }
+    if (sharded && this.#wire === 2 && count % (2 * comm.size) !== 0) {
+      throw new RangeError(
+        `A sharded 16-bit bucket needs a count divisible by ${2 * comm.size}, got "${count}"`,
+      );
+    }
+    checkRange(bucket.buffer, bucket.offset, count * this.#elem);
+  }
+
+  async #allreduce(lane: Lane, bucket: Bucket): Promise<ExchangeTiming> {
+    const comm = lane.comm, queue = this.#ctx.device.queue, bytes = bucket.count * this.#wire;
+    const b = bytes > 0 && (this.#cast || (this.path === "gpu" && comm.size > 1))
+      ? this.#binding(lane, bucket)
+      : null;
     const t0 = performance.now();
     const slot = await comm.acquire();
-    const slotBytes = new Uint8Array(slot.buffer, slot.byteOffset, bytes);
-    await lane.stager.readInto(bucket.buffer, bucket.offset, bytes, slotBytes);
+    if (b?.pack) this.#dispatch(this.#kernels.pack!, b.pack, b.workgroups);
+    const [src, at] = b?.pack ? [lane.packed!, 0] : [bucket.buffer, bucket.offset];
+    await lane.stager.readInto(src, at, bytes, bytesOf(slot, 0, bytes));
     const t1 = performance.now();
-    const queue = this.#ctx.device.queue;
     if (this.path === "host" || comm.size === 1 || bytes === 0) {
       await comm.allreduce(bucket.count);
       const t2 = performance.now();
-      queue.writeBuffer(bucket.buffer, bucket.offset, sharedSource(slotBytes));
+      queue.writeBuffer(src, at, bytesOf(slot, 0, bytes));
+      if (b?.unpack) this.#dispatch(this.#kernels.unpack!, b.unpack, b.workgroups);
       return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
     }
     const slots = await comm.gather();
     const t2 = performance.now();
     for (let q = 0, j = 0; q < comm.size; q++) {
-      if (q === comm.rank) continue;
-      queue.writeBuffer(
-        lane.scratch!,
-        j++ * bytes,
-        sharedSource(new Uint8Array(slots[q].buffer, slots[q].byteOffset, bytes)),
-      );
+      if (q !== comm.rank) queue.writeBuffer(lane.scratch!, j++ * bytes, bytesOf(slots[q], 0, bytes));
     }
     comm.release();
-    const b = this.#binding(lane, bucket);
-    const enc = this.#ctx.device.createCommandEncoder();
-    const pass = enc.beginComputePass();
-    pass.setPipeline(this.#pipeline!);
-    pass.setBindGroup(0, b.group);
-    pass.dispatchWorkgroups(b.workgroups);
-    pass.end();
-    queue.submit([enc.finish()]);
+    this.#dispatch(this.#kernels.add!, b!.add!, b!.workgroups);
     return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
   }
 
-  /** The bind group of a bucket: its buffer bound from the 256-byte boundary below its offset. */
+  #dispatch(pipeline: GPUComputePipeline, group: GPUBindGroup, workgroups: number): void {
+    const enc = this.#ctx.device.createCommandEncoder();
+    const pass = enc.beginComputePass();
+    pass.setPipeline(pipeline);
+    pass.setBindGroup(0, group);
+    pass.dispatchWorkgroups(workgroups);
+    pass.end();
+    this.#ctx.device.queue.submit([enc.finish()]);
+  }
+
+  /** The bind groups of a bucket on a lane: its buffer bound from the 256-byte boundary below its offset. */
   #binding(lane: Lane, bucket: Bucket): BucketBinding {
     let perBuffer = this.#bindings.get(bucket.buffer);
     if (!perBuffer) this.#bindings.set(bucket.buffer, perBuffer = new Map());
     const key = `${this.#lanes.indexOf(lane)}:${bucket.offset}:${bucket.count}`;
     const hit = perBuffer.get(key);
     if (hit) return hit;
-    const { device } = this.#ctx, comm = lane.comm, bytes = bucket.count * this.#elem;
-    const words = bytes / 4, bindAt = Math.floor(bucket.offset / 256) * 256;
+    const { device } = this.#ctx, comm = lane.comm, wireBytes = bucket.count * this.#wire;
+    const words = wireBytes / 4, bindAt = Math.floor(bucket.offset / 256) * 256;
     const params = device.createBuffer({
       label: "exchange params",
       size: 16,
@@ -402,30 +429,39 @@ export class BucketExchange {
       0,
       Uint32Array.of(words, (bucket.offset - bindAt) / 4, comm.rank, comm.size),
     );
-    const group = device.createBindGroup({
-      layout: this.#pipeline!.getBindGroupLayout(0),
-      entries: [
-        {
-          binding: 0,
-          resource: { buffer: bucket.buffer, offset: bindAt, size: bucket.offset - bindAt + bytes },
-        },
-        {
-          binding: 1,
-          resource: { buffer: lane.scratch!, offset: 0, size: Math.max(4, (comm.size - 1) * bytes) },
-        },
-        { binding: 2, resource: { buffer: params } },
-      ],
-    });
-    const b = { group, workgroups: Math.max(1, Math.min(Math.ceil(words / 256), 4096)) };
+    const entries = {
+      0: { buffer: bucket.buffer, offset: bindAt, size: bucket.offset - bindAt + bucket.count * this.#elem },
+      1: { buffer: lane.scratch!, offset: 0, size: Math.max(4, (comm.size - 1) * wireBytes) },
+      2: { buffer: params },
+      3: { buffer: lane.packed!, offset: 0, size: Math.max(4, wireBytes) },
+    };
+    const group = (pipeline: GPUComputePipeline | undefined, bindings: (0 | 1 | 2 | 3)[]) =>
+      pipeline && device.createBindGroup({
+        layout: pipeline.getBindGroupLayout(0),
+        entries: bindings.map((binding) => ({ binding, resource: entries[binding] })),
+      });
+    const k = this.#kernels, cast = this.#cast;
+    const b: BucketBinding = {
+      add: this.path === "gpu" && comm.size > 1 ? group(k.add, cast ? [0, 1, 2, 3] : [0, 1, 2]) : undefined,
+      pack: cast ? group(k.pack, [0, 2, 3]) : undefined,
+      unpack: cast ? group(k.unpack, [0, 2, 3]) : undefined,
+      workgroups: Math.max(1, Math.min(Math.ceil(words / EXCHANGE_WG), 4096)),
+    };
     perBuffer.set(key, b);
     return b;
   }
 
-  /** Frees the staging rings and scratch buffers. */
+  /** Frees the staging rings and the lanes' GPU buffers. */
   destroy(): void {
     for (const lane of this.#lanes) {
       lane.stager.destroy();
       lane.scratch?.destroy();
+      lane.packed?.destroy();
     }
   }
+}
+
+/** `bytes` bytes of a shared slot from byte `at`, as a writeBuffer or readInto argument. */
+function bytesOf(slot: Uint16Array | Float32Array, at: number, bytes: number): Uint8Array<ArrayBuffer> {
+  return sharedSource(new Uint8Array(slot.buffer, slot.byteOffset + at, bytes));
 }
