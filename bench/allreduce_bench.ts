@@ -8,7 +8,8 @@
  *  2. On the GPU (skipped without an adapter): readback GB/s by staging-buffer size and maps in
  *     flight, and writeBuffer GB/s by piece size.
  *  3. The full bucket exchange for 2 Workers sharing one GPU (each its own device), host-ring path
- *     against GPU peer-add path, one lane or two (pipelined buckets), fp32 and bf16 payloads.
+ *     against GPU peer-add path, one lane or two (pipelined buckets), fp32 gradients sent as fp32
+ *     or packed to bf16 on the GPU; GB/s of fp32 gradients reduced per rank.
  *
  *   deno task bench allreduce            small sizes, for the CPU (lavapipe)
  *   deno task bench allreduce --full     sizes up to 1.42 GB (gpt2-345M's fp32 gradients), for the H200
@@ -141,27 +142,29 @@ async function exchangePart(ctx: GpuContext): Promise<void> {
     `\nBucket exchange, 2 Workers sharing one GPU, ${elems} gradients in buckets of ${bucket}, ` +
       `staging ${fmtBytes(best.stagingBytes)} × ${best.inFlight}, median of ${reps} (GB/s per rank)`,
   );
-  console.log("path  lanes  dtype  payload/rank      ms    GB/s");
+  console.log("path  lanes  wire   grads/rank      ms  grads GB/s");
   for (const path of ["host", "gpu"] as ReducePath[]) {
     for (const lanes of [1, 2]) {
-      for (const dtype of ["f32", "bf16"] as CommDtype[]) {
+      for (const wire of ["f32", "bf16"] as CommDtype[]) {
         const [sab, ...more] = Array.from(
           { length: lanes },
-          () => createCommBuffer({ ranks: 2, capacity: bucket, dtype }),
+          () => createCommBuffer({ ranks: 2, capacity: bucket, dtype: wire }),
         );
         const ms = median(
-          await onRanks(
-            2,
-            (rank) => ({ kind: "exchange", sab, more, rank, count: elems, reps, path, ...best }),
-          ),
+          await onRanks(2, (rank) => ({
+            kind: "exchange",
+            sab,
+            more,
+            rank,
+            count: elems,
+            reps,
+            path,
+            bufferDtype: "f32",
+            ...best,
+          })),
         );
-        const bytes = elems * (dtype === "f32" ? 4 : 2), cols = [path.padEnd(4), String(lanes).padStart(5)];
-        cols.push(
-          dtype.padEnd(5),
-          fmtBytes(bytes).padStart(12),
-          ms.toFixed(1).padStart(7),
-          gbps(bytes, ms).padStart(6),
-        );
+        const bytes = elems * 4, cols = [path.padEnd(4), String(lanes).padStart(5), wire.padEnd(5)];
+        cols.push(fmtBytes(bytes).padStart(10), ms.toFixed(1).padStart(7), gbps(bytes, ms).padStart(10));
         console.log(cols.join("  "));
       }
     }

@@ -7,7 +7,7 @@
  */
 /// <reference lib="deno.worker" />
 import { openDevice } from "../gpu/device.ts";
-import { RingComm } from "../gpu/parallel/allreduce.ts";
+import { type CommDtype, RingComm } from "../gpu/parallel/allreduce.ts";
 import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
 
 /** A benchmark task for one rank. */
@@ -22,6 +22,8 @@ export interface BenchTask {
   reps: number;
   /** Exchange only. */
   path?: ReducePath;
+  /** Exchange only: GPU buffer element type (default the communicator's). */
+  bufferDtype?: CommDtype;
   stagingBytes?: number;
   inFlight?: number;
 }
@@ -47,7 +49,7 @@ async function exchange(t: BenchTask): Promise<number[]> {
   const ctx = await openDevice();
   const comm = new RingComm(t.sab, t.rank);
   const comms = [comm, ...(t.more ?? []).map((sab) => new RingComm(sab, t.rank))];
-  const elem = comm.dtype === "f32" ? 4 : 2, bytes = t.count * elem;
+  const elem = (t.bufferDtype ?? comm.dtype) === "f32" ? 4 : 2, bytes = t.count * elem;
   const buffer = ctx.device.createBuffer({
     label: "grads",
     size: bytes,
@@ -55,6 +57,7 @@ async function exchange(t: BenchTask): Promise<number[]> {
   });
   const x = await BucketExchange.create(ctx, comms, {
     path: t.path,
+    bufferDtype: t.bufferDtype,
     stagingBytes: t.stagingBytes,
     inFlight: t.inFlight,
   });
