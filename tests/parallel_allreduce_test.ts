@@ -5,6 +5,7 @@
  */
 import assert from "node:assert/strict";
 import {
+  abortCommBuffer,
   type CommAlgorithm,
   type CommDtype,
   createCommBuffer,
@@ -234,7 +235,7 @@ Deno.test("reduceScatter() then allGather() over 3 Workers: each rank updates it
   }
 });
 
-Deno.test("A rank's abort() fails its peers' waits with a CommError instead of hanging", async () => {
+Deno.test("abort(), a timeout or abortCommBuffer() fail the waiting ranks with a CommError instead of hanging", async () => {
   const ranks = new Ranks(3);
   try {
     const sab = createCommBuffer({ ranks: 3, capacity: 16, dtype: "f32" });
@@ -253,6 +254,17 @@ Deno.test("A rank's abort() fails its peers' waits with a CommError instead of h
       { sab: idle, task: "idle", data, async: false },
     ]);
     assert.match(late[0].error!, /timed out after 200 ms: rank "0" waited for rank "1" to finish step 1/);
+    const orphan = createCommBuffer({ ranks: 3, capacity: 16, dtype: "f16" });
+    const pending = ranks.run([
+      { sab: orphan, task: "allreduce", data: new Uint16Array(16), async: false },
+      { sab: orphan, task: "allreduce", data: new Uint16Array(16), async: true },
+      { sab: orphan, task: "idle", data, async: false },
+    ]);
+    await new Promise((r) => setTimeout(r, 100));
+    abortCommBuffer(orphan);
+    const orphaned = await pending;
+    assert.match(orphaned[0].error!, /CommError: Communicator aborted by the host/);
+    assert.match(orphaned[1].error!, /CommError: Communicator aborted by the host/);
   } finally {
     ranks.close();
   }

@@ -95,6 +95,21 @@ export function shardRange(count: number, n: number, i: number): [number, number
   return [Math.floor((i * count) / n), Math.floor(((i + 1) * count) / n)];
 }
 
+/** W_ABORT value of an abort from outside the group (`abortCommBuffer`). */
+const BY_HOST = 0x7fffffff;
+
+/**
+ * Fails a group from outside it (e.g. the GPU host when one rank's Worker died): every member's
+ * current or next wait throws "Communicator aborted by the host" instead of waiting for the dead rank.
+ */
+export function abortCommBuffer(sab: SharedArrayBuffer): void {
+  const head = new Int32Array(sab, 0, 8);
+  if (head[0] !== MAGIC) throw new RangeError(`Not a communicator buffer (magic "${head[0]}")`);
+  const counters = new Int32Array(sab, 0, headerBytes(head[W_RANKS]) / 4);
+  Atomics.compareExchange(counters, W_ABORT, 0, BY_HOST);
+  for (let i = 0; i < head[W_RANKS]; i++) Atomics.notify(counters, counterWord(i));
+}
+
 /** Raised in every rank when one rank aborts or a wait times out; the group is unusable after it. */
 export class CommError extends Error {
   constructor(message: string) {
@@ -510,6 +525,7 @@ export class RingComm {
 
   #checkAbort(w: Wait, timed = true): void {
     const by = Atomics.load(this.#header, W_ABORT);
+    if (by === BY_HOST) throw new CommError("Communicator aborted by the host");
     if (by) {
       throw new CommError(
         `Communicator aborted by rank "${by - 1}"${

@@ -7,6 +7,7 @@
  * Import from here, not from the individual files, so internals can move freely.
  */
 export {
+  abortCommBuffer,
   type CommAlgorithm,
   commBufferBytes,
   type CommDtype,
