@@ -83,6 +83,41 @@ Deno.test("createCommBuffer() and RingComm name their bad arguments", () => {
   );
 });
 
+Deno.test("Two ranks in one thread (async waits) round each fp32 sum to nearest even, exactly", async () => {
+  const n = 30_000, x = randomFloats(2 * n, 8), big = 2 ** 17;
+  for (const dtype of ["f16", "bf16"] as const) {
+    const sab = createCommBuffer({ ranks: 2, capacity: n, dtype });
+    const comms = [new RingComm(sab, 0), new RingComm(sab, 1)];
+    const enc = dtype === "f16" ? f32BitsToF16 : f32BitsToBf16;
+    const dec = (h: number) => dtype === "f16" ? f16Values[h] : bf16Values[h];
+    const inputs = [0, 1].map((r) => {
+      const out = new Uint16Array(n);
+      // Wide magnitudes: subnormal, normal and overflowing fp16 sums all occur.
+      for (let i = 0; i < n; i++) {
+        out[i] = enc(bitsOf(x[r * n + i] * 2 ** ((i % 48) - 30) * big ** (i % 3 === 0 ? 1 : 0)));
+      }
+      return out;
+    });
+    await Promise.all(comms.map(async (c, r) => {
+      (await c.acquire()).set(inputs[r]);
+      await c.allreduce(n);
+    }));
+    for (let i = 0; i < n; i++) {
+      const want = enc(bitsOf(Math.fround(dec(inputs[0][i]) + dec(inputs[1][i]))));
+      for (const c of comms) {
+        const got = c.slot[i];
+        if (got !== want && !(Number.isNaN(dec(got)) && Number.isNaN(dec(want)))) {
+          assert.fail(
+            `${dtype} [${i}]: ${dec(inputs[0][i])} + ${dec(inputs[1][i])} gave ${dec(got)}, want ${
+              dec(want)
+            }`,
+          );
+        }
+      }
+    }
+  }
+});
+
 Deno.test("A one-rank group reduces to the identity", () => {
   const comm = new RingComm(createCommBuffer({ ranks: 1, capacity: 4, dtype: "f32" }), 0);
   const data = Float32Array.of(1, 2, 3, 4, 5, 6);
