@@ -13,7 +13,8 @@
  *
  *   deno task bench allreduce            small sizes, for the CPU (lavapipe)
  *   deno task bench allreduce --full     sizes up to 1.42 GB (gpt2-345M's fp32 gradients), for the H200
- *   options: --part ring,gpu,exchange   --reps N
+ *   options: --part ring,gpu,exchange   --reps N   --step-ms T (DP=1 micro-batch time for the
+ *            DP=2 speed-up estimate printed after the exchange; default 644.3, 345M fp32 on the H200)
  */
 import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
 import { type CommAlgorithm, type CommDtype, createCommBuffer } from "../gpu/parallel/allreduce.ts";
@@ -25,6 +26,8 @@ const opt = (name: string) => (args.includes(name) ? args[args.indexOf(name) + 1
 const full = args.includes("--full");
 const parts = (opt("--part") ?? "ring,gpu,exchange").split(",");
 const reps = Number(opt("--reps") ?? 3);
+/** DP=1 time of one micro-batch (forward + backward + optimizer) for the speed-up estimate: 345M fp32, 8 × 1024 on the H200. */
+const stepMs = Number(opt("--step-ms") ?? 644.3);
 const MB = 1 << 20, GRADS_345M = 1.42e9;
 
 /** Sizes (bytes of fp32 payload per rank) and slot capacity (elements) of each scale. */
@@ -135,6 +138,7 @@ async function gpuPart(ctx: GpuContext): Promise<void> {
 }
 
 async function exchangePart(ctx: GpuContext): Promise<void> {
+  const results: { name: string; ms: number }[] = [];
   const bucket = full ? 64 * MB : 1 * MB; // elements per bucket (the slot capacity)
   const best = full ? { stagingBytes: 64 * MB, inFlight: 4 } : { stagingBytes: 1 * MB, inFlight: 4 };
   const elems = full ? Math.floor(Math.min(gpuBytes, ctx.limits.maxBufferSize) / 4) : 4 * MB;
@@ -166,9 +170,38 @@ async function exchangePart(ctx: GpuContext): Promise<void> {
         const bytes = elems * 4, cols = [path.padEnd(4), String(lanes).padStart(5), wire.padEnd(5)];
         cols.push(fmtBytes(bytes).padStart(10), ms.toFixed(1).padStart(7), gbps(bytes, ms).padStart(10));
         console.log(cols.join("  "));
+        results.push({ name: `${path}, ${lanes} lane(s), ${wire} wire`, ms: (ms * GRADS_345M) / bytes });
       }
     }
   }
+  estimate(results);
+}
+
+/**
+ * DP=2 on 2 GPUs against DP=1 at the same global batch of A micro-batches: DP=1 takes A·t, DP=2
+ * takes (A/2)·t + c with c the exchange of 345M's 1.42 GB of fp32 gradients (scaled from the
+ * measured size). Speed-up A·t / (A·t/2 + c) passes 1.8 from A = 18·c / t. With the exchange
+ * hidden under the last micro-batch's backward (about 2/3 of t), c shrinks to max(0, c − 2t/3).
+ * Two Workers sharing one GPU also share its PCIe link, so c measured here is pessimistic.
+ */
+function estimate(results: { name: string; ms: number }[]): void {
+  const best = results.reduce((a, b) => (b.ms < a.ms ? b : a));
+  const t = stepMs, c = best.ms, hidden = Math.max(0, c - (2 * t) / 3);
+  const speedup = (a: number, cc: number) => (a * t) / ((a * t) / 2 + cc);
+  const passAt = (cc: number) => Math.max(2, Math.ceil((18 * cc) / t / 2) * 2);
+  console.log(
+    `\nDP=2 estimate with the best exchange (${best.name}): 1.42 GB of gradients in ${c.toFixed(0)} ms, ` +
+      `micro-batch ${t} ms (--step-ms)`,
+  );
+  for (const a of [2, 4, 8, 16, 32]) {
+    console.log(
+      `  global batch ${String(a).padStart(2)} micro-batches: ${speedup(a, c).toFixed(2)}× ` +
+        `(${speedup(a, hidden).toFixed(2)}× with the exchange under the last backward)`,
+    );
+  }
+  console.log(
+    `  passes 1.8× from ${passAt(c)} micro-batches per global batch (${passAt(hidden)} when overlapped)`,
+  );
 }
 
 console.log(
