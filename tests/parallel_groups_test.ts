@@ -1,4 +1,7 @@
-/** Tests of gpu/parallel/groups.ts: Megatron-style data- and tensor-parallel groups and their errors. */
+/**
+ * Tests of gpu/parallel/groups.ts (Megatron-style data- and tensor-parallel groups and their
+ * errors) and setup.ts (the communicator buffers a GPU host hands each rank).
+ */
 import assert from "node:assert/strict";
 import {
   dataParallelGroups,
@@ -6,6 +9,7 @@ import {
   rankGroups,
   tensorParallelGroups,
 } from "../gpu/parallel/groups.ts";
+import { createJobBuffers, RingComm } from "../gpu/parallel/mod.ts";
 
 Deno.test("parallelLayout() completes dp from worldSize / tp and names a bad field", () => {
   assert.deepEqual(parallelLayout(8, { tp: 2 }), { worldSize: 8, tp: 2, dp: 4 });
@@ -45,4 +49,23 @@ Deno.test("Every rank is in exactly one group of each kind, at the index rankGro
       assert.equal(g.tensorParallel.ranks.length, tp);
     }
   }
+});
+
+Deno.test("createJobBuffers() gives the members of a group the same buffers and each its position", () => {
+  const layout = parallelLayout(4, { tp: 2 });
+  const bufs = createJobBuffers(layout, { capacity: 64, dtype: "bf16", lanes: 2 });
+  // DP groups {0, 2} and {1, 3}; TP groups {0, 1} and {2, 3}.
+  assert.equal(bufs[0].dataParallel.sabs, bufs[2].dataParallel.sabs);
+  assert.notEqual(bufs[0].dataParallel.sabs, bufs[1].dataParallel.sabs);
+  assert.deepEqual(bufs.map((b) => b.dataParallel.index), [0, 0, 1, 1]);
+  assert.deepEqual(bufs.map((b) => b.tensorParallel!.index), [0, 1, 0, 1]);
+  assert.equal(bufs[2].tensorParallel!.sabs[0], bufs[3].tensorParallel!.sabs[0]);
+  assert.equal(bufs[0].dataParallel.sabs.length, 2);
+  const comm = new RingComm(bufs[3].dataParallel.sabs[1], bufs[3].dataParallel.index);
+  assert.deepEqual([comm.size, comm.rank, comm.dtype, comm.capacity], [2, 1, "bf16", 64]);
+  assert.equal(createJobBuffers(parallelLayout(2), { capacity: 8, dtype: "f32" })[1].tensorParallel, null);
+  assert.throws(
+    () => createJobBuffers(layout, { capacity: 8, dtype: "f32", lanes: 0 }),
+    /lanes must be an integer/,
+  );
 });

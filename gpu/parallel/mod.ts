@@ -1,7 +1,8 @@
 /**
  * Data and tensor parallelism between the Workers of one GPU host: rank groups (groups.ts), the
  * shared-memory allreduce, reduce-scatter and all-gather (allreduce.ts), and the GPU <-> host
- * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts). Knows WebGPU buffers
+ * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts), and the buffers a GPU
+ * host makes for a job's groups (setup.ts). Knows WebGPU buffers
  * and SharedArrayBuffers, never HTTP or SQL.
  *
  * Import from here, not from the individual files, so internals can move freely.
@@ -40,3 +41,4 @@ export {
   rankGroups,
   tensorParallelGroups,
 } from "./groups.ts";
+export { createJobBuffers, type GroupBuffers, type JobBufferOptions, type RankBuffers } from "./setup.ts";
