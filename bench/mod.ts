@@ -1,13 +1,15 @@
 /**
- * `deno task bench [train|data|matmul] [options]`: the benchmarks. With no suite named it runs the
- * training benchmark (bench/train_bench.ts); `data` runs the data pipeline benchmark and `matmul`
- * the matmul tile sweep. Options pass through to the suite.
+ * `deno task bench [train|data|matmul|allreduce|runtime] [options]`: the benchmarks. With no suite
+ * named it runs the training benchmark (bench/train_bench.ts); `data` runs the data pipeline
+ * benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and GPU
+ * host-path benchmark, and `runtime` the start-train-SIGTERM cycles. Options pass through.
  */
 
 const suites: Record<string, string> = {
   train: "./train_bench.ts",
   data: "./data_bench.ts",
   matmul: "./matmul_bench.ts",
+  allreduce: "./allreduce_bench.ts",
   runtime: "./runtime_bench.ts",
 };
 const [first, ...rest] = Deno.args;
