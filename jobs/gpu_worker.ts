@@ -76,6 +76,7 @@ class GpuWorker {
           await runTraining(ctx, msg.job, {
             post: this.#post,
             cancelled: () => cancel !== null && Atomics.load(cancel, CANCEL_FLAG) !== 0,
+            generation: this.#generation,
           }),
         );
         return;
