@@ -1,11 +1,49 @@
 /**
  * `GET /health` (liveness plus each GPU's state) and `GET /metrics` (Prometheus text format:
- * job counts, per-job progress, GPU slots, generation counts), read from the runner, its store and
- * the generation manager.
+ * job counts, per-job progress, GPU slots, and generation in vLLM's names: requests running and
+ * waiting, prompt and generation token counters, time-to-first-token and inter-token latency
+ * histograms), read from the runner, its store and the generation manager.
  */
 
 import { Hono } from "hono";
-import type { GenerationManager, JobRunner } from "../jobs/mod.ts";
+import type { GenerationManager, GenerationStats, Histogram, JobRunner } from "../jobs/mod.ts";
+
+/** Generation statistics in vLLM's metric names (plus the earlier gpt2_ counters). */
+function generationMetrics(g: GenerationStats): string[] {
+  const out: string[] = [];
+  const one = (name: string, type: string, help: string, samples: [string, number][]) => {
+    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} ${type}`);
+    for (const [labels, v] of samples) out.push(`${name}${labels} ${v}`);
+  };
+  const hist = (name: string, help: string, h: Histogram) => {
+    out.push(`# HELP ${name} ${help}`, `# TYPE ${name} histogram`);
+    h.buckets.forEach((b, i) =>
+      out.push(`${name}_bucket{le="${b === Infinity ? "+Inf" : b}"} ${h.counts[i]}`)
+    );
+    out.push(`${name}_sum ${h.sum}`, `${name}_count ${h.count}`);
+  };
+  one("gpt2_generations_started", "gauge", "Generation requests started", [["", g.started]]);
+  one(
+    "gpt2_generations_finished",
+    "gauge",
+    "Generation requests finished, by reason",
+    Object.entries(g.finished).map(([reason, n]) => [`{reason="${reason}"}`, n]),
+  );
+  one("gpt2_generated_tokens", "gauge", "Tokens generated", [["", g.tokens]]);
+  one("vllm:num_requests_running", "gauge", "Requests decoding on a GPU", [["", g.running]]);
+  one("vllm:num_requests_waiting", "gauge", "Requests waiting for a stream slot", [["", g.waiting]]);
+  one("vllm:prompt_tokens_total", "counter", "Prompt tokens processed", [["", g.prompt_tokens]]);
+  one("vllm:generation_tokens_total", "counter", "Tokens generated", [["", g.tokens]]);
+  one(
+    "vllm:request_success_total",
+    "counter",
+    "Requests finished, by reason",
+    Object.entries(g.finished).map(([reason, n]) => [`{finished_reason="${reason}"}`, n]),
+  );
+  hist("vllm:time_to_first_token_seconds", "Seconds from request to first token", g.ttft);
+  hist("vllm:inter_token_latency_seconds", "Seconds between tokens", g.itl);
+  return out;
+}
 
 /** Health and Prometheus routes. `startedAt` is the server's start time (ms). */
 export function healthRoutes(runner: JobRunner, startedAt: number, generation?: GenerationManager): Hono {
@@ -91,16 +129,7 @@ export function healthRoutes(runner: JobRunner, startedAt: number, generation?: 
         })
       ),
     );
-    if (generation) {
-      const g = generation.stats;
-      metric("gpt2_generations_started", "Generation requests started", [[{}, g.started]]);
-      metric(
-        "gpt2_generations_finished",
-        "Generation requests finished, by reason",
-        Object.entries(g.finished).map(([reason, n]) => [{ reason }, n]),
-      );
-      metric("gpt2_generated_tokens", "Tokens generated", [[{}, g.tokens]]);
-    }
+    if (generation) lines.push(...generationMetrics(generation.stats));
     return c.text(lines.join("\n") + "\n", 200, {
       "Content-Type": "text/plain; version=0.0.4; charset=utf-8",
     });
