@@ -6,7 +6,14 @@
  */
 
 import { getDataset, isBuiltinName } from "./data/mod.ts";
-import { GenerationManager, JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
+import {
+  GenerationManager,
+  JobRunner,
+  JobStore,
+  lockDataDir,
+  parseGpuRoles,
+  spawnGpuWorker,
+} from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
 
@@ -62,7 +69,14 @@ if (import.meta.main) {
     datasetExists: async (id) =>
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
   });
-  const generation = new GenerationManager(runner, home);
+  let roles;
+  try {
+    roles = parseGpuRoles(Deno.env.get("GPT2_GPU_ROLES"), config.gpus);
+  } catch (e) {
+    console.error((e as Error).message);
+    Deno.exit(2);
+  }
+  const generation = new GenerationManager(runner, home, { roles });
   const app = createApp({ runner, generation, token: config.token, extra: [datasetRoutes(home)] });
   let server: Deno.HttpServer;
   try {
