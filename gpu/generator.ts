@@ -301,7 +301,8 @@ export class Generator {
     if (this.#free.length === 0) await this.#grow(Math.min(this.opts.maxStreams, this.#cap * 2));
     const slot = this.#free.pop()!;
     const state = new Uint32Array(STATE_WORDS);
-    state.set([tokens[len - 1], len - 1, sampling.seed >>> 0, 0, slot]);
+    state.set([tokens[len - 1], len - 1, sampling.seed >>> 0, 0]);
+    state[STATE_SLOT] = slot;
     const params = new Uint32Array(PARAM_WORDS), pf = new Float32Array(params.buffer);
     pf[0] = sampling.temperature;
     params[1] = sampling.top_k >>> 0;
@@ -413,7 +414,8 @@ export class Generator {
   #batches(pending: Pending[]): Pending[][] {
     const out: Pending[][] = [];
     let cur: Pending[] = [];
-    const cost = (b: Pending[]) => this.#pow2(b.length) * this.#lenBucket(Math.max(...b.map((p) => p.prompt.length)));
+    const cost = (b: Pending[]) =>
+      this.#pow2(b.length) * this.#lenBucket(Math.max(...b.map((p) => p.prompt.length)));
     for (const p of pending) {
       const next = [...cur, p];
       if (cur.length > 0 && (next.length > PREFILL_ROWS || cost(next) > this.opts.prefillTokens)) {
@@ -468,7 +470,13 @@ export class Generator {
     views: View[],
     grid: [number, number, number] | [number, number] | [number],
   ): Promise<Op> {
-    return makeOp(this.#ctx, await this.#cache.get(label, code), { label, phase: "forward", kind, views, grid });
+    return makeOp(this.#ctx, await this.#cache.get(label, code), {
+      label,
+      phase: "forward",
+      kind,
+      views,
+      grid,
+    });
   }
 
   #P(name: string): View {
@@ -482,7 +490,13 @@ export class Generator {
     const c = this.config, Vp = c.padded_vocab_size, C = c.n_embd;
     const V = (buffer: GPUBuffer): View => ({ buffer });
     if (M <= GEMV_MAX_ROWS || this.#cpu) {
-      const s = { M, N: Vp, K: C, gather: gather ? { selStride: SEL_WORDS } : undefined, perThread: this.#cpu };
+      const s = {
+        M,
+        N: Vp,
+        K: C,
+        gather: gather ? { selStride: SEL_WORDS } : undefined,
+        perThread: this.#cpu,
+      };
       return await this.#op(
         "matmul_fwd",
         label,
@@ -525,9 +539,14 @@ export class Generator {
       { train: false, params: this.#params },
     );
     const ops = model.forward.filter((o) => o.label !== "lm_head");
-    if (ops.length !== model.forward.length - 1) throw new Error("Prefill plan found no lm_head op to replace");
+    if (ops.length !== model.forward.length - 1) {
+      throw new Error("Prefill plan found no lm_head op to replace");
+    }
     const spec: DecodeSpec = { S: B, H: c.n_head, D: c.n_embd / c.n_head, Tmax: c.n_positions };
-    const kvGrid = grid1d(Math.ceil((B * Tb * c.n_embd) / 4 / 64), ctx.limits.maxComputeWorkgroupsPerDimension);
+    const kvGrid = grid1d(
+      Math.ceil((B * Tb * c.n_embd) / 4 / 64),
+      ctx.limits.maxComputeWorkgroupsPerDimension,
+    );
     for (let l = 0; l < c.n_layer; l++) {
       ops.push(
         await this.#op("attention_fwd", `prefill.l${l}.kv`, kvWriteWgsl(spec, { prefill: { B, Tb } }), [

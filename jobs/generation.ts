@@ -427,7 +427,9 @@ export class GenerationManager {
       throw new InvalidJobError("prompt", `Prompt token ${bad} is outside the vocabulary`);
     }
     const waiting = this.stats.waiting;
-    if (waiting + n > this.#opts.maxWaiting) throw new GenerationOverloadedError(waiting, this.#opts.maxWaiting);
+    if (waiting + n > this.#opts.maxWaiting) {
+      throw new GenerationOverloadedError(waiting, this.#opts.maxWaiting);
+    }
     const gpu = await this.#pickGpu(`${model.path}@${model.version}`);
     const seed = p.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
     const base = `gen_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;

@@ -23,3 +23,4 @@ export { lockDataDir } from "./lock.ts";
 export * from "./model_source.ts";
 export * from "./text_stream.ts";
 export * from "./generation.ts";
+export * from "./roles.ts";

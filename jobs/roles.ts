@@ -30,7 +30,9 @@ export function parseGpuRoles(spec: string | undefined, gpus: number): GpuRoles 
     else throw new RangeError(`GPT2_GPU_ROLES entry "${e}" for GPU ${i} must be train, generate or any`);
   });
   for (const role of ["train", "generate"] as const) {
-    if (!roles.some((r) => r.has(role))) throw new RangeError(`GPT2_GPU_ROLES "${spec}" leaves no GPU to ${role}`);
+    if (!roles.some((r) => r.has(role))) {
+      throw new RangeError(`GPT2_GPU_ROLES "${spec}" leaves no GPU to ${role}`);
+    }
   }
   return roles;
 }

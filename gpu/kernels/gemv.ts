@@ -219,11 +219,15 @@ export function gemvTWgsl(s: GemvTSpec): string {
   const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
   const tree: string[] = [];
   for (let st = LN / 2; st >= 1; st /= 2) {
-    tree.push(`if (lane < ${st}u) { ${
-      rows.map((m) => `red[(g * ${s.M}u + ${m}u) * ${LN}u + lane] += red[(g * ${s.M}u + ${m}u) * ${LN}u + lane + ${st}u];`)
-        .join(" ")
-    } }
-    workgroupBarrier();`);
+    tree.push(
+      `if (lane < ${st}u) { ${
+        rows.map((m) =>
+          `red[(g * ${s.M}u + ${m}u) * ${LN}u + lane] += red[(g * ${s.M}u + ${m}u) * ${LN}u + lane + ${st}u];`
+        )
+          .join(" ")
+      } }
+    workgroupBarrier();`,
+    );
   }
   return `
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
@@ -241,7 +245,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${rr.flatMap((r) => rows.map((m) => `var a${r}_${m} = 0.0;`)).join(" ")}
   for (var k = lane; k < ${K4}u; k = k + ${LN}u) {
     ${rows.map((m) => `let x${m} = x[xb${m} + k];`).join(" ")}
-    ${rr.map((r) => `let v${r} = W[w${r} + k]; ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`).join("\n    ")}
+    ${
+    rr.map((r) =>
+      `let v${r} = W[w${r} + k]; ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`
+    ).join("\n    ")
+  }
   }
   ${
     rr.map((r) => `
