@@ -10,7 +10,7 @@
 import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
 import { CANCEL_FLAG, type FromWorker, type ToWorker } from "./messages.ts";
 import { runTraining } from "./train_loop.ts";
-import { GenerationService } from "./generation_service.ts";
+import { generationOptionsFromEnv, GenerationService } from "./generation_service.ts";
 
 /** The state of this Worker: its device, its GPU index and the shared cancel flag. */
 class GpuWorker {
@@ -22,7 +22,7 @@ class GpuWorker {
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
-    this.#generation = new GenerationService(() => this.#open(), post);
+    this.#generation = new GenerationService(() => this.#open(), post, generationOptionsFromEnv(Deno.env));
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
