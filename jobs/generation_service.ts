@@ -269,7 +269,17 @@ export class GenerationService {
     this.#turn?.resolve();
     const share = Math.min(0.95, Math.max(0.05, this.#opts.trainShare));
     const left = Math.min(2000, (trainMs * (1 - share)) / share);
-    return new Promise((resolve) => (this.#turn = { left, resolve }));
+    return new Promise((resolve) => {
+      // Never longer than the share plus a second (a model still loading takes no steps).
+      const timer = setTimeout(() => this.#releaseTurn(), left + 1000);
+      this.#turn = {
+        left,
+        resolve: () => {
+          clearTimeout(timer);
+          resolve();
+        },
+      };
+    });
   }
 
   #stepped(ms: number): void {
