@@ -98,7 +98,10 @@ interface Pending {
 
 interface PrefillPlan {
   model: GpuModel;
-  ops: Op[];
+  /** The forward pass without the LM head (kept when the cache grows). */
+  forward: Op[];
+  /** KV writes, gathered LM head and sampling (bound to the cache: rebuilt when it grows). */
+  tail: Op[] | null;
 }
 
 /** Whether `ctx` is a software adapter running on the CPU. */
@@ -270,10 +273,9 @@ export class Generator {
     for (let s = cap; s > this.#cap; s--) this.#free.push(s);
     this.#free.sort((a, b) => b - a); // lowest slot first off the end
     this.#cap = cap;
-    // Plans bind the cache: rebuild them on next use.
+    // Plans bind the cache: rebuild their bindings on next use (pipelines stay compiled).
     this.#decode.clear();
-    for (const p of this.#prefills.values()) destroyModel(p.model);
-    this.#prefills.clear();
+    for (const p of this.#prefills.values()) p.tail = null;
   }
 
   /**
@@ -459,7 +461,7 @@ export class Generator {
     q.writeBuffer(plan.model.tokens, 0, tokens);
     q.writeBuffer(this.#sel, 0, sel);
     const enc = this.#ctx.device.createCommandEncoder();
-    encodeOps(enc, plan.ops);
+    encodeOps(enc, [...plan.forward, ...plan.tail!]);
     q.submit([enc.finish()]);
   }
 
@@ -525,23 +527,31 @@ export class Generator {
       // Most recently used last.
       this.#prefills.delete(key);
       this.#prefills.set(key, plan);
-      return plan;
+    } else {
+      if (this.#prefills.size >= PREFILL_PLANS) {
+        const [oldKey, old] = this.#prefills.entries().next().value!;
+        this.#prefills.delete(oldKey);
+        destroyModel(old.model);
+      }
+      const model = await buildModel(
+        this.#ctx,
+        { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
+        { train: false, params: this.#params },
+      );
+      const forward = model.forward.filter((o) => o.label !== "lm_head");
+      if (forward.length !== model.forward.length - 1) {
+        throw new Error("Prefill plan found no lm_head op to replace");
+      }
+      plan = { model, forward, tail: null };
+      this.#prefills.set(key, plan);
     }
-    if (this.#prefills.size >= PREFILL_PLANS) {
-      const [oldKey, old] = this.#prefills.entries().next().value!;
-      this.#prefills.delete(oldKey);
-      destroyModel(old.model);
-    }
-    const c = this.config, ctx = this.#ctx;
-    const model = await buildModel(
-      ctx,
-      { config: c, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
-      { train: false, params: this.#params },
-    );
-    const ops = model.forward.filter((o) => o.label !== "lm_head");
-    if (ops.length !== model.forward.length - 1) {
-      throw new Error("Prefill plan found no lm_head op to replace");
-    }
+    plan.tail ??= await this.#prefillTail(plan.model, B, Tb);
+    return plan;
+  }
+
+  /** A prefill's KV writes into the cache, its gathered LM head and its sampling. */
+  async #prefillTail(model: GpuModel, B: number, Tb: number): Promise<Op[]> {
+    const c = this.config, ctx = this.#ctx, ops: Op[] = [];
     const spec: DecodeSpec = { S: B, H: c.n_head, D: c.n_embd / c.n_head, Tmax: c.n_positions };
     const kvGrid = grid1d(
       Math.ceil((B * Tb * c.n_embd) / 4 / 64),
@@ -576,9 +586,7 @@ export class Generator {
         { buffer: this.#sel },
       ], [B]),
     );
-    plan = { model, ops };
-    this.#prefills.set(key, plan);
-    return plan;
+    return ops;
   }
 
   /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
