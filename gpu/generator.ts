@@ -41,6 +41,7 @@ import {
   gemvPartialWgsl,
   gemvReduceBindings,
   gemvReduceWgsl,
+  gemvRowGroups,
   type GemvSpec,
   gemvTColumns,
   gemvTWgsl,
@@ -217,7 +218,7 @@ export class Generator {
     const C = config.n_embd, Vp = config.padded_vocab_size;
     const f = (label: string, n: number) => alloc(label, Math.max(16, n * 4));
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
-    const R = Math.min(rows, GEMV_MAX_ROWS);
+    const R = maxStreams; // the largest decode bucket
     g.#acts = {
       x: await f("gen.x", rows * C),
       x2: await f("gen.x2", rows * C),
@@ -228,7 +229,14 @@ export class Generator {
       fch: await f("gen.fch", rows * 4 * C),
       fcg: await f("gen.fcg", rows * 4 * C),
       logits: await f("gen.logits", Math.max(rows, PREFILL_ROWS) * Vp),
-      part: await f("gen.part", Math.max(...shapes.map(([n, k]) => chooseKSplit(n, k) * R * n))),
+      part: await f(
+        "gen.part",
+        Math.max(
+          ...[...Array(R).keys()].flatMap((m) =>
+            shapes.map(([n, k]) => chooseKSplit(n, k, 264, m + 1) * (m + 1) * n)
+          ),
+        ),
+      ),
     };
     await g.#grow(Math.min(maxStreams, 4));
     return g;
@@ -593,7 +601,7 @@ export class Generator {
   async #decodePlan(S: number): Promise<Op[]> {
     const have = this.#decode.get(S);
     if (have) return have;
-    const ctx = this.#ctx, c = this.config, a = this.#acts;
+    const c = this.config, a = this.#acts;
     const C = c.n_embd, H = c.n_head, D = C / H, L = c.n_layer;
     const spec: DecodeSpec = { S, H, D, Tmax: c.n_positions };
     const V = (buffer: GPUBuffer): View => ({ buffer });
@@ -601,13 +609,12 @@ export class Generator {
     const op = this.#op.bind(this);
     const base = { transA: false, transB: false, bias: true } as const;
     const C4g = Math.ceil((S * C) / 4 / 64);
-    const useGemv = S <= GEMV_MAX_ROWS;
     const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
       op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(a.ln), V(a.stats)], [S]);
     /**
-     * One linear layer. `fuse.ln` names the LayerNorm before it (views.A is then its raw input),
-     * `fuse.kv` the layer whose KV cache the qkv output feeds. The skinny gemv fuses both; the
-     * tiled matmul (many rows) runs them as separate kernels.
+     * One linear layer through the skinny gemv (row groups of 8 beyond 8 rows). `fuse.ln` names
+     * the LayerNorm before it (views.A is then its raw input, normalised in the prologue), `fuse.kv`
+     * the layer whose KV cache the qkv output feeds (appended in the epilogue).
      */
     const lin = async (
       label: string,
@@ -615,40 +622,13 @@ export class Generator {
       views: Record<string, View>,
       fuse: { ln?: [string, string]; kv?: number } = {},
     ): Promise<Op[]> => {
-      if (!useGemv) {
-        const out: Op[] = [];
-        if (fuse.ln) out.push(await lnOp(views.A.buffer, fuse.ln[0], fuse.ln[1], label + ".ln"));
-        const tile = chooseTile(s, ctx.limits.maxComputeInvocationsPerWorkgroup);
-        const mv: Record<string, View> = fuse.ln ? { ...views, A: V(a.ln) } : views;
-        out.push(
-          await op(
-            "matmul_fwd",
-            label,
-            matmulWgsl(s, tile),
-            matmulBindings(s).map((n) => mv[n]),
-            matmulGrid(s, tile),
-          ),
-        );
-        if (fuse.kv !== undefined) {
-          const l = fuse.kv;
-          out.push(
-            await op("attention_fwd", label + ".kv", kvWriteWgsl(spec, { append: true }), [
-              V(this.#state),
-              views.out,
-              V(this.#kc[l]),
-              V(this.#vc[l]),
-            ], [C4g]),
-          );
-        }
-        return out;
-      }
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
         K: s.K,
         bias: s.bias,
         epilogue: s.epilogue as GemvEpilogue,
-        KS: chooseKSplit(s.N, s.K),
+        KS: chooseKSplit(s.N, s.K, 264, s.M),
         ln: !!fuse.ln,
         kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
       };
@@ -658,7 +638,11 @@ export class Generator {
       }
       const partViews = [views.A, views.B, V(a.part), ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])];
       return [
-        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [Math.ceil(s.N / 128), g.KS]),
+        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [
+          Math.ceil(s.N / 128),
+          g.KS,
+          gemvRowGroups(s.M),
+        ]),
         await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
           Math.ceil((s.M * s.N) / 4 / 64),
         ]),
