@@ -31,21 +31,22 @@ export interface GenerationServiceOptions extends SchedulerLimits {
 
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
- * 10 ms on a real GPU, so fewer, longer steps), 2048 prompt tokens prefilled per step, two models
- * loaded, training keeps 70% of a shared GPU.
+ * 10 ms on a real GPU, so fewer, longer steps) and at most 250 ms per step, 2048 prompt tokens
+ * prefilled per step, two models loaded, training keeps 70% of a shared GPU.
  */
 export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   maxStreams: 64,
   chunk: 32,
   firstChunk: 4,
   prefillTokens: 2048,
+  stepBudgetMs: 250,
   maxModels: 2,
   trainShare: 0.7,
 };
 
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
- * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_MAX_MODELS,
+ * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
  * GPT2_TRAIN_SHARE. Throws RangeError naming a variable that is not a number in range.
  */
 export function generationOptionsFromEnv(
@@ -67,6 +68,7 @@ export function generationOptionsFromEnv(
   read("GPT2_GEN_CHUNK", "chunk", 2, 256);
   read("GPT2_GEN_FIRST_CHUNK", "firstChunk", 1, 256);
   read("GPT2_GEN_PREFILL_TOKENS", "prefillTokens", 1, 1 << 20);
+  read("GPT2_GEN_STEP_BUDGET_MS", "stepBudgetMs", 1, 60_000, false);
   read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
   read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
   return o;
@@ -95,6 +97,8 @@ class Engine {
   #dead = false;
   #onIdle: () => void;
   #onStep: (ms: number) => void;
+  /** Measured ms per decode step (moving average), for the scheduler's time budget. */
+  #msPerStep: number | undefined;
 
   constructor(
     ctx: GpuContext,
@@ -189,6 +193,7 @@ class Engine {
       gen.free,
       this.#active.map((s) => s.req.max_tokens - s.produced),
       this.#opts,
+      this.#msPerStep,
     );
     for (const req of this.#waiting.splice(0, plan.admit)) {
       try {
@@ -202,7 +207,12 @@ class Engine {
     if (this.#active.length === 0) return;
     const t0 = performance.now();
     const out = await gen.step(plan.steps);
-    this.#onStep(performance.now() - t0);
+    const ms = performance.now() - t0;
+    this.#onStep(ms);
+    if (plan.steps > 0 && plan.admit === 0) {
+      const per = ms / plan.steps;
+      this.#msPerStep = this.#msPerStep === undefined ? per : 0.7 * this.#msPerStep + 0.3 * per;
+    }
     for (const s of [...this.#active]) {
       const o = out.get(s.handle);
       if (!o) continue;

@@ -15,6 +15,8 @@ export interface SchedulerLimits {
   firstChunk: number;
   /** Prompt tokens prefilled per step; one longer prompt is still admitted alone. */
   prefillTokens: number;
+  /** Longest a step should take, in ms, at the measured time per decode step (default 250). */
+  stepBudgetMs?: number;
 }
 
 /** What the scheduler needs of a waiting request. */
@@ -33,13 +35,14 @@ export interface StepPlan {
 
 /**
  * Plans a step. `free` is the slots free in the generator; `remaining` the tokens each running
- * stream still needs (before this step).
+ * stream still needs (before this step); `msPerStep` the measured time of one decode step, if known.
  */
 export function planStep(
   waiting: readonly WaitingRequest[],
   free: number,
   remaining: readonly number[],
   limits: SchedulerLimits,
+  msPerStep?: number,
 ): StepPlan {
   let admit = 0, tokens = 0;
   while (admit < waiting.length && admit < free) {
@@ -50,6 +53,10 @@ export function planStep(
   }
   // A new stream's prefill yields its first token: it needs maxTokens − 1 more from decoding.
   const need = Math.max(0, ...remaining, ...waiting.slice(0, admit).map((w) => w.maxTokens - 1));
-  const cap = admit > 0 ? Math.min(limits.firstChunk, limits.chunk - 1) : limits.chunk;
+  const budget = msPerStep && msPerStep > 0
+    ? Math.max(1, Math.floor((limits.stepBudgetMs ?? 250) / msPerStep))
+    : limits.chunk;
+  let cap = Math.min(limits.chunk, budget);
+  if (admit > 0) cap = remaining.length === 0 ? 0 : Math.min(cap, limits.firstChunk, limits.chunk - 1);
   return { admit, steps: Math.min(cap, need) };
 }
