@@ -17,10 +17,12 @@ import {
   JobRunner,
   JobStore,
   lockDataDir,
+  parseGpuRoles,
   readServerConfig,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
   type ServerConfig,
+  trainingGpus,
 } from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
@@ -48,6 +50,13 @@ if (import.meta.main) {
     ...await removeStaleTemporaries(datasetsDir(home)),
   ];
   for (const name of stale) console.log(`Removed stale temporary "${name}"`);
+  let roles;
+  try {
+    roles = parseGpuRoles(Deno.env.get("GPT2_GPU_ROLES"), config.gpus);
+  } catch (e) {
+    console.error((e as Error).message);
+    Deno.exit(2);
+  }
   const store = new JobStore(`${home}/jobs.sqlite`);
   const host = new GpuHostClient({ env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) } });
   const runner = new JobRunner(store, {
@@ -55,12 +64,13 @@ if (import.meta.main) {
     gpus: config.gpus,
     spawn: host.spawn,
     host: () => host.status,
+    trainGpus: trainingGpus(roles),
     datasetExists: async (id) =>
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
     splitTokens: async (id) =>
       isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
   });
-  const generation = new GenerationManager(runner, home);
+  const generation = new GenerationManager(runner, home, { roles });
   const datasets = datasetRoutes(home, {
     sources: config.sources,
     limits: config.limits,

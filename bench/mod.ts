@@ -1,8 +1,9 @@
 /**
- * `deno task bench [train|data|matmul|allreduce|runtime] [options]`: the benchmarks. With no suite
- * named it runs the training benchmark (bench/train_bench.ts); `data` runs the data pipeline
+ * `deno task bench [train|data|matmul|allreduce|runtime|generate] [options]`: the benchmarks. With no
+ * suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data pipeline
  * benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and GPU
- * host-path benchmark, and `runtime` the start-train-SIGTERM cycles. Options pass through.
+ * host-path benchmark, `runtime` the start-train-SIGTERM cycles, and `generate` the generation
+ * scenarios (bench/generate_bench.ts). Options pass through.
  */
 
 const suites: Record<string, string> = {
@@ -11,6 +12,7 @@ const suites: Record<string, string> = {
   matmul: "./matmul_bench.ts",
   allreduce: "./allreduce_bench.ts",
   runtime: "./runtime_bench.ts",
+  generate: "./generate_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

@@ -1,11 +1,16 @@
 /**
- * Text generation on the GPU with a KV cache, for several streams at once.
+ * Text generation on the GPU with a KV cache, for a changing batch of streams (continuous
+ * batching).
  *
- * A prompt is prefilled in one forward pass (the training graph, planned for batch 1 at a length
- * bucket, without gradients), its keys and values copied into the stream's cache slot, and the
- * first token sampled on the GPU. Decode steps then process every stream together (one row per
- * stream), sampling on the GPU and feeding the token back through the state buffer, so a whole
- * chunk of tokens costs one submission and one readback.
+ * Each stream owns a KV-cache slot; the cache grows by doubling up to `maxStreams` slots as
+ * streams arrive (slot 0 is scratch, written by padding rows). Decode rows are dense: row r's slot
+ * is in its state, so a finished stream's row is refilled by the last one and the batch shrinks.
+ * A step runs, in one go: the prompts admitted since the last step, prefilled in batches (the
+ * training graph planned for B prompts × a length bucket, without gradients; the LM head only on
+ * each prompt's last position), each sampling its first token on the GPU; then `steps` decode
+ * steps for every row, sampling on the GPU and feeding the token back through the state buffer.
+ * One readback returns every stream's tokens (and logprobs when asked). Between steps the CPU
+ * holds the authoritative state and writes it back, which is what makes rows movable.
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
@@ -14,8 +19,21 @@ import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
 import { layernormForwardWgsl } from "./kernels/layernorm.ts";
-import { attentionDecodeWgsl, type DecodeSpec, embedDecodeWgsl, kvWriteWgsl } from "./kernels/decode.ts";
-import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "./kernels/sample.ts";
+import {
+  attentionDecodeWgsl,
+  type DecodeSpec,
+  embedDecodeWgsl,
+  kvWriteWgsl,
+  SEL_WORDS,
+} from "./kernels/decode.ts";
+import {
+  LOGPROBS_MAX,
+  LP_WORDS,
+  PARAM_WORDS,
+  sampleWgsl,
+  STATE_SLOT,
+  STATE_WORDS,
+} from "./kernels/sample.ts";
 import {
   chooseKSplit,
   GEMV_MAX_ROWS,
@@ -23,70 +41,135 @@ import {
   gemvPartialWgsl,
   gemvReduceBindings,
   gemvReduceWgsl,
+  gemvRowGroups,
   type GemvSpec,
+  gemvTColumns,
+  gemvTWgsl,
 } from "./kernels/gemv.ts";
+import { grid1d } from "./kernels/common.ts";
 
-/** How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters. */
+/**
+ * How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+ * `logprobs` (0 … LOGPROBS_MAX) asks for the chosen token's log-probability and that many top ones.
+ */
 export interface SamplingParams {
   temperature: number;
   top_k: number;
   top_p: number;
   seed: number;
+  logprobs?: number;
 }
 
 /** Generator sizing. */
 export interface GeneratorOptions {
-  /** Streams decoded together (concurrent requests). */
-  streams: number;
-  /** Most tokens a stream gets per `decode` call. */
+  /** Most streams decoded together (KV-cache slots, allocated by need). */
+  maxStreams: number;
+  /** Most tokens a stream gets per `step`. */
   chunk: number;
+  /** Prompt tokens (padded) per prefill batch; a longer prompt runs alone. Default 2048. */
+  prefillTokens?: number;
+}
+
+/** Log-probabilities of one generated token (natural log, the model's raw distribution). */
+export interface TokenLogprobs {
+  logprob: number;
+  /** The most likely tokens, best first. */
+  top: { id: number; logprob: number }[];
+}
+
+/** What one stream produced in a step. */
+export interface StreamOutput {
+  tokens: number[];
+  /** One entry per token when the stream asked for logprobs, else null. */
+  logprobs: TokenLogprobs[] | null;
 }
 
 const BUCKETS = [32, 64, 128, 256, 512, 1024, 2048, 4096];
+/** Prompts per prefill batch at most (the gathered LM head serves up to GEMV_MAX_ROWS rows). */
+const PREFILL_ROWS = GEMV_MAX_ROWS;
+/** Prefill plans kept (each holds activations for its B × T). */
+const PREFILL_PLANS = 4;
+
+interface Pending {
+  slot: number;
+  prompt: Uint32Array;
+  state: Uint32Array;
+  params: Uint32Array;
+}
+
+interface PrefillPlan {
+  model: GpuModel;
+  /** The forward pass without the LM head (kept when the cache grows). */
+  forward: Op[];
+  /** KV writes, gathered LM head and sampling (bound to the cache: rebuilt when it grows). */
+  tail: Op[] | null;
+}
+
+/** Whether `ctx` is a software adapter running on the CPU. */
+export function isCpuAdapter(ctx: GpuContext): boolean {
+  const a = ctx.adapterInfo;
+  return /llvmpipe|lavapipe|swiftshader|software/i.test(`${a.description} ${a.device} ${a.vendor}`);
+}
 
 /** Generates from one model on one GPU. */
 export class Generator {
   readonly config: ModelConfig;
-  readonly opts: GeneratorOptions;
+  readonly opts: Required<GeneratorOptions>;
   #ctx: GpuContext;
   #cache: PipelineCache;
+  #layout: ReturnType<typeof paramLayout> | null = null;
+  /** A CPU adapter (llvmpipe, lavapipe, SwiftShader): kernels without barriers where it matters. */
+  #cpu: boolean;
   #params: GPUBuffer;
   #state: GPUBuffer;
   #sampling: GPUBuffer;
   #out: GPUBuffer;
+  #lp: GPUBuffer;
   #sel: GPUBuffer;
+  #acts: Record<string, GPUBuffer> = {};
   #kc: GPUBuffer[] = [];
   #vc: GPUBuffer[] = [];
-  #decode: Op[] = [];
+  /** Slots the cache holds for streams (slot 0, scratch, not counted). */
+  #cap = 0;
   #buffers: GPUBuffer[] = [];
-  #prefills = new Map<number, { model: GpuModel; ops: Op[] }>();
-  #pending: Op[] = [];
+  #decode = new Map<number, Op[]>();
+  #prefills = new Map<string, PrefillPlan>();
+  /** Row → slot of the streams being decoded. */
+  #rows: number[] = [];
+  #free: number[] = [];
+  #pending: Pending[] = [];
+  /** CPU copies of the state and sampling rows (the GPU's are rewritten before every step). */
+  #stateCpu: Uint32Array<ArrayBuffer>;
+  #paramsCpu: Uint32Array<ArrayBuffer>;
 
   private constructor(
     ctx: GpuContext,
     config: ModelConfig,
-    opts: GeneratorOptions,
-    cache: PipelineCache,
-    bufs: {
-      params: GPUBuffer;
-      state: GPUBuffer;
-      sampling: GPUBuffer;
-      out: GPUBuffer;
-      sel: GPUBuffer;
-    },
+    opts: Required<GeneratorOptions>,
+    bufs: Record<"params" | "state" | "sampling" | "out" | "lp" | "sel", GPUBuffer>,
   ) {
     this.#ctx = ctx;
     this.config = config;
     this.opts = opts;
-    this.#cache = cache;
+    this.#cache = new PipelineCache(ctx);
+    this.#cpu = isCpuAdapter(ctx);
     this.#params = bufs.params;
     this.#state = bufs.state;
     this.#sampling = bufs.sampling;
     this.#out = bufs.out;
+    this.#lp = bufs.lp;
     this.#sel = bufs.sel;
+    // One row more than the streams: padding prefill prompts sample into it.
+    this.#stateCpu = new Uint32Array((opts.maxStreams + 1) * STATE_WORDS);
+    this.#paramsCpu = new Uint32Array((opts.maxStreams + 1) * PARAM_WORDS);
   }
 
-  /** Uploads `params` (flat layout) and plans the decode graph. */
+  /** Bytes of KV cache per stream slot (all layers, keys and values). */
+  static slotBytes(config: ModelConfig): number {
+    return 2 * config.n_layer * config.n_positions * config.n_embd * 4;
+  }
+
+  /** Uploads `params` (flat layout) and allocates the first cache slots. */
   static async create(
     ctx: GpuContext,
     config: ModelConfig,
@@ -100,9 +183,20 @@ export class Generator {
         `${params.length} floats, the model needs ${layout.totalSize}`,
       );
     }
-    if (!(opts.streams >= 1 && opts.chunk >= 1)) {
-      throw new RangeError("Generator needs at least one stream and chunk of 1");
+    if (!(opts.maxStreams >= 1 && opts.chunk >= 1)) {
+      throw new RangeError("Generator needs at least one stream and a chunk of 1");
     }
+    if (config.n_positions * 4 + 256 * 20 > ctx.limits.maxComputeWorkgroupStorageSize) {
+      throw new GpuError(
+        "Generator",
+        `n_positions ${config.n_positions} needs more workgroup memory than the device has`,
+      );
+    }
+    // A layer's cache must fit one binding: that bounds the streams.
+    const perLayerSlot = config.n_positions * config.n_embd * 4;
+    const byBinding = Math.floor(ctx.limits.maxStorageBufferBindingSize / perLayerSlot) - 1;
+    const maxStreams = Math.max(1, Math.min(opts.maxStreams, byBinding));
+    const full = { maxStreams, chunk: opts.chunk, prefillTokens: opts.prefillTokens ?? 2048 };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number) => {
       const b = await createStorage(ctx, label, bytes);
@@ -111,73 +205,416 @@ export class Generator {
     };
     const p = await alloc("gen.params", params.byteLength);
     ctx.device.queue.writeBuffer(p, 0, params.buffer as ArrayBuffer, params.byteOffset, params.byteLength);
-    const S = opts.streams;
-    const g = new Generator(ctx, config, opts, new PipelineCache(ctx), {
+    const rows = maxStreams + 1;
+    const g = new Generator(ctx, config, full, {
       params: p,
-      state: await alloc("gen.state", S * STATE_WORDS * 4),
-      sampling: await alloc("gen.sampling", S * PARAM_WORDS * 4),
-      out: await alloc("gen.out", S * opts.chunk * 4),
-      sel: await alloc("gen.sel", 16),
+      state: await alloc("gen.state", rows * STATE_WORDS * 4),
+      sampling: await alloc("gen.sampling", rows * PARAM_WORDS * 4),
+      out: await alloc("gen.out", rows * opts.chunk * 4),
+      lp: await alloc("gen.lp", rows * opts.chunk * LP_WORDS * 4),
+      sel: await alloc("gen.sel", PREFILL_ROWS * SEL_WORDS * 4),
     });
     g.#buffers = buffers;
-    await g.#planDecode(alloc);
+    const C = config.n_embd, Vp = config.padded_vocab_size;
+    const f = (label: string, n: number) => alloc(label, Math.max(16, n * 4));
+    const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
+    const R = maxStreams; // the largest decode bucket
+    g.#acts = {
+      x: await f("gen.x", rows * C),
+      x2: await f("gen.x2", rows * C),
+      ln: await f("gen.ln", rows * C),
+      stats: await f("gen.stats", rows * 2),
+      qkv: await f("gen.qkv", rows * 3 * C),
+      y: await f("gen.y", rows * C),
+      fch: await f("gen.fch", rows * 4 * C),
+      fcg: await f("gen.fcg", rows * 4 * C),
+      logits: await f("gen.logits", Math.max(rows, PREFILL_ROWS) * Vp),
+      part: await f(
+        "gen.part",
+        Math.max(
+          ...[...Array(R).keys()].flatMap((m) =>
+            shapes.map(([n, k]) => chooseKSplit(n, k, 264, m + 1) * (m + 1) * n)
+          ),
+        ),
+      ),
+    };
+    await g.#grow(Math.min(maxStreams, 4));
     return g;
   }
 
-  async #planDecode(alloc: (label: string, bytes: number) => Promise<GPUBuffer>): Promise<void> {
-    const ctx = this.#ctx, c = this.config, S = this.opts.streams;
-    const C = c.n_embd, H = c.n_head, D = C / H, L = c.n_layer, Vp = c.padded_vocab_size;
-    const spec: DecodeSpec = { S, H, D, Tmax: c.n_positions };
-    if (c.n_positions * 4 + 256 * 20 > ctx.limits.maxComputeWorkgroupStorageSize) {
-      throw new GpuError(
-        "Generator",
-        `n_positions ${c.n_positions} needs more workgroup memory than the device has`,
-      );
+  /** Streams admitted and not released (prefilled or pending). */
+  get streams(): number {
+    return this.#rows.length + this.#pending.length;
+  }
+
+  /** Streams that can still be admitted. */
+  get free(): number {
+    return this.opts.maxStreams - this.streams;
+  }
+
+  /** Stream slots the KV cache holds now (it grows by need). */
+  get capacity(): number {
+    return this.#cap;
+  }
+
+  /** Grows the KV cache to `cap` stream slots (plus scratch), keeping what is cached. */
+  async #grow(cap: number): Promise<void> {
+    if (cap <= this.#cap) return;
+    const c = this.config, bytes = (cap + 1) * c.n_positions * c.n_embd * 4;
+    const kc: GPUBuffer[] = [], vc: GPUBuffer[] = [];
+    for (let l = 0; l < c.n_layer; l++) {
+      kc.push(await createStorage(this.#ctx, `gen.k${l}`, bytes));
+      vc.push(await createStorage(this.#ctx, `gen.v${l}`, bytes));
     }
-    const layout = paramLayout(c);
-    const P = (name: string): View => {
-      const t = layout.byName.get(name)!;
-      return { buffer: this.#params, offset: t.offset * 4, size: t.size * 4 };
-    };
+    if (this.#kc.length) {
+      // Slots are outermost in the layout: the old cache is a prefix of the new one.
+      const enc = this.#ctx.device.createCommandEncoder();
+      for (let l = 0; l < c.n_layer; l++) {
+        enc.copyBufferToBuffer(this.#kc[l], 0, kc[l], 0, this.#kc[l].size);
+        enc.copyBufferToBuffer(this.#vc[l], 0, vc[l], 0, this.#vc[l].size);
+      }
+      this.#ctx.device.queue.submit([enc.finish()]);
+      for (const b of [...this.#kc, ...this.#vc]) b.destroy();
+    }
+    this.#kc = kc;
+    this.#vc = vc;
+    for (let s = cap; s > this.#cap; s--) this.#free.push(s);
+    this.#free.sort((a, b) => b - a); // lowest slot first off the end
+    this.#cap = cap;
+    // Plans bind the cache: rebuild their bindings on next use (pipelines stay compiled).
+    this.#decode.clear();
+    for (const p of this.#prefills.values()) p.tail = null;
+  }
+
+  /**
+   * Admits a stream on `prompt` (1 … n_positions−1 tokens): it is prefilled, and its first token
+   * sampled, at the next `step`. Returns its handle. Throws RangeError when no slot is free.
+   */
+  async admit(prompt: ArrayLike<number>, sampling: SamplingParams): Promise<number> {
+    const c = this.config, len = prompt.length;
+    if (len < 1 || len >= c.n_positions) {
+      throw new RangeError(`Prompt of ${len} tokens must have 1 to ${c.n_positions - 1} tokens`);
+    }
+    const tokens = new Uint32Array(len);
+    for (let i = 0; i < len; i++) {
+      const t = prompt[i];
+      if (!(Number.isInteger(t) && t >= 0 && t < c.vocab_size)) {
+        throw new RangeError(`Prompt token ${t} at ${i} is outside the vocabulary`);
+      }
+      tokens[i] = t;
+    }
+    const lp = sampling.logprobs;
+    if (lp !== undefined && !(Number.isInteger(lp) && lp >= 0 && lp <= LOGPROBS_MAX)) {
+      throw new RangeError(`Logprobs ${lp} must be 0 to ${LOGPROBS_MAX}`);
+    }
+    if (this.free <= 0) throw new RangeError(`All ${this.opts.maxStreams} stream slots are in use`);
+    if (this.#free.length === 0) await this.#grow(Math.min(this.opts.maxStreams, this.#cap * 2));
+    const slot = this.#free.pop()!;
+    const state = new Uint32Array(STATE_WORDS);
+    state.set([tokens[len - 1], len - 1, sampling.seed >>> 0, 0]);
+    state[STATE_SLOT] = slot;
+    const params = new Uint32Array(PARAM_WORDS), pf = new Float32Array(params.buffer);
+    pf[0] = sampling.temperature;
+    params[1] = sampling.top_k >>> 0;
+    pf[2] = sampling.top_p;
+    params[3] = lp === undefined ? 0 : lp + 1;
+    this.#pending.push({ slot, prompt: tokens, state, params });
+    return slot;
+  }
+
+  /** Ends stream `handle`: its row is refilled by the last row and its slot freed. */
+  release(handle: number): void {
+    const p = this.#pending.findIndex((x) => x.slot === handle);
+    if (p >= 0) {
+      this.#pending.splice(p, 1);
+      this.#free.push(handle);
+      return;
+    }
+    const r = this.#rows.indexOf(handle);
+    if (r < 0) return;
+    const last = this.#rows.length - 1;
+    if (r !== last) {
+      this.#rows[r] = this.#rows[last];
+      this.#stateCpu.copyWithin(r * STATE_WORDS, last * STATE_WORDS, (last + 1) * STATE_WORDS);
+      this.#paramsCpu.copyWithin(r * PARAM_WORDS, last * PARAM_WORDS, (last + 1) * PARAM_WORDS);
+    }
+    this.#rows.pop();
+    this.#free.push(handle);
+  }
+
+  /**
+   * Prefills the streams admitted since the last step, runs `steps` decode steps for every stream,
+   * and reads back what each produced: a new stream's first token, then one token per step.
+   * `steps` + 1 (when prompts are pending) must not exceed the chunk. Returns outputs by handle.
+   */
+  async step(steps: number): Promise<Map<number, StreamOutput>> {
+    const chunk = this.opts.chunk, pending = this.#pending.splice(0);
+    if (!(Number.isInteger(steps) && steps >= 0 && steps + (pending.length ? 1 : 0) <= chunk)) {
+      throw new RangeError(`Step of ${steps} decode steps exceeds the chunk of ${chunk} tokens`);
+    }
+    const res = new Map<number, StreamOutput>();
+    for (const p of pending) {
+      const r = this.#rows.length;
+      this.#rows.push(p.slot);
+      this.#stateCpu.set(p.state, r * STATE_WORDS);
+      this.#paramsCpu.set(p.params, r * PARAM_WORDS);
+    }
+    const R = this.#rows.length;
+    if (R === 0) return res;
+    const Rb = this.#bucket(R);
+    // Padding rows: greedy, in the scratch slot at position 0.
+    this.#stateCpu.fill(0, R * STATE_WORDS, Rb * STATE_WORDS);
+    this.#paramsCpu.fill(0, R * PARAM_WORDS, Rb * PARAM_WORDS);
+    for (let r = 0; r < Rb; r++) this.#stateCpu[r * STATE_WORDS + 3] = 0;
+    const scratch = this.opts.maxStreams * STATE_WORDS;
+    this.#stateCpu.fill(0, scratch, scratch + STATE_WORDS);
+    const q = this.#ctx.device.queue;
+    q.writeBuffer(this.#state, 0, this.#stateCpu);
+    q.writeBuffer(this.#sampling, 0, this.#paramsCpu);
+    for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
+    if (steps > 0) {
+      const ops = await this.#decodePlan(Rb);
+      const enc = this.#ctx.device.createCommandEncoder();
+      for (let i = 0; i < steps; i++) encodeOps(enc, ops);
+      q.submit([enc.finish()]);
+    }
+    const wantLp = this.#rows.some((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3] > 0);
+    const reads = [
+      { buffer: this.#state, bytes: R * STATE_WORDS * 4 },
+      { buffer: this.#out, bytes: R * chunk * 4 },
+      ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
+    ];
+    const [sbuf, obuf, lbuf] = await readBuffers(this.#ctx, reads);
+    const state = new Uint32Array(sbuf), out = new Uint32Array(obuf);
+    const lpf = lbuf ? new Float32Array(lbuf) : null, lpu = lbuf ? new Uint32Array(lbuf) : null;
+    for (let r = 0; r < R; r++) {
+      const n = Math.min(state[r * STATE_WORDS + 3], chunk);
+      const tokens = Array.from(out.subarray(r * chunk, r * chunk + n));
+      const nlp = this.#paramsCpu[r * PARAM_WORDS + 3];
+      let logprobs: TokenLogprobs[] | null = null;
+      if (nlp > 0 && lpf && lpu) {
+        logprobs = [];
+        for (let i = 0; i < n; i++) {
+          const o = (r * chunk + i) * LP_WORDS;
+          const top = [];
+          for (let k = 0; k < nlp - 1; k++) top.push({ id: lpu[o + 2 + 2 * k], logprob: lpf[o + 3 + 2 * k] });
+          logprobs.push({ logprob: lpf[o], top });
+        }
+      }
+      res.set(this.#rows[r], { tokens, logprobs });
+      this.#stateCpu[r * STATE_WORDS] = state[r * STATE_WORDS];
+      this.#stateCpu[r * STATE_WORDS + 1] = state[r * STATE_WORDS + 1];
+    }
+    return res;
+  }
+
+  /** Frees the GPU buffers. */
+  destroy(): void {
+    for (const { model } of this.#prefills.values()) destroyModel(model);
+    for (const b of [...this.#buffers, ...this.#kc, ...this.#vc]) b.destroy();
+  }
+
+  #bucket(rows: number): number {
+    let b = 1;
+    while (b < rows) b *= 2;
+    return Math.min(b, this.opts.maxStreams);
+  }
+
+  /** Splits prompts into prefill batches: at most PREFILL_ROWS, B·T within the token budget. */
+  #batches(pending: Pending[]): Pending[][] {
+    const out: Pending[][] = [];
+    let cur: Pending[] = [];
+    const cost = (b: Pending[]) =>
+      this.#pow2(b.length) * this.#lenBucket(Math.max(...b.map((p) => p.prompt.length)));
+    for (const p of pending) {
+      const next = [...cur, p];
+      if (cur.length > 0 && (next.length > PREFILL_ROWS || cost(next) > this.opts.prefillTokens)) {
+        out.push(cur);
+        cur = [p];
+      } else cur = next;
+    }
+    if (cur.length) out.push(cur);
+    return out;
+  }
+
+  #pow2(n: number): number {
+    let b = 1;
+    while (b < n) b *= 2;
+    return b;
+  }
+
+  #lenBucket(len: number): number {
+    const n = this.config.n_positions;
+    return BUCKETS.find((b) => b >= len && b <= n) ?? n;
+  }
+
+  /** Writes one prefill batch's tokens and selection, and submits it. */
+  async #submitPrefill(batch: Pending[]): Promise<void> {
+    const B = this.#pow2(batch.length);
+    const Tb = this.#lenBucket(Math.max(...batch.map((p) => p.prompt.length)));
+    const plan = await this.#prefillPlan(B, Tb);
+    const tokens = new Uint32Array(B * (Tb + 1)), sel = new Uint32Array(PREFILL_ROWS * SEL_WORDS);
+    for (let b = 0; b < B; b++) {
+      const p = batch[b];
+      if (!p) {
+        // Padding prompt: no cache rows (length 0), samples into the spare state row.
+        sel.set([0, 0, 0, this.opts.maxStreams], b * SEL_WORDS);
+        continue;
+      }
+      const len = p.prompt.length;
+      tokens.set(p.prompt, b * (Tb + 1));
+      sel.set([b * Tb + len - 1, p.slot, len, this.#rows.indexOf(p.slot)], b * SEL_WORDS);
+    }
+    const q = this.#ctx.device.queue;
+    q.writeBuffer(plan.model.tokens, 0, tokens);
+    q.writeBuffer(this.#sel, 0, sel);
+    const enc = this.#ctx.device.createCommandEncoder();
+    encodeOps(enc, [...plan.forward, ...plan.tail!]);
+    q.submit([enc.finish()]);
+  }
+
+  async #op(
+    kind: OpKind,
+    label: string,
+    code: string,
+    views: View[],
+    grid: [number, number, number] | [number, number] | [number],
+  ): Promise<Op> {
+    return makeOp(this.#ctx, await this.#cache.get(label, code), {
+      label,
+      phase: "forward",
+      kind,
+      views,
+      grid,
+    });
+  }
+
+  #P(name: string): View {
+    this.#layout ??= paramLayout(this.config);
+    const t = this.#layout.byName.get(name)!;
+    return { buffer: this.#params, offset: t.offset * 4, size: t.size * 4 };
+  }
+
+  /** The LM head over `M` rows of `x` (gathered through sel for a prefill) into the logits. */
+  async #lmHead(label: string, M: number, x: GPUBuffer, gather: boolean): Promise<Op> {
+    const c = this.config, Vp = c.padded_vocab_size, C = c.n_embd;
     const V = (buffer: GPUBuffer): View => ({ buffer });
-    const f = (n: number) => alloc("gen.act", Math.max(16, n * 4));
-    const x = await f(S * C), x2 = await f(S * C), ln = await f(S * C), stats = await f(S * 2);
-    const qkv = await f(S * 3 * C), y = await f(S * C), fch = await f(S * 4 * C), fcg = await f(S * 4 * C);
-    const logits = await f(S * Vp);
-    for (let l = 0; l < L; l++) {
-      this.#kc.push(await alloc(`gen.k${l}`, S * H * c.n_positions * D * 4));
-      this.#vc.push(await alloc(`gen.v${l}`, S * H * c.n_positions * D * 4));
-    }
-    const op = async (
-      kind: OpKind,
-      label: string,
-      code: string,
-      views: View[],
-      grid: [number, number] | [number],
-    ) => makeOp(ctx, await this.#cache.get(label, code), { label, phase: "forward", kind, views, grid });
-    const mm = async (label: string, s: MatmulSpec, views: Record<string, View>) => {
-      const tile = chooseTile(s, ctx.limits.maxComputeInvocationsPerWorkgroup);
-      return await op(
+    if (M <= GEMV_MAX_ROWS || this.#cpu) {
+      const s = {
+        M,
+        N: Vp,
+        K: C,
+        gather: gather ? { selStride: SEL_WORDS } : undefined,
+        perThread: this.#cpu,
+      };
+      return await this.#op(
         "matmul_fwd",
         label,
-        matmulWgsl(s, tile),
-        matmulBindings(s).map((n) => views[n]),
-        matmulGrid(s, tile),
+        gemvTWgsl(s),
+        [V(x), this.#P("wte.weight"), V(this.#acts.logits), ...(gather ? [V(this.#sel)] : [])],
+        [Math.ceil(Vp / gemvTColumns(s))],
       );
-    };
+    }
+    const s: MatmulSpec = { M, N: Vp, K: C, transA: false, transB: true, bias: false, epilogue: "store" };
+    const tile = chooseTile(s, this.#ctx.limits.maxComputeInvocationsPerWorkgroup);
+    const views: Record<string, View> = { A: V(x), B: this.#P("wte.weight"), out: V(this.#acts.logits) };
+    return await this.#op(
+      "matmul_fwd",
+      label,
+      matmulWgsl(s, tile),
+      matmulBindings(s).map((n) => views[n]),
+      matmulGrid(s, tile),
+    );
+  }
+
+  /** The prefill of B prompts of (bucketed) length Tb. */
+  async #prefillPlan(B: number, Tb: number): Promise<PrefillPlan> {
+    const key = `${B}x${Tb}`;
+    let plan = this.#prefills.get(key);
+    if (plan) {
+      // Most recently used last.
+      this.#prefills.delete(key);
+      this.#prefills.set(key, plan);
+    } else {
+      if (this.#prefills.size >= PREFILL_PLANS) {
+        const [oldKey, old] = this.#prefills.entries().next().value!;
+        this.#prefills.delete(oldKey);
+        destroyModel(old.model);
+      }
+      const model = await buildModel(
+        this.#ctx,
+        { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
+        { train: false, params: this.#params },
+      );
+      const forward = model.forward.filter((o) => o.label !== "lm_head");
+      if (forward.length !== model.forward.length - 1) {
+        throw new Error("Prefill plan found no lm_head op to replace");
+      }
+      plan = { model, forward, tail: null };
+      this.#prefills.set(key, plan);
+    }
+    plan.tail ??= await this.#prefillTail(plan.model, B, Tb);
+    return plan;
+  }
+
+  /** A prefill's KV writes into the cache, its gathered LM head and its sampling. */
+  async #prefillTail(model: GpuModel, B: number, Tb: number): Promise<Op[]> {
+    const c = this.config, ctx = this.#ctx, ops: Op[] = [];
+    const spec: DecodeSpec = { S: B, H: c.n_head, D: c.n_embd / c.n_head, Tmax: c.n_positions };
+    const kvGrid = grid1d(
+      Math.ceil((B * Tb * c.n_embd) / 4 / 64),
+      ctx.limits.maxComputeWorkgroupsPerDimension,
+    );
+    for (let l = 0; l < c.n_layer; l++) {
+      ops.push(
+        await this.#op("attention_fwd", `prefill.l${l}.kv`, kvWriteWgsl(spec, { prefill: { B, Tb } }), [
+          { buffer: this.#sel },
+          { buffer: model.layers[l].qkv },
+          { buffer: this.#kc[l] },
+          { buffer: this.#vc[l] },
+        ], kvGrid),
+      );
+    }
+    ops.push(await this.#lmHead("prefill.lm_head", B, model.lnf, true));
+    const sample = sampleWgsl({
+      V: c.vocab_size,
+      Vp: c.padded_vocab_size,
+      streams: B,
+      chunk: this.opts.chunk,
+      rows: "prefill",
+      maxPos: c.n_positions - 1,
+    });
+    ops.push(
+      await this.#op("elementwise", "prefill.sample", sample, [
+        { buffer: this.#acts.logits },
+        { buffer: this.#state },
+        { buffer: this.#sampling },
+        { buffer: this.#out },
+        { buffer: this.#lp },
+        { buffer: this.#sel },
+      ], [B]),
+    );
+    return ops;
+  }
+
+  /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
+  async #decodePlan(S: number): Promise<Op[]> {
+    const have = this.#decode.get(S);
+    if (have) return have;
+    const c = this.config, a = this.#acts;
+    const C = c.n_embd, H = c.n_head, D = C / H, L = c.n_layer;
+    const spec: DecodeSpec = { S, H, D, Tmax: c.n_positions };
+    const V = (buffer: GPUBuffer): View => ({ buffer });
+    const P = (n: string) => this.#P(n);
+    const op = this.#op.bind(this);
     const base = { transA: false, transB: false, bias: true } as const;
     const C4g = Math.ceil((S * C) / 4 / 64);
-    // Linear layers: the skinny gemv (split over K, then summed with the epilogue) for few streams.
-    const useGemv = S <= GEMV_MAX_ROWS;
-    const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
-    const partFloats = Math.max(...shapes.map(([n, k]) => chooseKSplit(n, k) * S * n));
-    const part = useGemv ? await f(partFloats) : null;
     const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
-      op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(ln), V(stats)], [S]);
+      op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(a.ln), V(a.stats)], [S]);
     /**
-     * One linear layer. `fuse.ln` names the LayerNorm before it (views.A is then its raw input),
-     * `fuse.kv` the layer whose KV cache the qkv output feeds. The skinny gemv fuses both; the
-     * tiled matmul (many streams) runs them as separate kernels.
+     * One linear layer through the skinny gemv (row groups of 8 beyond 8 rows). `fuse.ln` names
+     * the LayerNorm before it (views.A is then its raw input, normalised in the prologue), `fuse.kv`
+     * the layer whose KV cache the qkv output feeds (appended in the epilogue).
      */
     const lin = async (
       label: string,
@@ -185,40 +622,27 @@ export class Generator {
       views: Record<string, View>,
       fuse: { ln?: [string, string]; kv?: number } = {},
     ): Promise<Op[]> => {
-      if (!part) {
-        const out: Op[] = [];
-        if (fuse.ln) out.push(await lnOp(views.A.buffer, fuse.ln[0], fuse.ln[1], label + ".ln"));
-        out.push(await mm(label, s, fuse.ln ? { ...views, A: V(ln) } : views));
-        if (fuse.kv !== undefined) {
-          const l = fuse.kv;
-          out.push(
-            await op("attention_fwd", label + ".kv", kvWriteWgsl(spec, { append: true }), [
-              V(this.#state),
-              views.out,
-              V(this.#kc[l]),
-              V(this.#vc[l]),
-            ], [C4g]),
-          );
-        }
-        return out;
-      }
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
         K: s.K,
         bias: s.bias,
         epilogue: s.epilogue as GemvEpilogue,
-        KS: chooseKSplit(s.N, s.K),
+        KS: chooseKSplit(s.N, s.K, 264, s.M),
         ln: !!fuse.ln,
         kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
       };
-      const all: Record<string, View> = { ...views, part: V(part) };
+      const all: Record<string, View> = { ...views, part: V(a.part) };
       if (fuse.kv !== undefined) {
         Object.assign(all, { state: V(this.#state), kc: V(this.#kc[fuse.kv]), vc: V(this.#vc[fuse.kv]) });
       }
-      const partViews = [views.A, views.B, V(part), ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])];
+      const partViews = [views.A, views.B, V(a.part), ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])];
       return [
-        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [Math.ceil(s.N / 128), g.KS]),
+        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [
+          Math.ceil(s.N / 128),
+          g.KS,
+          gemvRowGroups(s.M),
+        ]),
         await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
           Math.ceil((s.M * s.N) / 4 / 64),
         ]),
@@ -230,75 +654,61 @@ export class Generator {
         V(this.#state),
         P("wte.weight"),
         P("wpe.weight"),
-        V(x),
+        V(a.x),
       ], [C4g]),
     );
     for (let l = 0; l < L; l++) {
       const p = `h.${l}.`;
       ops.push(
         ...await lin(`dec.l${l}.qkv`, { ...base, M: S, N: 3 * C, K: C, epilogue: "store" }, {
-          A: V(x),
+          A: V(a.x),
           B: P(p + "attn.c_attn.weight"),
           bias: P(p + "attn.c_attn.bias"),
-          out: V(qkv),
+          out: V(a.qkv),
         }, { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l }),
       );
       ops.push(
         await op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec), [
           V(this.#state),
-          V(qkv),
+          V(a.qkv),
           V(this.#kc[l]),
           V(this.#vc[l]),
-          V(y),
+          V(a.y),
         ], [S, H]),
       );
       ops.push(
         ...await lin(`dec.l${l}.proj`, { ...base, M: S, N: C, K: C, epilogue: "residual" }, {
-          A: V(y),
+          A: V(a.y),
           B: P(p + "attn.c_proj.weight"),
           bias: P(p + "attn.c_proj.bias"),
-          res: V(x),
-          out: V(x2),
+          res: V(a.x),
+          out: V(a.x2),
         }),
       );
       ops.push(
         ...await lin(`dec.l${l}.fc`, { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" }, {
-          A: V(x2),
+          A: V(a.x2),
           B: P(p + "mlp.c_fc.weight"),
           bias: P(p + "mlp.c_fc.bias"),
-          out: V(fch),
-          out2: V(fcg),
+          out: V(a.fch),
+          out2: V(a.fcg),
         }, { ln: [p + "ln_2.weight", p + "ln_2.bias"] }),
       );
       ops.push(
         ...await lin(`dec.l${l}.fcproj`, { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" }, {
-          A: V(fcg),
+          A: V(a.fcg),
           B: P(p + "mlp.c_proj.weight"),
           bias: P(p + "mlp.c_proj.bias"),
-          res: V(x2),
-          out: V(x),
+          res: V(a.x2),
+          out: V(a.x),
         }),
       );
     }
-    ops.push(await lnOp(x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
-    ops.push(
-      await mm("dec.lm_head", {
-        M: S,
-        N: Vp,
-        K: C,
-        transA: false,
-        transB: true,
-        bias: false,
-        epilogue: "store",
-      }, {
-        A: V(ln),
-        B: P("wte.weight"),
-        out: V(logits),
-      }),
-    );
+    ops.push(await lnOp(a.x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
+    ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
     const sample = sampleWgsl({
       V: c.vocab_size,
-      Vp,
+      Vp: c.padded_vocab_size,
       streams: S,
       chunk: this.opts.chunk,
       rows: "stream",
@@ -306,143 +716,14 @@ export class Generator {
     });
     ops.push(
       await op("elementwise", "dec.sample", sample, [
-        V(logits),
+        V(a.logits),
         V(this.#state),
         V(this.#sampling),
         V(this.#out),
+        V(this.#lp),
       ], [S]),
     );
-    this.#decode = ops;
-  }
-
-  async #prefillPlan(len: number): Promise<{ model: GpuModel; ops: Op[] }> {
-    const c = this.config;
-    const Tb = BUCKETS.find((b) => b >= len && b <= c.n_positions) ?? c.n_positions;
-    let plan = this.#prefills.get(Tb);
-    if (plan) return plan;
-    const ctx = this.#ctx;
-    const model = await buildModel(
-      ctx,
-      { config: c, B: 1, T: Tb, attnDropout: 0, hiddenDropout: 0 },
-      { train: false, params: this.#params },
-    );
-    const D = c.n_embd / c.n_head;
-    const spec: DecodeSpec = { S: this.opts.streams, H: c.n_head, D, Tmax: c.n_positions };
-    const ops: Op[] = [...model.forward];
-    for (let l = 0; l < c.n_layer; l++) {
-      const code = kvWriteWgsl(spec, { prefillRows: Tb });
-      ops.push(makeOp(ctx, await this.#cache.get("prefill.kv", code), {
-        label: `prefill.l${l}.kv`,
-        phase: "forward",
-        kind: "attention_fwd",
-        views: [{ buffer: this.#sel }, { buffer: model.layers[l].qkv }, { buffer: this.#kc[l] }, {
-          buffer: this.#vc[l],
-        }],
-        grid: [Math.ceil((Tb * c.n_embd) / 4 / 64)],
-      }));
-    }
-    const code = sampleWgsl({
-      V: c.vocab_size,
-      Vp: c.padded_vocab_size,
-      streams: this.opts.streams,
-      chunk: this.opts.chunk,
-      rows: "prefill",
-      maxPos: c.n_positions - 1,
-    });
-    ops.push(makeOp(ctx, await this.#cache.get("prefill.sample", code), {
-      label: "prefill.sample",
-      phase: "forward",
-      kind: "elementwise",
-      views: [{ buffer: model.logits }, { buffer: this.#state }, { buffer: this.#sampling }, {
-        buffer: this.#out,
-      }, {
-        buffer: this.#sel,
-      }],
-      grid: [1],
-    }));
-    plan = { model, ops };
-    this.#prefills.set(Tb, plan);
-    return plan;
-  }
-
-  /**
-   * Starts stream `slot` on `prompt` (1 … n_positions−1 tokens): prefills its cache and samples its
-   * first token, which the next `decode` returns first. Nothing is submitted until `decode`.
-   */
-  async prefill(slot: number, prompt: ArrayLike<number>, sampling: SamplingParams): Promise<void> {
-    const c = this.config, len = prompt.length;
-    if (!(slot >= 0 && slot < this.opts.streams)) throw new RangeError(`Stream slot ${slot} is out of range`);
-    if (len < 1 || len >= c.n_positions) {
-      throw new RangeError(`Prompt of ${len} tokens must have 1 to ${c.n_positions - 1} tokens`);
-    }
-    // Prefills are submitted one at a time: each uses the shared `sel` and bucket buffers.
-    if (this.#pending.length) this.#flushPrefill();
-    const plan = await this.#prefillPlan(len);
-    const Tb = plan.model.shape.T;
-    const tokens = new Uint32Array(Tb + 1);
-    for (let i = 0; i < len; i++) {
-      const t = prompt[i];
-      if (!(Number.isInteger(t) && t >= 0 && t < c.vocab_size)) {
-        throw new RangeError(`Prompt token ${t} at ${i} is outside the vocabulary`);
-      }
-      tokens[i] = t;
-    }
-    const q = this.#ctx.device.queue;
-    q.writeBuffer(plan.model.tokens, 0, tokens);
-    q.writeBuffer(this.#sel, 0, new Uint32Array([len - 1, slot, len, 0]));
-    q.writeBuffer(
-      this.#state,
-      slot * STATE_WORDS * 4,
-      new Uint32Array([prompt[len - 1], len - 1, sampling.seed >>> 0, 0]),
-    );
-    const sp = new Uint32Array(PARAM_WORDS), spf = new Float32Array(sp.buffer);
-    spf[0] = sampling.temperature;
-    sp[1] = sampling.top_k >>> 0;
-    spf[2] = sampling.top_p;
-    q.writeBuffer(this.#sampling, slot * PARAM_WORDS * 4, sp);
-    this.#pending = plan.ops;
-  }
-
-  #flushPrefill(): void {
-    const enc = this.#ctx.device.createCommandEncoder();
-    encodeOps(enc, this.#pending);
-    this.#ctx.device.queue.submit([enc.finish()]);
-    this.#pending = [];
-  }
-
-  /**
-   * Runs any pending prefill and `steps` decode steps for all streams in one submission, then reads
-   * back what each stream produced since the last call: the prefill's first token (if any) and one
-   * token per step. Returns one array per stream.
-   */
-  async decode(steps: number): Promise<Uint32Array[]> {
-    const S = this.opts.streams, chunk = this.opts.chunk;
-    if (!(steps >= 0 && steps + (this.#pending.length ? 1 : 0) <= chunk)) {
-      throw new RangeError(`Decode of ${steps} steps exceeds the chunk of ${chunk} tokens`);
-    }
-    const enc = this.#ctx.device.createCommandEncoder();
-    if (this.#pending.length) {
-      encodeOps(enc, this.#pending);
-      this.#pending = [];
-    }
-    for (let i = 0; i < steps; i++) encodeOps(enc, this.#decode);
-    this.#ctx.device.queue.submit([enc.finish()]);
-    // State and tokens in one readback.
-    const [sbuf, obuf] = await readBuffers(this.#ctx, [{ buffer: this.#state }, { buffer: this.#out }]);
-    const state = new Uint32Array(sbuf), out = new Uint32Array(obuf);
-    const res: Uint32Array[] = [];
-    for (let s = 0; s < S; s++) {
-      res.push(out.slice(s * chunk, s * chunk + Math.min(state[s * STATE_WORDS + 3], chunk)));
-      state[s * STATE_WORDS + 3] = 0;
-    }
-    // Nothing runs on the GPU now: write the state back with every stream's count reset.
-    this.#ctx.device.queue.writeBuffer(this.#state, 0, state);
-    return res;
-  }
-
-  /** Frees the GPU buffers. */
-  destroy(): void {
-    for (const { model } of this.#prefills.values()) destroyModel(model);
-    for (const b of this.#buffers) b.destroy();
+    this.#decode.set(S, ops);
+    return ops;
   }
 }

@@ -93,6 +93,8 @@ export interface GpuModel {
   tokens: GPUBuffer;
   /** Per-layer activations of the last forward pass. */
   layers: LayerActs[];
+  /** (B·T, C) final LayerNorm output of the last forward pass (the LM head's input). */
+  lnf: GPUBuffer;
   /** (B·T, Vp) logits of the last forward pass (overwritten by their gradient in training). */
   logits: GPUBuffer;
   stats: GPUBuffer;
@@ -649,6 +651,7 @@ export async function buildModel(
     adamV: trainBufs?.adamV ?? null,
     tokens,
     layers: acts,
+    lnf,
     logits,
     stats,
     dropUniform,

@@ -1,37 +1,84 @@
 /**
- * Generation inside a GPU Worker. One engine per loaded model holds a gpu/ Generator with a few
- * stream slots; requests for that model take a free slot (prefill), and all active slots are
- * decoded together, a chunk of tokens per submission, each chunk posted as it arrives. A request
- * ends at its token budget, at `<|endoftext|>`, or when cancelled (checked between chunks).
+ * Generation inside a GPU Worker, with continuous batching. One engine per loaded model holds a
+ * gpu/ Generator (up to `maxStreams` streams, its KV cache grown by need). At every step the
+ * engine drops cancelled streams, admits waiting requests into free slots (jobs/scheduler.ts),
+ * and runs their prefill and a chunk of decode steps for all streams in one go, posting each
+ * stream's tokens as they arrive. A request ends at its token budget, at `<|endoftext|>`, or when
+ * cancelled (the slot is freed at the next step). Requests beyond the slots wait in order.
  *
- * Engines run on their own async loop next to a training job: both await the GPU, so the event
- * loop alternates between training steps and generation chunks, and neither waits for the other
- * to finish. Idle engines beyond `maxModels` are unloaded when another model is needed.
+ * Beside training on the same GPU: the train loop asks `busy` after each step; while generation
+ * is busy it keeps one step in flight and hands the GPU over through `turn`, which returns after
+ * generation has had its share of the time, so neither side's readback waits on a deep queue of
+ * the other's work. Idle engines beyond `maxModels` are unloaded, least recently used first.
  */
 
 import { EOT_TOKEN } from "../gpu/config.ts";
 import type { GpuContext } from "../gpu/device.ts";
 import { Generator } from "../gpu/generator.ts";
-import type { FromWorker, FromWorkerGeneration, WorkerGeneration } from "./messages.ts";
+import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "./messages.ts";
 import { loadWeights } from "./model_source.ts";
+import { planStep, type SchedulerLimits } from "./scheduler.ts";
 
 /** Sizing of each engine. */
-export interface GenerationServiceOptions {
-  /** Stream slots decoded together per model. */
-  streams: number;
-  /** Tokens per stream per submission. */
-  chunk: number;
+export interface GenerationServiceOptions extends SchedulerLimits {
+  /** Most streams decoded together per model. */
+  maxStreams: number;
   /** Models kept loaded when idle. */
   maxModels: number;
+  /** Share of GPU time training keeps while generations run beside it (0 … 1). */
+  trainShare: number;
 }
 
-/** Defaults: four concurrent streams per model, sixteen tokens per submission, two models loaded. */
-export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = { streams: 4, chunk: 16, maxModels: 2 };
+/**
+ * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
+ * 10 ms on a real GPU, so fewer, longer steps) and at most 250 ms per step, 2048 prompt tokens
+ * prefilled per step, two models loaded, training keeps 70% of a shared GPU.
+ */
+export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
+  maxStreams: 64,
+  chunk: 32,
+  firstChunk: 4,
+  prefillTokens: 2048,
+  stepBudgetMs: 250,
+  maxModels: 2,
+  trainShare: 0.7,
+};
+
+/**
+ * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
+ * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
+ * GPT2_TRAIN_SHARE. Throws RangeError naming a variable that is not a number in range.
+ */
+export function generationOptionsFromEnv(
+  env: { get(key: string): string | undefined },
+): GenerationServiceOptions {
+  const o = { ...DEFAULT_GENERATION_OPTIONS };
+  const read = (name: string, key: keyof GenerationServiceOptions, min: number, max: number, int = true) => {
+    const raw = env.get(name);
+    if (raw === undefined || raw === "") return;
+    const v = Number(raw);
+    if (!(v >= min && v <= max) || (int && !Number.isInteger(v))) {
+      throw new RangeError(
+        `${name} "${raw}" must be ${int ? "an integer" : "a number"} from ${min} to ${max}`,
+      );
+    }
+    o[key] = v;
+  };
+  read("GPT2_GEN_MAX_STREAMS", "maxStreams", 1, 1024);
+  read("GPT2_GEN_CHUNK", "chunk", 2, 256);
+  read("GPT2_GEN_FIRST_CHUNK", "firstChunk", 1, 256);
+  read("GPT2_GEN_PREFILL_TOKENS", "prefillTokens", 1, 1 << 20);
+  read("GPT2_GEN_STEP_BUDGET_MS", "stepBudgetMs", 1, 60_000, false);
+  read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
+  read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
+  return o;
+}
 
 type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;
 
 interface Active {
   req: WorkerGeneration;
+  handle: number;
   produced: number;
   cancelled: boolean;
 }
@@ -45,27 +92,34 @@ class Engine {
   #gen: Promise<Generator>;
   #loadMs = 0;
   #waiting: WorkerGeneration[] = [];
-  #slots: (Active | null)[];
+  #active: Active[] = [];
   #running = false;
   #dead = false;
   #onIdle: () => void;
+  #onStep: (ms: number) => void;
+  /** Measured ms per decode step (moving average), for the scheduler's time budget. */
+  #msPerStep: number | undefined;
 
   constructor(
     ctx: GpuContext,
     first: WorkerGeneration,
     post: (msg: FromWorker) => void,
     opts: GenerationServiceOptions,
-    onIdle: () => void,
+    hooks: { idle: () => void; step: (ms: number) => void },
   ) {
     this.key = keyOf(first);
     this.#ctx = ctx;
     this.#post = post;
     this.#opts = opts;
-    this.#onIdle = onIdle;
-    this.#slots = new Array(opts.streams).fill(null);
+    this.#onIdle = hooks.idle;
+    this.#onStep = hooks.step;
     const t0 = performance.now();
     this.#gen = loadWeights(first.model).then((params) =>
-      Generator.create(ctx, first.model.config, params, { streams: opts.streams, chunk: opts.chunk })
+      Generator.create(ctx, first.model.config, params, {
+        maxStreams: opts.maxStreams,
+        chunk: opts.chunk,
+        prefillTokens: opts.prefillTokens,
+      })
     ).then((g) => {
       this.#loadMs = performance.now() - t0;
       return g;
@@ -95,7 +149,7 @@ class Engine {
       this.#done(id, "cancelled", null, 0);
       return true;
     }
-    const a = this.#slots.find((s) => s?.req.id === id);
+    const a = this.#active.find((s) => s.req.id === id);
     if (a) a.cancelled = true;
     return a !== undefined;
   }
@@ -113,68 +167,72 @@ class Engine {
     this.#running = true;
     try {
       const gen = await this.#gen;
-      while (this.#waiting.length > 0 || this.#slots.some((s) => s !== null)) await this.#step(gen);
+      while (this.#waiting.length > 0 || this.#active.length > 0) await this.#step(gen);
     } catch (e) {
       this.#dead = true;
       const message = (e as Error).message || String(e);
       for (const r of this.#waiting.splice(0)) this.#done(r.id, "error", message, 0);
-      for (const [i, s] of this.#slots.entries()) {
-        if (s) this.#done(s.req.id, "error", message, s.produced);
-        this.#slots[i] = null;
-      }
+      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
     } finally {
       this.#running = false;
       this.#onIdle();
     }
   }
 
-  /** Admits waiting requests into free slots, decodes one chunk, posts what each stream produced. */
+  #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
+    gen.release(s.handle);
+    this.#active.splice(this.#active.indexOf(s), 1);
+    this.#done(s.req.id, reason, null, s.produced);
+  }
+
+  /** Drops cancelled streams, admits what fits, runs one step, posts what each stream produced. */
   async #step(gen: Generator): Promise<void> {
-    const chunk = this.#opts.chunk;
-    for (const [i, s] of this.#slots.entries()) {
-      if (s?.cancelled) {
-        this.#done(s.req.id, "cancelled", null, s.produced);
-        this.#slots[i] = null;
-      }
-    }
-    let prefilled = false;
-    for (let i = 0; i < this.#slots.length && this.#waiting.length > 0; i++) {
-      if (this.#slots[i]) continue;
-      const req = this.#waiting.shift()!;
+    for (const s of [...this.#active]) if (s.cancelled) this.#finish(gen, s, "cancelled");
+    const plan = planStep(
+      this.#waiting.map((r) => ({ promptTokens: r.prompt.length, maxTokens: r.max_tokens })),
+      gen.free,
+      this.#active.map((s) => s.req.max_tokens - s.produced),
+      this.#opts,
+      this.#msPerStep,
+    );
+    for (const req of this.#waiting.splice(0, plan.admit)) {
       try {
-        await gen.prefill(i, req.prompt, req);
+        const handle = await gen.admit(req.prompt, { ...req, logprobs: req.logprobs ?? undefined });
+        this.#active.push({ req, handle, produced: 0, cancelled: false });
+        this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
       } catch (e) {
         this.#done(req.id, "error", (e as Error).message, 0);
-        continue;
       }
-      this.#slots[i] = { req, produced: 0, cancelled: false };
-      this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
-      prefilled = true;
     }
-    const active = this.#slots.filter((s): s is Active => s !== null);
-    if (active.length === 0) return;
-    // After a prefill, read its first token back at once (time to first token); otherwise enough
-    // steps for the stream needing most, within one chunk.
-    const need = Math.max(...active.map((s) => s.req.max_tokens - s.produced));
-    const steps = prefilled ? 0 : Math.max(0, Math.min(chunk, need));
-    const out = await gen.decode(steps);
-    for (const [i, s] of this.#slots.entries()) {
-      if (!s) continue;
+    if (this.#active.length === 0) return;
+    const t0 = performance.now();
+    const out = await gen.step(plan.steps);
+    const ms = performance.now() - t0;
+    this.#onStep(ms);
+    if (plan.steps > 0 && plan.admit === 0) {
+      const per = ms / plan.steps;
+      this.#msPerStep = this.#msPerStep === undefined ? per : 0.7 * this.#msPerStep + 0.3 * per;
+    }
+    for (const s of [...this.#active]) {
+      const o = out.get(s.handle);
+      if (!o) continue;
       if (s.cancelled) {
-        this.#done(s.req.id, "cancelled", null, s.produced);
-        this.#slots[i] = null;
+        this.#finish(gen, s, "cancelled");
         continue;
       }
       const room = s.req.max_tokens - s.produced;
-      let tokens = Array.from(out[i].subarray(0, room));
+      let tokens = o.tokens.slice(0, room);
       const eos = s.req.stop_at_eos ? tokens.indexOf(EOT_TOKEN) : -1;
       if (eos >= 0) tokens = tokens.slice(0, eos);
       s.produced += tokens.length;
-      if (tokens.length > 0) this.#post({ type: "gen_tokens", id: s.req.id, tokens });
-      if (eos >= 0 || s.produced >= s.req.max_tokens) {
-        this.#done(s.req.id, eos >= 0 ? "eos" : "length", null, s.produced);
-        this.#slots[i] = null;
+      if (tokens.length > 0) {
+        const logprobs: WorkerLogprobs[] | undefined = o.logprobs?.slice(0, tokens.length).map((l) => ({
+          logprob: l.logprob,
+          top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
+        }));
+        this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}) });
       }
+      if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
   }
 }
@@ -188,19 +246,62 @@ export class GenerationService {
   #open: () => Promise<GpuContext>;
   #post: (msg: FromWorker) => void;
   #opts: GenerationServiceOptions;
+  /** Loaded engines, least recently used first. */
   #engines = new Map<string, Engine>();
   /** Cancels that arrived while their request was still being routed to an engine. */
   #early = new Set<string>();
+  /** Generation time owed to training's turn, and who waits for it. */
+  #turn: { left: number; resolve: () => void } | null = null;
 
   /** `open` returns the Worker's device (opening it again if lost); `post` sends to the HTTP thread. */
   constructor(
     open: () => Promise<GpuContext>,
     post: (msg: FromWorker) => void,
-    opts: GenerationServiceOptions = DEFAULT_GENERATION_OPTIONS,
+    opts: Partial<GenerationServiceOptions> = {},
   ) {
     this.#open = open;
     this.#post = post;
-    this.#opts = opts;
+    this.#opts = { ...DEFAULT_GENERATION_OPTIONS, ...opts };
+  }
+
+  /** Whether any model has requests running or waiting. */
+  get busy(): boolean {
+    for (const e of this.#engines.values()) if (!e.idle) return true;
+    return false;
+  }
+
+  /**
+   * Training's hand-over after a step that took `trainMs`: resolves once generation has run for
+   * its share (trainMs · (1 − trainShare) / trainShare, at most 2 s), or at once when idle.
+   */
+  turn(trainMs: number): Promise<void> {
+    if (!this.busy) return Promise.resolve();
+    this.#turn?.resolve();
+    const share = Math.min(0.95, Math.max(0.05, this.#opts.trainShare));
+    const left = Math.min(2000, (trainMs * (1 - share)) / share);
+    return new Promise((resolve) => {
+      // Never longer than the share plus a second (a model still loading takes no steps).
+      const timer = setTimeout(() => this.#releaseTurn(), left + 1000);
+      this.#turn = {
+        left,
+        resolve: () => {
+          clearTimeout(timer);
+          resolve();
+        },
+      };
+    });
+  }
+
+  #stepped(ms: number): void {
+    if (!this.#turn) return;
+    this.#turn.left -= ms;
+    if (this.#turn.left <= 0) this.#releaseTurn();
+  }
+
+  #releaseTurn(): void {
+    const t = this.#turn;
+    this.#turn = null;
+    t?.resolve();
   }
 
   /** Starts a request on its model's engine, loading the model first if needed. */
@@ -227,9 +328,17 @@ export class GenerationService {
         return;
       }
       await this.#evict(this.#opts.maxModels - 1);
-      engine = new Engine(ctx, req, this.#post, this.#opts, () => this.#evict(this.#opts.maxModels));
-      this.#engines.set(key, engine);
+      engine = new Engine(ctx, req, this.#post, this.#opts, {
+        idle: () => {
+          if (!this.busy) this.#releaseTurn();
+          this.#evict(this.#opts.maxModels);
+        },
+        step: (ms) => this.#stepped(ms),
+      });
     }
+    // Most recently used last.
+    this.#engines.delete(key);
+    this.#engines.set(key, engine);
     if (this.#early.delete(req.id)) {
       this.#post({ type: "gen_done", id: req.id, reason: "cancelled", error: null, completion_tokens: 0 });
       return;
@@ -248,9 +357,10 @@ export class GenerationService {
   async destroy(): Promise<void> {
     for (const e of this.#engines.values()) await e.destroy();
     this.#engines.clear();
+    this.#releaseTurn();
   }
 
-  /** Unloads idle engines while more than `limit` are loaded (oldest first), and broken idle ones. */
+  /** Unloads idle engines while more than `limit` are loaded (least recently used first), and broken idle ones. */
   async #evict(limit: number): Promise<void> {
     for (const [key, e] of this.#engines) {
       if (!e.idle) continue;

@@ -19,7 +19,7 @@
 import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
 import { CANCEL_FLAG, type FromWorker, STOP_FLAG, type ToWorkerThread } from "./messages.ts";
 import { runTraining } from "./train_loop.ts";
-import { GenerationService } from "./generation_service.ts";
+import { generationOptionsFromEnv, GenerationService } from "./generation_service.ts";
 
 // Inside the GPU host, stdout carries the host protocol: route console output to stderr.
 if (Deno.env.get("GPT2_GPU_HOST_CHILD") === "1") {
@@ -39,7 +39,7 @@ class GpuWorker {
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
-    this.#generation = new GenerationService(() => this.#open(), post);
+    this.#generation = new GenerationService(() => this.#open(), post, generationOptionsFromEnv(Deno.env));
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
@@ -109,6 +109,7 @@ class GpuWorker {
             post: this.#post,
             cancelled: () => this.#flag(CANCEL_FLAG),
             stopRequested: () => this.#flag(STOP_FLAG),
+            generation: this.#generation,
           }),
         );
         return;

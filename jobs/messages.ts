@@ -54,6 +54,14 @@ export interface WorkerGeneration {
   seed: number;
   /** Stop at `<|endoftext|>` (not returned). */
   stop_at_eos: boolean;
+  /** Log-probabilities per token: null for none, else how many top ones (0 … 5). */
+  logprobs?: number | null;
+}
+
+/** Log-probabilities of one generated token: its own and the top ones as [id, logprob], best first. */
+export interface WorkerLogprobs {
+  logprob: number;
+  top: [number, number][];
 }
 
 /**
@@ -80,7 +88,7 @@ export type ToWorkerThread =
 /** Worker → HTTP thread, for generations: accepted onto the GPU, new tokens, finished. */
 export type FromWorkerGeneration =
   | { type: "gen_started"; id: string; load_ms: number }
-  | { type: "gen_tokens"; id: string; tokens: number[] }
+  | { type: "gen_tokens"; id: string; tokens: number[]; logprobs?: WorkerLogprobs[] }
   | {
     type: "gen_done";
     id: string;

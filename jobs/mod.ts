@@ -25,3 +25,4 @@ export { GpuHostClient, type HostStatus } from "./host_client.ts";
 export * from "./model_source.ts";
 export * from "./text_stream.ts";
 export * from "./generation.ts";
+export * from "./roles.ts";

@@ -62,6 +62,8 @@ export interface RunnerOptions {
   splitTokens?: (id: string) => Promise<{ train: number; valid: number; test: number } | null>;
   /** The GPU host's state, when the Workers run in one (shown by /health). */
   host?: () => HostStatus;
+  /** GPUs that take training jobs (GPT2_GPU_ROLES); default all. */
+  trainGpus?: number[];
 }
 
 type Listener = (e: JobEvent) => void;
@@ -307,9 +309,11 @@ export class JobRunner {
   }
 
   #pickGpu(): number {
-    let best = 0, bestLoad = Infinity;
-    for (const s of this.#slots) {
-      if (s.state === "unavailable" && this.#slots.some((o) => o.state !== "unavailable")) continue;
+    const trains = (s: Slot) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index);
+    const candidates = this.#slots.filter(trains);
+    let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
+    for (const s of candidates) {
+      if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
       const load = this.#store.queueLength(s.index) + (s.job ? 1 : 0);
       if (load < bestLoad) [best, bestLoad] = [s.index, load];
     }

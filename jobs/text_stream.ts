@@ -41,6 +41,29 @@ export function encodePrompt(prompt: string, maxTokens: number): PromptTokens {
   };
 }
 
+/** Keeps the last `maxTokens` of a prompt given as token ids; an empty one is `<|endoftext|>`. */
+export function fitPromptTokens(ids: readonly number[], maxTokens: number): PromptTokens {
+  const tokens = ids.length === 0 ? [EOT_TOKEN] : [...ids];
+  const keep = Math.max(1, maxTokens);
+  return {
+    tokens: tokens.slice(Math.max(0, tokens.length - keep)),
+    total: tokens.length,
+    truncated: Math.max(0, tokens.length - keep),
+  };
+}
+
+/** The text of token ids (bytes decoded together; an incomplete character becomes U+FFFD). */
+export function decodeTokens(ids: readonly number[]): string {
+  const parts = ids.map(tokenBytes);
+  const all = new Uint8Array(parts.reduce((a, p) => a + p.length, 0));
+  let at = 0;
+  for (const p of parts) {
+    all.set(p, at);
+    at += p.length;
+  }
+  return new TextDecoder().decode(all);
+}
+
 /** The UTF-8 bytes of GPT-2 token `id`. */
 export function tokenBytes(id: number): Uint8Array {
   if (id === EOT_TOKEN) return utf8.encode(EOT_TEXT);

@@ -37,6 +37,11 @@ export interface TrainHooks {
   stopRequested?(): boolean;
   /** Test hook: make the gradient non-finite on the GPU at these steps (0-based, as Trainer's `debugNonFiniteAt`). */
   nonFiniteAt?: number[];
+  /**
+   * Generation sharing this GPU: while it is busy, at most one training step is in flight, and
+   * after each step `turn(stepMs)` hands it the GPU for its share of time.
+   */
+  generation?: { readonly busy: boolean; turn(trainMs: number): Promise<void> };
 }
 
 /** The outcome message of a job. */
@@ -183,8 +188,14 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       iteration = trainer.step;
       windowSteps++;
       const last = iteration === c.train_iters;
-      // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
-      if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) await ctx.device.queue.onSubmittedWorkDone();
+      if (hooks.generation?.busy) {
+        const ts = performance.now();
+        await ctx.device.queue.onSubmittedWorkDone();
+        await hooks.generation.turn(performance.now() - ts);
+      } else if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) {
+        // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
+        await ctx.device.queue.onSubmittedWorkDone();
+      }
       if (logStep) {
         const stats = await trainer.lastStats();
         const phases = await trainer.phaseTimes();

@@ -197,6 +197,52 @@ export function createMetrics(
         this.inc(generation.stats.tokens);
       },
     });
+    // The names vLLM's users already scrape.
+    const gauge = (name: string, help: string, read: () => number) =>
+      new Gauge({
+        name,
+        help,
+        registers,
+        collect() {
+          this.set(read());
+        },
+      });
+    gauge("vllm:num_requests_running", "Requests decoding on a GPU", () => generation.stats.running);
+    gauge("vllm:num_requests_waiting", "Requests waiting for a stream slot", () => generation.stats.waiting);
+    const counter = (name: string, help: string, read: () => number) =>
+      new Counter({
+        name,
+        help,
+        registers,
+        collect() {
+          this.reset();
+          this.inc(read());
+        },
+      });
+    counter("vllm:prompt_tokens_total", "Prompt tokens processed", () => generation.stats.prompt_tokens);
+    counter("vllm:generation_tokens_total", "Tokens generated", () => generation.stats.tokens);
+    new Counter({
+      name: "vllm:request_success_total",
+      help: "Requests finished, by reason",
+      labelNames: ["finished_reason"],
+      registers,
+      collect() {
+        this.reset();
+        for (const [reason, n] of Object.entries(generation.stats.finished)) {
+          this.inc({ finished_reason: reason }, n);
+        }
+      },
+    });
+    registry.registerMetric(bucketed(
+      "vllm:time_to_first_token_seconds",
+      "Seconds from request to first token",
+      () => generation.stats.ttft,
+    ));
+    registry.registerMetric(bucketed(
+      "vllm:inter_token_latency_seconds",
+      "Seconds between tokens",
+      () => generation.stats.itl,
+    ));
   }
 
   return {
@@ -204,4 +250,33 @@ export function createMetrics(
     register: (hook) => hook(registry),
     countRequest: (method, status) => requests.inc({ method, code: String(status) }),
   };
+}
+
+/** A histogram whose buckets are counted elsewhere (the generation manager), exposed as prom-client expects. */
+function bucketed(name: string, help: string, read: () => BucketCounts) {
+  return {
+    name,
+    help,
+    type: "histogram",
+    aggregator: "sum",
+    get() {
+      const h = read(); // counts are cumulative already, the last bucket +Inf
+      const values = h.buckets.map((le, i) => ({
+        metricName: `${name}_bucket`,
+        labels: { le: le === Infinity ? "+Inf" : le },
+        value: h.counts[i],
+      }));
+      values.push({ metricName: `${name}_sum`, labels: {} as { le: string | number }, value: h.sum });
+      values.push({ metricName: `${name}_count`, labels: {} as { le: string | number }, value: h.count });
+      return { name, help, type: "histogram", aggregator: "sum", values };
+    },
+  } as unknown as Parameters<Registry["registerMetric"]>[0];
+}
+
+/** Cumulative bucket counts as the generation manager keeps them (jobs/generation.ts). */
+interface BucketCounts {
+  buckets: number[];
+  counts: number[];
+  sum: number;
+  count: number;
 }

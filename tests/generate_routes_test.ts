@@ -7,14 +7,24 @@
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
-import { type FromWorker, GenerationManager, JobRunner, JobStore, TextStream } from "../jobs/mod.ts";
+import {
+  type FromWorker,
+  GenerationManager,
+  type GenerationManagerOptions,
+  JobRunner,
+  JobStore,
+  TextStream,
+} from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
+import { Hono } from "hono";
 import { createApp } from "../routes/mod.ts";
+import { onError } from "../routes/errors.ts";
+import { generateRoutes } from "../routes/generate.ts";
 import { until } from "./_wait.ts";
 
 const tinyDims = { n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 };
 
-async function setup() {
+async function setup(opts: GenerationManagerOptions = {}) {
   const root = await Deno.makeTempDir({ prefix: "gpt2_genroutes_" });
   // A Hugging Face directory (the scripted worker never reads the weights) and a checkpoint manifest.
   await Deno.mkdir(`${root}/models/tiny`, { recursive: true });
@@ -50,7 +60,7 @@ async function setup() {
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root);
+  const manager = new GenerationManager(runner, root, opts);
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
   const app = createApp({ runner, generation: manager, token: null });
@@ -67,7 +77,7 @@ async function setup() {
     store.close();
     await Deno.remove(root, { recursive: true });
   };
-  return { app, worker, manager, answer, cleanup };
+  return { app, worker, manager, answer, cleanup, root };
 }
 
 const done = (reason: string, n: number) => ({ type: "gen_done", reason, error: null, completion_tokens: n });
@@ -125,6 +135,15 @@ Deno.test("GET /generate streams one token event per token, then done with finis
     assert(prom.includes("gpt2_generation_requests_total 1\n"), prom);
     assert(prom.includes('gpt2_generation_finished_total{reason="eos"} 1\n'), prom);
     assert(prom.includes("gpt2_generation_tokens_total 2\n"), prom);
+    assert(
+      prom.includes("# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total 2\n"),
+      prom,
+    );
+    assert(prom.includes("vllm:prompt_tokens_total 1\n"), prom);
+    assert(prom.includes('vllm:request_success_total{finished_reason="eos"} 1\n'), prom);
+    assert(prom.includes("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n".split("\n")[0]), prom);
+    assert(prom.includes('vllm:time_to_first_token_seconds_bucket{le="+Inf"} 1\n'), prom);
+    assert(prom.includes("vllm:time_to_first_token_seconds_count 1\n"), prom);
   } finally {
     await t.cleanup();
   }
@@ -205,7 +224,7 @@ Deno.test("POST /v1/completions streams OpenAI chunks then data: [DONE]", async 
     assertEquals(first.model, "job_0123456789ab/iter_0000005");
     assertEquals(first.choices, [{ text: " there", index: 0, logprobs: null, finish_reason: null }]);
     assertEquals(last.choices, [{ text: "", index: 0, logprobs: null, finish_reason: "stop" }]);
-    assertEquals(last.usage, { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 });
+    assertEquals(last.usage, undefined); // only with stream_options.include_usage
     assertEquals(chunks.map((c) => c.event), [null, null, null]);
   } finally {
     await t.cleanup();
@@ -237,24 +256,39 @@ Deno.test("unknown models are 404 and out-of-range parameters are 400 naming the
   try {
     const missing = await t.app.request("/generate?model=nope&prompt=x");
     assertEquals(missing.status, 404);
-    assertMatch((await missing.json()).error.message, /^Model "nope" not found/);
+    const m = (await missing.json()).error;
+    assertMatch(m.message, /^Model "nope" not found/);
+    assertEquals([m.type, m.param, m.code], ["invalid_request_error", "model", "model_not_found"]);
     assertEquals((await t.app.request("/generate?model=job_0123456789ab/iter_0000009")).status, 404);
     const bad = await t.app.request("/generate?model=tiny&temperature=-1&top_p=1.5&top_k=2.5&max_tokens=0");
     assertEquals(bad.status, 400);
-    const err = await bad.json();
-    assertEquals(err.error.message, "Invalid parameters: max_tokens, temperature, top_k, top_p");
+    const err = (await bad.json()).error;
+    assertEquals(err.message, "Invalid parameters: max_tokens, temperature, top_k, top_p");
+    assertEquals(err.param, "max_tokens");
     const long = await t.app.request("/generate?model=tiny&max_tokens=64");
     assertEquals(long.status, 400);
     assertEquals((await long.json()).error.param, "max_tokens");
     const unknown = await t.app.request("/generate?model=tiny&temprature=1");
-    assertMatch((await unknown.json()).error.message, /Invalid parameters: body/);
-    const oa = await t.app.request("/v1/completions", {
-      method: "POST",
-      body: JSON.stringify({ model: "tiny", n: 2, top_p: 0 }),
-      headers: { "Content-Type": "application/json" },
-    });
+    assertEquals((await unknown.json()).error.message, "Invalid parameters: temprature");
+    const post = (body: unknown) =>
+      t.app.request("/v1/completions", {
+        method: "POST",
+        body: JSON.stringify(body),
+        headers: { "Content-Type": "application/json" },
+      });
+    const oa = await post({ model: "tiny", n: 9, top_p: 0 });
     assertEquals(oa.status, 400);
     assertEquals((await oa.json()).error.message, "Invalid parameters: top_p, n");
+    // Unknown fields are refused, byte for byte in OpenAI's error shape.
+    const extra = await post({ model: "tiny", prompt: "x", frobnicate: true });
+    assertEquals(extra.status, 400);
+    assertEquals(
+      await extra.text(),
+      '{"error":{"message":"Invalid parameters: frobnicate","type":"invalid_request_error","param":"frobnicate","code":null}}',
+    );
+    const penalty = await post({ model: "tiny", presence_penalty: 0.5 });
+    assertEquals((await penalty.json()).error.param, "presence_penalty");
+    assertEquals((await post({ model: "tiny", prompt: [50257] })).status, 400);
     assertEquals(t.worker.generations.length, 0);
   } finally {
     await t.cleanup();
@@ -323,6 +357,169 @@ Deno.test("GET /v1/models lists each job's newest checkpoint, every checkpoint a
     ]);
     assertEquals(body.data[0].object, "model");
     assertEquals(body.data[0].n_positions, 64);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+const postJson = (
+  app: { request: (p: string, i: RequestInit) => Response | Promise<Response> },
+  path: string,
+  body: unknown,
+) =>
+  app.request(path, {
+    method: "POST",
+    body: JSON.stringify(body),
+    headers: { "Content-Type": "application/json" },
+  });
+
+Deno.test("POST /v1/completions with stream_options.include_usage ends with a usage chunk of empty choices", async () => {
+  const t = await setup();
+  try {
+    const resP = postJson(t.app, "/v1/completions", {
+      model: "tiny",
+      prompt: "Hi",
+      max_tokens: 2,
+      stream: true,
+      stream_options: { include_usage: true },
+    });
+    await t.answer(1, [{ type: "gen_tokens", tokens: encode(" there you") }, done("length", 2)]);
+    const body = await (await resP).text();
+    const chunks = sse(body);
+    assertEquals(chunks.length, 5); // two tokens, the finish, usage, [DONE]
+    assertEquals(chunks[0].data.usage, null);
+    assertEquals(chunks[2].data.choices[0].finish_reason, "length");
+    assertEquals(chunks[3].data.choices, []);
+    assertEquals(chunks[3].data.usage, { prompt_tokens: 1, completion_tokens: 2, total_tokens: 3 });
+    assertEquals(chunks[4].data, "[DONE]");
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("POST /v1/completions: n choices as seeded streams, token-array prompts, echo, logprobs", async () => {
+  const t = await setup();
+  try {
+    const resP = postJson(t.app, "/v1/completions", {
+      model: "tiny",
+      prompt: [15496, 11],
+      max_tokens: 1,
+      n: 2,
+      seed: 41,
+      echo: true,
+      logprobs: 1,
+    });
+    await until(() => t.worker.generations.length === 2, "both choices");
+    const [a, b] = t.worker.generations;
+    assertEquals([a.prompt, b.prompt], [[15496, 11], [15496, 11]]);
+    assertEquals([a.seed, b.seed, a.logprobs, b.logprobs], [41, 42, 1, 1]);
+    const lp = (x: number) => ({ logprob: x, top: [[995, -0.5]] as [number, number][] });
+    t.worker.send({ type: "gen_tokens", id: b.id, tokens: [995], logprobs: [lp(-0.5)] });
+    t.worker.send({ type: "gen_tokens", id: a.id, tokens: [2159], logprobs: [lp(-2)] });
+    t.worker.send({ id: a.id, ...done("length", 1) } as FromWorker);
+    t.worker.send({ id: b.id, ...done("length", 1) } as FromWorker);
+    const res = await (await resP).json();
+    assertEquals(res.choices.map((c: { index: number; text: string }) => [c.index, c.text]), [
+      [0, "Hello, World"],
+      [1, "Hello, world"],
+    ]);
+    assertEquals(res.choices[1].logprobs, {
+      tokens: ["Hello", ",", " world"],
+      token_logprobs: [null, null, -0.5],
+      top_logprobs: [null, null, { " world": -0.5 }],
+      text_offset: [0, 5, 6],
+    });
+    assertEquals(res.usage, { prompt_tokens: 2, completion_tokens: 2, total_tokens: 4 });
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("requests past the waiting cap get 429 with Retry-After; a started one no longer counts", async () => {
+  const t = await setup({ maxWaiting: 2 });
+  try {
+    const first = t.app.request("/generate?model=tiny&prompt=a");
+    const second = t.app.request("/generate?model=tiny&prompt=b");
+    await until(() => t.worker.generations.length === 2, "two requests");
+    assertEquals([t.manager.stats.waiting, t.manager.stats.running], [2, 0]);
+    const third = await t.app.request("/generate?model=tiny&prompt=c");
+    assertEquals(third.status, 429);
+    assertEquals(third.headers.get("Retry-After"), "1");
+    assertMatch(
+      (await third.json()).error.message,
+      /^Too many generation requests are waiting: 2 of at most 2/,
+    );
+    t.worker.send({ type: "gen_started", id: t.worker.generations[0].id, load_ms: 0 });
+    assertEquals([t.manager.stats.waiting, t.manager.stats.running], [1, 1]);
+    const fourth = postJson(t.app, "/v1/completions", { model: "tiny", prompt: "d" });
+    await until(() => t.worker.generations.length === 3, "a slot in the queue again");
+    for (const g of t.worker.generations) t.worker.send({ id: g.id, ...done("length", 0) } as FromWorker);
+    for (const r of [await first, await second, await fourth]) assertEquals(r.status, 200), await r.text();
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("a request past its time limit ends with finish_reason timeout and cancels the worker", async () => {
+  const t = await setup({ timeoutMs: 50 });
+  try {
+    const resP = t.app.request("/generate?model=tiny&prompt=Hi");
+    const req = await t.answer(1, [{ type: "gen_tokens", tokens: encode(" a") }]);
+    const final = sse(await (await resP).text()).at(-1)!;
+    assertEquals(final.event, "done");
+    assertEquals(final.data.finish_reason, "timeout");
+    assertMatch(final.data.error, /time limit of 0.05 s/);
+    await until(() => t.worker.generationCancels.includes(req.id), "the cancel");
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("streams send keepalive comments while no token comes", async () => {
+  const t = await setup();
+  try {
+    const app = new Hono();
+    app.onError(onError);
+    app.route("/", generateRoutes(t.manager, { keepaliveMs: 20 }));
+    const resP = app.request("/generate?model=tiny&prompt=Hi");
+    await until(() => t.worker.generations.length === 1, "the request");
+    const reader = (await resP).body!.getReader();
+    const first = new TextDecoder().decode((await reader.read()).value);
+    assertEquals(first, ": keepalive\n\n");
+    t.worker.send({ type: "gen_tokens", id: t.worker.generations[0].id, tokens: encode(" a") });
+    t.worker.send({ id: t.worker.generations[0].id, ...done("length", 1) } as FromWorker);
+    let rest = "";
+    for (let r = await reader.read(); !r.done; r = await reader.read()) {
+      rest += new TextDecoder().decode(r.value);
+    }
+    assertMatch(rest, /event: token\ndata: \{"id":257,"text":" a"\}/);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("GET /v1/models/{id}, POST /tokenize and /detokenize", async () => {
+  const t = await setup();
+  try {
+    const one = await t.app.request("/v1/models/job_0123456789ab/iter_0000005");
+    assertEquals(one.status, 200);
+    const m = await one.json();
+    assertEquals([m.id, m.object, m.kind, m.max_model_len], [
+      "job_0123456789ab/iter_0000005",
+      "model",
+      "checkpoint",
+      64,
+    ]);
+    const none = await t.app.request("/v1/models/nope");
+    assertEquals(none.status, 404);
+    assertEquals((await none.json()).error.code, "model_not_found");
+    const tok = await postJson(t.app, "/tokenize", { model: "tiny", prompt: "Hello, world" });
+    assertEquals(await tok.json(), { count: 3, max_model_len: 64, tokens: [15496, 11, 995] });
+    const detok = await postJson(t.app, "/detokenize", { tokens: [15496, 11, 995] });
+    assertEquals(await detok.json(), { prompt: "Hello, world" });
+    const bad = await postJson(t.app, "/detokenize", { tokens: [60000] });
+    assertEquals(bad.status, 400);
+    assertEquals((await bad.json()).error.param, "tokens.0");
   } finally {
     await t.cleanup();
   }

@@ -1,13 +1,15 @@
 /**
- * Generation on the GPU: greedy decoding with the KV cache equals the CPU reference's greedy
- * continuation token for token (two streams batched together), seeded sampling is reproducible,
- * top-k 1 is greedy, and padded vocabulary ids are never produced.
+ * Generation on the GPU with continuous batching: streams admitted at different steps, released
+ * midway and refilled, through the fused skinny gemv (≤ 8 rows) and the tiled matmul (more), with
+ * the KV cache growing as streams arrive, each equal to the CPU reference's greedy continuation
+ * token for token; seeded sampling gives the same tokens alone or in a batch; logprobs equal the
+ * reference's log-softmax; top-k 1 is greedy; padded vocabulary ids are never produced.
  */
 
 import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
-import { Generator } from "../gpu/generator.ts";
-import { referenceGreedy } from "../gpu/reference.ts";
+import { Generator, type SamplingParams } from "../gpu/generator.ts";
+import { referenceForward } from "../gpu/reference.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
@@ -42,56 +44,143 @@ async function train(): Promise<Float32Array> {
   return params;
 }
 
-const greedy = { temperature: 0, top_k: 0, top_p: 1, seed: 0 };
+const greedy: SamplingParams = { temperature: 0, top_k: 0, top_p: 1, seed: 0 };
+const prompts = Array.from(
+  { length: 11 },
+  (_, i) =>
+    Array.from({ length: 2 + (i * 5) % 11 }, (_, j) => [464, 3290, 318, 257, 1310, 13, 198][(i + j) % 7] + i),
+);
+
+/**
+ * The reference's greedy choice after each prefix of `prompt + tokens`, from one forward pass
+ * (teacher forcing): equals `tokens` exactly when they are the reference's greedy continuation.
+ */
+function referenceArgmaxes(p64: Float64Array, prompt: number[], tokens: number[]): number[] {
+  const seq = [...prompt, ...tokens], T = seq.length, Vp = config.padded_vocab_size;
+  const { logits } = referenceForward(config, p64, Int32Array.from([...seq, 0]), 1, T);
+  return tokens.map((_, i) => {
+    const row = logits.subarray((prompt.length - 1 + i) * Vp, (prompt.length + i) * Vp);
+    let best = 0;
+    for (let v = 1; v < config.vocab_size; v++) if (row[v] > row[best]) best = v;
+    return best;
+  });
+}
+
+/** Runs one step and appends each stream's tokens to `got` (by stream index, through `owner`). */
+async function collect(
+  gen: Generator,
+  owner: Map<number, number>,
+  got: number[][],
+  steps: number,
+): Promise<void> {
+  for (const [h, o] of await gen.step(steps)) got[owner.get(h)!].push(...o.tokens);
+}
 
 Deno.test({
-  name: "Generator greedy decoding equals the CPU reference token for token, streams batched together",
+  name:
+    "Generator continuous batching: greedy equals the reference for streams admitted and released at any step",
   ignore: noGpu,
   fn: async () => {
     const params = await trainedParams();
-    const p0 = [464, 3290, 318, 257], p1 = [1310, 13, 198, 464, 3291, 320, 259];
     const p64 = Float64Array.from(params);
-    const want0 = referenceGreedy(config, p64, p0, 16), want1 = referenceGreedy(config, p64, p1, 16);
-    // 2 streams decode through the fused skinny gemv; 9 through the tiled matmul and separate kernels.
-    for (const streams of [2, 9]) {
-      const gen = await Generator.create((await testContext())!, config, params, { streams, chunk: 8 });
-      await gen.prefill(0, p0, greedy);
-      await gen.prefill(streams - 1, p1, greedy);
-      const first = await gen.decode(7);
-      const second = await gen.decode(8);
-      assert.deepEqual([...first[0], ...second[0]], want0, `${streams} streams, stream 0`);
-      assert.deepEqual(
-        [...first[streams - 1], ...second[streams - 1]],
-        want1,
-        `${streams} streams, last stream`,
-      );
-      gen.destroy();
+    const N = 10;
+    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: N, chunk: 8 });
+    assert.equal(gen.capacity, 4, "the cache starts small");
+    const got: number[][] = prompts.map(() => []);
+    const owner = new Map<number, number>();
+    const admit = async (i: number) => owner.set(await gen.admit(prompts[i], greedy), i);
+    // Three streams, one step; five more join (prefilled beside the decode); then three more (9+ rows).
+    for (const i of [0, 1, 2]) await admit(i);
+    await collect(gen, owner, got, 7);
+    for (const i of [3, 4, 5, 6, 7]) await admit(i);
+    await collect(gen, owner, got, 7);
+    // Stream 1 leaves early (after 15 tokens): its row is refilled and its slot reused, the others must not notice.
+    gen.release([...owner].find(([, i]) => i === 1)![0]);
+    for (const i of [8, 9, 10]) await admit(i);
+    assert.equal(gen.free, 0);
+    assert.equal(gen.capacity, N, "the cache grew by need");
+    await assert.rejects(() => gen.admit(prompts[0], greedy), RangeError, "past maxStreams");
+    // Ten rows: the tiled matmul and separate LayerNorm and KV-append kernels.
+    await collect(gen, owner, got, 3);
+    const lengths = got.map((t) => t.length);
+    assert.deepEqual(lengths, [18, 15, 18, 11, 11, 11, 11, 11, 4, 4, 4]);
+    for (let i = 0; i < prompts.length; i++) {
+      assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
     }
+    gen.destroy();
   },
 });
 
 Deno.test({
-  name: "Generator seeded sampling is reproducible, top_k 1 is greedy, ids stay in the real vocabulary",
+  name:
+    "Generator seeded sampling gives the same tokens alone or batched; top_k 1 is greedy; real vocabulary only",
   ignore: noGpu,
   fn: async () => {
     const params = await trainedParams();
-    const gen = await Generator.create((await testContext())!, config, params, { streams: 1, chunk: 10 });
+    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: 6, chunk: 10 });
     const prompt = [464, 3290, 318];
-    const run = async (s: { temperature: number; top_k: number; top_p: number; seed: number }) => {
-      await gen.prefill(0, prompt, s);
-      return [...(await gen.decode(9))[0]];
+    const hot = (seed: number): SamplingParams => ({ temperature: 1.5, top_k: 0, top_p: 1, seed });
+    const run = async (s: SamplingParams, others = 0) => {
+      const extra = [];
+      for (let i = 0; i < others; i++) extra.push(await gen.admit(prompts[i], hot(100 + i)));
+      const h = await gen.admit(prompt, s);
+      const tokens = (await gen.step(9)).get(h)!.tokens;
+      for (const e of [...extra, h]) gen.release(e);
+      return tokens;
     };
-    const a = await run({ temperature: 1.5, top_k: 0, top_p: 1, seed: 42 });
-    const b = await run({ temperature: 1.5, top_k: 0, top_p: 1, seed: 42 });
-    const c = await run({ temperature: 1.5, top_k: 0, top_p: 1, seed: 43 });
-    assert.deepEqual(a, b, "same seed, same tokens");
+    const a = await run(hot(42));
+    const b = await run(hot(42), 5);
+    const c = await run(hot(43));
+    assert.equal(a.length, 10);
+    assert.deepEqual(a, b, "same seed, same tokens, alone or among five");
     assert.notDeepEqual(a, c, "another seed, other tokens");
     assert.ok([...a, ...c].every((t) => t < config.vocab_size), "no padded ids");
-    const k1 = await run({ temperature: 1.0, top_k: 1, top_p: 1, seed: 9 });
     const g = await run(greedy);
-    assert.deepEqual(k1, g, "top_k 1 equals greedy");
-    const nucleus = await run({ temperature: 1.0, top_k: 0, top_p: 1e-6, seed: 5 });
-    assert.deepEqual(nucleus, g, "a tiny top_p keeps only the most likely token");
+    assert.deepEqual(
+      await run({ temperature: 1.0, top_k: 1, top_p: 1, seed: 9 }),
+      g,
+      "top_k 1 equals greedy",
+    );
+    assert.deepEqual(
+      await run({ temperature: 1.0, top_k: 0, top_p: 1e-6, seed: 5 }),
+      g,
+      "tiny top_p is greedy",
+    );
+    gen.destroy();
+  },
+});
+
+Deno.test({
+  name: "Generator logprobs equal the reference's log-softmax, chosen and top 3",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const p64 = Float64Array.from(params);
+    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: 2, chunk: 4 });
+    const prompt = [464, 3290, 318, 257];
+    const other = await gen.admit(prompts[3], greedy);
+    const h = await gen.admit(prompt, { temperature: 0.9, top_k: 0, top_p: 1, seed: 7, logprobs: 3 });
+    const out = (await gen.step(3)).get(h)!;
+    assert.equal((await Promise.resolve(out.tokens)).length, 4);
+    assert.equal(out.logprobs!.length, 4);
+    const seq = [...prompt];
+    for (const [i, id] of out.tokens.entries()) {
+      const T = seq.length;
+      const { logits } = referenceForward(config, p64, Int32Array.from([...seq, 0]), 1, T);
+      const row = Array.from(logits.subarray((T - 1) * config.padded_vocab_size).slice(0, config.vocab_size));
+      const mx = Math.max(...row);
+      const lse = mx + Math.log(row.reduce((a, x) => a + Math.exp(x - mx), 0));
+      const lp = out.logprobs![i];
+      assert.ok(
+        Math.abs(lp.logprob - (row[id] - lse)) < 1e-3,
+        `token ${i}: ${lp.logprob} vs ${row[id] - lse}`,
+      );
+      const order = row.map((x, v) => [x, v]).sort((a, b) => b[0] - a[0] || a[1] - b[1]).slice(0, 3);
+      assert.deepEqual(lp.top.map((t) => t.id), order.map((o) => o[1]), `token ${i} top ids`);
+      for (const [k, t] of lp.top.entries()) assert.ok(Math.abs(t.logprob - (order[k][0] - lse)) < 1e-3);
+      seq.push(id);
+    }
+    assert.equal((await gen.step(0)).get(other)!.logprobs, null, "a stream that did not ask gets none");
     gen.destroy();
   },
 });

@@ -1,7 +1,8 @@
 /**
  * Generation end to end on the real GPU Worker: the product trains a tiny model and writes its
  * checkpoint, then `GET /generate` and `POST /v1/completions` are asked for continuations of it.
- * Greedy output equals the CPU reference's greedy continuation token for token; seeded sampling
+ * Greedy output equals the CPU reference's greedy continuation token for token, alone and for
+ * concurrent requests batched together; seeded sampling
  * is reproducible while two streams run batched together; the same weights as a Hugging Face
  * directory give the same tokens; a client that disconnects stops the Worker's decoding; and a
  * training job on the same GPU keeps running while generation is served. Skipped without an adapter.
@@ -21,7 +22,7 @@ import type { TrainRequest } from "../jobs/mod.ts";
 import { createApp } from "../routes/mod.ts";
 import { presetConfig } from "../gpu/config.ts";
 import { referenceGreedy } from "../gpu/reference.ts";
-import { encodePrompt } from "../jobs/text_stream.ts";
+import { decodeTokens, encodePrompt } from "../jobs/text_stream.ts";
 import { noGpu } from "./_helpers.ts";
 import { until } from "./_wait.ts";
 
@@ -130,6 +131,32 @@ Deno.test({
         assert.equal(done.prompt_tokens, promptTokens.length);
         assert.ok(done.timings.ttft_ms > 0 && done.timings.tokens_per_s > 0);
       });
+
+      await t.step(
+        "concurrent greedy streams, batched as they arrive, each equal the CPU reference",
+        async () => {
+          const prompts = ["the nation", "we will", "our great future of the", "union state people"];
+          const outs = await Promise.all(
+            prompts.map(async (p) =>
+              await (await app.request("/v1/completions", {
+                method: "POST",
+                body: JSON.stringify({
+                  model: job.id,
+                  prompt: p,
+                  max_tokens: 6,
+                  temperature: 0,
+                  ignore_eos: true,
+                }),
+                headers: { "Content-Type": "application/json" },
+              })).json()
+            ),
+          );
+          for (const [i, p] of prompts.entries()) {
+            const want = referenceGreedy(presetConfig("gpt2-tiny"), params, encodePrompt(p, 64).tokens, 6);
+            assert.equal(outs[i].choices[0].text, decodeTokens(want), `prompt ${i}`);
+          }
+        },
+      );
 
       await t.step("seeded sampling reproduces, two streams batched together", async () => {
         const body = (seed: number) =>

@@ -4,16 +4,18 @@
  * readback: embed the current token at its position, append its key and value to the cache, and
  * attend over the cache up to that position.
  *
- * Cache layout per layer: k and v each (S, H, Tmax, D).
+ * Cache layout per layer: k and v each (slots, H, Tmax, D). A decode row is not its cache slot:
+ * row r's slot is in its state (word STATE_SLOT), so rows stay dense as streams come and go
+ * while their caches stay put.
  */
 
 import { treeReduce } from "./common.ts";
 
-import { STATE_WORDS } from "./sample.ts";
+import { STATE_SLOT, STATE_WORDS } from "./sample.ts";
 
 /** Sizes of the decode kernels. */
 export interface DecodeSpec {
-  /** Streams decoded together. */
+  /** Rows decoded together. */
   S: number;
   H: number;
   D: number;
@@ -41,41 +43,53 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 /**
- * Writes keys and values from qkv rows (3C wide) into the cache. `append`: row s is stream s's
- * current token, written at its position (binding 0 is the state buffer; rows = S). `prefill`:
- * rows t < len of one prompt go to positions t of stream `slot` (binding 0 is sel = [len - 1,
- * slot, len]; rows = Tb). Grid (ceil(rows·C4/64)).
+ * Writes keys and values from qkv rows (3C wide) into the cache. `append`: row r is a decode row's
+ * current token, written at its position in its slot (binding 0 is the state buffer; rows = S).
+ * `prefill`: B prompts of Tb rows each; rows t < len of prompt b go to positions t of its slot
+ * (binding 0 is sel, SEL_WORDS per prompt: [source row, slot, len, state row]; rows = B·Tb).
+ * Grid (ceil(rows·C4/64)).
  */
-export function kvWriteWgsl(s: DecodeSpec, mode: { append: true } | { prefillRows: number }): string {
+export function kvWriteWgsl(
+  s: DecodeSpec,
+  mode: { append: true } | { prefill: { B: number; Tb: number } },
+): string {
   const D4 = s.D / 4, C4 = s.H * D4;
   const append = "append" in mode;
-  const rows = append ? s.S : mode.prefillRows;
-  const [slot, pos, guard] = append
-    ? ["row", `sel[row * ${STATE_WORDS}u + 1u]`, ""]
-    : ["sel[1]", "row", "if (row >= sel[2]) { return; }"];
+  const rows = append ? s.S : mode.prefill.B * mode.prefill.Tb;
+  const Tb = append ? 1 : mode.prefill.Tb;
+  const head = append
+    ? `let slot = sel[row * ${STATE_WORDS}u + ${STATE_SLOT}u];
+  let pos = sel[row * ${STATE_WORDS}u + 1u];`
+    : `let b = row / ${Tb}u;
+  let pos = row % ${Tb}u;
+  if (pos >= sel[b * ${SEL_WORDS}u + 2u]) { return; }
+  let slot = sel[b * ${SEL_WORDS}u + 1u];`;
   return `
 @group(0) @binding(0) var<storage, read> sel: array<u32>;
 @group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> kc: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> vc: array<vec4<f32>>;
 @compute @workgroup_size(64)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
-  let g = gid.x;
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+  let g = gid.x + gid.y * nwg.x * 64u;
   let row = g / ${C4}u;
   if (row >= ${rows}u) { return; }
-  ${guard}
+  ${head}
   let c = g % ${C4}u;
-  let dst = ((${slot} * ${s.H}u + c / ${D4}u) * ${s.Tmax}u + ${pos}) * ${D4}u + c % ${D4}u;
+  let dst = ((slot * ${s.H}u + c / ${D4}u) * ${s.Tmax}u + pos) * ${D4}u + c % ${D4}u;
   kc[dst] = qkv[row * ${3 * C4}u + ${C4}u + c];
   vc[dst] = qkv[row * ${3 * C4}u + ${2 * C4}u + c];
 }
 `;
 }
 
+/** u32 words per prompt of a batched prefill's selection buffer: [source row, slot, len, state row]. */
+export const SEL_WORDS = 4;
+
 const WG = 256;
 
 /**
- * One query per (stream, head) against the cache up to the stream's position: scores in workgroup
+ * One query per (row, head) against its slot's cache up to the row's position: scores in workgroup
  * memory, max and sum by reduction, then the weighted sum of values by (column, key group).
  * Grid (S, H).
  */
@@ -97,8 +111,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let sidx = wg.x;
   let h = wg.y;
   let n = state[sidx * ${STATE_WORDS}u + 1u] + 1u;
+  let slot = state[sidx * ${STATE_WORDS}u + ${STATE_SLOT}u];
   let qb = sidx * ${3 * C4}u + h * ${D4}u;
-  let cb = (sidx * ${s.H}u + h) * ${s.Tmax}u;
+  let cb = (slot * ${s.H}u + h) * ${s.Tmax}u;
   var m = -3.0e38;
   for (var j = tid; j < n; j = j + ${WG}u) {
     var d = 0.0;

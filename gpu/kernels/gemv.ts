@@ -1,13 +1,15 @@
 /**
- * Skinny matmul for decoding: out[M,N] = x[M,K] · W[K,N] (+ bias, epilogue) with M ≤ 8 rows (one
- * per stream). The tiled matmul wastes most of its block and, with few column blocks, leaves the
- * GPU idle; decoding is bound by reading W once. Here each workgroup streams a slice of K for 128
- * columns (coalesced vec4 loads, k-groups summed in workgroup memory), split over enough
- * workgroups to fill the GPU, and a second small kernel sums the K-splits and applies the epilogue.
+ * Skinny matmul for decoding: out[M,N] = x[M,K] · W[K,N] (+ bias, epilogue), one row per stream.
+ * The tiled matmul wastes most of its block and, with few column blocks, leaves the GPU idle;
+ * decoding is bound by reading W. Here each workgroup streams a slice of K for 128 columns and up
+ * to 8 rows (coalesced vec4 loads, k-groups summed in workgroup memory), split over enough
+ * workgroups to fill the GPU; more rows run as row groups along the grid's z (the groups read
+ * the same W slices at about the same time, mostly from L2). A second small kernel sums the
+ * K-splits and applies the epilogue.
  */
 
 import { GELU_WGSL } from "./common.ts";
-import { STATE_WORDS } from "./sample.ts";
+import { STATE_SLOT, STATE_WORDS } from "./sample.ts";
 
 /** Fused work of the reduce kernel. */
 export type GemvEpilogue = "store" | "residual" | "gelu";
@@ -23,16 +25,21 @@ export interface GemvSpec {
   KS: number;
   /** Fuse the preceding LayerNorm: x is the raw residual stream, normalised on the fly (bindings lnw, lnb). */
   ln?: boolean;
-  /** Also append the key and value columns of this qkv output to the KV cache at each stream's position. */
+  /** Also append the key and value columns of this qkv output to the KV cache at each row's slot and position. */
   kv?: { H: number; D: number; Tmax: number };
 }
 
-/** Largest M this kernel serves. */
+/** Rows one workgroup serves (the gemv partial's row group, the transposed gemv's M). */
 export const GEMV_MAX_ROWS = 8;
 
-/** K-splits that give about `target` workgroups (two per SM on an H200). */
-export function chooseKSplit(N: number, K: number, target = 264): number {
-  const colBlocks = Math.ceil(N / 128);
+/** Row groups of the gemv partial for M rows. */
+export function gemvRowGroups(M: number): number {
+  return Math.ceil(M / GEMV_MAX_ROWS);
+}
+
+/** K-splits that give about `target` workgroups (two per SM on an H200), over all row groups. */
+export function chooseKSplit(N: number, K: number, target = 264, M = 1): number {
+  const colBlocks = Math.ceil(N / 128) * gemvRowGroups(M);
   return Math.max(1, Math.min(Math.ceil(target / colBlocks), Math.floor(K / 32)));
 }
 
@@ -40,14 +47,15 @@ function kGroups(M: number): number {
   return M <= 4 ? 8 : 4;
 }
 
-/** Partial sums: part[ks, m, n]. Grid (ceil(N/128), KS). */
+/** Partial sums: part[ks, m, n]. Grid (ceil(N/128), KS, gemvRowGroups(M)). */
 export function gemvPartialWgsl(s: GemvSpec): string {
-  if (s.M < 1 || s.M > GEMV_MAX_ROWS) {
-    throw new RangeError(`Gemv serves 1 to ${GEMV_MAX_ROWS} rows, got ${s.M}`);
-  }
+  if (!(s.M >= 1)) throw new RangeError(`Gemv needs at least 1 row, got ${s.M}`);
   if (s.N % 4 !== 0) throw new RangeError(`Gemv N ${s.N} must be a multiple of 4`);
-  const KG = kGroups(s.M), N4 = s.N / 4, Kc = Math.ceil(s.K / s.KS), T = 32 * KG;
-  const rows = [...Array(s.M).keys()];
+  const G = Math.min(s.M, GEMV_MAX_ROWS); // rows per workgroup
+  const KG = kGroups(G), N4 = s.N / 4, Kc = Math.ceil(s.K / s.KS), T = 32 * KG;
+  const rows = [...Array(G).keys()];
+  // Row m of the group is x row m0 + m (clamped: a partial last group reads a valid row, writes nothing).
+  const xr = (m: number) => `xr${m}`;
   // LayerNorm prologue: every workgroup computes each row's mean and rstd (two passes, as the
   // LayerNorm kernel does), then normalises x as it reads it.
   const lnReduce = (v: string) =>
@@ -62,29 +70,27 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   const prologue = !s.ln ? "" : `
   ${rows.map((m) => `var su${m} = 0.0;`).join(" ")}
   for (var k = tid; k < ${s.K}u; k = k + ${T}u) { ${
-    rows.map((m) => `su${m} = su${m} + x[${m * s.K}u + k];`).join(" ")
+    rows.map((m) => `su${m} = su${m} + x[${xr(m)} + k];`).join(" ")
   } }
   ${lnReduce("su")}
   ${rows.map((m) => `let mean${m} = lns[${m * T}u] / ${s.K}.0;`).join(" ")}
   workgroupBarrier();
   ${rows.map((m) => `var sq${m} = 0.0;`).join(" ")}
   for (var k = tid; k < ${s.K}u; k = k + ${T}u) {
-    ${
-    rows.map((m) => `let d${m} = x[${m * s.K}u + k] - mean${m}; sq${m} = sq${m} + d${m} * d${m};`).join(" ")
-  }
+    ${rows.map((m) => `let d${m} = x[${xr(m)} + k] - mean${m}; sq${m} = sq${m} + d${m} * d${m};`).join(" ")}
   }
   ${lnReduce("sq")}
   ${rows.map((m) => `let rstd${m} = inverseSqrt(lns[${m * T}u] / ${s.K}.0 + 1e-5);`).join(" ")}`;
   const xin = (m: number) =>
-    s.ln ? `(x[${m * s.K}u + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]` : `x[${m * s.K}u + k]`;
+    s.ln ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]` : `x[${xr(m)} + k]`;
   return `
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read> W: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> part: array<vec4<f32>>;
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
-${s.ln ? `var<workgroup> lns: array<f32, ${s.M * T}>;` : ""}
-var<workgroup> red: array<vec4<f32>, ${KG * s.M * 32}>;
+${s.ln ? `var<workgroup> lns: array<f32, ${G * T}>;` : ""}
+var<workgroup> red: array<vec4<f32>, ${KG * G * 32}>;
 @compute @workgroup_size(${T})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
   let lane = tid % 32u;
@@ -92,6 +98,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let c4 = wg.x * 32u + lane;
   let k0 = wg.y * ${Kc}u;
   let k1 = min(${s.K}u, k0 + ${Kc}u);
+  let m0 = wg.z * ${G}u;
+  ${rows.map((m) => `let ${xr(m)} = min(m0 + ${m}u, ${s.M - 1}u) * ${s.K}u;`).join("\n  ")}
   ${prologue}
   ${rows.map((m) => `var acc${m} = vec4<f32>(0.0);`).join("\n  ")}
   if (c4 < ${N4}u) {
@@ -100,13 +108,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       ${rows.map((m) => `acc${m} = fma(vec4<f32>(${xin(m)}), w, acc${m});`).join("\n      ")}
     }
   }
-  ${rows.map((m) => `red[(g * ${s.M}u + ${m}u) * 32u + lane] = acc${m};`).join("\n  ")}
+  ${rows.map((m) => `red[(g * ${G}u + ${m}u) * 32u + lane] = acc${m};`).join("\n  ")}
   workgroupBarrier();
   if (g == 0u && c4 < ${N4}u) {
-    for (var m = 0u; m < ${s.M}u; m = m + 1u) {
+    for (var m = 0u; m < ${G}u && m0 + m < ${s.M}u; m = m + 1u) {
       var t = vec4<f32>(0.0);
-      for (var h = 0u; h < ${KG}u; h = h + 1u) { t = t + red[(h * ${s.M}u + m) * 32u + lane]; }
-      part[(wg.y * ${s.M}u + m) * ${N4}u + c4] = t;
+      for (var h = 0u; h < ${KG}u; h = h + 1u) { t = t + red[(h * ${G}u + m) * 32u + lane]; }
+      part[(wg.y * ${s.M}u + m0 + m) * ${N4}u + c4] = t;
     }
   }
 }
@@ -145,7 +153,7 @@ export function gemvReduceWgsl(s: GemvSpec): string {
   let c = i % ${N4}u;
   if (c >= ${C4}u) {
     let c2 = (c - ${C4}u) % ${C4}u;
-    let dst = ((m * ${s.kv.H}u + c2 / ${D4}u) * ${s.kv.Tmax}u + state[m * ${STATE_WORDS}u + 1u]) * ${D4}u + c2 % ${D4}u;
+    let dst = ((state[m * ${STATE_WORDS}u + ${STATE_SLOT}u] * ${s.kv.H}u + c2 / ${D4}u) * ${s.kv.Tmax}u + state[m * ${STATE_WORDS}u + 1u]) * ${D4}u + c2 % ${D4}u;
     if (c >= ${2 * C4}u) { vc[dst] = v; } else { kc[dst] = v; }
   }`;
   }
@@ -166,6 +174,141 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
       ? "out[i] = v;\n  out2[i] = gelu4(v);"
       : "out[i] = v;"
   }${kv}
+}
+`;
+}
+
+/** A skinny matmul against a weight stored [N, K] (the tied LM head: logits = x · wteᵀ). */
+export interface GemvTSpec {
+  /** Rows of x (≤ GEMV_MAX_ROWS, or any number when `perThread`). */
+  M: number;
+  N: number;
+  K: number;
+  /**
+   * Row m of x is x[sel[m·selStride]] (a batched prefill picks each prompt's last position);
+   * bound after out. Absent: row m is x[m].
+   */
+  gather?: { selStride: number };
+  /**
+   * One thread per output column, no workgroup memory or barriers: best on CPU adapters
+   * (llvmpipe runs barriers as coroutine switches), uncoalesced on GPUs.
+   */
+  perThread?: boolean;
+}
+
+/** Lanes that share one weight row (a power of two, at most 32), and weight rows per lane group. */
+function gemvTShape(K4: number, perThread = false): { lanes: number; rpg: number } {
+  if (perThread) return { lanes: 1, rpg: 1 };
+  let lanes = 1;
+  while (lanes < 32 && lanes < K4) lanes *= 2;
+  return { lanes, rpg: 4 };
+}
+
+/** Columns of the output (weight rows) per workgroup of {@link gemvTWgsl}. */
+export function gemvTColumns(s: Pick<GemvTSpec, "K" | "perThread">): number {
+  if (s.perThread) return 256;
+  const { lanes, rpg } = gemvTShape(s.K / 4);
+  return (256 / lanes) * rpg;
+}
+
+/**
+ * out[m, n] = Σ_k x[m, k] · W[n, k] for M ≤ 8 rows. Each group of lanes reads weight rows with
+ * coalesced vec4 loads (each row once for all M rows), keeps RPG rows × M sums in registers,
+ * and sums across lanes in workgroup memory. Grid (ceil(N / gemvTColumns)).
+ */
+export function gemvTWgsl(s: GemvTSpec): string {
+  if (s.perThread) return gemvTPerThreadWgsl(s);
+  if (s.M < 1 || s.M > GEMV_MAX_ROWS) {
+    throw new RangeError(`Gemv serves 1 to ${GEMV_MAX_ROWS} rows, got ${s.M}`);
+  }
+  if (s.K % 4 !== 0) throw new RangeError(`Gemv K ${s.K} must be a multiple of 4`);
+  const K4 = s.K / 4, { lanes: LN, rpg: R } = gemvTShape(K4), G = 256 / LN;
+  const rows = [...Array(s.M).keys()], rr = [...Array(R).keys()];
+  const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
+  const tree: string[] = [];
+  for (let st = LN / 2; st >= 1; st /= 2) {
+    tree.push(
+      `if (lane < ${st}u) { ${
+        rows.map((m) =>
+          `red[(g * ${s.M}u + ${m}u) * ${LN}u + lane] += red[(g * ${s.M}u + ${m}u) * ${LN}u + lane + ${st}u];`
+        )
+          .join(" ")
+      } }
+    workgroupBarrier();`,
+    );
+  }
+  return `
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> W: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+${s.gather ? "@group(0) @binding(3) var<storage, read> sel: array<u32>;" : ""}
+var<workgroup> red: array<f32, ${G * s.M * LN}>;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let lane = tid % ${LN}u;
+  let g = tid / ${LN}u;
+  let n0 = (wg.x * ${G}u + g) * ${R}u;
+  ${rows.map((m) => `let xb${m} = ${xrow(m)} * ${K4}u;`).join("\n  ")}
+  ${rr.map((r) => `let w${r} = min(n0 + ${r}u, ${s.N - 1}u) * ${K4}u;`).join("\n  ")}
+  ${rr.flatMap((r) => rows.map((m) => `var a${r}_${m} = 0.0;`)).join(" ")}
+  for (var k = lane; k < ${K4}u; k = k + ${LN}u) {
+    ${rows.map((m) => `let x${m} = x[xb${m} + k];`).join(" ")}
+    ${
+    rr.map((r) =>
+      `let v${r} = W[w${r} + k]; ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`
+    ).join("\n    ")
+  }
+  }
+  ${
+    rr.map((r) => `
+  ${rows.map((m) => `red[(g * ${s.M}u + ${m}u) * ${LN}u + lane] = a${r}_${m};`).join(" ")}
+  workgroupBarrier();
+  ${tree.join("\n  ")}
+  if (lane == 0u && n0 + ${r}u < ${s.N}u) {
+    ${rows.map((m) => `out[${m * s.N}u + n0 + ${r}u] = red[(g * ${s.M}u + ${m}u) * ${LN}u];`).join(" ")}
+  }
+  workgroupBarrier();`).join("")
+  }
+}
+`;
+}
+
+/**
+ * The per-thread form of {@link gemvTWgsl}: 256 columns per workgroup, rows summed in registers.
+ * x is first copied to workgroup memory when it fits: llvmpipe reads a second storage binding in
+ * the inner loop many times slower than workgroup memory.
+ */
+function gemvTPerThreadWgsl(s: GemvTSpec): string {
+  if (s.K % 4 !== 0) throw new RangeError(`Gemv K ${s.K} must be a multiple of 4`);
+  const K4 = s.K / 4, rows = [...Array(s.M).keys()];
+  const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
+  const shared = s.M * s.K * 4 <= 16384;
+  const xs = (m: number) => shared ? `xs[${m * K4}u + k]` : `x[xb${m} + k]`;
+  return `
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> W: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+${s.gather ? "@group(0) @binding(3) var<storage, read> sel: array<u32>;" : ""}
+${shared ? `var<workgroup> xs: array<vec4<f32>, ${s.M * K4}>;` : ""}
+@compute @workgroup_size(256)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  ${rows.map((m) => `let xb${m} = ${xrow(m)} * ${K4}u;`).join("\n  ")}
+  ${
+    shared
+      ? `for (var i = tid; i < ${s.M * K4}u; i = i + 256u) {
+    ${rows.map((m) => `if (i / ${K4}u == ${m}u) { xs[i] = x[xb${m} + i % ${K4}u]; }`).join("\n    ")}
+  }
+  workgroupBarrier();`
+      : ""
+  }
+  let n = gid.x;
+  if (n >= ${s.N}u) { return; }
+  ${rows.map((m) => `var a${m} = vec4<f32>(0.0);`).join(" ")}
+  for (var k = 0u; k < ${K4}u; k = k + 1u) {
+    let w = W[n * ${K4}u + k];
+    ${rows.map((m) => `a${m} = fma(w, ${xs(m)}, a${m});`).join(" ")}
+  }
+  ${rows.map((m) => `out[${m * s.N}u + n] = a${m}.x + a${m}.y + a${m}.z + a${m}.w;`).join(" ")}
 }
 `;
 }

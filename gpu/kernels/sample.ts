@@ -5,16 +5,29 @@
  * reductions, so no sort is needed; the draw walks chunk sums in vocabulary order, which makes it
  * deterministic for a given seed and position.
  *
- * Per-stream state (u32 words, STATE_WORDS per stream): token, position, seed, active flag.
- * Per-stream parameters (f32/u32 words, PARAM_WORDS per stream): temperature, top_k, top_p.
+ * Per-row state (u32 words, STATE_WORDS per row): token, position, seed, steps written, cache slot.
+ * Per-row parameters (f32/u32 words, PARAM_WORDS per row): temperature, top_k, top_p, logprobs.
+ *
+ * Logprobs (when a row asks for them) are of the model's own distribution, a log-softmax of the
+ * raw logits over the real vocabulary: the chosen token's, and the top N (N ≤ LOGPROBS_MAX) found
+ * by N rounds of a workgroup arg-max below the previous pick (ties to the lower id).
  */
 
 import { PCG_WGSL } from "../rng.ts";
 
-/** u32 words of state per stream: [token, position, seed, steps written]. */
-export const STATE_WORDS = 4;
-/** Words of sampling parameters per stream: [temperature (f32), top_k (u32, 0 = off), top_p (f32), unused]. */
+/** u32 words of state per row: [token, position, seed, steps written, cache slot, unused ×3]. */
+export const STATE_WORDS = 8;
+/** Word of a row's state holding its KV-cache slot. */
+export const STATE_SLOT = 4;
+/**
+ * Words of sampling parameters per row: [temperature (f32), top_k (u32, 0 = off), top_p (f32),
+ * logprobs + 1 (u32, 0 = none)].
+ */
 export const PARAM_WORDS = 4;
+/** Most top logprobs per token. */
+export const LOGPROBS_MAX = 5;
+/** f32 words per (row, step) in the logprobs output: [chosen, unused, then LOGPROBS_MAX × (id bits, logprob)]. */
+export const LP_WORDS = 2 + 2 * LOGPROBS_MAX;
 
 const WG = 256;
 const BISECT = 32;
@@ -28,15 +41,18 @@ export interface SampleSpec {
   /** Tokens each stream can record per submission in `out` (steps of one chunk). */
   chunk: number;
   /**
-   * Where stream s's logits row is: "stream" reads row s (decode), "prefill" reads row
-   * `rowSel[0]` for the stream `rowSel[1]` (a prefill of one stream).
+   * Where each workgroup's logits row and state row are: "stream" uses row wg for both (decode);
+   * "prefill" reads logits row wg for the state row `rowSel[wg·4 + 3]` (a batched prefill).
    */
   rows: "stream" | "prefill";
   /** Largest position a stream may reach (its context); positions stop advancing there. */
   maxPos: number;
 }
 
-/** The sampling kernel: writes the next token into state and out[stream, steps written]. */
+/**
+ * The sampling kernel: writes the next token into state and out[row, steps written], and when the
+ * row asks for logprobs, lp[row, steps written] (LP_WORDS each). Grid (rows).
+ */
 export function sampleWgsl(s: SampleSpec): string {
   const per = Math.ceil(s.V / WG);
   return `
@@ -44,7 +60,8 @@ export function sampleWgsl(s: SampleSpec): string {
 @group(0) @binding(1) var<storage, read_write> state: array<u32>;
 @group(0) @binding(2) var<storage, read> params: array<u32>;
 @group(0) @binding(3) var<storage, read_write> out: array<u32>;
-${s.rows === "prefill" ? "@group(0) @binding(4) var<storage, read> rowSel: array<u32>;" : ""}
+@group(0) @binding(4) var<storage, read_write> lp: array<f32>;
+${s.rows === "prefill" ? "@group(0) @binding(5) var<storage, read> rowSel: array<u32>;" : ""}
 ${PCG_WGSL}
 var<workgroup> red: array<f32, ${WG}>;
 var<workgroup> redi: array<u32, ${WG}>;
@@ -75,7 +92,7 @@ fn max_all(v: f32, tid: u32) -> f32 {
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
   ${
     s.rows === "prefill"
-      ? "let stream = rowSel[1];\n  let row = rowSel[0];"
+      ? "let stream = rowSel[wg.x * 4u + 3u];\n  let row = wg.x;"
       : "let stream = wg.x;\n  let row = wg.x;"
   }
   let base = row * ${s.Vp}u;
@@ -193,6 +210,41 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     workgroupBarrier();
     choice = redi[0];
+  }
+  let nlp = params[stream * ${PARAM_WORDS}u + 3u];
+  if (nlp > 0u) {
+    // Log-softmax of the raw logits: lse = mx + log Σ exp(x − mx).
+    var z1 = 0.0;
+    for (var v = v0; v < v1; v = v + 1u) { z1 = z1 + exp(logits[base + v] - mx); }
+    let lse = mx + log(sum_all(z1, tid));
+    let n = state[stream * ${STATE_WORDS}u + 3u];
+    let o = (stream * ${s.chunk}u + min(n, ${s.chunk - 1}u)) * ${LP_WORDS}u;
+    var pv = 3.0e38;
+    var pi = 0u;
+    for (var i = 0u; i < min(nlp - 1u, ${LOGPROBS_MAX}u); i = i + 1u) {
+      var bv = -3.0e38;
+      var bi = 0xffffffffu;
+      for (var v = v0; v < v1; v = v + 1u) {
+        let x = logits[base + v];
+        if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }
+      }
+      let top = max_all(bv, tid);
+      workgroupBarrier();
+      redi[tid] = select(0xffffffffu, bi, bv == top);
+      workgroupBarrier();
+      for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+        if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
+        workgroupBarrier();
+      }
+      let id = redi[0];
+      if (tid == 0u && n < ${s.chunk}u) {
+        lp[o + 2u + 2u * i] = bitcast<f32>(id);
+        lp[o + 3u + 2u * i] = top - lse;
+      }
+      pv = top;
+      pi = id;
+    }
+    if (tid == 0u && n < ${s.chunk}u) { lp[o] = logits[base + choice] - lse; }
   }
   if (tid == 0u) {
     let st = stream * ${STATE_WORDS}u;

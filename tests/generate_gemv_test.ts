@@ -1,0 +1,133 @@
+/**
+ * The decode matmuls against a float64 product: the skinny gemv in row groups (13 rows: two
+ * groups, the second partial) with the LayerNorm prologue, and the LM-head gemv over a weight
+ * stored [N, K], cooperative and per-thread, with and without gathering rows through sel.
+ */
+
+import assert from "node:assert/strict";
+import { readFloats } from "../gpu/device.ts";
+import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
+import {
+  gemvPartialWgsl,
+  gemvReduceBindings,
+  gemvReduceWgsl,
+  gemvRowGroups,
+  type GemvSpec,
+  gemvTColumns,
+  gemvTWgsl,
+} from "../gpu/kernels/gemv.ts";
+import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
+
+/** out[m, n] = Σ_k x[m, k] · w(k, n), in float64. */
+function product(M: number, N: number, K: number, x: ArrayLike<number>, w: (k: number, n: number) => number) {
+  const out = new Float64Array(M * N);
+  for (let m = 0; m < M; m++) {
+    for (let n = 0; n < N; n++) {
+      let a = 0;
+      for (let k = 0; k < K; k++) a += x[m * K + k] * w(k, n);
+      out[m * N + n] = a;
+    }
+  }
+  return out;
+}
+
+Deno.test({
+  name: "gemvPartialWgsl() in row groups with the LayerNorm prologue matches a float64 product for 13 rows",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    const M = 13, N = 136, K = 64, KS = 2;
+    const x = randomFloats(M * K, 21), W = randomFloats(K * N, 22), bias = randomFloats(N, 23);
+    const lnw = randomFloats(K, 24), lnb = randomFloats(K, 25);
+    const spec: GemvSpec = { M, N, K, bias: true, epilogue: "store", KS, ln: true };
+    const bufs: Record<string, GPUBuffer> = {
+      x: await upload(ctx, "x", x),
+      W: await upload(ctx, "W", W),
+      part: await upload(ctx, "part", new Float32Array(KS * M * N)),
+      out: await upload(ctx, "out", new Float32Array(M * N)),
+      bias: await upload(ctx, "bias", bias),
+      lnw: await upload(ctx, "lnw", lnw),
+      lnb: await upload(ctx, "lnb", lnb),
+    };
+    const views = (names: string[]) => names.map((n) => ({ buffer: bufs[n] }));
+    const op = async (label: string, code: string, v: string[], grid: [number, number, number] | [number]) =>
+      makeOp(ctx, await cache.get(label, code), {
+        label,
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: views(v),
+        grid,
+      });
+    const ops = [
+      await op("gemv", gemvPartialWgsl(spec), ["x", "W", "part", "lnw", "lnb"], [
+        Math.ceil(N / 128),
+        KS,
+        gemvRowGroups(M),
+      ]),
+      await op("gemv.sum", gemvReduceWgsl(spec), gemvReduceBindings(spec), [Math.ceil((M * N) / 4 / 64)]),
+    ];
+    const enc = ctx.device.createCommandEncoder();
+    encodeOps(enc, ops);
+    ctx.device.queue.submit([enc.finish()]);
+    const xn = new Float64Array(M * K);
+    for (let m = 0; m < M; m++) {
+      const row = x.subarray(m * K, (m + 1) * K);
+      const mean = row.reduce((a, v) => a + v, 0) / K;
+      const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
+      for (let k = 0; k < K; k++) xn[m * K + k] = (row[k] - mean) * rstd * lnw[k] + lnb[k];
+    }
+    const ref = product(M, N, K, xn, (k, n) => W[k * N + n]).map((v, i) => v + bias[i % N]);
+    const got = await readFloats(ctx, bufs.out);
+    assert.ok(relNorm(got, ref) < 1e-5, `rel err ${relNorm(got, ref)}`);
+    Object.values(bufs).forEach((b) => b.destroy());
+  },
+});
+
+Deno.test({
+  name: "gemvTWgsl() matches x · Wᵀ, cooperative and per-thread, with rows gathered through sel",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    const N = 300, K = 64, X = 6;
+    const x = randomFloats(X * K, 31), W = randomFloats(N * K, 32);
+    for (
+      const [M, perThread, gather] of [[3, false, false], [5, false, true], [3, true, true], [
+        9,
+        true,
+        false,
+      ]] as const
+    ) {
+      const sel = new Uint32Array(M * 4);
+      const rows = Array.from({ length: M }, (_, m) => gather ? (m * 5 + 1) % X : m % X);
+      rows.forEach((r, m) => (sel[m * 4] = r));
+      const xs = Float32Array.from(rows.flatMap((r) => Array.from(x.subarray(r * K, (r + 1) * K))));
+      const xin = gather ? x : xs;
+      const bufs = {
+        x: await upload(ctx, "x", xin),
+        W: await upload(ctx, "W", W),
+        out: await upload(ctx, "out", new Float32Array(M * N)),
+        sel: await upload(ctx, "sel", sel),
+      };
+      const s = { M, N, K, perThread, gather: gather ? { selStride: 4 } : undefined };
+      const op = makeOp(ctx, await cache.get("gemvT", gemvTWgsl(s)), {
+        label: "gemvT",
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: [bufs.x, bufs.W, bufs.out, ...(gather ? [bufs.sel] : [])].map((buffer) => ({ buffer })),
+        grid: [Math.ceil(N / gemvTColumns(s))],
+      });
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, [op]);
+      ctx.device.queue.submit([enc.finish()]);
+      const ref = product(M, N, K, xs, (k, n) => W[n * K + k]);
+      const got = await readFloats(ctx, bufs.out);
+      assert.ok(
+        relNorm(got, ref) < 1e-5,
+        `M=${M} perThread=${perThread} gather=${gather}: ${relNorm(got, ref)}`,
+      );
+      Object.values(bufs).forEach((b) => b.destroy());
+    }
+  },
+});
