@@ -169,7 +169,11 @@ function toApiError(err: Error): ApiError {
     return new ApiError(404, err.message, { param: "id", code: "job_not_found" });
   }
   if (err instanceof ModelNotFoundError) {
-    return new ApiError(404, err.message, { param: "model", code: "model_not_found" });
+    return new ApiError(404, err.message, {
+      type: "invalid_request_error",
+      param: "model",
+      code: "model_not_found",
+    });
   }
   if (err instanceof GpuUnavailableError) return new ApiError(503, err.message, { code: "gpu_unavailable" });
   if (err instanceof JobConflictError) return new ApiError(409, err.message, { code: "conflict" });

@@ -133,7 +133,11 @@ function pathOf(i: z.core.$ZodIssue): string {
 function apiError(e: unknown): never {
   if (e instanceof ApiError) throw e;
   if (e instanceof ModelNotFoundError) {
-    throw new ApiError(404, e.message, { param: "model", code: "model_not_found" });
+    throw new ApiError(404, e.message, {
+      type: "invalid_request_error",
+      param: "model",
+      code: "model_not_found",
+    });
   }
   if (e instanceof InvalidJobError) throw new ApiError(400, e.message, { param: e.field });
   if (e instanceof GenerationOverloadedError) {
