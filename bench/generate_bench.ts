@@ -124,7 +124,13 @@ async function server(model: string) {
   });
   runner.start();
   const manager = new GenerationManager(runner, root, { maxWaiting: 4096 });
-  const app = createApp({ runner, generation: manager, token: null });
+  // One client stands in for many users here: lift the per-client stream cap.
+  const app = createApp({
+    runner,
+    generation: manager,
+    token: null,
+    limits: { maxStreamsPerClient: 1024, maxStreams: 4096 },
+  });
   const srv = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, app.fetch);
   const url = `http://127.0.0.1:${srv.addr.port}`;
   const close = async () => {
