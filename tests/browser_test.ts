@@ -113,7 +113,7 @@ Deno.test({
       await fill("model", "gpt2-tiny");
       await fill("train_iters", "12");
       await fill("batch_size", "-4");
-      await fill("seq_len", "32");
+      await fill("seq_len", "16");
       await fill("lr", "0.003");
       await page.click("details summary");
       for (const [name, value] of [["log_interval", "2"], ["eval_interval", "6"], ["eval_iters", "1"]]) {
@@ -182,7 +182,7 @@ Deno.test({
       await page.goto(`${server.url}/#/playground?model=${jobId}`);
       await page.waitForSelector("#pg-model");
       assert.equal(await page.$eval("#pg-model", (el) => (el as HTMLSelectElement).value), jobId);
-      await page.$eval("#pg-max_tokens", (el) => ((el as HTMLInputElement).value = "40"));
+      await page.$eval("#pg-max_tokens", (el) => ((el as HTMLInputElement).value = "12"));
       await page.$eval("#pg-temperature", (el) => ((el as HTMLInputElement).value = "0"));
       // Count the distinct token counts the page showed: more than one means the text streamed in.
       await page.evaluate(() => {
@@ -205,7 +205,7 @@ Deno.test({
       );
       assert.ok(counts.length >= 2, `tokens arrived all at once: ${JSON.stringify(counts)}`);
       const tokens = Number(await page.$eval("#pg-text", (el) => (el as HTMLElement).dataset.tokens));
-      if (finish === "length") assert.equal(tokens, 40);
+      if (finish === "length") assert.equal(tokens, 12);
       assert.match(await page.$eval("#pg-ttft b", (el) => el.textContent!), /^[\d,]+ ms$/);
       await page.screenshot({ path: `${shots}/playground.png`, fullPage: true });
 
