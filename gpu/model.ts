@@ -45,11 +45,12 @@ import {
 import { embeddingBackwardWgsl, embeddingForwardWgsl, WTE_PARTITIONS } from "./kernels/embedding.ts";
 import { crossEntropyWgsl, meanLossWgsl } from "./kernels/cross_entropy.ts";
 import {
-  ADAM_UNIFORM_FLOATS,
   adamwWgsl,
-  gradNormFinalWgsl,
+  CONTROL_BYTES,
   gradNormPartialWgsl,
   NORM_GROUPS,
+  OPT_UNIFORM_BYTES,
+  stepControlWgsl,
 } from "./kernels/adamw.ts";
 import { dropoutMaskWgsl, grid1d } from "./kernels/common.ts";
 
@@ -96,7 +97,10 @@ export interface GpuModel {
   logits: GPUBuffer;
   stats: GPUBuffer;
   dropUniform: GPUBuffer;
-  adamUniform: GPUBuffer;
+  /** Optimizer hyperparameters, schedule and loss-scaler settings (see packOptimizerUniform). */
+  optUniform: GPUBuffer;
+  /** GPU-side step state: optimizer step, skipped-step counters, loss scale (see CONTROL_STRUCT). */
+  control: GPUBuffer;
   nSites: number;
   forward: Op[];
   /** Loss (with gradient written into the logits) and the mean into STAT.loss. */
@@ -178,12 +182,13 @@ export async function buildModel(
     size: nSites * 16,
     usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
   });
-  const adamUniform = ctx.device.createBuffer({
-    label: "adam",
-    size: ADAM_UNIFORM_FLOATS * 4,
+  const optUniform = ctx.device.createBuffer({
+    label: "optimizer",
+    size: OPT_UNIFORM_BYTES,
     usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
   });
-  buffers.push(dropUniform, adamUniform);
+  buffers.push(dropUniform, optUniform);
+  const control = await alloc("control", CONTROL_BYTES / 4);
 
   const res: GPUBuffer[] = [];
   for (let l = 0; l <= L; l++) res.push(await alloc(`res${l}`, BT * C));
@@ -355,11 +360,20 @@ export async function buildModel(
   // ---------------------------------------------------------------- loss
   const ceSpec = { rows: BT, T, V: c.vocab_size, Vp };
   const loss = [
-    await op("forward", "cross_entropy", "cross_entropy", crossEntropyWgsl({ ...ceSpec, grad: true }), [
-      V(logits),
-      V(tokens),
-      V(losses),
-    ], rowsGrid),
+    await op(
+      "forward",
+      "cross_entropy",
+      "cross_entropy",
+      crossEntropyWgsl({ ...ceSpec, grad: true }),
+      [
+        V(logits),
+        V(tokens),
+        V(losses),
+        V(control),
+      ],
+      rowsGrid,
+      { uniform: optUniform },
+    ),
     await op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT, STAT.loss), [V(losses), V(stats)], [
       1,
     ]),
@@ -607,19 +621,20 @@ export async function buildModel(
       await op(
         "optimizer",
         "optimizer",
-        "grad_norm",
-        gradNormFinalWgsl(STAT.gradNorm),
-        [V(normPart), V(stats)],
+        "step_control",
+        stepControlWgsl(NORM_GROUPS, STAT.loss, STAT.gradNorm),
+        [V(normPart), V(stats), V(control)],
         [1],
+        { uniform: optUniform },
       ),
       await op(
         "optimizer",
         "optimizer",
         "adamw",
-        adamwWgsl(n4, layout.decayEnd / 4, STAT.gradNorm),
-        [V(params), V(grads), V(adamM), V(adamV), V(stats)],
+        adamwWgsl(n4, layout.decayEnd / 4),
+        [V(params), V(grads), V(adamM), V(adamV), V(control)],
         grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
-        { uniform: adamUniform },
+        { uniform: optUniform },
       ),
     ];
     trainBufs = { grads, adamM, adamV };
@@ -637,7 +652,8 @@ export async function buildModel(
     logits,
     stats,
     dropUniform,
-    adamUniform,
+    optUniform,
+    control,
     nSites,
     forward,
     loss,

@@ -2,6 +2,11 @@
  * The training engine's public face: one `Trainer` owns a planned GPU model, its AdamW state and
  * learning-rate schedule. `trainStep` writes the batch and per-step scalars, records forward,
  * loss, backward and optimizer into one submission and returns without reading anything back.
+ *
+ * A step whose loss or gradient norm is not finite is skipped on the GPU (weights, moments, the
+ * optimizer step and so the learning rate stay); the skipped-step counters and the loss scale
+ * come back with the loss in `lastStats`. Iterations (`step`: data position, dropout keys) always
+ * advance; the optimizer step lives on the GPU.
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
@@ -18,7 +23,15 @@ import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
-import { type AdamWConfig, learningRate, type LrSchedule } from "./schedule.ts";
+import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
+import {
+  CONTROL_BYTES,
+  type ControlState,
+  type LossScalerConfig,
+  packControl,
+  packOptimizerUniform,
+  unpackControl,
+} from "./kernels/adamw.ts";
 
 /** What a trainer is built from. */
 export interface TrainerOptions {
@@ -32,6 +45,26 @@ export interface TrainerOptions {
   seed: number;
   /** Time every kernel with timestamp queries (one pass per kernel; for benchmarks). */
   profile?: boolean;
+  /** Dynamic loss scaling (fp16 uses Megatron's defaults); without it the loss scale is 1. */
+  lossScaler?: LossScalerConfig;
+  /** Test hook: iterations (0-based `step` at submission) whose loss gradient is made NaN on the GPU. */
+  debugNonFiniteAt?: number[];
+}
+
+/** What one readback at a log step returns. */
+export interface StepStats {
+  loss: number;
+  /** Global gradient norm before clipping (unscaled; not finite on a skipped step). */
+  gradNorm: number;
+  /** Learning rate of the last step attempted. */
+  lr: number;
+  /** Steps skipped since the start (non-finite loss or gradient). */
+  skippedSteps: number;
+  /** Steps skipped in a row up to the last one (0 when the last step was applied). */
+  consecutiveSkipped: number;
+  /** Optimizer steps applied. */
+  optimizerStep: number;
+  lossScale: number;
 }
 
 /** Everything needed to resume exactly: flat parameters and AdamW moments, and the step count. */
@@ -40,6 +73,8 @@ export interface TrainerState {
   params: Float32Array;
   m: Float32Array;
   v: Float32Array;
+  /** Optimizer step, skipped-step counters and loss scale; absent: `step` optimizer steps, none skipped. */
+  control?: ControlState;
 }
 
 /** Timing of one kernel in the last profiled step. */
@@ -60,7 +95,6 @@ export class Trainer {
   #stepOps: Op[];
   #querySet?: GPUQuerySet;
   #queryBuf?: GPUBuffer;
-  #lastLr = 0;
   /** Whether the last submitted step was profiled and its timings are not yet read. */
   #profilePending = false;
   #lastProfile: OpTiming[] | null = null;
@@ -108,6 +142,8 @@ export class Trainer {
     } else {
       write(q, model.params, initParams(opts.config, opts.seed));
     }
+    const control = state?.control ?? { optimizerStep: state?.step ?? 0 };
+    q.writeBuffer(model.control, 0, packControl(control, opts.lossScaler));
     return new Trainer(ctx, opts, model, state?.step ?? 0);
   }
 
@@ -163,43 +199,44 @@ export class Trainer {
    */
   trainStep(tokens: Uint16Array | Uint32Array, profile = false): void {
     checkDevice(this.#ctx);
-    const { adamw, schedule } = this.opts;
-    const t = this.#step + 1;
+    const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
     this.#writeTokens(tokens);
     this.#writeDropout(this.#step, true);
-    const lr = learningRate(schedule, this.#step);
-    const hp = new Float32Array([
-      lr,
-      adamw.beta1,
-      adamw.beta2,
-      adamw.eps,
-      adamw.weight_decay,
-      1 / (1 - adamw.beta1 ** t),
-      1 / (1 - adamw.beta2 ** t),
-      adamw.clip_grad,
-    ]);
-    write(this.#ctx.device.queue, this.#model.adamUniform, hp);
+    const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
+    const hp = packOptimizerUniform(adamw, schedule, lossScaler, gradMul);
+    this.#ctx.device.queue.writeBuffer(this.#model.optUniform, 0, hp);
     const enc = this.#ctx.device.createCommandEncoder();
     const qs = profile ? this.#querySet : undefined;
     encodeOps(enc, this.#stepOps, qs);
     if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
     this.#profilePending = !!qs;
     this.#ctx.device.queue.submit([enc.finish()]);
-    this.#lastLr = lr;
     this.#step++;
   }
 
   /**
-   * Loss, gradient norm (before clipping) and learning rate of the last submitted step. One
-   * readback, which also fetches the step's kernel timings when it was profiled.
+   * Loss, gradient norm (before clipping), learning rate, skipped-step counters and loss scale of
+   * the last submitted step. One readback, which also fetches the step's kernel timings when it
+   * was profiled.
    */
-  async lastStats(): Promise<{ loss: number; gradNorm: number; lr: number }> {
-    const ranges: ReadRange[] = [{ buffer: this.#model.stats, bytes: 16 }];
+  async lastStats(): Promise<StepStats> {
+    const ranges: ReadRange[] = [
+      { buffer: this.#model.stats, bytes: 16 },
+      { buffer: this.#model.control, bytes: CONTROL_BYTES },
+    ];
     if (this.#profilePending && this.#queryBuf) ranges.push({ buffer: this.#queryBuf });
-    const [stats, queries] = await readBuffers(this.#ctx, ranges);
+    const [stats, control, queries] = await readBuffers(this.#ctx, ranges);
     if (queries) this.#takeProfile(queries);
-    const s = new Float32Array(stats);
-    return { loss: s[STAT.loss], gradNorm: s[STAT.gradNorm], lr: this.#lastLr };
+    const s = new Float32Array(stats), c = unpackControl(control);
+    return {
+      loss: s[STAT.loss],
+      gradNorm: s[STAT.gradNorm],
+      lr: c.lr,
+      skippedSteps: c.skippedSteps,
+      consecutiveSkipped: c.consecutiveSkipped,
+      optimizerStep: c.optimizerStep,
+      lossScale: c.lossScale,
+    };
   }
 
   #takeProfile(raw: ArrayBuffer): void {
@@ -267,8 +304,9 @@ export class Trainer {
       await readFloats(this.#ctx, this.#model.adamM!),
       await readFloats(this.#ctx, this.#model.adamV!),
     ];
+    const control = unpackControl(await readBuffer(this.#ctx, this.#model.control, 0, CONTROL_BYTES));
     const n = this.#model.layout.totalSize;
-    return { step: this.#step, params: params.slice(0, n), m: m.slice(0, n), v: v.slice(0, n) };
+    return { step: this.#step, params: params.slice(0, n), m: m.slice(0, n), v: v.slice(0, n), control };
   }
 
   /** Gradients of the last step (flat layout), for tests. */

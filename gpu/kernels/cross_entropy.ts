@@ -2,9 +2,11 @@
  * Softmax cross-entropy over the real vocabulary, fused with its gradient: the logits (B·T, Vp)
  * are overwritten in place by dloss/dlogits = (softmax − onehot) / (B·T). Padded columns
  * (ids ≥ vocab_size) take no part in the softmax and get gradient 0, so they are never learned.
+ * In training the gradient is multiplied by the loss scale (and the uniform's test multiplier).
  */
 
 import { treeReduce } from "./common.ts";
+import { CONTROL_STRUCT, OPT_STRUCT } from "./adamw.ts";
 
 const WG = 256;
 
@@ -19,12 +21,23 @@ export interface CrossEntropySpec {
   grad: boolean;
 }
 
-/** One workgroup per row: losses[row] and, if grad, dlogits in place. Grid1d(rows). */
+/**
+ * One workgroup per row: losses[row] and, if grad, dlogits·scale in place (binding 3 the control
+ * buffer, group 1 the optimizer uniform). Grid1d(rows).
+ */
 export function crossEntropyWgsl(s: CrossEntropySpec): string {
   return `
 @group(0) @binding(0) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
 @group(0) @binding(2) var<storage, read_write> losses: array<f32>;
+${
+    s.grad
+      ? `${OPT_STRUCT}
+${CONTROL_STRUCT}
+@group(0) @binding(3) var<storage, read> ctl: Control;
+@group(1) @binding(0) var<uniform> hp: Opt;`
+      : ""
+  }
 var<workgroup> ms: array<f32, ${WG}>;
 var<workgroup> ss: array<f32, ${WG}>;
 @compute @workgroup_size(${WG})
@@ -59,7 +72,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   ${
     s.grad
       ? `workgroupBarrier();
-  let inv = 1.0 / ${s.rows}.0;
+  let inv = (1.0 / ${s.rows}.0) * ctl.scale * hp.grad_mul;
   for (var v = tid; v < ${s.Vp}u; v = v + ${WG}u) {
     var d = 0.0;
     if (v < ${s.V}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, v == tgt)) * inv; }
