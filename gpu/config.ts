@@ -34,7 +34,14 @@ export interface ModelConfig {
 }
 
 /** Names of the built-in model presets. */
-export const PRESET_NAMES = ["gpt2-tiny", "gpt2-small-test", "gpt2-124M", "gpt2-345M"] as const;
+export const PRESET_NAMES = [
+  "gpt2-tiny",
+  "gpt2-small-test",
+  "gpt2-124M",
+  "gpt2-345M",
+  "gpt2-774M",
+  "gpt2-1558M",
+] as const;
 export type PresetName = typeof PRESET_NAMES[number];
 
 /** Rounds `vocab` up to a multiple of `multiple`. */
@@ -48,6 +55,8 @@ const PRESET_DIMS: Record<PresetName, [number, number, number, number]> = {
   "gpt2-small-test": [4, 4, 128, 128],
   "gpt2-124M": [12, 12, 768, 1024],
   "gpt2-345M": [24, 16, 1024, 1024],
+  "gpt2-774M": [36, 20, 1280, 1024],
+  "gpt2-1558M": [48, 25, 1600, 1024],
 };
 
 /** Returns the configuration of a preset, or throws naming the unknown preset. */
