@@ -88,7 +88,7 @@ export function makeConfig(
 
 /** A configuration field with an invalid value. `field` names it for the user. */
 export class ConfigError extends Error {
-  constructor(readonly field: string, detail: string) {
+  constructor(readonly field: string, readonly detail: string) {
     super(`Invalid model config: ${field}: ${detail}`);
     this.name = "ConfigError";
   }

@@ -18,7 +18,15 @@
 import { ConfigError, type ModelConfig, type ParamLayout, validateSeqLen } from "./config.ts";
 import { createStorage, type GpuContext } from "./device.ts";
 import { type FlatBuffer, flatView } from "./flat.ts";
-import { actPrefix, LAYER_ACTS, type LayerActName, planModel, type PlanOptions, resLabel } from "./plan.ts";
+import {
+  actPrefix,
+  LAYER_ACTS,
+  type LayerActName,
+  type ModelPlan,
+  planModel,
+  type PlanOptions,
+  resLabel,
+} from "./plan.ts";
 import { dropoutSite } from "./rng.ts";
 import { makeOp, type Op, type OpKind, type Phase, PipelineCache, type View } from "./ops.ts";
 import {
@@ -114,9 +122,11 @@ export interface GpuModel {
   evalLoss: Op[];
   backward: Op[];
   optimizer: Op[];
-  /** Bytes of GPU memory allocated. */
+  /** Bytes of GPU memory allocated (the plan's total). */
   memoryBytes: number;
   buffers: GPUBuffer[];
+  /** The memory plan the buffers were allocated from. */
+  plan: ModelPlan;
 }
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
@@ -125,15 +135,6 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
   validateSeqLen(c, T);
   if (!Number.isInteger(B) || B <= 0) {
     throw new ConfigError("batch_size", `must be a positive integer, got ${B}`);
-  }
-  const bind = ctx.limits.maxStorageBufferBindingSize;
-  if (B * T * 4 * c.n_embd * 4 > bind) {
-    throw new ConfigError(
-      "batch_size",
-      `MLP activations of batch_size·seq_len·4·n_embd = ${B}·${T}·4·${c.n_embd} floats ` +
-        `(${B * T * 4 * c.n_embd * 4} bytes) exceed the device's storage binding limit of ${bind} bytes: ` +
-        `lower batch_size or seq_len`,
-    );
   }
   planModel(ctx.limits, shape);
   const D = c.n_embd / c.n_head;
@@ -159,13 +160,6 @@ export async function buildModel(
   const plan = planModel(ctx.limits, shape, { ...opts, train, sharedParams: !!opts.params });
   const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
-  if (headRows * Vp * 4 > ctx.limits.maxStorageBufferBindingSize) {
-    throw new ConfigError(
-      "batch_size",
-      `logits of ${headRows}·${Vp} floats exceed the device's storage binding limit of ` +
-        `${ctx.limits.maxStorageBufferBindingSize} bytes: lower batch_size or seq_len`,
-    );
-  }
   const cache = new PipelineCache(ctx);
   // Every buffer of the plan, allocated up front in plan order; nothing else is allocated.
   const buffers: GPUBuffer[] = [];
@@ -697,6 +691,7 @@ export async function buildModel(
     optimizer,
     memoryBytes,
     buffers,
+    plan,
   };
 }
 

@@ -8,7 +8,7 @@
  * device, so the HTTP process can plan for a GPU it never touches.
  */
 
-import { type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
+import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
 import { planSegments, type SegmentRange } from "./flat.ts";
 import { dropoutSite } from "./rng.ts";
 import { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES } from "./kernels/adamw.ts";
@@ -73,7 +73,12 @@ export interface PlanOptions extends ChunkOptions {
    * the group's input; 0 or absent stores every layer's activations.
    */
   checkpointLayers?: number;
+  /** Arithmetic of weights and activations (default fp32). */
+  precision?: Precision;
 }
+
+/** Training precisions. */
+export type Precision = "fp32" | "fp16";
 
 /** The full plan. */
 export interface ModelPlan {
@@ -154,6 +159,7 @@ export function planModel(
   const C = c.n_embd, L = c.n_layer, H = c.n_head, Vp = c.padded_vocab_size, BT = B * T;
   const train = o.train ?? true;
   const k = Math.min(o.checkpointLayers ?? 0, L);
+  if (o.precision === "fp16") throw new ConfigError("precision", `"fp16" is not implemented yet`);
   const layout = paramLayout(c);
   const segments = flatSegments(limits, layout, o);
   const headRows = train ? headChunkRows(limits, c, BT, o) : BT;
@@ -217,6 +223,16 @@ export function planModel(
     const blocks = Math.ceil(BT / ROW_BLOCK);
     add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
     add("normPart", NORM_GROUPS * segments.length, "f32", "workspace");
+  }
+  const bind = limits.maxStorageBufferBindingSize;
+  for (const b of buffers) {
+    if (b.bytes > bind) {
+      throw new ConfigError(
+        "batch_size",
+        `buffer "${b.label}" of ${b.bytes} bytes exceeds the device's storage binding limit of ${bind} bytes: ` +
+          `lower batch_size or seq_len`,
+      );
+    }
   }
   return {
     config: c,

@@ -50,6 +50,15 @@ export interface TrainConfig {
   keep_checkpoints: number;
   /** A checkpoint to start from: "<job id>" (its newest) or "<job id>/<checkpoint name>". */
   resume_from?: string;
+  /**
+   * "fp32" (absent: fp32) or "fp16": f16 weights and activations, fp32 master weights and AdamW,
+   * dynamic loss scaling (Megatron's --fp16).
+   */
+  precision?: "fp32" | "fp16";
+  /** Recompute each group's activations in backward (Megatron's --checkpoint-activations). */
+  checkpoint_activations?: boolean;
+  /** Layers per recomputed group (Megatron's --checkpoint-num-layers; absent: 1). */
+  checkpoint_num_layers?: number;
 }
 
 /** Lifecycle of a job. `interrupted` means the server died while it ran; it resumes on its own. */

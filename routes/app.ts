@@ -13,6 +13,7 @@ import { onError } from "./errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { generateRoutes } from "./generate.ts";
+import { estimateRoutes } from "./estimate.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -57,6 +58,7 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/v1/*", small);
   app.route("/", healthRoutes(opts.runner, opts.startedAt ?? Date.now(), opts.generation));
   app.route("/", jobRoutes(opts.runner));
+  app.route("/", estimateRoutes(opts.runner));
   if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;

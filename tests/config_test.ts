@@ -92,7 +92,7 @@ Deno.test("checkFits() refuses sizes beyond the device's limits before allocatin
   throwsField(
     () => checkFits(ctx, { ...shape, B: 32 }),
     "batch_size",
-    /MLP activations .* exceed the device.s storage binding limit/,
+    /buffer "l0.qkv" of 301989888 bytes exceeds the device's storage binding limit/,
   );
   checkFits(ctx, shape);
   const xl = { ...shape, config: presetConfig("gpt2-1558M"), B: 1 };
