@@ -18,7 +18,7 @@ import {
 } from "./messages.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
-import { completeConfig, type TrainRequest } from "./model.ts";
+import { completeConfig, type DeviceBudget, type TrainRequest } from "./model.ts";
 
 /** What the runner needs of a Worker (a real `Worker`, or a test double). */
 export interface WorkerPort {
@@ -121,7 +121,7 @@ export class JobRunner {
    */
   async submit(req: TrainRequest): Promise<Job> {
     const gpu = this.#pickGpu();
-    const config = completeConfig(req, this.#slots[gpu]?.maxBinding ?? null);
+    const config = completeConfig(req, this.device(gpu));
     if (!(await this.#opts.datasetExists(config.dataset))) {
       throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
     }
@@ -177,6 +177,13 @@ export class JobRunner {
       set.delete(fn);
       if (set.size === 0) this.#listeners.delete(id);
     };
+  }
+
+  /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
+  device(gpu: number): DeviceBudget | null {
+    const s = this.#slots[gpu];
+    if (!s || s.maxBinding === null) return null;
+    return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
   }
 
   /** State of each GPU slot. */
