@@ -1,12 +1,25 @@
 /**
  * The server's entry point, and only wiring: read the configuration from the environment once,
- * open the job store, start the job runner (one GPU Worker per GPU), build the routes and serve
- * them. Stopping (SIGINT/SIGTERM) terminates the Workers and exits explicitly, since a process
- * whose Workers held GPU devices can otherwise hang at exit.
+ * open the job store, start the GPU host (a child process with one Worker per GPU) and the job
+ * runner, build the routes and serve them. No WebGPU is loaded in this process, so a driver
+ * fault can only take down the GPU host, which is restarted.
+ *
+ * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
+ * running job saves a checkpoint at its current step, event streams end, the Workers destroy
+ * their devices, the host exits, the store closes, and the process exits 0. A second signal
+ * exits at once.
  */
 
-import { getDataset, isBuiltinName } from "./data/mod.ts";
-import { GenerationManager, JobRunner, JobStore, lockDataDir, spawnGpuWorker } from "./jobs/mod.ts";
+import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
+import {
+  GenerationManager,
+  GpuHostClient,
+  JobRunner,
+  JobStore,
+  lockDataDir,
+  removeStaleCheckpointTemporaries,
+  removeStaleTemporaries,
+} from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
 
@@ -18,11 +31,16 @@ export interface ServerConfig {
   home: string;
   token: string | null;
   gpus: number;
+  /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S). */
+  shutdownSeconds: number;
 }
 
 const LOOPBACK = new Set(["127.0.0.1", "::1", "localhost"]);
 
-/** Reads PORT, HOST, GPT2_HOME, GPT2_API_TOKEN and GPT2_GPUS; refuses a non-loopback host without a token. */
+/**
+ * Reads PORT, HOST, GPT2_HOME, GPT2_API_TOKEN, GPT2_GPUS and GPT2_SHUTDOWN_S; refuses a
+ * non-loopback host without a token.
+ */
 export function readServerConfig(env: { get(key: string): string | undefined }): ServerConfig {
   const host = env.get("HOST") || "127.0.0.1";
   const port = Number(env.get("PORT") ?? "8080");
@@ -35,7 +53,9 @@ export function readServerConfig(env: { get(key: string): string | undefined }):
   if (!LOOPBACK.has(host) && !token) {
     throw new Error(`Refusing to bind "${host}" without GPT2_API_TOKEN: set a token or bind 127.0.0.1`);
   }
-  return { host, port, home: env.get("GPT2_HOME") || "./.gpt2", token, gpus };
+  const shutdownSeconds = Number(env.get("GPT2_SHUTDOWN_S") ?? "30");
+  if (!(shutdownSeconds > 0)) throw new Error(`Invalid GPT2_SHUTDOWN_S "${env.get("GPT2_SHUTDOWN_S")}"`);
+  return { host, port, home: env.get("GPT2_HOME") || "./.gpt2", token, gpus, shutdownSeconds };
 }
 
 if (import.meta.main) {
@@ -54,17 +74,45 @@ if (import.meta.main) {
     console.error((e as Error).message);
     Deno.exit(1);
   }
+  // No writer is running yet: whatever a killed process left half-written goes.
+  for (
+    const name of [
+      ...await removeStaleCheckpointTemporaries(home),
+      ...await removeStaleTemporaries(datasetsDir(home)),
+    ]
+  ) {
+    console.log(`Removed stale temporary "${name}"`);
+  }
   const store = new JobStore(`${home}/jobs.sqlite`);
+  const host = new GpuHostClient({ env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) } });
   const runner = new JobRunner(store, {
     root: home,
     gpus: config.gpus,
-    spawn: spawnGpuWorker,
+    spawn: host.spawn,
+    host: () => host.status,
     datasetExists: async (id) =>
       isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
+    splitTokens: async (id) =>
+      isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
   });
   const generation = new GenerationManager(runner, home);
   const app = createApp({ runner, generation, token: config.token, extra: [datasetRoutes(home)] });
-  let server: Deno.HttpServer;
+  // While stopping, every request gets 503 (health included: a load balancer should look elsewhere).
+  const fetch = (req: Request, info: Deno.ServeHandlerInfo<Deno.NetAddr>) =>
+    runner.draining
+      ? Response.json(
+        {
+          error: {
+            message: "Server is shutting down: retry once it is back",
+            type: "unavailable",
+            param: null,
+            code: "shutting_down",
+          },
+        },
+        { status: 503, headers: { "Retry-After": String(config.shutdownSeconds) } },
+      )
+      : app.fetch(req, info);
+  let server: Deno.HttpServer<Deno.NetAddr>;
   try {
     server = Deno.serve({
       hostname: config.host,
@@ -73,7 +121,7 @@ if (import.meta.main) {
         const host = hostname.includes(":") ? `[${hostname}]` : hostname;
         console.log(`GPT-2 server listening on http://${host}:${port}/ (data in ${home})`);
       },
-    }, app.fetch);
+    }, fetch);
   } catch (e) {
     console.error(
       `Cannot listen on ${config.host}:${config.port}: ${(e as Error).message} (set PORT or HOST)`,
@@ -83,13 +131,29 @@ if (import.meta.main) {
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
   runner.start();
-  const stop = async () => {
-    runner.shutdown();
-    // Open event streams would keep shutdown() waiting: give them a moment, then exit.
-    await Promise.race([server.shutdown(), new Promise((r) => setTimeout(r, 1000))]);
+  let stopping = false;
+  const stop = async (signal: Deno.Signal) => {
+    if (stopping) {
+      console.error(`Second ${signal}: exiting now; running jobs resume from their newest checkpoint`);
+      Deno.exit(signal === "SIGINT" ? 130 : 143);
+    }
+    stopping = true;
+    const deadline = Date.now() + config.shutdownSeconds * 1000;
+    const left = (reserveMs = 0) => Math.max(0, deadline - Date.now() - reserveMs);
+    console.log(
+      `${signal}: stopping (jobs save a checkpoint at their current step; at most ${config.shutdownSeconds} s)`,
+    );
+    await runner.stop(left(2000));
+    const hostExit = await host.close(left(500));
+    if (hostExit && !hostExit.success) {
+      const how = hostExit.signal ? `signal ${hostExit.signal}` : `status ${hostExit.code}`;
+      console.error(`GPU host exited with ${how} after its Workers had shut down`);
+    }
+    await Promise.race([server.shutdown(), new Promise((r) => setTimeout(r, left()))]);
     store.close();
+    console.log("Stopped");
     Deno.exit(0);
   };
-  Deno.addSignalListener("SIGINT", stop);
-  Deno.addSignalListener("SIGTERM", stop);
+  Deno.addSignalListener("SIGINT", () => stop("SIGINT"));
+  Deno.addSignalListener("SIGTERM", () => stop("SIGTERM"));
 }

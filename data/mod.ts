@@ -50,12 +50,14 @@ export {
   type Progress,
 } from "./prepare.ts";
 export { Sampler, type SamplerOptions, type SamplerState } from "./sampler.ts";
+export { type EvalBatches, evalBatches, windowCount } from "./eval_windows.ts";
 export { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 export {
   checkDatasetId,
   DATASET_ID_RE,
   datasetDir,
   type DatasetInfo,
+  datasetsDir,
   getDataset,
   listDatasets,
   loadDocumentIndex,

@@ -6,11 +6,14 @@
  * - `optimizer.safetensors`: AdamW's m and v in the engine's flat layout,
  * - `manifest.json`: the full model config (real and padded vocabulary), iteration, training
  *   config, RNG and sampler state: everything needed to resume bit for bit.
- * A checkpoint is written under a temporary name and renamed into place, so a crash never
- * leaves a half-written directory that looks complete; only the newest `keep` survive.
+ * A checkpoint is written under a temporary name, every file and the directory fsynced, and then
+ * renamed into place, so a crash or power loss never leaves a half-written directory that looks
+ * complete: a checkpoint exists once its manifest does. Older ones are pruned only after the new
+ * one is durable, keeping the newest `keep`.
  */
 
 import { allTensorShapes, makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
+import type { ControlState } from "../gpu/kernels/adamw.ts";
 import type { TrainConfig } from "./types.ts";
 import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
 
@@ -39,6 +42,8 @@ export interface CheckpointManifest {
   rng: { seed: number; step: number };
   sampler: SamplerState;
   metrics: { loss: number | null; val_loss: number | null };
+  /** The optimizer's control state (see CheckpointState.control). */
+  control?: ControlState;
   files: { model: string; optimizer: string; hf_config: string };
 }
 
@@ -48,6 +53,8 @@ export interface CheckpointState {
   params: Float32Array;
   m: Float32Array;
   v: Float32Array;
+  /** Optimizer step, skipped-step counters and loss scaler (absent in older checkpoints: `step` optimizer steps). */
+  control?: ControlState;
 }
 
 /** A checkpoint found on disk. */
@@ -161,6 +168,12 @@ export async function saveCheckpoint(
   state: CheckpointState,
   keep: number,
 ): Promise<{ name: string; path: string }> {
+  const bad = firstNonFinite(state.params);
+  if (bad >= 0) {
+    throw new Error(
+      `Refusing to save checkpoint at iteration ${state.step}: parameter ${bad} is ${state.params[bad]}`,
+    );
+  }
   await Deno.mkdir(jobDir, { recursive: true });
   const name = checkpointName(state.step);
   const tmp = `${jobDir}/.tmp-${name}-${crypto.randomUUID().slice(0, 8)}`;
@@ -177,6 +190,7 @@ export async function saveCheckpoint(
     rng: { seed: meta.train.seed, step: state.step },
     sampler: meta.sampler,
     metrics: meta.metrics,
+    ...(state.control ? { control: state.control } : {}),
     files: { model: "model.safetensors", optimizer: "optimizer.safetensors", hf_config: "config.json" },
   };
   await writeSafetensors(`${tmp}/model.safetensors`, exportTensors(meta.model, state.params), {
@@ -190,13 +204,75 @@ export async function saveCheckpoint(
     `${tmp}/config.json`,
     JSON.stringify(hfConfig(meta.model, meta.train), null, 2) + "\n",
   );
+  await fsyncPath(`${tmp}/config.json`);
   // The manifest goes last: a directory with a manifest is complete.
   await Deno.writeTextFile(`${tmp}/manifest.json`, JSON.stringify(manifest, null, 2) + "\n");
+  await fsyncPath(`${tmp}/manifest.json`);
+  await fsyncPath(tmp);
   const path = `${jobDir}/${name}`;
-  await Deno.remove(path, { recursive: true }).catch(() => {});
+  // A same-named checkpoint (a step saved again after a resume) is moved aside, not deleted, until
+  // the new one is in place and durable.
+  let aside: string | null = `${jobDir}/.old-${name}-${crypto.randomUUID().slice(0, 8)}`;
+  try {
+    await Deno.rename(path, aside);
+  } catch (e) {
+    if (!(e instanceof Deno.errors.NotFound)) throw e;
+    aside = null;
+  }
   await Deno.rename(tmp, path);
+  await fsyncPath(jobDir);
+  if (aside) await Deno.remove(aside, { recursive: true });
   await pruneCheckpoints(jobDir, keep);
   return { name, path };
+}
+
+/** Index of the first NaN or infinity in `a`, or -1. */
+export function firstNonFinite(a: Float32Array): number {
+  // x - x is 0 for every finite x and NaN for NaN and both infinities.
+  for (let i = 0; i < a.length; i++) if (a[i] - a[i] !== 0) return i;
+  return -1;
+}
+
+/** fsyncs a file or directory (a directory's fsync makes the renames inside it durable). */
+export async function fsyncPath(path: string): Promise<void> {
+  using f = await Deno.open(path, { read: true });
+  await f.sync();
+}
+
+/**
+ * Removes temporary (`.tmp-*`) and moved-aside (`.old-*`) directories left in `dir` by a process
+ * that died while writing; run at server start, when no writer can be active. Returns their names.
+ */
+export async function removeStaleTemporaries(dir: string): Promise<string[]> {
+  const removed: string[] = [];
+  let entries: Deno.DirEntry[];
+  try {
+    entries = await Array.fromAsync(Deno.readDir(dir));
+  } catch (e) {
+    if (e instanceof Deno.errors.NotFound) return removed;
+    throw e;
+  }
+  for (const e of entries) {
+    if (!e.name.startsWith(".tmp-") && !e.name.startsWith(".old-")) continue;
+    await Deno.remove(`${dir}/${e.name}`, { recursive: true });
+    removed.push(e.name);
+  }
+  return removed;
+}
+
+/** removeStaleTemporaries() in every job's checkpoint directory under `root/checkpoints`. */
+export async function removeStaleCheckpointTemporaries(root: string): Promise<string[]> {
+  const removed: string[] = [];
+  try {
+    for await (const e of Deno.readDir(`${root}/checkpoints`)) {
+      if (!e.isDirectory) continue;
+      const found = await removeStaleTemporaries(`${root}/checkpoints/${e.name}`);
+      removed.push(...found.map((n) => `checkpoints/${e.name}/${n}`));
+    }
+  } catch (e) {
+    if (!(e instanceof Deno.errors.NotFound)) throw e;
+  }
+  return removed;
 }
 
 /** Complete checkpoints in `jobDir`, oldest first; temporary directories are skipped. */
@@ -234,16 +310,11 @@ export async function listCheckpoints(jobDir: string): Promise<CheckpointInfo[]>
   return out.sort((a, b) => a.iteration - b.iteration);
 }
 
-/** Removes all but the newest `keep` checkpoints and any leftover temporary directories. */
+/** Removes all but the newest `keep` checkpoints. */
 export async function pruneCheckpoints(jobDir: string, keep: number): Promise<void> {
   const all = await listCheckpoints(jobDir);
   for (const c of all.slice(0, Math.max(0, all.length - Math.max(1, keep)))) {
     await Deno.remove(c.path, { recursive: true });
-  }
-  for await (const e of Deno.readDir(jobDir)) {
-    if (e.name.startsWith(".tmp-")) {
-      await Deno.remove(`${jobDir}/${e.name}`, { recursive: true }).catch(() => {});
-    }
   }
 }
 
@@ -289,5 +360,8 @@ export async function loadCheckpoint(
       `Cannot load checkpoint "${path}": optimizer state does not match ${params.length} parameters`,
     );
   }
-  return { manifest, state: { step: manifest.iteration, params, m: m.data, v: v.data } };
+  return {
+    manifest,
+    state: { step: manifest.iteration, params, m: m.data, v: v.data, control: manifest.control },
+  };
 }

@@ -1,22 +1,33 @@
 /**
  * The Worker that drives one GPU. It opens the device once, then runs the jobs the runner posts
- * one at a time (see train_loop.ts), polling a shared cancel flag between steps. All GPU waits
- * (mapAsync, onSubmittedWorkDone) happen here, never on the HTTP thread. Generation requests
- * bypass the job queue: they run on their own loop (generation_service.ts) beside any training job.
+ * one at a time (see train_loop.ts), polling the shared cancel and stop flags between steps. All
+ * GPU waits (mapAsync, onSubmittedWorkDone) happen here, never on the HTTP thread. Generation
+ * requests bypass the job queue: they run on their own loop (generation_service.ts) beside any
+ * training job. `shutdown` waits for the GPU to go idle, destroys generators and the device, and
+ * ends the Worker: a device dropped on another thread while the process exits is what crashes
+ * NVIDIA's Vulkan driver at exit (wgpu issue 8365).
  */
 
 /// <reference lib="deno.worker" />
 
 import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
-import { CANCEL_FLAG, type FromWorker, type ToWorker } from "./messages.ts";
+import { CANCEL_FLAG, type FromWorker, STOP_FLAG, type ToWorkerThread } from "./messages.ts";
 import { runTraining } from "./train_loop.ts";
 import { GenerationService } from "./generation_service.ts";
 
-/** The state of this Worker: its device, its GPU index and the shared cancel flag. */
+// Inside the GPU host, stdout carries the host protocol: route console output to stderr.
+if (Deno.env.get("GPT2_GPU_HOST_CHILD") === "1") {
+  console.log = console.error;
+  console.info = console.error;
+  console.debug = console.error;
+}
+
+/** The state of this Worker: its device, its GPU index and the shared flags. */
 class GpuWorker {
   #ctx: GpuContext | null = null;
-  #cancel: Int32Array | null = null;
+  #flags: Int32Array | null = null;
   #gpu = 0;
+  #probe: GPUBuffer | null = null;
   #post: (msg: FromWorker) => void;
   #generation: GenerationService;
 
@@ -26,7 +37,7 @@ class GpuWorker {
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
-  generation(msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
+  generation(msg: Extract<ToWorkerThread, { type: "generate" | "generate_cancel" }>): void {
     if (msg.type === "generate") this.#generation.generate(msg.request);
     else this.#generation.cancel(msg.id);
   }
@@ -37,14 +48,26 @@ class GpuWorker {
     return this.#ctx;
   }
 
+  #flag(index: number): boolean {
+    return this.#flags !== null && Atomics.load(this.#flags, index) !== 0;
+  }
+
   /** Handles one message; the caller runs them strictly in order. */
-  async handle(msg: ToWorker): Promise<void> {
+  async handle(msg: ToWorkerThread): Promise<void> {
     switch (msg.type) {
       case "init": {
         this.#gpu = msg.gpu;
-        this.#cancel = new Int32Array(msg.cancel);
+        this.#flags = new Int32Array(msg.flags);
         try {
           const c = await this.#open();
+          if (msg.probe_bytes) {
+            // Committed memory the GPU host can see in nvidia-smi, to learn which GPU this is.
+            this.#probe = c.device.createBuffer({ size: msg.probe_bytes, usage: GPUBufferUsage.COPY_DST });
+            const enc = c.device.createCommandEncoder();
+            enc.clearBuffer(this.#probe);
+            c.device.queue.submit([enc.finish()]);
+            await c.device.queue.onSubmittedWorkDone();
+          }
           this.#post({
             type: "ready",
             gpu: this.#gpu,
@@ -57,6 +80,10 @@ class GpuWorker {
         }
         return;
       }
+      case "probe_done":
+        this.#probe?.destroy();
+        this.#probe = null;
+        return;
       case "train": {
         let ctx: GpuContext;
         try {
@@ -71,19 +98,24 @@ class GpuWorker {
           });
           return;
         }
-        const cancel = this.#cancel;
         this.#post(
           await runTraining(ctx, msg.job, {
             post: this.#post,
-            cancelled: () => cancel !== null && Atomics.load(cancel, CANCEL_FLAG) !== 0,
+            cancelled: () => this.#flag(CANCEL_FLAG),
+            stopRequested: () => this.#flag(STOP_FLAG),
           }),
         );
         return;
       }
       case "shutdown":
         await this.#generation.destroy();
-        this.#ctx?.device.destroy();
-        this.#ctx = null;
+        this.#probe?.destroy();
+        if (this.#ctx) {
+          await this.#ctx.device.queue.onSubmittedWorkDone().catch(() => {});
+          this.#ctx.device.destroy();
+          this.#ctx = null;
+        }
+        this.#post({ type: "closed", gpu: this.#gpu });
         self.close();
         return;
     }
@@ -93,8 +125,8 @@ class GpuWorker {
 const worker = new GpuWorker((msg) => self.postMessage(msg));
 let chain: Promise<void> = Promise.resolve();
 // Messages are handled strictly in order: a job runs to completion before the next starts.
-self.onmessage = (e: MessageEvent<ToWorker>) => {
+self.onmessage = (e: MessageEvent<ToWorkerThread>) => {
   const msg = e.data;
   if (msg.type === "generate" || msg.type === "generate_cancel") return worker.generation(msg);
-  chain = chain.then(() => worker.handle(e.data));
+  chain = chain.then(() => worker.handle(msg));
 };

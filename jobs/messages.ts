@@ -1,15 +1,21 @@
 /**
- * Messages between the HTTP thread (the runner) and a GPU Worker. The Worker owns its device and
+ * Messages between the HTTP process (the runner) and a GPU Worker. The Worker owns its device and
  * never sees the store: it receives a fully resolved job and reports progress, evaluations,
- * checkpoints and the outcome. Cancellation is a shared Int32 flag the training loop polls
- * between steps, so it works even while the loop does not yield to the event loop.
+ * checkpoints and the outcome. Every message is plain JSON, since it may cross a process
+ * boundary (HTTP process -> GPU host -> Worker thread). Cancel and stop reach a running job as
+ * shared Int32 flags that the GPU host sets for the Worker and the training loop polls between
+ * steps, so they work even while the loop does not yield to the event loop.
  */
 
 import type { PhaseTimes, TrainConfig } from "./types.ts";
 import type { ModelConfig } from "../gpu/config.ts";
 
-/** Index in the shared cancel flag: non-zero asks the running job to stop. */
+/** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
 export const CANCEL_FLAG = 0;
+/** Index in the shared flags: non-zero asks the running job to save a checkpoint at its current step and end "interrupted" (server shutdown). */
+export const STOP_FLAG = 1;
+/** Int32 slots in the shared flags buffer. */
+export const FLAG_COUNT = 2;
 
 /** A job handed to a Worker. */
 export interface WorkerJob {
@@ -50,13 +56,26 @@ export interface WorkerGeneration {
   stop_at_eos: boolean;
 }
 
-/** HTTP thread → Worker. */
+/**
+ * Runner → GPU port. `cancel` and `stop` raise the shared flags of the Worker (the port does it,
+ * since the Worker's own event loop is busy while it trains); `shutdown` destroys the Worker's
+ * generators, trainer and device and ends the Worker.
+ */
 export type ToWorker =
-  | { type: "init"; gpu: number; cancel: SharedArrayBuffer }
+  | { type: "init"; gpu: number }
   | { type: "train"; job: WorkerJob }
   | { type: "generate"; request: WorkerGeneration }
   | { type: "generate_cancel"; id: string }
+  | { type: "cancel" }
+  | { type: "stop" }
   | { type: "shutdown" };
+
+/** What the Worker thread itself receives: `init` carries the shared flags (FLAG_COUNT Int32s). */
+export type ToWorkerThread =
+  | Exclude<ToWorker, { type: "init" | "cancel" | "stop" }>
+  /** `probe_bytes`: hold a buffer this large until `probe_done`, so the host can see which GPU's memory grew. */
+  | { type: "init"; gpu: number; flags: SharedArrayBuffer; probe_bytes?: number }
+  | { type: "probe_done" };
 
 /** Worker → HTTP thread, for generations: accepted onto the GPU, new tokens, finished. */
 export type FromWorkerGeneration =
@@ -73,27 +92,62 @@ export type FromWorkerGeneration =
 /** Worker → HTTP thread. */
 export type FromWorker =
   | FromWorkerGeneration
-  | { type: "ready"; gpu: number; adapter: string; max_buffer_bytes: number; max_binding_bytes: number }
+  | {
+    type: "ready";
+    gpu: number;
+    adapter: string;
+    max_buffer_bytes: number;
+    max_binding_bytes: number;
+    /** The PCI bus the Worker landed on, when the GPU host could tell (nvidia-smi). */
+    pci_bus?: string | null;
+  }
+  /** The Worker destroyed its device and is ending (answer to `shutdown`). */
+  | { type: "closed"; gpu: number }
   | { type: "unavailable"; gpu: number; error: string }
   | { type: "started"; id: string; iteration: number; resumed_from: string | null; gpu_memory_bytes: number }
   | {
     type: "progress";
     id: string;
     iteration: number;
-    loss: number;
-    grad_norm: number;
+    /** Null when the logged step was skipped for a non-finite loss or gradient. */
+    loss: number | null;
+    grad_norm: number | null;
     lr: number;
     tokens_per_s: number;
     timings: PhaseTimes;
     gpu_memory_bytes: number;
+    /** Steps whose update was skipped for a non-finite loss or gradient, in this job so far. */
+    skipped_steps: number;
   }
-  | { type: "eval"; id: string; iteration: number; split: "valid" | "test"; loss: number; perplexity: number }
+  | {
+    type: "eval";
+    id: string;
+    iteration: number;
+    split: "valid" | "test";
+    loss: number;
+    perplexity: number;
+    /** Tokens whose loss was averaged. */
+    tokens: number;
+  }
   | { type: "log"; id: string; level: "info" | "warn"; message: string }
   | { type: "checkpoint"; id: string; iteration: number; name: string; path: string }
   | {
     type: "done";
     id: string;
-    status: "succeeded" | "failed" | "cancelled";
+    /** "interrupted": stopped by a shutdown after saving a checkpoint at `iteration`; it resumes there. */
+    status: "succeeded" | "failed" | "cancelled" | "interrupted";
     iteration: number;
     error: string | null;
   };
+
+/** HTTP process → GPU host: one JSON line on the host's stdin per message. */
+export interface ToHost {
+  gpu: number;
+  msg: ToWorker;
+}
+
+/** GPU host → HTTP process: one JSON line on the host's stdout per message. */
+export type FromHost =
+  | { gpu: number; msg: FromWorker }
+  /** The Worker thread of `gpu` died (uncaught error); the host starts a new one on the next `init`. */
+  | { gpu: number; error: string };

@@ -20,6 +20,7 @@ export * from "./checkpoint.ts";
 export * from "./safetensors.ts";
 export * from "./model.ts";
 export { lockDataDir } from "./lock.ts";
+export { GpuHostClient, type HostStatus } from "./host_client.ts";
 export * from "./model_source.ts";
 export * from "./text_stream.ts";
 export * from "./generation.ts";

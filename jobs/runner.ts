@@ -1,39 +1,27 @@
 /**
- * The job runner: the HTTP thread's side of training. It owns one Worker per GPU (each Worker
- * opens its own device, since mapAsync and onSubmittedWorkDone block the JS thread), feeds each
- * GPU's FIFO queue from the store, turns Worker messages into stored metrics and events, and
- * fans events out to live subscribers (the SSE routes). On start it marks jobs a dead server left
- * running as interrupted; they go to the head of their queue and resume from their newest
- * checkpoint.
+ * The job runner: the HTTP process's side of training. It holds one port per GPU (a Worker in the
+ * GPU host process, see host_client.ts; each Worker opens its own device, since mapAsync and
+ * onSubmittedWorkDone block the JS thread), feeds each GPU's FIFO queue from the store, turns
+ * Worker messages into stored metrics and events, and fans events out to live subscribers (the
+ * SSE routes). Jobs whose Worker died, or that a dead server left running, are marked
+ * interrupted; they go to the head of their queue and resume from their newest checkpoint. A
+ * graceful `stop()` has every running job save a checkpoint at its current step first.
  */
 
 import { isFinished, type JobStore } from "./store.ts";
-import { InvalidJobError, JobConflictError, JobNotFoundError } from "./errors.ts";
-import {
-  CANCEL_FLAG,
-  type FromWorker,
-  type FromWorkerGeneration,
-  type ToWorker,
-  type WorkerJob,
-} from "./messages.ts";
+import { GpuUnavailableError, InvalidJobError, JobConflictError, JobNotFoundError } from "./errors.ts";
+import type { FromWorker, FromWorkerGeneration, ToWorker, WorkerJob } from "./messages.ts";
+import type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
+import type { HostStatus } from "./host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
 import { completeConfig, type DeviceBudget, type TrainRequest } from "./model.ts";
 
-/** What the runner needs of a Worker (a real `Worker`, or a test double). */
-export interface WorkerPort {
-  postMessage(msg: ToWorker): void;
-  onmessage: ((e: MessageEvent<FromWorker>) => void) | null;
-  onerror: ((e: ErrorEvent) => void) | null;
-  terminate(): void;
-}
+export type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
+export { spawnGpuWorker } from "./gpu_port.ts";
 
-/** Creates the Worker that drives GPU `gpu`. */
-export type SpawnWorker = (gpu: number) => WorkerPort;
-
-/** Spawns the real GPU Worker (jobs/gpu_worker.ts). */
-export const spawnGpuWorker: SpawnWorker = () =>
-  new Worker(new URL("./gpu_worker.ts", import.meta.url).href, { type: "module" }) as unknown as WorkerPort;
+/** A job whose Worker died this many times without getting further fails instead of resuming again. */
+const MAX_CRASHES_WITHOUT_PROGRESS = 3;
 
 /** What one GPU slot is doing. */
 export interface GpuState {
@@ -44,13 +32,16 @@ export interface GpuState {
   job: string | null;
   queued: number;
   max_buffer_bytes: number | null;
+  /** PCI bus of the GPU the Worker landed on, when known. */
+  pci_bus: string | null;
 }
 
 interface Slot {
   index: number;
   worker: WorkerPort;
-  cancel: Int32Array;
   state: GpuState["state"];
+  pciBus: string | null;
+  closed: boolean;
   adapter: string | null;
   error: string | null;
   job: string | null;
@@ -67,6 +58,10 @@ export interface RunnerOptions {
   spawn: SpawnWorker;
   /** Whether a dataset id can be trained on (prepared, or a builtin prepared on first use). */
   datasetExists: (id: string) => Promise<boolean>;
+  /** Tokens per split of a prepared dataset (null when not known before it is prepared), to refuse splits shorter than one sequence. */
+  splitTokens?: (id: string) => Promise<{ train: number; valid: number; test: number } | null>;
+  /** The GPU host's state, when the Workers run in one (shown by /health). */
+  host?: () => HostStatus;
 }
 
 type Listener = (e: JobEvent) => void;
@@ -81,6 +76,10 @@ export class JobRunner {
   #slots: Slot[] = [];
   #listeners = new Map<string, Set<Listener>>();
   #stopped = false;
+  /** Set by stop(): no new job starts; running ones save and end "interrupted". */
+  #draining = false;
+  /** Worker deaths per job since it last got further: id -> [count, iteration]. */
+  #crashes = new Map<string, [number, number]>();
   #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
@@ -120,10 +119,23 @@ export class JobRunner {
    * field for an unknown model or dataset, a model that cannot fit, or a bad resume_from.
    */
   async submit(req: TrainRequest): Promise<Job> {
+    if (this.#draining) {
+      throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
+    }
     const gpu = this.#pickGpu();
     const config = completeConfig(req, this.device(gpu));
     if (!(await this.#opts.datasetExists(config.dataset))) {
       throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
+    }
+    const splits = await this.#opts.splitTokens?.(config.dataset);
+    for (const split of ["train", "valid", "test"] as const) {
+      // A split weighted 0 is empty on purpose and simply not evaluated.
+      if (!splits || splits[split] === 0 || splits[split] > config.seq_len) continue;
+      throw new InvalidJobError(
+        "seq_len",
+        `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +
+          `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
+      );
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
@@ -142,7 +154,7 @@ export class JobRunner {
     }
     if (job.status === "running") {
       const slot = this.#slots[job.gpu];
-      if (slot?.job === id) Atomics.store(slot.cancel, CANCEL_FLAG, 1);
+      if (slot?.job === id) slot.worker.postMessage({ type: "cancel" });
       this.#emit(id, "log", { level: "info", message: "Cancel requested" });
       return this.#store.updateJob(id, { cancel_requested: true });
     }
@@ -186,6 +198,11 @@ export class JobRunner {
     return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
   }
 
+  /** The GPU host's state, or null when Workers run in this process. */
+  hostStatus(): HostStatus | null {
+    return this.#opts.host?.() ?? null;
+  }
+
   /** State of each GPU slot. */
   gpus(): GpuState[] {
     return this.#slots.map((s) => ({
@@ -196,6 +213,7 @@ export class JobRunner {
       job: s.job,
       queued: this.#store.queue(s.index).length,
       max_buffer_bytes: s.maxBuffer,
+      pci_bus: s.pciBus,
     }));
   }
 
@@ -211,25 +229,59 @@ export class JobRunner {
     this.#generation = fn;
   }
 
-  /** Stops every Worker. Running jobs stay "running" in the store and resume on the next start. */
+  /** Whether stop() has begun. */
+  get draining(): boolean {
+    return this.#draining;
+  }
+
+  /**
+   * Graceful stop, within `timeoutMs`: no new job starts, each running job saves a checkpoint at
+   * its current step and becomes "interrupted" (it resumes there on the next start), open event
+   * streams get a final `shutdown` event, and every Worker destroys its device and ends. Whatever
+   * has not finished by the deadline is left to resume from its newest checkpoint.
+   */
+  async stop(timeoutMs: number): Promise<void> {
+    if (this.#draining) return;
+    this.#draining = true;
+    const deadline = Date.now() + timeoutMs;
+    const until = async (done: () => boolean) => {
+      while (!done() && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    };
+    for (const s of this.#slots) if (s.job) s.worker.postMessage({ type: "stop" });
+    await until(() => this.#slots.every((s) => !s.job || s.state === "unavailable"));
+    for (const s of this.#slots) {
+      this.#generation?.(s.index, { type: "gen_crash", error: "Server is shutting down" });
+    }
+    for (const [id, set] of this.#listeners) {
+      const event: JobEvent = {
+        id: 0,
+        job_id: id,
+        type: "shutdown",
+        data: { message: "Server is shutting down" },
+        at: new Date().toISOString(),
+      };
+      for (const fn of set) fn(event);
+    }
+    for (const s of this.#slots) s.worker.postMessage({ type: "shutdown" });
+    await until(() => this.#slots.every((s) => s.closed || s.state === "unavailable"));
+    this.shutdown();
+  }
+
+  /** Stops at once: every Worker is terminated. Running jobs stay "running" in the store and resume on the next start. */
   shutdown(): void {
     this.#stopped = true;
-    for (const s of this.#slots) {
-      try {
-        s.worker.postMessage({ type: "shutdown" });
-      } catch { /* already gone */ }
-      s.worker.terminate();
-    }
+    this.#draining = true;
+    for (const s of this.#slots) s.worker.terminate();
     this.#listeners.clear();
   }
 
   #spawn(index: number): Slot {
-    const cancelBuffer = new SharedArrayBuffer(4);
     const slot: Slot = {
       index,
       worker: this.#opts.spawn(index),
-      cancel: new Int32Array(cancelBuffer),
       state: "starting",
+      pciBus: null,
+      closed: false,
       adapter: null,
       error: null,
       job: null,
@@ -241,7 +293,7 @@ export class JobRunner {
       e.preventDefault();
       this.#onCrash(slot, e.message ?? String(e));
     };
-    slot.worker.postMessage({ type: "init", gpu: index, cancel: cancelBuffer });
+    slot.worker.postMessage({ type: "init", gpu: index });
     return slot;
   }
 
@@ -274,7 +326,7 @@ export class JobRunner {
   /** Starts the next waiting job on `gpu` if its Worker is free. */
   #dispatch(gpu: number): void {
     const slot = this.#slots[gpu];
-    if (!slot || this.#stopped || slot.job) return;
+    if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
       // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
       for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
@@ -285,7 +337,6 @@ export class JobRunner {
     if (!job) return;
     slot.job = job.id;
     slot.state = "busy";
-    Atomics.store(slot.cancel, CANCEL_FLAG, 0);
     const wasInterrupted = job.status === "interrupted";
     this.#store.updateJob(job.id, {
       status: "running",
@@ -334,10 +385,14 @@ export class JobRunner {
         return;
       case "ready":
         slot.state = "idle";
+        slot.pciBus = msg.pci_bus ?? null;
         slot.adapter = msg.adapter;
         slot.maxBuffer = msg.max_buffer_bytes;
         slot.maxBinding = msg.max_binding_bytes;
         this.#dispatch(slot.index);
+        return;
+      case "closed":
+        slot.closed = true;
         return;
       case "unavailable":
         slot.state = "unavailable";
@@ -364,29 +419,32 @@ export class JobRunner {
         this.#store.updateJob(id, {
           iteration: msg.iteration,
           metrics: {
-            loss: msg.loss,
-            grad_norm: msg.grad_norm,
+            ...(msg.loss !== null ? { loss: msg.loss, grad_norm: msg.grad_norm } : {}),
             lr: msg.lr,
             tokens_per_s: msg.tokens_per_s,
             timings: msg.timings,
             gpu_memory_bytes: msg.gpu_memory_bytes,
+            skipped_steps: msg.skipped_steps,
           },
         });
-        this.#store.addMetric(id, {
-          iteration: msg.iteration,
-          split: "train",
-          loss: msg.loss,
-          perplexity: Math.exp(msg.loss),
-          lr: msg.lr,
-          tokens_per_s: msg.tokens_per_s,
-        });
+        if (msg.loss !== null) {
+          this.#store.addMetric(id, {
+            iteration: msg.iteration,
+            split: "train",
+            loss: msg.loss,
+            perplexity: Math.exp(msg.loss),
+            lr: msg.lr,
+            tokens_per_s: msg.tokens_per_s,
+          });
+        }
         this.#emit(id, "progress", { kind: "train", ...rest });
+        this.#crashes.delete(id);
         return;
       }
       case "eval": {
         const metrics = msg.split === "valid"
-          ? { val_loss: msg.loss, val_perplexity: msg.perplexity }
-          : { test_loss: msg.loss, test_perplexity: msg.perplexity };
+          ? { val_loss: msg.loss, val_perplexity: msg.perplexity, val_tokens: msg.tokens }
+          : { test_loss: msg.loss, test_perplexity: msg.perplexity, test_tokens: msg.tokens };
         this.#store.updateJob(msg.id, { metrics });
         this.#store.addMetric(msg.id, {
           iteration: msg.iteration,
@@ -402,6 +460,7 @@ export class JobRunner {
           iteration: msg.iteration,
           loss: msg.loss,
           perplexity: msg.perplexity,
+          tokens: msg.tokens,
         });
         return;
       }
@@ -415,7 +474,17 @@ export class JobRunner {
       case "done":
         slot.job = null;
         slot.state = "idle";
-        this.#finish(msg.id, msg.status, msg.iteration, msg.error);
+        if (msg.status === "interrupted") {
+          this.#store.updateJob(msg.id, { status: "interrupted", iteration: msg.iteration });
+          this.#emit(msg.id, "log", {
+            level: "warn",
+            message: `Stopped by server shutdown at iteration ${msg.iteration}; resumes there on restart`,
+            status: "interrupted",
+            iteration: msg.iteration,
+          });
+        } else {
+          this.#finish(msg.id, msg.status, msg.iteration, msg.error);
+        }
         this.#dispatch(slot.index);
         return;
     }
@@ -443,22 +512,45 @@ export class JobRunner {
     });
   }
 
-  /** A Worker died: fail its job and start a fresh Worker for the slot. */
+  /**
+   * A Worker (or the whole GPU host) died: its job becomes "interrupted" and resumes from its
+   * newest checkpoint on a fresh Worker, unless it keeps crashing without getting further.
+   */
   #onCrash(slot: Slot, message: string): void {
     if (this.#stopped) return;
     const jobId = slot.job;
     slot.worker.terminate();
-    const fresh = this.#spawn(slot.index);
-    this.#slots[slot.index] = fresh;
+    if (this.#draining) {
+      slot.state = "unavailable";
+      slot.job = null;
+      return; // stopping anyway: the job stays as it is and resumes on the next start
+    }
     this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
     if (jobId) {
-      this.#finish(
-        jobId,
-        "failed",
-        this.#store.getJob(jobId)?.iteration ?? 0,
-        `GPU worker crashed: ${message}`,
-      );
+      const job = this.#store.getJob(jobId);
+      const iteration = job?.iteration ?? 0;
+      const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
+      const crashes = at === iteration ? count + 1 : 1;
+      this.#crashes.set(jobId, [crashes, iteration]);
+      if (crashes >= MAX_CRASHES_WITHOUT_PROGRESS) {
+        this.#crashes.delete(jobId);
+        this.#finish(
+          jobId,
+          "failed",
+          iteration,
+          `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
+        );
+      } else {
+        this.#store.updateJob(jobId, { status: "interrupted" });
+        this.#emit(jobId, "log", {
+          level: "warn",
+          message:
+            `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
+          status: "interrupted",
+        });
+      }
     }
+    this.#slots[slot.index] = this.#spawn(slot.index);
   }
 
   #emit(id: string, type: JobEventType, data: Record<string, unknown>): void {

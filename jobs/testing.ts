@@ -5,8 +5,7 @@
  */
 
 import type { FromWorker, ToWorker, WorkerGeneration, WorkerJob } from "./messages.ts";
-import { CANCEL_FLAG } from "./messages.ts";
-import type { WorkerPort } from "./runner.ts";
+import type { WorkerPort } from "./gpu_port.ts";
 
 /** A scripted stand-in for jobs/gpu_worker.ts. */
 export class ScriptedWorker implements WorkerPort {
@@ -19,7 +18,12 @@ export class ScriptedWorker implements WorkerPort {
   /** Ids of generations the runner asked to cancel. */
   readonly generationCancels: string[] = [];
   terminated = false;
-  #cancel: Int32Array | null = null;
+  /** Whether the runner asked the running job to stop and end cancelled. */
+  cancelRequested = false;
+  /** Whether the runner asked the running job to save and stop (shutdown). */
+  stopRequested = false;
+  /** Whether the runner asked the Worker to shut down; it answers `closed`. */
+  shutDown = false;
   #gpu = 0;
   #unavailable: string | null;
 
@@ -31,7 +35,6 @@ export class ScriptedWorker implements WorkerPort {
   postMessage(msg: ToWorker): void {
     if (msg.type === "init") {
       this.#gpu = msg.gpu;
-      this.#cancel = new Int32Array(msg.cancel);
       const reply: FromWorker = this.#unavailable
         ? { type: "unavailable", gpu: msg.gpu, error: this.#unavailable }
         : {
@@ -43,7 +46,15 @@ export class ScriptedWorker implements WorkerPort {
         };
       queueMicrotask(() => this.send(reply));
     } else if (msg.type === "train") {
+      this.cancelRequested = false;
       this.jobs.push(msg.job);
+    } else if (msg.type === "cancel") {
+      this.cancelRequested = true;
+    } else if (msg.type === "stop") {
+      this.stopRequested = true;
+    } else if (msg.type === "shutdown") {
+      this.shutDown = true;
+      queueMicrotask(() => this.send({ type: "closed", gpu: this.#gpu }));
     } else if (msg.type === "generate") {
       this.generations.push(msg.request);
     } else if (msg.type === "generate_cancel") {
@@ -54,11 +65,6 @@ export class ScriptedWorker implements WorkerPort {
   /** Delivers `msg` to the runner as if the Worker had posted it. */
   send(msg: FromWorker): void {
     this.onmessage?.(new MessageEvent("message", { data: msg }));
-  }
-
-  /** Whether the runner has raised the shared cancel flag. */
-  get cancelRequested(): boolean {
-    return this.#cancel !== null && Atomics.load(this.#cancel, CANCEL_FLAG) !== 0;
   }
 
   get gpu(): number {

@@ -9,7 +9,15 @@ import type { GpuContext } from "../gpu/device.ts";
 import { ConfigError } from "../gpu/config.ts";
 import type { LrSchedule } from "../gpu/schedule.ts";
 import { Trainer, type TrainerState } from "../gpu/trainer.ts";
-import { DEFAULT_SPLIT, getDataset, isBuiltinName, loadSplit, prepareDataset, Sampler } from "../data/mod.ts";
+import {
+  DEFAULT_SPLIT,
+  evalBatches,
+  getDataset,
+  isBuiltinName,
+  loadSplit,
+  prepareDataset,
+  Sampler,
+} from "../data/mod.ts";
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
 import type { FromWorker, WorkerJob } from "./messages.ts";
 import type { TrainConfig } from "./types.ts";
@@ -17,12 +25,18 @@ import { resolveModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
+/** Consecutive steps skipped for a non-finite loss or gradient after which the job fails. */
+export const MAX_CONSECUTIVE_SKIPS = 10;
 
 /** How a running job talks to the outside. */
 export interface TrainHooks {
   post(msg: FromWorker): void;
-  /** Polled between steps. */
+  /** Polled between steps: end the job "cancelled". */
   cancelled(): boolean;
+  /** Polled between steps: save a checkpoint at the current step and end "interrupted" (shutdown). */
+  stopRequested?(): boolean;
+  /** Test hook: make the gradient non-finite on the GPU at these steps (0-based, as Trainer's `debugNonFiniteAt`). */
+  nonFiniteAt?: number[];
 }
 
 /** The outcome message of a job. */
@@ -43,11 +57,12 @@ export function scheduleOf(c: TrainConfig): LrSchedule {
  * Loads the three splits of a job's dataset. A builtin (e.g. "sotu") is prepared on first use;
  * a split other than the data pipeline's default prepares it under its own derived id.
  */
-export async function loadSplits(root: string, dataset: string, split: string) {
+export async function loadSplits(root: string, dataset: string, split: string, seqLen = 1024) {
   let id = dataset;
   if (isBuiltinName(dataset)) {
     const isDefault = split.replaceAll(" ", "") === DEFAULT_SPLIT.join(",");
-    id = (await prepareDataset(root, { builtin: dataset }, isDefault ? {} : { split })).id;
+    // Another split is checked against the job's sequence length rather than the default 1024.
+    id = (await prepareDataset(root, { builtin: dataset }, isDefault ? {} : { split, seq_len: seqLen })).id;
   } else if (!(await getDataset(root, dataset))) {
     throw new Error(`Unknown dataset "${dataset}"`);
   }
@@ -59,16 +74,15 @@ export async function loadSplits(root: string, dataset: string, split: string) {
   return { id, train, valid, test };
 }
 
-/** Mean loss over `iters` batches of `tokens`, drawn by a sampler seeded from the job (independent of training). */
-async function evaluate(trainer: Trainer, tokens: Uint16Array, c: TrainConfig): Promise<number | null> {
-  if (tokens.length < c.batch_size * (c.seq_len + 1)) return null;
-  const sampler = new Sampler(tokens, {
-    seqLen: c.seq_len,
-    batchSize: c.batch_size,
-    seed: c.seed,
-    onEpoch: () => {},
-  });
-  return await trainer.evalLoss(Array.from({ length: c.eval_iters }, () => sampler.nextBatch()));
+/** Mean loss over the split's non-overlapping windows (up to `eval_iters` batches), and the tokens it averaged. */
+async function evaluate(
+  trainer: Trainer,
+  tokens: Uint16Array,
+  c: TrainConfig,
+  split: "valid" | "test",
+): Promise<{ loss: number; tokens: number }> {
+  const e = evalBatches(tokens, c.batch_size, c.seq_len, c.eval_iters, split);
+  return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
 }
 
 /** Runs `job` to the end, cancellation or failure; never throws. */
@@ -86,8 +100,12 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     const c = job.config;
     const model = resolveModel(c);
     const t0 = performance.now();
-    const data = await loadSplits(job.root, c.dataset, c.split);
+    const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
     const dataLoaderMs = performance.now() - t0;
+    // Refuse before training, not at the first evaluation (weights of 0 leave a split empty on purpose).
+    for (const split of ["valid", "test"] as const) {
+      if (data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
+    }
 
     let state: TrainerState | undefined;
     let samplerState: SamplerState | undefined;
@@ -108,6 +126,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       seed: c.seed,
       // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
       profile: ctx.hasTimestamps,
+      debugNonFiniteAt: hooks.nonFiniteAt,
     }, state);
     const sampler = new Sampler(
       data.train,
@@ -140,24 +159,22 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       lastSaved = trainer!.step;
       hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
     };
-    const evalValid = async () => {
-      const loss = await evaluate(trainer!, data.valid, c);
-      if (loss === null) {
-        hooks.post({
-          type: "log",
-          id: job.id,
-          level: "warn",
-          message: "Validation split is smaller than one batch",
-        });
-        return;
-      }
-      lastVal = loss;
-      hooks.post({ type: "eval", id: job.id, iteration, split: "valid", loss, perplexity: Math.exp(loss) });
+    const evalSplit = async (split: "valid" | "test") => {
+      if (data[split].length === 0) return;
+      const { loss, tokens } = await evaluate(trainer!, data[split], c, split);
+      if (split === "valid") lastVal = loss;
+      hooks.post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
     };
 
     let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
+    let skipped = 0;
     while (trainer.step < c.train_iters) {
       if (hooks.cancelled()) return done("cancelled", null);
+      if (hooks.stopRequested?.()) {
+        // Shutdown: keep every finished step. The checkpoint is at the step the GPU last finished.
+        if (lastSaved !== trainer.step) await save();
+        return done("interrupted", null);
+      }
       const tb = performance.now();
       const tokens = sampler.nextBatch();
       batchMs += performance.now() - tb;
@@ -172,14 +189,30 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         const stats = await trainer.lastStats();
         const phases = await trainer.phaseTimes();
         const elapsed = performance.now() - windowStart;
-        lastLoss = stats.loss;
-        if (!Number.isFinite(stats.loss)) throw new Error(`Loss is ${stats.loss} at iteration ${iteration}`);
+        if (stats.skippedSteps > skipped) {
+          hooks.post({
+            type: "log",
+            id: job.id,
+            level: "warn",
+            message: `Skipped ${stats.skippedSteps - skipped} step(s) with a non-finite loss or gradient ` +
+              `by iteration ${iteration} (${stats.skippedSteps} in all)`,
+          });
+          skipped = stats.skippedSteps;
+        }
+        if (stats.consecutiveSkipped >= MAX_CONSECUTIVE_SKIPS) {
+          throw new Error(
+            `Loss or gradient norm was non-finite for ${stats.consecutiveSkipped} consecutive steps, ` +
+              `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
+          );
+        }
+        if (Number.isFinite(stats.loss)) lastLoss = stats.loss;
         hooks.post({
           type: "progress",
           id: job.id,
           iteration,
-          loss: stats.loss,
-          grad_norm: stats.gradNorm,
+          // JSON has no NaN: a skipped step's numbers travel as null.
+          loss: Number.isFinite(stats.loss) ? stats.loss : null,
+          grad_norm: Number.isFinite(stats.gradNorm) ? stats.gradNorm : null,
           lr: stats.lr,
           tokens_per_s: (windowSteps * c.batch_size * c.seq_len) / (elapsed / 1000),
           timings: {
@@ -192,6 +225,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             step_ms: elapsed / windowSteps,
           },
           gpu_memory_bytes: trainer.memoryBytes,
+          skipped_steps: stats.skippedSteps,
         });
         windowStart = performance.now();
         windowSteps = 0;
@@ -199,7 +233,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       }
       const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
       const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
-      if (evalNow) await evalValid();
+      if (evalNow) await evalSplit("valid");
       if (saveNow) await save();
       if (evalNow || saveNow) {
         // Throughput and step time measure training only: restart the window after the pause.
@@ -209,18 +243,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         batchMs = 0;
       }
     }
-    await evalValid();
-    const testLoss = await evaluate(trainer, data.test, c);
-    if (testLoss !== null) {
-      hooks.post({
-        type: "eval",
-        id: job.id,
-        iteration,
-        split: "test",
-        loss: testLoss,
-        perplexity: Math.exp(testLoss),
-      });
-    }
+    await evalSplit("valid");
+    await evalSplit("test");
     if (lastSaved !== trainer.step) await save();
     return done("succeeded", null);
   } catch (e) {

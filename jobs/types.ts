@@ -91,6 +91,11 @@ export interface JobMetrics {
   val_perplexity: number | null;
   test_loss: number | null;
   test_perplexity: number | null;
+  /** Tokens the newest validation and test losses averaged over. */
+  val_tokens: number | null;
+  test_tokens: number | null;
+  /** Steps skipped for a non-finite loss or gradient norm. */
+  skipped_steps: number | null;
   timings: PhaseTimes | null;
   gpu_memory_bytes: number | null;
 }
@@ -118,8 +123,11 @@ export interface Job {
   last_checkpoint: string | null;
 }
 
-/** Kinds of server-sent events. */
-export type JobEventType = "progress" | "log" | "checkpoint" | "done";
+/**
+ * Kinds of server-sent events. `shutdown` is live only (never stored): the server is stopping,
+ * and the stream ends; the job resumes when the server is back.
+ */
+export type JobEventType = "progress" | "log" | "checkpoint" | "done" | "shutdown";
 
 /** One stored event; `id` increases across all jobs and is the SSE id. */
 export interface JobEvent {
@@ -153,6 +161,9 @@ export function emptyMetrics(): JobMetrics {
     val_perplexity: null,
     test_loss: null,
     test_perplexity: null,
+    val_tokens: null,
+    test_tokens: null,
+    skipped_steps: null,
     timings: null,
     gpu_memory_bytes: null,
   };

@@ -16,6 +16,7 @@ export function healthRoutes(runner: JobRunner, startedAt: number, generation?: 
       status: "ok",
       uptime_s: Math.round((Date.now() - startedAt) / 1000),
       gpus: runner.gpus(),
+      gpu_host: runner.hostStatus(),
       jobs: runner.store.countByStatus(),
     }));
 

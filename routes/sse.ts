@@ -39,6 +39,11 @@ export function streamJobEvents(c: Context, runner: JobRunner, id: string, after
       while (!aborted) {
         while (pending.length > 0) {
           const e = pending.shift()!;
+          if (e.type === "shutdown") {
+            // Not stored: sent without an id, so a client's Last-Event-ID stays valid across the restart.
+            await stream.writeSSE({ event: e.type, data: JSON.stringify(e.data) });
+            return;
+          }
           if (e.id <= last) continue;
           await send(e);
           if (e.type === "done") return;

@@ -1,7 +1,8 @@
 /**
  * Checkpoint files without a GPU: safetensors round trips and header layout, Hugging Face tensor
  * names and shapes, the real-vocabulary wte export and zero-padded import, config.json, the
- * manifest, atomic save with pruning, and refusal of mismatched checkpoints.
+ * manifest, atomic save with pruning, replacing a same-named checkpoint, refusing non-finite
+ * weights, removal of stale temporaries, and refusal of mismatched checkpoints.
  */
 
 import assert from "node:assert/strict";
@@ -15,6 +16,7 @@ import {
   listCheckpoints,
   loadCheckpoint,
   readSafetensors,
+  removeStaleCheckpointTemporaries,
   saveCheckpoint,
   type TrainConfig,
 } from "../jobs/mod.ts";
@@ -228,5 +230,59 @@ Deno.test("listCheckpoints() ignores temporary and manifest-less directories lef
     assert.deepEqual(await listCheckpoints(`${dir}/missing`), []);
   } finally {
     await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("saveCheckpoint() replaces a same-named checkpoint and refuses non-finite weights, keeping what was saved", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = presetConfig("gpt2-tiny");
+    const n = paramLayout(model).totalSize;
+    const meta = {
+      job_id: "job_a",
+      model,
+      train,
+      sampler: { epoch: 0, position: 0 },
+      metrics: { loss: null, val_loss: null },
+    };
+    const state = (value: number) => ({
+      step: 10,
+      params: new Float32Array(n).fill(value),
+      m: new Float32Array(n),
+      v: new Float32Array(n),
+    });
+    await saveCheckpoint(`${dir}/job_a`, meta, state(0.5), 2);
+    await saveCheckpoint(`${dir}/job_a`, meta, state(0.25), 2);
+    const bad = state(0.125);
+    bad.params[123] = NaN;
+    await assert.rejects(saveCheckpoint(`${dir}/job_a`, meta, bad, 2), {
+      message: "Refusing to save checkpoint at iteration 10: parameter 123 is NaN",
+    });
+    bad.params[123] = 0;
+    bad.params[7] = -Infinity;
+    await assert.rejects(saveCheckpoint(`${dir}/job_a`, meta, bad, 2), /parameter 7 is -Infinity/);
+    assert.deepEqual([...Deno.readDirSync(`${dir}/job_a`)].map((e) => e.name), ["iter_0000010"]);
+    const loaded = await loadCheckpoint(`${dir}/job_a/iter_0000010`, model);
+    assert.equal(loaded.state.params[0], 0.25);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("removeStaleCheckpointTemporaries() removes what a killed writer left and nothing else", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    await Deno.mkdir(`${root}/checkpoints/job_a/.tmp-iter_0000040-abcd`, { recursive: true });
+    await Deno.mkdir(`${root}/checkpoints/job_a/.old-iter_0000030-ef01`);
+    await Deno.mkdir(`${root}/checkpoints/job_a/iter_0000030`);
+    await Deno.mkdir(`${root}/checkpoints/job_b`);
+    assert.deepEqual((await removeStaleCheckpointTemporaries(root)).sort(), [
+      "checkpoints/job_a/.old-iter_0000030-ef01",
+      "checkpoints/job_a/.tmp-iter_0000040-abcd",
+    ]);
+    assert.deepEqual([...Deno.readDirSync(`${root}/checkpoints/job_a`)].map((e) => e.name), ["iter_0000030"]);
+    assert.deepEqual(await removeStaleCheckpointTemporaries(`${root}/missing`), []);
+  } finally {
+    await Deno.remove(root, { recursive: true });
   }
 });

@@ -44,7 +44,7 @@ async function run(root: string, id: string, resume_path: string | null) {
     resume_path,
   }, { post: (m) => messages.push(m), cancelled: () => false });
   const losses = new Map<number, number>();
-  for (const m of messages) if (m.type === "progress") losses.set(m.iteration, m.loss);
+  for (const m of messages) if (m.type === "progress" && m.loss !== null) losses.set(m.iteration, m.loss);
   return { done, messages, losses };
 }
 

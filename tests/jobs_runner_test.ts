@@ -1,7 +1,8 @@
 /**
  * The runner and store without a GPU (the Worker is the scripted double in jobs/testing.ts):
- * FIFO order per GPU, spreading over several GPUs, crash recovery from the store on disk, and a
- * Worker crash failing only its job.
+ * FIFO order per GPU, spreading over several GPUs, crash recovery from the store on disk, a
+ * Worker crash interrupting its job (resumed, or failed when it keeps crashing), and the
+ * graceful stop.
  */
 
 import assert from "node:assert/strict";
@@ -140,7 +141,7 @@ Deno.test("JobRunner.start() marks jobs a dead server left running as interrupte
   }
 });
 
-Deno.test("a crashed Worker fails only its job and is replaced", async () => {
+Deno.test("a crashed Worker interrupts its job, which resumes first on the fresh Worker", async () => {
   const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
   const store = new JobStore(":memory:");
   const { runner, workers } = makeRunner(store, root);
@@ -151,12 +152,72 @@ Deno.test("a crashed Worker fails only its job and is replaced", async () => {
     const b = (await runner.submit(req())).id;
     await until(() => workers[0].jobs.length === 1, "job a on the worker");
     workers[0].onerror!(new ErrorEvent("error", { message: "Uncaught RangeError: boom", cancelable: true }));
-    await until(() => workers[1]?.jobs.length === 1, "job b on the fresh worker");
-    assert.equal(store.getJob(a)!.status, "failed");
-    assert.equal(store.getJob(a)!.error, "GPU worker crashed: Uncaught RangeError: boom");
+    await until(() => workers[1]?.jobs.length === 1, "job a again on the fresh worker");
     assert.ok(workers[0].terminated);
-    assert.equal(workers.length, 2);
-    assert.deepEqual(workers[1].jobs.map((j) => j.id), [b]);
+    assert.deepEqual(workers[1].jobs.map((j) => j.id), [a]);
+    const job = store.getJob(a)!;
+    assert.equal(job.status, "running");
+    assert.equal(job.resumes, 1);
+    assert.ok(
+      store.eventsAfter(a, 0).some((e) =>
+        String(e.data.message).includes("GPU worker crashed at iteration 0")
+      ),
+    );
+    assert.equal(store.getJob(b)!.status, "queued");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("a job whose Worker keeps crashing without progress fails after three crashes", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root);
+  try {
+    runner.start();
+    await tick();
+    const a = (await runner.submit(req())).id;
+    for (let i = 0; i < 3; i++) {
+      await until(() => workers[i]?.jobs.length === 1, `job a on worker ${i}`);
+      workers[i].onerror!(new ErrorEvent("error", { message: "out of memory", cancelable: true }));
+    }
+    await until(() => store.getJob(a)!.status === "failed", "job a failed");
+    assert.equal(store.getJob(a)!.error, "GPU worker crashed 3 times at iteration 0: out of memory");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("JobRunner.stop() has the running job save and end interrupted, ends streams, shuts Workers down", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root);
+  try {
+    runner.start();
+    await tick();
+    const a = (await runner.submit(req())).id;
+    const b = (await runner.submit(req())).id;
+    await until(() => workers[0].jobs.length === 1, "job a on the worker");
+    const seen: string[] = [];
+    runner.subscribe(a, (e) => seen.push(e.type));
+    const stopped = runner.stop(5000);
+    await until(() => workers[0].stopRequested, "stop flag raised");
+    assert.ok(runner.draining);
+    await assert.rejects(() => runner.submit(req()), /shutting down/);
+    workers[0].send({ type: "checkpoint", id: a, iteration: 7, name: "iter_0000007", path: "x" });
+    workers[0].send({ type: "done", id: a, status: "interrupted", iteration: 7, error: null });
+    await stopped;
+    assert.ok(workers[0].shutDown);
+    assert.ok(workers[0].terminated);
+    assert.deepEqual(seen, ["checkpoint", "log", "shutdown"]);
+    assert.equal(store.getJob(a)!.status, "interrupted");
+    assert.equal(store.getJob(a)!.iteration, 7);
+    assert.equal(store.getJob(b)!.status, "queued");
+    assert.equal(workers[0].jobs.length, 1, "no new job starts while stopping");
   } finally {
     runner.shutdown();
     store.close();

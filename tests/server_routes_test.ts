@@ -181,8 +181,17 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
       tokens_per_s: 900,
       timings,
       gpu_memory_bytes: 1234,
+      skipped_steps: 1,
     });
-    w.send({ type: "eval", id, iteration: 10, split: "valid", loss: 7.75, perplexity: Math.exp(7.75) });
+    w.send({
+      type: "eval",
+      id,
+      iteration: 10,
+      split: "valid",
+      loss: 7.75,
+      perplexity: Math.exp(7.75),
+      tokens: 4096,
+    });
     const job = await (await t.app.request(`/jobs/${id}`)).json();
     assertEquals(job.iteration, 10);
     assertEquals(job.metrics.loss, 7.5);
@@ -190,6 +199,8 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assertEquals(job.metrics.val_perplexity, Math.exp(7.75));
     assertEquals(job.metrics.timings, timings);
     assertEquals(job.metrics.gpu_memory_bytes, 1234);
+    assertEquals(job.metrics.skipped_steps, 1);
+    assertEquals(job.metrics.val_tokens, 4096);
     const list = await (await t.app.request("/jobs?status=running")).json();
     assertEquals(list.jobs.map((j: { id: string }) => j.id), [id]);
     assertEquals((await t.app.request("/jobs?status=weird")).status, 400);
