@@ -301,8 +301,10 @@ export async function buildModel(
   );
   const lnFwd = (x: GPUBuffer, w: string, b: string, out: GPUBuffer, st: GPUBuffer, label: string) =>
     op("forward", "layernorm", label, layernormForwardWgsl(C), [V(x), P(w), P(b), V(out), V(st)], rowsGrid);
+  /** Each layer's forward ops, replayed in backward to recompute a checkpointed group. */
+  const layerOps: Op[][] = [];
   for (let l = 0; l < L; l++) {
-    const a = acts[l], p = `h.${l}.`;
+    const a = acts[l], p = `h.${l}.`, first = forward.length;
     forward.push(await lnFwd(res[l], p + "ln_1.weight", p + "ln_1.bias", a.ln1, a.ln1s, `l${l}.ln1`));
     forward.push(
       await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * C, C), bias: true }, {
@@ -362,6 +364,7 @@ export async function buildModel(
         out: V(res[l + 1]),
       }),
     );
+    layerOps.push(forward.slice(first));
   }
   forward.push(await lnFwd(res[L], "ln_f.weight", "ln_f.bias", lnf, lnfs, "lnf"));
   const headFwd = (k: { i: number; r0: number; n: number }) =>
@@ -513,8 +516,16 @@ export async function buildModel(
       loss.push(await meanLoss());
     }
     await lnBwd("lnf.bwd", dln, res[L], lnfs, "ln_f.weight", "ln_f.bias", false);
+    const lastGroup = k > 0 ? Math.floor((L - 1) / k) : -1;
     for (let l = L - 1; l >= 0; l--) {
       const a = acts[l], p = `h.${l}.`;
+      // Checkpointing: entering a group from its top, recompute its layers from the group's input
+      // (the last group's activations are still in place). The group's final output projection
+      // only rewrites the stored residual, so it is left out.
+      const g = k > 0 ? Math.floor(l / k) : -1;
+      if (k > 0 && g !== lastGroup && (l % k === k - 1 || l === L - 1)) {
+        for (let j = g * k; j <= l; j++) backward.push(...(j === l ? layerOps[j].slice(0, -1) : layerOps[j]));
+      }
       // MLP output projection (+ residual): dres is the gradient of res[l+1].
       const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
       backward.push(

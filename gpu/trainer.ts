@@ -53,6 +53,8 @@ export interface TrainerOptions {
   debugNonFiniteAt?: number[];
   /** Smaller segments of the flat arrays or LM head chunks than the device needs (tests, benchmarks). */
   chunks?: ChunkOptions;
+  /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
+  checkpointLayers?: number;
 }
 
 /** What one readback at a log step returns. */
@@ -127,7 +129,7 @@ export class Trainer {
       T: opts.seqLen,
       attnDropout: opts.attnDropout,
       hiddenDropout: opts.hiddenDropout,
-    }, opts.chunks);
+    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
     if (state) {

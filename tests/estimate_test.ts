@@ -58,8 +58,9 @@ Deno.test("estimateTraining() of gpt2-345M at 8×1024: weights, gradients and mo
   assert.ok(ckpt.bytes_per_gpu.activations < 0.2 * est.bytes_per_gpu.activations);
 });
 
-const modes: Array<{ name: string; opts: { chunks?: ChunkOptions } }> = [
+const modes: Array<{ name: string; opts: { chunks?: ChunkOptions; checkpointLayers?: number } }> = [
   { name: "training", opts: {} },
+  { name: "checkpointing 1 layer", opts: { checkpointLayers: 1 } },
   { name: "segmented and head-chunked", opts: { chunks: { maxSegmentBytes: 40 * 1024, headChunkRows: 64 } } },
 ];
 for (const mode of modes) {
@@ -86,6 +87,7 @@ for (const mode of modes) {
         seqLen: T,
         limits: ctx.limits,
         chunks: mode.opts.chunks,
+        checkpointLayers: mode.opts.checkpointLayers,
       });
       const allocated = tr.model.buffers.reduce((a, b) => a + b.size, 0);
       assert.equal(allocated, est.bytes_per_gpu.total);
