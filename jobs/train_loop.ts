@@ -21,7 +21,7 @@ import {
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
 import type { FromWorker, WorkerJob } from "./messages.ts";
 import type { TrainConfig } from "./types.ts";
-import { resolveModel } from "./model.ts";
+import { checkpointLayers, resolveModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
@@ -127,6 +127,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
       profile: ctx.hasTimestamps,
       debugNonFiniteAt: hooks.nonFiniteAt,
+      checkpointLayers: checkpointLayers(c),
     }, state);
     const sampler = new Sampler(
       data.train,
