@@ -14,8 +14,8 @@ export const GPT2_VOCAB_SIZE = 50257;
 export const EOT_TOKEN = 50256;
 /** Vocabulary padding multiple (Megatron's make-vocab-size-divisible-by 128). */
 export const VOCAB_MULTIPLE = 128;
-/** Offsets of tensors in the flat buffers are aligned to this many floats (256 bytes, WebGPU's binding offset alignment). */
-export const TENSOR_ALIGN = 64;
+/** Offsets of tensors in the flat buffers are aligned to this many elements: 256 bytes (WebGPU's binding offset alignment) in the f16 copy, 512 in fp32. */
+export const TENSOR_ALIGN = 128;
 
 /** Architecture of a GPT-2 model. */
 export interface ModelConfig {

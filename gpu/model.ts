@@ -59,8 +59,14 @@ import {
 } from "./kernels/layernorm.ts";
 import { embeddingBackwardWgsl, embeddingForwardWgsl, WTE_PARTITIONS } from "./kernels/embedding.ts";
 import { crossEntropyWgsl, meanLossWgsl } from "./kernels/cross_entropy.ts";
-import { adamwWgsl, gradNormPartialWgsl, NORM_GROUPS, stepControlWgsl } from "./kernels/adamw.ts";
-import { dropoutMaskWgsl, grid1d } from "./kernels/common.ts";
+import {
+  adamwWgsl,
+  castF16Wgsl,
+  gradNormPartialWgsl,
+  NORM_GROUPS,
+  stepControlWgsl,
+} from "./kernels/adamw.ts";
+import { dropoutMaskWgsl, grid1d, type StorageDtype } from "./kernels/common.ts";
 
 /** Slots of the small stats buffer read back for logging. */
 export const STAT = { loss: 0, gradNorm: 1, evalLoss: 2 } as const;
@@ -122,6 +128,8 @@ export interface GpuModel {
   evalLoss: Op[];
   backward: Op[];
   optimizer: Op[];
+  /** fp16: refreshes the f16 weight copy from the parameters (run after loading them); else empty. */
+  castWeights: Op[];
   /** Bytes of GPU memory allocated (the plan's total). */
   memoryBytes: number;
   buffers: GPUBuffer[];
@@ -164,6 +172,8 @@ export async function buildModel(
   // Every buffer of the plan, allocated up front in plan order; nothing else is allocated.
   const buffers: GPUBuffer[] = [];
   const byLabel = new Map<string, GPUBuffer>();
+  /** Buffers whose elements are f16 (everything else is f32 or u32). */
+  const f16Buffers = new Set<GPUBuffer>();
   let memoryBytes = 0;
   try {
     for (const p of plan.buffers) {
@@ -176,6 +186,7 @@ export async function buildModel(
         : await createStorage(ctx, p.label, p.bytes);
       buffers.push(b);
       byLabel.set(p.label, b);
+      if (p.dtype === "f16") f16Buffers.add(b);
       memoryBytes += b.size;
     }
   } catch (e) {
@@ -199,6 +210,13 @@ export async function buildModel(
       bytesPerElement: 4,
     }
     : flat("params");
+  const half = plan.precision === "fp16";
+  if (half && !ctx.hasF16) {
+    for (const b of buffers) b.destroy();
+    throw new ConfigError("precision", `"fp16" needs a GPU with shader-f16, which this adapter lacks`);
+  }
+  const params16: FlatBuffer | null = half ? { ...flat("params16"), bytesPerElement: 2 } : null;
+  const dtypeOf = (b: GPUBuffer): StorageDtype => f16Buffers.has(b) ? "f16" : "f32";
   const tokens = buf("tokens"), stats = buf("stats"), control = buf("control");
   const dropUniform = buf("dropout"), optUniform = buf("optimizer");
   const nSites = dropoutSite.count(L);
@@ -220,12 +238,17 @@ export async function buildModel(
     if (!t) throw new Error(`Unknown parameter "${name}"`);
     return flatView(params, t.offset, t.size);
   };
+  /** A weight as the matmuls read it: the f16 copy with fp16, else the parameters. */
+  const W = (name: string): View => {
+    if (!params16) return P(name);
+    const t = layout.byName.get(name)!;
+    return flatView(params16, t.offset, t.size);
+  };
   /** Rows [r0, r0 + n) of a (B·T, width) activation. */
-  const rowsView = (buffer: GPUBuffer, r0: number, n: number, width: number): View => ({
-    buffer,
-    offset: r0 * width * 4,
-    size: n * width * 4,
-  });
+  const rowsView = (buffer: GPUBuffer, r0: number, n: number, width: number): View => {
+    const bpe = dtypeOf(buffer) === "f16" ? 2 : 4;
+    return { buffer, offset: r0 * width * bpe, size: n * width * bpe };
+  };
   const chunks = Array.from({ length: nChunks }, (_, i) => {
     const r0 = i * headRows;
     return { i, r0, n: Math.min(headRows, BT - r0) };
@@ -250,11 +273,13 @@ export async function buildModel(
     views: Record<string, View>,
   ) => {
     const tile = chooseTile(spec, ctx.limits.maxComputeInvocationsPerWorkgroup);
+    // Each binding's element type is its buffer's, as planned.
+    const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
     return await op(
       phase,
       phase === "forward" ? "matmul_fwd" : "matmul_bwd",
       label,
-      matmulWgsl(spec, tile),
+      matmulWgsl({ ...spec, dtypes }, tile),
       matmulBindings(spec).map((n) => views[n]),
       matmulGrid(spec, tile),
       { uniform: spec.dropout ? dropUniform : undefined, flops: matmulFlops(spec) },
@@ -279,6 +304,7 @@ export async function buildModel(
     H,
     D,
     split,
+    dtype: half ? "f16" : "f32",
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
       : chooseAttentionTiles({ T, D }, wgBytes)),
@@ -300,7 +326,13 @@ export async function buildModel(
     ),
   );
   const lnFwd = (x: GPUBuffer, w: string, b: string, out: GPUBuffer, st: GPUBuffer, label: string) =>
-    op("forward", "layernorm", label, layernormForwardWgsl(C), [V(x), P(w), P(b), V(out), V(st)], rowsGrid);
+    op("forward", "layernorm", label, layernormForwardWgsl(C, dtypeOf(out)), [
+      V(x),
+      P(w),
+      P(b),
+      V(out),
+      V(st),
+    ], rowsGrid);
   /** Each layer's forward ops, replayed in backward to recompute a checkpointed group. */
   const layerOps: Op[][] = [];
   for (let l = 0; l < L; l++) {
@@ -309,7 +341,7 @@ export async function buildModel(
     forward.push(
       await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * C, C), bias: true }, {
         A: V(a.ln1),
-        B: P(p + "attn.c_attn.weight"),
+        B: W(p + "attn.c_attn.weight"),
         bias: P(p + "attn.c_attn.bias"),
         out: V(a.qkv),
       }),
@@ -334,7 +366,7 @@ export async function buildModel(
         dropout: drop(hidden, dropoutSite.attnProj(l)),
       }, {
         A: V(a.atty),
-        B: P(p + "attn.c_proj.weight"),
+        B: W(p + "attn.c_proj.weight"),
         bias: P(p + "attn.c_proj.bias"),
         res: V(res[l]),
         out: V(a.res2),
@@ -344,7 +376,7 @@ export async function buildModel(
     forward.push(
       await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true, epilogue: "gelu" }, {
         A: V(a.ln2),
-        B: P(p + "mlp.c_fc.weight"),
+        B: W(p + "mlp.c_fc.weight"),
         bias: P(p + "mlp.c_fc.bias"),
         out: V(a.fch),
         out2: V(a.fcg),
@@ -358,7 +390,7 @@ export async function buildModel(
         dropout: drop(hidden, dropoutSite.mlpProj(l)),
       }, {
         A: V(a.fcg),
-        B: P(p + "mlp.c_proj.weight"),
+        B: W(p + "mlp.c_proj.weight"),
         bias: P(p + "mlp.c_proj.bias"),
         res: V(a.res2),
         out: V(res[l + 1]),
@@ -370,7 +402,7 @@ export async function buildModel(
   const headFwd = (k: { i: number; r0: number; n: number }) =>
     matmul("forward", nChunks > 1 ? `lm_head.${k.i}` : "lm_head", mm(k.n, Vp, C, false, true), {
       A: rowsView(lnf, k.r0, k.n, C),
-      B: P("wte.weight"),
+      B: W("wte.weight"),
       out: rowsView(logits, 0, k.n, Vp),
     });
   if (nChunks === 1) forward.push(await headFwd(chunks[0]));
@@ -406,6 +438,22 @@ export async function buildModel(
   // ---------------------------------------------------------------- backward
   const backward: Op[] = [];
   let optimizer: Op[] = [];
+  // fp16: the f16 weight copy, refreshed from the master weights after every update.
+  const castWeights: Op[] = [];
+  if (params16) {
+    for (const [i, seg] of segments.entries()) {
+      castWeights.push(
+        await op(
+          "optimizer",
+          "optimizer",
+          `cast_f16${segments.length > 1 ? `.${i}` : ""}`,
+          castF16Wgsl(seg.size / 4),
+          [V(params.segments[i].buffer), V(params16.segments[i].buffer)],
+          grid1d(Math.ceil(seg.size / 4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
+        ),
+      );
+    }
+  }
   let trainBufs: { grads: FlatBuffer; adamM: FlatBuffer; adamV: FlatBuffer } | null = null;
   if (train) {
     const grads = flat("grads"), adamM = flat("adam.m"), adamV = flat("adam.v");
@@ -496,7 +544,7 @@ export async function buildModel(
     const headBwd = async (k: Chunk) => [
       await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vp), {
         A: rowsView(logits, 0, k.n, Vp),
-        B: P("wte.weight"),
+        B: W("wte.weight"),
         out: rowsView(dln, k.r0, k.n, C),
       }),
       await matmul("backward", `lm_head.dw${sfx(k)}`, {
@@ -542,7 +590,7 @@ export async function buildModel(
           epilogue: "gelu_grad",
         }, {
           A: V(dproj),
-          B: P(p + "mlp.c_proj.weight"),
+          B: W(p + "mlp.c_proj.weight"),
           aux: V(a.fch),
           out: V(d4),
         }),
@@ -558,7 +606,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * C, false, true), {
           A: V(d4),
-          B: P(p + "mlp.c_fc.weight"),
+          B: W(p + "mlp.c_fc.weight"),
           out: V(dln),
         }),
       );
@@ -576,7 +624,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, C, C, false, true), {
           A: V(dap),
-          B: P(p + "attn.c_proj.weight"),
+          B: W(p + "attn.c_proj.weight"),
           out: V(datty),
         }),
       );
@@ -615,7 +663,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * C, false, true), {
           A: V(dqkv),
-          B: P(p + "attn.c_attn.weight"),
+          B: W(p + "attn.c_attn.weight"),
           out: V(dln),
         }),
       );
@@ -675,6 +723,7 @@ export async function buildModel(
         { uniform: optUniform },
       ),
       ...adamOps,
+      ...castWeights,
     ];
     trainBufs = { grads, adamM, adamV };
   }
@@ -700,6 +749,7 @@ export async function buildModel(
     evalLoss,
     backward,
     optimizer,
+    castWeights,
     memoryBytes,
     buffers,
     plan,

@@ -91,6 +91,7 @@ export interface ModelPlan {
   headRows: number;
   /** Layers per checkpoint group (0: no checkpointing). */
   checkpointLayers: number;
+  precision: Precision;
   buffers: PlannedBuffer[];
   byLabel: Map<string, PlannedBuffer>;
   totalBytes: number;
@@ -149,6 +150,14 @@ export function resLabel(checkpointLayers: number, L: number, l: number): string
   return k === 0 || l % k === 0 || l === L ? `res${l}` : `wres${l % k}`;
 }
 
+/**
+ * Element type of a layer activation: with fp16 the matmul and attention inputs and outputs are
+ * f16; the residual stream (res2) and the LayerNorm and softmax statistics stay f32.
+ */
+export function actDtype(name: LayerActName, half: boolean): DType {
+  return half && !["res2", "ln1s", "ln2s", "lse"].includes(name) ? "f16" : "f32";
+}
+
 /** Plans every buffer of a model for batch B and sequence length T. */
 export function planModel(
   limits: PlanLimits,
@@ -159,7 +168,8 @@ export function planModel(
   const C = c.n_embd, L = c.n_layer, H = c.n_head, Vp = c.padded_vocab_size, BT = B * T;
   const train = o.train ?? true;
   const k = Math.min(o.checkpointLayers ?? 0, L);
-  if (o.precision === "fp16") throw new ConfigError("precision", `"fp16" is not implemented yet`);
+  const half = o.precision === "fp16";
+  const act: DType = half ? "f16" : "f32";
   const layout = paramLayout(c);
   const segments = flatSegments(limits, layout, o);
   const headRows = train ? headChunkRows(limits, c, BT, o) : BT;
@@ -168,12 +178,14 @@ export function planModel(
     const bytes = Math.max(16, Math.ceil((Math.max(1, elems) * DTYPE_BYTES[dtype]) / 16) * 16);
     buffers.push({ label, bytes, dtype, category, usage: "storage" });
   };
-  const flat = (label: string, category: Category) => {
+  const flat = (label: string, category: Category, dtype: DType = "f32") => {
     for (const [i, s] of segments.entries()) {
-      add(segments.length > 1 ? `${label}.${i}` : label, s.size, "f32", category);
+      add(segments.length > 1 ? `${label}.${i}` : label, s.size, dtype, category);
     }
   };
-  if (!o.sharedParams) flat("params", "weights");
+  // fp16: the kernels read an f16 copy of the weights; the fp32 master copy is optimizer state.
+  if (!o.sharedParams) flat("params", half ? "optimizer" : "weights");
+  if (half) flat("params16", "weights", "f16");
   add("tokens", B * (T + 1), "u32", "workspace");
   add("stats", 64, "f32", "workspace");
   buffers.push(
@@ -206,9 +218,11 @@ export function planModel(
     seen.add(r);
   }
   for (let l = 0; l < (k > 0 ? k : L); l++) {
-    for (const name of LAYER_ACTS) add(actPrefix(k, l) + name, sizes[name], "f32", "activations");
+    for (const name of LAYER_ACTS) {
+      add(actPrefix(k, l) + name, sizes[name], actDtype(name, half), "activations");
+    }
   }
-  add("lnf", BT * C, "f32", "activations");
+  add("lnf", BT * C, act, "activations");
   add("lnfs", BT * 2, "f32", "activations");
   add("logits", headRows * Vp, "f32", "logits");
   add("losses", BT, "f32", "logits");
@@ -242,6 +256,7 @@ export function planModel(
     segments,
     headRows,
     checkpointLayers: k,
+    precision: half ? "fp16" : "fp32",
     buffers,
     byLabel: new Map(buffers.map((b) => [b.label, b])),
     totalBytes: buffers.reduce((a, b) => a + b.bytes, 0),

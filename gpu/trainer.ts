@@ -21,7 +21,7 @@ import {
 } from "./device.ts";
 import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
-import type { ChunkOptions } from "./plan.ts";
+import type { ChunkOptions, Precision } from "./plan.ts";
 import { readFlat, writeFlat } from "./flat.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
@@ -29,6 +29,7 @@ import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
 import {
   CONTROL_BYTES,
   type ControlState,
+  DEFAULT_LOSS_SCALER,
   type LossScalerConfig,
   packControl,
   packOptimizerUniform,
@@ -47,7 +48,12 @@ export interface TrainerOptions {
   seed: number;
   /** Time every kernel with timestamp queries (one pass per kernel; for benchmarks). */
   profile?: boolean;
-  /** Dynamic loss scaling (fp16 uses Megatron's defaults); without it the loss scale is 1. */
+  /**
+   * "fp16": f16 weights (a copy refreshed after each update) and activations, fp32 master weights,
+   * gradients and AdamW, dynamic loss scaling. Default "fp32".
+   */
+  precision?: Precision;
+  /** Dynamic loss scaling; default: Megatron's (DEFAULT_LOSS_SCALER) with fp16, none (scale 1) with fp32. */
   lossScaler?: LossScalerConfig;
   /** Test hook: iterations (0-based `step` at submission) whose loss gradient is made NaN on the GPU. */
   debugNonFiniteAt?: number[];
@@ -122,14 +128,18 @@ export class Trainer {
   }
 
   /** Plans the model on the device and loads `state` or fresh parameters. Throws ConfigError when it can't fit. */
-  static async create(ctx: GpuContext, opts: TrainerOptions, state?: TrainerState): Promise<Trainer> {
+  static async create(ctx: GpuContext, options: TrainerOptions, state?: TrainerState): Promise<Trainer> {
+    const opts: TrainerOptions = {
+      ...options,
+      lossScaler: options.lossScaler ?? (options.precision === "fp16" ? DEFAULT_LOSS_SCALER : undefined),
+    };
     const model = await buildModel(ctx, {
       config: opts.config,
       B: opts.batchSize,
       T: opts.seqLen,
       attnDropout: opts.attnDropout,
       hiddenDropout: opts.hiddenDropout,
-    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers });
+    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers, precision: opts.precision });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
     if (state) {
@@ -150,6 +160,11 @@ export class Trainer {
     }
     const control = state?.control ?? { optimizerStep: state?.step ?? 0 };
     q.writeBuffer(model.control, 0, packControl(control, opts.lossScaler));
+    if (model.castWeights.length) {
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, model.castWeights);
+      q.submit([enc.finish()]);
+    }
     return new Trainer(ctx, opts, model, state?.step ?? 0);
   }
 
@@ -319,7 +334,7 @@ export class Trainer {
     return { step: this.#step, params, m, v, control };
   }
 
-  /** Gradients of the last step (flat layout), for tests. */
+  /** Gradients of the last step (flat layout) as computed: multiplied by the step's loss scale. For tests. */
   async gradients(): Promise<Float32Array> {
     return await readFlat(this.#ctx, this.#model.grads!);
   }

@@ -7,7 +7,7 @@
 import assert from "node:assert/strict";
 import { makeConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
 import { estimateTraining, megatronFlops, parametersPerGpu } from "../gpu/estimate.ts";
-import { type ChunkOptions, planModel } from "../gpu/plan.ts";
+import { type ChunkOptions, planModel, type Precision } from "../gpu/plan.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { completeConfig, InvalidJobError, JobRunner, JobStore, type TrainRequest } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
@@ -58,9 +58,16 @@ Deno.test("estimateTraining() of gpt2-345M at 8×1024: weights, gradients and mo
   assert.ok(ckpt.bytes_per_gpu.activations < 0.2 * est.bytes_per_gpu.activations);
 });
 
-const modes: Array<{ name: string; opts: { chunks?: ChunkOptions; checkpointLayers?: number } }> = [
+const modes: Array<
+  { name: string; opts: { chunks?: ChunkOptions; checkpointLayers?: number; precision?: Precision } }
+> = [
   { name: "training", opts: {} },
   { name: "checkpointing 1 layer", opts: { checkpointLayers: 1 } },
+  { name: "fp16", opts: { precision: "fp16" } },
+  {
+    name: "fp16, checkpointing 2 layers, segmented",
+    opts: { precision: "fp16", checkpointLayers: 2, chunks: { maxSegmentBytes: 40 * 1024 } },
+  },
   { name: "segmented and head-chunked", opts: { chunks: { maxSegmentBytes: 40 * 1024, headChunkRows: 64 } } },
 ];
 for (const mode of modes) {
@@ -88,6 +95,7 @@ for (const mode of modes) {
         limits: ctx.limits,
         chunks: mode.opts.chunks,
         checkpointLayers: mode.opts.checkpointLayers,
+        precision: mode.opts.precision,
       });
       const allocated = tr.model.buffers.reduce((a, b) => a + b.size, 0);
       assert.equal(allocated, est.bytes_per_gpu.total);

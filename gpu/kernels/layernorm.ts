@@ -6,7 +6,7 @@
  * (per-block partials, then `reduceRowsWgsl`), never with atomics.
  */
 
-import { treeReduce } from "./common.ts";
+import { type StorageDtype, treeReduce, withStorageDtypes } from "./common.ts";
 
 const WG = 64;
 
@@ -21,8 +21,12 @@ function rowReduce(v: string, arr: string, out: string): string {
 }
 
 /** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
-export function layernormForwardWgsl(C: number): string {
+export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32"): string {
   const C4 = C / 4;
+  return withStorageDtypes(layernormForwardCode(C, C4), { out: outDtype });
+}
+
+function layernormForwardCode(C: number, C4: number): string {
   return `
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;

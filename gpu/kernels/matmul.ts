@@ -15,7 +15,7 @@
  *   gelu_grad  out = acc * gelu'(aux)                     (backward through GELU)
  */
 
-import { dropWgsl, GELU_WGSL } from "./common.ts";
+import { dropWgsl, GELU_WGSL, type StorageDtype, withStorageDtypes } from "./common.ts";
 
 /** Fused work after the multiply. */
 export type MatmulEpilogue = "store" | "accumulate" | "residual" | "gelu" | "gelu_grad";
@@ -34,7 +34,12 @@ export interface MatmulSpec {
   epilogue: MatmulEpilogue;
   /** For the residual epilogue: apply seeded dropout of this site (uniform at group 1, see dropWgsl). */
   dropout?: { site: number; nSites: number };
+  /** Element types in memory of bindings that are not f32 (accumulation is always f32). */
+  dtypes?: Partial<Record<MatmulBinding, StorageDtype>>;
 }
+
+/** Names of a matmul's storage bindings. */
+export type MatmulBinding = "A" | "B" | "out" | "bias" | "res" | "out2" | "aux";
 
 /** Block and thread tiling. */
 export interface MatmulTile {
@@ -226,7 +231,9 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     }
   }
   const nTiles = Math.ceil(K / BK);
-  return `${L.join("\n")}
+  return withStorageDtypes(matmulCode(), spec.dtypes ?? {});
+  function matmulCode(): string {
+    return `${L.join("\n")}
 
 @compute @workgroup_size(${THREADS})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -259,6 +266,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${epi.join("\n  ")}
 }
 `;
+  }
 }
 
 /** Workgroup counts (x over N, y over M). */
