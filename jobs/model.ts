@@ -89,6 +89,18 @@ export function estimateJob(
   }
 }
 
+/** The plan's GPU bytes for a complete config on `device` (default limits without one). */
+export function estimateBytes(config: TrainConfig, device: DeviceBudget | null): number {
+  return estimateTraining({
+    config: resolveModel(config),
+    batchSize: config.batch_size,
+    seqLen: config.seq_len,
+    precision: config.precision ?? "fp32",
+    checkpointLayers: checkpointLayers(config),
+    limits: planLimits(device),
+  }).bytes_per_gpu.total;
+}
+
 const gib = (n: number) => `${(n / 2 ** 30).toFixed(2)} GiB`;
 
 /**
@@ -105,6 +117,13 @@ export function completeConfig(req: TrainRequest, device: DeviceBudget | null = 
   } catch (e) {
     if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
     throw e;
+  }
+  if (config.precision === "fp16" && device?.adapter && !/shader-f16/.test(device.adapter)) {
+    // The Worker's adapter line lists the device's features (see describeDevice()).
+    throw new InvalidJobError(
+      "precision",
+      `Precision "fp16" needs a GPU with shader-f16: "${device.adapter}" has none`,
+    );
   }
   if (device) checkFitsDevice(config, device);
   return config;

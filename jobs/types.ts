@@ -96,8 +96,13 @@ export interface JobMetrics {
   test_tokens: number | null;
   /** Steps skipped for a non-finite loss or gradient norm. */
   skipped_steps: number | null;
+  /** Dynamic loss scale (1 in fp32). */
+  loss_scale: number | null;
   timings: PhaseTimes | null;
+  /** GPU bytes the job's buffers take (measured from the allocation). */
   gpu_memory_bytes: number | null;
+  /** GPU bytes the memory plan estimated when the job was submitted (see GET /estimate). */
+  gpu_memory_estimate_bytes: number | null;
 }
 
 /** A job as the API shows it. */
@@ -164,7 +169,9 @@ export function emptyMetrics(): JobMetrics {
     val_tokens: null,
     test_tokens: null,
     skipped_steps: null,
+    loss_scale: null,
     timings: null,
     gpu_memory_bytes: null,
+    gpu_memory_estimate_bytes: null,
   };
 }

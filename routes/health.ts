@@ -72,6 +72,17 @@ export function healthRoutes(runner: JobRunner, startedAt: number, generation?: 
       "GPU memory allocated by the job",
       per((j) => j.metrics.gpu_memory_bytes),
     );
+    metric(
+      "gpt2_job_gpu_memory_estimate_bytes",
+      "GPU memory the plan estimated for the job",
+      per((j) => j.metrics.gpu_memory_estimate_bytes),
+    );
+    metric("gpt2_job_loss_scale", "Dynamic loss scale (1 in fp32)", per((j) => j.metrics.loss_scale));
+    metric(
+      "gpt2_job_skipped_steps",
+      "Steps skipped for a non-finite loss or gradient",
+      per((j) => j.metrics.skipped_steps),
+    );
     const phases = [
       "forward_ms",
       "backward_ms",
