@@ -15,7 +15,7 @@ import type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
 import type { HostStatus } from "./host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
-import { completeConfig, type DeviceBudget, type TrainRequest } from "./model.ts";
+import { completeConfig, type DeviceBudget, estimateBytes, type TrainRequest } from "./model.ts";
 
 export type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
 export { spawnGpuWorker } from "./gpu_port.ts";
@@ -139,7 +139,10 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    const job = this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config);
+    const job = this.#store.updateJob(id, {
+      metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
+    });
     this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return job; // as accepted: "queued", even if its GPU already took it
@@ -425,6 +428,7 @@ export class JobRunner {
             timings: msg.timings,
             gpu_memory_bytes: msg.gpu_memory_bytes,
             skipped_steps: msg.skipped_steps,
+            loss_scale: msg.loss_scale,
           },
         });
         if (msg.loss !== null) {

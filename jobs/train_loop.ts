@@ -128,6 +128,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       profile: ctx.hasTimestamps,
       debugNonFiniteAt: hooks.nonFiniteAt,
       checkpointLayers: checkpointLayers(c),
+      precision: c.precision ?? "fp32",
     }, state);
     const sampler = new Sampler(
       data.train,
@@ -227,6 +228,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
           },
           gpu_memory_bytes: trainer.memoryBytes,
           skipped_steps: stats.skippedSteps,
+          loss_scale: stats.lossScale,
         });
         windowStart = performance.now();
         windowSteps = 0;

@@ -114,6 +114,11 @@ Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or 
     assertEquals(tooBig.status, 400);
     assertMatch((await tooBig.json()).error, /^Model does not fit the GPU/);
 
+    // The scripted Worker's adapter lists no shader-f16.
+    const f16 = await t.post("/train", { precision: "fp16" });
+    assertEquals(f16.status, 400);
+    assertEquals((await f16.json()).field, "precision");
+
     const json = await t.post("/train", "{not json");
     assertEquals(json.status, 400);
     assertEquals((await json.json()).error, "Invalid JSON body");
@@ -182,6 +187,7 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
       timings,
       gpu_memory_bytes: 1234,
       skipped_steps: 1,
+      loss_scale: 65536,
     });
     w.send({
       type: "eval",
@@ -200,6 +206,8 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assertEquals(job.metrics.timings, timings);
     assertEquals(job.metrics.gpu_memory_bytes, 1234);
     assertEquals(job.metrics.skipped_steps, 1);
+    assertEquals(job.metrics.loss_scale, 65536);
+    assert(job.metrics.gpu_memory_estimate_bytes > 0, "the plan's estimate beside the measured bytes");
     assertEquals(job.metrics.val_tokens, 4096);
     const list = await (await t.app.request("/jobs?status=running")).json();
     assertEquals(list.jobs.map((j: { id: string }) => j.id), [id]);
@@ -216,6 +224,8 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assert(text.includes(`gpt2_jobs{status="running"} 1\n`), text);
     assert(text.includes(`gpt2_gpu_busy{gpu="0"} 1\n`), text);
     assert(text.includes(`gpt2_job_phase_milliseconds{job="${id}",phase="backward"} 3\n`), text);
+    assert(text.includes(`gpt2_job_loss_scale{job="${id}",gpu="0"} 65536\n`), text);
+    assert(text.includes(`gpt2_job_skipped_steps{job="${id}",gpu="0"} 1\n`), text);
     const health = await (await t.app.request("/health")).json();
     assertEquals(health.status, "ok");
     assertEquals(health.gpus[0].state, "busy");
