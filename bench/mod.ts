@@ -1,13 +1,14 @@
 /**
- * `deno task bench [train|data|matmul] [options]`: the benchmarks. With no suite named it runs the
- * training benchmark (bench/train_bench.ts); `data` runs the data pipeline benchmark and `matmul`
- * the matmul tile sweep. Options pass through to the suite.
+ * `deno task bench [train|data|matmul|curve] [options]`: the benchmarks. With no suite named it runs the
+ * training benchmark (bench/train_bench.ts); `data` runs the data pipeline benchmark, `matmul`
+ * the matmul tile sweep and `curve` the fp16-against-fp32 loss curves. Options pass through to the suite.
  */
 
 const suites: Record<string, string> = {
   train: "./train_bench.ts",
   data: "./data_bench.ts",
   matmul: "./matmul_bench.ts",
+  curve: "./curve_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

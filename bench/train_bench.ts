@@ -4,7 +4,7 @@
  * PyTorch peer (bench/torch_gpt2.py) run in the same process tree for a side-by-side ratio.
  *
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
- *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile]
+ *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *
  * Memory: beside each run it prints the plan's estimate per category (gpu/estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
@@ -27,6 +27,8 @@ export interface TrainBenchOptions {
   checkpointLayers: number;
   /** Time each kernel in one extra profiled step. */
   profile: boolean;
+  /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
+  f16Math?: boolean;
 }
 
 /** One model's measured figures. */
@@ -39,6 +41,9 @@ export interface TrainBenchResult {
   loss: number;
   precision: Precision;
   checkpoint_layers: number;
+  /** Loss scale after the timed steps, and steps skipped on overflow (fp16 starts at 2^32 and backs off). */
+  loss_scale: number;
+  skipped_steps: number;
   kernels: Array<{ kind: string; ms: number; share: number; tflops: number }>;
   phases: Record<string, number>;
   /** The plan's estimate (bytes per category) for this run. */
@@ -86,6 +91,8 @@ export async function benchTraining(
     seed: 1,
     profile: ctx.hasTimestamps && o.profile,
     checkpointLayers: o.checkpointLayers,
+    precision: o.precision,
+    f16Math: o.f16Math,
   });
   console.error(
     `${model}: planned in ${((performance.now() - t0) / 1000).toFixed(1)} s, ` +
@@ -101,7 +108,7 @@ export async function benchTraining(
   await tr.lastStats();
   const start = performance.now();
   for (let i = 0; i < steps; i++) tr.trainStep(tokens);
-  const { loss } = await tr.lastStats();
+  const { loss, lossScale, skippedSteps } = await tr.lastStats();
   const ms = (performance.now() - start) / steps;
   const usedAfter = await gpuMemoryUsed();
   const result: TrainBenchResult = {
@@ -113,6 +120,8 @@ export async function benchTraining(
     loss,
     precision: o.precision,
     checkpoint_layers: o.checkpointLayers,
+    loss_scale: lossScale,
+    skipped_steps: skippedSteps,
     kernels: [],
     phases: {},
     estimate,
@@ -192,7 +201,8 @@ export function printResult(r: TrainBenchResult): void {
     `\n${r.model}  batch ${r.batch} seq ${r.seq} ${r.precision}` +
       `${r.checkpoint_layers ? ` checkpoint ${r.checkpoint_layers}` : ""}: ${f(r.ms_per_step)} ms/step, ${
         f(r.tokens_per_s, 0)
-      } tokens/s, loss ${f(r.loss, 3)}`,
+      } tokens/s, loss ${f(r.loss, 3)}` +
+      (r.precision === "fp16" ? `, loss scale ${r.loss_scale}, ${r.skipped_steps} steps skipped` : ""),
   );
   const e = r.estimate;
   console.log(
@@ -243,6 +253,7 @@ if (import.meta.main) {
     precision,
     checkpointLayers: +arg(args, "checkpoint", "0"),
     profile: !args.includes("--no-profile"),
+    f16Math: !args.includes("--no-f16-math"),
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const results: TrainBenchResult[] = [];

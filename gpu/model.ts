@@ -159,7 +159,7 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
 export async function buildModel(
   ctx: GpuContext,
   shape: ModelShape,
-  opts: Omit<PlanOptions, "sharedParams"> & { params?: GPUBuffer } = {},
+  opts: Omit<PlanOptions, "sharedParams"> & { params?: GPUBuffer; f16Math?: boolean } = {},
 ): Promise<GpuModel> {
   checkFits(ctx, shape);
   const { config: c, B, T } = shape;
@@ -217,6 +217,8 @@ export async function buildModel(
   }
   const params16: FlatBuffer | null = half ? { ...flat("params16"), bytesPerElement: 2 } : null;
   const dtypeOf = (b: GPUBuffer): StorageDtype => f16Buffers.has(b) ? "f16" : "f32";
+  // fp16: matmuls whose inputs are both f16 multiply in f16 per k-tile (see kernels/matmul.ts).
+  const f16Math = half && (opts.f16Math ?? true);
   const tokens = buf("tokens"), stats = buf("stats"), control = buf("control");
   const dropUniform = buf("dropout"), optUniform = buf("optimizer");
   const nSites = dropoutSite.count(L);
@@ -275,11 +277,12 @@ export async function buildModel(
     const tile = chooseTile(spec, ctx.limits.maxComputeInvocationsPerWorkgroup);
     // Each binding's element type is its buffer's, as planned.
     const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
+    const math = f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
     return await op(
       phase,
       phase === "forward" ? "matmul_fwd" : "matmul_bwd",
       label,
-      matmulWgsl({ ...spec, dtypes }, tile),
+      matmulWgsl({ ...spec, dtypes, math }, tile),
       matmulBindings(spec).map((n) => views[n]),
       matmulGrid(spec, tile),
       { uniform: spec.dropout ? dropUniform : undefined, flops: matmulFlops(spec) },
@@ -305,6 +308,7 @@ export async function buildModel(
     D,
     split,
     dtype: half ? "f16" : "f32",
+    gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
       : chooseAttentionTiles({ T, D }, wgBytes)),
@@ -468,7 +472,10 @@ export async function buildModel(
     };
     const colsum = async (label: string, src: GPUBuffer, N: number, out: View) => {
       backward.push(
-        await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT), [V(src), V(part)], [
+        await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT, dtypeOf(src)), [
+          V(src),
+          V(part),
+        ], [
           Math.ceil(N / 4 / 64),
           blocks,
         ]),

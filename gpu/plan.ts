@@ -230,9 +230,12 @@ export function planModel(
     flat("grads", "gradients");
     flat("adam.m", "optimizer");
     flat("adam.v", "optimizer");
-    for (const name of ["dres", "dtmp", "dln", "datty"]) add(name, BT * C, "f32", "workspace");
-    add("d4c", BT * 4 * C, "f32", "workspace");
-    add("dqkv", BT * 3 * C, "f32", "workspace");
+    // fp16: the gradients that feed f16 matmuls and attention are f16 (loss scaling keeps them in
+    // range); the residual stream's gradient and the LayerNorm inputs stay f32.
+    for (const name of ["dres", "dtmp", "dln"]) add(name, BT * C, "f32", "workspace");
+    add("datty", BT * C, act, "workspace");
+    add("d4c", BT * 4 * C, act, "workspace");
+    add("dqkv", BT * 3 * C, act, "workspace");
     add("delta", B * H * T, "f32", "workspace");
     const blocks = Math.ceil(BT / ROW_BLOCK);
     add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");

@@ -53,6 +53,8 @@ export interface TrainerOptions {
    * gradients and AdamW, dynamic loss scaling. Default "fp32".
    */
   precision?: Precision;
+  /** fp16: multiply f16 matmul inputs in f16 per k-tile (default true; false keeps f32 arithmetic). */
+  f16Math?: boolean;
   /** Dynamic loss scaling; default: Megatron's (DEFAULT_LOSS_SCALER) with fp16, none (scale 1) with fp32. */
   lossScaler?: LossScalerConfig;
   /** Test hook: iterations (0-based `step` at submission) whose loss gradient is made NaN on the GPU. */
@@ -139,7 +141,7 @@ export class Trainer {
       T: opts.seqLen,
       attnDropout: opts.attnDropout,
       hiddenDropout: opts.hiddenDropout,
-    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers, precision: opts.precision });
+    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers, precision: opts.precision, f16Math: opts.f16Math });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
     if (state) {

@@ -31,6 +31,8 @@ export interface AttentionSpec {
   split?: 1 | 2 | 4;
   /** Element type of qkv and of the output y in memory (arithmetic is f32); default f32. */
   dtype?: StorageDtype;
+  /** Element type of the gradients dy and dqkv in memory; default f32. */
+  gradDtype?: StorageDtype;
 }
 
 /** Picks tiles that fit the device's workgroup memory. */
@@ -116,17 +118,25 @@ export function attentionForwardWgsl(s: AttentionSpec): string {
 
 /** delta[b,h,i] = dot(dy_i, y_i) over the head's columns. Grid1d over B·T·H/64. */
 export function attentionDeltaWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionDeltaPlainWgsl(s), { y: s.dtype });
+  return withStorageDtypes(attentionDeltaPlainWgsl(s), { y: s.dtype, dy: s.gradDtype });
 }
 
 /** dK and dV. Grid (ceil(T/BKV), H, B). */
 export function attentionBackwardKVWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionBackwardKVPlainWgsl(s), { qkv: s.dtype });
+  return withStorageDtypes(attentionBackwardKVPlainWgsl(s), {
+    qkv: s.dtype,
+    dy: s.gradDtype,
+    dqkv: s.gradDtype,
+  });
 }
 
 /** dQ. Grid (ceil(T/BQ), H, B). */
 export function attentionBackwardQWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionBackwardQPlainWgsl(s), { qkv: s.dtype });
+  return withStorageDtypes(attentionBackwardQPlainWgsl(s), {
+    qkv: s.dtype,
+    dy: s.gradDtype,
+    dqkv: s.gradDtype,
+  });
 }
 
 /** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */

@@ -138,8 +138,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 /** Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N]. Grid (ceil(N4/64), blocks). */
-export function colsumPartialWgsl(N: number, rows: number): string {
+export function colsumPartialWgsl(N: number, rows: number, srcDtype: StorageDtype = "f32"): string {
   const N4 = N / 4;
+  return withStorageDtypes(colsumPartialCode(N4, rows), { src: srcDtype });
+}
+
+function colsumPartialCode(N4: number, rows: number): string {
   return `
 @group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> part: array<vec4<f32>>;

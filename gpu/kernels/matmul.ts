@@ -7,6 +7,11 @@
  * layout: `transA` reads A stored [K,M], `transB` reads B stored [N,K] (the forms backward needs).
  * The next tile is prefetched into registers while the current one is multiplied.
  *
+ * Element types: any binding may be f16 in memory (`dtypes`, converted on load and store). With
+ * `math: "f16"` (A and B both f16) the tiles stay f16 and each BK-long stretch of K is multiplied
+ * and summed in f16 (twice the f32 rate where the GPU has packed f16), then flushed into the f32
+ * accumulators, so long K keeps fp32 accuracy between stretches.
+ *
  * Epilogues fuse the elementwise work that follows a matmul in GPT-2:
  *   store      out = acc (+ bias)
  *   accumulate out += acc (+ bias)
@@ -36,6 +41,8 @@ export interface MatmulSpec {
   dropout?: { site: number; nSites: number };
   /** Element types in memory of bindings that are not f32 (accumulation is always f32). */
   dtypes?: Partial<Record<MatmulBinding, StorageDtype>>;
+  /** "f16": f16 products and sums within each k-tile, flushed to f32 (needs A and B in f16). */
+  math?: "f32" | "f16";
 }
 
 /** Names of a matmul's storage bindings. */
@@ -96,18 +103,24 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     throw new RangeError(`Matmul tile ${BM}x${BN}x${BK} does not divide among ${THREADS} threads`);
   }
   const aSlots = aVec4s / THREADS, bSlots = bVec4s / THREADS;
+  const h16 = spec.math === "f16";
+  if (h16 && (spec.dtypes?.A !== "f16" || spec.dtypes?.B !== "f16")) {
+    throw new RangeError(`Matmul math "f16" needs A and B in f16`);
+  }
+  /** The tile element type: f16 tiles with f16 math, else f32. */
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
   const L: string[] = [];
   const bindings = matmulBindings(spec);
   const rw = new Set(["out", "out2"]);
   bindings.forEach((name, i) => {
     L.push(
-      `@group(0) @binding(${i}) var<storage, ${
-        rw.has(name) ? "read_write" : "read"
-      }> ${name}: array<vec4<f32>>;`,
+      `@group(0) @binding(${i}) var<storage, ${rw.has(name) ? "read_write" : "read"}> ${name}: array<${
+        h16 && (name === "A" || name === "B") ? tv : "vec4<f32>"
+      }>;`,
     );
   });
-  L.push(`var<workgroup> As: array<vec4<f32>, ${aVec4s}>;`);
-  L.push(`var<workgroup> Bs: array<vec4<f32>, ${bVec4s}>;`);
+  L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
+  L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
   if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
   if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad") L.push(GELU_WGSL);
 
@@ -121,7 +134,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       const read = `A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`;
       loadA.push(
-        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
@@ -134,7 +147,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
       const read = `A[((k0 + kr) * ${M}u + m0) / 4u + mq]`;
       loadA.push(
-        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeA.push(`As[${lin}] = ra${s};`);
     }
@@ -147,7 +160,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
       const read = `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`;
       loadB.push(
-        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeB.push(`Bs[${lin}] = rb${s};`);
     } else {
@@ -156,7 +169,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       const read = `B[((n0 + col) * ${K}u + k0 + kq * 4u) / 4u]`;
       loadB.push(
-        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeB.push(`{ let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
@@ -174,21 +187,34 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     for (let g = 0; g < gM; g++) {
       for (let i = 0; i < 4; i++) {
         for (let h = 0; h < gN; h++) {
-          fma.push(`acc${g}_${i}_${h} = fma(vec4<f32>(a${g}[${i}]), b${h}, acc${g}_${i}_${h});`);
+          const acc = h16 ? `p${g}_${i}_${h}` : `acc${g}_${i}_${h}`;
+          fma.push(`${acc} = fma(${tv}(a${g}[${i}]), b${h}, ${acc});`);
         }
       }
     }
   }
+  // f16 math: the k-tile's f16 partial sums flushed into the f32 accumulators.
+  const flush: string[] = [];
   const decl: string[] = [];
+  for (let g = 0; g < gM && h16; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        decl.push(`var p${g}_${i}_${h} = vec4<f16>(0.0);`);
+        flush.push(
+          `acc${g}_${i}_${h} = acc${g}_${i}_${h} + vec4<f32>(p${g}_${i}_${h}); p${g}_${i}_${h} = vec4<f16>(0.0);`,
+        );
+      }
+    }
+  }
   for (let g = 0; g < gM; g++) {
     for (let i = 0; i < 4; i++) {
       for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
     }
   }
-  for (let g = 0; g < gM; g++) decl.push(`var a${g}: vec4<f32>;`);
-  for (let h = 0; h < gN; h++) decl.push(`var b${h}: vec4<f32>;`);
-  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: vec4<f32>;`);
-  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: vec4<f32>;`);
+  for (let g = 0; g < gM; g++) decl.push(`var a${g}: ${tv};`);
+  for (let h = 0; h < gN; h++) decl.push(`var b${h}: ${tv};`);
+  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: ${tv};`);
+  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: ${tv};`);
 
   // Epilogue per accumulator vec4.
   const epi: string[] = [];
@@ -231,7 +257,10 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     }
   }
   const nTiles = Math.ceil(K / BK);
-  return withStorageDtypes(matmulCode(), spec.dtypes ?? {});
+  // With f16 math A and B are declared f16 above; the rewrite handles the other bindings.
+  const { A: _a, B: _b, ...rest } = spec.dtypes ?? {};
+  const code = withStorageDtypes(matmulCode(), h16 ? rest : spec.dtypes ?? {});
+  return h16 && !code.startsWith("enable f16;") ? `enable f16;\n${code}` : code;
   function matmulCode(): string {
     return `${L.join("\n")}
 
@@ -256,6 +285,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       ${loadB.join("\n      ")}
     }
     ${fma.join("\n    ")}
+    ${flush.join("\n    ")}
     workgroupBarrier();
     if (more) {
       ${storeA.join("\n      ")}
