@@ -141,7 +141,12 @@ export class Trainer {
       T: opts.seqLen,
       attnDropout: opts.attnDropout,
       hiddenDropout: opts.hiddenDropout,
-    }, { ...opts.chunks, checkpointLayers: opts.checkpointLayers, precision: opts.precision, f16Math: opts.f16Math });
+    }, {
+      ...opts.chunks,
+      checkpointLayers: opts.checkpointLayers,
+      precision: opts.precision,
+      f16Math: opts.f16Math,
+    });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
     if (state) {
