@@ -74,7 +74,7 @@ export function megatronFlops(c: ModelConfig, batch: number, seq: number): numbe
   return 72 * batch * seq * L * h * h * (1 + seq / (6 * h) + c.padded_vocab_size / (12 * L * h));
 }
 
-const SHARDED_ACTS = /(^|\.)(qkv|atty|lse|fch|fcg)$|^(logits|d4c|dqkv|datty|delta)$/;
+const SHARDED_ACTS = /(^|\.)(qkv|atty|lse|fch)$|^(logits|d4c|dqkv|datty|delta)$/;
 
 /** The fraction of a flat parameter-shaped array one tensor-parallel rank holds. */
 function flatShare(c: ModelConfig, tp: number): number {

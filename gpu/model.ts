@@ -5,8 +5,8 @@
  *
  * Forward per layer l (residual stream res[l], all (B·T, C) unless noted):
  *   ln1 = LN(res[l]); qkv = ln1·Wqkv + b (B·T, 3C); y = attention(qkv) (+lse);
- *   res2 = res[l] + drop(y·Wproj + b); ln2 = LN(res2); fch = ln2·Wfc + b, fcg = gelu(fch) (B·T, 4C);
- *   res[l+1] = res2 + drop(fcg·Wfcproj + b)
+ *   res2 = res[l] + drop(y·Wproj + b); ln2 = LN(res2); fch = ln2·Wfc + b (B·T, 4C);
+ *   res[l+1] = res2 + drop(gelu(fch)·Wfcproj + b), gelu applied as fch is loaded (never stored)
  * then lnf = LN(res[L]), logits = lnf·wteᵀ (B·T, Vp), fused cross-entropy and its gradient.
  *
  * Nothing binds more than the device allows: the flat parameter, gradient and moment arrays are
@@ -90,8 +90,8 @@ export interface LayerActs {
   res2: GPUBuffer;
   ln2: GPUBuffer;
   ln2s: GPUBuffer;
+  /** MLP pre-activation (B·T, 4C); gelu(fch) is computed where it is read. */
   fch: GPUBuffer;
-  fcg: GPUBuffer;
 }
 
 /** The planned model: buffers and op lists. */
@@ -378,12 +378,11 @@ export async function buildModel(
     );
     forward.push(await lnFwd(a.res2, p + "ln_2.weight", p + "ln_2.bias", a.ln2, a.ln2s, `l${l}.ln2`));
     forward.push(
-      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true, epilogue: "gelu" }, {
+      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true }, {
         A: V(a.ln2),
         B: W(p + "mlp.c_fc.weight"),
         bias: P(p + "mlp.c_fc.bias"),
         out: V(a.fch),
-        out2: V(a.fcg),
       }),
     );
     forward.push(
@@ -392,8 +391,9 @@ export async function buildModel(
         bias: true,
         epilogue: "residual",
         dropout: drop(hidden, dropoutSite.mlpProj(l)),
+        prologueA: "gelu",
       }, {
-        A: V(a.fcg),
+        A: V(a.fch),
         B: W(p + "mlp.c_proj.weight"),
         bias: P(p + "mlp.c_proj.bias"),
         res: V(a.res2),
@@ -584,11 +584,16 @@ export async function buildModel(
       // MLP output projection (+ residual): dres is the gradient of res[l+1].
       const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
       backward.push(
-        await matmul("backward", `l${l}.fc_proj.dw`, mm(4 * C, C, BT, true, false), {
-          A: V(a.fcg),
-          B: V(dproj),
-          out: G(p + "mlp.c_proj.weight"),
-        }),
+        await matmul(
+          "backward",
+          `l${l}.fc_proj.dw`,
+          { ...mm(4 * C, C, BT, true, false), prologueA: "gelu" },
+          {
+            A: V(a.fch),
+            B: V(dproj),
+            out: G(p + "mlp.c_proj.weight"),
+          },
+        ),
       );
       await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
       backward.push(

@@ -130,7 +130,7 @@ export function headChunkRows(
 }
 
 /** Names of one layer's activation buffers (see gpu/model.ts for what each holds). */
-export const LAYER_ACTS = ["ln1", "ln1s", "qkv", "atty", "lse", "res2", "ln2", "ln2s", "fch", "fcg"] as const;
+export const LAYER_ACTS = ["ln1", "ln1s", "qkv", "atty", "lse", "res2", "ln2", "ln2s", "fch"] as const;
 export type LayerActName = typeof LAYER_ACTS[number];
 
 /**
@@ -209,7 +209,6 @@ export function planModel(
     ln2: BT * C,
     ln2s: BT * 2,
     fch: BT * 4 * C,
-    fcg: BT * 4 * C,
   };
   const seen = new Set<string>();
   for (let l = 0; l <= L; l++) {

@@ -48,8 +48,9 @@ Deno.test("estimateTraining() of gpt2-345M at 8×1024: weights, gradients and mo
   assert.equal(est.bytes_per_gpu.gradients, flat);
   assert.equal(est.bytes_per_gpu.optimizer, 2 * flat);
   assert.equal(est.biggest.category, "activations");
-  // Per-layer activations: ln1, atty, res2, ln2 (C each), qkv (3C), fch and fcg (4C each) of B·T rows.
-  const BT = 8 * 1024, C = 1024, perLayer = BT * C * 4 * (4 + 3 + 8) + BT * 4 * (2 + 2) + 8 * 16 * 1024 * 4;
+  // Per-layer activations: ln1, atty, res2, ln2 (C each), qkv (3C), fch (4C; gelu(fch) is never stored)
+  // of B·T rows, LayerNorm statistics and the softmax's log-sum-exp.
+  const BT = 8 * 1024, C = 1024, perLayer = BT * C * 4 * (4 + 3 + 4) + BT * 4 * (2 + 2) + 8 * 16 * 1024 * 4;
   const residuals = 25 * BT * C * 4, lnf = BT * C * 4 + BT * 2 * 4;
   assert.equal(est.bytes_per_gpu.activations, 24 * perLayer + residuals + lnf);
   // Logits in chunks of at most 512 MiB (not 1.53 GiB), plus the per-row losses.
@@ -143,7 +144,7 @@ function request(over: Partial<TrainRequest>): TrainRequest {
 Deno.test("completeConfig() refuses a config whose estimate exceeds the GPU, naming the biggest part", () => {
   assert.equal(completeConfig(request({}), H200).batch_size, 8);
   assert.equal(completeConfig(request({ model: "gpt2-1558M", batch_size: 8 }), H200).model, "gpt2-1558M");
-  const big = request({ model: "gpt2-1558M", batch_size: 32 });
+  const big = request({ model: "gpt2-1558M", batch_size: 48 });
   assert.throws(() => completeConfig(big, H200), (e: unknown) => {
     assert.ok(e instanceof InvalidJobError);
     assert.equal(e.field, "batch_size");

@@ -12,6 +12,9 @@
  * and summed in f16 (twice the f32 rate where the GPU has packed f16), then flushed into the f32
  * accumulators, so long K keeps fp32 accuracy between stretches.
  *
+ * A prologue can apply GELU to A as it is loaded (`prologueA: "gelu"`), so the MLP keeps only its
+ * pre-activation and the projection and its weight gradient read gelu(fch) for free.
+ *
  * Epilogues fuse the elementwise work that follows a matmul in GPT-2:
  *   store      out = acc (+ bias)
  *   accumulate out += acc (+ bias)
@@ -43,6 +46,8 @@ export interface MatmulSpec {
   dtypes?: Partial<Record<MatmulBinding, StorageDtype>>;
   /** "f16": f16 products and sums within each k-tile, flushed to f32 (needs A and B in f16). */
   math?: "f32" | "f16";
+  /** Apply GELU to every element of A as it is loaded. */
+  prologueA?: "gelu";
 }
 
 /** Names of a matmul's storage bindings. */
@@ -122,17 +127,21 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
   L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
   L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
   if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
-  if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad") L.push(GELU_WGSL);
+  if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad" || spec.prologueA === "gelu") {
+    L.push(GELU_WGSL);
+  }
 
   // Global → register loads for one k-tile starting at k0.
   const loadA: string[] = [], storeA: string[] = [], loadB: string[] = [], storeB: string[] = [];
+  const pro = (read: string) =>
+    spec.prologueA !== "gelu" ? read : h16 ? `vec4<f16>(gelu4(vec4<f32>(${read})))` : `gelu4(${read})`;
   for (let s = 0; s < aSlots; s++) {
     const lin = `(${s * THREADS}u + tid)`;
     if (!transA) {
       // A [M,K]: vec4 along k. Tile = BM rows × BK/4 vec4.
       loadA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      const read = `A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`;
+      const read = pro(`A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`);
       loadA.push(
         `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
@@ -145,7 +154,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       // A stored [K,M]: vec4 along m. Tile = BK rows × BM/4 vec4.
       loadA.push(`{ let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`);
       const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      const read = `A[((k0 + kr) * ${M}u + m0) / 4u + mq]`;
+      const read = pro(`A[((k0 + kr) * ${M}u + m0) / 4u + mq]`);
       loadA.push(
         `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
