@@ -1,13 +1,13 @@
 /**
- * The server's entry point, and only wiring: read the configuration from the environment once,
- * open the job store, start the GPU host (a child process with one Worker per GPU) and the job
- * runner, build the routes and serve them. No WebGPU is loaded in this process, so a driver
- * fault can only take down the GPU host, which is restarted.
+ * The server's entry point, and only wiring: read the configuration from the environment once
+ * (jobs/settings.ts), open the job store, start the GPU host (a child process with one Worker
+ * per GPU) and the job runner, build the routes and serve them. No WebGPU is loaded in this
+ * process, so a driver fault can only take down the GPU host, which is restarted.
  *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
- * running job saves a checkpoint at its current step, event streams end, the Workers destroy
- * their devices, the host exits, the store closes, and the process exits 0. A second signal
- * exits at once.
+ * running job saves a checkpoint at its current step, event streams end, the Workers let their
+ * GPUs go idle, the host exits, the store closes, and the process exits 0. A second signal exits
+ * at once.
  */
 
 import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
@@ -17,46 +17,13 @@ import {
   JobRunner,
   JobStore,
   lockDataDir,
+  readServerConfig,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
+  type ServerConfig,
 } from "./jobs/mod.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
-
-/** Server settings, read once from the environment. */
-export interface ServerConfig {
-  host: string;
-  port: number;
-  /** Data directory: job store, datasets, checkpoints. */
-  home: string;
-  token: string | null;
-  gpus: number;
-  /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S). */
-  shutdownSeconds: number;
-}
-
-const LOOPBACK = new Set(["127.0.0.1", "::1", "localhost"]);
-
-/**
- * Reads PORT, HOST, GPT2_HOME, GPT2_API_TOKEN, GPT2_GPUS and GPT2_SHUTDOWN_S; refuses a
- * non-loopback host without a token.
- */
-export function readServerConfig(env: { get(key: string): string | undefined }): ServerConfig {
-  const host = env.get("HOST") || "127.0.0.1";
-  const port = Number(env.get("PORT") ?? "8080");
-  if (!Number.isInteger(port) || port < 0 || port > 65535) {
-    throw new Error(`Invalid PORT "${env.get("PORT")}"`);
-  }
-  const gpus = Number(env.get("GPT2_GPUS") ?? "1");
-  if (!Number.isInteger(gpus) || gpus < 1) throw new Error(`Invalid GPT2_GPUS "${env.get("GPT2_GPUS")}"`);
-  const token = env.get("GPT2_API_TOKEN") || null;
-  if (!LOOPBACK.has(host) && !token) {
-    throw new Error(`Refusing to bind "${host}" without GPT2_API_TOKEN: set a token or bind 127.0.0.1`);
-  }
-  const shutdownSeconds = Number(env.get("GPT2_SHUTDOWN_S") ?? "30");
-  if (!(shutdownSeconds > 0)) throw new Error(`Invalid GPT2_SHUTDOWN_S "${env.get("GPT2_SHUTDOWN_S")}"`);
-  return { host, port, home: env.get("GPT2_HOME") || "./.gpt2", token, gpus, shutdownSeconds };
-}
 
 if (import.meta.main) {
   let config: ServerConfig;
@@ -68,6 +35,7 @@ if (import.meta.main) {
   }
   const { home } = config;
   await Deno.mkdir(home, { recursive: true });
+  await Deno.mkdir(config.sources, { recursive: true });
   try {
     await lockDataDir(home);
   } catch (e) {
@@ -75,14 +43,11 @@ if (import.meta.main) {
     Deno.exit(1);
   }
   // No writer is running yet: whatever a killed process left half-written goes.
-  for (
-    const name of [
-      ...await removeStaleCheckpointTemporaries(home),
-      ...await removeStaleTemporaries(datasetsDir(home)),
-    ]
-  ) {
-    console.log(`Removed stale temporary "${name}"`);
-  }
+  const stale = [
+    ...await removeStaleCheckpointTemporaries(home),
+    ...await removeStaleTemporaries(datasetsDir(home)),
+  ];
+  for (const name of stale) console.log(`Removed stale temporary "${name}"`);
   const store = new JobStore(`${home}/jobs.sqlite`);
   const host = new GpuHostClient({ env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) } });
   const runner = new JobRunner(store, {
@@ -96,7 +61,23 @@ if (import.meta.main) {
       isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
   });
   const generation = new GenerationManager(runner, home);
-  const app = createApp({ runner, generation, token: config.token, extra: [datasetRoutes(home)] });
+  const datasets = datasetRoutes(home, {
+    sources: config.sources,
+    limits: config.limits,
+    allowPrivateUrls: config.allowPrivateUrls,
+  });
+  const app = createApp({
+    runner,
+    generation,
+    token: config.token,
+    limits: config.limits,
+    host: config.host,
+    port: config.port,
+    allowedHosts: config.allowedHosts,
+    corsOrigins: config.corsOrigins,
+    home,
+    extra: [datasets],
+  });
   // While stopping, every request gets 503 (health included: a load balancer should look elsewhere).
   const fetch = (req: Request, info: Deno.ServeHandlerInfo<Deno.NetAddr>) =>
     runner.draining

@@ -1,13 +1,17 @@
 /**
- * `deno task bench [train|data|matmul|curve] [options]`: the benchmarks. With no suite named it runs the
- * training benchmark (bench/train_bench.ts); `data` runs the data pipeline benchmark, `matmul`
- * the matmul tile sweep and `curve` the fp16-against-fp32 loss curves. Options pass through to the suite.
+ * `deno task bench [train|data|matmul|allreduce|runtime|curve] [options]`: the benchmarks. With no
+ * suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data pipeline
+ * benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and GPU
+ * host-path benchmark, `runtime` the start-train-SIGTERM cycles, and `curve` the fp16-against-fp32
+ * loss curves. Options pass through.
  */
 
 const suites: Record<string, string> = {
   train: "./train_bench.ts",
   data: "./data_bench.ts",
   matmul: "./matmul_bench.ts",
+  allreduce: "./allreduce_bench.ts",
+  runtime: "./runtime_bench.ts",
   curve: "./curve_bench.ts",
 };
 const [first, ...rest] = Deno.args;

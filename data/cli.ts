@@ -168,6 +168,7 @@ export async function main(args: string[]): Promise<number> {
         ...(values["max-documents"] ? { max_documents: num("max-documents", values["max-documents"]) } : {}),
         ...(values.workers ? { workers: num("workers", values.workers) } : {}),
         ...(values.force ? { force: true } : {}),
+        download: { allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1" },
       };
       await Deno.mkdir(root, { recursive: true });
       const bar = progressPrinter();
@@ -222,6 +223,7 @@ export async function main(args: string[]): Promise<number> {
         {
           concurrency: num("concurrency", values.concurrency),
           timeoutMs: num("timeout-ms", values["timeout-ms"]),
+          allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1",
         },
         (doc) => void lines.push(JSON.stringify(doc)),
         (p) =>

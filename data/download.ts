@@ -5,9 +5,14 @@
  *
  * A failure (unreachable host, timeout, HTTP error, oversized or non-text body) is recorded with
  * its reason and counted, never thrown: one dead link must not sink a crawl of thousands.
+ *
+ * Only http(s) URLs whose host resolves to public addresses are fetched, checked again on every
+ * redirect hop (redirects are followed by hand for that), unless `allowPrivate`; and all URLs of
+ * one run share a byte budget (`maxTotalBytes`), after which the rest fail without a request.
  */
 import { extractMainText } from "./extract.ts";
 import { decodeUtf8, looksBinary } from "./text.ts";
+import { checkPublicUrl, type PublicUrlOptions } from "./urls.ts";
 
 /** The User-Agent sent with every request: says what we are and why. */
 export const DEFAULT_USER_AGENT = "gpt2-webgpu-data/1.0 (dataset builder for GPT-2 training; Deno fetch)";
@@ -28,6 +33,18 @@ export interface DownloadOptions {
   userAgent?: string;
   /** Documents with fewer characters than this after extraction are failures "too little text" (default 1). */
   minChars?: number;
+  /** Fetch loopback, private, link-local and multicast addresses too (default false). */
+  allowPrivate?: boolean;
+  /** Host names or addresses exempt from the public-address check. */
+  allowHosts?: string[];
+  /** Resolves host names for the address check (default: DNS A and AAAA records). */
+  resolve?: (host: string) => Promise<string[]>;
+  /** Redirects followed per URL (default 5). */
+  maxRedirects?: number;
+  /** Body bytes of all URLs together (default: unbounded). */
+  maxTotalBytes?: number;
+  /** How failures name the budget's setting (default "maxTotalBytes"). */
+  budgetSetting?: string;
 }
 
 /** A downloaded document: one JSON line of the download stage's output. */
@@ -77,8 +94,20 @@ export interface DownloadProgress {
 /** An error that another attempt may cure. */
 class RetryableError extends Error {}
 
-/** Read a body up to `maxBytes`, throwing past it. */
-async function readCapped(res: Response, maxBytes: number): Promise<Uint8Array> {
+/** Bytes left to the whole run. */
+interface Budget {
+  left: number;
+  total: number;
+  setting: string;
+}
+
+/** The error of a spent budget. */
+function budgetError(b: Budget): Error {
+  return new Error(`Download budget of ${b.total} bytes for this dataset is spent (${b.setting})`);
+}
+
+/** Read a body up to `maxBytes`, throwing past it; every chunk is taken from `budget`. */
+async function readCapped(res: Response, maxBytes: number, budget: Budget): Promise<Uint8Array> {
   const declared = Number(res.headers.get("content-length") ?? "NaN");
   if (declared > maxBytes) {
     await res.body?.cancel();
@@ -92,9 +121,14 @@ async function readCapped(res: Response, maxBytes: number): Promise<Uint8Array> 
     const { done, value } = await reader.read();
     if (done) break;
     size += value.length;
+    budget.left -= value.length;
     if (size > maxBytes) {
       await reader.cancel();
       throw new Error(`Body exceeds the ${maxBytes}-byte cap`);
+    }
+    if (budget.left < 0) {
+      await reader.cancel();
+      throw budgetError(budget);
     }
     chunks.push(value);
   }
@@ -120,24 +154,49 @@ function decodeBody(bytes: Uint8Array, contentType: string): string {
   return decodeUtf8(bytes).text;
 }
 
+type Resolved = Required<Omit<DownloadOptions, "resolve" | "allowHosts">> & PublicUrlOptions;
+
+const REDIRECTS = new Set([301, 302, 303, 307, 308]);
+
+/** Fetches `url`, following redirects by hand so each hop's address is checked first. */
+async function fetchChecked(url: string, o: Resolved, signal: AbortSignal): Promise<Response> {
+  let current = url;
+  for (let hop = 0;; hop++) {
+    await checkPublicUrl(current, o);
+    let res: Response;
+    try {
+      res = await fetch(current, {
+        headers: { "user-agent": o.userAgent, accept: "text/html,application/xhtml+xml,text/plain;q=0.9" },
+        redirect: "manual",
+        signal,
+      });
+    } catch (e) {
+      throw new RetryableError(
+        signal.aborted ? `Timed out after ${o.timeoutMs} ms` : `Cannot fetch: ${(e as Error).message}`,
+      );
+    }
+    if (!REDIRECTS.has(res.status)) return res;
+    await res.body?.cancel();
+    const location = res.headers.get("location");
+    if (!location) throw new Error(`HTTP ${res.status} redirect without a Location`);
+    if (hop >= o.maxRedirects) throw new Error(`More than ${o.maxRedirects} redirects`);
+    try {
+      current = new URL(location, current).href;
+    } catch {
+      throw new Error(`Invalid redirect Location "${location.slice(0, 200)}"`);
+    }
+  }
+}
+
 /** One attempt at one URL. */
 async function fetchOnce(
   url: string,
-  o: Required<DownloadOptions>,
+  o: Resolved,
+  budget: Budget,
 ): Promise<{ doc: WebDocument; bytes: number }> {
-  let res: Response;
+  if (budget.left <= 0) throw budgetError(budget);
   const signal = AbortSignal.timeout(o.timeoutMs);
-  try {
-    res = await fetch(url, {
-      headers: { "user-agent": o.userAgent, accept: "text/html,application/xhtml+xml,text/plain;q=0.9" },
-      redirect: "follow",
-      signal,
-    });
-  } catch (e) {
-    throw new RetryableError(
-      signal.aborted ? `Timed out after ${o.timeoutMs} ms` : `Cannot fetch: ${(e as Error).message}`,
-    );
-  }
+  const res = await fetchChecked(url, o, signal);
   if (!res.ok) {
     await res.body?.cancel();
     const msg = `HTTP ${res.status}`;
@@ -151,7 +210,7 @@ async function fetchOnce(
   }
   let bytes: Uint8Array;
   try {
-    bytes = await readCapped(res, o.maxBytes);
+    bytes = await readCapped(res, o.maxBytes, budget);
   } catch (e) {
     if (signal.aborted) throw new RetryableError(`Timed out after ${o.timeoutMs} ms`);
     throw e;
@@ -173,7 +232,7 @@ export async function downloadUrls(
   onDocument: (doc: WebDocument) => void | Promise<void>,
   onProgress?: (p: DownloadProgress) => void,
 ): Promise<{ counts: DownloadCounts; failures: DownloadFailure[] }> {
-  const o: Required<DownloadOptions> = {
+  const o: Resolved = {
     concurrency: options.concurrency ?? 8,
     timeoutMs: options.timeoutMs ?? 15000,
     retries: options.retries ?? 2,
@@ -181,7 +240,14 @@ export async function downloadUrls(
     maxBytes: options.maxBytes ?? 5 * 1024 * 1024,
     userAgent: options.userAgent ?? DEFAULT_USER_AGENT,
     minChars: options.minChars ?? 1,
+    allowPrivate: options.allowPrivate ?? false,
+    allowHosts: options.allowHosts ?? [],
+    resolve: options.resolve,
+    maxRedirects: options.maxRedirects ?? 5,
+    maxTotalBytes: options.maxTotalBytes ?? Infinity,
+    budgetSetting: options.budgetSetting ?? "maxTotalBytes",
   };
+  const budget: Budget = { left: o.maxTotalBytes, total: o.maxTotalBytes, setting: o.budgetSetting };
   const counts: DownloadCounts = { urls: urls.length, ok: 0, failed: 0, retries: 0, bytes: 0 };
   const failures: DownloadFailure[] = [];
   let next = 0;
@@ -193,7 +259,7 @@ export async function downloadUrls(
         attempts++;
         let got: { doc: WebDocument; bytes: number };
         try {
-          got = await fetchOnce(url, o);
+          got = await fetchOnce(url, o, budget);
         } catch (e) {
           if (e instanceof RetryableError && attempts <= o.retries) {
             counts.retries++;

@@ -4,10 +4,13 @@
  * object per line, the format Megatron's preprocessing reads).
  *
  * Bad input never stops the stream: empty files, binary files, invalid UTF-8, lines over the size
- * cap and malformed JSON lines are skipped (or decoded lossily) and counted in {@link MergeCounts}.
- * Lines are read in bounded chunks, so an enormous line costs at most the cap in memory.
+ * cap, malformed JSON lines, JSON nested too deep and files that take too long are skipped (or
+ * decoded lossily), counted in {@link MergeCounts} and reported one {@link FileIssue} per file
+ * with the reason (line numbers included) through `onIssue`. Lines are read in bounded chunks, so
+ * an enormous line costs at most the cap in memory; nesting depth is measured by a linear scan
+ * before `JSON.parse`, so a file of deeply nested arrays is refused in time linear in its size.
  */
-import { basename, extname, join } from "node:path";
+import { basename, extname, join, relative } from "node:path";
 import { decodeUtf8, looksBinary } from "./text.ts";
 
 /** A document from any source. */
@@ -36,6 +39,18 @@ export interface MergeCounts {
   malformed_json: number;
   /** Lines or files over the size cap, skipped. */
   oversized: number;
+  /** JSON lines or files nested deeper than the bound, skipped. */
+  too_deep: number;
+  /** Files abandoned for taking longer than the time bound. */
+  timed_out: number;
+}
+
+/** One file that was skipped, or partly bad, and why. */
+export interface FileIssue {
+  /** The file, relative to the folder read (its name for a single file). */
+  file: string;
+  /** What was wrong, e.g. `binary (NUL bytes)` or `malformed JSON on lines 3, 7`. */
+  reason: string;
 }
 
 /** A fresh zeroed {@link MergeCounts}. */
@@ -49,6 +64,8 @@ export function emptyMergeCounts(): MergeCounts {
     invalid_utf8: 0,
     malformed_json: 0,
     oversized: 0,
+    too_deep: 0,
+    timed_out: 0,
   };
 }
 
@@ -58,6 +75,57 @@ export interface MergeOptions {
   maxDocumentBytes?: number;
   /** Called with bytes read so far (for progress). */
   onBytes?: (bytes: number) => void;
+  /** Deepest JSON nesting accepted in a line or file (default {@link DEFAULT_MAX_JSON_DEPTH}). */
+  maxJsonDepth?: number;
+  /** Time one file may take, in ms, before the rest of it is skipped (default 60000). */
+  maxFileMs?: number;
+  /** Called once per skipped or partly bad file, with the reason. */
+  onIssue?: (issue: FileIssue) => void;
+}
+
+/** Default bound on JSON nesting: documents are `{"text": ...}` objects, so 64 is generous. */
+export const DEFAULT_MAX_JSON_DEPTH = 64;
+
+/**
+ * Whether the JSON text nests arrays and objects deeper than `max`, by one linear scan that
+ * skips strings (JSON.parse and JSON.stringify are superlinear on deep nesting).
+ */
+export function jsonTooDeep(text: string, max: number): boolean {
+  let depth = 0, inString = false;
+  for (let i = 0; i < text.length; i++) {
+    const ch = text.charCodeAt(i);
+    if (inString) {
+      if (ch === 92) i++; // backslash: skip the escaped character
+      else if (ch === 34) inString = false;
+    } else if (ch === 34) inString = true;
+    else if (ch === 91 || ch === 123) {
+      if (++depth > max) return true;
+    } else if (ch === 93 || ch === 125) depth--;
+  }
+  return false;
+}
+
+/** "3, 7, 9" or "3, 7, 9 and 12 more": line numbers for a reason. */
+function lineList(lines: number[], total: number): string {
+  return lines.join(", ") + (total > lines.length ? ` and ${total - lines.length} more` : "");
+}
+
+/** Collects line numbers per kind of problem in one file, up to 10 each. */
+class LineProblems {
+  #lines = new Map<string, { first: number[]; total: number }>();
+  add(kind: string, line: number): void {
+    let e = this.#lines.get(kind);
+    if (!e) this.#lines.set(kind, e = { first: [], total: 0 });
+    e.total++;
+    if (e.first.length < 10) e.first.push(line);
+  }
+  /** The reason, or "" when nothing went wrong. */
+  reason(): string {
+    return [...this.#lines].map(([kind, e]) =>
+      `${kind} on line${e.total > 1 ? "s" : ""} ${lineList(e.first, e.total)}`
+    )
+      .join("; ");
+  }
 }
 
 /** Extensions read as one document per file. */
@@ -138,6 +206,11 @@ export function parseJsonLine(line: string): SourceDocument | undefined {
   } catch {
     return undefined;
   }
+  return docFromValue(v);
+}
+
+/** A document from a parsed JSON value: a string, or an object with a string `text`. */
+function docFromValue(v: unknown): SourceDocument | undefined {
   if (typeof v === "string") return { text: v };
   if (v && typeof v === "object" && typeof (v as { text?: unknown }).text === "string") {
     const o = v as { text: string; url?: unknown };
@@ -146,93 +219,156 @@ export function parseJsonLine(line: string): SourceDocument | undefined {
   return undefined;
 }
 
+/** What reading one file needs: counts, bounds and where issues go. */
+interface FileContext {
+  counts: MergeCounts;
+  max: number;
+  maxDepth: number;
+  maxMs: number;
+  issue: (reason: string) => void;
+  onBytes?: (n: number) => void;
+}
+
 /** Read a loose-JSON file (or a JSON array file) into documents. */
-async function* readJsonFile(path: string, counts: MergeCounts, max: number, onBytes?: (n: number) => void) {
+async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
+  const { counts } = f;
+  const started = performance.now();
+  const late = () => performance.now() - started >= f.maxMs;
   const head = new Uint8Array(64);
   let first = "";
   {
-    using f = await Deno.open(path, { read: true });
-    const n = (await f.read(head)) ?? 0;
+    using file = await Deno.open(path, { read: true });
+    const n = (await file.read(head)) ?? 0;
     first = new TextDecoder().decode(head.subarray(0, n)).trimStart();
   }
   if (first.startsWith("[")) {
     // A single JSON array of documents.
     const size = (await Deno.stat(path)).size;
-    if (size > max) {
+    if (size > f.max) {
       counts.oversized++;
-      return;
+      return f.issue(`oversized: ${size} bytes, over the ${f.max}-byte cap`);
     }
     const bytes = await Deno.readFile(path);
+    f.onBytes?.(bytes.length);
     const { text, invalid } = decodeUtf8(bytes);
     if (invalid) counts.invalid_utf8++;
+    if (jsonTooDeep(text, f.maxDepth)) {
+      counts.too_deep++;
+      return f.issue(`too deep: JSON nested more than ${f.maxDepth} levels`);
+    }
     let arr: unknown;
     try {
       arr = JSON.parse(text);
-    } catch {
+    } catch (e) {
       counts.malformed_json++;
-      return;
+      return f.issue(`malformed JSON: ${(e as Error).message}`);
     }
     if (!Array.isArray(arr)) {
       counts.malformed_json++;
-      return;
+      return f.issue("malformed JSON: not an array of documents");
     }
-    for (const item of arr) {
-      const doc = parseJsonLine(JSON.stringify(item));
+    const bad: number[] = [];
+    let badTotal = 0;
+    for (let i = 0; i < arr.length; i++) {
+      if (late()) {
+        counts.timed_out++;
+        return f.issue(`timed out: longer than ${f.maxMs} ms, stopped at item ${i}`);
+      }
+      const doc = docFromValue(arr[i]);
       if (doc) yield doc;
-      else counts.malformed_json++;
+      else {
+        counts.malformed_json++;
+        if (badTotal++ < 10) bad.push(i);
+      }
     }
+    const reasons = [
+      ...(invalid ? ["invalid UTF-8 (decoded with U+FFFD)"] : []),
+      ...(badTotal
+        ? [`malformed documents at item${badTotal > 1 ? "s" : ""} ${lineList(bad, badTotal)}`]
+        : []),
+    ];
+    if (reasons.length) f.issue(reasons.join("; "));
     return;
   }
-  let sawLine = false;
-  for await (const bytes of readLineBytes(path, max, () => counts.oversized++, onBytes)) {
+  let sawLine = false, line = 0;
+  const problems = new LineProblems();
+  const oversized = () => {
+    counts.oversized++;
+    problems.add(`over the ${f.max}-byte cap`, ++line);
+  };
+  for await (const bytes of readLineBytes(path, f.max, oversized, f.onBytes)) {
+    line++;
+    if (late()) {
+      counts.timed_out++;
+      const rest = problems.reason();
+      return f.issue(
+        `timed out: longer than ${f.maxMs} ms, stopped at line ${line}${rest ? `; ${rest}` : ""}`,
+      );
+    }
     if (bytes.length === 0 || (bytes.length === 1 && bytes[0] === 13)) continue;
     sawLine = true;
     const { text, invalid } = decodeUtf8(bytes);
     if (!text.trim()) continue;
+    if (jsonTooDeep(text, f.maxDepth)) {
+      counts.too_deep++;
+      problems.add(`JSON nested more than ${f.maxDepth} levels`, line);
+      continue;
+    }
     const doc = parseJsonLine(text);
     if (!doc) {
       counts.malformed_json++;
+      problems.add("malformed JSON", line);
       continue;
     }
-    if (invalid) counts.invalid_utf8++;
+    if (invalid) {
+      counts.invalid_utf8++;
+      problems.add("invalid UTF-8", line);
+    }
     yield doc;
   }
   if (!sawLine) counts.empty_files++;
+  const reason = problems.reason();
+  if (reason) f.issue(reason);
+  else if (!sawLine) f.issue("empty");
 }
 
 /** Read one file by extension. */
-async function* readFile(path: string, counts: MergeCounts, max: number, onBytes?: (n: number) => void) {
+async function* readFile(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
+  const { counts } = f;
   const ext = extname(path).toLowerCase();
   if (JSON_EXTENSIONS.has(ext)) {
     counts.files++;
-    yield* readJsonFile(path, counts, max, onBytes);
+    yield* readJsonFile(path, f);
     return;
   }
   if (!TEXT_EXTENSIONS.has(ext)) {
     counts.skipped_files++;
-    return;
+    return f.issue(ext ? `unsupported extension "${ext}"` : "unsupported file: no extension");
   }
   counts.files++;
   const size = (await Deno.stat(path)).size;
-  if (size > max) {
+  if (size > f.max) {
     counts.oversized++;
-    return;
+    return f.issue(`oversized: ${size} bytes, over the ${f.max}-byte cap`);
   }
   const bytes = await Deno.readFile(path);
-  onBytes?.(bytes.length);
+  f.onBytes?.(bytes.length);
   if (bytes.length === 0) {
     counts.empty_files++;
-    return;
+    return f.issue("empty");
   }
   if (looksBinary(bytes)) {
     counts.binary_files++;
-    return;
+    return f.issue("binary (NUL bytes)");
   }
   const { text, invalid } = decodeUtf8(bytes);
-  if (invalid) counts.invalid_utf8++;
+  if (invalid) {
+    counts.invalid_utf8++;
+    f.issue("invalid UTF-8 (decoded with U+FFFD)");
+  }
   if (!text.trim()) {
     counts.empty_files++;
-    return;
+    return f.issue("empty (whitespace only)");
   }
   yield { text, url: basename(path) };
 }
@@ -249,10 +385,21 @@ export async function* readDocuments(
   const max = options.maxDocumentBytes ?? 64 * 1024 * 1024;
   let base = 0;
   const onBytes = options.onBytes ? (n: number) => options.onBytes!(base + n) : undefined;
+  const top = await Deno.lstat(path);
+  const nameOf = (p: string) => top.isDirectory ? relative(path, p) : basename(p);
+  const context = (p: string): FileContext => ({
+    counts,
+    max,
+    maxDepth: options.maxJsonDepth ?? DEFAULT_MAX_JSON_DEPTH,
+    maxMs: options.maxFileMs ?? 60_000,
+    issue: (reason) => options.onIssue?.({ file: nameOf(p), reason }),
+    onBytes,
+  });
   const walk = async function* (p: string): AsyncGenerator<SourceDocument> {
     const info = await Deno.lstat(p);
     if (info.isSymlink) {
       counts.skipped_files++;
+      context(p).issue("symlink (not followed)");
       return;
     }
     if (info.isDirectory) {
@@ -264,9 +411,10 @@ export async function* readDocuments(
     }
     if (!info.isFile) {
       counts.skipped_files++;
+      context(p).issue("not a regular file");
       return;
     }
-    for await (const doc of readFile(p, counts, max, onBytes)) {
+    for await (const doc of readFile(p, context(p))) {
       counts.documents++;
       yield doc;
     }

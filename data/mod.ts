@@ -22,8 +22,11 @@ export {
 } from "./download.ts";
 export { type ExtractedText, extractMainText } from "./extract.ts";
 export {
+  DEFAULT_MAX_JSON_DEPTH,
   emptyMergeCounts,
+  type FileIssue,
   JSON_EXTENSIONS,
+  jsonTooDeep,
   type MergeCounts,
   type MergeOptions,
   mergeToLooseJson,
@@ -34,8 +37,10 @@ export {
   TEXT_EXTENSIONS,
 } from "./merge.ts";
 export {
+  candidateProbability,
   DEFAULT_MINHASH,
   estimateJaccard,
+  LSH_RECALL_AT_THRESHOLD,
   lshBands,
   LshIndex,
   type MinHashParams,
@@ -77,11 +82,16 @@ export {
   type WorkerResult,
 } from "./tokenize_pool.ts";
 export {
+  checkPublicUrl,
   DEFAULT_BLACKLIST,
   filterUrls,
   NON_TEXT_EXTENSIONS,
+  nonPublicRange,
   normalizeUrl,
+  type PublicUrlOptions,
+  resolveHost,
   type UrlCounts,
   urlExtension,
   type UrlFilterOptions,
+  UrlRefusedError,
 } from "./urls.ts";

@@ -11,7 +11,13 @@ import { createHash } from "node:crypto";
 import { join, relative } from "node:path";
 import { BUILTIN_DEFAULT_SPLIT, builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
 import { type DownloadCounts, type DownloadFailure, type DownloadOptions, downloadUrls } from "./download.ts";
-import { emptyMergeCounts, type MergeCounts, readDocuments, type SourceDocument } from "./merge.ts";
+import {
+  emptyMergeCounts,
+  type FileIssue,
+  type MergeCounts,
+  readDocuments,
+  type SourceDocument,
+} from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
 import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 import {
@@ -67,6 +73,8 @@ export interface PrepareOptions {
   max_document_bytes?: number;
   /** Accept `path` / `url_list` sources outside the root (the CLI's choice; never set from HTTP). */
   allow_any_path?: boolean;
+  /** The folder `path` / `url_list` sources must lie in, and are recorded relative to (default: the root). */
+  sources_root?: string;
 }
 
 /** Progress of a preparation. */
@@ -92,6 +100,8 @@ interface Stats {
   urls?: UrlCounts;
   download?: DownloadCounts & { failures_file?: string };
   merge: MergeCounts;
+  /** Skipped or partly bad source files and why (the first 100). */
+  file_issues?: FileIssue[];
   documents_read: number;
   empty_after_cleaning: number;
   under_min_tokens: number;
@@ -268,8 +278,10 @@ export async function planDataset(
       ? await Deno.realPath(p).catch((e) => {
         throw new Error(`Cannot read "${p}": ${(e as Error).message}`);
       })
-      : await resolveUnderRoot(root, p);
-    const rootReal = await Deno.realPath(root).catch(() => root);
+      : await resolveUnderRoot(options.sources_root ?? root, p);
+    const rootReal = await Deno.realPath(options.sources_root ?? root).catch(() =>
+      options.sources_root ?? root
+    );
     const rel = options.allow_any_path && relative(rootReal, resolvedPath).startsWith("..")
       ? resolvedPath
       : relative(rootReal, resolvedPath) || ".";
@@ -350,9 +362,14 @@ export async function prepareDataset(
       totalBytes = list.reduce((s, t) => s + t.length, 0);
     } else if (kind === "path") {
       totalBytes = await treeSize(resolvedPath!);
+      const issues: FileIssue[] = stats.file_issues = [];
       docs = readDocuments(resolvedPath!, stats.merge, {
         maxDocumentBytes: options.max_document_bytes,
         onBytes: (n) => (progress.done = n),
+        onIssue: (issue) => {
+          console.warn(`Dataset "${id}": file "${issue.file}": ${issue.reason}`);
+          if (issues.length < 100) issues.push(issue);
+        },
       });
     } else {
       let lines: string[];
@@ -490,9 +507,14 @@ export async function prepareDataset(
     stats.documents_read = read;
 
     if (docCount === 0) {
+      const files = stats.file_issues ?? [];
+      const listed = files.slice(0, 10).map((i) => `"${i.file}": ${i.reason}`).join("; ");
       throw new Error(
         `No documents left to train on: ${read} read, ${stats.empty_after_cleaning} empty after cleaning, ` +
-          `${stats.under_min_tokens} under ${opts.min_tokens} tokens, ${stats.near_duplicates} near-duplicates`,
+          `${stats.under_min_tokens} under ${opts.min_tokens} tokens, ${stats.near_duplicates} near-duplicates` +
+          (files.length
+            ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}`
+            : ""),
       );
     }
 

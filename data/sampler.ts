@@ -4,17 +4,24 @@
  * iterations outrun the data it starts a new epoch, reshuffled, and says so.
  *
  * An epoch is a permutation of the non-overlapping windows (start offsets `offset + k * seqLen`,
- * with a per-epoch random offset so window boundaries move between epochs). Data-parallel rank r
- * of w takes every w-th window of the shared permutation, so ranks see disjoint windows. The
- * whole state is `{epoch, position}`: a checkpoint stores it and a resumed sampler continues
- * exactly where the old one stopped.
+ * with a per-epoch random offset so window boundaries move between epochs); epochs follow one
+ * another as one global stream of windows. Data parallelism cuts that stream into global batches
+ * of `batchSize × accumulation × worldSize` windows (Megatron's global batch: micro-batch ×
+ * accumulation steps × data-parallel ranks); rank r takes the r-th contiguous slice of each
+ * global batch, as `accumulation` micro-batches. So ranks see disjoint windows, and DP=2 with
+ * micro-batch 4 reads exactly the windows DP=1 reads with micro-batch 4 and 2 accumulation steps.
+ *
+ * The whole state is the global position `{epoch, position}` (windows of the epoch consumed by
+ * all ranks together, at the start of the first global batch this rank has not finished), the
+ * same on every rank and independent of the data-parallel size: a checkpoint stores it and a job
+ * resumes exactly, at the same or another data-parallel size.
  */
 
 /** Resumable sampler state: JSON-serialisable, stored in checkpoints. */
 export interface SamplerState {
   /** Epoch number, from 0. */
   epoch: number;
-  /** Windows this rank has consumed in the current epoch. */
+  /** Windows of the epoch consumed by all ranks together (in [0, windows]: a finished epoch reads as its last). */
   position: number;
 }
 
@@ -22,8 +29,10 @@ export interface SamplerState {
 export interface SamplerOptions {
   /** Sequence length: each window holds seqLen + 1 tokens. */
   seqLen: number;
-  /** Windows per batch. */
+  /** Windows per (micro-)batch of this rank. */
   batchSize: number;
+  /** Micro-batches per rank in one global batch (gradient accumulation steps; default 1). */
+  accumulation?: number;
   /** Seed of the shuffles. */
   seed: number;
   /** This data-parallel rank (default 0). */
@@ -54,6 +63,8 @@ export class Sampler {
   readonly seqLen: number;
   /** Windows per batch. */
   readonly batchSize: number;
+  /** Micro-batches per rank in one global batch. */
+  readonly accumulation: number;
   /** Seed. */
   readonly seed: number;
   /** This rank. */
@@ -62,12 +73,18 @@ export class Sampler {
   readonly worldSize: number;
   /** Windows in one epoch over all ranks. */
   readonly windows: number;
-  /** Windows this rank sees per epoch. */
+  /** Windows per epoch divided among the ranks (at least 1). */
   readonly windowsPerRank: number;
+  /** Windows in one global batch: batchSize × accumulation × worldSize. */
+  readonly globalBatchWindows: number;
   /** Called when a new epoch starts. */
   onEpoch?: (epoch: number) => void;
-  #epoch = 0;
-  #position = 0;
+  /** Global stream index of the first window of the current global batch. */
+  #next = 0;
+  /** Windows this rank has drawn from the current global batch. */
+  #drawn = 0;
+  /** Last epoch this sampler has entered (announced through onEpoch when it grows). */
+  #entered = 0;
   #permEpoch = -1;
   #perm: Uint32Array;
   #offset = 0;
@@ -78,12 +95,15 @@ export class Sampler {
    */
   constructor(tokens: Uint16Array, opts: SamplerOptions, state?: SamplerState) {
     const { seqLen, batchSize, seed } = opts;
-    const rank = opts.rank ?? 0, worldSize = opts.worldSize ?? 1;
+    const rank = opts.rank ?? 0, worldSize = opts.worldSize ?? 1, accumulation = opts.accumulation ?? 1;
     if (!Number.isInteger(seqLen) || seqLen < 1) {
       throw new RangeError(`seqLen must be a positive integer, got ${seqLen}`);
     }
     if (!Number.isInteger(batchSize) || batchSize < 1) {
       throw new RangeError(`batchSize must be a positive integer, got ${batchSize}`);
+    }
+    if (!Number.isInteger(accumulation) || accumulation < 1) {
+      throw new RangeError(`accumulation must be a positive integer, got ${accumulation}`);
     }
     if (
       !Number.isInteger(worldSize) || worldSize < 1 || !Number.isInteger(rank) || rank < 0 ||
@@ -94,6 +114,8 @@ export class Sampler {
     this.tokens = tokens;
     this.seqLen = seqLen;
     this.batchSize = batchSize;
+    this.accumulation = accumulation;
+    this.globalBatchWindows = batchSize * accumulation * worldSize;
     this.seed = seed >>> 0;
     this.rank = rank;
     this.worldSize = worldSize;
@@ -115,26 +137,33 @@ export class Sampler {
       const { epoch, position } = state;
       if (
         !Number.isInteger(epoch) || epoch < 0 || !Number.isInteger(position) || position < 0 ||
-        position > this.windowsPerRank
+        position > this.windows
       ) {
         throw new RangeError(
-          `Invalid sampler state {"epoch": ${epoch}, "position": ${position}}: position must be in [0, ${this.windowsPerRank}]`,
+          `Invalid sampler state {"epoch": ${epoch}, "position": ${position}}: position must be in [0, ${this.windows}]`,
         );
       }
-      this.#epoch = epoch;
-      this.#position = position;
+      this.#next = epoch * this.windows + position;
+      this.#entered = epoch;
     }
   }
 
-  /** The state to store in a checkpoint: `new Sampler(tokens, opts, state)` continues exactly. */
+  /**
+   * The state to store in a checkpoint: `new Sampler(tokens, opts, state)` continues exactly, with
+   * any data-parallel size and accumulation. A global batch this rank has only partly drawn is
+   * not counted, so a resume replays it whole.
+   */
   get state(): SamplerState {
-    return { epoch: this.#epoch, position: this.#position };
+    const k = this.#next;
+    if (k === 0) return { epoch: 0, position: 0 };
+    const epoch = Math.floor((k - 1) / this.windows);
+    return { epoch, position: k - epoch * this.windows };
   }
 
-  /** Build the permutation and offset of the current epoch. */
-  #shuffle(): void {
+  /** Build the permutation and offset of `epoch`. */
+  #shuffle(epoch: number): void {
     const rand = splitmix32(
-      Math.imul(this.seed ^ 0x5bd1e995, 0x01000193) ^ Math.imul(this.#epoch + 1, 0x9e3779b9),
+      Math.imul(this.seed ^ 0x5bd1e995, 0x01000193) ^ Math.imul(epoch + 1, 0x9e3779b9),
     );
     const perm = this.#perm;
     for (let i = 0; i < perm.length; i++) perm[i] = i;
@@ -146,20 +175,21 @@ export class Sampler {
     }
     const slack = this.tokens.length - 1 - this.windows * this.seqLen;
     this.#offset = rand() % (slack + 1);
-    this.#permEpoch = this.#epoch;
+    this.#permEpoch = epoch;
   }
 
   /** Start offset of the next window for this rank (advancing the epoch when needed). */
   nextWindowStart(): number {
-    if (this.#position >= this.windowsPerRank) {
-      this.#epoch++;
-      this.#position = 0;
-      this.onEpoch?.(this.#epoch);
+    const perRank = this.batchSize * this.accumulation;
+    const k = this.#next + this.rank * perRank + this.#drawn;
+    if (++this.#drawn === perRank) {
+      this.#next += this.globalBatchWindows;
+      this.#drawn = 0;
     }
-    if (this.#permEpoch !== this.#epoch) this.#shuffle();
-    const w = this.#perm[this.#position * this.worldSize + this.rank];
-    this.#position++;
-    return this.#offset + w * this.seqLen;
+    const epoch = Math.floor(k / this.windows);
+    while (this.#entered < epoch) this.onEpoch?.(++this.#entered);
+    if (this.#permEpoch !== epoch) this.#shuffle(epoch);
+    return this.#offset + this.#perm[k - epoch * this.windows] * this.seqLen;
   }
 
   /** The next batch: batchSize rows of seqLen + 1 consecutive tokens, row-major. */

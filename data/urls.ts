@@ -217,3 +217,147 @@ export function filterUrls(
   }
   return { urls, counts };
 }
+
+// ---------------------------------------------------------------------------------------------
+// Public addresses only: URL sources are fetched by the server, so a URL (or a redirect) naming
+// loopback, a private network or the cloud metadata address would turn the server into a proxy
+// into its own network (server-side request forgery).
+
+/** The 8 16-bit groups of an IPv6 address, or null if `ip` is not one. */
+function parseIpv6(ip: string): number[] | null {
+  let s = ip.toLowerCase();
+  const v4 = /(\d+\.\d+\.\d+\.\d+)$/.exec(s);
+  if (v4) {
+    const b = parseIpv4(v4[1]);
+    if (!b) return null;
+    s = s.slice(0, -v4[1].length) +
+      `${((b[0] << 8) | b[1]).toString(16)}:${((b[2] << 8) | b[3]).toString(16)}`;
+  }
+  const halves = s.split("::");
+  if (halves.length > 2) return null;
+  const part = (h: string) => (h === "" ? [] : h.split(":"));
+  const head = part(halves[0]), tail = halves.length === 2 ? part(halves[1]) : [];
+  const fill = 8 - head.length - tail.length;
+  if ((halves.length === 1 && fill !== 0) || fill < 0) return null;
+  const groups = [...head, ...Array(halves.length === 2 ? fill : 0).fill("0"), ...tail];
+  if (groups.length !== 8 || groups.some((g) => !/^[0-9a-f]{1,4}$/.test(g))) return null;
+  return groups.map((g) => parseInt(g, 16));
+}
+
+/** The 4 bytes of a dotted-decimal IPv4 address, or null. */
+function parseIpv4(ip: string): number[] | null {
+  const parts = ip.split(".");
+  if (parts.length !== 4 || parts.some((p) => !/^\d{1,3}$/.test(p) || Number(p) > 255)) return null;
+  return parts.map(Number);
+}
+
+function ipv4Range(b: number[]): string | null {
+  const [a, c] = [b[0], b[1]];
+  if (a === 0) return "unspecified";
+  if (a === 127) return "loopback";
+  if (a === 10 || (a === 172 && c >= 16 && c < 32) || (a === 192 && c === 168)) return "private";
+  if (a === 100 && c >= 64 && c < 128) return "private (shared address space)";
+  if (a === 169 && c === 254) return "link-local";
+  if (a === 198 && (c === 18 || c === 19)) return "private (benchmarking)";
+  if (a >= 224 && a < 240) return "multicast";
+  if (a >= 240) return "reserved";
+  if (a === 192 && c === 0 && (b[2] === 0 || b[2] === 2)) return "reserved";
+  if ((a === 198 && c === 51 && b[2] === 100) || (a === 203 && c === 0 && b[2] === 113)) return "reserved";
+  return null;
+}
+
+/**
+ * Why `ip` (IPv4 or IPv6, brackets allowed) is not a public address: "loopback", "private",
+ * "link-local", "multicast", "unspecified" or "reserved"; null when it is public. IPv4 mapped
+ * into IPv6 (::ffff:a.b.c.d, NAT64, 6to4) is judged as the IPv4 address. Not an address: "invalid".
+ */
+export function nonPublicRange(ip: string): string | null {
+  const bare = ip.replace(/^\[|\]$/g, "").replace(/%.*$/, "");
+  const v4 = parseIpv4(bare);
+  if (v4) return ipv4Range(v4);
+  const g = parseIpv6(bare);
+  if (!g) return "invalid";
+  const embedded = (hi: number, lo: number) => ipv4Range([hi >> 8, hi & 255, lo >> 8, lo & 255]);
+  if (g.slice(0, 7).every((x) => x === 0)) {
+    return g[7] === 1 ? "loopback" : g[7] === 0 ? "unspecified" : "reserved";
+  }
+  if (g.slice(0, 5).every((x) => x === 0) && g[5] === 0xffff) return embedded(g[6], g[7]);
+  if (g[0] === 0x64 && g[1] === 0xff9b && g.slice(2, 6).every((x) => x === 0)) return embedded(g[6], g[7]);
+  if (g[0] === 0x2002) return embedded(g[1], g[2]);
+  if ((g[0] & 0xfe00) === 0xfc00) return "private";
+  if ((g[0] & 0xffc0) === 0xfe80) return "link-local";
+  if ((g[0] & 0xffc0) === 0xfec0) return "private";
+  if ((g[0] & 0xff00) === 0xff00) return "multicast";
+  if (g[0] === 0x2001 && g[1] === 0x0db8) return "reserved";
+  return null;
+}
+
+/** A URL the download stage refuses to fetch, with the reason. */
+export class UrlRefusedError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "UrlRefusedError";
+  }
+}
+
+/** How {@link checkPublicUrl} decides. */
+export interface PublicUrlOptions {
+  /** Skip the address check entirely (GPT2_ALLOW_PRIVATE_URLS=1). */
+  allowPrivate?: boolean;
+  /** Host names or addresses exempt from the check (e.g. one internal mirror). */
+  allowHosts?: readonly string[];
+  /** Resolves a host name to its addresses (default: Deno.resolveDns, A and AAAA). */
+  resolve?: (host: string) => Promise<string[]>;
+}
+
+/** A and AAAA records of `host`; throws when it has neither. */
+export async function resolveHost(host: string): Promise<string[]> {
+  const [a, aaaa] = await Promise.allSettled([Deno.resolveDns(host, "A"), Deno.resolveDns(host, "AAAA")]);
+  const out = [
+    ...(a.status === "fulfilled" ? a.value : []),
+    ...(aaaa.status === "fulfilled" ? aaaa.value : []),
+  ];
+  if (out.length === 0) {
+    const why = a.status === "rejected" ? (a.reason as Error).message : "no A or AAAA records";
+    throw new UrlRefusedError(`Cannot resolve "${host}": ${why}`);
+  }
+  return out;
+}
+
+/**
+ * Throws {@link UrlRefusedError} unless `url` is http(s) and its host resolves only to public
+ * addresses. Called on every redirect hop. (A name that resolves differently between this check
+ * and the fetch can still slip through; refusing every private answer keeps that window small.)
+ */
+export async function checkPublicUrl(url: string, options: PublicUrlOptions = {}): Promise<void> {
+  let u: URL;
+  try {
+    u = new URL(url);
+  } catch {
+    throw new UrlRefusedError(`Invalid URL "${url}"`);
+  }
+  if (u.protocol !== "http:" && u.protocol !== "https:") {
+    throw new UrlRefusedError(
+      `Unsupported scheme "${u.protocol.slice(0, -1)}": only http and https are fetched`,
+    );
+  }
+  if (options.allowPrivate) return;
+  const host = u.hostname.replace(/^\[|\]$/g, "").toLowerCase();
+  if (options.allowHosts?.some((h) => h.toLowerCase().replace(/^\[|\]$/g, "") === host)) return;
+  if (host === "localhost" || host.endsWith(".localhost")) {
+    throw new UrlRefusedError(
+      `Refusing "${u.host}": a loopback name (set GPT2_ALLOW_PRIVATE_URLS=1 to allow)`,
+    );
+  }
+  const literal = nonPublicRange(host);
+  const addresses = literal === "invalid" ? await (options.resolve ?? resolveHost)(host) : [host];
+  for (const ip of addresses) {
+    const range = nonPublicRange(ip);
+    if (range !== null) {
+      throw new UrlRefusedError(
+        `Refusing "${u.host}"${ip === host ? "" : ` (resolves to ${ip})`}: a ${range} address ` +
+          `(set GPT2_ALLOW_PRIVATE_URLS=1 to allow)`,
+      );
+    }
+  }
+}

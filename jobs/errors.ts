@@ -1,6 +1,6 @@
 /**
  * Errors the job layer raises for caller mistakes, so the HTTP layer can map each to one status
- * code in its single error handler (404, 409, 400) without knowing the job layer's internals.
+ * code in its single error handler (404, 409, 400, 429/507) without knowing the job layer's internals.
  */
 
 /** No job has this id (HTTP 404). */
@@ -42,5 +42,16 @@ export class GpuUnavailableError extends Error {
   constructor(message: string) {
     super(message);
     this.name = "GpuUnavailableError";
+  }
+}
+
+/**
+ * A resource limit would be exceeded (HTTP 429 when it frees up with time, 507 for disk). The
+ * message names the limit and the setting that raises it; `param` names the request field, if any.
+ */
+export class LimitError extends Error {
+  constructor(readonly status: 429 | 507, message: string, readonly param: string | null = null) {
+    super(message);
+    this.name = "LimitError";
   }
 }

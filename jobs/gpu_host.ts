@@ -184,7 +184,7 @@ if (import.meta.main) {
   }
   // stdin closed: the server is gone or done with us. Leave nothing running on the GPUs.
   await host.shutdownAll(Number(Deno.env.get("GPT2_SHUTDOWN_S") ?? "30") * 1000);
-  // Every device is destroyed and every Worker has ended: nothing is left for the driver's exit path.
-  await new Promise((r) => setTimeout(r, 50));
+  // Exit with the Workers parked and their devices open: destroying them first is what crashes
+  // NVIDIA's driver at exit (see jobs/gpu_worker.ts).
   Deno.exit(0);
 }

@@ -6,7 +6,8 @@
 export * from "./types.ts";
 export * from "./errors.ts";
 export * from "./messages.ts";
-export { isFinished, type JobPatch, JobStore } from "./store.ts";
+export { isFinished, type JobPatch, JobStore, MIGRATIONS, SCHEMA_VERSION } from "./store.ts";
+export * from "./settings.ts";
 export {
   type GenerationReport,
   type GpuState,

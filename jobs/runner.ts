@@ -183,6 +183,22 @@ export class JobRunner {
     return listCheckpoints(this.checkpointDir(id));
   }
 
+  /**
+   * Deletes a finished job: its checkpoints on disk, then its record, metrics and events.
+   * JobConflictError while it may still change (cancel it first).
+   */
+  async remove(id: string): Promise<void> {
+    const job = this.get(id);
+    if (!isFinished(job.status)) {
+      throw new JobConflictError(`Cannot delete job "${id}": it is ${job.status} (cancel it first)`);
+    }
+    await Deno.remove(this.checkpointDir(id), { recursive: true }).catch((e) => {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+    });
+    this.#store.deleteJob(id);
+    this.#listeners.delete(id);
+  }
+
   /** Calls `fn` with every new event of job `id` until the returned function is called. */
   subscribe(id: string, fn: Listener): () => void {
     let set = this.#listeners.get(id);
@@ -214,7 +230,7 @@ export class JobRunner {
       adapter: s.adapter,
       error: s.error,
       job: s.job,
-      queued: this.#store.queue(s.index).length,
+      queued: this.#store.queueLength(s.index),
       max_buffer_bytes: s.maxBuffer,
       pci_bus: s.pciBus,
     }));
@@ -304,7 +320,7 @@ export class JobRunner {
     let best = 0, bestLoad = Infinity;
     for (const s of this.#slots) {
       if (s.state === "unavailable" && this.#slots.some((o) => o.state !== "unavailable")) continue;
-      const load = this.#store.queue(s.index).length + (s.job ? 1 : 0);
+      const load = this.#store.queueLength(s.index) + (s.job ? 1 : 0);
       if (load < bestLoad) [best, bestLoad] = [s.index, load];
     }
     return best;

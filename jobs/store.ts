@@ -3,6 +3,11 @@
  * a server restart finds every job, replays missed events to clients (`Last-Event-ID`), and
  * knows which jobs were running when it died. Queues are ordered views of this table: a job
  * waits on one GPU's queue (`gpu` column) in submission order.
+ *
+ * The schema is versioned with `PRAGMA user_version`: {@link MIGRATIONS} run in order, each in
+ * a transaction, from the version a data directory has to the newest. Version 1 is the schema of
+ * the first release (`create if not exists`, so a directory it wrote, still at version 0, is
+ * adopted as it is); a database newer than this server is refused rather than misread.
  */
 
 import { DatabaseSync } from "node:sqlite";
@@ -18,7 +23,7 @@ import {
   type TrainConfig,
 } from "./types.ts";
 
-const SCHEMA = `
+const SCHEMA_V1 = `
 create table if not exists jobs (
   seq integer primary key autoincrement,
   id text not null unique,
@@ -58,6 +63,17 @@ create table if not exists events (
 create index if not exists events_job on events(job_id, id);
 `;
 
+/** Ordered migrations: entry i brings the schema from version i to i + 1. */
+export const MIGRATIONS: readonly string[] = [
+  SCHEMA_V1,
+  // 2: listing by status pages on (status, seq); a one-row table the readiness probe writes.
+  `create index if not exists jobs_status on jobs(status, seq);
+   create table if not exists probe (id integer primary key check (id = 1), at text not null);`,
+];
+
+/** The schema version this server writes. */
+export const SCHEMA_VERSION = MIGRATIONS.length;
+
 type Row = Record<string, unknown>;
 
 /** Fields of a job the runner updates as it goes. */
@@ -83,10 +99,23 @@ export class JobStore {
   #db: DatabaseSync;
 
   /** Opens (creating if needed) the store at `path`; ":memory:" for tests. */
+  #listeners = new Set<(e: JobEvent) => void>();
+
+  /** Opens (creating if needed) the store at `path` and migrates it; ":memory:" for tests. */
   constructor(path: string) {
     this.#db = new DatabaseSync(path);
     this.#db.exec("pragma journal_mode = wal; pragma synchronous = normal; pragma busy_timeout = 5000;");
-    this.#db.exec(SCHEMA);
+    try {
+      migrate(this.#db, path);
+    } catch (e) {
+      this.#db.close();
+      throw e;
+    }
+  }
+
+  /** The schema version of the open database. */
+  get schemaVersion(): number {
+    return userVersion(this.#db);
   }
 
   close(): void {
@@ -106,16 +135,46 @@ export class JobStore {
     return row ? toJob(row) : null;
   }
 
-  /** All jobs, newest first. */
-  listJobs(opts: { status?: JobStatus; limit?: number } = {}): Job[] {
-    const limit = opts.limit ?? 1000;
-    const rows = opts.status
-      ? this.#db.prepare("select * from jobs where status = ? order by seq desc limit ?").all(
-        opts.status,
-        limit,
-      )
-      : this.#db.prepare("select * from jobs order by seq desc limit ?").all(limit);
-    return (rows as Row[]).map(toJob);
+  /**
+   * Jobs newest first, `limit` of them (default 100), only those older than job `after` when
+   * given (a page after the last one seen; an unknown `after` gives an empty page).
+   */
+  listJobs(opts: { status?: JobStatus; limit?: number; after?: string } = {}): Job[] {
+    const limit = opts.limit ?? 100;
+    const where: string[] = [];
+    const args: Array<string | number> = [];
+    if (opts.status) {
+      where.push("status = ?");
+      args.push(opts.status);
+    }
+    if (opts.after !== undefined) {
+      where.push("seq < coalesce((select seq from jobs where id = ?), -1)");
+      args.push(opts.after);
+    }
+    const sql = `select * from jobs ${
+      where.length ? `where ${where.join(" and ")}` : ""
+    } order by seq desc limit ?`;
+    return (this.#db.prepare(sql).all(...args, limit) as Row[]).map(toJob);
+  }
+
+  /** Whether a job with this id exists. */
+  hasJob(id: string): boolean {
+    return this.#db.prepare("select 1 from jobs where id = ?").get(id) !== undefined;
+  }
+
+  /** Deletes a job with its metrics history and events. Returns whether it existed. */
+  deleteJob(id: string): boolean {
+    this.#db.exec("begin");
+    try {
+      this.#db.prepare("delete from metrics where job_id = ?").run(id);
+      this.#db.prepare("delete from events where job_id = ?").run(id);
+      const r = this.#db.prepare("delete from jobs where id = ?").run(id);
+      this.#db.exec("commit");
+      return Number(r.changes) > 0;
+    } catch (e) {
+      this.#db.exec("rollback");
+      throw e;
+    }
   }
 
   /** Applies `patch`; metrics are merged into the stored ones. Returns the updated job. */
@@ -154,6 +213,39 @@ export class JobStore {
        order by case status when 'interrupted' then 0 else 1 end, seq`,
     ).all(gpu) as Row[];
     return rows.map(toJob);
+  }
+
+  /** Number of jobs waiting on `gpu` (counted in SQL, not loaded). */
+  queueLength(gpu: number): number {
+    const r = this.#db.prepare(
+      "select count(*) as n from jobs where gpu = ? and status in ('interrupted', 'queued')",
+    ).get(gpu) as Row;
+    return Number(r.n);
+  }
+
+  /** Number of jobs waiting on any GPU. */
+  waitingCount(): number {
+    const r = this.#db.prepare("select count(*) as n from jobs where status in ('interrupted', 'queued')")
+      .get() as Row;
+    return Number(r.n);
+  }
+
+  /** Whether the database accepts a write now (the readiness probe): null, or why not. */
+  writeError(): string | null {
+    try {
+      this.#db.prepare(
+        "insert into probe (id, at) values (1, ?) on conflict(id) do update set at = excluded.at",
+      ).run(new Date().toISOString());
+      return null;
+    } catch (e) {
+      return (e as Error).message;
+    }
+  }
+
+  /** Calls `fn` with every event appended from now on, until the returned function is called. */
+  onEvent(fn: (e: JobEvent) => void): () => void {
+    this.#listeners.add(fn);
+    return () => void this.#listeners.delete(fn);
   }
 
   /** Marks every job left `running` by a dead server as `interrupted`; returns them. */
@@ -211,14 +303,17 @@ export class JobStore {
       JSON.stringify(data),
       at,
     );
-    return { id: Number(r.lastInsertRowid), job_id: jobId, type, data, at };
+    const event: JobEvent = { id: Number(r.lastInsertRowid), job_id: jobId, type, data, at };
+    for (const fn of this.#listeners) fn(event);
+    return event;
   }
 
-  /** A job's events with id greater than `afterId`, oldest first. */
-  eventsAfter(jobId: string, afterId = 0): JobEvent[] {
-    const rows = this.#db.prepare("select * from events where job_id = ? and id > ? order by id").all(
+  /** A job's events with id greater than `afterId`, oldest first, at most `limit` (a replay page). */
+  eventsAfter(jobId: string, afterId = 0, limit = -1): JobEvent[] {
+    const rows = this.#db.prepare("select * from events where job_id = ? and id > ? order by id limit ?").all(
       jobId,
       afterId,
+      limit,
     ) as Row[];
     return rows.map((r) => ({
       id: Number(r.id),
@@ -227,6 +322,33 @@ export class JobStore {
       data: JSON.parse(r.data as string),
       at: r.at as string,
     }));
+  }
+}
+
+function userVersion(db: DatabaseSync): number {
+  return Number((db.prepare("pragma user_version").get() as Row).user_version);
+}
+
+/** Runs the migrations `path`'s database lacks; refuses one newer than {@link SCHEMA_VERSION}. */
+function migrate(db: DatabaseSync, path: string): void {
+  const from = userVersion(db);
+  if (from > SCHEMA_VERSION) {
+    throw new Error(
+      `Cannot open job store "${path}": its schema version ${from} is newer than this server's ${SCHEMA_VERSION} (upgrade the server)`,
+    );
+  }
+  for (let v = from; v < SCHEMA_VERSION; v++) {
+    db.exec("begin immediate");
+    try {
+      db.exec(MIGRATIONS[v]);
+      db.exec(`pragma user_version = ${v + 1}`);
+      db.exec("commit");
+    } catch (e) {
+      db.exec("rollback");
+      throw new Error(
+        `Cannot migrate job store "${path}" to schema version ${v + 1}: ${(e as Error).message}`,
+      );
+    }
   }
 }
 

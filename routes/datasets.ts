@@ -9,11 +9,19 @@
  * - `GET /datasets` lists prepared datasets and preparations in progress or failed.
  * - `GET /datasets/:id` one of them; 404 for an unknown id.
  *
- * Bodies are validated with zod (400 with its issues); a path outside the data root is 403 and
- * names the path. Preparation state lives in the closure of one `datasetRoutes` call.
+ * Bodies are validated with zod (400 naming the field). `path` and `url_list` sources are read
+ * only from the sources folder (`$GPT2_HOME/sources` or `GPT2_SOURCES`), never from the data
+ * directory with the job database in it: a path outside it is 403, and paths in answers are
+ * relative to it. Preparations running at once are bounded (429 past the limit), each with its
+ * own share of the cores, and URL sources have a download budget and reach only public
+ * addresses unless `GPT2_ALLOW_PRIVATE_URLS=1`. Preparation state lives in the closure of one
+ * `datasetRoutes` call; failures use the one error shape (routes/errors.ts).
  */
+import { join } from "node:path";
 import { Hono } from "hono";
 import { z } from "zod";
+import { defaultLimits, LIMIT_SETTINGS, LimitError, limitName, type Limits } from "../jobs/mod.ts";
+import { ApiError, errorHandler, jsonBody, pathAliases, scrubPaths } from "./errors.ts";
 import {
   BUILTIN_NAMES,
   type DatasetInfo,
@@ -78,8 +86,14 @@ interface Job {
 export interface DatasetRoutesOptions {
   /** How long POST waits for a preparation before answering 202 (default 2000 ms). */
   waitMs?: number;
-  /** Tokenize workers per preparation (default: all cores). */
+  /** Tokenize workers per preparation (default: `limits.prepareWorkers`). */
   workers?: number;
+  /** The folder `path` and `url_list` sources are read from (default `<root>/sources`). */
+  sources?: string;
+  /** Limits (preparations at once, download budget); missing ones take their defaults. */
+  limits?: Partial<Limits>;
+  /** Let URL sources reach loopback, private, link-local and multicast addresses (default false). */
+  allowPrivateUrls?: boolean;
 }
 
 /** The dataset routes over data root `root` (datasets in `<root>/datasets/`). */
@@ -87,27 +101,22 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
   const app = new Hono();
   const jobs = new Map<string, Job>();
   const waitMs = options.waitMs ?? 2000;
+  const limits: Limits = { ...defaultLimits(), ...options.limits };
+  const sources = options.sources ?? join(root, "sources");
+  const running = () => [...jobs.values()].filter((j) => j.status === "running").length;
+  const aliases = [...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")];
+  app.onError(errorHandler(aliases));
   const summary = (info: DatasetInfo) => ({ ...info, status: "ready" as const });
   const jobView = (j: Job) => ({
     id: j.id,
     status: j.status,
     started_at: j.started_at,
     ...(j.progress ? { progress: j.progress } : {}),
-    ...(j.error ? { error: j.error } : {}),
+    ...(j.error ? { error: scrubPaths(j.error, aliases) } : {}),
   });
 
-  app.post("/datasets", async (c) => {
-    let raw: unknown;
-    try {
-      raw = await c.req.json();
-    } catch (e) {
-      return c.json({ error: `Cannot parse JSON body: ${(e as Error).message}` }, 400);
-    }
-    const parsed = createDatasetSchema.safeParse(raw);
-    if (!parsed.success) {
-      return c.json({ error: "Invalid dataset request", issues: parsed.error.issues }, 400);
-    }
-    const { builtin, path, urls, url_list, texts, ...rest } = parsed.data;
+  app.post("/datasets", jsonBody(createDatasetSchema, "dataset request"), async (c) => {
+    const { builtin, path, urls, url_list, texts, ...rest } = c.req.valid("json");
     const source = (builtin !== undefined
       ? { builtin }
       : path !== undefined
@@ -117,20 +126,41 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
       : url_list !== undefined
       ? { url_list }
       : { texts: texts! }) as DatasetSource;
-    const prepOptions: PrepareOptions = { ...rest, ...(options.workers ? { workers: options.workers } : {}) };
+    const kind = Object.keys(source)[0];
+    const prepOptions: PrepareOptions = {
+      ...rest,
+      workers: options.workers ?? limits.prepareWorkers,
+      sources_root: sources,
+      download: {
+        allowPrivate: options.allowPrivateUrls ?? false,
+        maxTotalBytes: limits.maxDownloadBytes,
+        budgetSetting: LIMIT_SETTINGS.maxDownloadBytes,
+      },
+    };
     let id: string;
     try {
       id = (await planDataset(root, source, prepOptions)).id;
     } catch (e) {
       if (e instanceof PathOutsideRootError) {
-        return c.json({ error: e.message, path: e.path }, 403);
+        throw new ApiError(403, `Path "${e.path}" is outside the sources folder: put sources under it`, {
+          param: kind,
+          code: "path_outside_sources",
+        });
       }
-      return c.json({ error: (e as Error).message }, 400);
+      throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
     }
-    const running = jobs.get(id);
-    if (running?.status === "running") {
+    const same = jobs.get(id);
+    if (same?.status === "running") {
       c.header("Location", `/datasets/${id}`);
-      return c.json(jobView(running), 202);
+      return c.json(jobView(same), 202);
+    }
+    if (running() >= limits.maxPreparations) {
+      throw new LimitError(
+        429,
+        `Too many dataset preparations running: ${running()} (limit ${
+          limitName(limits, "maxPreparations")
+        }); retry when one finishes`,
+      );
     }
     const job: Job = { id, status: "running", started_at: new Date().toISOString(), done: Promise.resolve() };
     let result: DatasetInfo | undefined;
@@ -157,7 +187,9 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
       const { id: rid, documents, tokens, splits } = result;
       return c.json({ ...summary(result), id: rid, documents, tokens, splits }, 201);
     }
-    if (finished && job.status === "failed") return c.json({ error: job.error, id }, 422);
+    if (finished && job.status === "failed") {
+      throw new ApiError(422, `Cannot prepare dataset "${id}": ${job.error}`, { code: "preparation_failed" });
+    }
     c.header("Location", `/datasets/${id}`);
     return c.json(jobView(job), 202);
   });
@@ -176,7 +208,9 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
     const job = jobs.get(id);
     if (job) return c.json(jobView(job), 200);
     const info = await getDataset(root, id);
-    if (!info) return c.json({ error: `Dataset "${id}" not found` }, 404);
+    if (!info) {
+      throw new ApiError(404, `Dataset "${id}" not found`, { param: "id", code: "dataset_not_found" });
+    }
     return c.json(summary(info), 200);
   });
 

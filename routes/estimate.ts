@@ -5,19 +5,38 @@
  */
 
 import { Hono } from "hono";
-import { HTTPException } from "hono/http-exception";
 import { z } from "zod";
 import { PRESET_NAMES } from "../gpu/config.ts";
 import { estimateJob, type JobRunner } from "../jobs/mod.ts";
+import { queryParams } from "./errors.ts";
+import { ModelDimsSchema } from "./schemas.ts";
 
 const int = (max: number) => z.coerce.number().int().positive().max(max);
 const bool = z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1");
 
 /** Query of `GET /estimate` (strings, coerced). */
 export const EstimateQuerySchema = z.strictObject({
-  model: z.string().refine((m) => (PRESET_NAMES as readonly string[]).includes(m), {
-    message: `Unknown model preset: expected one of ${PRESET_NAMES.join(", ")}`,
-  }).default("gpt2-tiny"),
+  /** A preset name, or explicit dimensions as JSON (`{"n_layer":2,...}`). */
+  model: z.string().default("gpt2-tiny").transform((m, ctx) => {
+    if (m.startsWith("{")) {
+      try {
+        const dims = ModelDimsSchema.safeParse(JSON.parse(m));
+        if (dims.success) return dims.data;
+        for (const i of dims.error.issues) ctx.addIssue({ code: "custom", message: i.message, path: i.path });
+      } catch {
+        ctx.addIssue({ code: "custom", message: "Invalid JSON model dimensions" });
+      }
+      return z.NEVER;
+    }
+    if (!(PRESET_NAMES as readonly string[]).includes(m)) {
+      ctx.addIssue({
+        code: "custom",
+        message: `Unknown model preset: expected one of ${PRESET_NAMES.join(", ")} or JSON dimensions`,
+      });
+      return z.NEVER;
+    }
+    return m;
+  }),
   batch_size: int(4096).default(4),
   seq_len: int(8192).optional(),
   precision: z.enum(["fp32", "fp16"]).default("fp32"),
@@ -30,17 +49,10 @@ export const EstimateQuerySchema = z.strictObject({
 /** The estimator route. */
 export function estimateRoutes(runner: JobRunner): Hono {
   const app = new Hono();
-  app.get("/estimate", (c) => {
-    const parsed = EstimateQuerySchema.safeParse(c.req.query());
-    if (!parsed.success) {
-      const field = parsed.error.issues[0]?.path.join(".") || "query";
-      throw new HTTPException(400, {
-        message: `Invalid estimate query: ${field}`,
-        cause: parsed.error.issues,
-      });
-    }
-    const q = parsed.data;
-    return c.json({ ...q, ...estimateJob(q, runner.device(0)) });
+  app.get("/estimate", queryParams(EstimateQuerySchema, "estimate query"), (c) => {
+    const q = c.req.valid("query");
+    const est = estimateJob(q, runner.device(0));
+    return c.json({ ...q, ...est, total_bytes: est.bytes_per_gpu.total });
   });
   return app;
 }

@@ -53,5 +53,17 @@ export const TrainRequestSchema = z.strictObject({
     } or {n_layer, n_head, n_embd, n_positions}`,
   });
 
+/** Query of `GET /jobs`: a status filter and a page (`limit` newest after job `after`). */
+export const JobListQuerySchema = z.strictObject({
+  status: z.enum(["queued", "running", "succeeded", "failed", "cancelled", "interrupted"]).optional(),
+  limit: z.coerce.number().int().min(1).max(1000).default(100),
+  after: z.string().min(1).max(100).optional(),
+});
+
+/** Query of `GET /jobs/:id/events` (the `Last-Event-ID` header wins over it). */
+export const EventsQuerySchema = z.strictObject({
+  last_event_id: z.string().max(30).optional(),
+});
+
 /** A validated `POST /train` body. */
 export type TrainRequestBody = z.infer<typeof TrainRequestSchema>;

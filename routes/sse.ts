@@ -1,17 +1,50 @@
 /**
  * Server-sent events of one job: first the stored events after `Last-Event-ID` (so a client that
- * reconnects misses nothing), then live ones as the runner records them, until `done`. Each
- * event carries its store id. A comment line every 15 s keeps proxies from closing idle streams.
+ * reconnects misses nothing), read from SQLite a page at a time so a long history never sits in
+ * memory whole, then live ones as the runner records them, until `done`. Each event carries its
+ * store id. A comment line every 15 s keeps proxies from closing idle streams.
+ *
+ * Also the bound on open streams ({@link streamLimit}): per client address and in all, since each
+ * one holds a connection and, for generation, a GPU slot.
  */
 
-import type { Context } from "hono";
+import type { Context, MiddlewareHandler } from "hono";
 import { streamSSE } from "hono/streaming";
-import { isFinished, type JobEvent, type JobRunner } from "../jobs/mod.ts";
+import { type PathAlias, scrubPaths } from "./errors.ts";
+import {
+  isFinished,
+  type JobEvent,
+  type JobRunner,
+  LimitError,
+  limitName,
+  type Limits,
+} from "../jobs/mod.ts";
 
 const KEEPALIVE_MS = 15_000;
+/** Stored events read per query while replaying. */
+export const REPLAY_PAGE = 256;
 
-/** Streams job `id`'s events after `afterId`. */
-export function streamJobEvents(c: Context, runner: JobRunner, id: string, afterId: number): Response {
+/** A checkpoint's path as the API shows it: relative to the data directory. */
+export function checkpointPath(jobId: string, name: string): string {
+  return `checkpoints/${jobId}/${name}`;
+}
+
+/** An event's data as sent: checkpoint paths relative to the data directory, `aliases` cut from text. */
+function publicData(e: JobEvent, aliases: readonly PathAlias[]): string {
+  const data = e.type === "checkpoint" && typeof e.data.name === "string"
+    ? { ...e.data, path: checkpointPath(e.job_id, e.data.name) }
+    : e.data;
+  return scrubPaths(JSON.stringify(data), aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name]));
+}
+
+/** Streams job `id`'s events after `afterId`; `aliases` are cut from the events' text. */
+export function streamJobEvents(
+  c: Context,
+  runner: JobRunner,
+  id: string,
+  afterId: number,
+  aliases: readonly PathAlias[] = [],
+): Response {
   return streamSSE(c, async (stream) => {
     const pending: JobEvent[] = [];
     let wake: (() => void) | null = null;
@@ -27,13 +60,17 @@ export function streamJobEvents(c: Context, runner: JobRunner, id: string, after
     let last = afterId;
     const send = async (e: JobEvent) => {
       last = e.id;
-      await stream.writeSSE({ id: String(e.id), event: e.type, data: JSON.stringify(e.data) });
+      await stream.writeSSE({ id: String(e.id), event: e.type, data: publicData(e, aliases) });
     };
     try {
       // Subscribed before reading the backlog, so nothing falls between the two; ids dedupe.
-      for (const e of runner.store.eventsAfter(id, afterId)) {
-        await send(e);
-        if (e.type === "done") return;
+      for (;;) {
+        const page = runner.store.eventsAfter(id, last, REPLAY_PAGE);
+        for (const e of page) {
+          await send(e);
+          if (e.type === "done") return;
+        }
+        if (page.length < REPLAY_PAGE || aborted) break;
       }
       if (isFinished(runner.get(id).status)) return;
       while (!aborted) {
@@ -61,4 +98,82 @@ export function streamJobEvents(c: Context, runner: JobRunner, id: string, after
       unsubscribe();
     }
   });
+}
+
+/** The client a request comes from: its remote address under Deno.serve, else "local". */
+export function clientKey(c: Context): string {
+  const env = c.env as { remoteAddr?: { hostname?: string } } | undefined;
+  return env?.remoteAddr?.hostname ?? "local";
+}
+
+/** Open streams, counted per client and in all (one counter per app). */
+export interface StreamCounter {
+  total: number;
+  perClient: Map<string, number>;
+}
+
+/**
+ * Middleware bounding open response streams: past `maxStreamsPerClient` from one address or
+ * `maxStreams` in all, 429 naming the limit. A slot is held until the streamed body ends or the
+ * client goes away; an answer that is not a stream frees it at once.
+ */
+export function streamLimit(limits: Limits, counter: StreamCounter): MiddlewareHandler {
+  return async (c, next) => {
+    const key = clientKey(c);
+    const mine = counter.perClient.get(key) ?? 0;
+    if (mine >= limits.maxStreamsPerClient) {
+      throw new LimitError(
+        429,
+        `Too many open streams from this client: ${mine} (limit ${limitName(limits, "maxStreamsPerClient")})`,
+      );
+    }
+    if (counter.total >= limits.maxStreams) {
+      throw new LimitError(
+        429,
+        `Too many open streams: ${counter.total} (limit ${limitName(limits, "maxStreams")})`,
+      );
+    }
+    counter.total++;
+    counter.perClient.set(key, mine + 1);
+    let released = false;
+    const release = () => {
+      if (released) return;
+      released = true;
+      counter.total--;
+      const n = (counter.perClient.get(key) ?? 1) - 1;
+      if (n <= 0) counter.perClient.delete(key);
+      else counter.perClient.set(key, n);
+    };
+    try {
+      await next();
+    } catch (e) {
+      release();
+      throw e;
+    }
+    const res = c.res;
+    if (!res.body || !(res.headers.get("Content-Type") ?? "").startsWith("text/event-stream")) {
+      release();
+      return;
+    }
+    const reader = res.body.getReader();
+    const body = new ReadableStream<Uint8Array>({
+      async pull(ctl) {
+        try {
+          const { done, value } = await reader.read();
+          if (done) {
+            release();
+            ctl.close();
+          } else ctl.enqueue(value);
+        } catch (e) {
+          release();
+          ctl.error(e);
+        }
+      },
+      cancel(reason) {
+        release();
+        return reader.cancel(reason);
+      },
+    });
+    c.res = new Response(body, res);
+  };
 }

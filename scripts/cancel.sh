@@ -6,4 +6,4 @@ set -euo pipefail
 . "$(dirname "$0")/_common.sh"
 
 id="${1:?usage: scripts/cancel.sh JOB_ID}"
-api POST "/jobs/${id}/cancel" | pretty
+api POST "/jobs/${id}/cancel" -H 'Content-Type: application/json' | pretty

@@ -2,7 +2,9 @@
  * `deno task demo`: a newcomer's first command. It prepares the built-in `sotu` dataset, starts
  * the server, trains a small model for a few minutes on whatever WebGPU adapter it finds (a tiny
  * one on a CPU adapter such as lavapipe), prints progress from the event stream, streams a text
- * sample from the trained checkpoint (GET /generate), and stops the server.
+ * sample from the trained checkpoint (GET /generate), and stops the server. It prints the
+ * dashboard's URL (GET /), where the same job shows as curves; `--keep` leaves the server running
+ * after the demo (until Ctrl-C) so the newcomer can open it.
  *
  * Environment: GPT2_HOME (default ./.gpt2), PORT (default: any free port), DEMO_ITERS.
  */
@@ -10,6 +12,13 @@
 import { prepareDataset } from "../data/mod.ts";
 
 const home = Deno.env.get("GPT2_HOME") || "./.gpt2";
+const keep = Deno.args.includes("--keep");
+for (const arg of Deno.args) {
+  if (arg !== "--keep") {
+    console.error(`Unknown argument "${arg}": expected --keep`);
+    Deno.exit(2);
+  }
+}
 const cpuPattern = /llvmpipe|lavapipe|swiftshader|software|cpu/i;
 
 function fmt(x: unknown, digits = 3): string {
@@ -108,6 +117,7 @@ async function main(): Promise<number> {
 
   console.log("2. Starting the server");
   const { url, child } = await startServer();
+  let kept = false; // the demo is over and the server kept running (--keep)
   const stop = async () => {
     try {
       child.kill("SIGTERM");
@@ -115,12 +125,16 @@ async function main(): Promise<number> {
     await child.status;
   };
   Deno.addSignalListener("SIGINT", async () => {
-    console.log("\nStopping (the job resumes from its last checkpoint next time the server starts)");
+    console.log(
+      kept
+        ? "\nStopping the server"
+        : "\nStopping (the job resumes from its last checkpoint next time the server starts)",
+    );
     await stop();
     Deno.exit(130);
   });
   try {
-    console.log(`   ${url}`);
+    console.log(`   ${url}  (dashboard: ${url}/${keep ? "" : ", open while the demo runs, or use --keep"})`);
     let gpu: { state: string; adapter: string | null; error: string | null } | undefined;
     for (let i = 0; i < 600; i++) {
       gpu = (await (await fetch(`${url}/health`)).json()).gpus[0];
@@ -160,7 +174,9 @@ async function main(): Promise<number> {
       console.error(`Training was refused (HTTP ${res.status}): ${JSON.stringify(job)}`);
       return 1;
     }
-    console.log(`   job ${job.id}: follow it elsewhere with scripts/follow.sh ${job.id}`);
+    console.log(
+      `   job ${job.id}: watch its curves at ${url}/#/jobs/${job.id} or run scripts/follow.sh ${job.id}`,
+    );
 
     let outcome = null as Record<string, unknown> | null; // assigned in the callback
     await readEvents(await fetch(`${url}/jobs/${job.id}/events`), (type, raw) => {
@@ -202,6 +218,11 @@ async function main(): Promise<number> {
     console.log(`5. A sample from the model (scripts/generate.sh ${job.id} "your prompt" for more)`);
     return (await streamSample(url, job.id, onCpu ? 40 : 120)) ? 0 : 1;
   } finally {
+    if (keep) {
+      kept = true;
+      console.log(`\nThe server keeps running: open the dashboard at ${url}/ (Ctrl-C stops it)`);
+      await child.status;
+    }
     await stop();
   }
 }

@@ -1,13 +1,22 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on a fresh machine: installs the Vulkan CPU driver (lavapipe) when it
-# is missing, so the GPU tests run on the CPU adapter, then runs `deno task test` with Deno from npm.
+# Runs the whole test suite on a fresh machine: installs the Vulkan CPU driver (lavapipe) and
+# Chromium when they are missing, so the GPU tests run on the CPU adapter and the dashboard test in
+# a real browser, then runs `deno task test` with Deno from npm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+missing=()
 if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
+  missing+=(libvulkan1 mesa-vulkan-drivers)
+fi
+# tests/browser_test.ts drives Debian's Chromium headless (puppeteer-core).
+if ! command -v chromium >/dev/null 2>&1 && [ -z "${CHROMIUM_PATH:-}" ]; then
+  missing+=(chromium)
+fi
+if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
   export DEBIAN_FRONTEND=noninteractive
   $sudo apt-get update -qq >/dev/null
-  $sudo apt-get install -y -qq libvulkan1 mesa-vulkan-drivers >/dev/null
+  $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 export DENO_WEBGPU_BACKEND=${DENO_WEBGPU_BACKEND:-vulkan}
 # Mesa warns on every adapter request without it.

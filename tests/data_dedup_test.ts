@@ -1,7 +1,14 @@
 /** Tests of stage 5: MinHash signatures and LSH banding remove planted near-duplicates and keep distinct documents. */
 import assert from "node:assert/strict";
-import { DEFAULT_MINHASH, estimateJaccard, lshBands, LshIndex, minhashSignature } from "../data/mod.ts";
-import { makeDocs, nearDuplicate } from "./data_fixtures.ts";
+import {
+  candidateProbability,
+  DEFAULT_MINHASH,
+  estimateJaccard,
+  lshBands,
+  LshIndex,
+  minhashSignature,
+} from "../data/mod.ts";
+import { makeDocs, nearDuplicate, rng } from "./data_fixtures.ts";
 
 /** Signature of a text with the default parameters. */
 function sig(text: string): Uint32Array {
@@ -42,4 +49,57 @@ Deno.test("LshIndex threshold is configurable: a stricter threshold keeps looser
   assert.equal(loose.addUnlessDuplicate(sig(variant)), true);
   assert.equal(strict.addUnlessDuplicate(sig(variant)), false);
   assert.throws(() => new LshIndex(128, 0), /Dedup threshold must be in \(0, 1\], got 0/);
+});
+
+/** Signatures of a pair at Jaccard similarity `j`: each bin agrees with probability `j`, as MinHash's do. */
+function pairAt(j: number, numPerm: number, rand: () => number): [Uint32Array, Uint32Array] {
+  const a = new Uint32Array(numPerm), b = new Uint32Array(numPerm);
+  for (let i = 0; i < numPerm; i++) {
+    a[i] = (rand() * 2 ** 32) >>> 0;
+    b[i] = rand() < j ? a[i] : (a[i] ^ (1 + ((rand() * 2 ** 31) >>> 0))) >>> 0;
+  }
+  return [a, b];
+}
+
+Deno.test("lshBands makes a pair at the threshold a candidate at least 95% of the time (9 × 13 gave 40% at 0.8)", () => {
+  for (const t of [0.5, 0.7, 0.8, 0.85, 0.9, 0.95]) {
+    for (const n of [64, 128, 256]) {
+      const { bands, rows } = lshBands(t, n);
+      assert.ok(bands * rows <= n);
+      assert.ok(candidateProbability(t, bands, rows) >= 0.95, `${t} ${n}: ${bands} x ${rows}`);
+    }
+  }
+  assert.deepEqual(lshBands(0.8, 128), { bands: 18, rows: 7 });
+  assert.ok(candidateProbability(0.8, 9, 13) < 0.45); // the old layout
+  // Monte Carlo over banded signatures: the measured candidate rate at the threshold.
+  const rand = rng(11);
+  const { bands, rows } = lshBands(0.8, 128);
+  let hits = 0;
+  const trials = 2000;
+  for (let k = 0; k < trials; k++) {
+    const [a, b] = pairAt(0.8, 128, rand);
+    let hit = false;
+    for (let band = 0; band < bands && !hit; band++) {
+      hit = true;
+      for (let r = band * rows; r < (band + 1) * rows; r++) if (a[r] !== b[r]) hit = false;
+    }
+    if (hit) hits++;
+  }
+  assert.ok(hits / trials >= 0.96, `candidate rate ${hits / trials}`);
+});
+
+Deno.test("LshIndex removes pairs well above the threshold and keeps pairs well below it", () => {
+  const rand = rng(12);
+  const removedAt = (j: number) => {
+    let removed = 0;
+    for (let k = 0; k < 300; k++) {
+      const index = new LshIndex(128, 0.8);
+      const [a, b] = pairAt(j, 128, rand);
+      index.addUnlessDuplicate(a);
+      if (index.addUnlessDuplicate(b)) removed++;
+    }
+    return removed / 300;
+  };
+  assert.ok(removedAt(0.9) >= 0.97, "J = 0.9 removed");
+  assert.ok(removedAt(0.6) <= 0.01, "J = 0.6 kept");
 });

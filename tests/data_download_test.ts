@@ -101,7 +101,7 @@ Deno.test("downloadUrls extracts pages, retries server errors and records every 
         `${base}/gone`,
         `http://127.0.0.1:${deadPort}/x`,
       ],
-      { concurrency: 4, timeoutMs: 400, retries: 1, retryDelayMs: 10, maxBytes: 4000 },
+      { concurrency: 4, timeoutMs: 400, retries: 1, retryDelayMs: 10, maxBytes: 4000, allowPrivate: true },
       (d) => void docs.push(d),
     );
     assert.deepEqual(docs.map((d) => d.url.replace(base, "")).sort(), ["/article", "/flaky", "/plain"]);
@@ -163,7 +163,7 @@ Deno.test("prepareDataset from urls filters, downloads, records failures and tok
         split: "8,1,1",
         dedup: false,
         workers: 1,
-        download: { timeoutMs: 2000, retries: 0 },
+        download: { timeoutMs: 2000, retries: 0, allowPrivate: true },
       },
     );
     const stats = info.stats as { urls: Record<string, number>; download: Record<string, number> };
@@ -181,7 +181,11 @@ Deno.test("prepareDataset from urls filters, downloads, records failures and tok
     const failures = await Deno.readTextFile(join(root, "datasets", info.id, "failures.jsonl"));
     assert.match(failures, /\/gone.*HTTP 404/);
     await assert.rejects(
-      () => prepareDataset(root, { urls: [`${base}/gone`] }, { workers: 1, download: { retries: 0 } }),
+      () =>
+        prepareDataset(root, { urls: [`${base}/gone`] }, {
+          workers: 1,
+          download: { retries: 0, allowPrivate: true },
+        }),
       /No documents downloaded: all 1 URLs failed \(first: ".*\/gone": HTTP 404\)/,
     );
   } finally {

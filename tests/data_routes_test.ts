@@ -1,9 +1,13 @@
-/** Tests of the dataset HTTP routes on a bare Hono sub-app: 201, 202 with progress, 400, 403 and 404. */
+/**
+ * Tests of the dataset HTTP routes on a bare Hono sub-app: 201, 202 with progress, and the one
+ * error shape for 400, 403 (outside the sources folder), 404, 422 (naming bad files) and 429.
+ */
 import assert from "node:assert/strict";
 import { join } from "node:path";
 import { Hono } from "hono";
 import { datasetRoutes } from "../routes/datasets.ts";
 import { makeDocs, withRoot } from "./data_fixtures.ts";
+import { apiError } from "./_api.ts";
 
 /** POST a JSON body. */
 function post(app: Hono, body: unknown): Promise<Response> {
@@ -54,31 +58,118 @@ Deno.test("datasetRoutes answers 202 for long work and GET /datasets/:id reports
   });
 });
 
-Deno.test("datasetRoutes rejects bad bodies with 400, outside paths with 403 naming the path, unknown ids with 404", async () => {
+Deno.test("datasetRoutes rejects bad bodies with 400, paths outside the sources folder with 403, unknown ids with 404", async () => {
   await withRoot(async (root) => {
-    await Deno.mkdir(join(root, "inside"));
+    await Deno.mkdir(join(root, "sources", "inside"), { recursive: true });
+    await Deno.writeTextFile(join(root, "jobs.sqlite"), "not for training");
     const app = datasetRoutes(root, { workers: 1 });
     const twoSources = await post(app, { builtin: "sotu", texts: ["x"] });
-    assert.equal(twoSources.status, 400);
-    assert.match(JSON.stringify((await twoSources.json()).issues), /exactly one source/);
-    const badOption = await post(app, { builtin: "sotu", min_tokens: -1 });
-    assert.equal(badOption.status, 400);
-    assert.equal((await badOption.json()).issues[0].path[0], "min_tokens");
-    assert.equal((await post(app, "{not json")).status, 400);
-    assert.equal((await post(app, { builtin: "wikipedia" })).status, 400);
-    const outside = await post(app, { path: "../../etc/passwd" });
-    assert.equal(outside.status, 403);
-    const ob = await outside.json();
-    assert.equal(ob.path, "../../etc/passwd");
-    assert.match(ob.error, /Path "\.\.\/\.\.\/etc\/passwd" is outside the data root/);
-    const missing = await post(app, { path: "nothing-here" });
-    assert.equal(missing.status, 400);
-    assert.match((await missing.json()).error, /Cannot read "nothing-here"/);
-    const unusable = await post(app, { texts: ["tiny"], ...OPTS });
-    assert.equal(unusable.status, 422);
-    assert.match((await unusable.json()).error, /No documents left to train on/);
-    const unknown = await app.request("/datasets/nope");
-    assert.equal(unknown.status, 404);
-    assert.equal((await unknown.json()).error, 'Dataset "nope" not found');
+    await apiError(twoSources, 400, { param: null, message: /exactly one source/ });
+    await apiError(await post(app, { builtin: "sotu", min_tokens: -1 }), 400, { param: "min_tokens" });
+    await apiError(await post(app, "{not json"), 400, { message: "Malformed JSON in request body" });
+    await apiError(await post(app, { builtin: "wikipedia" }), 400, { param: "builtin" });
+    await apiError(await post(app, { path: "../../etc/passwd" }), 403, {
+      param: "path",
+      code: "path_outside_sources",
+      message: 'Path "../../etc/passwd" is outside the sources folder: put sources under it',
+    });
+    // The data directory (job database, checkpoints) is not a source, even though it holds the sources.
+    await apiError(await post(app, { path: "../jobs.sqlite" }), 403, { param: "path" });
+    await apiError(await post(app, { url_list: root }), 403, { param: "url_list" });
+    const missing = await apiError(await post(app, { path: "nothing-here" }), 400, {
+      message: /^Cannot read "nothing-here"/,
+    });
+    assert.ok(!missing.message.includes(root), missing.message);
+    await apiError(await post(app, { texts: ["tiny"], ...OPTS }), 422, {
+      code: "preparation_failed",
+      message: /No documents left to train on/,
+    });
+    await apiError(await app.request("/datasets/nope"), 404, {
+      message: 'Dataset "nope" not found',
+      param: "id",
+    });
+  });
+});
+
+Deno.test("datasetRoutes names each bad file in a failed preparation and answers with paths relative to the sources folder", async () => {
+  await withRoot(async (root) => {
+    const dir = join(root, "sources", "mail");
+    await Deno.mkdir(dir, { recursive: true });
+    await Deno.writeFile(join(dir, "a.txt"), new Uint8Array([0x50, 0x00, 0x01]));
+    await Deno.writeTextFile(join(dir, "b.jsonl"), "{broken\n");
+    await Deno.writeTextFile(join(dir, "c.pdf"), "%PDF");
+    const app = datasetRoutes(root, { workers: 1, waitMs: 30_000 });
+    const e = await apiError(await post(app, { path: "mail", ...OPTS }), 422);
+    assert.match(e.message, /No documents left to train on: 0 read/);
+    assert.match(
+      e.message,
+      /files skipped or bad: "a\.txt": binary \(NUL bytes\); "b\.jsonl": malformed JSON on line 1; "c\.pdf": unsupported extension "\.pdf"/,
+    );
+    assert.ok(!e.message.includes(root), e.message);
+
+    await Deno.writeTextFile(join(dir, "d.txt"), makeDocs(6, 100, 5).join("\n\n"));
+    await Deno.writeTextFile(join(dir, "e.txt"), makeDocs(6, 100, 6).join("\n\n"));
+    const ok = await post(app, { path: "mail", id: "mail", ...OPTS, min_tokens: 1 });
+    assert.equal(ok.status, 201, await ok.clone().text());
+    const info = await (await app.request("/datasets/mail")).json();
+    assert.equal(info.source.path, "mail");
+    assert.equal(info.stats.file_issues.length, 3);
+    assert.ok(!JSON.stringify(info).includes(root));
+  });
+});
+
+Deno.test("datasetRoutes answers 429 naming the limit when too many preparations run", async () => {
+  await withRoot(async (root) => {
+    const app = datasetRoutes(root, { workers: 1, waitMs: 0, limits: { maxPreparations: 1 } });
+    const first = await post(app, { texts: makeDocs(8, 100, 4), id: "one", ...OPTS });
+    assert.equal(first.status, 202);
+    await apiError(await post(app, { texts: makeDocs(8, 100, 5), id: "two", ...OPTS }), 429, {
+      type: "rate_limit_error",
+      code: "limit_exceeded",
+      message:
+        "Too many dataset preparations running: 1 (limit GPT2_MAX_PREPARATIONS=1); retry when one finishes",
+    });
+    for (let i = 0; i < 500; i++) {
+      if ((await (await app.request("/datasets/one")).json()).status !== "running") break;
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    assert.equal((await post(app, { texts: makeDocs(8, 100, 5), id: "two", ...OPTS })).status, 202);
+    for (let i = 0; i < 500; i++) {
+      if ((await (await app.request("/datasets/two")).json()).status !== "running") break;
+      await new Promise((r) => setTimeout(r, 20));
+    }
+  });
+});
+
+Deno.test("datasetRoutes refuses URL sources on loopback, private and link-local addresses without fetching them", async () => {
+  await withRoot(async (root) => {
+    let hits = 0;
+    const controller = new AbortController();
+    const server = Deno.serve({
+      hostname: "127.0.0.1",
+      port: 0,
+      signal: controller.signal,
+      onListen: () => {},
+    }, () => {
+      hits++;
+      return new Response("secret", { headers: { "content-type": "text/plain" } });
+    });
+    try {
+      const app = datasetRoutes(root, { workers: 1, waitMs: 30_000 });
+      const urls = [
+        `http://127.0.0.1:${server.addr.port}/admin`,
+        "http://169.254.169.254/latest/meta-data",
+        "http://10.0.0.1/",
+      ];
+      const e = await apiError(await post(app, { urls, ...OPTS }), 422, { code: "preparation_failed" });
+      assert.match(
+        e.message,
+        /No documents downloaded: all 3 URLs failed \(first: "[^"]+": Refusing "[^"]+": a (loopback|link-local|private) address/,
+      );
+      assert.equal(hits, 0);
+    } finally {
+      controller.abort();
+      await server.finished;
+    }
   });
 });

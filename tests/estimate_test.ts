@@ -13,6 +13,7 @@ import { completeConfig, InvalidJobError, JobRunner, JobStore, type TrainRequest
 import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
 import { noGpu, testContext } from "./_helpers.ts";
+import { apiError } from "./_api.ts";
 
 const H200 = { adapter: "NVIDIA H200", max_binding_bytes: 2 ** 31 - 4, max_buffer_bytes: 2 ** 40 };
 const tiny = makeConfig({ n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 256 });
@@ -191,15 +192,20 @@ Deno.test("GET /estimate returns parameters, bytes per category and FLOPs; bad i
     assert.equal(body.checkpoint_activations, true);
     assert.equal(body.gpu_memory_bytes, null);
 
-    const bad = await app.request("/estimate?model=gpt2-345M&batch_size=0");
-    assert.equal(bad.status, 400);
-    assert.match((await bad.json()).error, /batch_size/);
-    const unknown = await app.request("/estimate?model=gpt2-9B");
-    assert.equal(unknown.status, 400);
-    assert.match((await unknown.json()).error, /model/);
-    const seq = await app.request("/estimate?model=gpt2-tiny&seq_len=65");
-    assert.equal(seq.status, 400);
-    assert.equal((await seq.json()).field, "seq_len");
+    assert.equal(body.total_bytes, direct.bytes_per_gpu.total);
+    const dims = await app.request(
+      `/estimate?model=${encodeURIComponent('{"n_layer":2,"n_head":2,"n_embd":64,"n_positions":32}')}`,
+    );
+    assert.equal(dims.status, 200);
+    assert.equal(
+      (await dims.json()).parameters,
+      parameterCount(makeConfig({ n_layer: 2, n_head: 2, n_embd: 64, n_positions: 32 })),
+    );
+
+    await apiError(await app.request("/estimate?model=gpt2-345M&batch_size=0"), 400, { param: "batch_size" });
+    await apiError(await app.request("/estimate?model=gpt2-9B"), 400, { param: "model" });
+    await apiError(await app.request("/estimate?model=gpt2-tiny&seq_len=65"), 400, { param: "seq_len" });
+    await apiError(await app.request("/estimate?precision=bf16"), 400, { param: "precision" });
   } finally {
     runner.shutdown();
     store.close();

@@ -122,9 +122,9 @@ Deno.test("GET /generate streams one token event per token, then done with finis
     assertEquals(final.timings.load_ms, 12);
     assert(final.timings.ttft_ms >= 0 && final.timings.tokens_per_s > 0 && final.timings.total_ms > 0);
     const prom = await (await t.app.request("/metrics")).text();
-    assert(prom.includes("gpt2_generations_started 1\n"), prom);
-    assert(prom.includes('gpt2_generations_finished{reason="eos"} 1\n'), prom);
-    assert(prom.includes("gpt2_generated_tokens 2\n"), prom);
+    assert(prom.includes("gpt2_generation_requests_total 1\n"), prom);
+    assert(prom.includes('gpt2_generation_finished_total{reason="eos"} 1\n'), prom);
+    assert(prom.includes("gpt2_generation_tokens_total 2\n"), prom);
   } finally {
     await t.cleanup();
   }
@@ -237,24 +237,24 @@ Deno.test("unknown models are 404 and out-of-range parameters are 400 naming the
   try {
     const missing = await t.app.request("/generate?model=nope&prompt=x");
     assertEquals(missing.status, 404);
-    assertMatch((await missing.json()).error, /^Model "nope" not found/);
+    assertMatch((await missing.json()).error.message, /^Model "nope" not found/);
     assertEquals((await t.app.request("/generate?model=job_0123456789ab/iter_0000009")).status, 404);
     const bad = await t.app.request("/generate?model=tiny&temperature=-1&top_p=1.5&top_k=2.5&max_tokens=0");
     assertEquals(bad.status, 400);
     const err = await bad.json();
-    assertEquals(err.error, "Invalid parameters: max_tokens, temperature, top_k, top_p");
+    assertEquals(err.error.message, "Invalid parameters: max_tokens, temperature, top_k, top_p");
     const long = await t.app.request("/generate?model=tiny&max_tokens=64");
     assertEquals(long.status, 400);
-    assertEquals((await long.json()).field, "max_tokens");
+    assertEquals((await long.json()).error.param, "max_tokens");
     const unknown = await t.app.request("/generate?model=tiny&temprature=1");
-    assertMatch((await unknown.json()).error, /Invalid parameters: body/);
+    assertMatch((await unknown.json()).error.message, /Invalid parameters: body/);
     const oa = await t.app.request("/v1/completions", {
       method: "POST",
       body: JSON.stringify({ model: "tiny", n: 2, top_p: 0 }),
       headers: { "Content-Type": "application/json" },
     });
     assertEquals(oa.status, 400);
-    assertEquals((await oa.json()).error, "Invalid parameters: top_p, n");
+    assertEquals((await oa.json()).error.message, "Invalid parameters: top_p, n");
     assertEquals(t.worker.generations.length, 0);
   } finally {
     await t.cleanup();

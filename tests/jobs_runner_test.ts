@@ -224,3 +224,28 @@ Deno.test("JobRunner.stop() has the running job save and end interrupted, ends s
     await Deno.remove(root, { recursive: true });
   }
 });
+
+Deno.test("JobRunner.submit() refuses a split shorter than one sequence, naming it and seq_len", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const runner = new JobRunner(store, {
+    root,
+    gpus: 1,
+    spawn: () => new ScriptedWorker(),
+    datasetExists: () => Promise.resolve(true),
+    splitTokens: (id) => Promise.resolve(id === "small" ? { train: 100_000, valid: 0, test: 60 } : null),
+  });
+  try {
+    runner.start();
+    await assert.rejects(() => runner.submit(req({ dataset: "small", seq_len: 64 })), {
+      name: "InvalidJobError",
+      message: 'The test split of dataset "small" has 60 tokens, fewer than one sequence of seq_len + 1 = 65',
+    });
+    // An empty split (weight 0) is not evaluated, and a sequence that fits is accepted.
+    assert.equal((await runner.submit(req({ dataset: "small", seq_len: 32 }))).status, "queued");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});

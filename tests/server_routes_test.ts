@@ -9,6 +9,7 @@ import { type FromWorker, JobRunner, JobStore } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
 import { until } from "./_wait.ts";
+import { apiError } from "./_api.ts";
 
 /** Waits until `cond()` holds (the runner hands jobs over asynchronously; CI machines can be slow). */
 async function setup(opts: { token?: string; unavailable?: string } = {}) {
@@ -67,17 +68,18 @@ Deno.test("POST /train queues a job with defaults and hands it to the GPU worker
   }
 });
 
-Deno.test("POST /train returns 400 with zod issues for an invalid config", async () => {
+Deno.test("POST /train returns 400 naming every invalid field, the first as param", async () => {
   const t = await setup();
   try {
     const res = await t.post("/train", { batch_size: -1, lr_decay_style: "step", bogus: 1 });
-    assertEquals(res.status, 400);
-    const body = await res.json();
-    assertEquals(body.error, "Invalid training config");
-    const paths = body.issues.map((i: { path: string[] }) => i.path.join(".")).sort();
-    assert(paths.includes("batch_size"), JSON.stringify(paths));
-    assert(paths.includes("lr_decay_style"), JSON.stringify(paths));
-    assert(body.issues.some((i: { code: string }) => i.code === "unrecognized_keys"));
+    const e = await apiError(res, 400, {
+      param: "batch_size",
+      code: "too_small",
+      type: "invalid_request_error",
+    });
+    assertMatch(e.message, /^Invalid training config: batch_size: Too small/);
+    assertMatch(e.message, /; lr_decay_style: Invalid option/);
+    assertMatch(e.message, /; bogus: Unrecognized key: "bogus"/);
   } finally {
     await t.cleanup();
   }
@@ -86,42 +88,36 @@ Deno.test("POST /train returns 400 with zod issues for an invalid config", async
 Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or checkpoint", async () => {
   const t = await setup();
   try {
-    const model = await t.post("/train", { model: "gpt2-xxl" });
-    assertEquals(model.status, 400);
-    const mb = await model.json();
-    assertEquals(mb.issues[0].path, ["model"]);
-    assertMatch(mb.issues[0].message, /gpt2-tiny/);
-
+    await apiError(await t.post("/train", { model: "gpt2-xxl" }), 400, {
+      param: "model",
+      message: /^Invalid training config: model: Unknown model preset: expected one of gpt2-tiny/,
+    });
     const dataset = await t.post("/train", { dataset: "nope" });
-    assertEquals(dataset.status, 400);
-    assertEquals(await dataset.json(), { error: 'Unknown dataset "nope"', field: "dataset" });
-
-    const seq = await t.post("/train", { model: "gpt2-tiny", seq_len: 65 });
-    assertEquals(seq.status, 400);
-    assertEquals((await seq.json()).field, "seq_len");
-
+    assertEquals(await dataset.json(), {
+      error: {
+        message: 'Unknown dataset "nope"',
+        type: "invalid_request_error",
+        param: "dataset",
+        code: "invalid_value",
+      },
+    });
+    await apiError(await t.post("/train", { model: "gpt2-tiny", seq_len: 65 }), 400, { param: "seq_len" });
     const dims = await t.post("/train", { model: { n_layer: 2, n_head: 3, n_embd: 64, n_positions: 64 } });
-    assertEquals(dims.status, 400);
-    assertEquals((await dims.json()).field, "n_embd");
-
-    const resume = await t.post("/train", { resume_from: "job_000000000000" });
-    assertEquals(resume.status, 400);
-    assertEquals((await resume.json()).error, 'Unknown checkpoint "job_000000000000"');
-
+    await apiError(dims, 400, { param: "n_embd" });
+    await apiError(await t.post("/train", { resume_from: "job_000000000000" }), 400, {
+      param: "resume_from",
+      message: 'Unknown checkpoint "job_000000000000"',
+    });
     const tooBig = await t.post("/train", {
       model: { n_layer: 48, n_head: 16, n_embd: 2048, n_positions: 1024 },
+      keep_checkpoints: 1,
     });
-    assertEquals(tooBig.status, 400);
-    assertMatch((await tooBig.json()).error, /^Model does not fit the GPU/);
-
+    await apiError(tooBig, 400, { param: "model", message: /^Model does not fit the GPU/ });
     // The scripted Worker's adapter lists no shader-f16.
-    const f16 = await t.post("/train", { precision: "fp16" });
-    assertEquals(f16.status, 400);
-    assertEquals((await f16.json()).field, "precision");
-
-    const json = await t.post("/train", "{not json");
-    assertEquals(json.status, 400);
-    assertEquals((await json.json()).error, "Invalid JSON body");
+    await apiError(await t.post("/train", { precision: "fp16", keep_checkpoints: 1 }), 400, {
+      param: "precision",
+    });
+    await apiError(await t.post("/train", "{not json"), 400, { message: "Malformed JSON in request body" });
     assertEquals(t.store.listJobs().length, 0);
   } finally {
     await t.cleanup();
@@ -132,8 +128,7 @@ Deno.test("POST /train returns 413 for an oversized body", async () => {
   const t = await setup();
   try {
     const res = await t.post("/train", { dataset: "x".repeat(5000) });
-    assertEquals(res.status, 413);
-    assertMatch((await res.json()).error, /larger than 4096 bytes/);
+    await apiError(res, 413, { message: "Request body is larger than 4096 bytes", code: "body_too_large" });
     // Other routes (dataset uploads) have their own, larger limit.
     const other = await t.post("/elsewhere", { texts: ["x".repeat(5000)] });
     assertEquals(other.status, 404);
@@ -150,11 +145,11 @@ Deno.test("unknown jobs are 404 on every job route", async () => {
       const path of ["/jobs/job_x", "/jobs/job_x/events", "/jobs/job_x/checkpoints", "/jobs/job_x/metrics"]
     ) {
       const res = await t.app.request(path);
-      assertEquals(res.status, 404, path);
-      assertEquals((await res.json()).error, 'Job "job_x" not found');
+      await apiError(res, 404, { message: 'Job "job_x" not found', type: "not_found_error", param: "id" });
     }
-    assertEquals((await t.post("/jobs/job_x/cancel", {})).status, 404);
-    assertEquals((await t.app.request("/nowhere")).status, 404);
+    await apiError(await t.post("/jobs/job_x/cancel", {}), 404, { code: "job_not_found" });
+    await apiError(await t.app.request("/jobs/job_x", { method: "DELETE" }), 404, { code: "job_not_found" });
+    await apiError(await t.app.request("/nowhere"), 404, { message: "No route for GET /nowhere" });
   } finally {
     await t.cleanup();
   }
@@ -211,7 +206,7 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assertEquals(job.metrics.val_tokens, 4096);
     const list = await (await t.app.request("/jobs?status=running")).json();
     assertEquals(list.jobs.map((j: { id: string }) => j.id), [id]);
-    assertEquals((await t.app.request("/jobs?status=weird")).status, 400);
+    await apiError(await t.app.request("/jobs?status=weird"), 400, { param: "status" });
     const hist = await (await t.app.request(`/jobs/${id}/metrics`)).json();
     assertEquals(hist.metrics.map((m: { split: string; loss: number }) => [m.split, m.loss]), [
       ["train", 7.5],
@@ -220,12 +215,18 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     const prom = await t.app.request("/metrics");
     assertEquals(prom.headers.get("Content-Type"), "text/plain; version=0.0.4; charset=utf-8");
     const text = await prom.text();
-    assert(text.includes(`gpt2_job_loss{job="${id}",gpu="0"} 7.5\n`), text);
+    assert(text.includes(`gpt2_job_loss{job_id="${id}",gpu="0"} 7.5\n`), text);
     assert(text.includes(`gpt2_jobs{status="running"} 1\n`), text);
     assert(text.includes(`gpt2_gpu_busy{gpu="0"} 1\n`), text);
-    assert(text.includes(`gpt2_job_phase_milliseconds{job="${id}",phase="backward"} 3\n`), text);
-    assert(text.includes(`gpt2_job_loss_scale{job="${id}",gpu="0"} 65536\n`), text);
-    assert(text.includes(`gpt2_job_skipped_steps{job="${id}",gpu="0"} 1\n`), text);
+    assert(text.includes(`gpt2_job_phase_seconds{job_id="${id}",phase="backward"} 0.003\n`), text);
+    assert(text.includes(`# TYPE gpt2_job_step_seconds histogram\n`), text);
+    assert(text.includes(`gpt2_job_step_seconds_bucket{le="0.005",job_id="${id}"} 0\n`), text);
+    assert(text.includes(`gpt2_job_step_seconds_bucket{le="0.01",job_id="${id}"} 1\n`), text);
+    assert(text.includes(`gpt2_job_step_seconds_count{job_id="${id}"} 1\n`), text);
+    assert(text.includes(`# TYPE gpt2_http_requests_total counter\n`), text);
+    assert(!/\{job="/.test(text), "no job label");
+    assert(text.includes(`gpt2_job_loss_scale{job_id="${id}",gpu="0"} 65536\n`), text);
+    assert(text.includes(`gpt2_job_skipped_steps{job_id="${id}",gpu="0"} 1\n`), text);
     const health = await (await t.app.request("/health")).json();
     assertEquals(health.status, "ok");
     assertEquals(health.gpus[0].state, "busy");
@@ -269,7 +270,11 @@ Deno.test("GET /jobs/:id/events streams live events until done and replays after
     const events = parseSse(await body);
     assertEquals(events.map((e) => e.event), ["log", "log", "log", "checkpoint", "done"]);
     assertEquals(events[0].data.status, "queued");
-    assertEquals(events[3].data, { iteration: 10, name: "iter_0000010", path: "/x/iter_0000010" });
+    assertEquals(events[3].data, {
+      iteration: 10,
+      name: "iter_0000010",
+      path: `checkpoints/${id}/iter_0000010`,
+    });
     assertEquals(events.at(-1)!.data.status, "succeeded");
     for (let i = 1; i < events.length; i++) assert(events[i].id > events[i - 1].id);
 
@@ -279,10 +284,10 @@ Deno.test("GET /jobs/:id/events streams live events until done and replays after
     });
     const missed = parseSse(await replay.text());
     assertEquals(missed.map((e) => e.id), [events[3].id, events[4].id]);
-    assertEquals(
-      (await t.app.request(`/jobs/${id}/events`, { headers: { "Last-Event-ID": "x" } })).status,
-      400,
-    );
+    await apiError(await t.app.request(`/jobs/${id}/events`, { headers: { "Last-Event-ID": "x" } }), 400, {
+      param: "Last-Event-ID",
+      message: 'Invalid Last-Event-ID "x": expected a non-negative integer',
+    });
     assertEquals((await (await t.app.request(`/jobs/${id}`)).json()).status, "succeeded");
   } finally {
     await t.cleanup();
@@ -313,8 +318,7 @@ Deno.test("POST /jobs/:id/cancel cancels queued jobs at once, flags running ones
     await until(() => t.workers[0].jobs.length === 2, "the job on the worker");
     t.workers[0].send({ type: "done", id: c, status: "succeeded", iteration: 1000, error: null });
     const late = await t.post(`/jobs/${c}/cancel`, {});
-    assertEquals(late.status, 409);
-    assertEquals((await late.json()).error, `Cannot cancel job "${c}": it already succeeded`);
+    await apiError(late, 409, { message: `Cannot cancel job "${c}": it already succeeded` });
   } finally {
     await t.cleanup();
   }

@@ -1,0 +1,158 @@
+/**
+ * Pure readers of the API's answers, kept apart from the DOM so Deno tests can check them:
+ * error bodies in both shapes the API has used, the estimator's memory figure, a dataset's
+ * pipeline counts, the curves of a job built from its event stream, and number formats.
+ */
+
+/**
+ * The message and per-field messages of an error body: OpenAI's `{error: {message, param}}` or
+ * the older `{error: "...", field?, issues?: [{path, message}]}`. `fields` maps a top-level
+ * request field to the first message about it.
+ */
+export function errorInfo(body, status = 0) {
+  const fields = {};
+  const note = (path, msg) => {
+    const name = Array.isArray(path) ? path[0] : String(path ?? "").split(".")[0];
+    if (name !== undefined && name !== "" && !(name in fields)) fields[name] = msg;
+  };
+  const err = body?.error;
+  let message;
+  if (err && typeof err === "object") {
+    message = err.message ?? `HTTP ${status}`;
+    if (err.param) note(err.param, message);
+  } else {
+    message = typeof err === "string" ? err : `HTTP ${status}`;
+    if (body?.field) note(body.field, message);
+  }
+  const issues = (err && typeof err === "object" ? err.issues : undefined) ?? body?.issues;
+  for (const issue of Array.isArray(issues) ? issues : []) {
+    if (issue.code === "unrecognized_keys" && Array.isArray(issue.keys)) {
+      for (const k of issue.keys) note([k], `Unknown field "${k}"`);
+    } else if (issue.path?.length) note(issue.path, issue.message);
+  }
+  return { message, fields };
+}
+
+/** The total bytes of a `GET /estimate` answer, wherever the estimator put it; null if none. */
+export function estimateBytes(body) {
+  if (typeof body !== "object" || body === null) return null;
+  for (const key of ["total_bytes", "total", "bytes"]) {
+    const v = body[key];
+    if (typeof v === "number" && Number.isFinite(v)) return v;
+    if (typeof v === "object" && v !== null) {
+      const inner = estimateBytes(v);
+      if (inner !== null) return inner;
+    }
+  }
+  for (const v of Object.values(body)) {
+    if (typeof v === "object" && v !== null && !Array.isArray(v)) {
+      const inner = estimateBytes(v);
+      if (inner !== null) return inner;
+    }
+  }
+  return null;
+}
+
+/** A dataset's pipeline counts from its manifest stats: URLs dropped, near-duplicates, short documents. */
+export function datasetCounts(d) {
+  const s = d?.stats ?? {};
+  const urls = s.urls;
+  return {
+    urls_dropped: urls ? urls.input - urls.kept : null,
+    near_duplicates: typeof s.near_duplicates === "number" ? s.near_duplicates : null,
+    short_dropped: typeof s.under_min_tokens === "number" ? s.under_min_tokens : null,
+  };
+}
+
+/** Columns a job's curves are drawn from, in one row per iteration. */
+export const SERIES_KEYS = [
+  "loss",
+  "val_loss",
+  "test_loss",
+  "train_ppl",
+  "val_ppl",
+  "test_ppl",
+  "lr",
+  "grad_norm",
+  "tokens_per_s",
+  "loss_scale",
+  "skipped_steps",
+];
+
+/**
+ * A job's curves, built from its events (`progress` of kind train or eval). One row per
+ * iteration, so events replayed after a reconnect or a resumed run overwrite, never duplicate.
+ */
+export class JobSeries {
+  #rows = new Map();
+  /** Training log points seen. */
+  trainPoints = 0;
+  /** Whether any event carried fp16's loss scale or skipped steps. */
+  hasFp16 = false;
+  /**
+   * The newest training progress event's data.
+   * @type {Record<string, any> | null}
+   */
+  latest = null;
+
+  /** Takes one event; returns whether a curve changed. */
+  add(type, data) {
+    if (type !== "progress" || typeof data?.iteration !== "number") return false;
+    let row = this.#rows.get(data.iteration);
+    if (!row) this.#rows.set(data.iteration, row = { iteration: data.iteration });
+    if (data.kind === "eval") {
+      const p = data.split === "test" ? "test" : "val";
+      row[`${p}_loss`] = data.loss;
+      row[`${p}_ppl`] = data.perplexity;
+      return true;
+    }
+    if (row.loss === undefined) this.trainPoints++;
+    row.loss = data.loss;
+    row.train_ppl = typeof data.loss === "number" ? Math.exp(data.loss) : null;
+    for (const k of ["lr", "grad_norm", "tokens_per_s", "loss_scale", "skipped_steps"]) {
+      if (typeof data[k] === "number") row[k] = data[k];
+    }
+    if (typeof data.loss_scale === "number" || typeof data.skipped_steps === "number") this.hasFp16 = true;
+    if (!this.latest || data.iteration >= this.latest.iteration) this.latest = data;
+    return true;
+  }
+
+  /** uPlot's aligned data: iterations ascending, then one column per key (null where absent). */
+  columns(keys) {
+    const rows = [...this.#rows.values()].sort((a, b) => a.iteration - b.iteration);
+    return [rows.map((r) => r.iteration), ...keys.map((k) => rows.map((r) => r[k] ?? null))];
+  }
+}
+
+/** Bytes as B, KiB, MiB or GiB with three significant digits. */
+export function fmtBytes(n) {
+  if (typeof n !== "number" || !Number.isFinite(n)) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) {
+    n /= 1024;
+    i++;
+  }
+  return `${i === 0 ? n : n.toPrecision(3)} ${units[i]}`;
+}
+
+/** A number for a table cell: `digits` decimals, or "–" when absent. */
+export function fmtNum(x, digits = 3) {
+  if (typeof x !== "number" || !Number.isFinite(x)) return "–";
+  if (x !== 0 && (Math.abs(x) < 1e-3 || Math.abs(x) >= 1e6)) return x.toExponential(2);
+  return x.toFixed(digits);
+}
+
+/** An axis tick: three significant digits, exponent form for very small or large values. */
+export function fmtTick(x) {
+  if (typeof x !== "number" || !Number.isFinite(x)) return ""; // uPlot passes null for unlabelled log ticks
+  if (x === 0) return "0";
+  const a = Math.abs(x);
+  if (a < 1e-2 || a >= 1e6) return x.toExponential(1);
+  return String(Number(x.toPrecision(3)));
+}
+
+/** An integer with thousands separators, or "–". */
+export function fmtInt(x) {
+  return typeof x === "number" && Number.isFinite(x) ? Math.round(x).toLocaleString("en-US") : "–";
+}

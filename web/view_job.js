@@ -1,0 +1,285 @@
+/**
+ * One job's page: its figures, live curves (train, validation and test loss and perplexity, lr,
+ * gradient norm, tokens/s, and fp16's loss scale and skipped steps when reported), the step's
+ * timing breakdown, GPU memory beside the estimate, checkpoints with downloads, its log and a
+ * cancel button. The curves come from the job's event stream, replayed from the store on every
+ * load (so they survive a reload) and followed live, resumed with Last-Event-ID after a break.
+ */
+
+import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
+import { lineChart, timingBar } from "./charts.js";
+import { badge, h, setChildren, stat } from "./dom.js";
+import { fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
+import { modelName } from "./view_jobs.js";
+
+const FINISHED = ["succeeded", "failed", "cancelled"];
+
+/** Downloads through fetch when a token is needed (a plain link cannot send it). */
+function downloadLink(href, label) {
+  return h("a", {
+    href,
+    download: "",
+    onclick: async (e) => {
+      if (!getToken()) return;
+      e.preventDefault();
+      const blob = await (await apiFetch(href)).blob();
+      const url = URL.createObjectURL(blob);
+      const a = h("a", { href: url, download: href.split("/").slice(-3).join("_") });
+      document.body.append(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 60_000);
+    },
+  }, label);
+}
+
+/** Renders job `id` into `ctx.root` and follows it until the view is left. */
+export async function jobView(ctx, id) {
+  let job = await getJson(`/jobs/${encodeURIComponent(id)}`, { signal: ctx.signal });
+  const series = new JobSeries();
+  const title = h("h1", {}, id);
+  const status = h("span", { id: "job-status" });
+  const conn = h("span", { class: "muted", id: "stream-state" }, "connecting");
+  const cancel = h("button", {
+    type: "button",
+    class: "danger",
+    id: "cancel-job",
+    onclick: async () => {
+      cancel.disabled = true;
+      try {
+        await postJson(`/jobs/${id}/cancel`, {});
+      } catch (e) {
+        alert(e.message);
+        cancel.disabled = false;
+      }
+    },
+  }, "Cancel");
+  const stats = h("div", { class: "stats", id: "job-stats" });
+  const timing = h("div", { id: "job-timing" });
+  const charts = h("div", { class: "charts", id: "job-charts" });
+  const ckpts = h("div", { id: "job-checkpoints" });
+  const log = h("ol", { class: "log", id: "job-log" });
+  const error = h("p", { class: "error", hidden: true });
+  setChildren(
+    ctx.root,
+    h("div", { class: "heading" }, title, status, h("span", { class: "spacer" }), conn, cancel),
+    h("p", { class: "muted", id: "job-config" }),
+    error,
+    stats,
+    h("h2", {}, "Step time"),
+    timing,
+    h("h2", {}, "Curves"),
+    charts,
+    h("h2", {}, "Checkpoints"),
+    ckpts,
+    h("h2", {}, "Log"),
+    log,
+  );
+
+  // Each chart with the series keys it draws, in its series order.
+  const drawn = [];
+  const chart = (opts) => {
+    drawn.push({ chart: lineChart(charts, opts), keys: opts.series.map((s) => s.key) });
+  };
+  chart({
+    name: "loss",
+    title: "Loss",
+    series: [
+      { label: "train", key: "loss" },
+      { label: "validation", key: "val_loss", points: true },
+      { label: "test", key: "test_loss", points: true },
+    ],
+  });
+  chart({
+    name: "perplexity",
+    title: "Perplexity",
+    scales: { y: { distr: 3 } },
+    series: [
+      { label: "train", key: "train_ppl" },
+      { label: "validation", key: "val_ppl", points: true },
+      { label: "test", key: "test_ppl", points: true },
+    ],
+  });
+  chart({ name: "lr", title: "Learning rate", series: [{ label: "lr", key: "lr", color: "#9333ea" }] });
+  chart({
+    name: "grad_norm",
+    title: "Gradient norm",
+    series: [{ label: "grad norm", key: "grad_norm", color: "#db2777" }],
+  });
+  chart({
+    name: "tokens_per_s",
+    title: "Tokens/s",
+    series: [{ label: "tokens/s", key: "tokens_per_s", color: "#0891b2" }],
+  });
+  ctx.signal.addEventListener("abort", () => drawn.forEach((d) => d.chart.destroy()));
+
+  let estimate = null;
+  const renderHead = () => {
+    setChildren(status, badge(job.status));
+    cancel.hidden = FINISHED.includes(job.status);
+    const c = job.config;
+    setChildren(
+      document.getElementById("job-config"),
+      `${
+        modelName(c.model)
+      } · ${c.dataset} · batch ${c.batch_size} × ${c.seq_len} · lr ${c.lr} (${c.lr_decay_style})` +
+        `${c.precision ? ` · ${c.precision}` : ""} · seed ${c.seed} · GPU ${job.gpu}`,
+    );
+    error.hidden = !job.error;
+    error.textContent = job.error ?? "";
+  };
+  const renderStats = () => {
+    const m = job.metrics;
+    const p = series.latest ?? {};
+    const mem = p.gpu_memory_bytes ?? m.gpu_memory_bytes;
+    setChildren(
+      stats,
+      stat(
+        "iteration",
+        `${fmtInt(Math.max(job.iteration, p.iteration ?? 0))} / ${fmtInt(job.config.train_iters)}`,
+        {
+          id: "stat-iteration",
+        },
+      ),
+      stat("loss", fmtNum(p.loss ?? m.loss), { id: "stat-loss" }),
+      stat("val loss (ppl)", `${fmtNum(m.val_loss)} (${fmtNum(m.val_perplexity, 1)})`),
+      stat("test loss (ppl)", `${fmtNum(m.test_loss)} (${fmtNum(m.test_perplexity, 1)})`),
+      stat("lr", fmtNum(p.lr ?? m.lr, 6)),
+      stat("grad norm", fmtNum(p.grad_norm ?? m.grad_norm)),
+      stat("tokens/s", fmtInt(p.tokens_per_s ?? m.tokens_per_s)),
+      stat("GPU memory", fmtBytes(mem), { id: "stat-memory" }),
+      estimate !== null ? stat("estimate", fmtBytes(estimate), { id: "stat-estimate" }) : null,
+      series.hasFp16 ? stat("loss scale", fmtNum(p.loss_scale, 0)) : null,
+      series.hasFp16 ? stat("skipped steps", fmtInt(p.skipped_steps)) : null,
+    );
+    setChildren(timing, timingBar(p.timings ?? m.timings));
+  };
+  let fp16Shown = false;
+  let pending = false;
+  const redraw = () => {
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => {
+      pending = false;
+      if (ctx.signal.aborted) return;
+      if (series.hasFp16 && !fp16Shown) {
+        fp16Shown = true;
+        chart({
+          name: "fp16",
+          title: "Loss scale and skipped steps",
+          scales: { ls: { distr: 3 }, sk: {} },
+          series: [
+            { label: "loss scale", key: "loss_scale", scale: "ls", color: "#ea580c" },
+            { label: "skipped steps", key: "skipped_steps", scale: "sk", color: "#64748b" },
+          ],
+        });
+      }
+      for (const d of drawn) d.chart.update(series.columns(d.keys));
+      renderStats();
+    });
+  };
+  const refreshJob = async () => {
+    job = await getJson(`/jobs/${encodeURIComponent(id)}`, { signal: ctx.signal });
+    renderHead();
+    renderStats();
+  };
+  const refreshCheckpoints = async () => {
+    const { checkpoints } = await getJson(`/jobs/${encodeURIComponent(id)}/checkpoints`, {
+      signal: ctx.signal,
+    });
+    if (checkpoints.length === 0) {
+      setChildren(ckpts, h("p", { class: "muted" }, "None yet"));
+      return;
+    }
+    const base = `/jobs/${encodeURIComponent(id)}/checkpoints`;
+    setChildren(
+      ckpts,
+      h(
+        "div",
+        { class: "table-wrap" },
+        h(
+          "table",
+          {},
+          h(
+            "thead",
+            {},
+            h("tr", {}, ["Checkpoint", "Iteration", "Size", "Saved", "Files", ""].map((c) => h("th", {}, c))),
+          ),
+          h(
+            "tbody",
+            {},
+            checkpoints.map((k) =>
+              h(
+                "tr",
+                {},
+                h("td", {}, k.name),
+                h("td", { class: "num" }, fmtInt(k.iteration)),
+                h("td", { class: "num" }, fmtBytes(k.bytes)),
+                h("td", {}, new Date(k.created_at).toLocaleString()),
+                h(
+                  "td",
+                  { class: "files" },
+                  ["model.safetensors", "config.json", "manifest.json"].map((f) =>
+                    downloadLink(`${base}/${k.name}/${f}`, f)
+                  ),
+                ),
+                h(
+                  "td",
+                  {},
+                  h("a", { href: `#/playground?model=${encodeURIComponent(`${id}/${k.name}`)}` }, "Try it"),
+                ),
+              )
+            ),
+          ),
+        ),
+      ),
+    );
+  };
+  const addLog = (text, level = "info") => {
+    log.append(h("li", { class: `log-${level}` }, text));
+    while (log.children.length > 200) log.firstChild.remove();
+  };
+
+  renderHead();
+  renderStats();
+  refreshCheckpoints().catch(() => {});
+  fetchEstimate(job.config, ctx.signal).then((bytes) => {
+    estimate = bytes;
+    renderStats();
+  });
+
+  try {
+    await followEvents(`/jobs/${encodeURIComponent(id)}/events`, {
+      signal: ctx.signal,
+      onState: (s) => (conn.textContent = s),
+      onEvent: (type, data) => {
+        if (series.add(type, data)) redraw();
+        if (type === "progress" && data.kind === "eval") {
+          const p = data.split === "test" ? "test" : "val";
+          job.metrics[`${p}_loss`] = data.loss;
+          job.metrics[`${p}_perplexity`] = data.perplexity;
+        }
+        if (type === "log") {
+          addLog(data.message, data.level);
+          if (data.status) refreshJob().catch(() => {});
+        } else if (type === "checkpoint") {
+          addLog(`Checkpoint ${data.name}`);
+          refreshCheckpoints().catch(() => {});
+        } else if (type === "done") {
+          addLog(
+            `Done: ${data.status}${data.error ? `: ${data.error}` : ""}`,
+            data.status === "failed" ? "warn" : "info",
+          );
+          conn.textContent = "finished";
+          refreshJob().catch(() => {});
+          refreshCheckpoints().catch(() => {});
+          return true;
+        }
+        return false;
+      },
+    });
+  } catch (e) {
+    if (e instanceof ApiError) conn.textContent = e.message;
+    else throw e;
+  }
+}
