@@ -1,9 +1,10 @@
 /**
- * `deno task bench [train|data|matmul|allreduce|runtime|generate] [options]`: the benchmarks. With no
- * suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data pipeline
- * benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and GPU
- * host-path benchmark, `runtime` the start-train-SIGTERM cycles, and `generate` the generation
- * scenarios (bench/generate_bench.ts). Options pass through.
+ * `deno task bench [train|data|matmul|allreduce|runtime|generate|curve] [options]`: the benchmarks.
+ * With no suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data
+ * pipeline benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and
+ * GPU host-path benchmark, `runtime` the start-train-SIGTERM cycles, `generate` the generation
+ * scenarios (bench/generate_bench.ts), and `curve` the fp16-against-fp32 loss curves. Options
+ * pass through.
  */
 
 const suites: Record<string, string> = {
@@ -13,6 +14,7 @@ const suites: Record<string, string> = {
   allreduce: "./allreduce_bench.ts",
   runtime: "./runtime_bench.ts",
   generate: "./generate_bench.ts",
+  curve: "./curve_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

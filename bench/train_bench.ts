@@ -4,13 +4,32 @@
  * PyTorch peer (bench/torch_gpt2.py) run in the same process tree for a side-by-side ratio.
  *
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
+ *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
+ *
+ * Memory: beside each run it prints the plan's estimate per category (gpu/estimate.ts, the same
+ * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
+ * (memory.used after the timed steps minus before the model was built) where nvidia-smi exists.
+ * `--checkpoint N` recomputes activations in groups of N layers.
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
 
 import { presetConfig } from "../gpu/config.ts";
 import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import { type Estimate, estimateTraining } from "../gpu/estimate.ts";
+import type { Precision } from "../gpu/plan.ts";
 import { type OpTiming, Trainer } from "../gpu/trainer.ts";
+
+/** How one benchmark run trains. */
+export interface TrainBenchOptions {
+  precision: Precision;
+  /** Layers per recomputed group, 0 for none. */
+  checkpointLayers: number;
+  /** Time each kernel in one extra profiled step. */
+  profile: boolean;
+  /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
+  f16Math?: boolean;
+}
 
 /** One model's measured figures. */
 export interface TrainBenchResult {
@@ -20,8 +39,19 @@ export interface TrainBenchResult {
   ms_per_step: number;
   tokens_per_s: number;
   loss: number;
+  precision: Precision;
+  checkpoint_layers: number;
+  /** Loss scale after the timed steps, and steps skipped on overflow (fp16 starts at 2^32 and backs off). */
+  loss_scale: number;
+  skipped_steps: number;
   kernels: Array<{ kind: string; ms: number; share: number; tflops: number }>;
   phases: Record<string, number>;
+  /** The plan's estimate (bytes per category) for this run. */
+  estimate: Estimate["bytes_per_gpu"];
+  /** Bytes of the buffers the trainer allocated. */
+  allocated_bytes: number;
+  /** GPU memory used after the timed steps minus before (nvidia-smi), or null where unavailable. */
+  measured_bytes: number | null;
   torch?: { tokens_per_s: number; ms_per_step: number } | { error: string };
 }
 
@@ -37,8 +67,18 @@ export async function benchTraining(
   B: number,
   T: number,
   steps: number,
+  o: TrainBenchOptions = { precision: "fp32", checkpointLayers: 0, profile: true },
 ): Promise<TrainBenchResult> {
   const config = presetConfig(model);
+  const estimate = estimateTraining({
+    config,
+    batchSize: B,
+    seqLen: T,
+    precision: o.precision,
+    checkpointLayers: o.checkpointLayers,
+    limits: ctx.limits,
+  }).bytes_per_gpu;
+  const usedBefore = await gpuMemoryUsed();
   const t0 = performance.now();
   const tr = await Trainer.create(ctx, {
     config,
@@ -49,7 +89,10 @@ export async function benchTraining(
     attnDropout: 0,
     hiddenDropout: 0,
     seed: 1,
-    profile: ctx.hasTimestamps,
+    profile: ctx.hasTimestamps && o.profile,
+    checkpointLayers: o.checkpointLayers,
+    precision: o.precision,
+    f16Math: o.f16Math,
   });
   console.error(
     `${model}: planned in ${((performance.now() - t0) / 1000).toFixed(1)} s, ` +
@@ -65,8 +108,9 @@ export async function benchTraining(
   await tr.lastStats();
   const start = performance.now();
   for (let i = 0; i < steps; i++) tr.trainStep(tokens);
-  const { loss } = await tr.lastStats();
+  const { loss, lossScale, skippedSteps } = await tr.lastStats();
   const ms = (performance.now() - start) / steps;
+  const usedAfter = await gpuMemoryUsed();
   const result: TrainBenchResult = {
     model,
     batch: B,
@@ -74,10 +118,17 @@ export async function benchTraining(
     ms_per_step: ms,
     tokens_per_s: (B * T) / (ms / 1000),
     loss,
+    precision: o.precision,
+    checkpoint_layers: o.checkpointLayers,
+    loss_scale: lossScale,
+    skipped_steps: skippedSteps,
     kernels: [],
     phases: {},
+    estimate,
+    allocated_bytes: tr.memoryBytes,
+    measured_bytes: usedBefore !== null && usedAfter !== null ? usedAfter - usedBefore : null,
   };
-  if (ctx.hasTimestamps) {
+  if (ctx.hasTimestamps && o.profile) {
     tr.trainStep(tokens, true);
     const prof = (await tr.profile())!;
     result.kernels = aggregate(prof);
@@ -85,6 +136,22 @@ export async function benchTraining(
   }
   tr.destroy();
   return result;
+}
+
+/** GPU memory in use (bytes, nvidia-smi's memory.used of the GPU this process sees first), or null. */
+async function gpuMemoryUsed(): Promise<number | null> {
+  try {
+    const out = await new Deno.Command("nvidia-smi", {
+      args: ["--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+      stdout: "piped",
+      stderr: "null",
+    }).output();
+    if (!out.success) return null;
+    const mib = Number(new TextDecoder().decode(out.stdout).trim().split("\n")[0]);
+    return Number.isFinite(mib) ? mib * 2 ** 20 : null;
+  } catch {
+    return null;
+  }
 }
 
 function aggregate(prof: OpTiming[]) {
@@ -129,10 +196,21 @@ async function runTorch(model: string, B: number, T: number, steps: number) {
 /** Prints a result as a table. */
 export function printResult(r: TrainBenchResult): void {
   const f = (n: number, d = 1) => n.toFixed(d);
+  const gib = (n: number) => (n / 2 ** 30).toFixed(2);
   console.log(
-    `\n${r.model}  batch ${r.batch} seq ${r.seq}: ${f(r.ms_per_step)} ms/step, ${
-      f(r.tokens_per_s, 0)
-    } tokens/s, loss ${f(r.loss, 3)}`,
+    `\n${r.model}  batch ${r.batch} seq ${r.seq} ${r.precision}` +
+      `${r.checkpoint_layers ? ` checkpoint ${r.checkpoint_layers}` : ""}: ${f(r.ms_per_step)} ms/step, ${
+        f(r.tokens_per_s, 0)
+      } tokens/s, loss ${f(r.loss, 3)}` +
+      (r.precision === "fp16" ? `, loss scale ${r.loss_scale}, ${r.skipped_steps} steps skipped` : ""),
+  );
+  const e = r.estimate;
+  console.log(
+    `  memory GiB: estimate ${gib(e.total)} (weights ${gib(e.weights)}, gradients ${gib(e.gradients)}, ` +
+      `optimizer ${gib(e.optimizer)}, activations ${gib(e.activations)}, logits ${gib(e.logits)}, ` +
+      `workspace ${gib(e.workspace)}); allocated ${gib(r.allocated_bytes)}; measured (nvidia-smi) ${
+        r.measured_bytes === null ? "n/a" : gib(r.measured_bytes)
+      }`,
   );
   if (r.torch) {
     if ("error" in r.torch) console.log(`  PyTorch fp32 eager: ${r.torch.error}`);
@@ -169,10 +247,18 @@ if (import.meta.main) {
   const models = arg(args, "models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M").split(",");
   const B = +arg(args, "batch", cpu ? "4" : "8"), T = +arg(args, "seq", cpu ? "64" : "1024");
   const steps = +arg(args, "steps", cpu ? "3" : "10");
+  const precision = arg(args, "precision", "fp32") as Precision;
+  if (precision !== "fp32" && precision !== "fp16") throw new Error(`Unknown --precision "${precision}"`);
+  const opts: TrainBenchOptions = {
+    precision,
+    checkpointLayers: +arg(args, "checkpoint", "0"),
+    profile: !args.includes("--no-profile"),
+    f16Math: !args.includes("--no-f16-math"),
+  };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const results: TrainBenchResult[] = [];
   for (const model of models) {
-    const r = await benchTraining(ctx, model, B, T, steps);
+    const r = await benchTraining(ctx, model, B, T, steps, opts);
     if (args.includes("--torch")) r.torch = await runTorch(model, B, T, steps);
     printResult(r);
     results.push(r);

@@ -14,8 +14,8 @@ export const GPT2_VOCAB_SIZE = 50257;
 export const EOT_TOKEN = 50256;
 /** Vocabulary padding multiple (Megatron's make-vocab-size-divisible-by 128). */
 export const VOCAB_MULTIPLE = 128;
-/** Offsets of tensors in the flat buffers are aligned to this many floats (256 bytes, WebGPU's binding offset alignment). */
-export const TENSOR_ALIGN = 64;
+/** Offsets of tensors in the flat buffers are aligned to this many elements: 256 bytes (WebGPU's binding offset alignment) in the f16 copy, 512 in fp32. */
+export const TENSOR_ALIGN = 128;
 
 /** Architecture of a GPT-2 model. */
 export interface ModelConfig {
@@ -34,7 +34,14 @@ export interface ModelConfig {
 }
 
 /** Names of the built-in model presets. */
-export const PRESET_NAMES = ["gpt2-tiny", "gpt2-small-test", "gpt2-124M", "gpt2-345M"] as const;
+export const PRESET_NAMES = [
+  "gpt2-tiny",
+  "gpt2-small-test",
+  "gpt2-124M",
+  "gpt2-345M",
+  "gpt2-774M",
+  "gpt2-1558M",
+] as const;
 export type PresetName = typeof PRESET_NAMES[number];
 
 /** Rounds `vocab` up to a multiple of `multiple`. */
@@ -48,6 +55,8 @@ const PRESET_DIMS: Record<PresetName, [number, number, number, number]> = {
   "gpt2-small-test": [4, 4, 128, 128],
   "gpt2-124M": [12, 12, 768, 1024],
   "gpt2-345M": [24, 16, 1024, 1024],
+  "gpt2-774M": [36, 20, 1280, 1024],
+  "gpt2-1558M": [48, 25, 1600, 1024],
 };
 
 /** Returns the configuration of a preset, or throws naming the unknown preset. */
@@ -79,7 +88,7 @@ export function makeConfig(
 
 /** A configuration field with an invalid value. `field` names it for the user. */
 export class ConfigError extends Error {
-  constructor(readonly field: string, detail: string) {
+  constructor(readonly field: string, readonly detail: string) {
     super(`Invalid model config: ${field}: ${detail}`);
     this.name = "ConfigError";
   }

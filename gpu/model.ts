@@ -5,13 +5,28 @@
  *
  * Forward per layer l (residual stream res[l], all (B·T, C) unless noted):
  *   ln1 = LN(res[l]); qkv = ln1·Wqkv + b (B·T, 3C); y = attention(qkv) (+lse);
- *   res2 = res[l] + drop(y·Wproj + b); ln2 = LN(res2); fch = ln2·Wfc + b, fcg = gelu(fch) (B·T, 4C);
- *   res[l+1] = res2 + drop(fcg·Wfcproj + b)
+ *   res2 = res[l] + drop(y·Wproj + b); ln2 = LN(res2); fch = ln2·Wfc + b (B·T, 4C);
+ *   res[l+1] = res2 + drop(gelu(fch)·Wfcproj + b), gelu applied as fch is loaded (never stored)
  * then lnf = LN(res[L]), logits = lnf·wteᵀ (B·T, Vp), fused cross-entropy and its gradient.
+ *
+ * Nothing binds more than the device allows: the flat parameter, gradient and moment arrays are
+ * split into segments (gpu/flat.ts) that the optimizer walks one by one, and the LM head with its
+ * cross-entropy runs over chunks of rows, each chunk's logits computed, turned into their gradient
+ * and pushed back through the head before the next (so the logits take one chunk of memory).
  */
 
-import { ConfigError, type ModelConfig, type ParamLayout, paramLayout, validateSeqLen } from "./config.ts";
+import { ConfigError, type ModelConfig, type ParamLayout, validateSeqLen } from "./config.ts";
 import { createStorage, type GpuContext } from "./device.ts";
+import { type FlatBuffer, flatView } from "./flat.ts";
+import {
+  actPrefix,
+  LAYER_ACTS,
+  type LayerActName,
+  type ModelPlan,
+  planModel,
+  type PlanOptions,
+  resLabel,
+} from "./plan.ts";
 import { dropoutSite } from "./rng.ts";
 import { makeOp, type Op, type OpKind, type Phase, PipelineCache, type View } from "./ops.ts";
 import {
@@ -46,13 +61,12 @@ import { embeddingBackwardWgsl, embeddingForwardWgsl, WTE_PARTITIONS } from "./k
 import { crossEntropyWgsl, meanLossWgsl } from "./kernels/cross_entropy.ts";
 import {
   adamwWgsl,
-  CONTROL_BYTES,
+  castF16Wgsl,
   gradNormPartialWgsl,
   NORM_GROUPS,
-  OPT_UNIFORM_BYTES,
   stepControlWgsl,
 } from "./kernels/adamw.ts";
-import { dropoutMaskWgsl, grid1d } from "./kernels/common.ts";
+import { dropoutMaskWgsl, grid1d, type StorageDtype } from "./kernels/common.ts";
 
 /** Slots of the small stats buffer read back for logging. */
 export const STAT = { loss: 0, gradNorm: 1, evalLoss: 2 } as const;
@@ -76,8 +90,8 @@ export interface LayerActs {
   res2: GPUBuffer;
   ln2: GPUBuffer;
   ln2s: GPUBuffer;
+  /** MLP pre-activation (B·T, 4C); gelu(fch) is computed where it is read. */
   fch: GPUBuffer;
-  fcg: GPUBuffer;
 }
 
 /** The planned model: buffers and op lists. */
@@ -85,17 +99,22 @@ export interface GpuModel {
   shape: ModelShape;
   layout: ParamLayout;
   /** Flat parameters (owned by the model unless passed in). */
-  params: GPUBuffer;
+  params: FlatBuffer;
   /** Gradients and AdamW moments: null for an inference-only plan. */
-  grads: GPUBuffer | null;
-  adamM: GPUBuffer | null;
-  adamV: GPUBuffer | null;
+  grads: FlatBuffer | null;
+  adamM: FlatBuffer | null;
+  adamV: FlatBuffer | null;
+  /** Rows of one LM head chunk (B·T when the head runs in one piece). */
+  headRows: number;
   tokens: GPUBuffer;
   /** Per-layer activations of the last forward pass. */
   layers: LayerActs[];
   /** (B·T, C) final LayerNorm output of the last forward pass (the LM head's input). */
   lnf: GPUBuffer;
-  /** (B·T, Vp) logits of the last forward pass (overwritten by their gradient in training). */
+  /**
+   * (B·T, Vp) logits of the last forward pass (overwritten by their gradient in training) when the
+   * head runs in one chunk; with several chunks, one chunk's rows (headRows, Vp).
+   */
   logits: GPUBuffer;
   stats: GPUBuffer;
   dropUniform: GPUBuffer;
@@ -111,9 +130,13 @@ export interface GpuModel {
   evalLoss: Op[];
   backward: Op[];
   optimizer: Op[];
-  /** Bytes of GPU memory allocated. */
+  /** fp16: refreshes the f16 weight copy from the parameters (run after loading them); else empty. */
+  castWeights: Op[];
+  /** Bytes of GPU memory allocated (the plan's total). */
   memoryBytes: number;
   buffers: GPUBuffer[];
+  /** The memory plan the buffers were allocated from. */
+  plan: ModelPlan;
 }
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
@@ -123,28 +146,7 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
   if (!Number.isInteger(B) || B <= 0) {
     throw new ConfigError("batch_size", `must be a positive integer, got ${B}`);
   }
-  const bind = ctx.limits.maxStorageBufferBindingSize;
-  const logits = B * T * c.padded_vocab_size * 4;
-  if (logits > bind) {
-    throw new ConfigError(
-      "batch_size",
-      `logits of batch_size·seq_len·padded_vocab = ${B}·${T}·${c.padded_vocab_size} floats (${logits} bytes) ` +
-        `exceed the device's storage binding limit of ${bind} bytes: lower batch_size or seq_len`,
-    );
-  }
-  const params = paramLayout(c).totalSize * 4;
-  if (params > bind) {
-    throw new ConfigError(
-      "n_layer",
-      `parameters of ${params} bytes exceed the device's binding limit of ${bind} bytes`,
-    );
-  }
-  if (B * T * 4 * c.n_embd * 4 > bind) {
-    throw new ConfigError(
-      "batch_size",
-      `MLP activations of ${B * T * 4 * c.n_embd * 4} bytes exceed the binding limit ${bind}`,
-    );
-  }
+  planModel(ctx.limits, shape);
   const D = c.n_embd / c.n_head;
   const tiles = chooseAttentionTiles({ T, D }, ctx.limits.maxComputeWorkgroupStorageSize);
   if (tiles.BKV < 8) {
@@ -159,64 +161,102 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
 export async function buildModel(
   ctx: GpuContext,
   shape: ModelShape,
-  opts: { train?: boolean; params?: GPUBuffer } = {},
+  opts: Omit<PlanOptions, "sharedParams"> & { params?: GPUBuffer; f16Math?: boolean } = {},
 ): Promise<GpuModel> {
   checkFits(ctx, shape);
   const { config: c, B, T } = shape;
   const C = c.n_embd, L = c.n_layer, H = c.n_head, D = C / H, Vp = c.padded_vocab_size, BT = B * T;
-  const layout = paramLayout(c);
+  const train = opts.train ?? true;
+  const plan = planModel(ctx.limits, shape, { ...opts, train, sharedParams: !!opts.params });
+  const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
+  const nChunks = Math.ceil(BT / headRows);
   const cache = new PipelineCache(ctx);
+  // Every buffer of the plan, allocated up front in plan order; nothing else is allocated.
   const buffers: GPUBuffer[] = [];
+  const byLabel = new Map<string, GPUBuffer>();
+  /** Buffers whose elements are f16 (everything else is f32 or u32). */
+  const f16Buffers = new Set<GPUBuffer>();
   let memoryBytes = 0;
-  const alloc = async (label: string, floats: number) => {
-    const b = await createStorage(ctx, label, Math.max(1, floats) * 4);
-    buffers.push(b);
-    memoryBytes += b.size;
+  try {
+    for (const p of plan.buffers) {
+      const b = p.usage === "uniform"
+        ? ctx.device.createBuffer({
+          label: p.label,
+          size: p.bytes,
+          usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
+        })
+        : await createStorage(ctx, p.label, p.bytes);
+      buffers.push(b);
+      byLabel.set(p.label, b);
+      if (p.dtype === "f16") f16Buffers.add(b);
+      memoryBytes += b.size;
+    }
+  } catch (e) {
+    for (const b of buffers) b.destroy();
+    throw e;
+  }
+  const buf = (label: string): GPUBuffer => {
+    const b = byLabel.get(label);
+    if (!b) throw new Error(`Buffer "${label}" is not in the plan`);
     return b;
   };
-  const train = opts.train ?? true;
-  const params = opts.params ?? await alloc("params", layout.totalSize);
-  const tokens = await alloc("tokens", B * (T + 1));
-  const stats = await alloc("stats", 64);
+  const flat = (label: string): FlatBuffer => ({
+    segments: segments.map((r, i) => ({ ...r, buffer: buf(segments.length > 1 ? `${label}.${i}` : label) })),
+    totalSize: layout.totalSize,
+    bytesPerElement: 4,
+  });
+  const params: FlatBuffer = opts.params
+    ? {
+      segments: [{ start: 0, size: layout.totalSize, buffer: opts.params }],
+      totalSize: layout.totalSize,
+      bytesPerElement: 4,
+    }
+    : flat("params");
+  const half = plan.precision === "fp16";
+  if (half && !ctx.hasF16) {
+    for (const b of buffers) b.destroy();
+    throw new ConfigError("precision", `"fp16" needs a GPU with shader-f16, which this adapter lacks`);
+  }
+  const params16: FlatBuffer | null = half ? { ...flat("params16"), bytesPerElement: 2 } : null;
+  const dtypeOf = (b: GPUBuffer): StorageDtype => f16Buffers.has(b) ? "f16" : "f32";
+  // fp16: matmuls whose inputs are both f16 multiply in f16 per k-tile (see kernels/matmul.ts).
+  const f16Math = half && (opts.f16Math ?? true);
+  const tokens = buf("tokens"), stats = buf("stats"), control = buf("control");
+  const dropUniform = buf("dropout"), optUniform = buf("optimizer");
   const nSites = dropoutSite.count(L);
-  const dropUniform = ctx.device.createBuffer({
-    label: "dropout",
-    size: nSites * 16,
-    usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
-  });
-  const optUniform = ctx.device.createBuffer({
-    label: "optimizer",
-    size: OPT_UNIFORM_BYTES,
-    usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
-  });
-  buffers.push(dropUniform, optUniform);
-  const control = await alloc("control", CONTROL_BYTES / 4);
-
   const res: GPUBuffer[] = [];
-  for (let l = 0; l <= L; l++) res.push(await alloc(`res${l}`, BT * C));
+  for (let l = 0; l <= L; l++) res.push(buf(resLabel(k, L, l)));
   const acts: LayerActs[] = [];
   for (let l = 0; l < L; l++) {
-    acts.push({
-      ln1: await alloc(`l${l}.ln1`, BT * C),
-      ln1s: await alloc(`l${l}.ln1s`, BT * 2),
-      qkv: await alloc(`l${l}.qkv`, BT * 3 * C),
-      atty: await alloc(`l${l}.atty`, BT * C),
-      lse: await alloc(`l${l}.lse`, B * H * T),
-      res2: await alloc(`l${l}.res2`, BT * C),
-      ln2: await alloc(`l${l}.ln2`, BT * C),
-      ln2s: await alloc(`l${l}.ln2s`, BT * 2),
-      fch: await alloc(`l${l}.fch`, BT * 4 * C),
-      fcg: await alloc(`l${l}.fcg`, BT * 4 * C),
-    });
+    acts.push(
+      Object.fromEntries(LAYER_ACTS.map((n) => [n, buf(actPrefix(k, l) + n)])) as Record<
+        LayerActName,
+        GPUBuffer
+      >,
+    );
   }
-  const lnf = await alloc("lnf", BT * C), lnfs = await alloc("lnfs", BT * 2);
-  const logits = await alloc("logits", BT * Vp), losses = await alloc("losses", BT);
+  const lnf = buf("lnf"), lnfs = buf("lnfs"), logits = buf("logits"), losses = buf("losses");
 
   const P = (name: string): View => {
     const t = layout.byName.get(name);
     if (!t) throw new Error(`Unknown parameter "${name}"`);
-    return { buffer: params, offset: t.offset * 4, size: t.size * 4 };
+    return flatView(params, t.offset, t.size);
   };
+  /** A weight as the matmuls read it: the f16 copy with fp16, else the parameters. */
+  const W = (name: string): View => {
+    if (!params16) return P(name);
+    const t = layout.byName.get(name)!;
+    return flatView(params16, t.offset, t.size);
+  };
+  /** Rows [r0, r0 + n) of a (B·T, width) activation. */
+  const rowsView = (buffer: GPUBuffer, r0: number, n: number, width: number): View => {
+    const bpe = dtypeOf(buffer) === "f16" ? 2 : 4;
+    return { buffer, offset: r0 * width * bpe, size: n * width * bpe };
+  };
+  const chunks = Array.from({ length: nChunks }, (_, i) => {
+    const r0 = i * headRows;
+    return { i, r0, n: Math.min(headRows, BT - r0) };
+  });
   const V = (buffer: GPUBuffer): View => ({ buffer });
 
   const op = async (
@@ -237,11 +277,14 @@ export async function buildModel(
     views: Record<string, View>,
   ) => {
     const tile = chooseTile(spec, ctx.limits.maxComputeInvocationsPerWorkgroup);
+    // Each binding's element type is its buffer's, as planned.
+    const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
+    const math = f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
     return await op(
       phase,
       phase === "forward" ? "matmul_fwd" : "matmul_bwd",
       label,
-      matmulWgsl(spec, tile),
+      matmulWgsl({ ...spec, dtypes, math }, tile),
       matmulBindings(spec).map((n) => views[n]),
       matmulGrid(spec, tile),
       { uniform: spec.dropout ? dropUniform : undefined, flops: matmulFlops(spec) },
@@ -266,6 +309,8 @@ export async function buildModel(
     H,
     D,
     split,
+    dtype: half ? "f16" : "f32",
+    gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
       : chooseAttentionTiles({ T, D }, wgBytes)),
@@ -287,14 +332,22 @@ export async function buildModel(
     ),
   );
   const lnFwd = (x: GPUBuffer, w: string, b: string, out: GPUBuffer, st: GPUBuffer, label: string) =>
-    op("forward", "layernorm", label, layernormForwardWgsl(C), [V(x), P(w), P(b), V(out), V(st)], rowsGrid);
+    op("forward", "layernorm", label, layernormForwardWgsl(C, dtypeOf(out)), [
+      V(x),
+      P(w),
+      P(b),
+      V(out),
+      V(st),
+    ], rowsGrid);
+  /** Each layer's forward ops, replayed in backward to recompute a checkpointed group. */
+  const layerOps: Op[][] = [];
   for (let l = 0; l < L; l++) {
-    const a = acts[l], p = `h.${l}.`;
+    const a = acts[l], p = `h.${l}.`, first = forward.length;
     forward.push(await lnFwd(res[l], p + "ln_1.weight", p + "ln_1.bias", a.ln1, a.ln1s, `l${l}.ln1`));
     forward.push(
       await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * C, C), bias: true }, {
         A: V(a.ln1),
-        B: P(p + "attn.c_attn.weight"),
+        B: W(p + "attn.c_attn.weight"),
         bias: P(p + "attn.c_attn.bias"),
         out: V(a.qkv),
       }),
@@ -319,7 +372,7 @@ export async function buildModel(
         dropout: drop(hidden, dropoutSite.attnProj(l)),
       }, {
         A: V(a.atty),
-        B: P(p + "attn.c_proj.weight"),
+        B: W(p + "attn.c_proj.weight"),
         bias: P(p + "attn.c_proj.bias"),
         res: V(res[l]),
         out: V(a.res2),
@@ -327,12 +380,11 @@ export async function buildModel(
     );
     forward.push(await lnFwd(a.res2, p + "ln_2.weight", p + "ln_2.bias", a.ln2, a.ln2s, `l${l}.ln2`));
     forward.push(
-      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true, epilogue: "gelu" }, {
+      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true }, {
         A: V(a.ln2),
-        B: P(p + "mlp.c_fc.weight"),
+        B: W(p + "mlp.c_fc.weight"),
         bias: P(p + "mlp.c_fc.bias"),
         out: V(a.fch),
-        out2: V(a.fcg),
       }),
     );
     forward.push(
@@ -341,80 +393,91 @@ export async function buildModel(
         bias: true,
         epilogue: "residual",
         dropout: drop(hidden, dropoutSite.mlpProj(l)),
+        prologueA: "gelu",
       }, {
-        A: V(a.fcg),
-        B: P(p + "mlp.c_proj.weight"),
+        A: V(a.fch),
+        B: W(p + "mlp.c_proj.weight"),
         bias: P(p + "mlp.c_proj.bias"),
         res: V(a.res2),
         out: V(res[l + 1]),
       }),
     );
+    layerOps.push(forward.slice(first));
   }
   forward.push(await lnFwd(res[L], "ln_f.weight", "ln_f.bias", lnf, lnfs, "lnf"));
-  forward.push(
-    await matmul("forward", "lm_head", mm(BT, Vp, C, false, true), {
-      A: V(lnf),
-      B: P("wte.weight"),
-      out: V(logits),
-    }),
-  );
+  const headFwd = (k: { i: number; r0: number; n: number }) =>
+    matmul("forward", nChunks > 1 ? `lm_head.${k.i}` : "lm_head", mm(k.n, Vp, C, false, true), {
+      A: rowsView(lnf, k.r0, k.n, C),
+      B: W("wte.weight"),
+      out: rowsView(logits, 0, k.n, Vp),
+    });
+  if (nChunks === 1) forward.push(await headFwd(chunks[0]));
 
   // ---------------------------------------------------------------- loss
-  const ceSpec = { rows: BT, T, V: c.vocab_size, Vp };
-  const loss = [
-    await op(
+  type Chunk = { i: number; r0: number; n: number };
+  const ceOp = (k: Chunk, grad: boolean) =>
+    op(
       "forward",
       "cross_entropy",
-      "cross_entropy",
-      crossEntropyWgsl({ ...ceSpec, grad: true }),
-      [
-        V(logits),
-        V(tokens),
-        V(losses),
-        V(control),
-      ],
-      rowsGrid,
-      { uniform: optUniform },
-    ),
-    await op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT, STAT.loss), [V(losses), V(stats)], [
-      1,
-    ]),
-  ];
-  const evalLoss = [
-    await op("forward", "cross_entropy", "cross_entropy_eval", crossEntropyWgsl({ ...ceSpec, grad: false }), [
-      V(logits),
-      V(tokens),
-      V(losses),
-    ], rowsGrid),
+      `cross_entropy${grad ? "" : "_eval"}${nChunks > 1 ? `.${k.i}` : ""}`,
+      crossEntropyWgsl({ rows: k.n, rowBase: k.r0, totalRows: BT, T, V: c.vocab_size, Vp, grad }),
+      [rowsView(logits, 0, k.n, Vp), V(tokens), V(losses), ...(grad ? [V(control)] : [])],
+      grid1d(k.n, ctx.limits.maxComputeWorkgroupsPerDimension),
+      grad ? { uniform: optUniform } : {},
+    );
+  const meanLoss = () =>
+    op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT, STAT.loss), [V(losses), V(stats)], [1]);
+  let loss: Op[] = [];
+  if (!train) loss = [await ceOp(chunks[0], true), await meanLoss()];
+  const evalLoss: Op[] = [];
+  for (const k of chunks) {
+    if (nChunks > 1) evalLoss.push(await headFwd(k));
+    evalLoss.push(await ceOp(k, false));
+  }
+  evalLoss.push(
     await op("forward", "cross_entropy", "mean_eval_loss", meanLossWgsl(BT, STAT.evalLoss, true), [
       V(losses),
       V(stats),
     ], [1]),
-  ];
+  );
 
   // ---------------------------------------------------------------- backward
   const backward: Op[] = [];
   let optimizer: Op[] = [];
-  let trainBufs: { grads: GPUBuffer; adamM: GPUBuffer; adamV: GPUBuffer } | null = null;
+  // fp16: the f16 weight copy, refreshed from the master weights after every update.
+  const castWeights: Op[] = [];
+  if (params16) {
+    for (const [i, seg] of segments.entries()) {
+      castWeights.push(
+        await op(
+          "optimizer",
+          "optimizer",
+          `cast_f16${segments.length > 1 ? `.${i}` : ""}`,
+          castF16Wgsl(seg.size / 4),
+          [V(params.segments[i].buffer), V(params16.segments[i].buffer)],
+          grid1d(Math.ceil(seg.size / 4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
+        ),
+      );
+    }
+  }
+  let trainBufs: { grads: FlatBuffer; adamM: FlatBuffer; adamV: FlatBuffer } | null = null;
   if (train) {
-    const grads = await alloc("grads", layout.totalSize);
-    const adamM = await alloc("adam.m", layout.totalSize);
-    const adamV = await alloc("adam.v", layout.totalSize);
+    const grads = flat("grads"), adamM = flat("adam.m"), adamV = flat("adam.v");
     // Backward scratch.
-    const dres = await alloc("dres", BT * C), dtmp = await alloc("dtmp", BT * C);
-    const dln = await alloc("dln", BT * C), datty = await alloc("datty", BT * C);
-    const d4 = await alloc("d4c", BT * 4 * C), dqkv = await alloc("dqkv", BT * 3 * C);
-    const delta = await alloc("delta", B * H * T);
+    const dres = buf("dres"), dtmp = buf("dtmp"), dln = buf("dln"), datty = buf("datty");
+    const d4 = buf("d4c"), dqkv = buf("dqkv"), delta = buf("delta");
     const blocks = Math.ceil(BT / ROW_BLOCK);
-    const part = await alloc("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)));
-    const normPart = await alloc("normPart", NORM_GROUPS);
+    const part = buf("partials"), normPart = buf("normPart");
     const G = (name: string): View => {
       const t = layout.byName.get(name)!;
-      return { buffer: grads, offset: t.offset * 4, size: t.size * 4 };
+      return flatView(grads, t.offset, t.size);
     };
     const colsum = async (label: string, src: GPUBuffer, N: number, out: View) => {
       backward.push(
-        await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT), [V(src), V(part)], [
+        await op("backward", "reduce", label + ".part", colsumPartialWgsl(N, BT, dtypeOf(src)), [
+          V(src),
+          V(part),
+        ], [
           Math.ceil(N / 4 / 64),
           blocks,
         ]),
@@ -484,32 +547,55 @@ export async function buildModel(
       return dtmp;
     };
 
-    // LM head: dlnf = dlogits·wte; dwte = dlogitsᵀ·lnf (stored; the embedding adds to it later).
-    backward.push(
-      await matmul("backward", "lm_head.dx", mm(BT, C, Vp), {
-        A: V(logits),
-        B: P("wte.weight"),
-        out: V(dln),
+    // LM head: dlnf = dlogits·wte; dwte = dlogitsᵀ·lnf (stored, then accumulated over chunks;
+    // the embedding adds to it later). With several chunks each runs right after its loss.
+    const sfx = (k: Chunk) => nChunks > 1 ? `.${k.i}` : "";
+    const headBwd = async (k: Chunk) => [
+      await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vp), {
+        A: rowsView(logits, 0, k.n, Vp),
+        B: W("wte.weight"),
+        out: rowsView(dln, k.r0, k.n, C),
       }),
-    );
-    backward.push(
-      await matmul("backward", "lm_head.dw", mm(Vp, C, BT, true, false), {
-        A: V(logits),
-        B: V(lnf),
+      await matmul("backward", `lm_head.dw${sfx(k)}`, {
+        ...mm(Vp, C, k.n, true, false),
+        epilogue: k.i === 0 ? "store" : "accumulate",
+      }, {
+        A: rowsView(logits, 0, k.n, Vp),
+        B: rowsView(lnf, k.r0, k.n, C),
         out: G("wte.weight"),
       }),
-    );
+    ];
+    if (nChunks === 1) {
+      loss = [await ceOp(chunks[0], true), await meanLoss()];
+      backward.push(...await headBwd(chunks[0]));
+    } else {
+      for (const k of chunks) loss.push(await headFwd(k), await ceOp(k, true), ...await headBwd(k));
+      loss.push(await meanLoss());
+    }
     await lnBwd("lnf.bwd", dln, res[L], lnfs, "ln_f.weight", "ln_f.bias", false);
+    const lastGroup = k > 0 ? Math.floor((L - 1) / k) : -1;
     for (let l = L - 1; l >= 0; l--) {
       const a = acts[l], p = `h.${l}.`;
+      // Checkpointing: entering a group from its top, recompute its layers from the group's input
+      // (the last group's activations are still in place). The group's final output projection
+      // only rewrites the stored residual, so it is left out.
+      const g = k > 0 ? Math.floor(l / k) : -1;
+      if (k > 0 && g !== lastGroup && (l % k === k - 1 || l === L - 1)) {
+        for (let j = g * k; j <= l; j++) backward.push(...(j === l ? layerOps[j].slice(0, -1) : layerOps[j]));
+      }
       // MLP output projection (+ residual): dres is the gradient of res[l+1].
       const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
       backward.push(
-        await matmul("backward", `l${l}.fc_proj.dw`, mm(4 * C, C, BT, true, false), {
-          A: V(a.fcg),
-          B: V(dproj),
-          out: G(p + "mlp.c_proj.weight"),
-        }),
+        await matmul(
+          "backward",
+          `l${l}.fc_proj.dw`,
+          { ...mm(4 * C, C, BT, true, false), prologueA: "gelu" },
+          {
+            A: V(a.fch),
+            B: V(dproj),
+            out: G(p + "mlp.c_proj.weight"),
+          },
+        ),
       );
       await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
       backward.push(
@@ -518,7 +604,7 @@ export async function buildModel(
           epilogue: "gelu_grad",
         }, {
           A: V(dproj),
-          B: P(p + "mlp.c_proj.weight"),
+          B: W(p + "mlp.c_proj.weight"),
           aux: V(a.fch),
           out: V(d4),
         }),
@@ -534,7 +620,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * C, false, true), {
           A: V(d4),
-          B: P(p + "mlp.c_fc.weight"),
+          B: W(p + "mlp.c_fc.weight"),
           out: V(dln),
         }),
       );
@@ -552,7 +638,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, C, C, false, true), {
           A: V(dap),
-          B: P(p + "attn.c_proj.weight"),
+          B: W(p + "attn.c_proj.weight"),
           out: V(datty),
         }),
       );
@@ -591,7 +677,7 @@ export async function buildModel(
       backward.push(
         await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * C, false, true), {
           A: V(dqkv),
-          B: P(p + "attn.c_attn.weight"),
+          B: W(p + "attn.c_attn.weight"),
           out: V(dln),
         }),
       );
@@ -615,29 +701,43 @@ export async function buildModel(
     );
 
     // ---------------------------------------------------------------- optimizer
-    const n4 = layout.totalSize / 4;
+    // Per segment: the norm's partial sums (into its own NORM_GROUPS slots), later AdamW.
+    const normOps: Op[] = [], adamOps: Op[] = [];
+    for (const [i, seg] of segments.entries()) {
+      const n4 = seg.size / 4, sf = segments.length > 1 ? `.${i}` : "";
+      const decayEnd4 = Math.min(Math.max(layout.decayEnd - seg.start, 0), seg.size) / 4;
+      const pv = params.segments[i].buffer, gv = grads.segments[i].buffer;
+      normOps.push(
+        await op("optimizer", "optimizer", `grad_norm.part${sf}`, gradNormPartialWgsl(n4), [
+          V(gv),
+          { buffer: normPart, offset: i * NORM_GROUPS * 4, size: NORM_GROUPS * 4 },
+        ], [NORM_GROUPS]),
+      );
+      adamOps.push(
+        await op(
+          "optimizer",
+          "optimizer",
+          `adamw${sf}`,
+          adamwWgsl(n4, decayEnd4),
+          [V(pv), V(gv), V(adamM.segments[i].buffer), V(adamV.segments[i].buffer), V(control)],
+          grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
+          { uniform: optUniform },
+        ),
+      );
+    }
     optimizer = [
-      await op("optimizer", "optimizer", "grad_norm.part", gradNormPartialWgsl(n4), [V(grads), V(normPart)], [
-        NORM_GROUPS,
-      ]),
+      ...normOps,
       await op(
         "optimizer",
         "optimizer",
         "step_control",
-        stepControlWgsl(NORM_GROUPS, STAT.loss, STAT.gradNorm),
+        stepControlWgsl(NORM_GROUPS * segments.length, STAT.loss, STAT.gradNorm),
         [V(normPart), V(stats), V(control)],
         [1],
         { uniform: optUniform },
       ),
-      await op(
-        "optimizer",
-        "optimizer",
-        "adamw",
-        adamwWgsl(n4, layout.decayEnd / 4),
-        [V(params), V(grads), V(adamM), V(adamV), V(control)],
-        grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
-        { uniform: optUniform },
-      ),
+      ...adamOps,
+      ...castWeights,
     ];
     trainBufs = { grads, adamM, adamV };
   }
@@ -649,6 +749,7 @@ export async function buildModel(
     grads: trainBufs?.grads ?? null,
     adamM: trainBufs?.adamM ?? null,
     adamV: trainBufs?.adamV ?? null,
+    headRows,
     tokens,
     layers: acts,
     lnf,
@@ -663,8 +764,10 @@ export async function buildModel(
     evalLoss,
     backward,
     optimizer,
+    castWeights,
     memoryBytes,
     buffers,
+    plan,
   };
 }
 

@@ -21,12 +21,15 @@ import {
 } from "./device.ts";
 import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
+import type { ChunkOptions, Precision } from "./plan.ts";
+import { readFlat, writeFlat } from "./flat.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
 import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
 import {
   CONTROL_BYTES,
   type ControlState,
+  DEFAULT_LOSS_SCALER,
   type LossScalerConfig,
   packControl,
   packOptimizerUniform,
@@ -45,10 +48,21 @@ export interface TrainerOptions {
   seed: number;
   /** Time every kernel with timestamp queries (one pass per kernel; for benchmarks). */
   profile?: boolean;
-  /** Dynamic loss scaling (fp16 uses Megatron's defaults); without it the loss scale is 1. */
+  /**
+   * "fp16": f16 weights (a copy refreshed after each update) and activations, fp32 master weights,
+   * gradients and AdamW, dynamic loss scaling. Default "fp32".
+   */
+  precision?: Precision;
+  /** fp16: multiply f16 matmul inputs in f16 per k-tile (default true; false keeps f32 arithmetic). */
+  f16Math?: boolean;
+  /** Dynamic loss scaling; default: Megatron's (DEFAULT_LOSS_SCALER) with fp16, none (scale 1) with fp32. */
   lossScaler?: LossScalerConfig;
   /** Test hook: iterations (0-based `step` at submission) whose loss gradient is made NaN on the GPU. */
   debugNonFiniteAt?: number[];
+  /** Smaller segments of the flat arrays or LM head chunks than the device needs (tests, benchmarks). */
+  chunks?: ChunkOptions;
+  /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
+  checkpointLayers?: number;
 }
 
 /** What one readback at a log step returns. */
@@ -116,13 +130,22 @@ export class Trainer {
   }
 
   /** Plans the model on the device and loads `state` or fresh parameters. Throws ConfigError when it can't fit. */
-  static async create(ctx: GpuContext, opts: TrainerOptions, state?: TrainerState): Promise<Trainer> {
+  static async create(ctx: GpuContext, options: TrainerOptions, state?: TrainerState): Promise<Trainer> {
+    const opts: TrainerOptions = {
+      ...options,
+      lossScaler: options.lossScaler ?? (options.precision === "fp16" ? DEFAULT_LOSS_SCALER : undefined),
+    };
     const model = await buildModel(ctx, {
       config: opts.config,
       B: opts.batchSize,
       T: opts.seqLen,
       attnDropout: opts.attnDropout,
       hiddenDropout: opts.hiddenDropout,
+    }, {
+      ...opts.chunks,
+      checkpointLayers: opts.checkpointLayers,
+      precision: opts.precision,
+      f16Math: opts.f16Math,
     });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
@@ -136,14 +159,19 @@ export class Trainer {
           );
         }
       }
-      write(q, model.params, state.params);
-      write(q, model.adamM!, state.m);
-      write(q, model.adamV!, state.v);
+      writeFlat(q, model.params, state.params);
+      writeFlat(q, model.adamM!, state.m);
+      writeFlat(q, model.adamV!, state.v);
     } else {
-      write(q, model.params, initParams(opts.config, opts.seed));
+      writeFlat(q, model.params, initParams(opts.config, opts.seed));
     }
     const control = state?.control ?? { optimizerStep: state?.step ?? 0 };
     q.writeBuffer(model.control, 0, packControl(control, opts.lossScaler));
+    if (model.castWeights.length) {
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, model.castWeights);
+      q.submit([enc.finish()]);
+    }
     return new Trainer(ctx, opts, model, state?.step ?? 0);
   }
 
@@ -271,8 +299,15 @@ export class Trainer {
     return s[STAT.evalLoss] / list.length;
   }
 
-  /** Logits (B·T·Vp) of the last forward pass, before the loss overwrote them: runs a forward pass. */
+  /**
+   * Logits (B·T·Vp) of a forward pass without dropout on `tokens`. Only when the LM head runs in one
+   * chunk (small B·T); a chunked head never holds all logits.
+   */
   async logits(tokens: Uint16Array | Uint32Array): Promise<Float32Array> {
+    const { batchSize: B, seqLen: T } = this.opts;
+    if (this.#model.headRows < B * T) {
+      throw new RangeError(`Logits of ${B * T} rows are computed in chunks of ${this.#model.headRows}`);
+    }
     this.#writeTokens(tokens);
     this.#writeDropout(this.#step, false);
     const enc = this.#ctx.device.createCommandEncoder();
@@ -299,19 +334,16 @@ export class Trainer {
 
   /** Reads parameters and optimizer moments back (for checkpoints). */
   async exportState(): Promise<TrainerState> {
-    const [params, m, v] = [
-      await readFloats(this.#ctx, this.#model.params),
-      await readFloats(this.#ctx, this.#model.adamM!),
-      await readFloats(this.#ctx, this.#model.adamV!),
-    ];
+    const params = await readFlat(this.#ctx, this.#model.params);
+    const m = await readFlat(this.#ctx, this.#model.adamM!);
+    const v = await readFlat(this.#ctx, this.#model.adamV!);
     const control = unpackControl(await readBuffer(this.#ctx, this.#model.control, 0, CONTROL_BYTES));
-    const n = this.#model.layout.totalSize;
-    return { step: this.#step, params: params.slice(0, n), m: m.slice(0, n), v: v.slice(0, n), control };
+    return { step: this.#step, params, m, v, control };
   }
 
-  /** Gradients of the last step (flat layout), for tests. */
+  /** Gradients of the last step (flat layout) as computed: multiplied by the step's loss scale. For tests. */
   async gradients(): Promise<Float32Array> {
-    return (await readFloats(this.#ctx, this.#model.grads!)).slice(0, this.#model.layout.totalSize);
+    return await readFlat(this.#ctx, this.#model.grads!);
   }
 
   /** Frees the GPU buffers. */
@@ -322,6 +354,6 @@ export class Trainer {
   }
 }
 
-function write(q: GPUQueue, buf: GPUBuffer, data: Float32Array | Uint32Array): void {
+function write(q: GPUQueue, buf: GPUBuffer, data: Uint32Array): void {
   q.writeBuffer(buf, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
 }

@@ -126,6 +126,8 @@ export type FromWorker =
     gpu_memory_bytes: number;
     /** Steps whose update was skipped for a non-finite loss or gradient, in this job so far. */
     skipped_steps: number;
+    /** Dynamic loss scale of the next step (1 in fp32). */
+    loss_scale: number;
   }
   | {
     type: "eval";

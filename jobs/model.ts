@@ -1,17 +1,13 @@
 /**
  * Turning a submitted training request into a complete job config: resolve the model (a preset
  * or explicit dimensions, always GPT-2's vocabulary padded to 128), fill the sequence length the
- * model allows, and reject what cannot work with a message that names the field.
+ * model allows, and reject what cannot work with a message that names the field — including a
+ * model whose memory plan (gpu/plan.ts, the one the engine allocates) exceeds the GPU's memory.
  */
 
-import {
-  ConfigError,
-  makeConfig,
-  type ModelConfig,
-  paramLayout,
-  presetConfig,
-  validateSeqLen,
-} from "../gpu/config.ts";
+import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "../gpu/config.ts";
+import { DEFAULT_PLAN_LIMITS, type Estimate, estimateTraining, knownDeviceMemory } from "../gpu/estimate.ts";
+import type { PlanLimits } from "../gpu/plan.ts";
 import { InvalidJobError } from "./errors.ts";
 import type { TrainConfig } from "./types.ts";
 
@@ -21,6 +17,13 @@ export type TrainRequest = Omit<TrainConfig, "seq_len"> & { seq_len?: number };
 /** Default sequence length: the model's position table, capped at this. */
 export const DEFAULT_MAX_SEQ_LEN = 128;
 
+/** What a GPU reported about itself (see the Worker's "ready" message). */
+export interface DeviceBudget {
+  adapter: string | null;
+  max_binding_bytes: number | null;
+  max_buffer_bytes: number | null;
+}
+
 /** Resolves a job's model: a preset name or explicit dimensions. Throws ConfigError naming the field. */
 export function resolveModel(config: Pick<TrainConfig, "model" | "seq_len">): ModelConfig {
   const model = typeof config.model === "string" ? presetConfig(config.model) : makeConfig(config.model);
@@ -28,28 +31,133 @@ export function resolveModel(config: Pick<TrainConfig, "model" | "seq_len">): Mo
   return model;
 }
 
-/**
- * Completes and checks a request. `maxBindingBytes`, when a device has reported it, refuses
- * models whose flat parameter buffer cannot be bound on the GPU.
- */
-export function completeConfig(req: TrainRequest, maxBindingBytes: number | null = null): TrainConfig {
+/** Layers per recomputed group of a config (0: no checkpointing). */
+export function checkpointLayers(
+  c: Pick<TrainConfig, "checkpoint_activations" | "checkpoint_num_layers">,
+): number {
+  return c.checkpoint_activations ? c.checkpoint_num_layers ?? 1 : 0;
+}
+
+function planLimits(device: DeviceBudget | null): PlanLimits {
+  return {
+    maxStorageBufferBindingSize: device?.max_binding_bytes ?? DEFAULT_PLAN_LIMITS.maxStorageBufferBindingSize,
+    maxBufferSize: device?.max_buffer_bytes ?? DEFAULT_PLAN_LIMITS.maxBufferSize,
+  };
+}
+
+/** What `GET /estimate` is asked. */
+export interface EstimateQuery {
+  model: TrainConfig["model"];
+  batch_size: number;
+  seq_len?: number;
+  precision: "fp32" | "fp16";
+  checkpoint_activations: boolean;
+  checkpoint_num_layers: number;
+  tensor_parallel: number;
+  data_parallel: number;
+}
+
+/** The estimate of a query for a device (or the default limits), with the device's memory when known. */
+export function estimateJob(
+  q: EstimateQuery,
+  device: DeviceBudget | null,
+): Estimate & { seq_len: number; gpu_memory_bytes: number | null; fits: boolean | null } {
   try {
-    const dims = typeof req.model === "string" ? presetConfig(req.model) : makeConfig(req.model);
-    const config: TrainConfig = {
-      ...req,
-      seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN),
+    const config = typeof q.model === "string" ? presetConfig(q.model) : makeConfig(q.model);
+    const seq_len = q.seq_len ?? Math.min(config.n_positions, DEFAULT_MAX_SEQ_LEN);
+    validateSeqLen(config, seq_len);
+    const est = estimateTraining({
+      config,
+      batchSize: q.batch_size,
+      seqLen: seq_len,
+      precision: q.precision,
+      checkpointLayers: checkpointLayers(q),
+      tensorParallel: q.tensor_parallel,
+      dataParallel: q.data_parallel,
+      limits: planLimits(device),
+    });
+    const memory = knownDeviceMemory(device?.adapter ?? null);
+    return {
+      ...est,
+      seq_len,
+      gpu_memory_bytes: memory,
+      fits: memory === null ? null : est.bytes_per_gpu.total <= memory,
     };
-    const model = resolveModel(config);
-    const bytes = paramLayout(model).totalSize * 4;
-    if (maxBindingBytes !== null && bytes > maxBindingBytes) {
-      throw new InvalidJobError(
-        "model",
-        `Model does not fit the GPU: its ${bytes} bytes of parameters exceed the device's ${maxBindingBytes}-byte buffer binding limit`,
-      );
-    }
-    return config;
   } catch (e) {
     if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
     throw e;
   }
+}
+
+/** The plan's GPU bytes for a complete config on `device` (default limits without one). */
+export function estimateBytes(config: TrainConfig, device: DeviceBudget | null): number {
+  return estimateTraining({
+    config: resolveModel(config),
+    batchSize: config.batch_size,
+    seqLen: config.seq_len,
+    precision: config.precision ?? "fp32",
+    checkpointLayers: checkpointLayers(config),
+    limits: planLimits(device),
+  }).bytes_per_gpu.total;
+}
+
+const gib = (n: number) => `${(n / 2 ** 30).toFixed(2)} GiB`;
+
+/**
+ * Completes and checks a request. With `device` (what its GPU reported), a model whose buffers
+ * cannot be bound, or whose estimate exceeds the GPU's memory when that is known, is refused
+ * naming the biggest part of the estimate.
+ */
+export function completeConfig(req: TrainRequest, device: DeviceBudget | null = null): TrainConfig {
+  let config: TrainConfig;
+  try {
+    const dims = typeof req.model === "string" ? presetConfig(req.model) : makeConfig(req.model);
+    config = { ...req, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
+    resolveModel(config);
+  } catch (e) {
+    if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
+    throw e;
+  }
+  if (config.precision === "fp16" && device?.adapter && !/shader-f16/.test(device.adapter)) {
+    // The Worker's adapter line lists the device's features (see describeDevice()).
+    throw new InvalidJobError(
+      "precision",
+      `Precision "fp16" needs a GPU with shader-f16: "${device.adapter}" has none`,
+    );
+  }
+  if (device) checkFitsDevice(config, device);
+  return config;
+}
+
+function checkFitsDevice(config: TrainConfig, device: DeviceBudget): void {
+  let est: Estimate;
+  try {
+    est = estimateTraining({
+      config: resolveModel(config),
+      batchSize: config.batch_size,
+      seqLen: config.seq_len,
+      precision: config.precision ?? "fp32",
+      checkpointLayers: checkpointLayers(config),
+      limits: planLimits(device),
+    });
+  } catch (e) {
+    if (e instanceof ConfigError) {
+      throw new InvalidJobError(e.field, `Model does not fit the GPU: ${e.detail}`);
+    }
+    throw e;
+  }
+  const memory = knownDeviceMemory(device.adapter);
+  if (memory === null || est.bytes_per_gpu.total <= memory) return;
+  const { category, bytes } = est.biggest;
+  const activation = category === "activations" || category === "logits";
+  const hint = activation
+    ? "lower batch_size or seq_len, or set checkpoint_activations"
+    : config.precision === "fp16"
+    ? "choose a smaller model"
+    : 'choose a smaller model or precision "fp16"';
+  throw new InvalidJobError(
+    activation ? "batch_size" : "model",
+    `Model does not fit the GPU: the estimate of ${gib(est.bytes_per_gpu.total)} exceeds the GPU's ` +
+      `${gib(memory)}; the biggest part is ${category} (${gib(bytes)}): ${hint}`,
+  );
 }

@@ -15,7 +15,7 @@ import type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
 import type { HostStatus } from "./host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
-import { completeConfig, type TrainRequest } from "./model.ts";
+import { completeConfig, type DeviceBudget, estimateBytes, type TrainRequest } from "./model.ts";
 
 export type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
 export { spawnGpuWorker } from "./gpu_port.ts";
@@ -125,7 +125,7 @@ export class JobRunner {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
     const gpu = this.#pickGpu();
-    const config = completeConfig(req, this.#slots[gpu]?.maxBinding ?? null);
+    const config = completeConfig(req, this.device(gpu));
     if (!(await this.#opts.datasetExists(config.dataset))) {
       throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
     }
@@ -141,7 +141,10 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    const job = this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config);
+    const job = this.#store.updateJob(id, {
+      metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
+    });
     this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return job; // as accepted: "queued", even if its GPU already took it
@@ -207,6 +210,13 @@ export class JobRunner {
       set.delete(fn);
       if (set.size === 0) this.#listeners.delete(id);
     };
+  }
+
+  /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
+  device(gpu: number): DeviceBudget | null {
+    const s = this.#slots[gpu];
+    if (!s || s.maxBinding === null) return null;
+    return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
   }
 
   /** The GPU host's state, or null when Workers run in this process. */
@@ -438,6 +448,7 @@ export class JobRunner {
             timings: msg.timings,
             gpu_memory_bytes: msg.gpu_memory_bytes,
             skipped_steps: msg.skipped_steps,
+            loss_scale: msg.loss_scale,
           },
         });
         if (msg.loss !== null) {

@@ -21,7 +21,7 @@ import {
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
 import type { FromWorker, WorkerJob } from "./messages.ts";
 import type { TrainConfig } from "./types.ts";
-import { resolveModel } from "./model.ts";
+import { checkpointLayers, resolveModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
@@ -132,6 +132,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
       profile: ctx.hasTimestamps,
       debugNonFiniteAt: hooks.nonFiniteAt,
+      checkpointLayers: checkpointLayers(c),
+      precision: c.precision ?? "fp32",
     }, state);
     const sampler = new Sampler(
       data.train,
@@ -237,6 +239,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
           },
           gpu_memory_bytes: trainer.memoryBytes,
           skipped_steps: stats.skippedSteps,
+          loss_scale: stats.lossScale,
         });
         windowStart = performance.now();
         windowSteps = 0;

@@ -50,6 +50,15 @@ export interface TrainConfig {
   keep_checkpoints: number;
   /** A checkpoint to start from: "<job id>" (its newest) or "<job id>/<checkpoint name>". */
   resume_from?: string;
+  /**
+   * "fp32" (absent: fp32) or "fp16": f16 weights and activations, fp32 master weights and AdamW,
+   * dynamic loss scaling (Megatron's --fp16).
+   */
+  precision?: "fp32" | "fp16";
+  /** Recompute each group's activations in backward (Megatron's --checkpoint-activations). */
+  checkpoint_activations?: boolean;
+  /** Layers per recomputed group (Megatron's --checkpoint-num-layers; absent: 1). */
+  checkpoint_num_layers?: number;
 }
 
 /** Lifecycle of a job. `interrupted` means the server died while it ran; it resumes on its own. */
@@ -87,8 +96,13 @@ export interface JobMetrics {
   test_tokens: number | null;
   /** Steps skipped for a non-finite loss or gradient norm. */
   skipped_steps: number | null;
+  /** Dynamic loss scale (1 in fp32). */
+  loss_scale: number | null;
   timings: PhaseTimes | null;
+  /** GPU bytes the job's buffers take (measured from the allocation). */
   gpu_memory_bytes: number | null;
+  /** GPU bytes the memory plan estimated when the job was submitted (see GET /estimate). */
+  gpu_memory_estimate_bytes: number | null;
 }
 
 /** A job as the API shows it. */
@@ -155,7 +169,9 @@ export function emptyMetrics(): JobMetrics {
     val_tokens: null,
     test_tokens: null,
     skipped_steps: null,
+    loss_scale: null,
     timings: null,
     gpu_memory_bytes: null,
+    gpu_memory_estimate_bytes: null,
   };
 }

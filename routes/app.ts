@@ -25,6 +25,7 @@ import { generateRoutes } from "./generate.ts";
 import { createMetrics, type MetricsHook } from "./metrics.ts";
 import { type StreamCounter, streamLimit } from "./sse.ts";
 import { webRoutes } from "./web.ts";
+import { estimateRoutes } from "./estimate.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -234,6 +235,7 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/v1/completions", bounded);
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
   app.route("/", jobRoutes(opts.runner, limits, aliases));
+  app.route("/", estimateRoutes(opts.runner));
   if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;

@@ -132,6 +132,17 @@ export function createMetrics(
     (j) => j.metrics.tokens_per_s,
   );
   perJob("gpt2_job_gpu_memory_bytes", "GPU memory allocated by the job", (j) => j.metrics.gpu_memory_bytes);
+  perJob(
+    "gpt2_job_gpu_memory_estimate_bytes",
+    "GPU memory the plan estimated for the job",
+    (j) => j.metrics.gpu_memory_estimate_bytes,
+  );
+  perJob("gpt2_job_loss_scale", "Dynamic loss scale (1 in fp32)", (j) => j.metrics.loss_scale);
+  perJob(
+    "gpt2_job_skipped_steps",
+    "Steps skipped for a non-finite loss or gradient",
+    (j) => j.metrics.skipped_steps,
+  );
   new Gauge({
     name: "gpt2_job_phase_seconds",
     help: "Seconds per step in each phase, averaged over the last log interval",

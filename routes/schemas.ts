@@ -42,6 +42,9 @@ export const TrainRequestSchema = z.strictObject({
   save_interval: z.number().int().min(0).default(100),
   keep_checkpoints: positiveInt.max(1000).default(3),
   resume_from: z.string().min(1).max(300).optional(),
+  precision: z.enum(["fp32", "fp16"]).default("fp32"),
+  checkpoint_activations: z.boolean().default(false),
+  checkpoint_num_layers: positiveInt.max(96).default(1),
 }).refine((r) => r.min_lr <= r.lr, { path: ["min_lr"], message: "min_lr must not exceed lr" })
   .refine((r) => typeof r.model !== "string" || (PRESET_NAMES as readonly string[]).includes(r.model), {
     path: ["model"],

@@ -10,6 +10,7 @@ import {
   padVocab,
   parameterCount,
   paramLayout,
+  PRESET_NAMES,
   presetConfig,
   validateSeqLen,
 } from "../gpu/config.ts";
@@ -42,7 +43,9 @@ Deno.test("presetConfig() keeps the real and the padded vocabulary", () => {
 Deno.test("parameterCount() matches Megatron's 354,871,296 for 345M and the layout for every preset", () => {
   assert.equal(parameterCount(presetConfig("gpt2-345M")), 354871296);
   assert.equal(parameterCount(presetConfig("gpt2-124M")), 124475904);
-  for (const name of ["gpt2-tiny", "gpt2-small-test", "gpt2-124M", "gpt2-345M"]) {
+  assert.equal(parameterCount(presetConfig("gpt2-774M")), 774090240);
+  assert.equal(parameterCount(presetConfig("gpt2-1558M")), 1557686400);
+  for (const name of PRESET_NAMES) {
     const c = presetConfig(name);
     assert.equal(paramLayout(c).numParams, parameterCount(c), name);
   }
@@ -76,7 +79,7 @@ Deno.test("makeConfig() names the invalid field", () => {
 Deno.test("checkFits() refuses sizes beyond the device's limits before allocating", () => {
   const ctx = {
     limits: {
-      maxStorageBufferBindingSize: 128 * 2 ** 20,
+      maxStorageBufferBindingSize: 256 * 2 ** 20,
       maxBufferSize: 2 ** 31,
       maxComputeWorkgroupStorageSize: 32768,
       maxComputeInvocationsPerWorkgroup: 256,
@@ -85,7 +88,15 @@ Deno.test("checkFits() refuses sizes beyond the device's limits before allocatin
     },
   } as unknown as GpuContext;
   const shape = { config: presetConfig("gpt2-124M"), B: 8, T: 1024, attnDropout: 0, hiddenDropout: 0 };
-  throwsField(() => checkFits(ctx, shape), "batch_size", /exceed the device's storage binding limit/);
+  // Logits and parameters are chunked; the MLP activations of one layer still bind whole.
+  throwsField(
+    () => checkFits(ctx, { ...shape, B: 32 }),
+    "batch_size",
+    /buffer "l0.qkv" of 301989888 bytes exceeds the device's storage binding limit/,
+  );
+  checkFits(ctx, shape);
+  const xl = { ...shape, config: presetConfig("gpt2-1558M"), B: 1 };
+  throwsField(() => checkFits(ctx, xl), "model", /tensor "wte.weight" of 321945600 bytes exceeds/);
   throwsField(() => checkFits(ctx, { ...shape, B: 1, T: 2048 }), "seq_len", /past the position table/);
   throwsField(() => checkFits(ctx, { ...shape, B: 0 }), "batch_size", /positive integer/);
   checkFits(ctx, { ...shape, config: presetConfig("gpt2-tiny"), B: 4, T: 64 });

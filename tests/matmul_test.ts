@@ -16,13 +16,16 @@ import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
 import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../gpu/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
+const gelu = (x: number) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x ** 3)));
+
 function cpuMatmul(s: MatmulSpec, A: Float32Array, B: Float32Array, bias?: Float32Array): Float64Array {
   const out = new Float64Array(s.M * s.N);
   for (let m = 0; m < s.M; m++) {
     for (let n = 0; n < s.N; n++) {
       let acc = bias ? bias[n] : 0;
       for (let k = 0; k < s.K; k++) {
-        const a = s.transA ? A[k * s.M + m] : A[m * s.K + k];
+        const a0 = s.transA ? A[k * s.M + m] : A[m * s.K + k];
+        const a = s.prologueA === "gelu" ? gelu(a0) : a0;
         const b = s.transB ? B[n * s.K + k] : B[k * s.N + n];
         acc += a * b;
       }
@@ -31,8 +34,6 @@ function cpuMatmul(s: MatmulSpec, A: Float32Array, B: Float32Array, bias?: Float
   }
   return out;
 }
-
-const gelu = (x: number) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x ** 3)));
 
 async function run(spec: MatmulSpec, tile = chooseTile(spec)) {
   const ctx = (await testContext())!;
@@ -126,6 +127,26 @@ Deno.test({
         epilogue,
       });
       assert.ok(err < 1e-5, `${epilogue}: rel err ${err}`);
+    }
+  },
+});
+
+Deno.test({
+  name: "matmulWgsl() applies GELU to A as it loads it (plain and transposed A, guarded K)",
+  ignore: noGpu,
+  fn: async () => {
+    for (const transA of [false, true]) {
+      const err = await run({
+        M: 64,
+        N: 64,
+        K: 36,
+        transA,
+        transB: false,
+        bias: true,
+        epilogue: "residual",
+        prologueA: "gelu",
+      });
+      assert.ok(err < 1e-5, `transA ${transA}: rel err ${err}`);
     }
   },
 });

@@ -113,6 +113,10 @@ Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or 
       keep_checkpoints: 1,
     });
     await apiError(tooBig, 400, { param: "model", message: /^Model does not fit the GPU/ });
+    // The scripted Worker's adapter lists no shader-f16.
+    await apiError(await t.post("/train", { precision: "fp16", keep_checkpoints: 1 }), 400, {
+      param: "precision",
+    });
     await apiError(await t.post("/train", "{not json"), 400, { message: "Malformed JSON in request body" });
     assertEquals(t.store.listJobs().length, 0);
   } finally {
@@ -178,6 +182,7 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
       timings,
       gpu_memory_bytes: 1234,
       skipped_steps: 1,
+      loss_scale: 65536,
     });
     w.send({
       type: "eval",
@@ -196,6 +201,8 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assertEquals(job.metrics.timings, timings);
     assertEquals(job.metrics.gpu_memory_bytes, 1234);
     assertEquals(job.metrics.skipped_steps, 1);
+    assertEquals(job.metrics.loss_scale, 65536);
+    assert(job.metrics.gpu_memory_estimate_bytes > 0, "the plan's estimate beside the measured bytes");
     assertEquals(job.metrics.val_tokens, 4096);
     const list = await (await t.app.request("/jobs?status=running")).json();
     assertEquals(list.jobs.map((j: { id: string }) => j.id), [id]);
@@ -218,6 +225,8 @@ Deno.test("progress from the worker shows in GET /jobs/:id, /jobs, metrics histo
     assert(text.includes(`gpt2_job_step_seconds_count{job_id="${id}"} 1\n`), text);
     assert(text.includes(`# TYPE gpt2_http_requests_total counter\n`), text);
     assert(!/\{job="/.test(text), "no job label");
+    assert(text.includes(`gpt2_job_loss_scale{job_id="${id}",gpu="0"} 65536\n`), text);
+    assert(text.includes(`gpt2_job_skipped_steps{job_id="${id}",gpu="0"} 1\n`), text);
     const health = await (await t.app.request("/health")).json();
     assertEquals(health.status, "ok");
     assertEquals(health.gpus[0].state, "busy");

@@ -250,3 +250,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 }
 `;
 }
+
+/** out16 = f16(param) over n4 vec4s: the f16 weight copy the fp16 kernels read. Grid1d(n4 / WG). */
+export function castF16Wgsl(n4: number): string {
+  return `enable f16;
+@group(0) @binding(0) var<storage, read> param: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> out16: array<vec4<f16>>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let i = (wg.x + wg.y * nwg.x) * ${WG}u + tid;
+  if (i >= ${n4}u) { return; }
+  out16[i] = vec4<f16>(param[i]);
+}
+`;
+}

@@ -9,7 +9,7 @@
  * Attention dropout (seeded, see rng.ts) multiplies probabilities of element ((b·H+h)·T+i)·T+j.
  */
 
-import { dropWgsl } from "./common.ts";
+import { dropWgsl, type StorageDtype, withStorageDtypes } from "./common.ts";
 
 /** Attention problem sizes and tiling. */
 export interface AttentionSpec {
@@ -29,6 +29,10 @@ export interface AttentionSpec {
    * a subgroup size ≥ S, and D/4 divisible by S).
    */
   split?: 1 | 2 | 4;
+  /** Element type of qkv and of the output y in memory (arithmetic is f32); default f32. */
+  dtype?: StorageDtype;
+  /** Element type of the gradients dy and dqkv in memory; default f32. */
+  gradDtype?: StorageDtype;
 }
 
 /** Picks tiles that fit the device's workgroup memory. */
@@ -109,6 +113,34 @@ const dropIdx = (s: AttentionSpec) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.
 
 /** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
 export function attentionForwardWgsl(s: AttentionSpec): string {
+  return withStorageDtypes(attentionForwardPlainWgsl(s), { qkv: s.dtype, y: s.dtype });
+}
+
+/** delta[b,h,i] = dot(dy_i, y_i) over the head's columns. Grid1d over B·T·H/64. */
+export function attentionDeltaWgsl(s: AttentionSpec): string {
+  return withStorageDtypes(attentionDeltaPlainWgsl(s), { y: s.dtype, dy: s.gradDtype });
+}
+
+/** dK and dV. Grid (ceil(T/BKV), H, B). */
+export function attentionBackwardKVWgsl(s: AttentionSpec): string {
+  return withStorageDtypes(attentionBackwardKVPlainWgsl(s), {
+    qkv: s.dtype,
+    dy: s.gradDtype,
+    dqkv: s.gradDtype,
+  });
+}
+
+/** dQ. Grid (ceil(T/BQ), H, B). */
+export function attentionBackwardQWgsl(s: AttentionSpec): string {
+  return withStorageDtypes(attentionBackwardQPlainWgsl(s), {
+    qkv: s.dtype,
+    dy: s.gradDtype,
+    dqkv: s.gradDtype,
+  });
+}
+
+/** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
+function attentionForwardPlainWgsl(s: AttentionSpec): string {
   if ((s.split ?? 1) > 1) return attentionForwardSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const range = (n: number) => [...Array(n).keys()];
@@ -232,7 +264,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 }
 
 /** delta[b,h,i] = dot(dy_i, y_i) over the head's columns. One thread per (b, t, h); grid1d over B·T·H/64. */
-export function attentionDeltaWgsl(s: AttentionSpec): string {
+function attentionDeltaPlainWgsl(s: AttentionSpec): string {
   const { D4, C4 } = header(s);
   return `
 @group(0) @binding(0) var<storage, read> y: array<vec4<f32>>;
@@ -256,7 +288,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 }
 
 /** dK and dV: one thread per key, looping over the queries that see it. Grid (ceil(T/BKV), H, B). */
-export function attentionBackwardKVWgsl(s: AttentionSpec): string {
+function attentionBackwardKVPlainWgsl(s: AttentionSpec): string {
   if ((s.split ?? 1) > 1) return attentionBackwardKVSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
@@ -322,7 +354,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 }
 
 /** dQ: one thread per query, looping over the keys it sees. Grid (ceil(T/BQ), H, B). */
-export function attentionBackwardQWgsl(s: AttentionSpec): string {
+function attentionBackwardQPlainWgsl(s: AttentionSpec): string {
   if ((s.split ?? 1) > 1) return attentionBackwardQSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1;

@@ -68,3 +68,32 @@ export function treeReduce(arr: string, size: number, op: "+" | "max" | "min"): 
     workgroupBarrier();
   }`;
 }
+
+/** Element types a storage binding can hold. */
+export type StorageDtype = "f32" | "f16";
+
+/**
+ * Gives `array<vec4<f32>>` storage bindings of a generated kernel another element type without a
+ * second copy of the kernel: the binding's declaration becomes `array<vec4<f16>>`, every read
+ * `name[i]` becomes `vec4<f32>(name[i])` and every store `name[i] = e;` becomes
+ * `name[i] = vec4<f16>(e);`, so the arithmetic stays f32 (LayerNorm statistics, softmax, matmul
+ * accumulation) and only memory is f16. Adds `enable f16;` when any binding is f16. Indices must not
+ * contain brackets, which holds for every kernel here.
+ */
+export function withStorageDtypes(code: string, dtypes: Record<string, StorageDtype | undefined>): string {
+  const f16 = Object.entries(dtypes).filter(([, t]) => t === "f16").map(([name]) => name);
+  if (f16.length === 0) return code;
+  let out = code;
+  for (const name of f16) {
+    const decl = new RegExp(`(var<storage,[^>]*>\\s+${name}\\s*:\\s*array<)vec4<f32>>`);
+    if (!decl.test(out)) throw new Error(`Kernel has no vec4<f32> storage binding "${name}"`);
+    out = out.replace(decl, "$1vec4<f16>>");
+    out = out.replace(
+      new RegExp(`\\b${name}\\[([^\\[\\]]*)\\]\\s*=(?!=)\\s*([^;]*);`, "g"),
+      (_m, idx, rhs) => `${name}@@[${idx}] = vec4<f16>(${rhs});`,
+    );
+    out = out.replace(new RegExp(`\\b${name}\\[([^\\[\\]]*)\\]`, "g"), `vec4<f32>(${name}[$1])`);
+    out = out.replaceAll(`${name}@@[`, `${name}[`);
+  }
+  return `enable f16;\n${out}`;
+}

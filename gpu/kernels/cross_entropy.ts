@@ -12,8 +12,12 @@ const WG = 256;
 
 /** Sizes of the loss kernels. */
 export interface CrossEntropySpec {
-  /** Rows (B·T). */
+  /** Rows of this chunk of logits. */
   rows: number;
+  /** Global row of the chunk's first row (tokens and losses are indexed globally). */
+  rowBase: number;
+  /** All rows (B·T): the loss is their mean. */
+  totalRows: number;
   T: number;
   V: number;
   Vp: number;
@@ -46,6 +50,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let row = wg.x + wg.y * nwg.x;
   if (row >= ${s.rows}u) { return; }
   let base = row * ${s.Vp}u;
+  let grow = row + ${s.rowBase}u;
   // Online max and sum of exponentials per thread, then merged.
   var m = -1e30;
   var sum = 0.0;
@@ -67,12 +72,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   }
   let mx = ms[0];
   let lse = mx + log(ss[0]);
-  let tgt = tokens[(row / ${s.T}u) * ${s.T + 1}u + row % ${s.T}u + 1u];
-  if (tid == 0u) { losses[row] = lse - logits[base + tgt]; }
+  let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];
+  if (tid == 0u) { losses[grow] = lse - logits[base + tgt]; }
   ${
     s.grad
       ? `workgroupBarrier();
-  let inv = (1.0 / ${s.rows}.0) * ctl.scale * hp.grad_mul;
+  let inv = (1.0 / ${s.totalRows}.0) * ctl.scale * hp.grad_mul;
   for (var v = tid; v < ${s.Vp}u; v = v + ${WG}u) {
     var d = 0.0;
     if (v < ${s.V}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, v == tgt)) * inv; }

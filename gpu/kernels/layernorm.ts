@@ -6,7 +6,7 @@
  * (per-block partials, then `reduceRowsWgsl`), never with atomics.
  */
 
-import { treeReduce } from "./common.ts";
+import { type StorageDtype, treeReduce, withStorageDtypes } from "./common.ts";
 
 const WG = 64;
 
@@ -21,8 +21,12 @@ function rowReduce(v: string, arr: string, out: string): string {
 }
 
 /** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
-export function layernormForwardWgsl(C: number): string {
+export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32"): string {
   const C4 = C / 4;
+  return withStorageDtypes(layernormForwardCode(C, C4), { out: outDtype });
+}
+
+function layernormForwardCode(C: number, C4: number): string {
   return `
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;
@@ -134,8 +138,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 /** Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N]. Grid (ceil(N4/64), blocks). */
-export function colsumPartialWgsl(N: number, rows: number): string {
+export function colsumPartialWgsl(N: number, rows: number, srcDtype: StorageDtype = "f32"): string {
   const N4 = N / 4;
+  return withStorageDtypes(colsumPartialCode(N4, rows), { src: srcDtype });
+}
+
+function colsumPartialCode(N4: number, rows: number): string {
   return `
 @group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> part: array<vec4<f32>>;

@@ -7,6 +7,14 @@
  * layout: `transA` reads A stored [K,M], `transB` reads B stored [N,K] (the forms backward needs).
  * The next tile is prefetched into registers while the current one is multiplied.
  *
+ * Element types: any binding may be f16 in memory (`dtypes`, converted on load and store). With
+ * `math: "f16"` (A and B both f16) the tiles stay f16 and each BK-long stretch of K is multiplied
+ * and summed in f16 (twice the f32 rate where the GPU has packed f16), then flushed into the f32
+ * accumulators, so long K keeps fp32 accuracy between stretches.
+ *
+ * A prologue can apply GELU to A as it is loaded (`prologueA: "gelu"`), so the MLP keeps only its
+ * pre-activation and the projection and its weight gradient read gelu(fch) for free.
+ *
  * Epilogues fuse the elementwise work that follows a matmul in GPT-2:
  *   store      out = acc (+ bias)
  *   accumulate out += acc (+ bias)
@@ -15,7 +23,7 @@
  *   gelu_grad  out = acc * gelu'(aux)                     (backward through GELU)
  */
 
-import { dropWgsl, GELU_WGSL } from "./common.ts";
+import { dropWgsl, GELU_WGSL, type StorageDtype, withStorageDtypes } from "./common.ts";
 
 /** Fused work after the multiply. */
 export type MatmulEpilogue = "store" | "accumulate" | "residual" | "gelu" | "gelu_grad";
@@ -34,7 +42,16 @@ export interface MatmulSpec {
   epilogue: MatmulEpilogue;
   /** For the residual epilogue: apply seeded dropout of this site (uniform at group 1, see dropWgsl). */
   dropout?: { site: number; nSites: number };
+  /** Element types in memory of bindings that are not f32 (accumulation is always f32). */
+  dtypes?: Partial<Record<MatmulBinding, StorageDtype>>;
+  /** "f16": f16 products and sums within each k-tile, flushed to f32 (needs A and B in f16). */
+  math?: "f32" | "f16";
+  /** Apply GELU to every element of A as it is loaded. */
+  prologueA?: "gelu";
 }
+
+/** Names of a matmul's storage bindings. */
+export type MatmulBinding = "A" | "B" | "out" | "bias" | "res" | "out2" | "aux";
 
 /** Block and thread tiling. */
 export interface MatmulTile {
@@ -91,32 +108,42 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     throw new RangeError(`Matmul tile ${BM}x${BN}x${BK} does not divide among ${THREADS} threads`);
   }
   const aSlots = aVec4s / THREADS, bSlots = bVec4s / THREADS;
+  const h16 = spec.math === "f16";
+  if (h16 && (spec.dtypes?.A !== "f16" || spec.dtypes?.B !== "f16")) {
+    throw new RangeError(`Matmul math "f16" needs A and B in f16`);
+  }
+  /** The tile element type: f16 tiles with f16 math, else f32. */
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
   const L: string[] = [];
   const bindings = matmulBindings(spec);
   const rw = new Set(["out", "out2"]);
   bindings.forEach((name, i) => {
     L.push(
-      `@group(0) @binding(${i}) var<storage, ${
-        rw.has(name) ? "read_write" : "read"
-      }> ${name}: array<vec4<f32>>;`,
+      `@group(0) @binding(${i}) var<storage, ${rw.has(name) ? "read_write" : "read"}> ${name}: array<${
+        h16 && (name === "A" || name === "B") ? tv : "vec4<f32>"
+      }>;`,
     );
   });
-  L.push(`var<workgroup> As: array<vec4<f32>, ${aVec4s}>;`);
-  L.push(`var<workgroup> Bs: array<vec4<f32>, ${bVec4s}>;`);
+  L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
+  L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
   if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
-  if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad") L.push(GELU_WGSL);
+  if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad" || spec.prologueA === "gelu") {
+    L.push(GELU_WGSL);
+  }
 
   // Global → register loads for one k-tile starting at k0.
   const loadA: string[] = [], storeA: string[] = [], loadB: string[] = [], storeB: string[] = [];
+  const pro = (read: string) =>
+    spec.prologueA !== "gelu" ? read : h16 ? `vec4<f16>(gelu4(vec4<f32>(${read})))` : `gelu4(${read})`;
   for (let s = 0; s < aSlots; s++) {
     const lin = `(${s * THREADS}u + tid)`;
     if (!transA) {
       // A [M,K]: vec4 along k. Tile = BM rows × BK/4 vec4.
       loadA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      const read = `A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`;
+      const read = pro(`A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`);
       loadA.push(
-        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
@@ -127,9 +154,9 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       // A stored [K,M]: vec4 along m. Tile = BK rows × BM/4 vec4.
       loadA.push(`{ let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`);
       const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      const read = `A[((k0 + kr) * ${M}u + m0) / 4u + mq]`;
+      const read = pro(`A[((k0 + kr) * ${M}u + m0) / 4u + mq]`);
       loadA.push(
-        `  ra${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeA.push(`As[${lin}] = ra${s};`);
     }
@@ -142,7 +169,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
       const read = `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`;
       loadB.push(
-        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeB.push(`Bs[${lin}] = rb${s};`);
     } else {
@@ -151,7 +178,7 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
       const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       const read = `B[((n0 + col) * ${K}u + k0 + kq * 4u) / 4u]`;
       loadB.push(
-        `  rb${s} = ${cond.length ? `select(vec4<f32>(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
+        `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
       storeB.push(`{ let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
       for (let c = 0; c < 4; c++) {
@@ -169,21 +196,34 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     for (let g = 0; g < gM; g++) {
       for (let i = 0; i < 4; i++) {
         for (let h = 0; h < gN; h++) {
-          fma.push(`acc${g}_${i}_${h} = fma(vec4<f32>(a${g}[${i}]), b${h}, acc${g}_${i}_${h});`);
+          const acc = h16 ? `p${g}_${i}_${h}` : `acc${g}_${i}_${h}`;
+          fma.push(`${acc} = fma(${tv}(a${g}[${i}]), b${h}, ${acc});`);
         }
       }
     }
   }
+  // f16 math: the k-tile's f16 partial sums flushed into the f32 accumulators.
+  const flush: string[] = [];
   const decl: string[] = [];
+  for (let g = 0; g < gM && h16; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        decl.push(`var p${g}_${i}_${h} = vec4<f16>(0.0);`);
+        flush.push(
+          `acc${g}_${i}_${h} = acc${g}_${i}_${h} + vec4<f32>(p${g}_${i}_${h}); p${g}_${i}_${h} = vec4<f16>(0.0);`,
+        );
+      }
+    }
+  }
   for (let g = 0; g < gM; g++) {
     for (let i = 0; i < 4; i++) {
       for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
     }
   }
-  for (let g = 0; g < gM; g++) decl.push(`var a${g}: vec4<f32>;`);
-  for (let h = 0; h < gN; h++) decl.push(`var b${h}: vec4<f32>;`);
-  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: vec4<f32>;`);
-  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: vec4<f32>;`);
+  for (let g = 0; g < gM; g++) decl.push(`var a${g}: ${tv};`);
+  for (let h = 0; h < gN; h++) decl.push(`var b${h}: ${tv};`);
+  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: ${tv};`);
+  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: ${tv};`);
 
   // Epilogue per accumulator vec4.
   const epi: string[] = [];
@@ -226,7 +266,12 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
     }
   }
   const nTiles = Math.ceil(K / BK);
-  return `${L.join("\n")}
+  // With f16 math A and B are declared f16 above; the rewrite handles the other bindings.
+  const { A: _a, B: _b, ...rest } = spec.dtypes ?? {};
+  const code = withStorageDtypes(matmulCode(), h16 ? rest : spec.dtypes ?? {});
+  return h16 && !code.startsWith("enable f16;") ? `enable f16;\n${code}` : code;
+  function matmulCode(): string {
+    return `${L.join("\n")}
 
 @compute @workgroup_size(${THREADS})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -249,6 +294,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       ${loadB.join("\n      ")}
     }
     ${fma.join("\n    ")}
+    ${flush.join("\n    ")}
     workgroupBarrier();
     if (more) {
       ${storeA.join("\n      ")}
@@ -259,6 +305,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${epi.join("\n  ")}
 }
 `;
+  }
 }
 
 /** Workgroup counts (x over N, y over M). */

@@ -1,0 +1,145 @@
+/**
+ * The training-memory and compute estimator: parameters by formula, GPU bytes per category summed
+ * from the same plan the engine allocates (gpu/plan.ts), and the FLOPs of one step as Megatron's
+ * `num_floating_point_operations` counts them. Pure, so the HTTP process can answer
+ * `GET /estimate` and refuse a `POST /train` that cannot fit before any GPU work starts.
+ *
+ * Tensor parallelism is estimated, not run by this engine: each planned buffer is divided by how
+ * much of it Megatron's column/row/vocab-parallel layers shard (attention and MLP matrices, their
+ * column-parallel biases, the embedding's vocabulary, the attention and MLP activations, the
+ * logits); LayerNorm, position embedding and the residual stream are replicated.
+ */
+
+import { type ModelConfig, paramLayout } from "./config.ts";
+import {
+  CATEGORIES,
+  type Category,
+  type ModelPlan,
+  type PlanLimits,
+  planModel,
+  type PlanOptions,
+  type Precision,
+} from "./plan.ts";
+
+/** Limits assumed when no device has reported its own (a 2 GiB binding, large buffers). */
+export const DEFAULT_PLAN_LIMITS: PlanLimits = {
+  maxStorageBufferBindingSize: 2 ** 31 - 4,
+  maxBufferSize: 2 ** 40,
+};
+
+/** What to estimate. */
+export interface EstimateRequest {
+  config: ModelConfig;
+  /** Micro-batch per GPU. */
+  batchSize: number;
+  seqLen: number;
+  precision?: Precision;
+  /** Layers per recomputed group, 0 for none. */
+  checkpointLayers?: number;
+  tensorParallel?: number;
+  dataParallel?: number;
+  limits?: PlanLimits;
+  chunks?: PlanOptions;
+}
+
+/** The estimate. */
+export interface Estimate {
+  /** 12·L·h² + 13·L·h + (V + P)·h + 2h, V the padded vocabulary. */
+  parameters: number;
+  /** What one GPU holds with tensor parallelism. */
+  parameters_per_gpu: number;
+  /** Bytes per GPU by category, and their total. */
+  bytes_per_gpu: Record<Category, number> & { total: number };
+  /** The largest category (what a refusal names). */
+  biggest: { category: Category; bytes: number };
+  /** Model FLOPs of one optimizer step over all data-parallel ranks (recomputation not counted). */
+  flops_per_step: number;
+  /** Buffers planned on one GPU. */
+  buffers: number;
+}
+
+/** Parameter count on one of `tp` tensor-parallel ranks (tp = 1: the whole model). */
+export function parametersPerGpu(c: ModelConfig, tp = 1): number {
+  const h = c.n_embd, L = c.n_layer;
+  return (L * (12 * h * h + 7 * h)) / tp + 6 * L * h + (c.padded_vocab_size * h) / tp + c.n_positions * h +
+    2 * h;
+}
+
+/**
+ * Megatron's num_floating_point_operations for GPT (no GQA, no gating, FFN 4h):
+ * 72·B·s·L·h²·(1 + s/(6h) + V/(12·L·h)), i.e. forward and backward (×3) of every matmul (×2).
+ */
+export function megatronFlops(c: ModelConfig, batch: number, seq: number): number {
+  const h = c.n_embd, L = c.n_layer;
+  return 72 * batch * seq * L * h * h * (1 + seq / (6 * h) + c.padded_vocab_size / (12 * L * h));
+}
+
+const SHARDED_ACTS = /(^|\.)(qkv|atty|lse|fch)$|^(logits|d4c|dqkv|datty|delta)$/;
+
+/** The fraction of a flat parameter-shaped array one tensor-parallel rank holds. */
+function flatShare(c: ModelConfig, tp: number): number {
+  const layout = paramLayout(c);
+  let sharded = 0;
+  for (const t of layout.tensors) {
+    if (/c_attn\.|c_fc\.|c_proj\.weight$|^wte\./.test(t.name)) sharded += t.size;
+  }
+  return (layout.numParams - sharded + sharded / tp) / layout.numParams;
+}
+
+/** Bytes of one planned buffer on one tensor-parallel rank. */
+function shardBytes(label: string, bytes: number, flat: number, tp: number): number {
+  if (tp === 1) return bytes;
+  if (/^(params|grads|adam\.m|adam\.v)(\.\d+)?$/.test(label)) return Math.ceil(bytes * flat);
+  return SHARDED_ACTS.test(label) ? Math.ceil(bytes / tp) : bytes;
+}
+
+/** Sums a plan into the estimate. */
+export function estimateFromPlan(plan: ModelPlan, tp = 1, dp = 1): Estimate {
+  const c = plan.config;
+  const flat = flatShare(c, tp);
+  const bytes = Object.fromEntries(CATEGORIES.map((k) => [k, 0])) as Record<Category, number>;
+  for (const b of plan.buffers) bytes[b.category] += shardBytes(b.label, b.bytes, flat, tp);
+  const total = CATEGORIES.reduce((a, k) => a + bytes[k], 0);
+  const biggest =
+    CATEGORIES.map((k) => ({ category: k, bytes: bytes[k] })).sort((a, b) => b.bytes - a.bytes)[0];
+  return {
+    parameters: parametersPerGpu(c, 1),
+    parameters_per_gpu: Math.round(parametersPerGpu(c, tp)),
+    bytes_per_gpu: { ...bytes, total },
+    biggest,
+    flops_per_step: megatronFlops(c, plan.B * dp, plan.T),
+    buffers: plan.buffers.length,
+  };
+}
+
+/** Plans the model and estimates it. Throws ConfigError naming the field for a shape that cannot be planned. */
+export function estimateTraining(r: EstimateRequest): Estimate {
+  const tp = r.tensorParallel ?? 1, dp = r.dataParallel ?? 1;
+  for (const [field, v] of [["tensor_parallel", tp], ["data_parallel", dp]] as const) {
+    if (!Number.isInteger(v) || v < 1) throw new RangeError(`${field} must be a positive integer, got ${v}`);
+  }
+  const plan = planModel(r.limits ?? DEFAULT_PLAN_LIMITS, { config: r.config, B: r.batchSize, T: r.seqLen }, {
+    ...r.chunks,
+    checkpointLayers: r.checkpointLayers ?? 0,
+    precision: r.precision,
+  });
+  return estimateFromPlan(plan, tp, dp);
+}
+
+const KNOWN_MEMORY: Array<[RegExp, number]> = [
+  [/H200/i, 140 * 2 ** 30],
+  [/H100.*94|H100 NVL/i, 94 * 2 ** 30],
+  [/H100/i, 80 * 2 ** 30],
+  [/A100.*40/i, 40 * 2 ** 30],
+  [/A100/i, 80 * 2 ** 30],
+];
+
+/**
+ * GPU memory of a known adapter (WebGPU does not report it), by its description; null when
+ * unknown (the fit check then only applies the binding limits).
+ */
+export function knownDeviceMemory(adapter: string | null): number | null {
+  if (!adapter) return null;
+  for (const [re, bytes] of KNOWN_MEMORY) if (re.test(adapter)) return bytes;
+  return null;
+}

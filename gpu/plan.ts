@@ -1,0 +1,266 @@
+/**
+ * The memory plan of a model on one GPU: every buffer the engine allocates, as {label, bytes,
+ * dtype, category}. It is the single source of truth: `buildModel` allocates exactly this list
+ * (by label, never computing a size itself), the estimator (gpu/estimate.ts) sums it, and the fit
+ * check at `POST /train` reads the estimate, so the three cannot drift apart.
+ *
+ * Pure: it needs the device's binding and buffer limits (for segments and LM head chunks), not a
+ * device, so the HTTP process can plan for a GPU it never touches.
+ */
+
+import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
+import { planSegments, type SegmentRange } from "./flat.ts";
+import { dropoutSite } from "./rng.ts";
+import { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES } from "./kernels/adamw.ts";
+import { lnBiasPartialOffset, ROW_BLOCK } from "./kernels/layernorm.ts";
+
+/** Element types of planned buffers. */
+export type DType = "f32" | "f16" | "u32";
+
+/** Bytes per element of each dtype. */
+export const DTYPE_BYTES: Record<DType, number> = { f32: 4, f16: 2, u32: 4 };
+
+/** What a buffer is for, as the estimator reports it. */
+export type Category = "weights" | "gradients" | "optimizer" | "activations" | "logits" | "workspace";
+
+/** Categories in report order. */
+export const CATEGORIES: readonly Category[] = [
+  "weights",
+  "gradients",
+  "optimizer",
+  "activations",
+  "logits",
+  "workspace",
+];
+
+/** One planned buffer. `bytes` is what the allocation takes (rounded as createStorage rounds). */
+export interface PlannedBuffer {
+  label: string;
+  bytes: number;
+  dtype: DType;
+  category: Category;
+  /** Storage buffer (the default) or uniform. */
+  usage: "storage" | "uniform";
+}
+
+/** Device limits the plan depends on. */
+export interface PlanLimits {
+  maxStorageBufferBindingSize: number;
+  maxBufferSize: number;
+}
+
+/** Rows of the LM head chunks are a multiple of this (so row offsets stay 256-byte aligned). */
+export const HEAD_ROW_MULTIPLE = 64;
+/** Default cap on one chunk of logits, in bytes. */
+export const HEAD_CHUNK_BYTES = 512 * 2 ** 20;
+
+/** How the big arrays are cut to fit the device's bindings (all optional, for tests and benchmarks). */
+export interface ChunkOptions {
+  /** Cap on a segment of the flat arrays (below the device's binding and buffer limits). */
+  maxSegmentBytes?: number;
+  /** Rows of one LM head chunk (a multiple of 64); default: logits of at most HEAD_CHUNK_BYTES. */
+  headChunkRows?: number;
+}
+
+/** What is planned besides the shape. */
+export interface PlanOptions extends ChunkOptions {
+  /** Gradients, optimizer state and backward scratch (default true). */
+  train?: boolean;
+  /** The parameters live in a buffer owned elsewhere (not planned). */
+  sharedParams?: boolean;
+  /**
+   * Activation checkpointing: layers per group whose activations are recomputed in backward from
+   * the group's input; 0 or absent stores every layer's activations.
+   */
+  checkpointLayers?: number;
+  /** Arithmetic of weights and activations (default fp32). */
+  precision?: Precision;
+}
+
+/** Training precisions. */
+export type Precision = "fp32" | "fp16";
+
+/** The full plan. */
+export interface ModelPlan {
+  config: ModelConfig;
+  B: number;
+  T: number;
+  layout: ParamLayout;
+  segments: SegmentRange[];
+  /** Rows of one LM head chunk (B·T when the head runs in one piece). */
+  headRows: number;
+  /** Layers per checkpoint group (0: no checkpointing). */
+  checkpointLayers: number;
+  precision: Precision;
+  buffers: PlannedBuffer[];
+  byLabel: Map<string, PlannedBuffer>;
+  totalBytes: number;
+}
+
+/** The flat arrays' segments: at most the binding limit and the buffer limit. */
+export function flatSegments(limits: PlanLimits, layout: ParamLayout, o: ChunkOptions = {}): SegmentRange[] {
+  const cap = Math.min(
+    limits.maxStorageBufferBindingSize,
+    limits.maxBufferSize,
+    o.maxSegmentBytes ?? Infinity,
+  );
+  return planSegments(layout, cap);
+}
+
+/** Rows per LM head chunk for `rows` rows; one chunk (all rows) when they fit. */
+export function headChunkRows(
+  limits: PlanLimits,
+  c: ModelConfig,
+  rows: number,
+  o: ChunkOptions = {},
+): number {
+  if (o.headChunkRows !== undefined) {
+    if (o.headChunkRows <= 0 || o.headChunkRows % HEAD_ROW_MULTIPLE !== 0) {
+      throw new RangeError(
+        `headChunkRows ${o.headChunkRows} must be a positive multiple of ${HEAD_ROW_MULTIPLE}`,
+      );
+    }
+    return Math.min(rows, o.headChunkRows);
+  }
+  const rowBytes = c.padded_vocab_size * 4;
+  const maxRows = Math.floor(Math.min(limits.maxStorageBufferBindingSize, HEAD_CHUNK_BYTES) / rowBytes);
+  if (rows <= maxRows) return rows;
+  const n = Math.ceil(rows / maxRows);
+  return Math.ceil(rows / n / HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE;
+}
+
+/** Names of one layer's activation buffers (see gpu/model.ts for what each holds). */
+export const LAYER_ACTS = ["ln1", "ln1s", "qkv", "atty", "lse", "res2", "ln2", "ln2s", "fch"] as const;
+export type LayerActName = typeof LAYER_ACTS[number];
+
+/**
+ * Label prefix of layer l's activations: its own (`l3.`) without checkpointing, or the working set
+ * of its place in the group (`w1.`), shared by every group, with it.
+ */
+export function actPrefix(checkpointLayers: number, l: number): string {
+  return checkpointLayers > 0 ? `w${l % checkpointLayers}.` : `l${l}.`;
+}
+
+/**
+ * Label of the residual stream entering layer l (l = L: entering ln_f). With checkpointing only the
+ * inputs of groups and res[L] are kept (`res{l}`); the others live in the working set (`wres{j}`).
+ */
+export function resLabel(checkpointLayers: number, L: number, l: number): string {
+  const k = checkpointLayers;
+  return k === 0 || l % k === 0 || l === L ? `res${l}` : `wres${l % k}`;
+}
+
+/**
+ * Element type of a layer activation: with fp16 the matmul and attention inputs and outputs are
+ * f16; the residual stream (res2) and the LayerNorm and softmax statistics stay f32.
+ */
+export function actDtype(name: LayerActName, half: boolean): DType {
+  return half && !["res2", "ln1s", "ln2s", "lse"].includes(name) ? "f16" : "f32";
+}
+
+/** Plans every buffer of a model for batch B and sequence length T. */
+export function planModel(
+  limits: PlanLimits,
+  shape: { config: ModelConfig; B: number; T: number },
+  o: PlanOptions = {},
+): ModelPlan {
+  const { config: c, B, T } = shape;
+  const C = c.n_embd, L = c.n_layer, H = c.n_head, Vp = c.padded_vocab_size, BT = B * T;
+  const train = o.train ?? true;
+  const k = Math.min(o.checkpointLayers ?? 0, L);
+  const half = o.precision === "fp16";
+  const act: DType = half ? "f16" : "f32";
+  const layout = paramLayout(c);
+  const segments = flatSegments(limits, layout, o);
+  const headRows = train ? headChunkRows(limits, c, BT, o) : BT;
+  const buffers: PlannedBuffer[] = [];
+  const add = (label: string, elems: number, dtype: DType, category: Category) => {
+    const bytes = Math.max(16, Math.ceil((Math.max(1, elems) * DTYPE_BYTES[dtype]) / 16) * 16);
+    buffers.push({ label, bytes, dtype, category, usage: "storage" });
+  };
+  const flat = (label: string, category: Category, dtype: DType = "f32") => {
+    for (const [i, s] of segments.entries()) {
+      add(segments.length > 1 ? `${label}.${i}` : label, s.size, dtype, category);
+    }
+  };
+  // fp16: the kernels read an f16 copy of the weights; the fp32 master copy is optimizer state.
+  if (!o.sharedParams) flat("params", half ? "optimizer" : "weights");
+  if (half) flat("params16", "weights", "f16");
+  add("tokens", B * (T + 1), "u32", "workspace");
+  add("stats", 64, "f32", "workspace");
+  buffers.push(
+    {
+      label: "dropout",
+      bytes: dropoutSite.count(L) * 16,
+      dtype: "u32",
+      category: "workspace",
+      usage: "uniform",
+    },
+    { label: "optimizer", bytes: OPT_UNIFORM_BYTES, dtype: "u32", category: "workspace", usage: "uniform" },
+  );
+  add("control", CONTROL_BYTES / 4, "u32", "workspace");
+  const sizes: Record<LayerActName, number> = {
+    ln1: BT * C,
+    ln1s: BT * 2,
+    qkv: BT * 3 * C,
+    atty: BT * C,
+    lse: B * H * T,
+    res2: BT * C,
+    ln2: BT * C,
+    ln2s: BT * 2,
+    fch: BT * 4 * C,
+  };
+  const seen = new Set<string>();
+  for (let l = 0; l <= L; l++) {
+    const r = resLabel(k, L, l);
+    if (!seen.has(r)) add(r, BT * C, "f32", "activations");
+    seen.add(r);
+  }
+  for (let l = 0; l < (k > 0 ? k : L); l++) {
+    for (const name of LAYER_ACTS) {
+      add(actPrefix(k, l) + name, sizes[name], actDtype(name, half), "activations");
+    }
+  }
+  add("lnf", BT * C, act, "activations");
+  add("lnfs", BT * 2, "f32", "activations");
+  add("logits", headRows * Vp, "f32", "logits");
+  add("losses", BT, "f32", "logits");
+  if (train) {
+    flat("grads", "gradients");
+    flat("adam.m", "optimizer");
+    flat("adam.v", "optimizer");
+    // fp16: the gradients that feed f16 matmuls and attention are f16 (loss scaling keeps them in
+    // range); the residual stream's gradient and the LayerNorm inputs stay f32.
+    for (const name of ["dres", "dtmp", "dln"]) add(name, BT * C, "f32", "workspace");
+    add("datty", BT * C, act, "workspace");
+    add("d4c", BT * 4 * C, act, "workspace");
+    add("dqkv", BT * 3 * C, act, "workspace");
+    add("delta", B * H * T, "f32", "workspace");
+    const blocks = Math.ceil(BT / ROW_BLOCK);
+    add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
+    add("normPart", NORM_GROUPS * segments.length, "f32", "workspace");
+  }
+  const bind = limits.maxStorageBufferBindingSize;
+  for (const b of buffers) {
+    if (b.bytes > bind) {
+      throw new ConfigError(
+        "batch_size",
+        `buffer "${b.label}" of ${b.bytes} bytes exceeds the device's storage binding limit of ${bind} bytes: ` +
+          `lower batch_size or seq_len`,
+      );
+    }
+  }
+  return {
+    config: c,
+    B,
+    T,
+    layout,
+    segments,
+    headRows,
+    checkpointLayers: k,
+    precision: half ? "fp16" : "fp32",
+    buffers,
+    byLabel: new Map(buffers.map((b) => [b.label, b])),
+    totalBytes: buffers.reduce((a, b) => a + b.bytes, 0),
+  };
+}
