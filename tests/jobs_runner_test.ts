@@ -51,6 +51,27 @@ function makeRunner(store: JobStore, root: string, gpus = 1) {
   return { runner, workers };
 }
 
+/** A runner over a scripted Worker on one GPU, started; cleaned up after `fn`. */
+function runnerTest(
+  name: string,
+  fn: (t: ReturnType<typeof makeRunner> & { store: JobStore }) => Promise<void>,
+) {
+  Deno.test(name, async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+    const store = new JobStore(":memory:");
+    const t = makeRunner(store, root);
+    try {
+      t.runner.start();
+      await tick();
+      await fn({ ...t, store });
+    } finally {
+      t.runner.shutdown();
+      store.close();
+      await Deno.remove(root, { recursive: true });
+    }
+  });
+}
+
 Deno.test("JobRunner runs one job per GPU in FIFO order and spreads jobs over GPUs", async () => {
   const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
   const store = new JobStore(":memory:");
@@ -141,13 +162,9 @@ Deno.test("JobRunner.start() marks jobs a dead server left running as interrupte
   }
 });
 
-Deno.test("a crashed Worker interrupts its job, which resumes first on the fresh Worker", async () => {
-  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
-  const store = new JobStore(":memory:");
-  const { runner, workers } = makeRunner(store, root);
-  try {
-    runner.start();
-    await tick();
+runnerTest(
+  "a crashed Worker interrupts its job, which resumes first on the fresh Worker",
+  async ({ runner, workers, store }) => {
     const a = (await runner.submit(req())).id;
     const b = (await runner.submit(req())).id;
     await until(() => workers[0].jobs.length === 1, "job a on the worker");
@@ -164,20 +181,12 @@ Deno.test("a crashed Worker interrupts its job, which resumes first on the fresh
       ),
     );
     assert.equal(store.getJob(b)!.status, "queued");
-  } finally {
-    runner.shutdown();
-    store.close();
-    await Deno.remove(root, { recursive: true });
-  }
-});
+  },
+);
 
-Deno.test("a job whose Worker keeps crashing without progress fails after three crashes", async () => {
-  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
-  const store = new JobStore(":memory:");
-  const { runner, workers } = makeRunner(store, root);
-  try {
-    runner.start();
-    await tick();
+runnerTest(
+  "a job whose Worker keeps crashing without progress fails after three crashes",
+  async ({ runner, workers, store }) => {
     const a = (await runner.submit(req())).id;
     for (let i = 0; i < 3; i++) {
       await until(() => workers[i]?.jobs.length === 1, `job a on worker ${i}`);
@@ -185,20 +194,12 @@ Deno.test("a job whose Worker keeps crashing without progress fails after three 
     }
     await until(() => store.getJob(a)!.status === "failed", "job a failed");
     assert.equal(store.getJob(a)!.error, "GPU worker crashed 3 times at iteration 0: out of memory");
-  } finally {
-    runner.shutdown();
-    store.close();
-    await Deno.remove(root, { recursive: true });
-  }
-});
+  },
+);
 
-Deno.test("JobRunner.stop() has the running job save and end interrupted, ends streams, shuts Workers down", async () => {
-  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
-  const store = new JobStore(":memory:");
-  const { runner, workers } = makeRunner(store, root);
-  try {
-    runner.start();
-    await tick();
+runnerTest(
+  "JobRunner.stop() has the running job save and end interrupted, ends streams, shuts Workers down",
+  async ({ runner, workers, store }) => {
     const a = (await runner.submit(req())).id;
     const b = (await runner.submit(req())).id;
     await until(() => workers[0].jobs.length === 1, "job a on the worker");
@@ -218,12 +219,8 @@ Deno.test("JobRunner.stop() has the running job save and end interrupted, ends s
     assert.equal(store.getJob(a)!.iteration, 7);
     assert.equal(store.getJob(b)!.status, "queued");
     assert.equal(workers[0].jobs.length, 1, "no new job starts while stopping");
-  } finally {
-    runner.shutdown();
-    store.close();
-    await Deno.remove(root, { recursive: true });
-  }
-});
+  },
+);
 
 Deno.test("JobRunner.submit() refuses a split shorter than one sequence, naming it and seq_len", async () => {
   const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
