@@ -193,14 +193,14 @@ export function allTensorShapes(c: ModelConfig): Array<[string, number[]]> {
 }
 
 /** Lays out every parameter tensor in one flat buffer: decayed (2-D) tensors first, then the rest. */
-export function paramLayout(c: ModelConfig): ParamLayout {
+export function paramLayout(c: ModelConfig, align = TENSOR_ALIGN): ParamLayout {
   const shapes = allTensorShapes(c);
   const tensors: TensorSpec[] = [];
   let offset = 0, numParams = 0;
   const place = (name: string, shape: number[], decay: boolean) => {
     const size = shape.reduce((a, b) => a * b, 1);
     tensors.push({ name, shape, size, offset, decay });
-    offset += Math.ceil(size / TENSOR_ALIGN) * TENSOR_ALIGN;
+    offset += Math.ceil(size / align) * align;
     numParams += size;
   };
   for (const [name, shape] of shapes) if (shape.length === 2) place(name, shape, true);

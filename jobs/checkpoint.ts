@@ -12,7 +12,7 @@
  * one is durable, keeping the newest `keep`.
  */
 
-import { allTensorShapes, makeConfig, type ModelConfig, paramLayout } from "../gpu/config.ts";
+import { allTensorShapes, makeConfig, type ModelConfig, paramLayout, TENSOR_ALIGN } from "../gpu/config.ts";
 import type { ControlState } from "../gpu/kernels/adamw.ts";
 import type { TrainConfig } from "./types.ts";
 import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
@@ -199,7 +199,7 @@ export async function saveCheckpoint(
   await writeSafetensors(`${tmp}/optimizer.safetensors`, [
     { name: "m", shape: [state.m.length], data: state.m },
     { name: "v", shape: [state.v.length], data: state.v },
-  ], { format: "pt", layout: "flat", step: String(state.step) });
+  ], { format: "pt", layout: "flat", align: String(TENSOR_ALIGN), step: String(state.step) });
   await Deno.writeTextFile(
     `${tmp}/config.json`,
     JSON.stringify(hfConfig(meta.model, meta.train), null, 2) + "\n",
@@ -224,6 +224,21 @@ export async function saveCheckpoint(
   if (aside) await Deno.remove(aside, { recursive: true });
   await pruneCheckpoints(jobDir, keep);
   return { name, path };
+}
+
+/** Tensor alignment of the flat layout in checkpoints that do not record theirs. */
+const LEGACY_TENSOR_ALIGN = 64;
+
+/** Moves a flat array laid out with `fromAlign` into today's layout; a length that fits neither is returned as is (and refused by the caller). */
+function moveLayout(model: ModelConfig, data: Float32Array, fromAlign: number): Float32Array {
+  const from = paramLayout(model, fromAlign), to = paramLayout(model);
+  if (data.length !== from.totalSize) return data;
+  const out = new Float32Array(to.totalSize);
+  for (const t of to.tensors) {
+    const src = from.byName.get(t.name)!;
+    out.set(data.subarray(src.offset, src.offset + src.size), t.offset);
+  }
+  return out;
 }
 
 /** Index of the first NaN or infinity in `a`, or -1. */
@@ -354,7 +369,12 @@ export async function loadCheckpoint(
   const weights = await readSafetensors(`${path}/${manifest.files.model}`);
   const params = importTensors(model, weights.tensors, path);
   const opt = await readSafetensors(`${path}/${manifest.files.optimizer}`);
-  const m = opt.tensors.get("m"), v = opt.tensors.get("v");
+  // Moments are stored in the engine's flat layout; checkpoints from before 128-element alignment
+  // (no "align" in the metadata) used 64 and are moved tensor by tensor into today's layout.
+  const align = Number(opt.metadata.align ?? LEGACY_TENSOR_ALIGN);
+  const relayout = (t: { shape: number[]; data: Float32Array } | undefined) =>
+    t && align !== TENSOR_ALIGN ? { ...t, data: moveLayout(model, t.data, align) } : t;
+  const m = relayout(opt.tensors.get("m")), v = relayout(opt.tensors.get("v"));
   if (!m || !v || m.data.length !== params.length || v.data.length !== params.length) {
     throw new Error(
       `Cannot load checkpoint "${path}": optimizer state does not match ${params.length} parameters`,

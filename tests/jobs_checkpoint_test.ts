@@ -19,6 +19,7 @@ import {
   removeStaleCheckpointTemporaries,
   saveCheckpoint,
   type TrainConfig,
+  writeSafetensors,
 } from "../jobs/mod.ts";
 
 const train: TrainConfig = {
@@ -284,5 +285,44 @@ Deno.test("removeStaleCheckpointTemporaries() removes what a killed writer left 
     assert.deepEqual(await removeStaleCheckpointTemporaries(`${root}/missing`), []);
   } finally {
     await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("loadCheckpoint() moves AdamW moments saved in the older 64-element layout into today's", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = presetConfig("gpt2-tiny");
+    const now = paramLayout(model), old = paramLayout(model, 64);
+    assert.notEqual(now.totalSize, old.totalSize, "the layouts differ for this model");
+    const params = new Float32Array(now.totalSize);
+    const saved = await saveCheckpoint(
+      `${dir}/job_a`,
+      {
+        job_id: "job_a",
+        model,
+        train,
+        sampler: { epoch: 0, position: 0 },
+        metrics: { loss: null, val_loss: null },
+      },
+      { step: 3, params, m: new Float32Array(now.totalSize), v: new Float32Array(now.totalSize) },
+      1,
+    );
+    // Rewrite the optimizer file as a checkpoint from before the change wrote it: old layout, no "align".
+    const m = new Float32Array(old.totalSize), v = new Float32Array(old.totalSize);
+    for (const t of old.tensors) {
+      for (let i = 0; i < t.size; i++) [m[t.offset + i], v[t.offset + i]] = [t.offset + i, -(t.offset + i)];
+    }
+    await writeSafetensors(`${saved.path}/optimizer.safetensors`, [
+      { name: "m", shape: [m.length], data: m },
+      { name: "v", shape: [v.length], data: v },
+    ], { format: "pt", layout: "flat", step: "3" });
+    const { state } = await loadCheckpoint(saved.path, model);
+    for (const t of now.tensors) {
+      const src = old.byName.get(t.name)!;
+      assert.equal(state.m[t.offset], src.offset, t.name);
+      assert.equal(state.v[t.offset + t.size - 1], -(src.offset + t.size - 1), t.name);
+    }
+  } finally {
+    await Deno.remove(dir, { recursive: true });
   }
 });
