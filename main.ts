@@ -87,23 +87,9 @@ if (import.meta.main) {
     corsOrigins: config.corsOrigins,
     home,
     extra: [datasets],
+    draining: { active: () => runner.draining, retryAfterSeconds: config.shutdownSeconds },
   });
-  // While stopping, every request gets 503 (health included: a load balancer should look elsewhere).
-  const fetch = (req: Request, info: Deno.ServeHandlerInfo<Deno.NetAddr>) =>
-    runner.draining
-      ? Response.json(
-        {
-          error: {
-            message: "Server is shutting down: retry once it is back",
-            type: "unavailable",
-            param: null,
-            code: "shutting_down",
-          },
-        },
-        { status: 503, headers: { "Retry-After": String(config.shutdownSeconds) } },
-      )
-      : app.fetch(req, info);
-  let server: Deno.HttpServer<Deno.NetAddr>;
+  let server: Deno.HttpServer;
   try {
     server = Deno.serve({
       hostname: config.host,
@@ -112,7 +98,7 @@ if (import.meta.main) {
         const host = hostname.includes(":") ? `[${hostname}]` : hostname;
         console.log(`GPT-2 server listening on http://${host}:${port}/ (data in ${home})`);
       },
-    }, fetch);
+    }, app.fetch);
   } catch (e) {
     console.error(
       `Cannot listen on ${config.host}:${config.port}: ${(e as Error).message} (set PORT or HOST)`,

@@ -29,6 +29,8 @@ import { estimateRoutes } from "./estimate.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
+  /** While `active()` (a graceful stop), every request gets 503 with `Retry-After`, health included. */
+  draining?: { active: () => boolean; retryAfterSeconds: number };
   runner: JobRunner;
   /** Bearer token required on every route, or null for none (loopback only). */
   token: string | null;
@@ -192,6 +194,19 @@ export function createApp(opts: AppOptions): Hono {
   app.notFound((c) =>
     render(new ApiError(404, `No route for ${c.req.method} ${c.req.path.slice(0, 200)}`), c)
   );
+  const draining = opts.draining;
+  if (draining) {
+    app.use("*", async (_c, next) => {
+      if (draining.active()) {
+        throw new ApiError(503, "Server is shutting down: retry once it is back", {
+          type: "unavailable",
+          code: "shutting_down",
+          headers: { "Retry-After": String(draining.retryAfterSeconds) },
+        });
+      }
+      await next();
+    });
+  }
   app.use("*", async (c, next) => {
     await next();
     metrics.countRequest(c.req.method, c.res.status);

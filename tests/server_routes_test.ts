@@ -349,3 +349,29 @@ Deno.test("a bearer token is required on every route when configured", async () 
     await t.cleanup();
   }
 });
+
+Deno.test("while draining, every route answers 503 with Retry-After in the one error shape", async () => {
+  const store = new JobStore(":memory:");
+  const runner = new JobRunner(store, {
+    root: "/nonexistent",
+    gpus: 1,
+    spawn: () => new ScriptedWorker(),
+    datasetExists: () => Promise.resolve(true),
+  });
+  let draining = false;
+  const app = createApp({ runner, token: null, draining: { active: () => draining, retryAfterSeconds: 30 } });
+  try {
+    assertEquals((await app.request("/health")).status, 200);
+    draining = true;
+    for (const path of ["/health", "/jobs", "/"]) {
+      const res = await app.request(path);
+      assertEquals(res.status, 503, path);
+      assertEquals(res.headers.get("Retry-After"), "30");
+      const body = await res.json();
+      assertEquals([body.error.type, body.error.code], ["unavailable", "shutting_down"]);
+    }
+  } finally {
+    runner.shutdown();
+    store.close();
+  }
+});
