@@ -67,6 +67,7 @@ import {
   stepControlWgsl,
 } from "./kernels/adamw.ts";
 import { dropoutMaskWgsl, grid1d, type StorageDtype } from "./kernels/common.ts";
+import { checksumPartialWgsl } from "./kernels/checksum.ts";
 
 /** Slots of the small stats buffer read back for logging. */
 export const STAT = { loss: 0, gradNorm: 1, evalLoss: 2 } as const;
@@ -132,11 +133,41 @@ export interface GpuModel {
   optimizer: Op[];
   /** fp16: refreshes the f16 weight copy from the parameters (run after loading them); else empty. */
   castWeights: Op[];
+  /**
+   * Training plans: checksum partials of the parameters (NORM_GROUPS u32 per segment) into
+   * `checksumParts`, reusing the optimizer's norm scratch (run after the optimizer, read back).
+   */
+  checksum: Op[];
+  checksumParts: GPUBuffer | null;
   /** Bytes of GPU memory allocated (the plan's total). */
   memoryBytes: number;
+  /** Micro-batches per step: above 1 the gradients accumulate and must be cleared before each step. */
+  microBatches: number;
+  /** Data-parallel ranks the loss gradient is normalised over. */
+  dataParallel: number;
   buffers: GPUBuffer[];
   /** The memory plan the buffers were allocated from. */
   plan: ModelPlan;
+}
+
+/** What `buildModel` takes beyond the plan's options. */
+export interface BuildOptions {
+  /** Share an existing parameter buffer (inference plans). */
+  params?: GPUBuffer;
+  /** fp16: multiply f16 matmul inputs in f16 per k-tile (default true). */
+  f16Math?: boolean;
+  /**
+   * Micro-batches per optimizer step (gradient accumulation, default 1). Above 1 every gradient
+   * writer adds to the gradient buffers, which the trainer clears at the start of each step, and
+   * the step's loss is the mean over its micro-batches.
+   */
+  microBatches?: number;
+  /**
+   * Data-parallel ranks whose gradients are summed before the update (default 1): the loss
+   * gradient is divided by all the rows of a global batch, so the sum over ranks and
+   * micro-batches is the gradient of the global batch's mean loss.
+   */
+  dataParallel?: number;
 }
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
@@ -161,12 +192,18 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
 export async function buildModel(
   ctx: GpuContext,
   shape: ModelShape,
-  opts: Omit<PlanOptions, "sharedParams"> & { params?: GPUBuffer; f16Math?: boolean } = {},
+  opts: Omit<PlanOptions, "sharedParams"> & BuildOptions = {},
 ): Promise<GpuModel> {
   checkFits(ctx, shape);
   const { config: c, B, T } = shape;
   const C = c.n_embd, L = c.n_layer, H = c.n_head, D = C / H, Vp = c.padded_vocab_size, BT = B * T;
   const train = opts.train ?? true;
+  const micro = opts.microBatches ?? 1, ranks = opts.dataParallel ?? 1;
+  for (const [field, v] of [["microBatches", micro], ["dataParallel", ranks]] as const) {
+    if (!Number.isInteger(v) || v < 1) throw new RangeError(`${field} must be a positive integer, got ${v}`);
+  }
+  /** Gradient writers add (accumulation over micro-batches) rather than store. */
+  const acc = micro > 1;
   const plan = planModel(ctx.limits, shape, { ...opts, train, sharedParams: !!opts.params });
   const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
@@ -319,7 +356,7 @@ export async function buildModel(
 
   // ---------------------------------------------------------------- forward
   const forward: Op[] = [];
-  const emb = { B, T, C, dropout: hidden > 0 ? { nSites } : undefined };
+  const emb = { B, T, C, dropout: hidden > 0 ? { nSites } : undefined, accumulate: acc };
   forward.push(
     await op(
       "forward",
@@ -420,13 +457,26 @@ export async function buildModel(
       "forward",
       "cross_entropy",
       `cross_entropy${grad ? "" : "_eval"}${nChunks > 1 ? `.${k.i}` : ""}`,
-      crossEntropyWgsl({ rows: k.n, rowBase: k.r0, totalRows: BT, T, V: c.vocab_size, Vp, grad }),
+      crossEntropyWgsl({
+        rows: k.n,
+        rowBase: k.r0,
+        totalRows: BT * micro * ranks,
+        T,
+        V: c.vocab_size,
+        Vp,
+        grad,
+      }),
       [rowsView(logits, 0, k.n, Vp), V(tokens), V(losses), ...(grad ? [V(control)] : [])],
       grid1d(k.n, ctx.limits.maxComputeWorkgroupsPerDimension),
       grad ? { uniform: optUniform } : {},
     );
   const meanLoss = () =>
-    op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT, STAT.loss), [V(losses), V(stats)], [1]);
+    op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT * micro, STAT.loss, acc), [
+      V(losses),
+      V(stats),
+    ], [
+      1,
+    ]);
   let loss: Op[] = [];
   if (!train) loss = [await ceOp(chunks[0], true), await meanLoss()];
   const evalLoss: Op[] = [];
@@ -461,12 +511,15 @@ export async function buildModel(
     }
   }
   let trainBufs: { grads: FlatBuffer; adamM: FlatBuffer; adamV: FlatBuffer } | null = null;
+  const checksum: Op[] = [];
+  let checksumParts: GPUBuffer | null = null;
   if (train) {
     const grads = flat("grads"), adamM = flat("adam.m"), adamV = flat("adam.v");
     // Backward scratch.
     const dres = buf("dres"), dtmp = buf("dtmp"), dln = buf("dln"), datty = buf("datty");
     const d4 = buf("d4c"), dqkv = buf("dqkv"), delta = buf("delta");
     const blocks = Math.ceil(BT / ROW_BLOCK);
+    const dwEpilogue = acc ? "accumulate" as const : "store" as const;
     const part = buf("partials"), normPart = buf("normPart");
     const G = (name: string): View => {
       const t = layout.byName.get(name)!;
@@ -483,7 +536,7 @@ export async function buildModel(
         ]),
       );
       backward.push(
-        await op("backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks), [
+        await op("backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks, acc), [
           { buffer: part, offset: 0, size: blocks * N * 4 },
           out,
         ], [Math.ceil(N / 4 / 64)]),
@@ -517,13 +570,13 @@ export async function buildModel(
       );
       const half = blocks * C * 4, dbOff = lnBiasPartialOffset(C, BT) * 4;
       backward.push(
-        await op("backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks), [
+        await op("backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks, acc), [
           { buffer: part, offset: 0, size: half },
           G(w),
         ], [Math.ceil(C / 4 / 64)]),
       );
       backward.push(
-        await op("backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks), [
+        await op("backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks, acc), [
           { buffer: part, offset: dbOff, size: half },
           G(b),
         ], [Math.ceil(C / 4 / 64)]),
@@ -558,7 +611,7 @@ export async function buildModel(
       }),
       await matmul("backward", `lm_head.dw${sfx(k)}`, {
         ...mm(Vp, C, k.n, true, false),
-        epilogue: k.i === 0 ? "store" : "accumulate",
+        epilogue: k.i === 0 && !acc ? "store" : "accumulate",
       }, {
         A: rowsView(logits, 0, k.n, Vp),
         B: rowsView(lnf, k.r0, k.n, C),
@@ -589,7 +642,7 @@ export async function buildModel(
         await matmul(
           "backward",
           `l${l}.fc_proj.dw`,
-          { ...mm(4 * C, C, BT, true, false), prologueA: "gelu" },
+          { ...mm(4 * C, C, BT, true, false), prologueA: "gelu", epilogue: dwEpilogue },
           {
             A: V(a.fch),
             B: V(dproj),
@@ -610,7 +663,7 @@ export async function buildModel(
         }),
       );
       backward.push(
-        await matmul("backward", `l${l}.fc.dw`, mm(C, 4 * C, BT, true, false), {
+        await matmul("backward", `l${l}.fc.dw`, { ...mm(C, 4 * C, BT, true, false), epilogue: dwEpilogue }, {
           A: V(a.ln2),
           B: V(d4),
           out: G(p + "mlp.c_fc.weight"),
@@ -628,11 +681,16 @@ export async function buildModel(
       // Attention output projection (+ residual): dres is now the gradient of res2.
       const dap = await maskOrSelf(`l${l}.attn_drop.bwd`, hidden, dropoutSite.attnProj(l));
       backward.push(
-        await matmul("backward", `l${l}.attn_proj.dw`, mm(C, C, BT, true, false), {
-          A: V(a.atty),
-          B: V(dap),
-          out: G(p + "attn.c_proj.weight"),
-        }),
+        await matmul(
+          "backward",
+          `l${l}.attn_proj.dw`,
+          { ...mm(C, C, BT, true, false), epilogue: dwEpilogue },
+          {
+            A: V(a.atty),
+            B: V(dap),
+            out: G(p + "attn.c_proj.weight"),
+          },
+        ),
       );
       await colsum(`l${l}.attn_proj.db`, dap, C, G(p + "attn.c_proj.bias"));
       backward.push(
@@ -667,7 +725,7 @@ export async function buildModel(
         ], { ...u, flops: 1.5 * attentionFlops(as) }),
       );
       backward.push(
-        await matmul("backward", `l${l}.qkv.dw`, mm(C, 3 * C, BT, true, false), {
+        await matmul("backward", `l${l}.qkv.dw`, { ...mm(C, 3 * C, BT, true, false), epilogue: dwEpilogue }, {
           A: V(a.ln1),
           B: V(dqkv),
           out: G(p + "attn.c_attn.weight"),
@@ -740,6 +798,23 @@ export async function buildModel(
       ...castWeights,
     ];
     trainBufs = { grads, adamM, adamV };
+    for (const [i, seg] of segments.entries()) {
+      checksum.push(
+        await op(
+          "optimizer",
+          "optimizer",
+          `checksum${segments.length > 1 ? `.${i}` : ""}`,
+          checksumPartialWgsl(seg.size / 4, seg.start),
+          [V(params.segments[i].buffer), {
+            buffer: normPart,
+            offset: i * NORM_GROUPS * 4,
+            size: NORM_GROUPS * 4,
+          }],
+          [NORM_GROUPS],
+        ),
+      );
+    }
+    checksumParts = normPart;
   }
 
   return {
@@ -765,7 +840,11 @@ export async function buildModel(
     backward,
     optimizer,
     castWeights,
+    checksum,
+    checksumParts,
     memoryBytes,
+    microBatches: micro,
+    dataParallel: ranks,
     buffers,
     plan,
   };

@@ -22,7 +22,7 @@ import {
 import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
 import type { ChunkOptions, Precision } from "./plan.ts";
-import { readFlat, writeFlat } from "./flat.ts";
+import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
 import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
@@ -31,6 +31,7 @@ import {
   type ControlState,
   DEFAULT_LOSS_SCALER,
   type LossScalerConfig,
+  NORM_GROUPS,
   packControl,
   packOptimizerUniform,
   unpackControl,
@@ -63,7 +64,23 @@ export interface TrainerOptions {
   chunks?: ChunkOptions;
   /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
   checkpointLayers?: number;
+  /** Micro-batches per optimizer step, their gradients accumulated on the GPU (default 1). */
+  microBatches?: number;
+  /**
+   * This trainer is rank `rank` of `size` data-parallel ranks: its gradients are summed with the
+   * others' by the `reduce` callback of `trainStepReduced` before every update.
+   */
+  dataParallel?: { rank: number; size: number };
 }
+
+/** One batch of B·(T+1) tokens. */
+export type Batch = Uint16Array | Uint32Array;
+
+/**
+ * Sums the gradients over the data-parallel ranks in place (every rank calls it once per step,
+ * after the backward passes are submitted); resolves once the sum is in `grads` or queued to it.
+ */
+export type GradientReduce = (grads: FlatBuffer) => Promise<void>;
 
 /** What one readback at a log step returns. */
 export interface StepStats {
@@ -79,6 +96,8 @@ export interface StepStats {
   /** Optimizer steps applied. */
   optimizerStep: number;
   lossScale: number;
+  /** Checksum of the parameters after the step, when asked for. */
+  checksum?: number;
 }
 
 /** Everything needed to resume exactly: flat parameters and AdamW moments, and the step count. */
@@ -89,6 +108,12 @@ export interface TrainerState {
   v: Float32Array;
   /** Optimizer step, skipped-step counters and loss scale; absent: `step` optimizer steps, none skipped. */
   control?: ControlState;
+}
+
+/** Options of `lastStats`. */
+export interface StatsOptions {
+  /** Also compute and read back a checksum of the parameters (see kernels/checksum.ts). */
+  checksum?: boolean;
 }
 
 /** Timing of one kernel in the last profiled step. */
@@ -146,6 +171,8 @@ export class Trainer {
       checkpointLayers: opts.checkpointLayers,
       precision: opts.precision,
       f16Math: opts.f16Math,
+      microBatches: opts.microBatches,
+      dataParallel: opts.dataParallel?.size,
     });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
@@ -190,7 +217,12 @@ export class Trainer {
     return this.#model;
   }
 
-  #writeTokens(tokens: Uint16Array | Uint32Array): void {
+  /** Micro-batches per step. */
+  get microBatches(): number {
+    return this.#model.microBatches;
+  }
+
+  #writeTokens(tokens: Batch): void {
     const { batchSize: B, seqLen: T, config } = this.opts;
     if (tokens.length !== B * (T + 1)) {
       throw new RangeError(
@@ -206,15 +238,22 @@ export class Trainer {
     write(this.#ctx.device.queue, this.#model.tokens, u32);
   }
 
-  #writeDropout(step: number, train: boolean): void {
-    const { attnDropout, hiddenDropout, seed, config } = this.opts;
+  /**
+   * Dropout keys of micro-batch `micro` of this rank at iteration `step`: each micro-batch of the
+   * global batch (micro-batches × ranks) gets its own, and a step of one micro-batch on one rank
+   * keeps the keys of `step` itself, so DP=2 draws exactly the masks DP=1 with 2 micro-batches draws.
+   */
+  #writeDropout(step: number, train: boolean, micro = 0): void {
+    const { attnDropout, hiddenDropout, seed, config, dataParallel } = this.opts;
     if (attnDropout <= 0 && hiddenDropout <= 0) return;
+    const M = this.#model.microBatches, G = M * (dataParallel?.size ?? 1);
+    const g = (dataParallel?.rank ?? 0) * M + micro;
     const n = dropoutSite.count(config.n_layer);
     const u = new Uint32Array(n * 4);
     const f = new Float32Array(u.buffer);
     for (let s = 0; s < n; s++) {
       const p = train ? (s > 0 && (s - 1) % 3 === 0 ? attnDropout : hiddenDropout) : 0;
-      u[4 * s] = dropoutKey(seed, step, s);
+      u[4 * s] = dropoutKey(seed, step * G + g, s);
       u[4 * s + 1] = dropThreshold(p);
       f[4 * s + 2] = 1 / (1 - p);
     }
@@ -222,24 +261,73 @@ export class Trainer {
   }
 
   /**
-   * Submits one training step on B·(T+1) tokens (rows are windows; targets are inputs shifted by one).
-   * With `profile` (and a trainer created with `profile: true`), every kernel is timed; see `profile()`.
+   * Submits one training step on B·(T+1) tokens (rows are windows; targets are inputs shifted by
+   * one), or on `microBatches` such batches whose gradients accumulate. With `profile` (and a
+   * trainer created with `profile: true`), every kernel of the last micro-batch and the update is
+   * timed; see `profile()`. Data-parallel trainers step with `trainStepReduced`.
    */
-  trainStep(tokens: Uint16Array | Uint32Array, profile = false): void {
-    checkDevice(this.#ctx);
-    const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
-    this.#writeTokens(tokens);
-    this.#writeDropout(this.#step, true);
-    const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
-    const hp = packOptimizerUniform(adamw, schedule, lossScaler, gradMul);
-    this.#ctx.device.queue.writeBuffer(this.#model.optUniform, 0, hp);
+  trainStep(tokens: Batch | Batch[], profile = false): void {
+    if ((this.opts.dataParallel?.size ?? 1) > 1) {
+      throw new Error("A data-parallel trainer steps with trainStepReduced");
+    }
+    this.#submitBackward(Array.isArray(tokens) ? tokens : [tokens], profile, true);
+  }
+
+  /**
+   * One data-parallel step: submits the forward and backward passes of this rank's micro-batches,
+   * awaits `reduce` (which sums the gradients over the ranks), then submits the update.
+   */
+  async trainStepReduced(tokens: Batch[], reduce: GradientReduce, profile = false): Promise<void> {
+    const qs = this.#submitBackward(tokens, profile, false);
+    try {
+      await reduce(this.#model.grads!);
+    } catch (e) {
+      this.#step++; // the data was drawn; a failed reduction ends the job anyway
+      throw e;
+    }
     const enc = this.#ctx.device.createCommandEncoder();
-    const qs = profile ? this.#querySet : undefined;
-    encodeOps(enc, this.#stepOps, qs);
+    const m = this.#model, base = 2 * (m.forward.length + m.loss.length + m.backward.length);
+    encodeOps(enc, m.optimizer, qs, base);
     if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
-    this.#profilePending = !!qs;
     this.#ctx.device.queue.submit([enc.finish()]);
     this.#step++;
+  }
+
+  /**
+   * Writes the step's scalars and submits forward, loss and backward of every micro-batch (one
+   * submission each), and the update too when `withOptimizer`. Returns the query set when the
+   * step is profiled.
+   */
+  #submitBackward(list: Batch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
+    checkDevice(this.#ctx);
+    const m = this.#model, M = m.microBatches;
+    if (list.length !== M) {
+      throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
+    }
+    const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
+    const q = this.#ctx.device.queue;
+    const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
+    const hp = packOptimizerUniform(adamw, schedule, lossScaler, gradMul);
+    q.writeBuffer(m.optUniform, 0, hp);
+    if (M > 1) q.writeBuffer(m.stats, STAT.loss * 4, new Float32Array([0]));
+    const qs = profile ? this.#querySet : undefined;
+    const passes = [...m.forward, ...m.loss, ...m.backward];
+    for (let i = 0; i < M; i++) {
+      this.#writeTokens(list[i]);
+      this.#writeDropout(this.#step, true, i);
+      const enc = this.#ctx.device.createCommandEncoder();
+      if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+      const last = i === M - 1;
+      encodeOps(enc, passes, last ? qs : undefined);
+      if (last && withOptimizer) {
+        encodeOps(enc, m.optimizer, qs, 2 * passes.length);
+        if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
+      }
+      q.submit([enc.finish()]);
+    }
+    this.#profilePending = !!qs;
+    if (withOptimizer) this.#step++;
+    return qs;
   }
 
   /**
@@ -247,16 +335,31 @@ export class Trainer {
    * the last submitted step. One readback, which also fetches the step's kernel timings when it
    * was profiled.
    */
-  async lastStats(): Promise<StepStats> {
+  async lastStats(opts: StatsOptions = {}): Promise<StepStats> {
+    const m = this.#model;
     const ranges: ReadRange[] = [
-      { buffer: this.#model.stats, bytes: 16 },
-      { buffer: this.#model.control, bytes: CONTROL_BYTES },
+      { buffer: m.stats, bytes: 16 },
+      { buffer: m.control, bytes: CONTROL_BYTES },
     ];
-    if (this.#profilePending && this.#queryBuf) ranges.push({ buffer: this.#queryBuf });
-    const [stats, control, queries] = await readBuffers(this.#ctx, ranges);
-    if (queries) this.#takeProfile(queries);
+    const sum = opts.checksum && m.checksumParts;
+    if (sum) {
+      const enc = this.#ctx.device.createCommandEncoder();
+      encodeOps(enc, m.checksum);
+      this.#ctx.device.queue.submit([enc.finish()]);
+      ranges.push({ buffer: m.checksumParts!, bytes: m.checksum.length * NORM_GROUPS * 4 });
+    }
+    const profiled = this.#profilePending && this.#queryBuf;
+    if (profiled) ranges.push({ buffer: this.#queryBuf! });
+    const [stats, control, ...rest] = await readBuffers(this.#ctx, ranges);
+    let checksum: number | undefined;
+    if (sum) {
+      checksum = 0;
+      for (const p of new Uint32Array(rest.shift()!)) checksum = (checksum + p) >>> 0;
+    }
+    if (profiled) this.#takeProfile(rest.shift()!);
     const s = new Float32Array(stats), c = unpackControl(control);
     return {
+      ...(checksum !== undefined ? { checksum } : {}),
       loss: s[STAT.loss],
       gradNorm: s[STAT.gradNorm],
       lr: c.lr,

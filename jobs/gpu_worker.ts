@@ -110,6 +110,7 @@ class GpuWorker {
             cancelled: () => this.#flag(CANCEL_FLAG),
             stopRequested: () => this.#flag(STOP_FLAG),
             generation: this.#generation,
+            comm: msg.comm,
           }),
         );
         return;

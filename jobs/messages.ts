@@ -7,7 +7,7 @@
  * steps, so they work even while the loop does not yield to the event loop.
  */
 
-import type { PhaseTimes, TrainConfig } from "./types.ts";
+import type { PhaseTimes, RankTimes, TrainConfig } from "./types.ts";
 import type { ModelConfig } from "../gpu/config.ts";
 
 /** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
@@ -27,6 +27,16 @@ export interface WorkerJob {
   checkpoint_dir: string;
   /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
   resume_path: string | null;
+  /** Data-parallel jobs: this Worker's rank of `size`, and an id of this run of the job (fresh communicators per run). */
+  parallel?: { rank: number; size: number; run: string };
+}
+
+/** The shared buffers of one data-parallel run, the same objects for all its ranks (made by the GPU port). */
+export interface JobComm {
+  /** Gradient lanes (communicator buffers, see gpu/parallel/allreduce.ts). */
+  grads: SharedArrayBuffer[];
+  /** The small control communicator (see gpu/parallel/data_parallel.ts). */
+  control: SharedArrayBuffer;
 }
 
 /** Where a generation model's weights are: one of our checkpoints or a Hugging Face GPT-2 directory. */
@@ -80,7 +90,9 @@ export type ToWorker =
 
 /** What the Worker thread itself receives: `init` carries the shared flags (FLAG_COUNT Int32s). */
 export type ToWorkerThread =
-  | Exclude<ToWorker, { type: "init" | "cancel" | "stop" }>
+  | Exclude<ToWorker, { type: "init" | "cancel" | "stop" | "train" }>
+  /** `comm`: the run's shared communicators when the job is data-parallel. */
+  | { type: "train"; job: WorkerJob; comm?: JobComm }
   /** `probe_bytes`: hold a buffer this large until `probe_done`, so the host can see which GPU's memory grew. */
   | { type: "init"; gpu: number; flags: SharedArrayBuffer; probe_bytes?: number }
   | { type: "probe_done" };
@@ -128,6 +140,8 @@ export type FromWorker =
     skipped_steps: number;
     /** Dynamic loss scale of the next step (1 in fp32). */
     loss_scale: number;
+    /** Data-parallel jobs: each rank's step and allreduce times over the log interval. */
+    ranks?: RankTimes[];
   }
   | {
     type: "eval";

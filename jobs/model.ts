@@ -113,6 +113,16 @@ export function completeConfig(req: TrainRequest, device: DeviceBudget | null = 
   try {
     const dims = typeof req.model === "string" ? presetConfig(req.model) : makeConfig(req.model);
     config = { ...req, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
+    const dp = config.data_parallel ?? 1;
+    config.data_parallel = dp;
+    config.global_batch_size ??= config.batch_size * dp;
+    if (config.global_batch_size % (config.batch_size * dp) !== 0) {
+      throw new InvalidJobError(
+        "global_batch_size",
+        `global_batch_size ${config.global_batch_size} must be a multiple of batch_size × data_parallel = ` +
+          `${config.batch_size * dp}`,
+      );
+    }
     resolveModel(config);
   } catch (e) {
     if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);

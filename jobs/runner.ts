@@ -38,6 +38,8 @@ export interface GpuState {
 
 interface Slot {
   index: number;
+  /** A data-parallel job waiting for more free GPUs holds this one for itself. */
+  reserved: string | null;
   worker: WorkerPort;
   state: GpuState["state"];
   pciBus: string | null;
@@ -48,6 +50,21 @@ interface Slot {
   maxBuffer: number | null;
   maxBinding: number | null;
 }
+
+/** A data-parallel job on several slots: its ranks in order, and what each has reported at its end. */
+interface Gang {
+  job: string;
+  size: number;
+  /** Slots of the ranks (rank order), gathered while the job waits for them. */
+  slots: Slot[];
+  started: boolean;
+  outcomes: Map<number, Extract<FromWorker, { type: "done" }>>;
+  /** A rank's Worker died: the job resumes (or fails after repeated crashes) once the others ended. */
+  crash: string | null;
+}
+
+/** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
+const PEER_FAILURE = /^Communicator (aborted|timed out)/;
 
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
@@ -83,6 +100,8 @@ export class JobRunner {
   /** Worker deaths per job since it last got further: id -> [count, iteration]. */
   #crashes = new Map<string, [number, number]>();
   #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
+  /** Data-parallel jobs gathering GPUs or running, by job id. */
+  #gangs = new Map<string, Gang>();
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
@@ -126,6 +145,14 @@ export class JobRunner {
     }
     const gpu = this.#pickGpu();
     const config = completeConfig(req, this.device(gpu));
+    const dp = config.data_parallel ?? 1, trainers = this.#trainSlots().length;
+    if (dp > trainers) {
+      throw new InvalidJobError(
+        "data_parallel",
+        `data_parallel ${dp} needs ${dp} GPU workers that take training; this server has ${trainers} ` +
+          `(GPT2_GPUS, GPT2_GPU_ROLES)`,
+      );
+    }
     if (!(await this.#opts.datasetExists(config.dataset))) {
       throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
     }
@@ -158,10 +185,16 @@ export class JobRunner {
       throw new JobConflictError(`Cannot cancel job "${id}": it already ${job.status}`);
     }
     if (job.status === "running") {
-      const slot = this.#slots[job.gpu];
-      if (slot?.job === id) slot.worker.postMessage({ type: "cancel" });
+      for (const slot of this.#slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
       this.#emit(id, "log", { level: "info", message: "Cancel requested" });
       return this.#store.updateJob(id, { cancel_requested: true });
+    }
+    const gang = this.#gangs.get(id);
+    if (gang && !gang.started) {
+      // It was gathering GPUs: give them back.
+      this.#gangs.delete(id);
+      for (const s of gang.slots) s.reserved = null;
+      queueMicrotask(() => gang.slots.forEach((s) => this.#dispatch(s.index)));
     }
     this.#store.updateJob(id, {
       status: "cancelled",
@@ -299,6 +332,7 @@ export class JobRunner {
   #spawn(index: number): Slot {
     const slot: Slot = {
       index,
+      reserved: null,
       worker: this.#opts.spawn(index),
       state: "starting",
       pciBus: null,
@@ -318,9 +352,13 @@ export class JobRunner {
     return slot;
   }
 
+  /** Slots that take training jobs. */
+  #trainSlots(): Slot[] {
+    return this.#slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
+  }
+
   #pickGpu(): number {
-    const trains = (s: Slot) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index);
-    const candidates = this.#slots.filter(trains);
+    const candidates = this.#trainSlots();
     let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
     for (const s of candidates) {
       if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
@@ -346,7 +384,11 @@ export class JobRunner {
     return found.path;
   }
 
-  /** Starts the next waiting job on `gpu` if its Worker is free. */
+  /**
+   * Starts the next waiting job on `gpu` if its Worker is free. A data-parallel job first gathers
+   * free training GPUs (holding each as it frees up, so smaller jobs cannot starve it) and starts
+   * once it has one per rank.
+   */
   #dispatch(gpu: number): void {
     const slot = this.#slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
@@ -355,9 +397,44 @@ export class JobRunner {
       for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
       return;
     }
-    if (slot.state !== "idle") return;
+    if (slot.state !== "idle" || slot.reserved) return;
+    const waiting = [...this.#gangs.values()].find((g) => !g.started);
+    if (waiting && this.#trainSlots().includes(slot)) {
+      slot.reserved = waiting.job;
+      waiting.slots.push(slot);
+      this.#startGang(waiting);
+      return;
+    }
     const job = this.#store.nextQueued(gpu);
     if (!job) return;
+    const dp = job.config.data_parallel ?? 1;
+    if (dp > 1) {
+      const gang: Gang = {
+        job: job.id,
+        size: dp,
+        slots: [slot],
+        started: false,
+        outcomes: new Map(),
+        crash: null,
+      };
+      slot.reserved = job.id;
+      this.#gangs.set(job.id, gang);
+      for (const s of this.#trainSlots()) {
+        if (gang.slots.length >= dp) break;
+        if (s !== slot && s.state === "idle" && !s.job && !s.reserved) {
+          s.reserved = job.id;
+          gang.slots.push(s);
+        }
+      }
+      if (gang.slots.length < dp) {
+        this.#emit(job.id, "log", {
+          level: "info",
+          message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for data_parallel ${dp}`,
+        });
+      }
+      this.#startGang(gang);
+      return;
+    }
     slot.job = job.id;
     slot.state = "busy";
     const wasInterrupted = job.status === "interrupted";
@@ -375,7 +452,75 @@ export class JobRunner {
     });
   }
 
-  async #startOnWorker(slot: Slot, job: Job): Promise<void> {
+  /** Starts a data-parallel job once it holds a slot per rank. */
+  #startGang(gang: Gang): void {
+    if (gang.started || gang.slots.length < gang.size) return;
+    const job = this.#store.getJob(gang.job);
+    if (!job || isFinished(job.status)) {
+      for (const s of gang.slots) s.reserved = null;
+      this.#gangs.delete(gang.job);
+      for (const s of gang.slots) this.#dispatch(s.index);
+      return;
+    }
+    gang.started = true;
+    const run = crypto.randomUUID();
+    for (const s of gang.slots) {
+      s.job = job.id;
+      s.state = "busy";
+      s.reserved = null;
+    }
+    const wasInterrupted = job.status === "interrupted";
+    this.#store.updateJob(job.id, {
+      status: "running",
+      started_at: job.started_at ?? new Date().toISOString(),
+      resumes: job.resumes + (wasInterrupted ? 1 : 0),
+      metrics: { gpus: gang.slots.map((s) => s.index) },
+    });
+    gang.slots.forEach((s, rank) => {
+      this.#startOnWorker(s, job, { rank, size: gang.size, run }).catch((e) => {
+        if (this.#stopped) return;
+        // A rank that never started: the others fail at their first exchange (timeout) or are cancelled.
+        for (const o of gang.slots) if (o.job === job.id) o.worker.postMessage({ type: "cancel" });
+        this.#onRankDone(s, {
+          type: "done",
+          id: job.id,
+          status: "failed",
+          iteration: job.iteration,
+          error: (e as Error).message,
+        });
+      });
+    });
+  }
+
+  /** One rank of a data-parallel job ended; once all have, the job ends with the most telling outcome. */
+  #onRankDone(slot: Slot, msg: Extract<FromWorker, { type: "done" }>): void {
+    const gang = this.#gangs.get(msg.id);
+    if (!gang) return;
+    const rank = gang.slots.indexOf(slot);
+    gang.outcomes.set(rank, msg);
+    if (slot.job === msg.id) {
+      slot.job = null;
+      slot.state = "idle";
+    }
+    if (gang.outcomes.size < gang.size) return;
+    this.#gangs.delete(gang.job);
+    const lead = gang.outcomes.get(0)!;
+    const all = [...gang.outcomes.values()];
+    const failed = all.filter((o) => o.status === "failed");
+    if (gang.crash !== null) {
+      this.#crashed(gang.job, gang.crash);
+    } else if (failed.length > 0) {
+      const own = failed.find((o) => !PEER_FAILURE.test(o.error ?? "")) ?? failed[0];
+      this.#finish(gang.job, "failed", lead.iteration, own.error);
+    } else if (lead.status === "interrupted") {
+      this.#interrupted(gang.job, lead.iteration);
+    } else {
+      this.#finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
+    }
+    for (const s of gang.slots) this.#dispatch(s.index);
+  }
+
+  async #startOnWorker(slot: Slot, job: Job, parallel?: WorkerJob["parallel"]): Promise<void> {
     const dir = this.checkpointDir(job.id);
     const own = (await listCheckpoints(dir)).at(-1);
     const resume_path = own?.path ??
@@ -387,14 +532,19 @@ export class JobRunner {
       root: this.#opts.root,
       checkpoint_dir: dir,
       resume_path,
+      ...(parallel ? { parallel } : {}),
     };
-    this.#emit(job.id, "log", {
-      level: "info",
-      message: resume_path
-        ? `Running on GPU ${slot.index} from checkpoint "${resume_path}"`
-        : `Running on GPU ${slot.index}`,
-      status: "running",
-    });
+    if (!parallel || parallel.rank === 0) {
+      const gang = this.#gangs.get(job.id);
+      const where = gang
+        ? `GPUs ${gang.slots.map((s) => s.index).join(", ")} (data_parallel ${gang.size})`
+        : `GPU ${slot.index}`;
+      this.#emit(job.id, "log", {
+        level: "info",
+        message: resume_path ? `Running on ${where} from checkpoint "${resume_path}"` : `Running on ${where}`,
+        status: "running",
+      });
+    }
     slot.worker.postMessage({ type: "train", job: msg });
   }
 
@@ -449,6 +599,7 @@ export class JobRunner {
             gpu_memory_bytes: msg.gpu_memory_bytes,
             skipped_steps: msg.skipped_steps,
             loss_scale: msg.loss_scale,
+            ...(msg.ranks ? { ranks: msg.ranks } : {}),
           },
         });
         if (msg.loss !== null) {
@@ -496,22 +647,28 @@ export class JobRunner {
         this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
         return;
       case "done":
+        if (this.#gangs.has(msg.id)) return this.#onRankDone(slot, msg);
         slot.job = null;
         slot.state = "idle";
         if (msg.status === "interrupted") {
-          this.#store.updateJob(msg.id, { status: "interrupted", iteration: msg.iteration });
-          this.#emit(msg.id, "log", {
-            level: "warn",
-            message: `Stopped by server shutdown at iteration ${msg.iteration}; resumes there on restart`,
-            status: "interrupted",
-            iteration: msg.iteration,
-          });
+          this.#interrupted(msg.id, msg.iteration);
         } else {
           this.#finish(msg.id, msg.status, msg.iteration, msg.error);
         }
         this.#dispatch(slot.index);
         return;
     }
+  }
+
+  /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
+  #interrupted(id: string, iteration: number): void {
+    this.#store.updateJob(id, { status: "interrupted", iteration });
+    this.#emit(id, "log", {
+      level: "warn",
+      message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
+      status: "interrupted",
+      iteration,
+    });
   }
 
   #finish(
@@ -550,7 +707,31 @@ export class JobRunner {
       return; // stopping anyway: the job stays as it is and resumes on the next start
     }
     this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
-    if (jobId) {
+    const gang = jobId ? this.#gangs.get(jobId) : undefined;
+    if (gang) {
+      // The other ranks fail at their next exchange (the port aborts the communicators); the job
+      // resumes once all of them have ended.
+      gang.crash ??= message;
+      for (const s of gang.slots) if (s !== slot && s.job === jobId) s.worker.postMessage({ type: "cancel" });
+      const replacement = this.#spawn(slot.index);
+      this.#slots[slot.index] = replacement;
+      gang.slots[gang.slots.indexOf(slot)] = replacement;
+      this.#onRankDone(replacement, {
+        type: "done",
+        id: jobId!,
+        status: "failed",
+        iteration: 0,
+        error: `GPU worker crashed: ${message}`,
+      });
+      return;
+    }
+    if (jobId) this.#crashed(jobId, message);
+    this.#slots[slot.index] = this.#spawn(slot.index);
+  }
+
+  /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
+  #crashed(jobId: string, message: string): void {
+    {
       const job = this.#store.getJob(jobId);
       const iteration = job?.iteration ?? 0;
       const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
@@ -574,7 +755,6 @@ export class JobRunner {
         });
       }
     }
-    this.#slots[slot.index] = this.#spawn(slot.index);
   }
 
   #emit(id: string, type: JobEventType, data: Record<string, unknown>): void {

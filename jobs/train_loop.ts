@@ -19,8 +19,9 @@ import {
   Sampler,
 } from "../data/mod.ts";
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
-import type { FromWorker, WorkerJob } from "./messages.ts";
-import type { TrainConfig } from "./types.ts";
+import type { FromWorker, JobComm, WorkerJob } from "./messages.ts";
+import { accumulationSteps, type RankTimes, type TrainConfig } from "./types.ts";
+import { GradientReducer, joinU32, RankControl, RingComm, splitU32 } from "../gpu/parallel/mod.ts";
 import { checkpointLayers, resolveModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
@@ -42,6 +43,20 @@ export interface TrainHooks {
    * after each step `turn(stepMs)` hands it the GPU for its share of time.
    */
   generation?: { readonly busy: boolean; turn(trainMs: number): Promise<void> };
+  /** Data-parallel jobs: the run's shared communicators (see `WorkerJob.parallel`). */
+  comm?: JobComm;
+}
+
+/** How long a gradient exchange waits for a peer before the job fails (a peer may be evaluating). */
+const GRAD_TIMEOUT_MS = 600_000;
+
+/** This Worker's place in a data-parallel job; null members on a single-rank job. */
+interface Ranks {
+  rank: number;
+  size: number;
+  control: RankControl | null;
+  grads: RingComm[];
+  reducer: GradientReducer | null;
 }
 
 /** The outcome message of a job. */
@@ -79,21 +94,32 @@ export async function loadSplits(root: string, dataset: string, split: string, s
   return { id, train, valid, test };
 }
 
-/** Mean loss over the split's non-overlapping windows (up to `eval_iters` batches), and the tokens it averaged. */
+/**
+ * Mean loss over the split's non-overlapping windows (up to `eval_iters` batches), and the tokens
+ * it averaged. Data-parallel ranks evaluate every size-th batch each and sum their losses.
+ */
 async function evaluate(
   trainer: Trainer,
   tokens: Uint16Array,
   c: TrainConfig,
   split: "valid" | "test",
+  ranks: Ranks,
 ): Promise<{ loss: number; tokens: number }> {
   const e = evalBatches(tokens, c.batch_size, c.seq_len, c.eval_iters, split);
-  return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
+  if (!ranks.control) return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
+  const mine = e.batches.filter((_, i) => i % ranks.size === ranks.rank);
+  const sum = mine.length > 0 ? (await trainer.evalLoss(mine)) * mine.length : 0;
+  const [total] = await ranks.control.sum([sum]);
+  return { loss: total / e.batches.length, tokens: e.tokens };
 }
 
 /** Runs `job` to the end, cancellation or failure; never throws. */
 export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
   let trainer: Trainer | null = null;
   let iteration = 0;
+  const c = job.config;
+  const dp = c.data_parallel ?? 1;
+  const ranks: Ranks = { rank: job.parallel?.rank ?? 0, size: dp, control: null, grads: [], reducer: null };
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
     type: "done",
     id: job.id,
@@ -101,9 +127,23 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     iteration,
     error,
   });
+  // Rank 0 speaks for a data-parallel job; the other ranks report only their outcome.
+  const lead = ranks.rank === 0;
+  const post = (msg: FromWorker) => {
+    if (lead) hooks.post(msg);
+  };
   try {
-    const c = job.config;
+    if (dp > 1) {
+      if (!hooks.comm || job.parallel?.size !== dp) {
+        throw new Error(`A data_parallel ${dp} job reached a Worker without its ${dp}-rank communicators`);
+      }
+      ranks.grads = hooks.comm.grads.map((sab) =>
+        new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+      );
+      ranks.control = new RankControl(hooks.comm.control, ranks.rank);
+    }
     const model = resolveModel(c);
+    const accumulation = accumulationSteps(c);
     const t0 = performance.now();
     const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
     const dataLoaderMs = performance.now() - t0;
@@ -134,14 +174,24 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       debugNonFiniteAt: hooks.nonFiniteAt,
       checkpointLayers: checkpointLayers(c),
       precision: c.precision ?? "fp32",
+      microBatches: accumulation,
+      dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
     }, state);
+    if (dp > 1) ranks.reducer = await GradientReducer.create(ctx, ranks.grads);
     const sampler = new Sampler(
       data.train,
-      { seqLen: c.seq_len, batchSize: c.batch_size, seed: c.seed },
+      {
+        seqLen: c.seq_len,
+        batchSize: c.batch_size,
+        seed: c.seed,
+        rank: ranks.rank,
+        worldSize: dp,
+        accumulation,
+      },
       samplerState,
     );
     iteration = trainer.step;
-    hooks.post({
+    post({
       type: "started",
       id: job.id,
       iteration,
@@ -151,42 +201,53 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
 
     let lastLoss: number | null = null, lastVal: number | null = null, lastSaved = -1;
     const save = async () => {
-      const { name, path } = await saveCheckpoint(
-        job.checkpoint_dir,
-        {
-          job_id: job.id,
-          model,
-          train: c,
-          sampler: { ...sampler.state },
-          metrics: { loss: lastLoss, val_loss: lastVal },
-        },
-        await trainer!.exportState(),
-        c.keep_checkpoints,
-      );
+      // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
+      if (lead) {
+        const { name, path } = await saveCheckpoint(
+          job.checkpoint_dir,
+          {
+            job_id: job.id,
+            model,
+            train: c,
+            sampler: { ...sampler.state },
+            metrics: { loss: lastLoss, val_loss: lastVal },
+          },
+          await trainer!.exportState(),
+          c.keep_checkpoints,
+        );
+        hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
+      }
       lastSaved = trainer!.step;
-      hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
     };
     const evalSplit = async (split: "valid" | "test") => {
       if (data[split].length === 0) return;
-      const { loss, tokens } = await evaluate(trainer!, data[split], c, split);
+      const { loss, tokens } = await evaluate(trainer!, data[split], c, split, ranks);
       if (split === "valid") lastVal = loss;
-      hooks.post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
+      post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
     };
 
     let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
     let skipped = 0;
     while (trainer.step < c.train_iters) {
-      if (hooks.cancelled()) return done("cancelled", null);
-      if (hooks.stopRequested?.()) {
+      let cancel = hooks.cancelled(), stop = hooks.stopRequested?.() ?? false;
+      if (ranks.control) {
+        // All ranks act on the same step: a flag raised on any of them counts for all.
+        const [nc, ns] = await ranks.control.sum([cancel ? 1 : 0, stop ? 1 : 0]);
+        cancel = nc > 0;
+        stop = ns > 0;
+      }
+      if (cancel) return done("cancelled", null);
+      if (stop) {
         // Shutdown: keep every finished step. The checkpoint is at the step the GPU last finished.
         if (lastSaved !== trainer.step) await save();
         return done("interrupted", null);
       }
       const tb = performance.now();
-      const tokens = sampler.nextBatch();
+      const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
       batchMs += performance.now() - tb;
       const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
-      trainer.trainStep(tokens, logStep);
+      if (ranks.reducer) await trainer.trainStepReduced(tokens, ranks.reducer.reduce, logStep);
+      else trainer.trainStep(tokens, logStep);
       iteration = trainer.step;
       windowSteps++;
       const last = iteration === c.train_iters;
@@ -199,11 +260,36 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         await ctx.device.queue.onSubmittedWorkDone();
       }
       if (logStep) {
-        const stats = await trainer.lastStats();
+        const stats = await trainer.lastStats({ checksum: dp > 1 });
         const phases = await trainer.phaseTimes();
         const elapsed = performance.now() - windowStart;
+        let loss = stats.loss, rankTimes: RankTimes[] | undefined;
+        if (ranks.control) {
+          const t = ranks.reducer!.take();
+          const rows = await ranks.control.gather([
+            stats.loss,
+            ...splitU32(stats.checksum!),
+            elapsed / windowSteps,
+            t.ms / Math.max(1, t.steps),
+            t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
+          ]);
+          const sums = rows.map((r) => joinU32(r[1], r[2]));
+          if (sums.some((x) => x !== sums[0])) {
+            throw new Error(
+              `Weights differ between data-parallel ranks after iteration ${iteration}: checksums ` +
+                sums.map((x, r) => `rank ${r} ${x.toString(16).padStart(8, "0")}`).join(", "),
+            );
+          }
+          loss = rows.reduce((a, r) => a + r[0], 0) / rows.length;
+          rankTimes = rows.map((r, rank) => ({
+            rank,
+            step_ms: r[3],
+            allreduce_ms: r[4],
+            allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
+          }));
+        }
         if (stats.skippedSteps > skipped) {
-          hooks.post({
+          post({
             type: "log",
             id: job.id,
             level: "warn",
@@ -218,20 +304,23 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
               `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
           );
         }
-        if (Number.isFinite(stats.loss)) lastLoss = stats.loss;
-        hooks.post({
+        if (Number.isFinite(loss)) lastLoss = loss;
+        const allreduceMs = rankTimes
+          ? rankTimes.reduce((a, r) => a + r.allreduce_ms, 0) / rankTimes.length
+          : 0;
+        post({
           type: "progress",
           id: job.id,
           iteration,
           // JSON has no NaN: a skipped step's numbers travel as null.
-          loss: Number.isFinite(stats.loss) ? stats.loss : null,
+          loss: Number.isFinite(loss) ? loss : null,
           grad_norm: Number.isFinite(stats.gradNorm) ? stats.gradNorm : null,
           lr: stats.lr,
-          tokens_per_s: (windowSteps * c.batch_size * c.seq_len) / (elapsed / 1000),
+          tokens_per_s: (windowSteps * accumulation * dp * c.batch_size * c.seq_len) / (elapsed / 1000),
           timings: {
             forward_ms: phases?.forward_ms ?? null,
             backward_ms: phases?.backward_ms ?? null,
-            allreduce_ms: 0,
+            allreduce_ms: allreduceMs,
             optimizer_ms: phases?.optimizer_ms ?? null,
             batch_generator_ms: batchMs / windowSteps,
             data_loader_ms: dataLoaderMs,
@@ -240,6 +329,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
           gpu_memory_bytes: trainer.memoryBytes,
           skipped_steps: stats.skippedSteps,
           loss_scale: stats.lossScale,
+          ...(rankTimes ? { ranks: rankTimes } : {}),
         });
         windowStart = performance.now();
         windowSteps = 0;
@@ -266,8 +356,12 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     const message = err instanceof ConfigError
       ? `Cannot train this configuration: ${err.message}`
       : err.message;
+    // Peers would wait for this rank at their next exchange: fail them now, naming the reason.
+    for (const comm of ranks.grads) comm.abort(message);
+    ranks.control?.abort(message);
     return done("failed", message || String(e));
   } finally {
+    ranks.reducer?.destroy();
     trainer?.destroy();
   }
 }

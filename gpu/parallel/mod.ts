@@ -42,3 +42,14 @@ export {
   tensorParallelGroups,
 } from "./groups.ts";
 export { createJobBuffers, type GroupBuffers, type JobBufferOptions, type RankBuffers } from "./setup.ts";
+export {
+  CONTROL_WORDS,
+  createControlBuffer,
+  GradientReducer,
+  joinU32,
+  RankControl,
+  type ReducerOptions,
+  type ReduceTiming,
+  splitU32,
+  wireDtype,
+} from "./data_parallel.ts";
