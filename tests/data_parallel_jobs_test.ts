@@ -1,0 +1,146 @@
+/**
+ * Data-parallel jobs through the runner with real GPU Workers (two of them sharing the test
+ * adapter): a data_parallel 2 job reproduces the losses of a data_parallel 1 job with the same
+ * global batch (2 accumulation steps), shows each rank's timings, and its checkpoint resumes at
+ * data_parallel 1 with the same continuation. A job asking for more ranks than GPUs is refused
+ * naming data_parallel; a cancelled one stops on every rank and frees both GPUs.
+ */
+
+import assert from "node:assert/strict";
+import { isBuiltinName, prepareDataset } from "../data/mod.ts";
+import {
+  InvalidJobError,
+  type Job,
+  JobRunner,
+  JobStore,
+  spawnGpuWorker,
+  type TrainRequest,
+} from "../jobs/mod.ts";
+import { checkpointName } from "../jobs/checkpoint.ts";
+import { noGpu } from "./_helpers.ts";
+
+const base: TrainRequest = {
+  model: { n_layer: 1, n_head: 2, n_embd: 32, n_positions: 32 },
+  dataset: "sotu",
+  split: "949,50,1",
+  train_iters: 6,
+  batch_size: 2,
+  seq_len: 16,
+  lr: 3e-3,
+  min_lr: 3e-4,
+  lr_decay_style: "cosine",
+  warmup: 0,
+  weight_decay: 0.1,
+  clip_grad: 1,
+  attention_dropout: 0.1,
+  hidden_dropout: 0.1,
+  seed: 5,
+  log_interval: 1,
+  eval_interval: 0,
+  eval_iters: 2,
+  save_interval: 0,
+  keep_checkpoints: 1,
+  global_batch_size: 4,
+};
+
+/** Runs a job to its end; returns it with the training loss of every iteration. */
+async function train(
+  runner: JobRunner,
+  req: TrainRequest,
+): Promise<{ job: Job; losses: Map<number, number> }> {
+  const losses = new Map<number, number>();
+  const submitted = await runner.submit(req);
+  const job = await new Promise<Job>((resolve) => {
+    const off = runner.subscribe(submitted.id, (e) => {
+      if (e.type === "progress" && e.data.kind === "train") {
+        losses.set(e.data.iteration as number, e.data.loss as number);
+      }
+      if (e.type === "done") {
+        off();
+        resolve(runner.get(submitted.id));
+      }
+    });
+  });
+  return { job, losses };
+}
+
+function assertSameLosses(
+  a: Map<number, number>,
+  b: Map<number, number>,
+  iterations: number[],
+  what: string,
+) {
+  for (const i of iterations) {
+    const x = a.get(i), y = b.get(i);
+    assert.ok(x !== undefined && y !== undefined, `${what}: no loss at iteration ${i}`);
+    const rel = Math.abs(x - y) / Math.abs(y);
+    assert.ok(rel <= 1e-5, `${what}: iteration ${i} loss ${x} vs ${y} (relative ${rel.toExponential(2)})`);
+  }
+}
+
+Deno.test({
+  name:
+    "a data_parallel 2 job matches data_parallel 1 with 2 accumulation steps and resumes at data_parallel 1",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_dp_" });
+    const store = new JobStore(":memory:");
+    const runner = new JobRunner(store, {
+      root,
+      gpus: 2,
+      spawn: spawnGpuWorker,
+      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
+    });
+    try {
+      await prepareDataset(root, { builtin: "sotu" });
+      runner.start();
+      await assert.rejects(runner.submit({ ...base, data_parallel: 3, global_batch_size: 6 }), (e) => {
+        assert.ok(e instanceof InvalidJobError);
+        assert.equal(e.field, "data_parallel");
+        assert.match(e.message, /data_parallel 3 needs 3 GPU workers .* has 2/);
+        return true;
+      });
+
+      const one = await train(runner, base);
+      assert.equal(one.job.status, "succeeded", one.job.error ?? "");
+      // Same schedule (train_iters 6); the checkpoint at iteration 3 is resumed below.
+      const two = await train(runner, { ...base, data_parallel: 2, save_interval: 3, keep_checkpoints: 2 });
+      assert.equal(two.job.status, "succeeded", two.job.error ?? "");
+      assertSameLosses(two.losses, one.losses, [1, 2, 3, 4, 5, 6], "DP=2 vs DP=1×2");
+      assert.deepEqual(two.job.metrics.gpus, [0, 1]);
+      const ranks = two.job.metrics.ranks!;
+      assert.equal(ranks.length, 2);
+      for (const r of ranks) assert.ok(r.step_ms > 0 && r.allreduce_ms > 0, JSON.stringify(r));
+      assert.ok(two.job.metrics.timings!.allreduce_ms > 0);
+      assert.ok(two.job.metrics.val_loss! > 0 && two.job.metrics.test_loss! > 0);
+
+      // The DP=2 checkpoint continues at DP=1 exactly where DP=1 itself would have gone.
+      const resumed = await train(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
+      assert.equal(resumed.job.status, "succeeded", resumed.job.error ?? "");
+      assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "DP=2 resumed at DP=1 vs DP=1");
+      assert.equal(runner.gpus().every((g) => g.state === "idle"), true);
+
+      // Cancelled mid-run, every rank stops at the same step and both GPUs come free.
+      const long = await runner.submit({ ...base, data_parallel: 2, train_iters: 10_000 });
+      let seen = 0;
+      const cancelled = await new Promise<Job>((resolve) => {
+        const off = runner.subscribe(long.id, (e) => {
+          if (e.type === "progress" && ++seen === 2) runner.cancel(long.id);
+          if (e.type === "done") {
+            off();
+            resolve(runner.get(long.id));
+          }
+        });
+      });
+      assert.equal(cancelled.status, "cancelled", cancelled.error ?? "");
+      assert.ok(cancelled.iteration >= 2 && cancelled.iteration < 50, `stopped at ${cancelled.iteration}`);
+      assert.equal(runner.gpus().every((g) => g.state === "idle" && g.job === null), true);
+    } finally {
+      runner.shutdown();
+      store.close();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
