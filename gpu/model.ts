@@ -510,11 +510,13 @@ export async function buildModel(
       );
     }
   }
-  let trainBufs: { grads: FlatBuffer; adamM: FlatBuffer; adamV: FlatBuffer } | null = null;
+  let trainBufs: { grads: FlatBuffer; adamM: FlatBuffer | null; adamV: FlatBuffer | null } | null = null;
   const checksum: Op[] = [];
   let checksumParts: GPUBuffer | null = null;
   if (train) {
-    const grads = flat("grads"), adamM = flat("adam.m"), adamV = flat("adam.v");
+    const grads = flat("grads");
+    const fullState = opts.optimizerState ?? true;
+    const adamM = fullState ? flat("adam.m") : null, adamV = fullState ? flat("adam.v") : null;
     // Backward scratch.
     const dres = buf("dres"), dtmp = buf("dtmp"), dln = buf("dln"), datty = buf("datty");
     const d4 = buf("d4c"), dqkv = buf("dqkv"), delta = buf("delta");
@@ -761,7 +763,7 @@ export async function buildModel(
     // ---------------------------------------------------------------- optimizer
     // Per segment: the norm's partial sums (into its own NORM_GROUPS slots), later AdamW.
     const normOps: Op[] = [], adamOps: Op[] = [];
-    for (const [i, seg] of segments.entries()) {
+    for (const [i, seg] of (fullState ? segments : []).entries()) {
       const n4 = seg.size / 4, sf = segments.length > 1 ? `.${i}` : "";
       const decayEnd4 = Math.min(Math.max(layout.decayEnd - seg.start, 0), seg.size) / 4;
       const pv = params.segments[i].buffer, gv = grads.segments[i].buffer;
@@ -777,13 +779,14 @@ export async function buildModel(
           "optimizer",
           `adamw${sf}`,
           adamwWgsl(n4, decayEnd4),
-          [V(pv), V(gv), V(adamM.segments[i].buffer), V(adamV.segments[i].buffer), V(control)],
+          [V(pv), V(gv), V(adamM!.segments[i].buffer), V(adamV!.segments[i].buffer), V(control)],
           grid1d(Math.ceil(n4 / 256), ctx.limits.maxComputeWorkgroupsPerDimension),
           { uniform: optUniform },
         ),
       );
     }
-    optimizer = [
+    // Without the moments (distributed optimizer) the update is the caller's.
+    optimizer = !fullState ? [] : [
       ...normOps,
       await op(
         "optimizer",

@@ -75,6 +75,11 @@ export interface PlanOptions extends ChunkOptions {
   checkpointLayers?: number;
   /** Arithmetic of weights and activations (default fp32). */
   precision?: Precision;
+  /**
+   * AdamW moments in the plan (default true). False for a rank of the distributed optimizer,
+   * which keeps only its shard of them (gpu/parallel/zero.ts) and runs the update itself.
+   */
+  optimizerState?: boolean;
 }
 
 /** Training precisions. */
@@ -227,8 +232,10 @@ export function planModel(
   add("losses", BT, "f32", "logits");
   if (train) {
     flat("grads", "gradients");
-    flat("adam.m", "optimizer");
-    flat("adam.v", "optimizer");
+    if (o.optimizerState ?? true) {
+      flat("adam.m", "optimizer");
+      flat("adam.v", "optimizer");
+    }
     // fp16: the gradients that feed f16 matmuls and attention are f16 (loss scaling keeps them in
     // range); the residual stream's gradient and the LayerNorm inputs stay f32.
     for (const name of ["dres", "dtmp", "dln"]) add(name, BT * C, "f32", "workspace");

@@ -23,6 +23,7 @@ import { initParams } from "./init.ts";
 import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
 import type { ChunkOptions, Precision } from "./plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
+import type { ZeroModel } from "./parallel/zero.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
 import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
@@ -71,6 +72,11 @@ export interface TrainerOptions {
    * others' by the `reduce` callback of `trainStepReduced` before every update.
    */
   dataParallel?: { rank: number; size: number };
+  /**
+   * Distributed optimizer: the trainer plans no AdamW moments and runs no update of its own; the
+   * `reduce` callback of `trainStepReduced` does it (gpu/parallel/zero.ts, see `zeroModel`).
+   */
+  shardedOptimizer?: boolean;
 }
 
 /** One batch of B·(T+1) tokens. */
@@ -173,11 +179,13 @@ export class Trainer {
       f16Math: opts.f16Math,
       microBatches: opts.microBatches,
       dataParallel: opts.dataParallel?.size,
+      optimizerState: !opts.shardedOptimizer,
     });
     const n = paramLayout(opts.config).totalSize;
     const q = ctx.device.queue;
     if (state) {
-      for (const [name, arr] of [["params", state.params], ["m", state.m], ["v", state.v]] as const) {
+      const arrays = [["params", state.params], ["m", state.m], ["v", state.v]] as const;
+      for (const [name, arr] of arrays.slice(0, opts.shardedOptimizer ? 1 : 3)) {
         if (arr.length !== n) {
           destroyModel(model);
           throw new GpuError(
@@ -187,8 +195,9 @@ export class Trainer {
         }
       }
       writeFlat(q, model.params, state.params);
-      writeFlat(q, model.adamM!, state.m);
-      writeFlat(q, model.adamV!, state.v);
+      // A sharded optimizer's moments are loaded into its shards by the caller.
+      if (model.adamM) writeFlat(q, model.adamM, state.m);
+      if (model.adamV) writeFlat(q, model.adamV, state.v);
     } else {
       writeFlat(q, model.params, initParams(opts.config, opts.seed));
     }
@@ -435,11 +444,30 @@ export class Trainer {
     return { forward_ms: sum("forward"), backward_ms: sum("backward"), optimizer_ms: sum("optimizer") };
   }
 
-  /** Reads parameters and optimizer moments back (for checkpoints). */
+  /** The buffers the distributed optimizer drives. */
+  zeroModel(): ZeroModel {
+    const m = this.#model;
+    return {
+      layout: m.layout,
+      params: m.params,
+      grads: m.grads!,
+      control: m.control,
+      stats: m.stats,
+      optUniform: m.optUniform,
+      castWeights: m.castWeights,
+      lossSlot: STAT.loss,
+      normSlot: STAT.gradNorm,
+    };
+  }
+
+  /**
+   * Reads parameters and optimizer moments back (for checkpoints). With a sharded optimizer the
+   * moments are empty here (its `exportMoments` has them).
+   */
   async exportState(): Promise<TrainerState> {
     const params = await readFlat(this.#ctx, this.#model.params);
-    const m = await readFlat(this.#ctx, this.#model.adamM!);
-    const v = await readFlat(this.#ctx, this.#model.adamV!);
+    const m = this.#model.adamM ? await readFlat(this.#ctx, this.#model.adamM) : new Float32Array(0);
+    const v = this.#model.adamV ? await readFlat(this.#ctx, this.#model.adamV) : new Float32Array(0);
     const control = unpackControl(await readBuffer(this.#ctx, this.#model.control, 0, CONTROL_BYTES));
     return { step: this.#step, params, m, v, control };
   }

@@ -42,6 +42,12 @@ function commOf(job: WorkerJob): JobComm {
     grads: Array.from({ length: GRAD_LANES }, () => createCommBuffer({ ranks: p.size, capacity, dtype })),
     control: createControlBuffer(p.size),
   };
+  if (job.config.distributed_optimizer) {
+    comm.weights = Array.from(
+      { length: GRAD_LANES },
+      () => createCommBuffer({ ranks: p.size, capacity, dtype: "f32" }),
+    );
+  }
   runs.set(p.run, { comm, users: 1 });
   return comm;
 }

@@ -37,6 +37,8 @@ export interface JobComm {
   grads: SharedArrayBuffer[];
   /** The small control communicator (see gpu/parallel/data_parallel.ts). */
   control: SharedArrayBuffer;
+  /** fp32 weight lanes of the distributed optimizer (its broadcasts and moment gathers). */
+  weights?: SharedArrayBuffer[];
 }
 
 /** Where a generation model's weights are: one of our checkpoints or a Hugging Face GPT-2 directory. */

@@ -21,7 +21,15 @@ import {
 import { loadCheckpoint, type SamplerState, saveCheckpoint } from "./checkpoint.ts";
 import type { FromWorker, JobComm, WorkerJob } from "./messages.ts";
 import { accumulationSteps, type RankTimes, type TrainConfig } from "./types.ts";
-import { GradientReducer, joinU32, RankControl, RingComm, splitU32 } from "../gpu/parallel/mod.ts";
+import {
+  DistributedOptimizer,
+  GradientReducer,
+  joinU32,
+  RankControl,
+  type ReduceTiming,
+  RingComm,
+  splitU32,
+} from "../gpu/parallel/mod.ts";
 import { checkpointLayers, resolveModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
@@ -56,7 +64,10 @@ interface Ranks {
   size: number;
   control: RankControl | null;
   grads: RingComm[];
+  /** Weight lanes of the distributed optimizer. */
+  weights: RingComm[];
   reducer: GradientReducer | null;
+  zero: DistributedOptimizer | null;
 }
 
 /** The outcome message of a job. */
@@ -119,7 +130,16 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
   let iteration = 0;
   const c = job.config;
   const dp = c.data_parallel ?? 1;
-  const ranks: Ranks = { rank: job.parallel?.rank ?? 0, size: dp, control: null, grads: [], reducer: null };
+  const ranks: Ranks = {
+    rank: job.parallel?.rank ?? 0,
+    size: dp,
+    control: null,
+    grads: [],
+    weights: [],
+    reducer: null,
+    zero: null,
+  };
+  const sharded = dp > 1 && (c.distributed_optimizer ?? false);
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
     type: "done",
     id: job.id,
@@ -141,6 +161,14 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
       );
       ranks.control = new RankControl(hooks.comm.control, ranks.rank);
+      if (sharded) {
+        if (!hooks.comm.weights) {
+          throw new Error("A distributed_optimizer job reached a Worker without its weight lanes");
+        }
+        ranks.weights = hooks.comm.weights.map((sab) =>
+          new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+        );
+      }
     }
     const model = resolveModel(c);
     const accumulation = accumulationSteps(c);
@@ -176,8 +204,23 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       precision: c.precision ?? "fp32",
       microBatches: accumulation,
       dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
+      shardedOptimizer: sharded,
     }, state);
-    if (dp > 1) ranks.reducer = await GradientReducer.create(ctx, ranks.grads);
+    if (sharded) {
+      ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
+        rank: ranks.rank,
+        size: dp,
+        gradComms: ranks.grads,
+        paramComms: ranks.weights,
+        control: ranks.control!,
+      });
+      if (state) ranks.zero.loadMoments(state.m, state.v);
+    } else if (dp > 1) {
+      ranks.reducer = await GradientReducer.create(ctx, ranks.grads);
+    }
+    const reduce = ranks.zero?.step ?? ranks.reducer?.reduce;
+    const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)!.take();
+    const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
     const sampler = new Sampler(
       data.train,
       {
@@ -196,13 +239,17 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       id: job.id,
       iteration,
       resumed_from: job.resume_path,
-      gpu_memory_bytes: trainer.memoryBytes,
+      gpu_memory_bytes: memoryBytes,
     });
 
     let lastLoss: number | null = null, lastVal: number | null = null, lastSaved = -1;
     const save = async () => {
       // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
+      // Sharded moments are first assembled on rank 0, with every rank taking part.
+      const n = trainer!.zeroModel().layout.totalSize;
+      const moments = ranks.zero ? await ranks.zero.exportMoments(n) : null;
       if (lead) {
+        const exported = await trainer!.exportState();
         const { name, path } = await saveCheckpoint(
           job.checkpoint_dir,
           {
@@ -212,7 +259,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             sampler: { ...sampler.state },
             metrics: { loss: lastLoss, val_loss: lastVal },
           },
-          await trainer!.exportState(),
+          moments ? { ...exported, ...moments } : exported,
           c.keep_checkpoints,
         );
         hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
@@ -246,7 +293,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
       batchMs += performance.now() - tb;
       const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
-      if (ranks.reducer) await trainer.trainStepReduced(tokens, ranks.reducer.reduce, logStep);
+      if (reduce) await trainer.trainStepReduced(tokens, reduce, logStep);
       else trainer.trainStep(tokens, logStep);
       iteration = trainer.step;
       windowSteps++;
@@ -265,7 +312,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         const elapsed = performance.now() - windowStart;
         let loss = stats.loss, rankTimes: RankTimes[] | undefined;
         if (ranks.control) {
-          const t = ranks.reducer!.take();
+          const t = takeTiming();
           const rows = await ranks.control.gather([
             stats.loss,
             ...splitU32(stats.checksum!),
@@ -326,7 +373,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             data_loader_ms: dataLoaderMs,
             step_ms: elapsed / windowSteps,
           },
-          gpu_memory_bytes: trainer.memoryBytes,
+          gpu_memory_bytes: memoryBytes,
           skipped_steps: stats.skippedSteps,
           loss_scale: stats.lossScale,
           ...(rankTimes ? { ranks: rankTimes } : {}),
@@ -357,11 +404,12 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       ? `Cannot train this configuration: ${err.message}`
       : err.message;
     // Peers would wait for this rank at their next exchange: fail them now, naming the reason.
-    for (const comm of ranks.grads) comm.abort(message);
+    for (const comm of [...ranks.grads, ...ranks.weights]) comm.abort(message);
     ranks.control?.abort(message);
     return done("failed", message || String(e));
   } finally {
     ranks.reducer?.destroy();
+    ranks.zero?.destroy();
     trainer?.destroy();
   }
 }

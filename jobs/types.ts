@@ -68,6 +68,11 @@ export interface TrainConfig {
   global_batch_size?: number;
   /** Element type of the gradients on the wire between ranks (absent: fp32); sums are fp32. */
   allreduce_dtype?: "fp32" | "fp16" | "bf16";
+  /**
+   * Shard the AdamW moments over the data-parallel ranks (Megatron's --use-distributed-optimizer):
+   * gradients reduced to their owner, weights broadcast back after the update.
+   */
+  distributed_optimizer?: boolean;
 }
 
 /** Micro-batches each rank accumulates per optimizer step. */

@@ -122,6 +122,32 @@ Deno.test({
       assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "DP=2 resumed at DP=1 vs DP=1");
       assert.equal(runner.gpus().every((g) => g.state === "idle"), true);
 
+      // The distributed optimizer: the same losses, and its checkpoint (moments gathered from both
+      // ranks) resumes at data_parallel 1 on the same course.
+      const zero = await train(runner, {
+        ...base,
+        data_parallel: 2,
+        distributed_optimizer: true,
+        save_interval: 3,
+        keep_checkpoints: 2,
+      });
+      assert.equal(zero.job.status, "succeeded", zero.job.error ?? "");
+      assertSameLosses(zero.losses, one.losses, [1, 2, 3, 4, 5, 6], "DP=2 distributed optimizer vs DP=1×2");
+      assert.ok(
+        zero.job.metrics.gpu_memory_bytes! < two.job.metrics.gpu_memory_bytes!,
+        "sharded moments take less memory",
+      );
+      const zeroResumed = await train(runner, {
+        ...base,
+        resume_from: `${zero.job.id}/${checkpointName(3)}`,
+      });
+      assertSameLosses(
+        zeroResumed.losses,
+        one.losses,
+        [4, 5, 6],
+        "distributed-optimizer checkpoint resumed at DP=1",
+      );
+
       // Cancelled mid-run, every rank stops at the same step and both GPUs come free.
       const long = await runner.submit({ ...base, data_parallel: 2, train_iters: 10_000 });
       let seen = 0;

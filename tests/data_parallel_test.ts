@@ -11,7 +11,15 @@ import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
 import { type Batch, Trainer, type TrainerOptions } from "../gpu/trainer.ts";
 import { checksumOf } from "../gpu/kernels/checksum.ts";
-import { type CommDtype, createCommBuffer, GradientReducer, RingComm } from "../gpu/parallel/mod.ts";
+import {
+  type CommDtype,
+  createCommBuffer,
+  createControlBuffer,
+  DistributedOptimizer,
+  GradientReducer,
+  RankControl,
+  RingComm,
+} from "../gpu/parallel/mod.ts";
 import { noGpu, relNorm, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 2, n_embd: 32, n_positions: 16, vocab_size: 256 });
@@ -51,6 +59,9 @@ interface Run {
   losses: number[];
   params: Float32Array[];
   checksums: number[];
+  /** Whole AdamW moments (rank 0's, assembled from the shards with the distributed optimizer). */
+  m: Float32Array;
+  v: Float32Array;
 }
 
 /** `steps` steps of `size` ranks with `micro` micro-batches each (global batch size·micro micro-batches). */
@@ -58,36 +69,59 @@ async function run(
   size: number,
   micro: number,
   steps: number,
-  o: { dropout?: number; capacity?: number; wire?: CommDtype } = {},
+  o: { dropout?: number; capacity?: number; wire?: CommDtype; zero?: boolean } = {},
 ): Promise<Run> {
   const ctx = (await testContext())!;
   const trainers = await Promise.all(
-    Array.from({ length: size }, (_, r) => Trainer.create(ctx, options(micro, r, size, o.dropout ?? 0))),
+    Array.from(
+      { length: size },
+      (_, r) => Trainer.create(ctx, { ...options(micro, r, size, o.dropout ?? 0), shardedOptimizer: o.zero }),
+    ),
   );
-  const lanes = Array.from(
-    { length: 2 },
-    () => createCommBuffer({ ranks: size, capacity: o.capacity ?? 4096, dtype: o.wire ?? "f32" }),
-  );
-  const reducers = size > 1
+  const lanes = (dtype: CommDtype) =>
+    Array.from({ length: 2 }, () => createCommBuffer({ ranks: size, capacity: o.capacity ?? 4096, dtype }));
+  const grads = lanes(o.wire ?? "f32"), weights = lanes("f32"), control = createControlBuffer(size);
+  const zeros = o.zero
+    ? await Promise.all(trainers.map((t, r) =>
+      DistributedOptimizer.create(ctx, t.zeroModel(), {
+        rank: r,
+        size,
+        gradComms: grads.map((sab) => new RingComm(sab, r)),
+        paramComms: weights.map((sab) => new RingComm(sab, r)),
+        control: new RankControl(control, r),
+      })
+    ))
+    : [];
+  const reducers = size > 1 && !o.zero
     ? await Promise.all(
-      trainers.map((_, r) => GradientReducer.create(ctx, lanes.map((sab) => new RingComm(sab, r)))),
+      trainers.map((_, r) => GradientReducer.create(ctx, grads.map((sab) => new RingComm(sab, r)))),
     )
     : [];
+  const reduce = (r: number) => o.zero ? zeros[r].step : reducers[r].reduce;
   const losses: number[] = [];
   try {
     for (let step = 0; step < steps; step++) {
       const all = globalBatch(step, size * micro);
       const mine = (r: number) => all.slice(r * micro, (r + 1) * micro);
       if (size === 1) trainers[0].trainStep(all);
-      else await Promise.all(trainers.map((t, r) => t.trainStepReduced(mine(r), reducers[r].reduce)));
+      else await Promise.all(trainers.map((t, r) => t.trainStepReduced(mine(r), reduce(r))));
       const stats = await Promise.all(trainers.map((t) => t.lastStats({ checksum: true })));
       losses.push(stats.reduce((a, s) => a + s.loss, 0) / size);
     }
     const states = await Promise.all(trainers.map((t) => t.exportState()));
     const stats = await Promise.all(trainers.map((t) => t.lastStats({ checksum: true })));
-    return { losses, params: states.map((s) => s.params), checksums: stats.map((s) => s.checksum!) };
+    const n = states[0].params.length;
+    const moments = o.zero ? (await Promise.all(zeros.map((z) => z.exportMoments(n))))[0]! : states[0];
+    return {
+      losses,
+      params: states.map((s) => s.params),
+      checksums: stats.map((s) => s.checksum!),
+      m: moments.m,
+      v: moments.v,
+    };
   } finally {
     for (const r of reducers) r.destroy();
+    for (const z of zeros) z.destroy();
     for (const t of trainers) t.destroy();
   }
 }
@@ -162,5 +196,32 @@ Deno.test({
     const bf16 = await run(3, 1, 5, { capacity: 1000, wire: "bf16" });
     assert.ok(bf16.checksums.every((c) => c === bf16.checksums[0]), `bf16 checksums ${bf16.checksums}`);
     assertClose(bf16.losses, one.losses.slice(0, 5), 1e-2, "DP=3 bf16 wire vs DP=1×3");
+  },
+});
+
+Deno.test({
+  name:
+    "the distributed optimizer (moments sharded over the ranks) reproduces DP=1's losses, weights and moments",
+  ignore: noGpu,
+  fn: async () => {
+    const one = await run(1, 2, 10);
+    const two = await run(2, 1, 10, { zero: true });
+    assertClose(two.losses, one.losses, 1e-5, "DP=2 distributed optimizer vs DP=1×2");
+    assert.equal(two.checksums[0], two.checksums[1], "ranks hold different weights");
+    for (
+      const [what, a, b] of [["weights", two.params[0], one.params[0]], ["m", two.m, one.m], [
+        "v",
+        two.v,
+        one.v,
+      ]] as const
+    ) {
+      const err = relNorm(a, b);
+      assert.ok(err < 1e-5, `${what} differ from DP=1's by ${err}`);
+    }
+    const three = await run(3, 1, 6, { zero: true, capacity: 1000 });
+    const ref3 = await run(1, 3, 6);
+    assertClose(three.losses, ref3.losses, 1e-5, "DP=3 distributed optimizer vs DP=1×3");
+    assert.ok(three.checksums.every((c) => c === three.checksums[0]), `checksums ${three.checksums}`);
+    assert.ok(relNorm(three.v, ref3.v) < 1e-5, "DP=3 moments");
   },
 });

@@ -124,6 +124,10 @@ export interface Bucket {
   buffer: GPUBuffer;
   offset: number;
   count: number;
+  /** False: this rank contributes zeros instead of reading the bucket back (a broadcast from the ranks that do). */
+  source?: boolean;
+  /** False: the sum is not written back on this rank (a reduction to the ranks that do). */
+  writeBack?: boolean;
 }
 
 /** Where the time of one exchange went, in ms (GPU work of the "gpu" path is only queued, not awaited). */
@@ -369,6 +373,9 @@ export class BucketExchange {
         `A sharded 16-bit bucket needs a count divisible by ${2 * comm.size}, got "${count}"`,
       );
     }
+    if (bucket.source === false && this.path === "gpu") {
+      throw new RangeError('A broadcast (a bucket with "source: false") needs the "host" path');
+    }
     checkRange(bucket.buffer, bucket.offset, count * this.#elem);
   }
 
@@ -379,24 +386,30 @@ export class BucketExchange {
       : null;
     const t0 = performance.now();
     const slot = await comm.acquire();
-    if (b?.pack) this.#dispatch(this.#kernels.pack!, b.pack, b.workgroups);
+    const source = bucket.source ?? true, writeBack = bucket.writeBack ?? true;
+    if (b?.pack && source) this.#dispatch(this.#kernels.pack!, b.pack, b.workgroups);
     const [src, at] = b?.pack ? [lane.packed!, 0] : [bucket.buffer, bucket.offset];
-    await lane.stager.readInto(src, at, bytes, bytesOf(slot, 0, bytes));
+    if (source) await lane.stager.readInto(src, at, bytes, bytesOf(slot, 0, bytes));
+    else bytesOf(slot, 0, bytes).fill(0);
     const t1 = performance.now();
     if (this.path === "host" || comm.size === 1 || bytes === 0) {
       await comm.allreduce(bucket.count);
       const t2 = performance.now();
-      queue.writeBuffer(src, at, bytesOf(slot, 0, bytes));
-      if (b?.unpack) this.#dispatch(this.#kernels.unpack!, b.unpack, b.workgroups);
+      if (writeBack) {
+        queue.writeBuffer(src, at, bytesOf(slot, 0, bytes));
+        if (b?.unpack) this.#dispatch(this.#kernels.unpack!, b.unpack, b.workgroups);
+      }
       return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
     }
     const slots = await comm.gather();
     const t2 = performance.now();
-    for (let q = 0, j = 0; q < comm.size; q++) {
-      if (q !== comm.rank) queue.writeBuffer(lane.scratch!, j++ * bytes, bytesOf(slots[q], 0, bytes));
+    if (writeBack) {
+      for (let q = 0, j = 0; q < comm.size; q++) {
+        if (q !== comm.rank) queue.writeBuffer(lane.scratch!, j++ * bytes, bytesOf(slots[q], 0, bytes));
+      }
     }
     comm.release();
-    this.#dispatch(this.#kernels.add!, b!.add!, b!.workgroups);
+    if (writeBack) this.#dispatch(this.#kernels.add!, b!.add!, b!.workgroups);
     return { readMs: t1 - t0, reduceMs: t2 - t1, writeMs: performance.now() - t2, bytes };
   }
 

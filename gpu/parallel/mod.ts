@@ -53,3 +53,10 @@ export {
   splitU32,
   wireDtype,
 } from "./data_parallel.ts";
+export {
+  DistributedOptimizer,
+  type ZeroBucket,
+  zeroBuckets,
+  type ZeroModel,
+  type ZeroOptions,
+} from "./zero.ts";
