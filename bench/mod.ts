@@ -1,9 +1,9 @@
 /**
- * `deno task bench [train|data|matmul|allreduce|runtime|generate|curve] [options]`: the benchmarks.
+ * `deno task bench [train|data|matmul|allreduce|runtime|generate|curve|dp] [options]`: the benchmarks.
  * With no suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data
  * pipeline benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and
  * GPU host-path benchmark, `runtime` the start-train-SIGTERM cycles, `generate` the generation
- * scenarios (bench/generate_bench.ts), and `curve` the fp16-against-fp32 loss curves. Options
+ * scenarios (bench/generate_bench.ts), `curve` the fp16-against-fp32 loss curves, and `dp` data-parallel training through the server. Options
  * pass through.
  */
 
@@ -15,6 +15,7 @@ const suites: Record<string, string> = {
   runtime: "./runtime_bench.ts",
   generate: "./generate_bench.ts",
   curve: "./curve_bench.ts",
+  dp: "./dp_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

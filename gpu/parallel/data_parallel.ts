@@ -24,7 +24,7 @@ export interface ReducerOptions {
 export interface ReduceTiming {
   /** Steps reduced. */
   steps: number;
-  /** Wall time spent waiting for the reductions. */
+  /** Wall time of the exchanges, from the end of the backward pass on this GPU (so including a slower peer's lag). */
   ms: number;
   /** Gradient bytes sent per rank. */
   bytes: number;
@@ -33,12 +33,14 @@ export interface ReduceTiming {
 /** Sums a trainer's gradients over the data-parallel ranks, in buckets of at most the lanes' capacity. */
 export class GradientReducer {
   #exchange: BucketExchange;
+  #ctx: GpuContext;
   #capacity: number;
   #elapsed = 0;
   #bytes = 0;
   #steps = 0;
 
-  private constructor(exchange: BucketExchange, capacity: number) {
+  private constructor(ctx: GpuContext, exchange: BucketExchange, capacity: number) {
+    this.#ctx = ctx;
     this.#exchange = exchange;
     this.#capacity = capacity;
   }
@@ -55,7 +57,7 @@ export class GradientReducer {
       stagingBytes: opts.stagingBytes ?? 16 << 20,
       inFlight: opts.inFlight ?? 8,
     });
-    return new GradientReducer(exchange, comms[0].capacity);
+    return new GradientReducer(ctx, exchange, comms[0].capacity);
   }
 
   /** The buckets of a flat array: each segment cut into pieces of at most the capacity, last first. */
@@ -76,6 +78,8 @@ export class GradientReducer {
 
   /** Sums `grads` over the ranks in place (a `GradientReduce` for `Trainer.trainStepReduced`). */
   reduce = async (grads: FlatBuffer): Promise<void> => {
+    // Time the exchange, not the backward pass still running on the GPU (the first readback would wait for it).
+    await this.#ctx.device.queue.onSubmittedWorkDone();
     const t0 = performance.now();
     const runs = this.buckets(grads).map((b) => this.#exchange.run(b));
     const timings = await Promise.all(runs);

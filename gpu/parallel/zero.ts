@@ -233,8 +233,9 @@ export class DistributedOptimizer {
    * broadcast of the weights.
    */
   step = async (grads: FlatBuffer): Promise<void> => {
-    const t0 = performance.now();
     const q = this.#ctx.device.queue;
+    await q.onSubmittedWorkDone();
+    const t0 = performance.now();
     const bucket = (flat: FlatBuffer, b: ZeroBucket) => ({
       buffer: flat.segments[b.segment].buffer,
       offset: b.offset * 4,
