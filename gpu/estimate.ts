@@ -38,6 +38,8 @@ export interface EstimateRequest {
   checkpointLayers?: number;
   tensorParallel?: number;
   dataParallel?: number;
+  /** AdamW moments sharded over the data-parallel ranks (each holds 1/dp of them). */
+  distributedOptimizer?: boolean;
   limits?: PlanLimits;
   chunks?: PlanOptions;
 }
@@ -94,11 +96,14 @@ function shardBytes(label: string, bytes: number, flat: number, tp: number): num
 }
 
 /** Sums a plan into the estimate. */
-export function estimateFromPlan(plan: ModelPlan, tp = 1, dp = 1): Estimate {
+export function estimateFromPlan(plan: ModelPlan, tp = 1, dp = 1, distributedOptimizer = false): Estimate {
   const c = plan.config;
   const flat = flatShare(c, tp);
   const bytes = Object.fromEntries(CATEGORIES.map((k) => [k, 0])) as Record<Category, number>;
-  for (const b of plan.buffers) bytes[b.category] += shardBytes(b.label, b.bytes, flat, tp);
+  for (const b of plan.buffers) {
+    const moments = distributedOptimizer && /^adam\.[mv](\.\d+)?$/.test(b.label);
+    bytes[b.category] += shardBytes(b.label, moments ? Math.ceil(b.bytes / dp) : b.bytes, flat, tp);
+  }
   const total = CATEGORIES.reduce((a, k) => a + bytes[k], 0);
   const biggest =
     CATEGORIES.map((k) => ({ category: k, bytes: bytes[k] })).sort((a, b) => b.bytes - a.bytes)[0];
@@ -123,7 +128,7 @@ export function estimateTraining(r: EstimateRequest): Estimate {
     checkpointLayers: r.checkpointLayers ?? 0,
     precision: r.precision,
   });
-  return estimateFromPlan(plan, tp, dp);
+  return estimateFromPlan(plan, tp, dp, r.distributedOptimizer ?? false);
 }
 
 const KNOWN_MEMORY: Array<[RegExp, number]> = [

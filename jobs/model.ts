@@ -55,6 +55,7 @@ export interface EstimateQuery {
   checkpoint_num_layers: number;
   tensor_parallel: number;
   data_parallel: number;
+  distributed_optimizer?: boolean;
 }
 
 /** The estimate of a query for a device (or the default limits), with the device's memory when known. */
@@ -74,6 +75,7 @@ export function estimateJob(
       checkpointLayers: checkpointLayers(q),
       tensorParallel: q.tensor_parallel,
       dataParallel: q.data_parallel,
+      distributedOptimizer: q.distributed_optimizer ?? false,
       limits: planLimits(device),
     });
     const memory = knownDeviceMemory(device?.adapter ?? null);
@@ -97,6 +99,8 @@ export function estimateBytes(config: TrainConfig, device: DeviceBudget | null):
     seqLen: config.seq_len,
     precision: config.precision ?? "fp32",
     checkpointLayers: checkpointLayers(config),
+    dataParallel: config.data_parallel ?? 1,
+    distributedOptimizer: (config.data_parallel ?? 1) > 1 && (config.distributed_optimizer ?? false),
     limits: planLimits(device),
   }).bytes_per_gpu.total;
 }

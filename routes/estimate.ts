@@ -44,6 +44,7 @@ export const EstimateQuerySchema = z.strictObject({
   checkpoint_num_layers: int(96).default(1),
   tensor_parallel: int(64).default(1),
   data_parallel: int(4096).default(1),
+  distributed_optimizer: bool.default(false),
 });
 
 /** The estimator route. */
