@@ -17,6 +17,13 @@ export interface EmbeddingSpec {
   dropout?: { nSites: number };
   /** Backward: add the wpe gradient to what the buffer holds (gradient accumulation) instead of storing it. */
   accumulate?: boolean;
+  /**
+   * Vocabulary parallelism: this rank holds wte rows [lo, lo + rows); other tokens look up zeros
+   * (forward) and add no gradient here (backward).
+   */
+  vocab?: { lo: number; rows: number };
+  /** Forward: add wpe (default true; one tensor-parallel rank adds it before the allreduce). */
+  positions?: boolean;
 }
 
 /** x[b,t,:] = wte[tok[b,t]] + wpe[t] (then dropout). tokens are u32 rows of T+1. Grid1d over B·T·C4/64. */
@@ -38,7 +45,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let b = bt / ${s.T}u;
   let t = bt % ${s.T}u;
   let tok = tokens[b * ${s.T + 1}u + t];
-  var v = wte[tok * ${C4}u + c] + wpe[t * ${C4}u + c];
+  ${
+    s.vocab
+      ? `var v = vec4<f32>(0.0);
+  if (tok >= ${s.vocab.lo}u && tok < ${
+        s.vocab.lo + s.vocab.rows
+      }u) { v = wte[(tok - ${s.vocab.lo}u) * ${C4}u + c]; }`
+      : `var v = wte[tok * ${C4}u + c];`
+  }
+  ${s.positions ?? true ? `v = v + wpe[t * ${C4}u + c];` : ""}
   ${
     s.dropout
       ? `let e = g * 4u; let st = ${dropoutSite.embedding}u;
@@ -89,8 +104,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let p = h / ${C4}u;
   let c = h % ${C4}u;
   for (var bt = 0u; bt < ${s.B * s.T}u; bt = bt + 1u) {
-    let tok = tokens[(bt / ${s.T}u) * ${s.T + 1}u + bt % ${s.T}u];
-    if (tok % ${P}u == p) {
+    let tok = tokens[(bt / ${s.T}u) * ${s.T + 1}u + bt % ${s.T}u]${s.vocab ? ` - ${s.vocab.lo}u` : ""};
+    if (${s.vocab ? `tok < ${s.vocab.rows}u && ` : ""}tok % ${P}u == p) {
       let i = bt * ${C4}u + c;
       dwte[tok * ${C4}u + c] = dwte[tok * ${C4}u + c] + dx[i]${mask("i * 4u")};
     }
