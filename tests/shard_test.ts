@@ -22,7 +22,17 @@ import {
   vocabShard,
   vocabSizes,
 } from "../gpu/parallel/mod.ts";
-import { randomFloats } from "./_helpers.ts";
+
+/** Deterministic floats in [-1, 1) from `seed` (a 32-bit LCG; no GPU helper needed here). */
+function randomFloats(n: number, seed: number): Float32Array {
+  const out = new Float32Array(n);
+  let x = seed >>> 0;
+  for (let i = 0; i < n; i++) {
+    x = (Math.imul(x, 1664525) + 1013904223) >>> 0;
+    out[i] = x / 2 ** 31 - 1;
+  }
+  return out;
+}
 
 /** 6 heads of 8 and a small vocabulary: shardable at tp 1, 2, 3 and 6. */
 const SIX = makeConfig({ n_layer: 2, n_head: 6, n_embd: 48, n_positions: 16, vocab_size: 1000 });

@@ -47,6 +47,7 @@ export {
   cutShard,
   mergeParams,
   mergeShards,
+  readSlices,
   shardLayout,
   shardSlices,
   type ShardSpec,
@@ -59,4 +60,5 @@ export {
   vocabShard,
   type VocabSizes,
   vocabSizes,
+  writeSlices,
 } from "./shard.ts";

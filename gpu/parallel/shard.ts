@@ -220,15 +220,69 @@ function copyBox(
   }
 }
 
-/** Where each slice of a rank's tensor starts in it (slices follow one another along the axis). */
-function localOffsets(spec: ShardSpec, slices: Slice[]): number[][] {
+/**
+ * Copies `slices` of `global` (shape `globalShape`) into a new tensor of shape `shape`, one after
+ * another along `axis`: a rank's shard as `shardSlices()` or a checkpoint's records describe it.
+ */
+export function readSlices(
+  global: Float32Array,
+  globalShape: number[],
+  slices: Slice[],
+  axis: number,
+  shape: number[],
+): Float32Array {
+  checkLength("Cannot read slices", global, globalShape);
+  const out = new Float32Array(sizeOf(shape));
+  const at = slicePlaces(slices, axis, shape, globalShape);
+  slices.forEach((s, i) => copyBox(global, globalShape, s.offset, out, shape, at[i], s.shape, true));
+  return out;
+}
+
+/** The inverse of readSlices(): pastes `local` (shape `shape`) into its `slices` of `global`. */
+export function writeSlices(
+  global: Float32Array,
+  globalShape: number[],
+  local: Float32Array,
+  shape: number[],
+  slices: Slice[],
+  axis: number,
+): void {
+  checkLength("Cannot write slices", global, globalShape);
+  checkLength("Cannot write slices", local, shape);
+  const at = slicePlaces(slices, axis, shape, globalShape);
+  slices.forEach((s, i) => copyBox(global, globalShape, s.offset, local, shape, at[i], s.shape, false));
+}
+
+/**
+ * Where each slice starts in the tensor that concatenates them along `axis`; throws when a slice
+ * is outside the global tensor or the slices do not fill `shape` exactly.
+ */
+function slicePlaces(slices: Slice[], axis: number, shape: number[], globalShape: number[]): number[][] {
   let at = 0;
-  return slices.map((s) => {
-    const o = spec.shape.map(() => 0);
-    o[spec.axis] = at;
-    at += s.shape[spec.axis];
+  const out = slices.map((s) => {
+    if (
+      s.shape.length !== shape.length || s.offset.length !== shape.length ||
+      globalShape.length !== shape.length ||
+      s.offset.some((o, d) => !Number.isInteger(o) || o < 0 || o + s.shape[d] > globalShape[d])
+    ) {
+      throw new RangeError(
+        `Slice at [${s.offset}] of shape [${s.shape}] is outside a tensor of shape [${globalShape}]`,
+      );
+    }
+    s.shape.forEach((n, d) => {
+      if (d !== axis && n !== shape[d]) {
+        throw new RangeError(`Slice shape [${s.shape}] does not match [${shape}] outside axis ${axis}`);
+      }
+    });
+    const o = shape.map(() => 0);
+    o[axis] = at;
+    at += s.shape[axis];
     return o;
   });
+  if (at !== shape[axis]) {
+    throw new RangeError(`Slices fill ${at} of ${shape[axis]} along axis ${axis} of shape [${shape}]`);
+  }
+  return out;
 }
 
 function checkLength(what: string, data: Float32Array, shape: number[]): void {
@@ -244,12 +298,7 @@ export function cutShard(spec: ShardSpec, rank: number, global: Float32Array): F
   checkLength(`Cannot cut "${spec.name}"`, global, spec.globalShape);
   const slices = shardSlices(spec, rank);
   if (spec.split === "replicated") return global.slice();
-  const out = new Float32Array(sizeOf(spec.shape));
-  const at = localOffsets(spec, slices);
-  slices.forEach((s, i) =>
-    copyBox(global, spec.globalShape, s.offset, out, spec.shape, at[i], s.shape, true)
-  );
-  return out;
+  return readSlices(global, spec.globalShape, slices, spec.axis, spec.shape);
 }
 
 /**
@@ -264,10 +313,7 @@ export function mergeShards(spec: ShardSpec, shards: Float32Array[]): Float32Arr
   if (spec.split === "replicated") return shards[0].slice();
   const out = new Float32Array(sizeOf(spec.globalShape));
   for (let r = 0; r < spec.tp; r++) {
-    const slices = shardSlices(spec, r), at = localOffsets(spec, slices);
-    slices.forEach((s, i) =>
-      copyBox(out, spec.globalShape, s.offset, shards[r], spec.shape, at[i], s.shape, false)
-    );
+    writeSlices(out, spec.globalShape, shards[r], spec.shape, shardSlices(spec, r), spec.axis);
   }
   return out;
 }
