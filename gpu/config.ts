@@ -194,7 +194,15 @@ export function allTensorShapes(c: ModelConfig): Array<[string, number[]]> {
 
 /** Lays out every parameter tensor in one flat buffer: decayed (2-D) tensors first, then the rest. */
 export function paramLayout(c: ModelConfig, align = TENSOR_ALIGN): ParamLayout {
-  const shapes = allTensorShapes(c);
+  return layoutOf(allTensorShapes(c), align);
+}
+
+/**
+ * The flat layout of named tensors given in Hugging Face order: 2-D (decayed) ones first, each
+ * at an offset aligned to `align` elements. paramLayout() is this over the whole model; a
+ * tensor-parallel rank's layout is this over its shard shapes (gpu/parallel/shard.ts).
+ */
+export function layoutOf(shapes: Array<[string, number[]]>, align = TENSOR_ALIGN): ParamLayout {
   const tensors: TensorSpec[] = [];
   let offset = 0, numParams = 0;
   const place = (name: string, shape: number[], decay: boolean) => {

@@ -5,11 +5,19 @@
  * - Hugging Face GPT-2 directories, `models/<name>/` with `config.json` and `model.safetensors`
  *   (F32, F16 or BF16, widened to float32; names with or without `transformer.`), id "<name>".
  * Both store wte with the real 50257 rows; `importTensors` pads it back to the padded vocabulary.
+ * A checkpoint written at tensor parallel size N > 1 (one shard file per rank) is served on one
+ * GPU: its config is given the tp 1 vocabulary and its shards are merged in memory on load.
  * Resolving reads only small JSON files (HTTP thread); `loadWeights` reads the tensors (Worker).
  */
 
 import { GPT2_VOCAB_SIZE, makeConfig, type ModelConfig } from "../gpu/config.ts";
-import { importTensors, listCheckpoints, readManifest } from "./checkpoint.ts";
+import {
+  importTensors,
+  listCheckpoints,
+  loadCheckpointWeights,
+  mergedModel,
+  readManifest,
+} from "./checkpoint.ts";
 import { InvalidJobError, ModelNotFoundError } from "./errors.ts";
 import type { ModelSource } from "./messages.ts";
 import { readSafetensors } from "./safetensors.ts";
@@ -81,7 +89,7 @@ export async function resolveModelSource(root: string, id: string): Promise<Mode
       kind: "checkpoint",
       path: found.path,
       version: manifest.created_at,
-      config: makeConfig(manifest.model),
+      config: mergedModel(manifest),
     };
   }
   const dir = `${root}/models/${first}`;
@@ -113,7 +121,7 @@ export async function listModelSources(root: string): Promise<ModelInfo[]> {
       const manifest = await readManifest(c.path).catch(() => null);
       if (!manifest) continue;
       const created = Math.floor(Date.parse(c.created_at) / 1000);
-      const info = { kind: "checkpoint" as const, created, config: makeConfig(manifest.model) };
+      const info = { kind: "checkpoint" as const, created, config: mergedModel(manifest) };
       if (i === all.length - 1) out.push({ id: job, ...info });
       out.push({ id: `${job}/${c.name}`, ...info });
     }
@@ -133,8 +141,9 @@ export async function listModelSources(root: string): Promise<ModelInfo[]> {
   return out;
 }
 
-/** Reads a model's weights into the engine's flat layout (wte padded with zero rows). */
+/** Reads a model's weights into the engine's flat layout (wte padded with zero rows), merging a checkpoint's tensor-parallel shards. */
 export async function loadWeights(source: ModelSource): Promise<Float32Array> {
+  if (source.kind === "checkpoint") return await loadCheckpointWeights(source.path, source.config);
   const file = await readSafetensors(`${source.path}/model.safetensors`);
   return importTensors(source.config, file.tensors, source.id);
 }

@@ -3,7 +3,8 @@
  * rebinding), the Origin and Sec-Fetch-Site checks (against cross-site requests from any page a
  * user visits), CORS for an explicit allow-list, the bearer token (constant-time, any printable
  * token), `application/json` on state-changing methods, body-size limits and the bound on open
- * streams; then the job, health, generation and extra route groups, and the one error handler.
+ * streams; then the job, health, estimate, checkpoint, generation and extra route groups, and the
+ * one error handler.
  * No state of its own beyond per-app counters: everything comes from the arguments.
  */
 
@@ -26,6 +27,7 @@ import { createMetrics, type MetricsHook } from "./metrics.ts";
 import { type StreamCounter, streamLimit } from "./sse.ts";
 import { webRoutes } from "./web.ts";
 import { estimateRoutes } from "./estimate.ts";
+import { checkpointRoutes } from "./checkpoints.ts";
 
 /** What the app is built from. */
 export interface AppOptions {
@@ -243,6 +245,7 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/jobs/*", small);
   app.use("/v1/*", small);
   app.use("/generate", small);
+  app.use("/checkpoints/*", small);
   const streams: StreamCounter = { total: 0, perClient: new Map() };
   const bounded = streamLimit(limits, streams);
   app.use("/jobs/:id/events", bounded);
@@ -251,6 +254,7 @@ export function createApp(opts: AppOptions): Hono {
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
   app.route("/", jobRoutes(opts.runner, limits, aliases));
   app.route("/", estimateRoutes(opts.runner));
+  app.route("/", checkpointRoutes(opts.runner));
   if (opts.generation) app.route("/", generateRoutes(opts.generation));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;

@@ -11,6 +11,7 @@ export {
   parseHost,
 } from "./app.ts";
 export { jobRoutes } from "./jobs.ts";
+export { checkpointRoutes, ReshardRequestSchema } from "./checkpoints.ts";
 export { generateRoutes } from "./generate.ts";
 export { healthRoutes } from "./health.ts";
 export {

@@ -2,12 +2,19 @@
  * Checkpoint files without a GPU: safetensors round trips and header layout, Hugging Face tensor
  * names and shapes, the real-vocabulary wte export and zero-padded import, config.json, the
  * manifest, atomic save with pruning, replacing a same-named checkpoint, refusing non-finite
- * weights, removal of stale temporaries, and refusal of mismatched checkpoints.
+ * weights, removal of stale temporaries, and refusal of mismatched checkpoints. Tensor
+ * parallelism: TP=1 files are the same bytes as before shards existed, version 1 manifests still
+ * load, a checkpoint saved from TP=2 rank states is one shard pair per rank with every tensor's
+ * slices recorded, and loading reshards it in memory to tp 1 or 4 (moments with their weights,
+ * padded wte rows zero when the padding changes, real rows kept bit for bit).
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, paramLayout, presetConfig } from "../gpu/config.ts";
+import { createHash } from "node:crypto";
+import { ConfigError, makeConfig, paramLayout, presetConfig } from "../gpu/config.ts";
+import { mergeParams, shardLayout, splitParams, tensorParallelConfig } from "../gpu/parallel/mod.ts";
 import {
+  type CheckpointManifest,
   checkpointName,
   decodeSafetensors,
   encodeSafetensors,
@@ -15,6 +22,8 @@ import {
   importTensors,
   listCheckpoints,
   loadCheckpoint,
+  loadCheckpointWeights,
+  readManifest,
   readSafetensors,
   removeStaleCheckpointTemporaries,
   saveCheckpoint,
@@ -322,6 +331,283 @@ Deno.test("loadCheckpoint() moves AdamW moments saved in the older 64-element la
       assert.equal(state.m[t.offset], src.offset, t.name);
       assert.equal(state.v[t.offset + t.size - 1], -(src.offset + t.size - 1), t.name);
     }
+    // Resharded on load, the old layout is read through its alignment too.
+    const two = tensorParallelConfig(model, 2), wide = paramLayout(two);
+    const ranks = await Promise.all(
+      [0, 1].map((rank) => loadCheckpoint(saved.path, two, { tensorParallel: 2, rank })),
+    );
+    const m2 = mergeParams(two, 2, ranks.map((r) => r.state.m));
+    for (const t of now.tensors) {
+      const size = t.name === "wte.weight" ? 50257 * 64 : t.size, at = wide.byName.get(t.name)!.offset;
+      const d = firstDiff(m2.subarray(at, at + size), state.m.subarray(t.offset, t.offset + size));
+      assert.equal(d, -1, t.name);
+    }
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+/** The value pattern the TP=1 byte check was recorded with (exact in float32 on every machine). */
+function pattern(n: number, k: number): Float32Array {
+  const a = new Float32Array(n);
+  for (let i = 0; i < n; i++) a[i] = (((i * k) % 65521) - 32760) / 4096;
+  return a;
+}
+
+const sha256 = async (path: string) => createHash("sha256").update(await Deno.readFile(path)).digest("hex");
+
+const metaOf = (model: ReturnType<typeof presetConfig>) => ({
+  job_id: "job_a",
+  model,
+  train,
+  sampler: { epoch: 0, position: 0 },
+  metrics: { loss: null, val_loss: null },
+});
+
+Deno.test("saveCheckpoint() at TP=1 writes model.safetensors, optimizer.safetensors and config.json byte for byte as before shards, and records the layout", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = presetConfig("gpt2-tiny");
+    const n = paramLayout(model).totalSize;
+    const state = { step: 5, params: pattern(n, 7919), m: pattern(n, 104729), v: pattern(n, 1299709) };
+    const meta = { ...metaOf(model), job_id: "j" };
+    const { path } = await saveCheckpoint(`${dir}/j`, meta, state, 1);
+    // Hashes of the files the code before version 2 wrote for this state (commit 6a7a307).
+    assert.equal(
+      await sha256(`${path}/model.safetensors`),
+      "f9e058835583c3f6f9d57b791ad64cae209e8c112cda21a341bc08b80242ea77",
+    );
+    assert.equal(
+      await sha256(`${path}/optimizer.safetensors`),
+      "31a565cca96d6b027ac60779c15ef6ae5772efe441d93be6bfe5ef276cbe14cf",
+    );
+    assert.equal(
+      await sha256(`${path}/config.json`),
+      "84ea8dfb9ec01aa6897c827fa616cfd20ab9f5fd6477f78438f20b222eaa228c",
+    );
+    const manifest = await readManifest(path);
+    assert.equal(manifest.version, 2);
+    assert.deepEqual(manifest.parallel, { tensor_parallel: 1, data_parallel: 1 });
+    assert.deepEqual(manifest.vocab, {
+      vocab_size: 50257,
+      padded_vocab_size: 50304,
+      tensor_parallel_vocab_size: 50304,
+      rank_vocab_size: 50304,
+      tensor_parallel: 1,
+    });
+    assert.deepEqual(manifest.files, {
+      model: "model.safetensors",
+      optimizer: "optimizer.safetensors",
+      hf_config: "config.json",
+    });
+    assert.equal(manifest.tensors.length, 2 + 12 * 2 + 2);
+    // wte is stored with its real rows: a [50257, 64] slice of the [50304, 64] tensor.
+    assert.deepEqual(manifest.tensors[0], {
+      name: "wte.weight",
+      global_shape: [50304, 64],
+      split: "vocab",
+      axis: 0,
+      shards: [{ tp_rank: 0, shape: [50257, 64], slices: [{ offset: [0, 0], shape: [50257, 64] }] }],
+    });
+    // One line per tensor record keeps the manifest readable.
+    const text = await Deno.readTextFile(`${path}/manifest.json`);
+    assert.ok(text.includes('\n    {"name":"h.0.attn.c_attn.weight","global_shape":[64,192],"split":"qkv"'));
+    assert.deepEqual((await listCheckpoints(`${dir}/j`)).map((c) => c.tensor_parallel), [1]);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("readManifest() reads a version 1 manifest as its TP=1 layout and loadCheckpoint() loads it as before", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = presetConfig("gpt2-tiny");
+    const n = paramLayout(model).totalSize;
+    const state = { step: 8, params: pattern(n, 31), m: pattern(n, 37), v: pattern(n, 41) };
+    const { path } = await saveCheckpoint(`${dir}/job_a`, metaOf(model), state, 1);
+    const now: CheckpointManifest = JSON.parse(await Deno.readTextFile(`${path}/manifest.json`));
+    const { parallel: _p, vocab: _v, tensors, ...v1 } = now;
+    await Deno.writeTextFile(`${path}/manifest.json`, JSON.stringify({ ...v1, version: 1 }, null, 2));
+    const read = await readManifest(path);
+    assert.equal(read.version, 1);
+    assert.deepEqual(read.parallel, { tensor_parallel: 1, data_parallel: 1 });
+    assert.deepEqual(read.tensors, tensors);
+    assert.equal(read.vocab.tensor_parallel_vocab_size, 50304);
+    const { state: back } = await loadCheckpoint(path, model);
+    // Moments as stored; weights tensor by tensor (gaps and wte's padded rows are not stored).
+    assert.equal(firstDiff(back.m, state.m), -1);
+    assert.equal(firstDiff(back.v, state.v), -1);
+    for (const t of paramLayout(model).tensors) {
+      const size = t.name === "wte.weight" ? 50257 * 64 : t.size;
+      const d = firstDiff(
+        back.params.subarray(t.offset, t.offset + size),
+        state.params.subarray(t.offset, t.offset + size),
+      );
+      assert.equal(d, -1, t.name);
+    }
+    await Deno.writeTextFile(`${path}/manifest.json`, JSON.stringify({ ...v1, version: 3 }));
+    await assert.rejects(readManifest(path), {
+      message:
+        `Cannot load checkpoint "${path}": format "gpt2-webgpu-checkpoint" v3 is not "gpt2-webgpu-checkpoint" v1 or v2`,
+    });
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("saveCheckpoint() of TP=2 rank states writes a model and an optimizer shard per rank, records each tensor's slices, and loads back at tp 2 exactly", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = tensorParallelConfig(presetConfig("gpt2-tiny"), 2);
+    const local = shardLayout(model, 2);
+    // Cut from whole buffers (replicated tensors the same on both ranks); padded rows hold values
+    // too: at the same layout they come back as saved.
+    const [p, m, v] = [101, 211, 307].map((k) =>
+      splitParams(model, 2, pattern(paramLayout(model).totalSize, k))
+    );
+    const ranks = [0, 1].map((r) => ({ step: 12, params: p[r], m: m[r], v: v[r] }));
+    const { path } = await saveCheckpoint(`${dir}/job_a`, metaOf(model), ranks, 1, { dataParallel: 3 });
+    assert.deepEqual([...Deno.readDirSync(path)].map((e) => e.name).sort(), [
+      "config.json",
+      "manifest.json",
+      "model-tp00-of-02.safetensors",
+      "model-tp01-of-02.safetensors",
+      "optimizer-tp00-of-02.safetensors",
+      "optimizer-tp01-of-02.safetensors",
+    ]);
+    const manifest = await readManifest(path);
+    assert.deepEqual(manifest.parallel, { tensor_parallel: 2, data_parallel: 3 });
+    assert.equal(manifest.model.padded_vocab_size, 50432);
+    assert.equal(manifest.vocab.rank_vocab_size, 25216);
+    const qkv = manifest.tensors.find((t) => t.name === "h.1.attn.c_attn.weight")!;
+    assert.deepEqual(qkv.shards[1], {
+      tp_rank: 1,
+      shape: [64, 96],
+      slices: [
+        { offset: [0, 32], shape: [64, 32] },
+        { offset: [0, 96], shape: [64, 32] },
+        { offset: [0, 160], shape: [64, 32] },
+      ],
+    });
+    const wte = manifest.tensors.find((t) => t.name === "wte.weight")!;
+    assert.deepEqual(wte.shards.map((s) => s.slices[0].offset), [[0, 0], [25216, 0]]);
+    const shard1 = await readSafetensors(`${path}/model-tp01-of-02.safetensors`);
+    assert.deepEqual(shard1.metadata, { format: "pt", tensor_parallel: "2", tp_rank: "1" });
+    assert.deepEqual(shard1.tensors.get("wte.weight")!.shape, [25216, 64]);
+    assert.deepEqual(shard1.tensors.get("h.0.mlp.c_proj.weight")!.shape, [128, 64]);
+    const opt1 = await readSafetensors(`${path}/optimizer-tp01-of-02.safetensors`);
+    assert.equal(opt1.metadata.layout, "tensors");
+    assert.deepEqual(opt1.tensors.get("v.h.0.mlp.c_fc.bias")!.shape, [128]);
+    assert.deepEqual((await listCheckpoints(`${dir}/job_a`)).map((c) => c.tensor_parallel), [2]);
+
+    for (const rank of [0, 1]) {
+      const { state } = await loadCheckpoint(path, model, { tensorParallel: 2, rank });
+      for (const t of local.tensors) {
+        for (const k of ["params", "m", "v"] as const) {
+          const d = firstDiff(
+            state[k].subarray(t.offset, t.offset + t.size),
+            ranks[rank][k].subarray(t.offset, t.offset + t.size),
+          );
+          assert.equal(d, -1, `${k} ${t.name} rank ${rank}`);
+        }
+      }
+    }
+    await assert.rejects(loadCheckpoint(path, model, { tensorParallel: 3 }), (e: unknown) => {
+      assert.ok(e instanceof ConfigError);
+      assert.equal(e.field, "tensor_parallel");
+      assert.match(e.message, /tensor_parallel: 3 does not divide n_head 4/);
+      return true;
+    });
+    await assert.rejects(
+      loadCheckpoint(path, model, { tensorParallel: 2, rank: 2 }),
+      /rank must be in \[0, 2\)/,
+    );
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("loadCheckpoint() reshards a TP=2 checkpoint to tp 1 and tp 4: moments with their weights, real rows bit for bit, padded rows zero", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const base = presetConfig("gpt2-tiny"), two = tensorParallelConfig(base, 2);
+    const full2 = paramLayout(two);
+    const whole = (k: number) => {
+      const a = new Float32Array(full2.totalSize);
+      for (const t of full2.tensors) a.set(pattern(t.size, k + t.offset), t.offset); // padded rows non-zero
+      return a;
+    };
+    const want = { params: whole(3), m: whole(5), v: whole(7) };
+    const [p, m, v] = [want.params, want.m, want.v].map((a) => splitParams(two, 2, a));
+    const ranks = [0, 1].map((r) => ({ step: 9, params: p[r], m: m[r], v: v[r] }));
+    const { path } = await saveCheckpoint(`${dir}/job_a`, metaOf(two), ranks, 1);
+
+    // At tp 1 (50304 rows): every tensor as merged, wte's real rows kept and its padded rows zero.
+    const { state } = await loadCheckpoint(path, base);
+    const l1 = paramLayout(base);
+    assert.equal(state.params.length, l1.totalSize);
+    for (const t of l1.tensors) {
+      const src = full2.byName.get(t.name)!;
+      const real = t.name === "wte.weight" ? 50257 * 64 : t.size;
+      for (const k of ["params", "m", "v"] as const) {
+        const got = state[k].subarray(t.offset, t.offset + t.size);
+        assert.equal(
+          firstDiff(got.subarray(0, real), want[k].subarray(src.offset, src.offset + real)),
+          -1,
+          `${k} ${t.name}`,
+        );
+        assert.ok(got.subarray(real).every((x) => x === 0), `${k} ${t.name} padding`);
+      }
+    }
+    // Weights alone, for generation: the same as the training load.
+    assert.equal(firstDiff(await loadCheckpointWeights(path, base), state.params), -1);
+
+    // At tp 4 (50688 rows): rank r holds rank r's cut of the same tensors.
+    const four = tensorParallelConfig(base, 4);
+    const got4 = await Promise.all(
+      [0, 1, 2, 3].map((rank) => loadCheckpoint(path, four, { tensorParallel: 4, rank })),
+    );
+    const merged = mergeParams(four, 4, got4.map((g) => g.state.m));
+    const l4 = paramLayout(four);
+    for (const t of l4.tensors) {
+      const src = full2.byName.get(t.name)!;
+      const real = t.name === "wte.weight" ? 50257 * 64 : t.size;
+      const row = merged.subarray(t.offset, t.offset + t.size);
+      assert.equal(
+        firstDiff(row.subarray(0, real), want.m.subarray(src.offset, src.offset + real)),
+        -1,
+        t.name,
+      );
+      assert.ok(row.subarray(real).every((x) => x === 0), `${t.name} padding`);
+    }
+    assert.equal(got4[3].manifest.parallel.tensor_parallel, 2);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
+Deno.test("saveCheckpoint() of rank states refuses a non-finite weight naming the rank, and states of the wrong layout", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = tensorParallelConfig(presetConfig("gpt2-tiny"), 2);
+    const n = shardLayout(model, 2).totalSize;
+    const rank = () => ({
+      step: 4,
+      params: new Float32Array(n),
+      m: new Float32Array(n),
+      v: new Float32Array(n),
+    });
+    const bad = [rank(), rank()];
+    bad[1].params[77] = Infinity;
+    await assert.rejects(saveCheckpoint(`${dir}/job_a`, metaOf(model), bad, 1), {
+      message:
+        "Refusing to save checkpoint at iteration 4: parameter 77 of tensor-parallel rank 1 is Infinity",
+    });
+    const short = [rank(), { ...rank(), m: new Float32Array(10) }];
+    await assert.rejects(saveCheckpoint(`${dir}/job_a`, metaOf(model), short, 1), {
+      message: `Cannot save checkpoint at iteration 4: m of rank 1 has 10 floats, the layout ${n}`,
+    });
+    assert.deepEqual(await listCheckpoints(`${dir}/job_a`), []);
   } finally {
     await Deno.remove(dir, { recursive: true });
   }

@@ -1,8 +1,8 @@
 /**
  * Data and tensor parallelism between the Workers of one GPU host: rank groups (groups.ts), the
  * shared-memory allreduce, reduce-scatter and all-gather (allreduce.ts), and the GPU <-> host
- * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts), and the buffers a GPU
- * host makes for a job's groups (setup.ts). Knows WebGPU buffers
+ * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts), the buffers a GPU
+ * host makes for a job's groups (setup.ts), and the tensor-parallel shard specs (shard.ts, pure). Knows WebGPU buffers
  * and SharedArrayBuffers, never HTTP or SQL.
  *
  * Import from here, not from the individual files, so internals can move freely.
@@ -60,3 +60,23 @@ export {
   type ZeroModel,
   type ZeroOptions,
 } from "./zero.ts";
+export {
+  checkTensorParallel,
+  cutShard,
+  mergeParams,
+  mergeShards,
+  readSlices,
+  shardLayout,
+  shardSlices,
+  type ShardSpec,
+  shardSpecs,
+  type Slice,
+  type SplitKind,
+  splitParams,
+  tensorParallelConfig,
+  tensorParallelVocab,
+  vocabShard,
+  type VocabSizes,
+  vocabSizes,
+  writeSlices,
+} from "./shard.ts";
