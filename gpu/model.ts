@@ -23,6 +23,7 @@ import {
   LAYER_ACTS,
   type LayerActName,
   type ModelPlan,
+  normRanges,
   planModel,
   type PlanOptions,
   resLabel,
@@ -67,7 +68,28 @@ import {
   stepControlWgsl,
 } from "./kernels/adamw.ts";
 import { dropoutMaskWgsl, grid1d, type StorageDtype } from "./kernels/common.ts";
+import { biasDropResidualWgsl, ceFromStatsWgsl, ceLocalStatsWgsl } from "./kernels/tensor_parallel.ts";
 import { checksumPartialWgsl } from "./kernels/checksum.ts";
+
+/**
+ * A point of a tensor-parallel step where the ranks exchange data through the host: the ops
+ * before it are submitted, the exchange runs, then the ops after it (see Trainer).
+ *  - "allreduce": sum `count` f32 of `buffer` over the tensor-parallel group in place;
+ *  - "vocab_ce": combine the vocabulary-parallel loss's row statistics (`rows` vec4 in `stats`);
+ *  - "norm": add the ranks' squared-gradient partials (`count` f32 in `parts`) into `total[0]`.
+ */
+export type Sync =
+  | { sync: "allreduce"; label: string; buffer: GPUBuffer; count: number }
+  | { sync: "vocab_ce"; label: string; stats: GPUBuffer; rows: number }
+  | { sync: "norm"; label: string; parts: GPUBuffer; count: number; total: GPUBuffer };
+
+/** One entry of a step's program: a kernel, or an exchange between tensor-parallel ranks. */
+export type Step = Op | Sync;
+
+/** Whether a step is an exchange. */
+export function isSync(s: Step): s is Sync {
+  return "sync" in s;
+}
 
 /** Slots of the small stats buffer read back for logging. */
 export const STAT = { loss: 0, gradNorm: 1, evalLoss: 2 } as const;
@@ -145,6 +167,13 @@ export interface GpuModel {
   microBatches: number;
   /** Data-parallel ranks the loss gradient is normalised over. */
   dataParallel: number;
+  /** Tensor-parallel place of this model (size 1 without). */
+  tensorParallel: { rank: number; size: number };
+  /**
+   * The same lists as forward … optimizer with the tensor-parallel exchanges in place; without
+   * tensor parallelism they hold only ops and equal those lists.
+   */
+  program: { forward: Step[]; loss: Step[]; evalLoss: Step[]; backward: Step[]; optimizer: Step[] };
   buffers: GPUBuffer[];
   /** The memory plan the buffers were allocated from. */
   plan: ModelPlan;
@@ -168,6 +197,12 @@ export interface BuildOptions {
    * micro-batches is the gradient of the global batch's mean loss.
    */
   dataParallel?: number;
+  /**
+   * Tensor parallelism (Megatron): this model is rank `rank` of `size`, holding its shard of the
+   * parameters (gpu/parallel/shard.ts) with `config` the tensor-parallel config (its padded
+   * vocabulary divisible by size). Its program then contains exchanges (`Sync`).
+   */
+  tensorParallel?: { rank: number; size: number };
 }
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
@@ -192,11 +227,21 @@ export function checkFits(ctx: GpuContext, shape: ModelShape): void {
 export async function buildModel(
   ctx: GpuContext,
   shape: ModelShape,
-  opts: Omit<PlanOptions, "sharedParams"> & BuildOptions = {},
+  opts: Omit<PlanOptions, "sharedParams" | "tensorParallel"> & BuildOptions = {},
 ): Promise<GpuModel> {
   checkFits(ctx, shape);
   const { config: c, B, T } = shape;
   const C = c.n_embd, L = c.n_layer, H = c.n_head, D = C / H, Vp = c.padded_vocab_size, BT = B * T;
+  const tpSize = opts.tensorParallel?.size ?? 1, tpRank = opts.tensorParallel?.rank ?? 0, TP = tpSize > 1;
+  if (
+    !Number.isInteger(tpSize) || tpSize < 1 || !Number.isInteger(tpRank) || tpRank < 0 || tpRank >= tpSize
+  ) {
+    throw new RangeError(
+      `tensorParallel must be {rank, size} with 0 <= rank < size, got ${JSON.stringify(opts.tensorParallel)}`,
+    );
+  }
+  // This rank's share: attention heads, MLP columns, vocabulary rows (global id of the first: vlo).
+  const Hl = H / tpSize, Cl = C / tpSize, Vl = Vp / tpSize, vlo = tpRank * Vl;
   const train = opts.train ?? true;
   const micro = opts.microBatches ?? 1, ranks = opts.dataParallel ?? 1;
   for (const [field, v] of [["microBatches", micro], ["dataParallel", ranks]] as const) {
@@ -204,7 +249,12 @@ export async function buildModel(
   }
   /** Gradient writers add (accumulation over micro-batches) rather than store. */
   const acc = micro > 1;
-  const plan = planModel(ctx.limits, shape, { ...opts, train, sharedParams: !!opts.params });
+  const plan = planModel(ctx.limits, shape, {
+    ...opts,
+    train,
+    sharedParams: !!opts.params,
+    tensorParallel: tpSize,
+  });
   const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
   const cache = new PipelineCache(ctx);
@@ -343,7 +393,7 @@ export async function buildModel(
   const attn: AttentionSpec = {
     B,
     T,
-    H,
+    H: Hl,
     D,
     split,
     dtype: half ? "f16" : "f32",
@@ -355,19 +405,53 @@ export async function buildModel(
   const hidden = shape.hiddenDropout, ap = shape.attnDropout;
 
   // ---------------------------------------------------------------- forward
-  const forward: Op[] = [];
-  const emb = { B, T, C, dropout: hidden > 0 ? { nSites } : undefined, accumulate: acc };
+  const forward: Step[] = [];
+  // Tensor parallelism: the scratch of row-parallel partial sums, and the exchanges.
+  const partial = TP ? buf("partial") : null;
+  const allreduce = (label: string, buffer: GPUBuffer, count: number): Sync => ({
+    sync: "allreduce",
+    label,
+    buffer,
+    count,
+  });
+  const emb = {
+    B,
+    T,
+    C,
+    dropout: hidden > 0 && !TP ? { nSites } : undefined,
+    accumulate: acc,
+    ...(TP ? { vocab: { lo: vlo, rows: Vl }, positions: tpRank === 0 } : {}),
+  };
+  // Vocabulary-parallel lookup: each rank adds its rows' embeddings (rank 0 the positions), the
+  // sum is allreduced, then dropped out as the fused kernel does.
+  const embOut = TP && hidden > 0 ? partial! : res[0];
   forward.push(
     await op(
       "forward",
       "embedding",
       "embedding_fwd",
       embeddingForwardWgsl(emb),
-      [V(tokens), P("wte.weight"), P("wpe.weight"), V(res[0])],
+      [V(tokens), P("wte.weight"), P("wpe.weight"), V(embOut)],
       elemGrid((BT * C) / 4),
-      { uniform: hidden > 0 ? dropUniform : undefined },
+      { uniform: emb.dropout ? dropUniform : undefined },
     ),
   );
+  if (TP) {
+    forward.push(allreduce("embedding", embOut, BT * C));
+    if (hidden > 0) {
+      forward.push(
+        await op(
+          "forward",
+          "embedding",
+          "embedding_drop",
+          dropoutMaskWgsl((BT * C) / 4, dropoutSite.embedding, nSites),
+          [V(partial!), V(res[0])],
+          elemGrid((BT * C) / 4),
+          { uniform: dropUniform },
+        ),
+      );
+    }
+  }
   const lnFwd = (x: GPUBuffer, w: string, b: string, out: GPUBuffer, st: GPUBuffer, label: string) =>
     op("forward", "layernorm", label, layernormForwardWgsl(C, dtypeOf(out)), [
       V(x),
@@ -376,13 +460,58 @@ export async function buildModel(
       V(out),
       V(st),
     ], rowsGrid);
-  /** Each layer's forward ops, replayed in backward to recompute a checkpointed group. */
-  const layerOps: Op[][] = [];
+  /**
+   * A row-parallel output projection plus residual: fused into the matmul on one GPU; with
+   * tensor parallelism the partial sums are allreduced first, then bias, dropout and residual.
+   */
+  const rowParallel = async (
+    label: string,
+    K: number,
+    A: GPUBuffer,
+    w: string,
+    b: string,
+    resIn: GPUBuffer,
+    out: GPUBuffer,
+    site: number,
+    prologueA?: "gelu",
+  ): Promise<Step[]> => {
+    if (!TP) {
+      return [
+        await matmul("forward", label, {
+          ...mm(BT, C, K),
+          bias: true,
+          epilogue: "residual",
+          dropout: drop(hidden, site),
+          ...(prologueA ? { prologueA } : {}),
+        }, { A: V(A), B: W(w), bias: P(b), res: V(resIn), out: V(out) }),
+      ];
+    }
+    const d = drop(hidden, site);
+    return [
+      await matmul("forward", label, { ...mm(BT, C, K), ...(prologueA ? { prologueA } : {}) }, {
+        A: V(A),
+        B: W(w),
+        out: V(partial!),
+      }),
+      allreduce(label, partial!, BT * C),
+      await op(
+        "forward",
+        "elementwise",
+        `${label}.residual`,
+        biasDropResidualWgsl(BT, C, d),
+        [V(partial!), P(b), V(resIn), V(out)],
+        elemGrid((BT * C) / 4),
+        { uniform: d ? dropUniform : undefined },
+      ),
+    ];
+  };
+  /** Each layer's forward steps, replayed in backward to recompute a checkpointed group. */
+  const layerOps: Step[][] = [];
   for (let l = 0; l < L; l++) {
     const a = acts[l], p = `h.${l}.`, first = forward.length;
     forward.push(await lnFwd(res[l], p + "ln_1.weight", p + "ln_1.bias", a.ln1, a.ln1s, `l${l}.ln1`));
     forward.push(
-      await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * C, C), bias: true }, {
+      await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * Cl, C), bias: true }, {
         A: V(a.ln1),
         B: W(p + "attn.c_attn.weight"),
         bias: P(p + "attn.c_attn.bias"),
@@ -397,27 +526,25 @@ export async function buildModel(
         `l${l}.attention`,
         attentionForwardWgsl(as),
         [V(a.qkv), V(a.atty), V(a.lse)],
-        [Math.ceil(T / as.BQ), H, B],
+        [Math.ceil(T / as.BQ), Hl, B],
         { uniform: as.dropout ? dropUniform : undefined, flops: attentionFlops(as) },
       ),
     );
     forward.push(
-      await matmul("forward", `l${l}.attn_proj`, {
-        ...mm(BT, C, C),
-        bias: true,
-        epilogue: "residual",
-        dropout: drop(hidden, dropoutSite.attnProj(l)),
-      }, {
-        A: V(a.atty),
-        B: W(p + "attn.c_proj.weight"),
-        bias: P(p + "attn.c_proj.bias"),
-        res: V(res[l]),
-        out: V(a.res2),
-      }),
+      ...await rowParallel(
+        `l${l}.attn_proj`,
+        Cl,
+        a.atty,
+        p + "attn.c_proj.weight",
+        p + "attn.c_proj.bias",
+        res[l],
+        a.res2,
+        dropoutSite.attnProj(l),
+      ),
     );
     forward.push(await lnFwd(a.res2, p + "ln_2.weight", p + "ln_2.bias", a.ln2, a.ln2s, `l${l}.ln2`));
     forward.push(
-      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * C, C), bias: true }, {
+      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * Cl, C), bias: true }, {
         A: V(a.ln2),
         B: W(p + "mlp.c_fc.weight"),
         bias: P(p + "mlp.c_fc.bias"),
@@ -425,51 +552,79 @@ export async function buildModel(
       }),
     );
     forward.push(
-      await matmul("forward", `l${l}.fc_proj`, {
-        ...mm(BT, C, 4 * C),
-        bias: true,
-        epilogue: "residual",
-        dropout: drop(hidden, dropoutSite.mlpProj(l)),
-        prologueA: "gelu",
-      }, {
-        A: V(a.fch),
-        B: W(p + "mlp.c_proj.weight"),
-        bias: P(p + "mlp.c_proj.bias"),
-        res: V(a.res2),
-        out: V(res[l + 1]),
-      }),
+      ...await rowParallel(
+        `l${l}.fc_proj`,
+        4 * Cl,
+        a.fch,
+        p + "mlp.c_proj.weight",
+        p + "mlp.c_proj.bias",
+        a.res2,
+        res[l + 1],
+        dropoutSite.mlpProj(l),
+        "gelu",
+      ),
     );
     layerOps.push(forward.slice(first));
   }
   forward.push(await lnFwd(res[L], "ln_f.weight", "ln_f.bias", lnf, lnfs, "lnf"));
+  // The LM head: this rank's Vl columns of the logits (all Vp on one GPU).
   const headFwd = (k: { i: number; r0: number; n: number }) =>
-    matmul("forward", nChunks > 1 ? `lm_head.${k.i}` : "lm_head", mm(k.n, Vp, C, false, true), {
+    matmul("forward", nChunks > 1 ? `lm_head.${k.i}` : "lm_head", mm(k.n, Vl, C, false, true), {
       A: rowsView(lnf, k.r0, k.n, C),
       B: W("wte.weight"),
-      out: rowsView(logits, 0, k.n, Vp),
+      out: rowsView(logits, 0, k.n, Vl),
     });
   if (nChunks === 1) forward.push(await headFwd(chunks[0]));
 
   // ---------------------------------------------------------------- loss
   type Chunk = { i: number; r0: number; n: number };
-  const ceOp = (k: Chunk, grad: boolean) =>
-    op(
-      "forward",
-      "cross_entropy",
-      `cross_entropy${grad ? "" : "_eval"}${nChunks > 1 ? `.${k.i}` : ""}`,
-      crossEntropyWgsl({
-        rows: k.n,
-        rowBase: k.r0,
-        totalRows: BT * micro * ranks,
-        T,
-        V: c.vocab_size,
-        Vp,
-        grad,
-      }),
-      [rowsView(logits, 0, k.n, Vp), V(tokens), V(losses), ...(grad ? [V(control)] : [])],
-      grid1d(k.n, ctx.limits.maxComputeWorkgroupsPerDimension),
-      grad ? { uniform: optUniform } : {},
-    );
+  const ceStats = TP ? buf("ceStats") : null;
+  /** The loss of a chunk (and its gradient in place of the logits with `grad`). */
+  const ceOp = async (k: Chunk, grad: boolean): Promise<Step[]> => {
+    const sfx = `${grad ? "" : "_eval"}${nChunks > 1 ? `.${k.i}` : ""}`;
+    const grid = grid1d(k.n, ctx.limits.maxComputeWorkgroupsPerDimension);
+    const gradOpts = grad ? { uniform: optUniform } : {};
+    if (!TP) {
+      return [
+        await op(
+          "forward",
+          "cross_entropy",
+          `cross_entropy${sfx}`,
+          crossEntropyWgsl({
+            rows: k.n,
+            rowBase: k.r0,
+            totalRows: BT * micro * ranks,
+            T,
+            V: c.vocab_size,
+            Vp,
+            grad,
+          }),
+          [rowsView(logits, 0, k.n, Vp), V(tokens), V(losses), ...(grad ? [V(control)] : [])],
+          grid,
+          gradOpts,
+        ),
+      ];
+    }
+    const vs = { rows: k.n, rowBase: k.r0, totalRows: BT * micro * ranks, T, V: c.vocab_size, Vl, lo: vlo };
+    const lv = rowsView(logits, 0, k.n, Vl);
+    return [
+      await op("forward", "cross_entropy", `cross_entropy_stats${sfx}`, ceLocalStatsWgsl(vs), [
+        lv,
+        V(tokens),
+        V(ceStats!),
+      ], grid),
+      { sync: "vocab_ce", label: `cross_entropy${sfx}`, stats: ceStats!, rows: k.n },
+      await op(
+        "forward",
+        "cross_entropy",
+        `cross_entropy${sfx}`,
+        ceFromStatsWgsl(vs, grad),
+        [lv, V(tokens), V(losses), V(ceStats!), ...(grad ? [V(control)] : [])],
+        grid,
+        gradOpts,
+      ),
+    ];
+  };
   const meanLoss = () =>
     op("forward", "cross_entropy", "mean_loss", meanLossWgsl(BT * micro, STAT.loss, acc), [
       V(losses),
@@ -477,12 +632,12 @@ export async function buildModel(
     ], [
       1,
     ]);
-  let loss: Op[] = [];
-  if (!train) loss = [await ceOp(chunks[0], true), await meanLoss()];
-  const evalLoss: Op[] = [];
+  let loss: Step[] = [];
+  if (!train) loss = [...await ceOp(chunks[0], true), await meanLoss()];
+  const evalLoss: Step[] = [];
   for (const k of chunks) {
     if (nChunks > 1) evalLoss.push(await headFwd(k));
-    evalLoss.push(await ceOp(k, false));
+    evalLoss.push(...await ceOp(k, false));
   }
   evalLoss.push(
     await op("forward", "cross_entropy", "mean_eval_loss", meanLossWgsl(BT, STAT.evalLoss, true), [
@@ -492,8 +647,8 @@ export async function buildModel(
   );
 
   // ---------------------------------------------------------------- backward
-  const backward: Op[] = [];
-  let optimizer: Op[] = [];
+  const backward: Step[] = [];
+  let optimizer: Step[] = [];
   // fp16: the f16 weight copy, refreshed from the master weights after every update.
   const castWeights: Op[] = [];
   if (params16) {
@@ -606,27 +761,30 @@ export async function buildModel(
     // the embedding adds to it later). With several chunks each runs right after its loss.
     const sfx = (k: Chunk) => nChunks > 1 ? `.${k.i}` : "";
     const headBwd = async (k: Chunk) => [
-      await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vp), {
-        A: rowsView(logits, 0, k.n, Vp),
+      await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vl), {
+        A: rowsView(logits, 0, k.n, Vl),
         B: W("wte.weight"),
         out: rowsView(dln, k.r0, k.n, C),
       }),
       await matmul("backward", `lm_head.dw${sfx(k)}`, {
-        ...mm(Vp, C, k.n, true, false),
+        ...mm(Vl, C, k.n, true, false),
         epilogue: k.i === 0 && !acc ? "store" : "accumulate",
       }, {
-        A: rowsView(logits, 0, k.n, Vp),
+        A: rowsView(logits, 0, k.n, Vl),
         B: rowsView(lnf, k.r0, k.n, C),
         out: G("wte.weight"),
       }),
     ];
     if (nChunks === 1) {
-      loss = [await ceOp(chunks[0], true), await meanLoss()];
+      loss = [...await ceOp(chunks[0], true), await meanLoss()];
       backward.push(...await headBwd(chunks[0]));
     } else {
-      for (const k of chunks) loss.push(await headFwd(k), await ceOp(k, true), ...await headBwd(k));
+      for (const k of chunks) loss.push(await headFwd(k), ...await ceOp(k, true), ...await headBwd(k));
       loss.push(await meanLoss());
     }
+    // Tensor parallelism: each rank's vocabulary columns give a part of dlnf (and each column- or
+    // head-parallel matmul below a part of its input's gradient): sum them before the LayerNorm.
+    if (TP) backward.push(allreduce("lm_head.dx", dln, BT * C));
     await lnBwd("lnf.bwd", dln, res[L], lnfs, "ln_f.weight", "ln_f.bias", false);
     const lastGroup = k > 0 ? Math.floor((L - 1) / k) : -1;
     for (let l = L - 1; l >= 0; l--) {
@@ -636,7 +794,11 @@ export async function buildModel(
       // only rewrites the stored residual, so it is left out.
       const g = k > 0 ? Math.floor(l / k) : -1;
       if (k > 0 && g !== lastGroup && (l % k === k - 1 || l === L - 1)) {
-        for (let j = g * k; j <= l; j++) backward.push(...(j === l ? layerOps[j].slice(0, -1) : layerOps[j]));
+        // The output projection's steps (its exchange and residual kernel with tensor parallelism).
+        const tail = TP ? 3 : 1;
+        for (let j = g * k; j <= l; j++) {
+          backward.push(...(j === l ? layerOps[j].slice(0, -tail) : layerOps[j]));
+        }
       }
       // MLP output projection (+ residual): dres is the gradient of res[l+1].
       const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
@@ -644,7 +806,7 @@ export async function buildModel(
         await matmul(
           "backward",
           `l${l}.fc_proj.dw`,
-          { ...mm(4 * C, C, BT, true, false), prologueA: "gelu", epilogue: dwEpilogue },
+          { ...mm(4 * Cl, C, BT, true, false), prologueA: "gelu", epilogue: dwEpilogue },
           {
             A: V(a.fch),
             B: V(dproj),
@@ -655,7 +817,7 @@ export async function buildModel(
       await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
       backward.push(
         await matmul("backward", `l${l}.fc_proj.dx`, {
-          ...mm(BT, 4 * C, C, false, true),
+          ...mm(BT, 4 * Cl, C, false, true),
           epilogue: "gelu_grad",
         }, {
           A: V(dproj),
@@ -665,20 +827,21 @@ export async function buildModel(
         }),
       );
       backward.push(
-        await matmul("backward", `l${l}.fc.dw`, { ...mm(C, 4 * C, BT, true, false), epilogue: dwEpilogue }, {
+        await matmul("backward", `l${l}.fc.dw`, { ...mm(C, 4 * Cl, BT, true, false), epilogue: dwEpilogue }, {
           A: V(a.ln2),
           B: V(d4),
           out: G(p + "mlp.c_fc.weight"),
         }),
       );
-      await colsum(`l${l}.fc.db`, d4, 4 * C, G(p + "mlp.c_fc.bias"));
+      await colsum(`l${l}.fc.db`, d4, 4 * Cl, G(p + "mlp.c_fc.bias"));
       backward.push(
-        await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * C, false, true), {
+        await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * Cl, false, true), {
           A: V(d4),
           B: W(p + "mlp.c_fc.weight"),
           out: V(dln),
         }),
       );
+      if (TP) backward.push(allreduce(`l${l}.fc.dx`, dln, BT * C));
       await lnBwd(`l${l}.ln2.bwd`, dln, a.res2, a.ln2s, p + "ln_2.weight", p + "ln_2.bias", true);
       // Attention output projection (+ residual): dres is now the gradient of res2.
       const dap = await maskOrSelf(`l${l}.attn_drop.bwd`, hidden, dropoutSite.attnProj(l));
@@ -686,7 +849,7 @@ export async function buildModel(
         await matmul(
           "backward",
           `l${l}.attn_proj.dw`,
-          { ...mm(C, C, BT, true, false), epilogue: dwEpilogue },
+          { ...mm(Cl, C, BT, true, false), epilogue: dwEpilogue },
           {
             A: V(a.atty),
             B: V(dap),
@@ -696,7 +859,7 @@ export async function buildModel(
       );
       await colsum(`l${l}.attn_proj.db`, dap, C, G(p + "attn.c_proj.bias"));
       backward.push(
-        await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, C, C, false, true), {
+        await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, Cl, C, false, true), {
           A: V(dap),
           B: W(p + "attn.c_proj.weight"),
           out: V(datty),
@@ -709,38 +872,44 @@ export async function buildModel(
           V(a.atty),
           V(datty),
           V(delta),
-        ], grid1d(Math.ceil((BT * H) / 64), ctx.limits.maxComputeWorkgroupsPerDimension)),
+        ], grid1d(Math.ceil((BT * Hl) / 64), ctx.limits.maxComputeWorkgroupsPerDimension)),
       );
       const av = [V(a.qkv), V(datty), V(a.lse), V(delta), V(dqkv)];
       backward.push(
         await op("backward", "attention_bwd", `l${l}.attention.dkv`, attentionBackwardKVWgsl(as), av, [
           Math.ceil(T / as.BKV),
-          H,
+          Hl,
           B,
         ], { ...u, flops: 2 * attentionFlops(as) }),
       );
       backward.push(
         await op("backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
           Math.ceil(T / as.BQ),
-          H,
+          Hl,
           B,
         ], { ...u, flops: 1.5 * attentionFlops(as) }),
       );
       backward.push(
-        await matmul("backward", `l${l}.qkv.dw`, { ...mm(C, 3 * C, BT, true, false), epilogue: dwEpilogue }, {
-          A: V(a.ln1),
-          B: V(dqkv),
-          out: G(p + "attn.c_attn.weight"),
-        }),
+        await matmul(
+          "backward",
+          `l${l}.qkv.dw`,
+          { ...mm(C, 3 * Cl, BT, true, false), epilogue: dwEpilogue },
+          {
+            A: V(a.ln1),
+            B: V(dqkv),
+            out: G(p + "attn.c_attn.weight"),
+          },
+        ),
       );
-      await colsum(`l${l}.qkv.db`, dqkv, 3 * C, G(p + "attn.c_attn.bias"));
+      await colsum(`l${l}.qkv.db`, dqkv, 3 * Cl, G(p + "attn.c_attn.bias"));
       backward.push(
-        await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * C, false, true), {
+        await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * Cl, false, true), {
           A: V(dqkv),
           B: W(p + "attn.c_attn.weight"),
           out: V(dln),
         }),
       );
+      if (TP) backward.push(allreduce(`l${l}.qkv.dx`, dln, BT * C));
       await lnBwd(`l${l}.ln1.bwd`, dln, res[l], a.ln1s, p + "ln_1.weight", p + "ln_1.bias", true);
     }
     backward.push(
@@ -748,7 +917,8 @@ export async function buildModel(
         "backward",
         "embedding",
         "embedding_bwd",
-        embeddingBackwardWgsl(emb),
+        // The gradient passes the embedding dropout's mask (applied after the allreduce with TP).
+        embeddingBackwardWgsl({ ...emb, dropout: hidden > 0 ? { nSites } : undefined }),
         [
           V(tokens),
           V(dres),
@@ -785,15 +955,41 @@ export async function buildModel(
         ),
       );
     }
+    // Tensor parallelism: each rank adds the squares of its shards' gradients (rank 0 also the
+    // replicated tensors', which are equal everywhere); the host sums the ranks' parts into one.
+    const normSteps: Step[] = normOps;
+    let normIn = V(normPart), normParts = NORM_GROUPS * segments.length;
+    if (TP && fullState) {
+      const tpParts = buf("tpNormParts"), total = buf("normTotal");
+      const ranges = normRanges(c, layout, segments, tpSize, tpRank);
+      normSteps.length = 0;
+      for (const [i, r] of ranges.entries()) {
+        normSteps.push(
+          await op("optimizer", "optimizer", `grad_norm.range${i}`, gradNormPartialWgsl(r.size / 4), [
+            { buffer: grads.segments[r.segment].buffer, offset: r.offset * 4, size: r.size * 4 },
+            { buffer: tpParts, offset: i * NORM_GROUPS * 4, size: NORM_GROUPS * 4 },
+          ], [NORM_GROUPS]),
+        );
+      }
+      normSteps.push({
+        sync: "norm",
+        label: "grad_norm",
+        parts: tpParts,
+        count: ranges.length * NORM_GROUPS,
+        total,
+      });
+      normIn = V(total);
+      normParts = 1;
+    }
     // Without the moments (distributed optimizer) the update is the caller's.
     optimizer = !fullState ? [] : [
-      ...normOps,
+      ...normSteps,
       await op(
         "optimizer",
         "optimizer",
         "step_control",
-        stepControlWgsl(NORM_GROUPS * segments.length, STAT.loss, STAT.gradNorm),
-        [V(normPart), V(stats), V(control)],
+        stepControlWgsl(normParts, STAT.loss, STAT.gradNorm),
+        [normIn, V(stats), V(control)],
         [1],
         { uniform: optUniform },
       ),
@@ -837,11 +1033,13 @@ export async function buildModel(
     optUniform,
     control,
     nSites,
-    forward,
-    loss,
-    evalLoss,
-    backward,
-    optimizer,
+    forward: forward.filter((x): x is Op => !isSync(x)),
+    loss: loss.filter((x): x is Op => !isSync(x)),
+    evalLoss: evalLoss.filter((x): x is Op => !isSync(x)),
+    backward: backward.filter((x): x is Op => !isSync(x)),
+    optimizer: optimizer.filter((x): x is Op => !isSync(x)),
+    program: { forward, loss, evalLoss, backward, optimizer },
+    tensorParallel: { rank: tpRank, size: tpSize },
     castWeights,
     checksum,
     checksumParts,

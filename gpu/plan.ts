@@ -12,6 +12,7 @@ import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./
 import { planSegments, type SegmentRange } from "./flat.ts";
 import { dropoutSite } from "./rng.ts";
 import { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES } from "./kernels/adamw.ts";
+import { shardLayout, shardSpecs } from "./parallel/shard.ts";
 import { lnBiasPartialOffset, ROW_BLOCK } from "./kernels/layernorm.ts";
 
 /** Element types of planned buffers. */
@@ -80,6 +81,12 @@ export interface PlanOptions extends ChunkOptions {
    * which keeps only its shard of them (gpu/parallel/zero.ts) and runs the update itself.
    */
   optimizerState?: boolean;
+  /**
+   * Tensor-parallel size: the plan of one of `tensorParallel` ranks (its parameter shard, its
+   * heads' and MLP columns' activations, its vocabulary columns of the logits). The config's
+   * padded vocabulary must divide by it (tensorParallelConfig). Default 1.
+   */
+  tensorParallel?: number;
 }
 
 /** Training precisions. */
@@ -100,6 +107,39 @@ export interface ModelPlan {
   buffers: PlannedBuffer[];
   byLabel: Map<string, PlannedBuffer>;
   totalBytes: number;
+}
+
+/** A range of the flat arrays inside one segment (element offsets within the segment). */
+export interface NormRange {
+  segment: number;
+  offset: number;
+  size: number;
+}
+
+/**
+ * The flat ranges whose squared gradients tensor-parallel rank `rank` adds to the global norm:
+ * everything on rank 0, only the sharded tensors on the others (a replicated tensor's gradient is
+ * the same on every rank, so it counts once). Each range lies in one segment.
+ */
+export function normRanges(
+  config: ModelConfig,
+  layout: ParamLayout,
+  segments: SegmentRange[],
+  tp: number,
+  rank: number,
+): NormRange[] {
+  const split = new Map(shardSpecs(config, tp).map((s) => [s.name, s.split]));
+  const tensors = [...layout.tensors].sort((a, b) => a.offset - b.offset);
+  const out: NormRange[] = [];
+  tensors.forEach((t, i) => {
+    if (rank !== 0 && split.get(t.name) === "replicated") return;
+    const end = i + 1 < tensors.length ? tensors[i + 1].offset : layout.totalSize;
+    const segment = segments.findIndex((s) => t.offset >= s.start && t.offset < s.start + s.size);
+    const last = out.at(-1), offset = t.offset - segments[segment].start;
+    if (last && last.segment === segment && last.offset + last.size === offset) last.size += end - t.offset;
+    else out.push({ segment, offset, size: end - t.offset });
+  });
+  return out;
 }
 
 /** The flat arrays' segments: at most the binding limit and the buffer limit. */
@@ -175,9 +215,12 @@ export function planModel(
   const k = Math.min(o.checkpointLayers ?? 0, L);
   const half = o.precision === "fp16";
   const act: DType = half ? "f16" : "f32";
-  const layout = paramLayout(c);
+  const tp = o.tensorParallel ?? 1;
+  const layout = tp > 1 ? shardLayout(c, tp) : paramLayout(c);
   const segments = flatSegments(limits, layout, o);
-  const headRows = train ? headChunkRows(limits, c, BT, o) : BT;
+  // One rank's vocabulary columns of the logits.
+  const Vl = Vp / tp;
+  const headRows = train ? headChunkRows(limits, { ...c, padded_vocab_size: Vl }, BT, o) : BT;
   const buffers: PlannedBuffer[] = [];
   const add = (label: string, elems: number, dtype: DType, category: Category) => {
     const bytes = Math.max(16, Math.ceil((Math.max(1, elems) * DTYPE_BYTES[dtype]) / 16) * 16);
@@ -207,13 +250,13 @@ export function planModel(
   const sizes: Record<LayerActName, number> = {
     ln1: BT * C,
     ln1s: BT * 2,
-    qkv: BT * 3 * C,
-    atty: BT * C,
-    lse: B * H * T,
+    qkv: (BT * 3 * C) / tp,
+    atty: (BT * C) / tp,
+    lse: (B * H * T) / tp,
     res2: BT * C,
     ln2: BT * C,
     ln2s: BT * 2,
-    fch: BT * 4 * C,
+    fch: (BT * 4 * C) / tp,
   };
   const seen = new Set<string>();
   for (let l = 0; l <= L; l++) {
@@ -228,7 +271,7 @@ export function planModel(
   }
   add("lnf", BT * C, act, "activations");
   add("lnfs", BT * 2, "f32", "activations");
-  add("logits", headRows * Vp, "f32", "logits");
+  add("logits", headRows * Vl, "f32", "logits");
   add("losses", BT, "f32", "logits");
   if (train) {
     flat("grads", "gradients");
@@ -239,13 +282,22 @@ export function planModel(
     // fp16: the gradients that feed f16 matmuls and attention are f16 (loss scaling keeps them in
     // range); the residual stream's gradient and the LayerNorm inputs stay f32.
     for (const name of ["dres", "dtmp", "dln"]) add(name, BT * C, "f32", "workspace");
-    add("datty", BT * C, act, "workspace");
-    add("d4c", BT * 4 * C, act, "workspace");
-    add("dqkv", BT * 3 * C, act, "workspace");
-    add("delta", B * H * T, "f32", "workspace");
+    add("datty", (BT * C) / tp, act, "workspace");
+    add("d4c", (BT * 4 * C) / tp, act, "workspace");
+    add("dqkv", (BT * 3 * C) / tp, act, "workspace");
+    add("delta", (B * H * T) / tp, "f32", "workspace");
     const blocks = Math.ceil(BT / ROW_BLOCK);
     add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
     add("normPart", NORM_GROUPS * segments.length, "f32", "workspace");
+  }
+  if (tp > 1) {
+    // Row-parallel outputs (and the embedding) before their allreduce; the loss's row statistics.
+    add("partial", BT * C, "f32", "workspace");
+    add("ceStats", headRows * 4, "f32", "workspace");
+    if (train) {
+      add("normTotal", 4, "f32", "workspace");
+      add("tpNormParts", NORM_GROUPS * normRanges(c, layout, segments, tp, 1).length, "f32", "workspace");
+    }
   }
   const bind = limits.maxStorageBufferBindingSize;
   for (const b of buffers) {

@@ -20,12 +20,13 @@ import {
   type ReadRange,
 } from "./device.ts";
 import { initParams } from "./init.ts";
-import { buildModel, destroyModel, type GpuModel, STAT } from "./model.ts";
+import { buildModel, destroyModel, type GpuModel, isSync, STAT, type Step, type Sync } from "./model.ts";
 import type { ChunkOptions, Precision } from "./plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";
 import { encodeOps, type Op } from "./ops.ts";
-import { dropoutKey, dropoutSite, dropThreshold } from "./rng.ts";
+import { dropoutKey, dropoutSite, dropThreshold, pcg } from "./rng.ts";
+import { splitParams } from "./parallel/shard.ts";
 import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
 import {
   CONTROL_BYTES,
@@ -77,6 +78,12 @@ export interface TrainerOptions {
    * `reduce` callback of `trainStepReduced` does it (gpu/parallel/zero.ts, see `zeroModel`).
    */
   shardedOptimizer?: boolean;
+  /**
+   * Tensor parallelism: this trainer is rank `rank` of `size` (`config` the tensor-parallel
+   * config, see gpu/parallel/shard.ts tensorParallelConfig) and `exchange` runs the program's
+   * exchanges with its peers (gpu/parallel/tensor_parallel.ts). It steps with `trainStepReduced`.
+   */
+  tensorParallel?: { rank: number; size: number; exchange: (s: Sync) => Promise<void> };
 }
 
 /** One batch of B·(T+1) tokens. */
@@ -180,8 +187,10 @@ export class Trainer {
       microBatches: opts.microBatches,
       dataParallel: opts.dataParallel?.size,
       optimizerState: !opts.shardedOptimizer,
+      tensorParallel: opts.tensorParallel &&
+        { rank: opts.tensorParallel.rank, size: opts.tensorParallel.size },
     });
-    const n = paramLayout(opts.config).totalSize;
+    const n = model.layout.totalSize;
     const q = ctx.device.queue;
     if (state) {
       const arrays = [["params", state.params], ["m", state.m], ["v", state.v]] as const;
@@ -199,7 +208,9 @@ export class Trainer {
       if (model.adamM) writeFlat(q, model.adamM, state.m);
       if (model.adamV) writeFlat(q, model.adamV, state.v);
     } else {
-      writeFlat(q, model.params, initParams(opts.config, opts.seed));
+      // The whole model's initial weights, then this rank's shard of them.
+      const full = initParams(opts.config, opts.seed), tp = opts.tensorParallel;
+      writeFlat(q, model.params, tp && tp.size > 1 ? splitParams(opts.config, tp.size, full)[tp.rank] : full);
     }
     const control = state?.control ?? { optimizerStep: state?.step ?? 0 };
     q.writeBuffer(model.control, 0, packControl(control, opts.lossScaler));
@@ -256,6 +267,7 @@ export class Trainer {
     const { attnDropout, hiddenDropout, seed, config, dataParallel } = this.opts;
     if (attnDropout <= 0 && hiddenDropout <= 0) return;
     const M = this.#model.microBatches, G = M * (dataParallel?.size ?? 1);
+    const tpRank = this.opts.tensorParallel?.rank ?? 0;
     const g = (dataParallel?.rank ?? 0) * M + micro;
     const n = dropoutSite.count(config.n_layer);
     const u = new Uint32Array(n * 4);
@@ -263,6 +275,8 @@ export class Trainer {
     for (let s = 0; s < n; s++) {
       const p = train ? (s > 0 && (s - 1) % 3 === 0 ? attnDropout : hiddenDropout) : 0;
       u[4 * s] = dropoutKey(seed, step * G + g, s);
+      // Tensor-parallel ranks hold different heads: their attention masks must differ too.
+      if (tpRank > 0 && s > 0 && (s - 1) % 3 === 0) u[4 * s] = (u[4 * s] ^ pcg(0x5eed + tpRank)) >>> 0;
       u[4 * s + 1] = dropThreshold(p);
       f[4 * s + 2] = 1 / (1 - p);
     }
@@ -276,8 +290,8 @@ export class Trainer {
    * timed; see `profile()`. Data-parallel trainers step with `trainStepReduced`.
    */
   trainStep(tokens: Batch | Batch[], profile = false): void {
-    if ((this.opts.dataParallel?.size ?? 1) > 1) {
-      throw new Error("A data-parallel trainer steps with trainStepReduced");
+    if ((this.opts.dataParallel?.size ?? 1) > 1 || this.#tp) {
+      throw new Error("A data- or tensor-parallel trainer steps with trainStepReduced");
     }
     this.#submitBackward(Array.isArray(tokens) ? tokens : [tokens], profile, true);
   }
@@ -286,7 +300,9 @@ export class Trainer {
    * One data-parallel step: submits the forward and backward passes of this rank's micro-batches,
    * awaits `reduce` (which sums the gradients over the ranks), then submits the update.
    */
-  async trainStepReduced(tokens: Batch[], reduce: GradientReduce, profile = false): Promise<void> {
+  async trainStepReduced(tokens: Batch[], reduce?: GradientReduce, profile = false): Promise<void> {
+    if (this.#tp) return await this.#tensorParallelStep(tokens, reduce);
+    if (!reduce) throw new Error("trainStepReduced needs a reduce callback without tensor parallelism");
     const qs = this.#submitBackward(tokens, profile, false);
     try {
       await reduce(this.#model.grads!);
@@ -300,6 +316,62 @@ export class Trainer {
     if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
     this.#ctx.device.queue.submit([enc.finish()]);
     this.#step++;
+  }
+
+  /** The tensor-parallel exchange, when this trainer is a rank of a group of more than one. */
+  get #tp(): ((s: Sync) => Promise<void>) | null {
+    const tp = this.opts.tensorParallel;
+    return tp && tp.size > 1 ? tp.exchange : null;
+  }
+
+  /**
+   * Runs a program: consecutive kernels are recorded into `enc`; at each exchange the encoder is
+   * submitted, the exchange awaited and a new encoder begun. Returns the open encoder.
+   */
+  async #run(steps: Step[], enc: GPUCommandEncoder): Promise<GPUCommandEncoder> {
+    const exchange = this.#tp, device = this.#ctx.device;
+    let ops: Op[] = [];
+    for (const s of steps) {
+      if (!isSync(s)) {
+        ops.push(s);
+        continue;
+      }
+      encodeOps(enc, ops);
+      ops = [];
+      device.queue.submit([enc.finish()]);
+      if (!exchange) throw new Error(`Exchange "${s.label}" in a program without tensor parallelism`);
+      await exchange(s);
+      enc = device.createCommandEncoder();
+    }
+    encodeOps(enc, ops);
+    return enc;
+  }
+
+  /** A tensor-parallel step (no kernel timings: the program is cut at every exchange). */
+  async #tensorParallelStep(list: Batch[], reduce?: GradientReduce): Promise<void> {
+    checkDevice(this.#ctx);
+    const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue, device = this.#ctx.device;
+    if (list.length !== M) throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
+    const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
+    const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
+    q.writeBuffer(m.optUniform, 0, packOptimizerUniform(adamw, schedule, lossScaler, gradMul));
+    if (M > 1) q.writeBuffer(m.stats, STAT.loss * 4, new Float32Array([0]));
+    const p = m.program;
+    try {
+      for (let i = 0; i < M; i++) {
+        this.#writeTokens(list[i]);
+        this.#writeDropout(this.#step, true, i);
+        let enc = device.createCommandEncoder();
+        if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+        enc = await this.#run([...p.forward, ...p.loss, ...p.backward], enc);
+        q.submit([enc.finish()]);
+      }
+      if (reduce) await reduce(m.grads!);
+      const enc = await this.#run(p.optimizer, device.createCommandEncoder());
+      q.submit([enc.finish()]);
+    } finally {
+      this.#step++;
+    }
   }
 
   /**
@@ -403,8 +475,10 @@ export class Trainer {
     this.#writeDropout(this.#step, false);
     for (const tokens of list) {
       this.#writeTokens(tokens);
-      const enc = this.#ctx.device.createCommandEncoder();
-      encodeOps(enc, [...this.#model.forward, ...this.#model.evalLoss]);
+      let enc = this.#ctx.device.createCommandEncoder();
+      if (this.#tp) {
+        enc = await this.#run([...this.#model.program.forward, ...this.#model.program.evalLoss], enc);
+      } else encodeOps(enc, [...this.#model.forward, ...this.#model.evalLoss]);
       q.submit([enc.finish()]);
     }
     const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);

@@ -53,7 +53,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
       }u) { v = wte[(tok - ${s.vocab.lo}u) * ${C4}u + c]; }`
       : `var v = wte[tok * ${C4}u + c];`
   }
-  ${s.positions ?? true ? `v = v + wpe[t * ${C4}u + c];` : ""}
+  ${s.positions ?? true ? `v = v + wpe[t * ${C4}u + c];` : "_ = wpe[0]; // bound on every rank, read on one"}
   ${
     s.dropout
       ? `let e = g * 4u; let st = ${dropoutSite.embedding}u;

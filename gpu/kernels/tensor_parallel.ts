@@ -144,6 +144,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let lse = st.x;
   let grow = row + ${s.rowBase}u;
   if (tid == 0u) { losses[grow] = lse - st.y; }
+  // Keep the bindings when only the loss is wanted.
+  _ = logits[0];
+  _ = tokens[0];
   ${
     grad
       ? `let base = row * ${s.Vl}u;

@@ -80,3 +80,4 @@ export {
   vocabSizes,
   writeSlices,
 } from "./shard.ts";
+export { TensorParallelExchange, type TensorParallelTiming } from "./tensor_parallel.ts";
