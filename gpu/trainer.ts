@@ -9,7 +9,7 @@
  * advance; the optimizer step lives on the GPU.
  */
 
-import { type ModelConfig, paramLayout } from "./config.ts";
+import type { ModelConfig } from "./config.ts";
 import {
   checkDevice,
   type GpuContext,
