@@ -16,40 +16,74 @@ import {
   type WorkerJob,
 } from "./messages.ts";
 import { paramLayout } from "../gpu/config.ts";
-import { abortCommBuffer, createCommBuffer, createControlBuffer, wireDtype } from "../gpu/parallel/mod.ts";
-import { resolveModel } from "./model.ts";
+import {
+  abortCommBuffer,
+  createCommBuffer,
+  createControlBuffer,
+  dataParallelGroups,
+  parallelLayout,
+  shardLayout,
+  tensorParallelGroups,
+  wireDtype,
+} from "../gpu/parallel/mod.ts";
+import { trainingModel } from "./model.ts";
 
 /** Gradient bucket capacity in elements (64 MiB of fp32), or the whole model when smaller. */
 const BUCKET_ELEMENTS = 16 << 20;
 /** Gradient lanes: one bucket read back while the previous one is summed. */
 const GRAD_LANES = 2;
 
-/** Communicators of the data-parallel runs of this process, by run id, with the ranks still using them. */
-const runs = new Map<string, { comm: JobComm; users: number }>();
+/** All communicators of one parallel run: one control buffer, then per group. */
+interface RunComms {
+  control: SharedArrayBuffer;
+  /** Gradient lanes of each data-parallel group (one group per tensor-parallel index), when dp > 1. */
+  grads: SharedArrayBuffer[][];
+  weights: SharedArrayBuffer[][];
+  /** Lanes of each tensor-parallel group (one per data-parallel index), when tp > 1. */
+  tp: SharedArrayBuffer[][];
+}
 
-/** The shared communicators of a data-parallel run: made by its first rank's port, shared by the rest. */
+/** Communicators of the parallel runs of this process, by run id, with the ranks still using them. */
+const runs = new Map<string, { comms: RunComms; users: number }>();
+
+/**
+ * The shared communicators of rank `job.parallel.rank` of a parallel run: made by its first
+ * rank's port, shared by the rest. Ranks are numbered tensor-parallel fastest (Megatron's order).
+ */
 function commOf(job: WorkerJob): JobComm {
   const p = job.parallel!;
-  const hit = runs.get(p.run);
+  const dp = job.config.data_parallel ?? 1, tp = job.config.tensor_parallel ?? 1;
+  const layout = parallelLayout(p.size, { tp, dp });
+  let hit = runs.get(p.run);
   if (hit) {
     hit.users++;
-    return hit.comm;
+  } else {
+    const model = trainingModel(job.config);
+    const n = (tp > 1 ? shardLayout(model, tp) : paramLayout(model)).totalSize;
+    const capacity = Math.min(BUCKET_ELEMENTS, Math.ceil(n / 4) * 4);
+    const dtype = wireDtype(job.config.allreduce_dtype);
+    const lanes = (ranks: number, capacity: number, dtype: "f32" | "f16" | "bf16") =>
+      Array.from({ length: GRAD_LANES }, () => createCommBuffer({ ranks, capacity, dtype }));
+    // Activations of one micro-batch: B·T·C floats (the largest exchange of a layer).
+    const act = Math.min(BUCKET_ELEMENTS, job.config.batch_size * job.config.seq_len * model.n_embd);
+    const comms: RunComms = {
+      control: createControlBuffer(p.size),
+      grads: dp > 1 ? dataParallelGroups(layout).map(() => lanes(dp, capacity, dtype)) : [],
+      weights: dp > 1 && job.config.distributed_optimizer
+        ? dataParallelGroups(layout).map(() => lanes(dp, capacity, "f32"))
+        : [],
+      tp: tp > 1 ? tensorParallelGroups(layout).map(() => lanes(tp, Math.max(act, 4096), "f32")) : [],
+    };
+    hit = { comms, users: 1 };
+    runs.set(p.run, hit);
   }
-  const n = paramLayout(resolveModel(job.config)).totalSize;
-  const capacity = Math.min(BUCKET_ELEMENTS, Math.ceil(n / 4) * 4);
-  const dtype = wireDtype(job.config.allreduce_dtype);
-  const comm: JobComm = {
-    grads: Array.from({ length: GRAD_LANES }, () => createCommBuffer({ ranks: p.size, capacity, dtype })),
-    control: createControlBuffer(p.size),
+  const t = p.rank % tp, d = Math.floor(p.rank / tp), c = hit.comms;
+  return {
+    control: c.control,
+    grads: c.grads[t] ?? [],
+    ...(c.weights.length ? { weights: c.weights[t] } : {}),
+    ...(c.tp.length ? { tp: c.tp[d] } : {}),
   };
-  if (job.config.distributed_optimizer) {
-    comm.weights = Array.from(
-      { length: GRAD_LANES },
-      () => createCommBuffer({ ranks: p.size, capacity, dtype: "f32" }),
-    );
-  }
-  runs.set(p.run, { comm, users: 1 });
-  return comm;
 }
 
 /** A rank is done with its run's communicators; the last one frees them. */

@@ -27,18 +27,23 @@ export interface WorkerJob {
   checkpoint_dir: string;
   /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
   resume_path: string | null;
-  /** Data-parallel jobs: this Worker's rank of `size`, and an id of this run of the job (fresh communicators per run). */
+  /**
+   * Parallel jobs: this Worker's global rank of `size` (data_parallel × tensor_parallel, tensor
+   * parallel fastest), and an id of this run of the job (fresh communicators per run).
+   */
   parallel?: { rank: number; size: number; run: string };
 }
 
 /** The shared buffers of one data-parallel run, the same objects for all its ranks (made by the GPU port). */
 export interface JobComm {
-  /** Gradient lanes (communicator buffers, see gpu/parallel/allreduce.ts). */
+  /** Gradient lanes of this rank's data-parallel group (empty when dp is 1; see gpu/parallel/allreduce.ts). */
   grads: SharedArrayBuffer[];
   /** The small control communicator (see gpu/parallel/data_parallel.ts). */
   control: SharedArrayBuffer;
   /** fp32 weight lanes of the distributed optimizer (its broadcasts and moment gathers). */
   weights?: SharedArrayBuffer[];
+  /** fp32 lanes of this rank's tensor-parallel group (activation exchanges). */
+  tp?: SharedArrayBuffer[];
 }
 
 /** Where a generation model's weights are: one of our checkpoints or a Hugging Face GPT-2 directory. */

@@ -8,6 +8,7 @@
 import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "../gpu/config.ts";
 import { DEFAULT_PLAN_LIMITS, type Estimate, estimateTraining, knownDeviceMemory } from "../gpu/estimate.ts";
 import type { PlanLimits } from "../gpu/plan.ts";
+import { tensorParallelConfig } from "../gpu/parallel/shard.ts";
 import { InvalidJobError } from "./errors.ts";
 import type { TrainConfig } from "./types.ts";
 
@@ -29,6 +30,17 @@ export function resolveModel(config: Pick<TrainConfig, "model" | "seq_len">): Mo
   const model = typeof config.model === "string" ? presetConfig(config.model) : makeConfig(config.model);
   validateSeqLen(model, config.seq_len);
   return model;
+}
+
+/**
+ * The model one rank of a job trains: `resolveModel`, with the vocabulary padded for the job's
+ * tensor-parallel size (a multiple of 128·tp; the same as resolveModel's at tp 1).
+ */
+export function trainingModel(
+  config: Pick<TrainConfig, "model" | "seq_len" | "tensor_parallel">,
+): ModelConfig {
+  const tp = config.tensor_parallel ?? 1;
+  return tp > 1 ? tensorParallelConfig(resolveModel(config), tp) : resolveModel(config);
 }
 
 /** Layers per recomputed group of a config (0: no checkpointing). */
@@ -120,6 +132,17 @@ export function completeConfig(req: TrainRequest, device: DeviceBudget | null = 
     const dp = config.data_parallel ?? 1;
     config.data_parallel = dp;
     config.global_batch_size ??= config.batch_size * dp;
+    const tp = config.tensor_parallel ?? 1;
+    config.tensor_parallel = tp;
+    if (tp > 1) {
+      trainingModel(config); // throws ConfigError naming tensor_parallel when tp cannot shard the model
+      if (config.distributed_optimizer && dp > 1) {
+        throw new InvalidJobError(
+          "distributed_optimizer",
+          "distributed_optimizer is not supported with tensor_parallel > 1 yet: use one of them",
+        );
+      }
+    }
     if (config.global_batch_size % (config.batch_size * dp) !== 0) {
       throw new InvalidJobError(
         "global_batch_size",

@@ -145,11 +145,13 @@ export class JobRunner {
     }
     const gpu = this.#pickGpu();
     const config = completeConfig(req, this.device(gpu));
-    const dp = config.data_parallel ?? 1, trainers = this.#trainSlots().length;
-    if (dp > trainers) {
+    const dp = config.data_parallel ?? 1, tp = config.tensor_parallel ?? 1;
+    const trainers = this.#trainSlots().length;
+    if (dp * tp > trainers) {
+      const what = tp > 1 ? `data_parallel ${dp} × tensor_parallel ${tp}` : `data_parallel ${dp}`;
       throw new InvalidJobError(
-        "data_parallel",
-        `data_parallel ${dp} needs ${dp} GPU workers that take training; this server has ${trainers} ` +
+        tp > 1 ? "tensor_parallel" : "data_parallel",
+        `${what} needs ${dp * tp} GPU workers that take training; this server has ${trainers} ` +
           `(GPT2_GPUS, GPT2_GPU_ROLES)`,
       );
     }
@@ -407,7 +409,8 @@ export class JobRunner {
     }
     const job = this.#store.nextQueued(gpu);
     if (!job) return;
-    const dp = job.config.data_parallel ?? 1;
+    // A data- or tensor-parallel job needs a slot per rank.
+    const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
     if (dp > 1) {
       const gang: Gang = {
         job: job.id,
@@ -429,7 +432,7 @@ export class JobRunner {
       if (gang.slots.length < dp) {
         this.#emit(job.id, "log", {
           level: "info",
-          message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for data_parallel ${dp}`,
+          message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for its ${dp} ranks`,
         });
       }
       this.#startGang(gang);
@@ -537,7 +540,10 @@ export class JobRunner {
     if (!parallel || parallel.rank === 0) {
       const gang = this.#gangs.get(job.id);
       const where = gang
-        ? `GPUs ${gang.slots.map((s) => s.index).join(", ")} (data_parallel ${gang.size})`
+        ? `GPUs ${gang.slots.map((s) => s.index).join(", ")} (data_parallel ${
+          job.config.data_parallel ?? 1
+        }, ` +
+          `tensor_parallel ${job.config.tensor_parallel ?? 1})`
         : `GPU ${slot.index}`;
       this.#emit(job.id, "log", {
         level: "info",

@@ -29,8 +29,9 @@ import {
   type ReduceTiming,
   RingComm,
   splitU32,
+  TensorParallelExchange,
 } from "../gpu/parallel/mod.ts";
-import { checkpointLayers, resolveModel } from "./model.ts";
+import { checkpointLayers, trainingModel } from "./model.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
@@ -60,14 +61,27 @@ const GRAD_TIMEOUT_MS = 600_000;
 
 /** This Worker's place in a data-parallel job; null members on a single-rank job. */
 interface Ranks {
+  /** Data-parallel rank and size (the replicas that split each global batch). */
   rank: number;
   size: number;
+  /** Tensor-parallel rank and size (the shards of each layer), and the group's exchanges. */
+  tpRank: number;
+  tp: number;
+  tpx: TensorParallelExchange | null;
   control: RankControl | null;
   grads: RingComm[];
   /** Weight lanes of the distributed optimizer. */
   weights: RingComm[];
   reducer: GradientReducer | null;
   zero: DistributedOptimizer | null;
+  tpLanes: RingComm[];
+}
+
+/** Every tensor-parallel rank's state, on the group's rank 0 (null on the others). */
+async function gatherShards(tpx: TensorParallelExchange, s: TrainerState): Promise<TrainerState[] | null> {
+  const [params, m, v] = [await tpx.gatherAll(s.params), await tpx.gatherAll(s.m), await tpx.gatherAll(s.v)];
+  if (tpx.rank !== 0) return null;
+  return params.map((p, r) => ({ step: s.step, params: p, m: m[r], v: v[r], control: s.control }));
 }
 
 /** The outcome message of a job. */
@@ -118,10 +132,12 @@ async function evaluate(
 ): Promise<{ loss: number; tokens: number }> {
   const e = evalBatches(tokens, c.batch_size, c.seq_len, c.eval_iters, split);
   if (!ranks.control) return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
+  // Every rank of a tensor-parallel group evaluates the same batches (together), so the sum over
+  // all ranks counts each batch tp times.
   const mine = e.batches.filter((_, i) => i % ranks.size === ranks.rank);
   const sum = mine.length > 0 ? (await trainer.evalLoss(mine)) * mine.length : 0;
   const [total] = await ranks.control.sum([sum]);
-  return { loss: total / e.batches.length, tokens: e.tokens };
+  return { loss: total / ranks.tp / e.batches.length, tokens: e.tokens };
 }
 
 /** Runs `job` to the end, cancellation or failure; never throws. */
@@ -129,15 +145,20 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
   let trainer: Trainer | null = null;
   let iteration = 0;
   const c = job.config;
-  const dp = c.data_parallel ?? 1;
+  const dp = c.data_parallel ?? 1, tp = c.tensor_parallel ?? 1, world = dp * tp;
+  const globalRank = job.parallel?.rank ?? 0;
   const ranks: Ranks = {
-    rank: job.parallel?.rank ?? 0,
+    rank: Math.floor(globalRank / tp),
     size: dp,
+    tpRank: globalRank % tp,
+    tp,
+    tpx: null,
     control: null,
     grads: [],
     weights: [],
     reducer: null,
     zero: null,
+    tpLanes: [],
   };
   const sharded = dp > 1 && (c.distributed_optimizer ?? false);
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
@@ -147,20 +168,20 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     iteration,
     error,
   });
-  // Rank 0 speaks for a data-parallel job; the other ranks report only their outcome.
-  const lead = ranks.rank === 0;
+  // Rank 0 speaks for a parallel job; the other ranks report only their outcome.
+  const lead = globalRank === 0;
   const post = (msg: FromWorker) => {
     if (lead) hooks.post(msg);
   };
   try {
-    if (dp > 1) {
-      if (!hooks.comm || job.parallel?.size !== dp) {
-        throw new Error(`A data_parallel ${dp} job reached a Worker without its ${dp}-rank communicators`);
+    if (world > 1) {
+      if (!hooks.comm || job.parallel?.size !== world) {
+        throw new Error(`A ${world}-rank job reached a Worker without its ${world}-rank communicators`);
       }
       ranks.grads = hooks.comm.grads.map((sab) =>
         new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
       );
-      ranks.control = new RankControl(hooks.comm.control, ranks.rank);
+      ranks.control = new RankControl(hooks.comm.control, globalRank);
       if (sharded) {
         if (!hooks.comm.weights) {
           throw new Error("A distributed_optimizer job reached a Worker without its weight lanes");
@@ -170,8 +191,18 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         );
       }
     }
-    const model = resolveModel(c);
+    const model = trainingModel(c);
     const accumulation = accumulationSteps(c);
+    if (tp > 1) {
+      if (!hooks.comm?.tp) {
+        throw new Error("A tensor-parallel job reached a Worker without its group's lanes");
+      }
+      const lanes = hooks.comm.tp.map((sab) =>
+        new RingComm(sab, ranks.tpRank, { timeoutMs: GRAD_TIMEOUT_MS })
+      );
+      ranks.tpLanes = lanes;
+      ranks.tpx = await TensorParallelExchange.create(ctx, lanes);
+    }
     const t0 = performance.now();
     const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
     const dataLoaderMs = performance.now() - t0;
@@ -183,7 +214,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     let state: TrainerState | undefined;
     let samplerState: SamplerState | undefined;
     if (job.resume_path) {
-      const ck = await loadCheckpoint(job.resume_path, model);
+      // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
+      const ck = await loadCheckpoint(job.resume_path, model, { tensorParallel: tp, rank: ranks.tpRank });
       state = ck.state;
       samplerState = ck.manifest.sampler;
       iteration = ck.state.step;
@@ -205,6 +237,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       microBatches: accumulation,
       dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
       shardedOptimizer: sharded,
+      tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
     }, state);
     if (sharded) {
       ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
@@ -219,7 +252,8 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       ranks.reducer = await GradientReducer.create(ctx, ranks.grads);
     }
     const reduce = ranks.zero?.step ?? ranks.reducer?.reduce;
-    const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)!.take();
+    const noTiming: ReduceTiming = { steps: 0, ms: 0, bytes: 0 };
+    const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)?.take() ?? noTiming;
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
     const sampler = new Sampler(
       data.train,
@@ -248,8 +282,11 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       // Sharded moments are first assembled on rank 0, with every rank taking part.
       const n = trainer!.zeroModel().layout.totalSize;
       const moments = ranks.zero ? await ranks.zero.exportMoments(n) : null;
+      // Tensor parallelism: the first replica's shards go to rank 0, which writes one file pair per shard.
+      let shards: TrainerState[] | null = null;
+      if (ranks.tpx && ranks.rank === 0) shards = await gatherShards(ranks.tpx, await trainer!.exportState());
       if (lead) {
-        const exported = await trainer!.exportState();
+        const exported = shards ?? await trainer!.exportState();
         const { name, path } = await saveCheckpoint(
           job.checkpoint_dir,
           {
@@ -259,7 +296,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             sampler: { ...sampler.state },
             metrics: { loss: lastLoss, val_loss: lastVal },
           },
-          moments ? { ...exported, ...moments } : exported,
+          Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
           c.keep_checkpoints,
         );
         hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
@@ -273,6 +310,15 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
     };
 
+    /** Tensor-parallel exchange ms and allreduces per step since the last log. */
+    const tpTiming = (): number[] => {
+      if (!ranks.tpx) return [0, 0];
+      const t = ranks.tpx.take();
+      return [
+        (t.allreduceMs + t.otherMs) / Math.max(1, windowSteps),
+        t.allreduces / Math.max(1, windowSteps),
+      ];
+    };
     let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
     let skipped = 0;
     while (trainer.step < c.train_iters) {
@@ -293,7 +339,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
       batchMs += performance.now() - tb;
       const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
-      if (reduce) await trainer.trainStepReduced(tokens, reduce, logStep);
+      if (reduce || ranks.tpx) await trainer.trainStepReduced(tokens, reduce, logStep);
       else trainer.trainStep(tokens, logStep);
       iteration = trainer.step;
       windowSteps++;
@@ -307,7 +353,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         await ctx.device.queue.onSubmittedWorkDone();
       }
       if (logStep) {
-        const stats = await trainer.lastStats({ checksum: dp > 1 });
+        const stats = await trainer.lastStats({ checksum: world > 1 });
         const phases = await trainer.phaseTimes();
         const elapsed = performance.now() - windowStart;
         let loss = stats.loss, rankTimes: RankTimes[] | undefined;
@@ -319,9 +365,11 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             elapsed / windowSteps,
             t.ms / Math.max(1, t.steps),
             t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
+            ...tpTiming(),
           ]);
+          // Replicas of the same shard (equal tensor-parallel rank) must hold the same weights.
           const sums = rows.map((r) => joinU32(r[1], r[2]));
-          if (sums.some((x) => x !== sums[0])) {
+          if (sums.some((x, r) => x !== sums[r % tp])) {
             throw new Error(
               `Weights differ between data-parallel ranks after iteration ${iteration}: checksums ` +
                 sums.map((x, r) => `rank ${r} ${x.toString(16).padStart(8, "0")}`).join(", "),
@@ -333,6 +381,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             step_ms: r[3],
             allreduce_ms: r[4],
             allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
+            ...(tp > 1 ? { tp_exchange_ms: r[6], tp_allreduces: r[7] } : {}),
           }));
         }
         if (stats.skippedSteps > skipped) {
@@ -404,12 +453,13 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       ? `Cannot train this configuration: ${err.message}`
       : err.message;
     // Peers would wait for this rank at their next exchange: fail them now, naming the reason.
-    for (const comm of [...ranks.grads, ...ranks.weights]) comm.abort(message);
+    for (const comm of [...ranks.grads, ...ranks.weights, ...ranks.tpLanes]) comm.abort(message);
     ranks.control?.abort(message);
     return done("failed", message || String(e));
   } finally {
     ranks.reducer?.destroy();
     ranks.zero?.destroy();
+    ranks.tpx?.destroy();
     trainer?.destroy();
   }
 }

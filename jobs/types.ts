@@ -62,6 +62,11 @@ export interface TrainConfig {
   /** Data-parallel ranks, one GPU Worker each (absent: 1). */
   data_parallel?: number;
   /**
+   * Tensor-parallel ranks sharding every layer (Megatron's --tensor-model-parallel-size; absent:
+   * 1). A job takes data_parallel × tensor_parallel GPU Workers.
+   */
+  tensor_parallel?: number;
+  /**
    * Sequences per optimizer step over all ranks (Megatron's --global-batch-size; absent:
    * batch_size × data_parallel). Gradient accumulation steps = global / (batch_size × data_parallel).
    */
@@ -109,6 +114,9 @@ export interface RankTimes {
   allreduce_ms: number;
   /** Gradient bytes per second through this rank's allreduce while it ran. */
   allreduce_gb_per_s: number | null;
+  /** Tensor-parallel jobs: wall time per step in the activation and loss exchanges, and the activation allreduces per step. */
+  tp_exchange_ms?: number;
+  tp_allreduces?: number;
 }
 
 /** The newest numbers a job has reported. */

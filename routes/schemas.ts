@@ -46,6 +46,7 @@ export const TrainRequestSchema = z.strictObject({
   checkpoint_activations: z.boolean().default(false),
   checkpoint_num_layers: positiveInt.max(96).default(1),
   data_parallel: positiveInt.max(64).default(1),
+  tensor_parallel: positiveInt.max(64).default(1),
   global_batch_size: positiveInt.max(1 << 20).optional(),
   allreduce_dtype: z.enum(["fp32", "fp16", "bf16"]).default("fp32"),
   distributed_optimizer: z.boolean().default(false),

@@ -1,0 +1,143 @@
+/**
+ * Tensor-parallel jobs through the runner with real GPU Workers (two sharing the test adapter):
+ * a tensor_parallel 2 job reproduces the tensor_parallel 1 losses (hidden dropout on: its masks
+ * apply to whole activations, the same on both ranks) with less memory per rank, reports its
+ * exchanges, and its checkpoint (one shard per rank) resumes at tensor_parallel 1 on the same
+ * course. A size that cannot shard the model is refused naming tensor_parallel.
+ */
+
+import assert from "node:assert/strict";
+import { isBuiltinName, prepareDataset } from "../data/mod.ts";
+import {
+  InvalidJobError,
+  type Job,
+  JobRunner,
+  JobStore,
+  spawnGpuWorker,
+  type TrainRequest,
+} from "../jobs/mod.ts";
+import { checkpointName, readManifest } from "../jobs/checkpoint.ts";
+import { noGpu } from "./_helpers.ts";
+
+const base: TrainRequest = {
+  model: { n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32 },
+  dataset: "sotu",
+  split: "949,50,1",
+  train_iters: 6,
+  batch_size: 2,
+  seq_len: 16,
+  lr: 3e-3,
+  min_lr: 3e-4,
+  lr_decay_style: "cosine",
+  warmup: 0,
+  weight_decay: 0.1,
+  clip_grad: 1,
+  attention_dropout: 0,
+  hidden_dropout: 0.1,
+  seed: 9,
+  log_interval: 1,
+  eval_interval: 0,
+  eval_iters: 2,
+  save_interval: 3,
+  keep_checkpoints: 2,
+};
+
+async function train(
+  runner: JobRunner,
+  req: TrainRequest,
+): Promise<{ job: Job; losses: Map<number, number> }> {
+  const losses = new Map<number, number>();
+  const submitted = await runner.submit(req);
+  const job = await new Promise<Job>((resolve) => {
+    const off = runner.subscribe(submitted.id, (e) => {
+      if (e.type === "progress" && e.data.kind === "train") {
+        losses.set(e.data.iteration as number, e.data.loss as number);
+      }
+      if (e.type === "done") {
+        off();
+        resolve(runner.get(submitted.id));
+      }
+    });
+  });
+  return { job, losses };
+}
+
+function assertSameLosses(
+  a: Map<number, number>,
+  b: Map<number, number>,
+  iterations: number[],
+  what: string,
+) {
+  for (const i of iterations) {
+    const x = a.get(i), y = b.get(i);
+    assert.ok(x !== undefined && y !== undefined, `${what}: no loss at iteration ${i}`);
+    const rel = Math.abs(x - y) / Math.abs(y);
+    assert.ok(rel <= 1e-5, `${what}: iteration ${i} loss ${x} vs ${y} (relative ${rel.toExponential(2)})`);
+  }
+}
+
+Deno.test({
+  name:
+    "a tensor_parallel 2 job matches tensor_parallel 1 and its sharded checkpoint resumes at tensor_parallel 1",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_tp_" });
+    const store = new JobStore(":memory:");
+    const runner = new JobRunner(store, {
+      root,
+      gpus: 2,
+      spawn: spawnGpuWorker,
+      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
+    });
+    try {
+      await prepareDataset(root, { builtin: "sotu" });
+      runner.start();
+      await assert.rejects(
+        runner.submit({
+          ...base,
+          model: { ...base.model as object, n_head: 1 } as TrainRequest["model"],
+          tensor_parallel: 2,
+        }),
+        (e) => {
+          assert.ok(e instanceof InvalidJobError);
+          assert.equal(e.field, "tensor_parallel");
+          assert.match(e.message, /does not divide n_head 1/);
+          return true;
+        },
+      );
+      await assert.rejects(runner.submit({ ...base, tensor_parallel: 2, data_parallel: 2 }), (e) => {
+        assert.ok(e instanceof InvalidJobError);
+        assert.match(e.message, /data_parallel 2 × tensor_parallel 2 needs 4 GPU workers/);
+        return true;
+      });
+
+      const one = await train(runner, base);
+      assert.equal(one.job.status, "succeeded", one.job.error ?? "");
+      const two = await train(runner, { ...base, tensor_parallel: 2 });
+      assert.equal(two.job.status, "succeeded", two.job.error ?? "");
+      assertSameLosses(two.losses, one.losses, [1, 2, 3, 4, 5, 6], "TP=2 vs TP=1");
+      assert.ok(
+        two.job.metrics.gpu_memory_bytes! < one.job.metrics.gpu_memory_bytes!,
+        `TP=2 rank memory ${two.job.metrics.gpu_memory_bytes} vs ${one.job.metrics.gpu_memory_bytes}`,
+      );
+      const ranks = two.job.metrics.ranks!;
+      assert.equal(ranks.length, 2);
+      for (const r of ranks) assert.ok(r.tp_exchange_ms! > 0 && r.tp_allreduces! >= 8, JSON.stringify(r));
+      assert.ok(
+        Math.abs(two.job.metrics.val_loss! - one.job.metrics.val_loss!) < 1e-4 * one.job.metrics.val_loss!,
+      );
+
+      const dir = `${runner.checkpointDir(two.job.id)}/${checkpointName(3)}`;
+      assert.equal((await readManifest(dir)).parallel.tensor_parallel, 2);
+      const resumed = await train(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
+      assert.equal(resumed.job.status, "succeeded", resumed.job.error ?? "");
+      assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "TP=2 checkpoint resumed at TP=1");
+    } finally {
+      runner.shutdown();
+      store.close();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
