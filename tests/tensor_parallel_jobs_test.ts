@@ -141,3 +141,36 @@ Deno.test({
     }
   },
 });
+
+Deno.test({
+  name: "a data_parallel 2 × tensor_parallel 2 job on four Workers matches one GPU with 2 accumulation steps",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_dptp_" });
+    const store = new JobStore(":memory:");
+    const runner = new JobRunner(store, {
+      root,
+      gpus: 4,
+      spawn: spawnGpuWorker,
+      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
+    });
+    try {
+      await prepareDataset(root, { builtin: "sotu" });
+      runner.start();
+      const req = { ...base, train_iters: 4, save_interval: 0, global_batch_size: 4 };
+      const one = await train(runner, req);
+      assert.equal(one.job.status, "succeeded", one.job.error ?? "");
+      const grid = await train(runner, { ...req, data_parallel: 2, tensor_parallel: 2 });
+      assert.equal(grid.job.status, "succeeded", grid.job.error ?? "");
+      assertSameLosses(grid.losses, one.losses, [1, 2, 3, 4], "DP2×TP2 vs one GPU×2");
+      assert.deepEqual(grid.job.metrics.gpus, [0, 1, 2, 3]);
+      assert.equal(grid.job.metrics.ranks!.length, 4);
+    } finally {
+      runner.shutdown();
+      store.close();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
