@@ -10,6 +10,7 @@
  * logits); LayerNorm, position embedding and the residual stream are replicated.
  */
 
+import { tensorParallelConfig } from "./parallel/shard.ts";
 import { type ModelConfig, paramLayout } from "./config.ts";
 import {
   CATEGORIES,
@@ -123,12 +124,21 @@ export function estimateTraining(r: EstimateRequest): Estimate {
   for (const [field, v] of [["tensor_parallel", tp], ["data_parallel", dp]] as const) {
     if (!Number.isInteger(v) || v < 1) throw new RangeError(`${field} must be a positive integer, got ${v}`);
   }
-  const plan = planModel(r.limits ?? DEFAULT_PLAN_LIMITS, { config: r.config, B: r.batchSize, T: r.seqLen }, {
+  // One tensor-parallel rank's own plan (its shard of the weights, its heads' activations), the
+  // one the engine allocates: nothing is scaled by a guess.
+  const config = tp > 1 ? tensorParallelConfig(r.config, tp) : r.config;
+  const plan = planModel(r.limits ?? DEFAULT_PLAN_LIMITS, { config, B: r.batchSize, T: r.seqLen }, {
     ...r.chunks,
     checkpointLayers: r.checkpointLayers ?? 0,
     precision: r.precision,
+    tensorParallel: tp,
   });
-  return estimateFromPlan(plan, tp, dp, r.distributedOptimizer ?? false);
+  const est = estimateFromPlan(plan, 1, dp, r.distributedOptimizer ?? false);
+  return {
+    ...est,
+    parameters: parametersPerGpu(r.config, 1),
+    parameters_per_gpu: Math.round(parametersPerGpu(config, tp)),
+  };
 }
 
 const KNOWN_MEMORY: Array<[RegExp, number]> = [
