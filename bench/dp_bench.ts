@@ -18,6 +18,8 @@ const batch = Number(args.get("batch") ?? "8");
 const seq = Number(args.get("seq") ?? "1024");
 const iters = Number(args.get("iters") ?? "6");
 const globals = (args.get("global") ?? "16").split(",").map(Number);
+/** Which variants to run: dp (DP=1, DP=2, bf16 wire, distributed optimizer) and/or tp (TP=2). */
+const kinds = (args.get("variants") ?? "dp").split(",");
 
 interface Row {
   label: string;
@@ -35,12 +37,15 @@ const server = await startServer(home, { GPT2_GPUS: "2" });
 const rows: Row[] = [];
 try {
   for (const global of globals) {
-    const variants: [string, Record<string, unknown>][] = [
-      ["DP=1", { data_parallel: 1 }],
-      ["DP=2", { data_parallel: 2 }],
-      ["DP=2 bf16 wire", { data_parallel: 2, allreduce_dtype: "bf16" }],
-      ["DP=2 distributed optimizer", { data_parallel: 2, distributed_optimizer: true }],
-    ];
+    const variants: [string, Record<string, unknown>][] = [["DP=1", { data_parallel: 1 }]];
+    if (kinds.includes("dp")) {
+      variants.push(
+        ["DP=2", { data_parallel: 2 }],
+        ["DP=2 bf16 wire", { data_parallel: 2, allreduce_dtype: "bf16" }],
+        ["DP=2 distributed optimizer", { data_parallel: 2, distributed_optimizer: true }],
+      );
+    }
+    if (kinds.includes("tp")) variants.push(["TP=2", { data_parallel: 1, tensor_parallel: 2 }]);
     for (const [label, extra] of variants) {
       const id = await submit(server.url, {
         model,
@@ -70,8 +75,19 @@ try {
         tokens_per_s: number;
         timings: { step_ms: number; allreduce_ms: number };
         gpu_memory_bytes: number;
-        ranks?: { allreduce_gb_per_s: number | null }[];
+        ranks?: { allreduce_gb_per_s: number | null; tp_exchange_ms?: number; tp_allreduces?: number }[];
       };
+      if (extra.tensor_parallel) {
+        const r = p.ranks?.[0];
+        console.log(
+          `${label}: ${r?.tp_allreduces?.toFixed(0)} activation allreduces per step, ${
+            r?.tp_exchange_ms?.toFixed(0)
+          } ms ` +
+            `of exchanges per step (${
+              ((r?.tp_exchange_ms ?? 0) / Math.max(1, r?.tp_allreduces ?? 1)).toFixed(1)
+            } ms each)`,
+        );
+      }
       const row: Row = {
         label,
         global,
