@@ -14,6 +14,9 @@ import {
   type AttentionSpec,
   chooseAttentionTiles,
   chooseSplitAttentionTiles,
+  flashBackwardKVWgsl,
+  flashBackwardQWgsl,
+  flashScratchBytes,
 } from "../gpu/kernels/attention.ts";
 import { grid1d } from "../gpu/kernels/common.ts";
 import { encodeOps, makeOp, type OpKind, PipelineCache } from "../gpu/ops.ts";
@@ -21,10 +24,21 @@ import { attention_backward, attention_forward } from "../gpu/reference.ts";
 import { dropThreshold } from "../gpu/rng.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
-const B = 1, H = 2, T = 40, D = 64, C = H * D;
+const B = 1, H = 2, T = 40;
 
-async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }) {
+/** Kernels of one run: the plain/split ones, or flash specs replacing the forward and/or the backward. */
+interface RunOptions {
+  /** Head size (default 64). */
+  D?: number;
+  /** Flash forward tiling (replaces the forward kernel). */
+  flashFwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+  /** Flash backward tiling (replaces the dK/dV and dQ kernels). */
+  flashBwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+}
+
+async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
   const ctx = (await testContext())!;
+  const D = o.D ?? 64, C = H * D;
   const wg = ctx.limits.maxComputeWorkgroupStorageSize;
   tiles ??= split > 1 ? chooseSplitAttentionTiles({ T, D }, wg, split) : chooseAttentionTiles({ T, D }, wg);
   const s: AttentionSpec = {
@@ -36,6 +50,7 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
     ...tiles,
     dropout: p > 0 ? { site: 0, nSites: 1 } : undefined,
   };
+  const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
   const qkv = randomFloats(B * T * 3 * C, 11), dy = randomFloats(B * T * C, 12);
   const bufs = {
@@ -69,12 +84,27 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
       kind,
       views: views.map((buffer) => ({ buffer })),
       grid,
-      uniform: p > 0 && label !== "delta" ? uniform : undefined,
+      uniform: p > 0 && label !== "delta" && label !== "dq.flash" ? uniform : undefined,
     });
   const av = [bufs.qkv, bufs.dy, bufs.lse, bufs.delta, bufs.dqkv];
+  const sb: AttentionSpec = { ...s, ...o.flashBwd };
+  const dst = o.flashBwd ? await upload(ctx, "dst", new Float32Array(flashScratchBytes(s) / 4)) : null;
+  const backward = dst
+    ? [
+      await mk("dkv", "attention_bwd", flashBackwardKVWgsl(sb), [...av, dst], [Math.ceil(T / sb.BKV), H, B]),
+      await mk("dq.flash", "attention_bwd", flashBackwardQWgsl(sb), [bufs.qkv, dst, bufs.dqkv], [
+        Math.ceil(T / sb.BQ),
+        H,
+        B,
+      ]),
+    ]
+    : [
+      await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [Math.ceil(T / s.BKV), H, B]),
+      await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [Math.ceil(T / s.BQ), H, B]),
+    ];
   const ops = [
-    await mk("fwd", "attention_fwd", attentionForwardWgsl(s), [bufs.qkv, bufs.y, bufs.lse], [
-      Math.ceil(T / s.BQ),
+    await mk("fwd", "attention_fwd", attentionForwardWgsl(sf), [bufs.qkv, bufs.y, bufs.lse], [
+      Math.ceil(T / sf.BQ),
       H,
       B,
     ]),
@@ -85,14 +115,14 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
       [bufs.y, bufs.dy, bufs.delta],
       grid1d(Math.ceil(B * T * H / 64)),
     ),
-    await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [Math.ceil(T / s.BKV), H, B]),
-    await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [Math.ceil(T / s.BQ), H, B]),
+    ...backward,
   ];
   const enc = ctx.device.createCommandEncoder();
   encodeOps(enc, ops);
   ctx.device.queue.submit([enc.finish()]);
   const y = await readFloats(ctx, bufs.y), dqkv = await readFloats(ctx, bufs.dqkv);
   Object.values(bufs).forEach((b) => b.destroy());
+  dst?.destroy();
   uniform.destroy();
 
   const q64 = Float64Array.from(qkv), dy64 = Float64Array.from(dy);
@@ -118,6 +148,37 @@ for (const [split, p, tiles] of cases) {
       const ctx = (await testContext())!;
       if (split > 1 && !ctx.hasSubgroups) return;
       const e = await run(split, p, tiles);
+      assert.ok(e.y < 1e-5, `forward rel err ${e.y}`);
+      assert.ok(e.dqkv < 1e-5, `dqkv rel err ${e.dqkv}`);
+    },
+  });
+}
+
+/**
+ * The flash kernels, forward and backward in one run each (lavapipe compiles them slowly): at the
+ * GPT-2 head size with subgroup row maxima and prefetch, and at D = 32 with workgroup-memory
+ * maxima, dropout, no prefetch, and tiles that leave whole rows masked (BQ > BKV forward,
+ * BKV < BQ backward).
+ */
+const flashCases: Array<[string, RunOptions, number]> = [
+  ["D=64, 8 lanes, subgroup", {
+    flashFwd: { BQ: 32, BKV: 32, flash: { lanes: 8, reduce: "subgroup" } },
+    flashBwd: { BQ: 16, BKV: 16, flash: { lanes: 4, reduce: "subgroup" } },
+  }, 0],
+  ["D=32, 4 lanes, shared, dropout", {
+    D: 32,
+    flashFwd: { BQ: 32, BKV: 16, flash: { lanes: 4, reduce: "shared", prefetch: false } },
+    flashBwd: { BQ: 16, BKV: 8, flash: { lanes: 4, reduce: "shared" } },
+  }, 0.2],
+];
+for (const [label, o, p] of flashCases) {
+  Deno.test({
+    name: `flash attention forward and backward (${label}) match float64 at T=40`,
+    ignore: noGpu,
+    async fn() {
+      const ctx = (await testContext())!;
+      if (o.flashFwd?.flash?.reduce === "subgroup" && !ctx.hasSubgroups) return;
+      const e = await run(1, p, undefined, o);
       assert.ok(e.y < 1e-5, `forward rel err ${e.y}`);
       assert.ok(e.dqkv < 1e-5, `dqkv rel err ${e.dqkv}`);
     },
