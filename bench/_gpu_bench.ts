@@ -1,5 +1,5 @@
 /**
- * Kernel timing for the benchmarks: each repetition of a list of ops runs in its own compute pass
+ * GPU helpers for the benchmarks. Kernel timing: each repetition of a list of ops runs in its own compute pass
  * between two timestamp queries, after untimed warmup repetitions in the same submission, and the
  * result is the median (and min) over repetitions — robust to the odd slow run and to submission
  * overhead, unlike the wall clock over a batch. Where the adapter lacks timestamp queries, each
@@ -7,8 +7,9 @@
  * includes the submission's overhead, so small kernels read slower).
  */
 
-import type { GpuContext } from "../gpu/device.ts";
-import type { Op } from "../gpu/ops.ts";
+import { type GpuContext, readBuffer } from "../gpu/device.ts";
+import { type StorageDtype, treeReduce } from "../gpu/kernels/common.ts";
+import { makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
 
 /** Times of one measured kernel sequence, in ms. */
 export interface Timing {
@@ -138,5 +139,79 @@ export class GpuTimer {
   destroy(): void {
     this.#qs?.destroy();
     this.#resolve?.destroy();
+  }
+}
+
+/** max |a - b| and max |b| over n4 vec4s, as two u32-ordered floats (atomicMax on positive bits). */
+export function maxDiffWgsl(n4: number, dtype: StorageDtype): string {
+  const t = dtype === "f16" ? "vec4<f16>" : "vec4<f32>";
+  return `${dtype === "f16" ? "enable f16;\n" : ""}
+@group(0) @binding(0) var<storage, read> a: array<${t}>;
+@group(0) @binding(1) var<storage, read> b: array<${t}>;
+@group(0) @binding(2) var<storage, read_write> res: array<atomic<u32>, 2>;
+var<workgroup> sd: array<f32, 256>;
+var<workgroup> sr: array<f32, 256>;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  var d = 0.0;
+  var r = 0.0;
+  for (var i = (wg.x + wg.y * nwg.x) * 256u + tid; i < ${n4}u; i = i + nwg.x * nwg.y * 256u) {
+    let x = vec4<f32>(a[i]);
+    let y = vec4<f32>(b[i]);
+    let e = abs(x - y);
+    let m = abs(y);
+    // NaN in the output counts as a difference of 1e30.
+    let bad = any(x != x);
+    d = max(d, select(max(max(e.x, e.y), max(e.z, e.w)), 1e30, bad));
+    r = max(r, max(max(m.x, m.y), max(m.z, m.w)));
+  }
+  sd[tid] = d;
+  sr[tid] = r;
+  workgroupBarrier();
+  ${treeReduce("sd", 256, "max")}
+  ${treeReduce("sr", 256, "max")}
+  if (tid == 0u) {
+    atomicMax(&res[0], bitcast<u32>(sd[0]));
+    atomicMax(&res[1], bitcast<u32>(sr[0]));
+  }
+}`;
+}
+
+/** Compares GPU outputs on the GPU: max |a − b| / max |b| over the first n4 vec4s of two views. */
+export class GpuDiff {
+  #ctx: GpuContext;
+  #cache: PipelineCache;
+  #buf: GPUBuffer;
+  constructor(ctx: GpuContext, cache: PipelineCache) {
+    this.#ctx = ctx;
+    this.#cache = cache;
+    this.#buf = ctx.device.createBuffer({
+      size: 16,
+      usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
+    });
+  }
+  /** Relative difference of `a` against the reference `b` (NaN in `a` counts as 1e30). */
+  async rel(a: View, b: View, n4: number, dtype: StorageDtype = "f32"): Promise<number> {
+    const { device } = this.#ctx;
+    const pipeline = await this.#cache.get(`maxdiff.${n4}.${dtype}`, maxDiffWgsl(n4, dtype));
+    device.queue.writeBuffer(this.#buf, 0, new Uint32Array(4));
+    const op = makeOp(this.#ctx, pipeline, {
+      label: "maxdiff",
+      phase: "forward",
+      kind: "reduce",
+      views: [a, b, { buffer: this.#buf, offset: 0, size: 8 }],
+      grid: [Math.min(1024, Math.ceil(n4 / 256))],
+    });
+    const enc = device.createCommandEncoder();
+    const pass = enc.beginComputePass();
+    record(pass, [op]);
+    pass.end();
+    device.queue.submit([enc.finish()]);
+    const r = new Float32Array(await readBuffer(this.#ctx, this.#buf, 0, 8));
+    return r[1] > 0 ? r[0] / r[1] : r[0];
+  }
+  destroy(): void {
+    this.#buf.destroy();
   }
 }

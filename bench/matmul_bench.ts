@@ -25,8 +25,8 @@
  */
 
 import { makeConfig, type ModelConfig, presetConfig } from "../gpu/config.ts";
-import { createStorage, describeDevice, type GpuContext, openDevice, readBuffer } from "../gpu/device.ts";
-import { type StorageDtype, treeReduce } from "../gpu/kernels/common.ts";
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import type { StorageDtype } from "../gpu/kernels/common.ts";
 import {
   chooseTile,
   type MatmulBinding,
@@ -44,7 +44,7 @@ import {
 import type { TileRule } from "../gpu/kernels/matmul_tiles.ts";
 import { makeOp, type Op, PipelineCache } from "../gpu/ops.ts";
 import { headChunkRows } from "../gpu/plan.ts";
-import { GpuTimer, type Timing } from "./_gpu_timing.ts";
+import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
 /** One benchmarked matmul as gpu/model.ts builds it. */
 export interface BenchShape {
@@ -231,42 +231,6 @@ function arg(args: string[], name: string, def: string): string {
   return i >= 0 && i + 1 < args.length ? args[i + 1] : def;
 }
 
-/** max |a - b| and max |b| over n4 vec4s, as two u32-ordered floats (atomicMax on positive bits). */
-function maxDiffWgsl(n4: number, dtype: StorageDtype): string {
-  const t = dtype === "f16" ? "vec4<f16>" : "vec4<f32>";
-  return `${dtype === "f16" ? "enable f16;\n" : ""}
-@group(0) @binding(0) var<storage, read> a: array<${t}>;
-@group(0) @binding(1) var<storage, read> b: array<${t}>;
-@group(0) @binding(2) var<storage, read_write> res: array<atomic<u32>, 2>;
-var<workgroup> sd: array<f32, 256>;
-var<workgroup> sr: array<f32, 256>;
-@compute @workgroup_size(256)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) tid: u32) {
-  var d = 0.0;
-  var r = 0.0;
-  for (var i = (wg.x + wg.y * nwg.x) * 256u + tid; i < ${n4}u; i = i + nwg.x * nwg.y * 256u) {
-    let x = vec4<f32>(a[i]);
-    let y = vec4<f32>(b[i]);
-    let e = abs(x - y);
-    let m = abs(y);
-    // NaN in the output counts as a difference of 1e30.
-    let bad = any(x != x);
-    d = max(d, select(max(max(e.x, e.y), max(e.z, e.w)), 1e30, bad));
-    r = max(r, max(max(m.x, m.y), max(m.z, m.w)));
-  }
-  sd[tid] = d;
-  sr[tid] = r;
-  workgroupBarrier();
-  ${treeReduce("sd", 256, "max")}
-  ${treeReduce("sr", 256, "max")}
-  if (tid == 0u) {
-    atomicMax(&res[0], bitcast<u32>(sd[0]));
-    atomicMax(&res[1], bitcast<u32>(sr[0]));
-  }
-}`;
-}
-
 /** Buffers for every binding, sized for the largest shape, filled with values in [-0.5, 0.5). */
 class Workspace {
   #ctx: GpuContext;
@@ -312,19 +276,13 @@ class MatmulBench {
   #ctx: GpuContext;
   #cache: PipelineCache;
   #ws: Workspace;
-  #diff: { buf: GPUBuffer; zero: Uint32Array<ArrayBuffer> };
+  #diff: GpuDiff;
   constructor(ctx: GpuContext) {
     this.#ctx = ctx;
     this.#cache = new PipelineCache(ctx);
     this.#ws = new Workspace(ctx);
     this.timer = new GpuTimer(ctx);
-    this.#diff = {
-      buf: ctx.device.createBuffer({
-        size: 16,
-        usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
-      }),
-      zero: new Uint32Array(4),
-    };
+    this.#diff = new GpuDiff(ctx, this.#cache);
   }
 
   /** Whether the device and spec accept the tile (threads, workgroup bytes, divisibility). */
@@ -412,32 +370,13 @@ class MatmulBench {
       return 0;
     }
     device.queue.submit([enc.finish()]);
-    const dt = spec.dtypes?.out ?? "f32";
-    const n4 = (spec.M * spec.N) / 4;
-    const pipeline = await this.#cache.get(`maxdiff.${dt}`, maxDiffWgsl(n4, dt));
-    device.queue.writeBuffer(this.#diff.buf, 0, this.#diff.zero);
-    const op = makeOp(this.#ctx, pipeline, {
-      label: "maxdiff",
-      phase: "forward",
-      kind: "reduce",
-      views: [out, ref, { buffer: this.#diff.buf, offset: 0, size: 8 }],
-      grid: [Math.min(1024, Math.ceil(n4 / 256))],
-    });
-    const e2 = device.createCommandEncoder();
-    const p2 = e2.beginComputePass();
-    p2.setPipeline(op.pipeline);
-    p2.setBindGroup(0, op.bindGroups[0]);
-    p2.dispatchWorkgroups(op.grid[0], 1, 1);
-    p2.end();
-    device.queue.submit([e2.finish()]);
-    const r = new Float32Array(await readBuffer(this.#ctx, this.#diff.buf, 0, 8));
-    return r[1] > 0 ? r[0] / r[1] : r[0];
+    return await this.#diff.rel(out, ref, (spec.M * spec.N) / 4, spec.dtypes?.out ?? "f32");
   }
 
   destroy(): void {
     this.timer.destroy();
     this.#ws.destroy();
-    this.#diff.buf.destroy();
+    this.#diff.destroy();
   }
 }
 
