@@ -554,7 +554,7 @@ async function main(args: string[]): Promise<void> {
   const budget = +arg(args, "budget", tiny ? "45" : "220");
   const minReps = +arg(args, "reps", tiny ? "5" : "20");
   const only = new RegExp(arg(args, "only", "."));
-  const precisions = arg(args, "precision", ctx.hasF16 ? "fp32,fp16" : "fp32").split(",") as Array<
+  const precisions = arg(args, "precision", ctx.hasF16 && !tiny ? "fp32,fp16" : "fp32").split(",") as Array<
     "fp32" | "fp16"
   >;
   const jsonPath = arg(args, "json", "");

@@ -1093,6 +1093,100 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 `;
 }
 
+/** A flash kernel's tiling: its BQ, BKV and lanes (merged into an AttentionSpec). */
+export type FlashTiles = Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+
+/** What the flash choosers need to know of the device. */
+export interface FlashLimits {
+  maxWorkgroupBytes: number;
+  maxThreads: number;
+  /** The smallest subgroup the device may run (adapter.info.subgroupMinSize); 0 without the subgroups feature. */
+  subgroupMinSize: number;
+  /** maxStorageBufferBindingSize, for the backward's dS scratch. */
+  maxBindingBytes?: number;
+}
+
+const ft = (BQ: number, BKV: number, lanes: 4 | 8 | 16, reduce: FlashOptions["reduce"], prefetch = true) => ({
+  BQ,
+  BKV,
+  flash: { lanes, reduce, ...(prefetch ? {} : { prefetch: false }) },
+});
+
+/** Flash forward tilings, preferred first (bench/attention_bench.ts times each on the device). */
+export function flashForwardCandidates(): FlashTiles[] {
+  return [
+    ft(64, 64, 16, "subgroup"),
+    ft(64, 64, 8, "subgroup"),
+    ft(64, 32, 8, "subgroup"),
+    ft(32, 64, 16, "subgroup"),
+    ft(32, 32, 8, "subgroup"),
+    ft(64, 64, 16, "subgroup", false),
+    ft(64, 32, 8, "subgroup", false),
+    ft(16, 16, 4, "subgroup"),
+    ft(32, 32, 8, "shared"),
+    ft(16, 16, 4, "shared"),
+  ];
+}
+
+/** Flash backward tilings of the dK/dV kernel and of the dQ kernel, preferred first. */
+export function flashBackwardCandidates(): { kv: FlashTiles[]; q: FlashTiles[] } {
+  return {
+    kv: [ft(32, 32, 8, "shared"), ft(32, 16, 8, "shared"), ft(16, 32, 4, "shared"), ft(16, 16, 4, "shared")],
+    q: [ft(64, 64, 16, "shared"), ft(64, 32, 16, "shared"), ft(32, 32, 8, "shared"), ft(16, 16, 4, "shared")],
+  };
+}
+
+/** Whether a flash forward tiling runs on the device for these sizes. */
+export function flashForwardFits(
+  dims: Pick<AttentionSpec, "T" | "D">,
+  t: FlashTiles,
+  lim: FlashLimits,
+): boolean {
+  const f = t.flash!;
+  const s = { B: 1, H: 1, ...dims, ...t };
+  return flashForwardError(s) === null && flashThreads(t.BQ, f) <= lim.maxThreads &&
+    flashForwardBytes(t.BQ, t.BKV, dims.D, f) <= lim.maxWorkgroupBytes &&
+    (f.reduce === "shared" || lim.subgroupMinSize >= f.lanes);
+}
+
+/** Whether a flash backward pair of tilings runs on the device for these sizes. */
+export function flashBackwardFits(
+  dims: Pick<AttentionSpec, "B" | "H" | "T" | "D">,
+  kv: FlashTiles,
+  q: FlashTiles,
+  lim: FlashLimits,
+): boolean {
+  const sk = { ...dims, ...kv }, sq = { ...dims, ...q };
+  const qThreads = flashThreads(q.BQ, q.flash!);
+  return flashBackwardError(sk) === null && flashThreads(kv.BKV, kv.flash!) <= lim.maxThreads &&
+    flashKVBytes(kv.BQ, kv.BKV, dims.D) <= lim.maxWorkgroupBytes &&
+    dims.D % (4 * q.flash!.lanes) === 0 && q.BQ % 4 === 0 && q.BKV % 4 === 0 && qThreads <= lim.maxThreads &&
+    ((q.BKV * dims.D) / 4) % qThreads === 0 && ((q.BKV * q.BQ) / 4) % qThreads === 0 &&
+    flashQBytes(q.BQ, q.BKV, dims.D) <= lim.maxWorkgroupBytes &&
+    flashScratchBytes(sq) <= (lim.maxBindingBytes ?? Infinity);
+}
+
+/**
+ * The flash forward tiling for a device (the first candidate that fits), or null: then the split
+ * or plain kernels remain. A spec takes it as `{ ...spec, ...chooseFlashForward(…) }`.
+ */
+export function chooseFlashForward(
+  dims: Pick<AttentionSpec, "T" | "D">,
+  lim: FlashLimits,
+): FlashTiles | null {
+  return flashForwardCandidates().find((t) => flashForwardFits(dims, t, lim)) ?? null;
+}
+
+/** The flash backward tilings (dK/dV kernel, dQ kernel) for a device, or null when none fits. */
+export function chooseFlashBackward(
+  dims: Pick<AttentionSpec, "B" | "H" | "T" | "D">,
+  lim: FlashLimits,
+): { kv: FlashTiles; q: FlashTiles } | null {
+  const c = flashBackwardCandidates();
+  for (const kv of c.kv) for (const q of c.q) if (flashBackwardFits(dims, kv, q, lim)) return { kv, q };
+  return null;
+}
+
 /** FLOPs of causal attention forward (QKᵀ and PV over the lower triangle). */
 export function attentionFlops(s: Pick<AttentionSpec, "B" | "T" | "H" | "D">): number {
   return 2 * 2 * s.B * s.H * s.D * (s.T * (s.T + 1)) / 2;
