@@ -1,22 +1,27 @@
 /**
- * GPU helpers for the benchmarks. Kernel timing: each repetition of a list of ops runs in its own compute pass
- * between two timestamp queries, after untimed warmup repetitions in the same submission, and the
- * result is the median (and min) over repetitions — robust to the odd slow run and to submission
- * overhead, unlike the wall clock over a batch. Where the adapter lacks timestamp queries, each
- * repetition is its own submission timed by the wall clock up to onSubmittedWorkDone (which
- * includes the submission's overhead, so small kernels read slower).
+ * GPU helpers for the benchmarks. Kernel timing: a measurement is several batches, each one
+ * compute pass of back-to-back repetitions between two timestamp queries (after untimed warmup
+ * repetitions in the same submission); a repetition's time is its batch's over its count, and the
+ * result is the median and min over batches. Whole batches make the figure independent of where a
+ * driver records a pass's first timestamp (a top-of-pipe write may land before the previous pass
+ * drains) and include the barriers between dependent dispatches that a training step also pays.
+ * Where the adapter lacks timestamp queries, each batch is its own submission timed by the wall
+ * clock up to onSubmittedWorkDone (submission overhead then shows in small kernels).
+ * Correctness: an on-GPU max |a − b| / max |b| of two outputs.
  */
 
 import { type GpuContext, readBuffer } from "../gpu/device.ts";
 import { type StorageDtype, treeReduce } from "../gpu/kernels/common.ts";
 import { makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
 
-/** Times of one measured kernel sequence, in ms. */
+/** Time of one repetition of a measured kernel sequence, in ms, over batches of repetitions. */
 export interface Timing {
   median_ms: number;
   min_ms: number;
   mean_ms: number;
+  /** Repetitions timed, in `batches` batches. */
   reps: number;
+  batches: number;
 }
 
 /** How many repetitions to time: enough for `targetMs` of GPU time, within [minReps, maxReps]. */
@@ -27,7 +32,7 @@ export interface RepPolicy {
   warmup: number;
 }
 
-function stats(samples: number[]): Timing {
+function stats(samples: number[], perBatch: number): Timing {
   const s = [...samples].sort((a, b) => a - b);
   const mid = s.length >> 1;
   const median = s.length % 2 ? s[mid] : (s[mid - 1] + s[mid]) / 2;
@@ -35,7 +40,8 @@ function stats(samples: number[]): Timing {
     median_ms: median,
     min_ms: s[0],
     mean_ms: s.reduce((a, b) => a + b, 0) / s.length,
-    reps: s.length,
+    reps: s.length * perBatch,
+    batches: s.length,
   };
 }
 
@@ -51,38 +57,42 @@ function record(pass: GPUComputePassEncoder, ops: Op[]): void {
 export class GpuTimer {
   readonly method: "timestamp" | "wallclock";
   #ctx: GpuContext;
-  #maxReps: number;
+  #maxBatches: number;
   #qs?: GPUQuerySet;
   #resolve?: GPUBuffer;
 
-  constructor(ctx: GpuContext, maxReps = 400) {
+  constructor(ctx: GpuContext, maxBatches = 64) {
     this.#ctx = ctx;
-    this.#maxReps = maxReps;
+    this.#maxBatches = maxBatches;
     this.method = ctx.hasTimestamps ? "timestamp" : "wallclock";
     if (ctx.hasTimestamps) {
-      this.#qs = ctx.device.createQuerySet({ type: "timestamp", count: 2 * maxReps });
+      this.#qs = ctx.device.createQuerySet({ type: "timestamp", count: 2 * maxBatches });
       this.#resolve = ctx.device.createBuffer({
-        size: 16 * maxReps,
+        size: 16 * maxBatches,
         usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
       });
     }
   }
 
-  /** Per-repetition times (ms) of `ops` run `reps` times, after `warmup` untimed runs. */
-  async samples(ops: Op[], reps: number, warmup = 2): Promise<number[]> {
+  /**
+   * Per-repetition times (ms), one per batch: `batches` batches of `perBatch` runs of `ops`, after
+   * `warmup` untimed runs.
+   */
+  async samples(ops: Op[], batches: number, perBatch: number, warmup = 2): Promise<number[]> {
     const { device } = this.#ctx;
-    reps = Math.max(1, Math.min(reps, this.#maxReps));
+    batches = Math.max(1, Math.min(batches, this.#maxBatches));
+    perBatch = Math.max(1, perBatch);
     if (!this.#qs || !this.#resolve) {
       const out: number[] = [];
-      for (let r = -warmup; r < reps; r++) {
+      for (let r = warmup > 0 ? -1 : 0; r < batches; r++) {
         const enc = device.createCommandEncoder();
         const pass = enc.beginComputePass();
-        record(pass, ops);
+        for (let k = 0; k < (r < 0 ? warmup : perBatch); k++) record(pass, ops);
         pass.end();
         const t0 = performance.now();
         device.queue.submit([enc.finish()]);
         await device.queue.onSubmittedWorkDone();
-        if (r >= 0) out.push(performance.now() - t0);
+        if (r >= 0) out.push((performance.now() - t0) / perBatch);
       }
       return out;
     }
@@ -92,7 +102,7 @@ export class GpuTimer {
       for (let w = 0; w < warmup; w++) record(pass, ops);
       pass.end();
     }
-    for (let r = 0; r < reps; r++) {
+    for (let r = 0; r < batches; r++) {
       const pass = enc.beginComputePass({
         timestampWrites: {
           querySet: this.#qs,
@@ -100,15 +110,15 @@ export class GpuTimer {
           endOfPassWriteIndex: 2 * r + 1,
         },
       });
-      record(pass, ops);
+      for (let k = 0; k < perBatch; k++) record(pass, ops);
       pass.end();
     }
-    const bytes = 16 * reps;
+    const bytes = 16 * batches;
     const staging = device.createBuffer({
       size: bytes,
       usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
     });
-    enc.resolveQuerySet(this.#qs, 0, 2 * reps, this.#resolve, 0);
+    enc.resolveQuerySet(this.#qs, 0, 2 * batches, this.#resolve, 0);
     enc.copyBufferToBuffer(this.#resolve, 0, staging, 0, bytes);
     device.queue.submit([enc.finish()]);
     await staging.mapAsync(GPUMapMode.READ);
@@ -116,24 +126,26 @@ export class GpuTimer {
     staging.unmap();
     staging.destroy();
     const out: number[] = [];
-    for (let r = 0; r < reps; r++) out.push(Number(t[2 * r + 1] - t[2 * r]) / 1e6);
+    for (let r = 0; r < batches; r++) out.push(Number(t[2 * r + 1] - t[2 * r]) / 1e6 / perBatch);
     return out;
   }
 
-  /** Times `ops` `reps` times after `warmup` runs. */
+  /** Times about `reps` runs of `ops`, in up to 10 batches, after `warmup` runs. */
   async time(ops: Op[], reps: number, warmup = 2): Promise<Timing> {
-    return stats(await this.samples(ops, reps, warmup));
+    const batches = Math.min(10, Math.max(1, reps));
+    const perBatch = Math.ceil(reps / batches);
+    return stats(await this.samples(ops, batches, perBatch, warmup), perBatch);
   }
 
   /**
-   * Probes with a few runs, then times as many as fill `targetMs` (within the policy's bounds);
-   * the probe's runs count as warmup.
+   * Probes with one short batch, then times enough runs to fill `targetMs` (within the policy's
+   * bounds) in up to 10 batches; the probe counts as warmup.
    */
   async timeAdaptive(ops: Op[], p: RepPolicy): Promise<Timing> {
-    const probe = await this.samples(ops, 3, p.warmup);
-    const est = Math.max(1e-3, stats(probe).median_ms);
+    const probe = await this.samples(ops, 1, 3, p.warmup);
+    const est = Math.max(1e-3, probe[0]);
     const reps = Math.max(p.minReps, Math.min(p.maxReps, Math.ceil(p.targetMs / est)));
-    return stats(await this.samples(ops, reps, 1));
+    return await this.time(ops, reps, 0);
   }
 
   destroy(): void {

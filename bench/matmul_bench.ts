@@ -2,8 +2,7 @@
  * Matmul benchmark: every GPT-2 training matmul (forward, both backward layouts, the LM head's
  * chunk forward, dx and dw) of gpt2-124M and gpt2-345M at B·T = 8192, in fp32 and with fp16
  * storage (the dtypes and f16 math gpu/model.ts gives each binding), timed by timestamp queries
- * (gpu time per dispatch, median and min over ≥ 20 repetitions after warmup; wall clock where the
- * adapter has no timestamps).
+ * (median and min over ≥ 20 repetitions after warmup; wall clock where the adapter has none).
  *
  *   deno task bench matmul                       chooseTile's pick for every shape
  *   deno task bench matmul --sweep [--json F]    every kernel variant × tile on every shape, in a time budget
@@ -13,13 +12,17 @@
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
  *          --budget SECONDS (sweep, default 220)  --reps N (minimum timed repetitions, default 20)
  *
- * The sweep screens all candidates on four representative shapes (an NN forward, an NT dx, a TN
- * dW with many blocks and one with few), keeps the best few of each layout class, and times those
- * plus the current pick on every shape. Every variant's output is compared with the current
- * pick's on the same inputs (largest difference over the largest value), and a variant that
- * disagrees is reported and never chosen. The JSON (written after every shape, so a run cut short
- * keeps what it measured) lists every timing; `--emit-tiles` turns its best picks into the rule
- * table chooseTile reads.
+ * The sweep screens all candidates on the first shape of each class (layout; for TN, few or many
+ * output blocks; math; storage), keeps the best four (and two split-K) of each, and times those
+ * plus the current pick on every shape of the class, fp32 first (60% of the budget), then fp16.
+ * Every variant's output is compared with the current pick's on the same inputs (largest
+ * difference over the largest value), and a variant that disagrees is reported and never chosen.
+ * The JSON (written after every shape, so a run cut short keeps what it measured) lists every
+ * timing; `--emit-tiles` turns its best picks into the rule table chooseTile reads.
+ *
+ * Timing (bench/_gpu_bench.ts): batches of back-to-back dispatches per timestamped pass, the
+ * median and min over batches of the per-dispatch time; "pick" is what gpu/model.ts runs today
+ * (chooseTile on the spec before dtypes are added, without the device's workgroup limit).
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -154,6 +157,15 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
     if (spec.transA) t(32, 32, 16, 4, 4, { gen: 2, buffers: 2, splitK: 2 });
     return out;
   }
+  // Split-K first for the weight gradients with few output blocks (a screen cut short by its
+  // budget keeps what matters most there).
+  if (spec.transA && fewBlocks(spec)) {
+    for (const splitK of [2, 4, 3, 6]) {
+      t(128, 128, 16, 8, 8, { gen: 2, buffers: 2, warpN: 8, splitK });
+      t(128, 128, 8, 8, 8, { gen: 2, buffers: 2, warpN: 8, splitK });
+      t(128, 64, 16, 8, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
+    }
+  }
   // Generation 1, the tiles measured before.
   t(128, 128, 16, 8, 8);
   t(128, 128, 8, 8, 8);
@@ -162,9 +174,9 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
   t(64, 128, 16, 4, 8);
   t(64, 64, 16, 4, 4);
   // Generation 2 on 128×128 / 8×8.
-  for (const BK of [8, 16, 32]) {
-    for (const buffers of BK === 32 ? [1] as const : [1, 2] as const) {
-      for (const warpN of [0, 8]) {
+  for (const BK of [16, 8, 32]) {
+    for (const buffers of BK === 32 ? [1] as const : [2, 1] as const) {
+      for (const warpN of [8, 0]) {
         for (const transposeLoad of loadsFor) {
           t(128, 128, BK, 8, 8, { gen: 2, buffers, warpN, transposeLoad });
         }
@@ -172,19 +184,11 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
     }
   }
   // Generation 2 on the half-size blocks (they fill more SMs on narrow outputs).
-  for (const buffers of [1, 2] as const) {
+  for (const buffers of [2, 1] as const) {
     t(128, 64, 16, 8, 4, { gen: 2, buffers, warpN: 8 });
     t(64, 128, 16, 4, 8, { gen: 2, buffers, warpN: 8 });
   }
   t(64, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8 });
-  // Split-K for the weight gradients with few output blocks.
-  if (spec.transA && fewBlocks(spec)) {
-    for (const splitK of [2, 3, 4, 6]) {
-      t(128, 128, 16, 8, 8, { gen: 2, buffers: 2, warpN: 8, splitK });
-      t(128, 128, 8, 8, 8, { gen: 2, buffers: 2, warpN: 8, splitK });
-      t(128, 64, 16, 8, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
-    }
-  }
   return out.map((x) => (x.warpN === 0 ? { ...x, warpN: undefined } : x));
 }
 
@@ -662,8 +666,8 @@ async function main(args: string[]): Promise<void> {
         const ranked = results.filter((r) => r.ok && r.stage === "screen").sort((a, b) =>
           a.median_ms - b.median_ms
         );
-        const keep = ranked.filter((r) => (r.tile.splitK ?? 1) <= 1).slice(0, tiny ? 2 : 5);
-        keep.push(...ranked.filter((r) => (r.tile.splitK ?? 1) > 1).slice(0, tiny ? 1 : 3));
+        const keep = ranked.filter((r) => (r.tile.splitK ?? 1) <= 1).slice(0, tiny ? 2 : 4);
+        keep.push(...ranked.filter((r) => (r.tile.splitK ?? 1) > 1).slice(0, tiny ? 1 : 2));
         chosen.set(k, keep.map((r) => r.tile));
         report.screen[`${precision} ${k}`] = keep.map((r) => r.name);
         report.shapes.push(shapeRecord(s, pick, results));

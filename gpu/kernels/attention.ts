@@ -628,7 +628,8 @@ function laneReduce(
  * g·4L + c·4…+3 (g < D/4L), L = lanes. Scores are in log2 units (scale·log2 e folded into q as it
  * is loaded), the running maximum is combined across the L lanes once per tile, the output and the
  * per-thread partial row sums are rescaled once per tile, and P goes through the K tile's
- * workgroup memory to the P·V product. Query tiles run last-first (the longest first). Grid
+ * workgroup memory to the P·V product (its columns XOR-swizzled by row group, so the row groups of
+ * one warp read different banks). Query tiles run last-first (the longest first). Grid
  * (ceil(T/BQ), H, B).
  */
 function flashForwardWgsl(s: AttentionSpec): string {
@@ -708,13 +709,13 @@ function flashForwardWgsl(s: AttentionSpec): string {
         );
         pd = `p${r}_${h} * vec4<f32>(${range(4).map((e) => `keep(di${r}_${h} + ${e}u, ${st})`).join(", ")})`;
       }
-      soft.push(`KP[(qg * 4u + ${r}u) * ${KQ}u + ${h * L}u + c] = ${pd};`);
+      soft.push(`KP[(qg * 4u + ${r}u) * ${KQ}u + ((${h * L}u + c) ^ px)] = ${pd};`);
     }
   }
   soft.push(`l = l * alpha + ls;`);
   const pv: string[] = [];
   for (let jq = 0; jq < KQ; jq++) {
-    for (const r of rows) pv.push(`pv${r} = KP[(qg * 4u + ${r}u) * ${KQ}u + ${jq}u];`);
+    for (const r of rows) pv.push(`pv${r} = KP[(qg * 4u + ${r}u) * ${KQ}u + (${jq}u ^ px)];`);
     for (let u = 0; u < 4; u++) {
       for (const g of gs) pv.push(`vv${g} = Vs[${jq * 4 + u}][${g * L}u + c];`);
       for (const r of rows) {
@@ -756,6 +757,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let b = wg.z;
   let c = tid % ${L}u;
   let qg = tid / ${L}u;
+  let px = qg % ${Math.min(32 / L, KQ)}u;
   let q0 = (${nQT - 1}u - wg.x) * ${BQ}u;
   let base = b * ${T}u;
   ${ind(decl, 2)}
@@ -838,8 +840,9 @@ export const FLASH_Q_BINDINGS = ["qkv", "dst", "dqkv"] as const;
 
 /**
  * dK and dV, FlashAttention-2 style, computing each score block once: a workgroup owns BKV keys
- * and walks the query tiles from the diagonal on. Thread (kg, c) holds keys kg·4…+3 against
- * queries h·4L + u·L + c (h < BQ/4L, u < 4) of the tile, L = lanes: it forms their scores and
+ * and walks the query tiles from the diagonal on. Thread (kg, c) holds keys kg + r·BKV/4 (r < 4)
+ * against queries h·4L + u·L + c (h < BQ/4L, u < 4) of the tile, L = lanes (consecutive threads
+ * on consecutive rows of the padded K and Q tiles: no bank conflicts): it forms their scores and
  * dP = dO·Vᵀ as dot products of padded rows (consecutive lanes on consecutive rows), then P and
  * dS = P ∘ (dP − delta), sends P and dS through one workgroup tile to the dV += Pᵀ·dO and
  * dK += dSᵀ·Q products (its 4 keys × columns g·4L + c·4…+3), and writes dS to `dst` for the dQ
@@ -883,7 +886,7 @@ function flashKVPlain(s: AttentionSpec): string {
   // Scores first, then dP: fewer rows live in registers at once.
   for (const [acc, keys, queries] of [["s", "Kr", "Qr"], ["dp", "Vr", "dOr"]]) {
     for (let dq = 0; dq < D4; dq++) {
-      for (const r of rs) dots.push(`kr${r} = ${keys}[kg * 4u + ${r}u][${dq}];`);
+      for (const r of rs) dots.push(`kr${r} = ${keys}[kg + ${r * KQ}u][${dq}];`);
       for (const h of hs) for (const u of us) dots.push(`qr${h}_${u} = ${queries}[${qi(h, u)}][${dq}];`);
       for (const r of rs) {
         for (const h of hs) {
@@ -899,7 +902,7 @@ function flashKVPlain(s: AttentionSpec): string {
     soft.push(`let lv${h} = vec4<f32>(${us.map((u) => `Ls[${qi(h, u)}]`).join(", ")});`);
     soft.push(`let dv${h} = vec4<f32>(${us.map((u) => `Ds[${qi(h, u)}]`).join(", ")});`);
     for (const r of rs) {
-      const j = `k0 + kg * 4u + ${r}u`;
+      const j = `k0 + kg + ${r * KQ}u`;
       soft.push(`let ok${r}_${h} = (iv${h} >= vec4<u32>(${j})) & (iv${h} < vec4<u32>(${T}u));`);
       soft.push(`let p${r}_${h} = select(vec4<f32>(0.0), exp2(s${r}_${h} - lv${h}), ok${r}_${h});`);
       if (s.dropout) {
@@ -926,7 +929,9 @@ function flashKVPlain(s: AttentionSpec): string {
     for (const h of hs) {
       for (const u of us) {
         dsOut.push(
-          `if (k0 + kg * 4u + ${r}u < ${T}u && iv${h}[${u}] < ${T}u) { dst[(bh * ${T}u + k0 + kg * 4u + ${r}u) * ${T}u + iv${h}[${u}]] = ds${r}_${h}[${u}]; }`,
+          `if (k0 + kg + ${r * KQ}u < ${T}u && iv${h}[${u}] < ${T}u) { dst[(bh * ${T}u + k0 + kg + ${
+            r * KQ
+          }u) * ${T}u + iv${h}[${u}]] = ds${r}_${h}[${u}]; }`,
         );
       }
     }
@@ -964,7 +969,7 @@ function flashKVPlain(s: AttentionSpec): string {
       `dqkv[row + ${2 * C4}u + ${g * L}u + c] = dvv${r}_${g};`,
     ]);
     out.push(
-      `{ let j = k0 + kg * 4u + ${r}u; if (j < ${T}u) { let row = (base + j) * ${R4}u + h * ${D4}u; ${
+      `{ let j = k0 + kg + ${r * KQ}u; if (j < ${T}u) { let row = (base + j) * ${R4}u + h * ${D4}u; ${
         body.join(" ")
       } } }`,
     );
