@@ -4,6 +4,13 @@
  * probabilities from it in two kernels, one parallel over keys (dK, dV) and one over queries (dQ),
  * so no atomics are needed and results are deterministic.
  *
+ * Two families: the plain and subgroup-split kernels (one query or key per thread or per S
+ * threads), and the flash kernels (`spec.flash`: FlashAttention-2 style register blocks of
+ * 4 rows × several keys per thread, one max and rescale per tile, exp2 with log2 e folded into q).
+ * The flash backward computes each score block once: its dK/dV kernel also writes dS (B·H·T·T
+ * f32 scratch, causal blocks only) for a dQ = dS·K kernel, instead of the dQ kernel recomputing
+ * QKᵀ and dO·Vᵀ. chooseFlashForward / chooseFlashBackward pick flash tilings that fit a device.
+ *
  * Layout: qkv is (B, T, 3C) with q, k, v in column blocks [0,C), [C,2C), [2C,3C); head h uses
  * columns h·D … h·D+D-1 of each block. Output y is (B, T, C); lse and delta are (B, H, T).
  * Attention dropout (seeded, see rng.ts) multiplies probabilities of element ((b·H+h)·T+i)·T+j.
