@@ -1,7 +1,8 @@
 /**
- * `deno task bench [train|data|matmul|allreduce|runtime|generate|curve|dp] [options]`: the benchmarks.
- * With no suite named it runs the training benchmark (bench/train_bench.ts); `data` runs the data
- * pipeline benchmark, `matmul` the matmul tile sweep, `allreduce` the shared-memory allreduce and
+ * `deno task bench [train|data|matmul|attention|allreduce|runtime|generate|curve|dp] [options]`: the
+ * benchmarks. With no suite named it runs the training benchmark (bench/train_bench.ts); `data` runs
+ * the data pipeline benchmark, `matmul` the matmul shapes and tile sweep (bench/matmul_bench.ts),
+ * `attention` today's attention kernels against the flash ones (bench/attention_bench.ts), `allreduce` the shared-memory allreduce and
  * GPU host-path benchmark, `runtime` the start-train-SIGTERM cycles, `generate` the generation
  * scenarios (bench/generate_bench.ts), `curve` the fp16-against-fp32 loss curves, and `dp` data-parallel training through the server. Options
  * pass through.
@@ -11,6 +12,7 @@ const suites: Record<string, string> = {
   train: "./train_bench.ts",
   data: "./data_bench.ts",
   matmul: "./matmul_bench.ts",
+  attention: "./attention_bench.ts",
   allreduce: "./allreduce_bench.ts",
   runtime: "./runtime_bench.ts",
   generate: "./generate_bench.ts",

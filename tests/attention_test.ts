@@ -5,7 +5,7 @@
  */
 
 import assert from "node:assert/strict";
-import { readFloats } from "../gpu/device.ts";
+import { readBuffer, readFloats } from "../gpu/device.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -14,6 +14,9 @@ import {
   type AttentionSpec,
   chooseAttentionTiles,
   chooseSplitAttentionTiles,
+  flashBackwardKVWgsl,
+  flashBackwardQWgsl,
+  flashScratchBytes,
 } from "../gpu/kernels/attention.ts";
 import { grid1d } from "../gpu/kernels/common.ts";
 import { encodeOps, makeOp, type OpKind, PipelineCache } from "../gpu/ops.ts";
@@ -21,10 +24,23 @@ import { attention_backward, attention_forward } from "../gpu/reference.ts";
 import { dropThreshold } from "../gpu/rng.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
-const B = 1, H = 2, T = 40, D = 64, C = H * D;
+const B = 1, H = 2, T = 40;
 
-async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }) {
+/** Kernels of one run: the plain/split ones, or flash specs replacing the forward and/or the backward. */
+interface RunOptions {
+  /** Head size (default 64). */
+  D?: number;
+  /** qkv, y, dy and dqkv in f16 (the reference then runs on the f16-rounded inputs). */
+  half?: boolean;
+  /** Flash forward tiling (replaces the forward kernel). */
+  flashFwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+  /** Flash backward tiling (replaces the dK/dV and dQ kernels). */
+  flashBwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+}
+
+async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
   const ctx = (await testContext())!;
+  const D = o.D ?? 64, C = H * D;
   const wg = ctx.limits.maxComputeWorkgroupStorageSize;
   tiles ??= split > 1 ? chooseSplitAttentionTiles({ T, D }, wg, split) : chooseAttentionTiles({ T, D }, wg);
   const s: AttentionSpec = {
@@ -35,17 +51,29 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
     split,
     ...tiles,
     dropout: p > 0 ? { site: 0, nSites: 1 } : undefined,
+    ...(o.half ? { dtype: "f16", gradDtype: "f16" } : {}),
   };
+  const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
-  const qkv = randomFloats(B * T * 3 * C, 11), dy = randomFloats(B * T * C, 12);
+  const round = (x: Float32Array) => (o.half ? Float32Array.from(Float16Array.from(x)) : x);
+  const qkv = round(randomFloats(B * T * 3 * C, 11)), dy = round(randomFloats(B * T * C, 12));
+  const put = (label: string, x: Float32Array) => {
+    if (!o.half) return upload(ctx, label, x);
+    const h = Float16Array.from(x);
+    return upload(ctx, label, new Float32Array(h.buffer, 0, Math.ceil(h.length / 2)));
+  };
   const bufs = {
-    qkv: await upload(ctx, "qkv", qkv),
-    dy: await upload(ctx, "dy", dy),
-    y: await upload(ctx, "y", new Float32Array(B * T * C)),
+    qkv: await put("qkv", qkv),
+    dy: await put("dy", dy),
+    y: await put("y", new Float32Array(B * T * C)),
     lse: await upload(ctx, "lse", new Float32Array(B * H * T)),
     delta: await upload(ctx, "delta", new Float32Array(B * H * T)),
-    dqkv: await upload(ctx, "dqkv", new Float32Array(B * T * 3 * C)),
+    dqkv: await put("dqkv", new Float32Array(B * T * 3 * C)),
   };
+  const get = async (b: GPUBuffer, n: number) =>
+    o.half
+      ? Float32Array.from(new Float16Array(await readBuffer(ctx, b, 0, n * 2)))
+      : await readFloats(ctx, b);
   const u = new Uint32Array(4);
   u[0] = key;
   u[1] = dropThreshold(p);
@@ -69,12 +97,27 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
       kind,
       views: views.map((buffer) => ({ buffer })),
       grid,
-      uniform: p > 0 && label !== "delta" ? uniform : undefined,
+      uniform: p > 0 && label !== "delta" && label !== "dq.flash" ? uniform : undefined,
     });
   const av = [bufs.qkv, bufs.dy, bufs.lse, bufs.delta, bufs.dqkv];
+  const sb: AttentionSpec = { ...s, ...o.flashBwd };
+  const dst = o.flashBwd ? await upload(ctx, "dst", new Float32Array(flashScratchBytes(s) / 4)) : null;
+  const backward = dst
+    ? [
+      await mk("dkv", "attention_bwd", flashBackwardKVWgsl(sb), [...av, dst], [Math.ceil(T / sb.BKV), H, B]),
+      await mk("dq.flash", "attention_bwd", flashBackwardQWgsl(sb), [bufs.qkv, dst, bufs.dqkv], [
+        Math.ceil(T / sb.BQ),
+        H,
+        B,
+      ]),
+    ]
+    : [
+      await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [Math.ceil(T / s.BKV), H, B]),
+      await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [Math.ceil(T / s.BQ), H, B]),
+    ];
   const ops = [
-    await mk("fwd", "attention_fwd", attentionForwardWgsl(s), [bufs.qkv, bufs.y, bufs.lse], [
-      Math.ceil(T / s.BQ),
+    await mk("fwd", "attention_fwd", attentionForwardWgsl(sf), [bufs.qkv, bufs.y, bufs.lse], [
+      Math.ceil(T / sf.BQ),
       H,
       B,
     ]),
@@ -85,14 +128,14 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
       [bufs.y, bufs.dy, bufs.delta],
       grid1d(Math.ceil(B * T * H / 64)),
     ),
-    await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [Math.ceil(T / s.BKV), H, B]),
-    await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [Math.ceil(T / s.BQ), H, B]),
+    ...backward,
   ];
   const enc = ctx.device.createCommandEncoder();
   encodeOps(enc, ops);
   ctx.device.queue.submit([enc.finish()]);
-  const y = await readFloats(ctx, bufs.y), dqkv = await readFloats(ctx, bufs.dqkv);
+  const y = await get(bufs.y, B * T * C), dqkv = await get(bufs.dqkv, B * T * 3 * C);
   Object.values(bufs).forEach((b) => b.destroy());
+  dst?.destroy();
   uniform.destroy();
 
   const q64 = Float64Array.from(qkv), dy64 = Float64Array.from(dy);
@@ -120,6 +163,46 @@ for (const [split, p, tiles] of cases) {
       const e = await run(split, p, tiles);
       assert.ok(e.y < 1e-5, `forward rel err ${e.y}`);
       assert.ok(e.dqkv < 1e-5, `dqkv rel err ${e.dqkv}`);
+    },
+  });
+}
+
+/**
+ * The flash kernels, forward and backward in one run each (lavapipe compiles them slowly): at the
+ * GPT-2 head size with subgroup row maxima and prefetch; at D = 32 with workgroup-memory maxima,
+ * dropout, no prefetch, and tiles that leave whole rows masked (BQ > BKV forward, BKV < BQ
+ * backward); and with f16 storage.
+ */
+const flashCases: Array<[string, RunOptions, number]> = [
+  ["D=64, 8 lanes, subgroup", {
+    flashFwd: { BQ: 32, BKV: 32, flash: { lanes: 8, reduce: "subgroup" } },
+    flashBwd: { BQ: 16, BKV: 16, flash: { lanes: 4, reduce: "subgroup" } },
+  }, 0],
+  ["D=32, 4 lanes, shared, dropout", {
+    D: 32,
+    flashFwd: { BQ: 32, BKV: 16, flash: { lanes: 4, reduce: "shared", prefetch: false } },
+    flashBwd: { BQ: 16, BKV: 8, flash: { lanes: 4, reduce: "shared" } },
+  }, 0.2],
+  ["D=32, 8 lanes, f16 storage", {
+    D: 32,
+    half: true,
+    flashFwd: { BQ: 16, BKV: 32, flash: { lanes: 8, reduce: "shared" } },
+    flashBwd: { BQ: 32, BKV: 16, flash: { lanes: 8, reduce: "shared" } },
+  }, 0],
+];
+for (const [label, o, p] of flashCases) {
+  Deno.test({
+    name: `flash attention forward and backward (${label}) match float64 at T=40`,
+    ignore: noGpu,
+    async fn() {
+      const ctx = (await testContext())!;
+      if (o.flashFwd?.flash?.reduce === "subgroup" && !ctx.hasSubgroups) return;
+      if (o.half && !ctx.hasF16) return;
+      const e = await run(1, p, undefined, o);
+      // f16: y and dqkv are rounded to f16 when stored (and the dQ/dK/dV sums see f16 dO).
+      const tol = o.half ? 3e-3 : 1e-5;
+      assert.ok(e.y < tol, `forward rel err ${e.y}`);
+      assert.ok(e.dqkv < tol, `dqkv rel err ${e.dqkv}`);
     },
   });
 }

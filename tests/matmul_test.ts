@@ -1,17 +1,23 @@
 /**
  * The generated matmul against a float64 CPU product, over every layout, guarded and unguarded
- * shapes, and each fused epilogue.
+ * shapes, and each fused epilogue; generation 2 tiles (double buffering, warp tiles, both
+ * transposing loads, split-K with its reduction) the same way, in f32 and f16; and chooseTile's
+ * measured rules.
  */
 
 import assert from "node:assert/strict";
-import { readFloats } from "../gpu/device.ts";
+import { createStorage, readBuffer, readFloats } from "../gpu/device.ts";
 import {
   chooseTile,
-  matmulBindings,
-  matmulGrid,
+  matmulKernels,
+  matmulScratchBytes,
   type MatmulSpec,
+  type MatmulTile,
   matmulWgsl,
+  tileName,
 } from "../gpu/kernels/matmul.ts";
+import type { TileRule } from "../gpu/kernels/matmul_tiles.ts";
+import { dropKeep, dropThreshold } from "../gpu/rng.ts";
 import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
 import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../gpu/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
@@ -35,7 +41,10 @@ function cpuMatmul(s: MatmulSpec, A: Float32Array, B: Float32Array, bias?: Float
   return out;
 }
 
-async function run(spec: MatmulSpec, tile = chooseTile(spec)) {
+const DROP_KEY = 0x2468ace, DROP_P = 0.25;
+
+/** Runs the spec's kernels (split-K included) on random data; ‖got − float64 reference‖ / ‖reference‖. */
+async function run(spec: MatmulSpec, tile: MatmulTile = chooseTile(spec)) {
   const ctx = (await testContext())!;
   const A = randomFloats(spec.M * spec.K, 1), B = randomFloats(spec.K * spec.N, 2);
   const bias = randomFloats(spec.N, 3), aux = randomFloats(spec.M * spec.N, 4);
@@ -48,22 +57,42 @@ async function run(spec: MatmulSpec, tile = chooseTile(spec)) {
     res: await upload(ctx, "res", aux),
     aux: await upload(ctx, "aux", aux),
     out2: await upload(ctx, "out2", new Float32Array(spec.M * spec.N)),
+    part: await upload(ctx, "part", new Float32Array(Math.max(4, matmulScratchBytes(spec, tile) / 4))),
   };
-  const pipeline = await new PipelineCache(ctx).get("matmul", matmulWgsl(spec, tile));
-  const op = makeOp(ctx, pipeline, {
-    label: "matmul",
-    phase: "forward",
-    kind: "matmul_fwd",
-    views: matmulBindings(spec).map((n) => ({ buffer: bufs[n] })),
-    grid: matmulGrid(spec, tile),
+  const u = new Uint32Array(4);
+  u[0] = DROP_KEY;
+  u[1] = dropThreshold(DROP_P);
+  new Float32Array(u.buffer)[2] = 1 / (1 - DROP_P);
+  const uniform = ctx.device.createBuffer({
+    size: 16,
+    usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
   });
+  ctx.device.queue.writeBuffer(uniform, 0, u);
+  const cache = new PipelineCache(ctx);
+  const ops = [];
+  for (const k of matmulKernels(spec, tile)) {
+    ops.push(makeOp(ctx, await cache.get("matmul" + k.suffix, k.code), {
+      label: "matmul" + k.suffix,
+      phase: "forward",
+      kind: "matmul_fwd",
+      views: k.bindings.map((n) => ({ buffer: bufs[n] })),
+      grid: k.grid,
+      uniform: k.uniform ? uniform : undefined,
+    }));
+  }
   const enc = ctx.device.createCommandEncoder();
-  encodeOps(enc, [op]);
+  encodeOps(enc, ops);
   ctx.device.queue.submit([enc.finish()]);
   const got = await readFloats(ctx, bufs.out);
   const ref = cpuMatmul(spec, A, B, spec.bias ? bias : undefined);
   if (spec.epilogue === "accumulate") ref.forEach((v, i) => ref[i] = v + init[i]);
-  if (spec.epilogue === "residual") ref.forEach((v, i) => ref[i] = v + aux[i]);
+  if (spec.epilogue === "residual") {
+    const th = dropThreshold(DROP_P), sc = 1 / (1 - DROP_P);
+    ref.forEach((v, i) => {
+      const d = !spec.dropout ? 1 : dropKeep(i, DROP_KEY, th) ? sc : 0;
+      ref[i] = v * d + aux[i];
+    });
+  }
   if (spec.epilogue === "gelu") {
     const got2 = await readFloats(ctx, bufs.out2);
     assert.ok(relNorm(got2, ref.map(gelu)) < 1e-5, "gelu output");
@@ -76,6 +105,7 @@ async function run(spec: MatmulSpec, tile = chooseTile(spec)) {
     });
   }
   Object.values(bufs).forEach((b) => b.destroy());
+  uniform.destroy();
   return relNorm(got, ref);
 }
 
@@ -212,4 +242,175 @@ Deno.test({
       Object.values(bufs).forEach((b) => b.destroy());
     }
   },
+});
+
+/** Generation 2 tiles, each knob in at least one layout (64- and 32-wide blocks keep lavapipe quick). */
+const gen2Cases: Array<[boolean, boolean, MatmulTile]> = [
+  [false, false, { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2 }],
+  [false, true, { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 8 }],
+  [true, false, { BM: 64, BN: 64, BK: 8, TM: 8, TN: 4, gen: 2, buffers: 2, warpN: 4 }],
+  [true, true, { BM: 64, BN: 64, BK: 32, TM: 4, TN: 4, gen: 2, transposeLoad: "k" }],
+  [false, true, { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, transposeLoad: "k", warpN: 8 }],
+  [false, false, { BM: 64, BN: 32, BK: 8, TM: 8, TN: 4, gen: 2, buffers: 2 }],
+];
+Deno.test({
+  name: "matmulWgsl() generation 2 matches a float64 product in every layout on ragged shapes",
+  ignore: noGpu,
+  fn: async () => {
+    for (const [transA, transB, tile] of gen2Cases) {
+      const err = await run({ ...base, M: 52, N: 100, K: 36, transA, transB }, tile);
+      assert.ok(err < 1e-5, `${tileName(tile)} transA=${transA} transB=${transB}: rel err ${err}`);
+    }
+    // Unguarded, several k-tiles: an odd tile count ends the double-buffered loop half way.
+    const tile: MatmulTile = { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 16 };
+    const err = await run({ ...base, M: 64, N: 128, K: 80, transA: false, transB: false }, tile);
+    assert.ok(err < 1e-5, `${tileName(tile)} unguarded: rel err ${err}`);
+  },
+});
+
+Deno.test({
+  name: "matmulKernels() split-K sums its slices and applies every epilogue in the reduction",
+  ignore: noGpu,
+  fn: async () => {
+    const tile: MatmulTile = { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 3 };
+    const cases: Array<Partial<MatmulSpec>> = [
+      { epilogue: "store", bias: true },
+      { epilogue: "accumulate", transA: true },
+      { epilogue: "residual", bias: true, dropout: { site: 0, nSites: 1 } },
+      { epilogue: "gelu", bias: true, transB: true },
+      { epilogue: "gelu_grad", transA: true, prologueA: "gelu" },
+    ];
+    for (const c of cases) {
+      // K = 196: slices of 80, 80 and 36, the last ragged against BK.
+      const spec: MatmulSpec = { ...base, M: 52, N: 100, K: 196, transA: false, transB: false, ...c };
+      assert.deepEqual(matmulKernels(spec, tile).map((k) => k.grid[2]), [3, 1]);
+      const err = await run(spec, tile);
+      assert.ok(err < 1e-5, `${JSON.stringify(c)}: rel err ${err}`);
+    }
+  },
+});
+
+Deno.test({
+  name: "matmulWgsl() generation 2 with f16 storage, and f16 math with split-K, match float64",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    if (!ctx.hasF16) return;
+    const f16 = (x: Float32Array) => Float16Array.from(x);
+    const cases: Array<[MatmulSpec, MatmulTile, number]> = [
+      [
+        {
+          ...base,
+          M: 52,
+          N: 100,
+          K: 72,
+          transA: false,
+          transB: true,
+          dtypes: { A: "f16", B: "f16", out: "f16" },
+        },
+        { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 8 },
+        2e-3,
+      ],
+      [
+        {
+          ...base,
+          M: 64,
+          N: 64,
+          K: 200,
+          transA: true,
+          transB: false,
+          dtypes: { A: "f16", B: "f16" },
+          math: "f16",
+        },
+        { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 2 },
+        5e-3,
+      ],
+    ];
+    for (const [spec, tile, tol] of cases) {
+      const A = Float32Array.from(f16(randomFloats(spec.M * spec.K, 21)));
+      const B = Float32Array.from(f16(randomFloats(spec.K * spec.N, 22)));
+      const outF16 = spec.dtypes?.out === "f16";
+      const mk = async (label: string, data: Float32Array, half: boolean) => {
+        const bytes = half ? f16(data) : data;
+        const b = await createStorage(ctx, label, bytes.byteLength);
+        ctx.device.queue.writeBuffer(b, 0, bytes.buffer as ArrayBuffer, 0, bytes.byteLength);
+        return b;
+      };
+      const bufs: Record<string, GPUBuffer> = {
+        A: await mk("A", A, true),
+        B: await mk("B", B, true),
+        out: await mk("out", new Float32Array(spec.M * spec.N), outF16),
+        part: await mk("part", new Float32Array(Math.max(4, matmulScratchBytes(spec, tile) / 4)), false),
+      };
+      const cache = new PipelineCache(ctx);
+      const ops = [];
+      for (const k of matmulKernels(spec, tile)) {
+        ops.push(makeOp(ctx, await cache.get("matmul16" + k.suffix, k.code), {
+          label: "matmul16" + k.suffix,
+          phase: "forward",
+          kind: "matmul_fwd",
+          views: k.bindings.map((n) => ({ buffer: bufs[n] })),
+          grid: k.grid,
+        }));
+      }
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, ops);
+      ctx.device.queue.submit([enc.finish()]);
+      const raw = await readBuffer(ctx, bufs.out);
+      const got = outF16 ? Float32Array.from(new Float16Array(raw)) : new Float32Array(raw);
+      const err = relNorm(got, cpuMatmul(spec, A, B));
+      assert.ok(err < tol, `${tileName(tile)} ${spec.math ?? "f32"} math: rel err ${err}`);
+      Object.values(bufs).forEach((b) => b.destroy());
+    }
+  },
+});
+
+Deno.test("matmulWgsl() refuses generation-2 fields on generation 1 and split-K outside matmulKernels", () => {
+  const spec: MatmulSpec = { ...base, M: 64, N: 64, K: 256, transA: true, transB: false };
+  assert.throws(() => matmulWgsl(spec, { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, buffers: 2 }), /need gen 2/);
+  const split: MatmulTile = { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, splitK: 4 };
+  assert.throws(() => matmulWgsl(spec, split), /build it with matmulKernels/);
+  assert.deepEqual(matmulKernels(spec, split).map((k) => [k.suffix, k.grid]), [[".part", [1, 1, 4]], [
+    ".sum",
+    [16, 1, 1],
+  ]]);
+  assert.equal(matmulScratchBytes(spec, split), 4 * 64 * 64 * 4);
+  assert.throws(
+    () => matmulWgsl(spec, { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, warpN: 32 }),
+    /cannot be cut into 1x32 warps/,
+  );
+});
+
+Deno.test("chooseTile() takes the first measured rule that matches and fits, else its built-in rules", () => {
+  const g2: MatmulTile = { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen: 2, buffers: 2, warpN: 8 };
+  const split: MatmulTile = { ...g2, splitK: 4 };
+  const rules: TileRule[] = [
+    { M: 1024, N: 1024, K: 8192, layout: "TN", tile: split },
+    { M: 1024, N: 1024, K: 8192, layout: "TN", tile: { ...g2, buffers: 1 } },
+    { layout: "NN", math: "f16", tile: { ...g2, BK: 32, buffers: 1 } },
+    { layout: "NN", tile: g2 },
+  ];
+  const dw = { M: 1024, N: 1024, K: 8192, transA: true, transB: false };
+  const big = { maxWorkgroupBytes: 49152, rules };
+  // Split-K only for a caller that runs matmulKernels.
+  assert.deepEqual(chooseTile(dw, 256, { ...big, splitK: true }), split);
+  assert.deepEqual(chooseTile(dw, 256, big), { ...g2, buffers: 1 });
+  // Layout and math must agree; a double-buffered 32 KB tile needs the device's limit passed.
+  const nn = { M: 8192, N: 3072, K: 1024, transA: false, transB: false };
+  assert.deepEqual(chooseTile(nn, 256, big), g2);
+  assert.deepEqual(
+    chooseTile({ ...nn, dtypes: { A: "f16", B: "f16" }, math: "f16" }, 256, big),
+    { ...g2, BK: 32, buffers: 1 },
+  );
+  assert.deepEqual(chooseTile(nn, 256, { rules }), { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8 });
+  // Too many threads for the device: no rule applies.
+  assert.equal(chooseTile(nn, 128, big).gen, undefined);
+  // No rules: unchanged built-in choices.
+  assert.deepEqual(chooseTile({ M: 1024, N: 1024, K: 8192 }, 256, { rules: [] }), {
+    BM: 128,
+    BN: 64,
+    BK: 16,
+    TM: 8,
+    TN: 4,
+  });
 });

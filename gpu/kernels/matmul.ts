@@ -7,6 +7,20 @@
  * layout: `transA` reads A stored [K,M], `transB` reads B stored [N,K] (the forms backward needs).
  * The next tile is prefetched into registers while the current one is multiplied.
  *
+ * Two generations of the kernel share that scheme and every epilogue, prologue and dtype:
+ *   gen 1 (the default) one flat workgroup buffer per operand, two barriers per k-tile, and a
+ *         transposing store in which four consecutive threads share a row (a 4-way bank conflict).
+ *   gen 2 workgroup tiles indexed [buffer][k][group][thread] so that the only index that varies
+ *         per thread is the last (the bounds clamp WGSL adds to every dynamic index is then the
+ *         same value for the whole loop); and, chosen per tile: double buffering (`buffers: 2`,
+ *         one barrier per k-tile), a transposing load in which consecutive threads take
+ *         consecutive rows (`transposeLoad: "mn"`, conflict-free scalar stores), 32-lane warp tiles
+ *         (`warpN`: a warp covers (32/warpN)×warpN threads, so it reads fewer distinct vectors),
+ *         and split-K (`splitK`: slices of K in grid z write partial sums to a scratch buffer that
+ *         a second kernel adds up, applying the epilogue; see matmulKernels).
+ * `chooseTile` is the one place that picks a tile: measured rules first (matmul_tiles.ts), then
+ * built-in ones.
+ *
  * Element types: any binding may be f16 in memory (`dtypes`, converted on load and store). With
  * `math: "f16"` (A and B both f16) the tiles stay f16 and each BK-long stretch of K is multiplied
  * and summed in f16 (twice the f32 rate where the GPU has packed f16), then flushed into the f32
@@ -23,7 +37,8 @@
  *   gelu_grad  out = acc * gelu'(aux)                     (backward through GELU)
  */
 
-import { dropWgsl, GELU_WGSL, type StorageDtype, withStorageDtypes } from "./common.ts";
+import { dropWgsl, GELU_WGSL, grid1d, LINEAR_WG, type StorageDtype, withStorageDtypes } from "./common.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "./matmul_tiles.ts";
 
 /** Fused work after the multiply. */
 export type MatmulEpilogue = "store" | "accumulate" | "residual" | "gelu" | "gelu_grad";
@@ -53,7 +68,7 @@ export interface MatmulSpec {
 /** Names of a matmul's storage bindings. */
 export type MatmulBinding = "A" | "B" | "out" | "bias" | "res" | "out2" | "aux";
 
-/** Block and thread tiling. */
+/** Block and thread tiling, and (generation 2) how the k loop runs. */
 export interface MatmulTile {
   BM: number;
   BN: number;
@@ -62,10 +77,155 @@ export interface MatmulTile {
   TM: number;
   /** Columns per thread: 4 or 8. */
   TN: number;
+  /** Kernel generation (see the file header); default 1. The fields below need 2. */
+  gen?: 1 | 2;
+  /** Workgroup buffers per operand: 2 stores the next k-tile while the current one is read. Default 1. */
+  buffers?: 1 | 2;
+  /** Threads along N of one 32-lane warp (1 to 32); default: plain row-major thread order. */
+  warpN?: number;
+  /**
+   * How a k-contiguous operand (A not transposed, B transposed) is read before its transposing
+   * store: "k" as gen 1 (four threads per row), "mn" consecutive threads on consecutive rows
+   * (the default).
+   */
+  transposeLoad?: "k" | "mn";
+  /** Split K into up to this many slices (grid z) reduced by a second kernel; default 1. */
+  splitK?: number;
 }
 
-/** Picks a tiling: large blocks when they still fill the GPU, smaller ones otherwise. */
-export function chooseTile(spec: Pick<MatmulSpec, "M" | "N" | "K">, maxInvocations = 256): MatmulTile {
+/** One kernel of a matmul: its WGSL, bindings in order ("part" is the split-K scratch), grid. */
+export interface MatmulKernel {
+  /** Appended to the op's label: "" for a single kernel, ".part" / ".sum" for split-K. */
+  suffix: string;
+  code: string;
+  bindings: string[];
+  grid: [number, number, number];
+  /** Binds the dropout uniform at group 1. */
+  uniform: boolean;
+}
+
+/** A short name of a tile, e.g. "128x128x16/8x8" or "g2 128x128x16/8x8 b2 w8 mn s4". */
+export function tileName(t: MatmulTile): string {
+  const base = `${t.BM}x${t.BN}x${t.BK}/${t.TM}x${t.TN}`;
+  if ((t.gen ?? 1) === 1) return base;
+  const parts = ["g2", base, `b${t.buffers ?? 1}`];
+  if (t.warpN) parts.push(`w${t.warpN}`);
+  parts.push(t.transposeLoad ?? "mn");
+  if ((t.splitK ?? 1) > 1) parts.push(`s${t.splitK}`);
+  return parts.join(" ");
+}
+
+/** Bytes of workgroup memory a tile's kernel declares. */
+export function matmulWorkgroupBytes(spec: Pick<MatmulSpec, "math">, t: MatmulTile): number {
+  return (t.BM + t.BN) * t.BK * (spec.math === "f16" ? 2 : 4) * (t.buffers ?? 1);
+}
+
+/** Slices of a split-K tile: S of Kc (a multiple of BK) each, the last possibly shorter; S = 1 without. */
+export function splitSlices(spec: Pick<MatmulSpec, "K">, t: MatmulTile): { S: number; Kc: number } {
+  const want = Math.max(1, Math.floor(t.splitK ?? 1));
+  const Kc = Math.ceil(spec.K / want / t.BK) * t.BK;
+  return { S: Math.ceil(spec.K / Kc), Kc };
+}
+
+/** Why `tile` cannot compute `spec`, or null when it can. */
+export function matmulTileError(spec: MatmulSpec, tile: MatmulTile): string | null {
+  try {
+    checkTile(spec, tile);
+    return null;
+  } catch (e) {
+    return (e as Error).message;
+  }
+}
+
+function checkTile(spec: MatmulSpec, tile: MatmulTile): void {
+  const { M, N, K, transA, transB } = spec;
+  const { BM, BN, BK, TM, TN } = tile;
+  if (![4, 8].includes(TM) || ![4, 8].includes(TN)) throw new RangeError(`Matmul tile TM/TN must be 4 or 8`);
+  if (BK % 4 !== 0) throw new RangeError(`Matmul tile BK ${BK} must be a multiple of 4`);
+  if ((transA ? M : K) % 4 !== 0) {
+    throw new RangeError(`Matmul A's contiguous dimension must be a multiple of 4`);
+  }
+  if ((transB ? K : N) % 4 !== 0) {
+    throw new RangeError(`Matmul B's contiguous dimension must be a multiple of 4`);
+  }
+  if (N % 4 !== 0) throw new RangeError(`Matmul N ${N} must be a multiple of 4`);
+  if (BM % TM !== 0 || BN % TN !== 0) {
+    throw new RangeError(`Matmul tile ${BM}x${BN} is not a multiple of the thread tile ${TM}x${TN}`);
+  }
+  const TX = BN / TN, TY = BM / TM, THREADS = TX * TY;
+  if (((BM * BK) / 4) % THREADS !== 0 || ((BN * BK) / 4) % THREADS !== 0) {
+    throw new RangeError(`Matmul tile ${BM}x${BN}x${BK} does not divide among ${THREADS} threads`);
+  }
+  if (spec.math === "f16" && (spec.dtypes?.A !== "f16" || spec.dtypes?.B !== "f16")) {
+    throw new RangeError(`Matmul math "f16" needs A and B in f16`);
+  }
+  const gen = tile.gen ?? 1;
+  if (gen !== 1 && gen !== 2) throw new RangeError(`Matmul tile gen ${gen} must be 1 or 2`);
+  const g2 = [tile.buffers, tile.warpN, tile.transposeLoad, tile.splitK].some((v) => v !== undefined);
+  if (gen === 1 && g2) {
+    throw new RangeError(
+      `Matmul tile ${tileName(tile)}: buffers, warpN, transposeLoad and splitK need gen 2`,
+    );
+  }
+  if (![undefined, 1, 2].includes(tile.buffers)) throw new RangeError(`Matmul tile buffers must be 1 or 2`);
+  if (![undefined, "k", "mn"].includes(tile.transposeLoad)) {
+    throw new RangeError(`Matmul tile transposeLoad must be "k" or "mn"`);
+  }
+  const w = tile.warpN ?? 0;
+  if (w) {
+    if (![1, 2, 4, 8, 16, 32].includes(w)) throw new RangeError(`Matmul tile warpN ${w} must divide 32`);
+    if (THREADS % 32 !== 0 || TX % w !== 0 || TY % (32 / w) !== 0) {
+      throw new RangeError(`Matmul tile ${TY}x${TX} threads cannot be cut into ${32 / w}x${w} warps`);
+    }
+  }
+  const s = tile.splitK ?? 1;
+  if (!Number.isInteger(s) || s < 1) {
+    throw new RangeError(`Matmul tile splitK ${s} must be a positive integer`);
+  }
+}
+
+/** Threads of one workgroup of a tile. */
+export function tileThreads(t: MatmulTile): number {
+  return (t.BM / t.TM) * (t.BN / t.TN);
+}
+
+function ruleMatches(r: TileRule, spec: Partial<MatmulSpec>): boolean {
+  const layout = `${spec.transA ? "T" : "N"}${spec.transB ? "T" : "N"}`;
+  const storage = spec.dtypes?.A === "f16" || spec.dtypes?.B === "f16" ? "f16" : "f32";
+  return (r.M === undefined || r.M === spec.M) && (r.N === undefined || r.N === spec.N) &&
+    (r.K === undefined || r.K === spec.K) && (r.layout === undefined || r.layout === layout) &&
+    (r.math === undefined || r.math === (spec.math ?? "f32")) &&
+    (r.storage === undefined || r.storage === storage);
+}
+
+/** What chooseTile may pick beyond the spec itself. */
+export interface ChooseTileOptions {
+  /** The device's maxComputeWorkgroupStorageSize; default 16384 (WebGPU's guaranteed minimum). */
+  maxWorkgroupBytes?: number;
+  /** The caller runs matmulKernels (a scratch buffer and a second kernel), so split-K tiles are allowed. */
+  splitK?: boolean;
+  /** Rules to consult instead of the measured table (tests, the bench). */
+  rules?: readonly TileRule[];
+}
+
+/**
+ * Picks a tiling: the first measured rule (matmul_tiles.ts) that matches the spec and fits the
+ * device and caller, else large blocks when they still fill the GPU and smaller ones otherwise.
+ * `spec` may carry layout, dtypes and math; rules that name them match only when they agree.
+ */
+export function chooseTile(
+  spec: Pick<MatmulSpec, "M" | "N" | "K"> & Partial<MatmulSpec>,
+  maxInvocations = 256,
+  opts: ChooseTileOptions = {},
+): MatmulTile {
+  const full: MatmulSpec = { transA: false, transB: false, bias: false, epilogue: "store", ...spec };
+  const maxBytes = opts.maxWorkgroupBytes ?? 16384;
+  for (const r of opts.rules ?? MATMUL_TILE_RULES) {
+    if (!ruleMatches(r, spec)) continue;
+    if (!opts.splitK && (r.tile.splitK ?? 1) > 1) continue;
+    if (tileThreads(r.tile) > maxInvocations || matmulWorkgroupBytes(full, r.tile) > maxBytes) continue;
+    if (matmulTileError(full, r.tile) === null) return { ...r.tile };
+  }
   const { M, N } = spec;
   const big = Math.ceil(M / 128) * Math.ceil(N / 128);
   // Measured on the H200 (bench/matmul_bench.ts): 128×128 tiles run 37–41 TFLOP/s on GPT-2's
@@ -87,43 +247,130 @@ export function matmulBindings(spec: MatmulSpec): string[] {
   return b;
 }
 
-/** Generates the WGSL of one matmul. */
+/**
+ * Generates the WGSL of one matmul (a single kernel: a split-K tile needs matmulKernels, which
+ * adds the reduction).
+ */
 export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
+  checkTile(spec, tile);
+  if ((tile.gen ?? 1) === 1) return gen1Wgsl(spec, tile);
+  if (splitSlices(spec, tile).S > 1) {
+    throw new RangeError(`Matmul tile ${tileName(tile)} splits K: build it with matmulKernels`);
+  }
+  return gen2Wgsl(spec, tile, false);
+}
+
+/**
+ * The kernels of one matmul in dispatch order: the matmul itself, or with split-K a partial
+ * product per K slice into `part` (matmulScratchBytes) and a reduction that applies the epilogue.
+ */
+export function matmulKernels(spec: MatmulSpec, tile: MatmulTile): MatmulKernel[] {
+  checkTile(spec, tile);
+  const { S } = splitSlices(spec, tile);
+  if ((tile.gen ?? 1) === 1 || S === 1) {
+    const [x, y] = matmulGrid(spec, tile);
+    return [{
+      suffix: "",
+      code: matmulWgsl(spec, tile),
+      bindings: matmulBindings(spec),
+      grid: [x, y, 1],
+      uniform: !!spec.dropout,
+    }];
+  }
+  const [x, y] = matmulGrid(spec, tile);
+  return [
+    {
+      suffix: ".part",
+      code: gen2Wgsl(spec, tile, true),
+      bindings: ["A", "B", "part"],
+      grid: [x, y, S],
+      uniform: false,
+    },
+    {
+      suffix: ".sum",
+      code: splitReduceWgsl(spec, S),
+      bindings: ["part", ...matmulBindings(spec).filter((n) => n !== "A" && n !== "B")],
+      grid: grid1d(Math.ceil((spec.M * spec.N) / 4 / 64)),
+      uniform: !!spec.dropout,
+    },
+  ];
+}
+
+/** Bytes of the split-K scratch a tile needs (S partial M×N products in f32); 0 without split-K. */
+export function matmulScratchBytes(spec: MatmulSpec, tile: MatmulTile): number {
+  const { S } = splitSlices(spec, tile);
+  return (tile.gen ?? 1) === 2 && S > 1 ? S * spec.M * spec.N * 4 : 0;
+}
+
+/** Epilogue statements for one vec4 of output, with `q` (its vec4 index) and `var v` in scope. */
+function epilogueLines(spec: MatmulSpec, col: string): string[] {
+  const body: string[] = [];
+  if (spec.bias) body.push(`v = v + bias[${col} / 4u];`);
+  switch (spec.epilogue) {
+    case "store":
+      body.push(`out[q] = v;`);
+      break;
+    case "accumulate":
+      body.push(`out[q] = out[q] + v;`);
+      break;
+    case "residual":
+      if (spec.dropout) {
+        const st = `${spec.dropout.site}u`;
+        body.push(`let e = q * 4u;`);
+        body.push(
+          `v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`,
+        );
+      }
+      body.push(`out[q] = res[q] + v;`);
+      break;
+    case "gelu":
+      body.push(`out[q] = v;`, `out2[q] = gelu4(v);`);
+      break;
+    case "gelu_grad":
+      body.push(`out[q] = v * gelu_grad4(aux[q]);`);
+      break;
+  }
+  return body;
+}
+
+/** Storage binding declarations: f16 tiles declare A and B f16 directly. */
+function bindingDecls(bindings: string[], h16: boolean, written = ["out", "out2", "part"]): string[] {
+  const rw = new Set(written);
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
+  return bindings.map((name, i) =>
+    `@group(0) @binding(${i}) var<storage, ${rw.has(name) ? "read_write" : "read"}> ${name}: array<${
+      h16 && (name === "A" || name === "B") ? tv : "vec4<f32>"
+    }>;`
+  );
+}
+
+/**
+ * Applies the storage dtypes of the declared bindings (with f16 math A and B are declared f16
+ * already) and `enable f16`.
+ */
+function finish(code: string, spec: MatmulSpec, h16: boolean, bindings: string[]): string {
+  const dtypes = Object.fromEntries(
+    Object.entries(spec.dtypes ?? {}).filter(([n]) =>
+      bindings.includes(n) && !(h16 && (n === "A" || n === "B"))
+    ),
+  );
+  const out = withStorageDtypes(code, dtypes);
+  return h16 && !out.startsWith("enable f16;") ? `enable f16;\n${out}` : out;
+}
+
+/** Generation 1: one flat workgroup buffer per operand, two barriers per k-tile. */
+function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const { M, N, K, transA, transB } = spec;
   const { BM, BN, BK, TM, TN } = tile;
-  if (![4, 8].includes(TM) || ![4, 8].includes(TN)) throw new RangeError(`Matmul tile TM/TN must be 4 or 8`);
-  if (BK % 4 !== 0) throw new RangeError(`Matmul tile BK ${BK} must be a multiple of 4`);
-  if ((transA ? M : K) % 4 !== 0) {
-    throw new RangeError(`Matmul A's contiguous dimension must be a multiple of 4`);
-  }
-  if ((transB ? K : N) % 4 !== 0) {
-    throw new RangeError(`Matmul B's contiguous dimension must be a multiple of 4`);
-  }
-  if (N % 4 !== 0) throw new RangeError(`Matmul N ${N} must be a multiple of 4`);
   const TX = BN / TN, TY = BM / TM, THREADS = TX * TY;
   const gM = TM / 4, gN = TN / 4; // groups of 4 rows / 4 columns per thread
   const guardM = M % BM !== 0, guardN = N % BN !== 0, guardK = K % BK !== 0;
   const aVec4s = (BM * BK) / 4, bVec4s = (BN * BK) / 4;
-  if (aVec4s % THREADS !== 0 || bVec4s % THREADS !== 0) {
-    throw new RangeError(`Matmul tile ${BM}x${BN}x${BK} does not divide among ${THREADS} threads`);
-  }
   const aSlots = aVec4s / THREADS, bSlots = bVec4s / THREADS;
   const h16 = spec.math === "f16";
-  if (h16 && (spec.dtypes?.A !== "f16" || spec.dtypes?.B !== "f16")) {
-    throw new RangeError(`Matmul math "f16" needs A and B in f16`);
-  }
   /** The tile element type: f16 tiles with f16 math, else f32. */
   const tv = h16 ? "vec4<f16>" : "vec4<f32>";
-  const L: string[] = [];
-  const bindings = matmulBindings(spec);
-  const rw = new Set(["out", "out2"]);
-  bindings.forEach((name, i) => {
-    L.push(
-      `@group(0) @binding(${i}) var<storage, ${rw.has(name) ? "read_write" : "read"}> ${name}: array<${
-        h16 && (name === "A" || name === "B") ? tv : "vec4<f32>"
-      }>;`,
-    );
-  });
+  const L: string[] = bindingDecls(matmulBindings(spec), h16);
   L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
   L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
   if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
@@ -193,83 +440,14 @@ export function matmulWgsl(spec: MatmulSpec, tile: MatmulTile): string {
   for (let kk = 0; kk < BK; kk++) {
     for (let g = 0; g < gM; g++) fma.push(`a${g} = As[${kk * (BM / 4) + g * (BM / gM / 4)}u + ty];`);
     for (let h = 0; h < gN; h++) fma.push(`b${h} = Bs[${kk * (BN / 4) + h * (BN / gN / 4)}u + tx];`);
-    for (let g = 0; g < gM; g++) {
-      for (let i = 0; i < 4; i++) {
-        for (let h = 0; h < gN; h++) {
-          const acc = h16 ? `p${g}_${i}_${h}` : `acc${g}_${i}_${h}`;
-          fma.push(`${acc} = fma(${tv}(a${g}[${i}]), b${h}, ${acc});`);
-        }
-      }
-    }
+    fma.push(...fmaLines(gM, gN, h16));
   }
-  // f16 math: the k-tile's f16 partial sums flushed into the f32 accumulators.
-  const flush: string[] = [];
-  const decl: string[] = [];
-  for (let g = 0; g < gM && h16; g++) {
-    for (let i = 0; i < 4; i++) {
-      for (let h = 0; h < gN; h++) {
-        decl.push(`var p${g}_${i}_${h} = vec4<f16>(0.0);`);
-        flush.push(
-          `acc${g}_${i}_${h} = acc${g}_${i}_${h} + vec4<f32>(p${g}_${i}_${h}); p${g}_${i}_${h} = vec4<f16>(0.0);`,
-        );
-      }
-    }
-  }
-  for (let g = 0; g < gM; g++) {
-    for (let i = 0; i < 4; i++) {
-      for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
-    }
-  }
-  for (let g = 0; g < gM; g++) decl.push(`var a${g}: ${tv};`);
-  for (let h = 0; h < gN; h++) decl.push(`var b${h}: ${tv};`);
-  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: ${tv};`);
-  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: ${tv};`);
+  const { decl, flush } = registerDecls(gM, gN, aSlots, bSlots, h16);
 
   // Epilogue per accumulator vec4.
-  const epi: string[] = [];
-  for (let g = 0; g < gM; g++) {
-    for (let i = 0; i < 4; i++) {
-      for (let h = 0; h < gN; h++) {
-        const row = `(m0 + ${g * (BM / gM)}u + ty * 4u + ${i}u)`;
-        const col = `(n0 + ${h * (BN / gN)}u + tx * 4u)`;
-        const conds = [guardM ? `${row} < ${M}u` : "", guardN ? `${col} < ${N}u` : ""].filter(Boolean);
-        const body: string[] = [];
-        body.push(`let q = (${row} * ${N}u + ${col}) / 4u;`);
-        body.push(`var v = acc${g}_${i}_${h};`);
-        if (spec.bias) body.push(`v = v + bias[${col} / 4u];`);
-        switch (spec.epilogue) {
-          case "store":
-            body.push(`out[q] = v;`);
-            break;
-          case "accumulate":
-            body.push(`out[q] = out[q] + v;`);
-            break;
-          case "residual":
-            if (spec.dropout) {
-              const st = `${spec.dropout.site}u`;
-              body.push(`let e = q * 4u;`);
-              body.push(
-                `v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`,
-              );
-            }
-            body.push(`out[q] = res[q] + v;`);
-            break;
-          case "gelu":
-            body.push(`out[q] = v;`, `out2[q] = gelu4(v);`);
-            break;
-          case "gelu_grad":
-            body.push(`out[q] = v * gelu_grad4(aux[q]);`);
-            break;
-        }
-        epi.push(conds.length ? `if (${conds.join(" && ")}) { ${body.join(" ")} }` : `{ ${body.join(" ")} }`);
-      }
-    }
-  }
+  const epi = epilogue(spec, tile, guardM, guardN);
   const nTiles = Math.ceil(K / BK);
-  // With f16 math A and B are declared f16 above; the rewrite handles the other bindings.
-  const { A: _a, B: _b, ...rest } = spec.dtypes ?? {};
-  const code = withStorageDtypes(matmulCode(), h16 ? rest : spec.dtypes ?? {});
-  return h16 && !code.startsWith("enable f16;") ? `enable f16;\n${code}` : code;
+  return finish(matmulCode(), spec, h16, matmulBindings(spec));
   function matmulCode(): string {
     return `${L.join("\n")}
 
@@ -308,7 +486,267 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
 }
 
-/** Workgroup counts (x over N, y over M). */
+/** The multiply-adds of one kk from a0…, b0… into the accumulators (f16 partial sums with f16 math). */
+function fmaLines(gM: number, gN: number, h16: boolean): string[] {
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
+  const out: string[] = [];
+  for (let g = 0; g < gM; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        const acc = h16 ? `p${g}_${i}_${h}` : `acc${g}_${i}_${h}`;
+        out.push(`${acc} = fma(${tv}(a${g}[${i}]), b${h}, ${acc});`);
+      }
+    }
+  }
+  return out;
+}
+
+/** Register declarations, and with f16 math the flush of a k-tile's f16 sums into the f32 accumulators. */
+function registerDecls(gM: number, gN: number, aSlots: number, bSlots: number, h16: boolean) {
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
+  const flush: string[] = [];
+  const decl: string[] = [];
+  for (let g = 0; g < gM && h16; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        decl.push(`var p${g}_${i}_${h} = vec4<f16>(0.0);`);
+        flush.push(
+          `acc${g}_${i}_${h} = acc${g}_${i}_${h} + vec4<f32>(p${g}_${i}_${h}); p${g}_${i}_${h} = vec4<f16>(0.0);`,
+        );
+      }
+    }
+  }
+  for (let g = 0; g < gM; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
+    }
+  }
+  for (let g = 0; g < gM; g++) decl.push(`var a${g}: ${tv};`);
+  for (let h = 0; h < gN; h++) decl.push(`var b${h}: ${tv};`);
+  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: ${tv};`);
+  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: ${tv};`);
+  return { decl, flush };
+}
+
+/**
+ * The epilogue of every accumulator vec4 (thread rows g·BM/gM + ty·4 + i, columns h·BN/gN + tx·4),
+ * or with `part` the raw sums into slice wg.z of the split-K scratch.
+ */
+function epilogue(
+  spec: MatmulSpec,
+  tile: MatmulTile,
+  guardM: boolean,
+  guardN: boolean,
+  part = false,
+): string[] {
+  const { M, N } = spec;
+  const { BM, BN, TM, TN } = tile;
+  const gM = TM / 4, gN = TN / 4;
+  const epi: string[] = [];
+  for (let g = 0; g < gM; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        const row = `(m0 + ${g * (BM / gM)}u + ty * 4u + ${i}u)`;
+        const col = `(n0 + ${h * (BN / gN)}u + tx * 4u)`;
+        const conds = [guardM ? `${row} < ${M}u` : "", guardN ? `${col} < ${N}u` : ""].filter(Boolean);
+        const body = part ? [`part[((wg.z * ${M}u + ${row}) * ${N}u + ${col}) / 4u] = acc${g}_${i}_${h};`] : [
+          `let q = (${row} * ${N}u + ${col}) / 4u;`,
+          `var v = acc${g}_${i}_${h};`,
+          ...epilogueLines(spec, col),
+        ];
+        epi.push(conds.length ? `if (${conds.join(" && ")}) { ${body.join(" ")} }` : `{ ${body.join(" ")} }`);
+      }
+    }
+  }
+  return epi;
+}
+
+/**
+ * Generation 2 (see the file header). Workgroup tiles are As[buffer][k][g][ty] = the 4 rows
+ * g·BM/gM + ty·4 … +3 of A at k (and Bs likewise over columns and tx), so the unrolled inner loop
+ * indexes with constants and one thread index. With `partial` it is the first kernel of split-K:
+ * slice wg.z of K, raw sums into `part`.
+ */
+function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string {
+  const { M, N, K, transA, transB } = spec;
+  const { BM, BN, BK, TM, TN } = tile;
+  const NB = tile.buffers ?? 1, warpN = tile.warpN ?? 0, byRows = (tile.transposeLoad ?? "mn") === "mn";
+  const { Kc } = splitSlices(spec, tile);
+  const TX = BN / TN, TY = BM / TM, THREADS = TX * TY;
+  const gM = TM / 4, gN = TN / 4;
+  const guardM = M % BM !== 0, guardN = N % BN !== 0, guardK = K % BK !== 0;
+  const aSlots = (BM * BK) / 4 / THREADS, bSlots = (BN * BK) / 4 / THREADS;
+  const h16 = spec.math === "f16";
+  const tv = h16 ? "vec4<f16>" : "vec4<f32>";
+  const bindings = partial ? ["A", "B", "part"] : matmulBindings(spec);
+  const L: string[] = bindingDecls(bindings, h16);
+  L.push(`var<workgroup> As: array<array<array<array<${tv}, ${TY}>, ${gM}>, ${BK}>, ${NB}>;`);
+  L.push(`var<workgroup> Bs: array<array<array<array<${tv}, ${TX}>, ${gN}>, ${BK}>, ${NB}>;`);
+  if (!partial && spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  const geluEpi = !partial && (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad");
+  if (geluEpi || spec.prologueA === "gelu") L.push(GELU_WGSL);
+
+  const pro = (read: string) =>
+    spec.prologueA !== "gelu" ? read : h16 ? `vec4<f16>(gelu4(vec4<f32>(${read})))` : `gelu4(${read})`;
+  const guarded = (reg: string, read: string, cond: string[]) =>
+    `  ${reg} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`;
+  // Global → register loads of one k-tile at k0, and register → workgroup stores into buffer b.
+  const loadA: string[] = [], loadB: string[] = [];
+  const storeA: Array<(b: number) => string[]> = [], storeB: Array<(b: number) => string[]> = [];
+  for (let s = 0; s < aSlots; s++) {
+    const lin = `(${s * THREADS}u + tid)`;
+    if (!transA) {
+      // A [M,K]: vec4 along k, stored transposed as 4 scalars.
+      const at = byRows
+        ? `let row = ${lin} % ${BM}u; let kq = ${lin} / ${BM}u;`
+        : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
+      const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
+      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
+      storeA.push((b) => [
+        `{ ${at} let mq = row / 4u;`,
+        ...[0, 1, 2, 3].map((c) =>
+          `  As[${b}][kq * 4u + ${c}u][mq / ${TY}u][mq % ${TY}u][row % 4u] = ra${s}[${c}];`
+        ),
+        `}`,
+      ]);
+    } else {
+      // A stored [K,M]: vec4 along m.
+      const at = `let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`;
+      const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
+      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((k0 + kr) * ${M}u + m0) / 4u + mq]`), cond));
+      storeA.push((b) => [`{ ${at} As[${b}][kr][mq / ${TY}u][mq % ${TY}u] = ra${s}; }`]);
+    }
+  }
+  for (let s = 0; s < bSlots; s++) {
+    const lin = `(${s * THREADS}u + tid)`;
+    if (!transB) {
+      // B [K,N]: vec4 along n.
+      const at = `let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`;
+      const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
+      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`, cond));
+      storeB.push((b) => [`{ ${at} Bs[${b}][kr][nq / ${TX}u][nq % ${TX}u] = rb${s}; }`]);
+    } else {
+      // B stored [N,K]: vec4 along k, stored transposed as 4 scalars.
+      const at = byRows
+        ? `let col = ${lin} % ${BN}u; let kq = ${lin} / ${BN}u;`
+        : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
+      const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
+      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
+      storeB.push((b) => [
+        `{ ${at} let nq = col / 4u;`,
+        ...[0, 1, 2, 3].map((c) =>
+          `  Bs[${b}][kq * 4u + ${c}u][nq / ${TX}u][nq % ${TX}u][col % 4u] = rb${s}[${c}];`
+        ),
+        `}`,
+      ]);
+    }
+  }
+  const loads = [...loadA, ...loadB];
+  const stores = (b: number) => [...storeA.flatMap((f) => f(b)), ...storeB.flatMap((f) => f(b))];
+  const compute = (b: number) => {
+    const out: string[] = [];
+    for (let kk = 0; kk < BK; kk++) {
+      for (let g = 0; g < gM; g++) out.push(`a${g} = As[${b}][${kk}][${g}][ty];`);
+      for (let h = 0; h < gN; h++) out.push(`b${h} = Bs[${b}][${kk}][${h}][tx];`);
+      out.push(...fmaLines(gM, gN, h16));
+    }
+    return out;
+  };
+  const { decl, flush } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  const threadIds = warpN
+    ? [
+      `let wid = tid / 32u;`,
+      `let lane = tid % 32u;`,
+      `let tx = (wid % ${TX / warpN}u) * ${warpN}u + lane % ${warpN}u;`,
+      `let ty = (wid / ${TX / warpN}u) * ${32 / warpN}u + lane / ${warpN}u;`,
+    ]
+    : [`let tx = tid % ${TX}u;`, `let ty = tid / ${TX}u;`];
+  const kRange = partial
+    ? [`let kBeg = wg.z * ${Kc}u;`, `let nT = (min(${K}u, kBeg + ${Kc}u) - kBeg + ${BK - 1}u) / ${BK}u;`]
+    : [`let kBeg = 0u;`, `let nT = ${Math.ceil(K / BK)}u;`];
+  const ind = (lines: string[], n: number) => lines.join("\n" + " ".repeat(n));
+  const loop = NB === 1
+    ? `for (var t = 0u; t < nT; t = t + 1u) {
+    let more = t + 1u < nT;
+    if (more) {
+      k0 = kBeg + (t + 1u) * ${BK}u;
+      ${ind(loads, 6)}
+    }
+    ${ind(compute(0), 4)}
+    ${ind(flush, 4)}
+    workgroupBarrier();
+    if (more) {
+      ${ind(stores(0), 6)}
+    }
+    workgroupBarrier();
+  }`
+    : `for (var t = 0u; t < nT; t = t + 2u) {
+    if (t + 1u < nT) {
+      k0 = kBeg + (t + 1u) * ${BK}u;
+      ${ind(loads, 6)}
+    }
+    ${ind(compute(0), 4)}
+    ${ind(flush, 4)}
+    if (t + 1u < nT) {
+      ${ind(stores(1), 6)}
+    }
+    workgroupBarrier();
+    if (t + 1u >= nT) { break; }
+    if (t + 2u < nT) {
+      k0 = kBeg + (t + 2u) * ${BK}u;
+      ${ind(loads, 6)}
+    }
+    ${ind(compute(1), 4)}
+    ${ind(flush, 4)}
+    if (t + 2u < nT) {
+      ${ind(stores(0), 6)}
+    }
+    workgroupBarrier();
+  }`;
+  const code = `${L.join("\n")}
+
+@compute @workgroup_size(${THREADS})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  ${ind(threadIds, 2)}
+  let n0 = wg.x * ${BN}u;
+  let m0 = wg.y * ${BM}u;
+  ${ind(kRange, 2)}
+  ${ind(decl, 2)}
+  var k0 = kBeg;
+  ${ind(loads, 2)}
+  ${ind(stores(0), 2)}
+  workgroupBarrier();
+  ${loop}
+  ${ind(epilogue(spec, tile, guardM, guardN, partial), 2)}
+}
+`;
+  return finish(code, spec, h16, bindings);
+}
+
+/** Second kernel of split-K: out = epilogue(Σ_s part[s]) per vec4. Grid1d over M·N/4/64. */
+function splitReduceWgsl(spec: MatmulSpec, S: number): string {
+  const MN4 = (spec.M * spec.N) / 4, N4 = spec.N / 4;
+  const bindings = ["part", ...matmulBindings(spec).filter((n) => n !== "A" && n !== "B")];
+  const L = bindingDecls(bindings, false, ["out", "out2"]);
+  if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad") L.push(GELU_WGSL);
+  const sum = Array.from({ length: S }, (_, s) => `part[${s ? `q + ${s * MN4}u` : "q"}]`).join(" + ");
+  const code = `${L.join("\n")}
+
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let q = ${LINEAR_WG} * 64u + tid;
+  if (q >= ${MN4}u) { return; }
+  let col = (q % ${N4}u) * 4u;
+  var v = ${sum};
+  ${epilogueLines(spec, "col").join("\n  ")}
+}
+`;
+  return finish(code, spec, false, bindings);
+}
+
+/** Workgroup counts (x over N, y over M); split-K adds grid z (see matmulKernels). */
 export function matmulGrid(spec: MatmulSpec, tile: MatmulTile): [number, number] {
   return [Math.ceil(spec.N / tile.BN), Math.ceil(spec.M / tile.BM)];
 }

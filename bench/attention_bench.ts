@@ -1,0 +1,346 @@
+/**
+ * Attention benchmark: the causal attention forward and backward of gpt2-124M and gpt2-345M
+ * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (gpu/model.ts's
+ * choice) against the flash kernels (every tiling the device fits), timed by timestamp queries
+ * (median over ≥ 20 repetitions after warmup). Every flash result is compared on the GPU with
+ * today's kernels on the same inputs (max |difference| / max |value| of y, lse and dqkv) and a
+ * tiling that disagrees is reported and never chosen.
+ *
+ * TFLOP/s count useful work once, FlashAttention-2 style: forward 2 products (QKᵀ, PV) over the
+ * causal half, backward 5 (QKᵀ, dO·Vᵀ, dV, dK, dQ), whatever a kernel recomputes.
+ *
+ *   deno task bench attention [--tiny] [--json F] [--models gpt2-124M,gpt2-345M] [--precision fp32,fp16]
+ *                             [--reps N]
+ *
+ * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
+ */
+
+import { presetConfig } from "../gpu/config.ts";
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import {
+  attentionBackwardKVWgsl,
+  attentionBackwardQWgsl,
+  attentionDeltaWgsl,
+  attentionFlops,
+  attentionForwardWgsl,
+  type AttentionSpec,
+  chooseAttentionSplit,
+  chooseAttentionTiles,
+  chooseSplitAttentionTiles,
+  flashBackwardCandidates,
+  flashBackwardFits,
+  flashBackwardKVWgsl,
+  flashBackwardQWgsl,
+  flashForwardCandidates,
+  flashForwardFits,
+  type FlashLimits,
+  flashScratchBytes,
+  type FlashTiles,
+} from "../gpu/kernels/attention.ts";
+import { grid1d, type StorageDtype } from "../gpu/kernels/common.ts";
+import { makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
+import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
+
+function arg(args: string[], name: string, def: string): string {
+  const i = args.indexOf(`--${name}`);
+  return i >= 0 && i + 1 < args.length ? args[i + 1] : def;
+}
+
+/** A label of a flash tiling, e.g. "64x64 L16 subgroup". */
+export function flashName(t: FlashTiles): string {
+  const f = t.flash!;
+  return `${t.BQ}x${t.BKV} L${f.lanes} ${f.reduce}${f.prefetch === false ? " noprefetch" : ""}`;
+}
+
+/** One timed kernel sequence. */
+interface Row {
+  pass: "forward" | "backward";
+  kernels: string;
+  median_ms: number;
+  min_ms: number;
+  reps: number;
+  tflops: number;
+  /** Against today's kernels; null for them. */
+  rel_err: { y?: number; lse?: number; dqkv?: number } | null;
+  ok: boolean;
+  error?: string;
+}
+
+/** Buffers of one problem, filled with values in [-0.5, 0.5) (f16 where the spec stores f16). */
+async function buffers(ctx: GpuContext, s: AttentionSpec, scratchBytes: number) {
+  const C = s.H * s.D, BT = s.B * s.T;
+  const e16 = (t?: StorageDtype) => (t === "f16" ? 2 : 4);
+  const mk = async (label: string, n: number, dtype: StorageDtype | undefined, fill: boolean) => {
+    const b = await createStorage(ctx, label, n * e16(dtype));
+    if (fill) {
+      const a = dtype === "f16" ? new Float16Array(n) : new Float32Array(n);
+      let seed = label.length * 97 + n;
+      for (let i = 0; i < n; i++) {
+        seed = (Math.imul(seed, 1103515245) + 12345) >>> 0;
+        a[i] = (seed >>> 8) / 16777216 - 0.5;
+      }
+      ctx.device.queue.writeBuffer(b, 0, a.buffer, 0, a.byteLength);
+    }
+    return b;
+  };
+  return {
+    qkv: await mk("qkv", BT * 3 * C, s.dtype, true),
+    dy: await mk("dy", BT * C, s.gradDtype, true),
+    y: await mk("y", BT * C, s.dtype, false),
+    y2: await mk("y2", BT * C, s.dtype, false),
+    lse: await mk("lse", s.B * s.H * s.T, "f32", false),
+    lse2: await mk("lse2", s.B * s.H * s.T, "f32", false),
+    delta: await mk("delta", s.B * s.H * s.T, "f32", false),
+    dqkv: await mk("dqkv", BT * 3 * C, s.gradDtype, false),
+    dqkv2: await mk("dqkv2", BT * 3 * C, s.gradDtype, false),
+    dst: await mk("dst", Math.max(4, scratchBytes / 4), "f32", false),
+  };
+}
+
+async function main(args: string[]): Promise<void> {
+  const ctx = await openDevice();
+  const device = describeDevice(ctx);
+  console.log(device);
+  const adapter = await navigator.gpu.requestAdapter({ powerPreference: "high-performance" });
+  const info = adapter?.info as (GPUAdapterInfo & { subgroupMinSize?: number }) | undefined;
+  const lim: FlashLimits = {
+    maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize,
+    maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+    subgroupMinSize: ctx.hasSubgroups ? info?.subgroupMinSize ?? 0 : 0,
+    maxBindingBytes: ctx.limits.maxStorageBufferBindingSize,
+  };
+  console.log(
+    `subgroup min size ${
+      lim.subgroupMinSize || "n/a (no subgroups: flash row maxima through workgroup memory)"
+    }`,
+  );
+  const tiny = args.includes("--tiny");
+  const minReps = +arg(args, "reps", tiny ? "5" : "20");
+  const jsonPath = arg(args, "json", "");
+  const precisions = arg(args, "precision", ctx.hasF16 && !tiny ? "fp32,fp16" : "fp32").split(",");
+  // --tiny (a CPU adapter compiles each kernel for seconds): the first few tilings only.
+  const fwdCands = flashForwardCandidates().filter((t) => flashForwardFits({ T: 128, D: 64 }, t, lim));
+  const bc = flashBackwardCandidates();
+  const cands = tiny
+    ? { fwd: fwdCands.slice(0, 3), kv: bc.kv.slice(-2), q: bc.q.slice(-2) }
+    : { fwd: flashForwardCandidates(), kv: bc.kv, q: bc.q };
+  const problems: Array<{ name: string; B: number; T: number; H: number; D: number }> = tiny
+    ? [{ name: "tiny", B: 1, T: 128, H: 2, D: 64 }]
+    : arg(args, "models", "gpt2-124M,gpt2-345M").split(",").map((m) => {
+      const c = presetConfig(m);
+      return { name: m, B: 8, T: 1024, H: c.n_head, D: c.n_embd / c.n_head };
+    });
+  const cache = new PipelineCache(ctx);
+  const timer = new GpuTimer(ctx);
+  const diff = new GpuDiff(ctx, cache);
+  const policy = { minReps, maxReps: 400, targetMs: tiny ? 20 : 80, warmup: 2 };
+  const report = {
+    device,
+    date: new Date().toISOString(),
+    timing: timer.method,
+    args,
+    problems: [] as unknown[],
+  };
+  console.log(
+    `${"problem".padEnd(22)} ${"pass".padEnd(8)} ${"kernels".padEnd(44)} ${"med ms".padStart(8)} ${
+      "min ms".padStart(8)
+    } ${"TF/s".padStart(6)} ${"vs now".padStart(6)}  check`,
+  );
+  for (const precision of precisions) {
+    for (const p of problems) {
+      const half = precision === "fp16";
+      const base: AttentionSpec = {
+        ...p,
+        BQ: 0,
+        BKV: 0,
+        dtype: half ? "f16" : "f32",
+        gradDtype: half ? "f16" : "f32",
+      };
+      // Today's choice, as gpu/model.ts makes it.
+      const split = chooseAttentionSplit(p.D, ctx.hasSubgroups);
+      const now: AttentionSpec = {
+        ...base,
+        split,
+        ...(split > 1
+          ? chooseSplitAttentionTiles(p, lim.maxWorkgroupBytes, split, lim.maxThreads)
+          : chooseAttentionTiles(p, lim.maxWorkgroupBytes)),
+      };
+      const scratch = flashScratchBytes(p);
+      const bufs = await buffers(
+        ctx,
+        base,
+        scratch <= Math.min(lim.maxBindingBytes!, ctx.limits.maxBufferSize) ? scratch : 0,
+      );
+      const V = (b: GPUBuffer): View => ({ buffer: b });
+      const op = async (label: string, code: string, views: GPUBuffer[], grid: [number, number, number]) =>
+        makeOp(ctx, await cache.get(label, code), {
+          label,
+          phase: "forward",
+          kind: "attention_fwd",
+          views: views.map(V),
+          grid,
+        });
+      const fwdGrid = (s: AttentionSpec): [number, number, number] => [Math.ceil(p.T / s.BQ), p.H, p.B];
+      const name = `${p.name} ${precision}`;
+      const flops = attentionFlops(p);
+      // Without room for the dS scratch there is no flash backward.
+      const blim = scratch > ctx.limits.maxBufferSize ? { ...lim, maxBindingBytes: 0 } : lim;
+      const rows: Row[] = [];
+      const print = (r: Row, nowMs?: number) => {
+        const err = r.rel_err
+          ? Object.entries(r.rel_err).map(([k, v]) => `${k} ${v!.toExponential(1)}`).join(" ")
+          : "";
+        const status = r.error ? `ERROR ${r.error}` : r.ok ? err : `MISMATCH ${err}`;
+        console.log(
+          `${name.padEnd(22)} ${r.pass.padEnd(8)} ${r.kernels.padEnd(44)} ${
+            r.median_ms.toFixed(3).padStart(8)
+          } ${r.min_ms.toFixed(3).padStart(8)} ${r.tflops.toFixed(1).padStart(6)} ${
+            nowMs ? `${(nowMs / r.median_ms).toFixed(2)}x`.padStart(6) : "".padStart(6)
+          }  ${status}`,
+        );
+        rows.push(r);
+      };
+      const row = (
+        pass: Row["pass"],
+        kernels: string,
+        t: Timing,
+        useful: number,
+        rel: Row["rel_err"],
+        ok: boolean,
+      ) => ({
+        pass,
+        kernels,
+        median_ms: t.median_ms,
+        min_ms: t.min_ms,
+        reps: t.reps,
+        tflops: useful / (t.median_ms / 1000) / 1e12,
+        rel_err: rel,
+        ok,
+      });
+      const failed = (pass: Row["pass"], kernels: string, e: unknown): Row => ({
+        pass,
+        kernels,
+        median_ms: NaN,
+        min_ms: NaN,
+        reps: 0,
+        tflops: 0,
+        rel_err: null,
+        ok: false,
+        error: String((e as Error).message ?? e).split("\n")[0],
+      });
+      const n4y = (p.B * p.T * p.H * p.D) / 4, n4q = 3 * n4y, n4l = (p.B * p.H * p.T) / 4;
+      const tol = half ? 2e-2 : 1e-4;
+
+      // Forward: today's kernel, then each flash tiling against it.
+      const fwdNow = await op(
+        "fwd.now",
+        attentionForwardWgsl(now),
+        [bufs.qkv, bufs.y, bufs.lse],
+        fwdGrid(now),
+      );
+      const tNow = await timer.timeAdaptive([fwdNow], policy);
+      const fwdLabel = split > 1 ? `split ${split} ${now.BQ}x${now.BKV}` : `plain ${now.BQ}x${now.BKV}`;
+      print(row("forward", `now: ${fwdLabel}`, tNow, flops, null, true));
+      for (const t of cands.fwd) {
+        if (!flashForwardFits(p, t, lim)) continue;
+        const s = { ...base, ...t };
+        try {
+          const o = await op(
+            `fwd ${flashName(t)}`,
+            attentionForwardWgsl(s),
+            [bufs.qkv, bufs.y2, bufs.lse2],
+            fwdGrid(s),
+          );
+          const tm = await timer.timeAdaptive([o], policy);
+          const rel = {
+            y: await diff.rel(V(bufs.y2), V(bufs.y), n4y, base.dtype),
+            lse: await diff.rel(V(bufs.lse2), V(bufs.lse), n4l),
+          };
+          print(
+            row("forward", `flash ${flashName(t)}`, tm, flops, rel, rel.y <= tol && rel.lse <= tol),
+            tNow.median_ms,
+          );
+        } catch (e) {
+          print(failed("forward", `flash ${flashName(t)}`, e));
+        }
+      }
+
+      // Backward: delta + today's dK/dV and dQ, then delta + each flash pair.
+      const bviews = [bufs.qkv, bufs.dy, bufs.lse, bufs.delta];
+      const delta = await op("delta", attentionDeltaWgsl(now), [bufs.y, bufs.dy, bufs.delta], [
+        ...grid1d(Math.ceil((p.B * p.T * p.H) / 64), ctx.limits.maxComputeWorkgroupsPerDimension),
+      ] as [number, number, number]);
+      const dkvNow = await op("dkv.now", attentionBackwardKVWgsl(now), [...bviews, bufs.dqkv], [
+        Math.ceil(p.T / now.BKV),
+        p.H,
+        p.B,
+      ]);
+      const dqNow = await op("dq.now", attentionBackwardQWgsl(now), [...bviews, bufs.dqkv], fwdGrid(now));
+      const tbNow = await timer.timeAdaptive([delta, dkvNow, dqNow], policy);
+      print(row("backward", `now: delta + dK/dV + dQ (${fwdLabel})`, tbNow, 2.5 * flops, null, true));
+      for (const kv of cands.kv) {
+        for (const q of cands.q) {
+          if (!flashBackwardFits(p, kv, q, blim)) continue;
+          const label = `flash kv ${flashName(kv)} | q ${flashName(q)}`;
+          try {
+            const sk = { ...base, ...kv }, sq = { ...base, ...q };
+            const okv = await op(`kv ${flashName(kv)}`, flashBackwardKVWgsl(sk), [
+              ...bviews,
+              bufs.dqkv2,
+              bufs.dst,
+            ], [
+              Math.ceil(p.T / kv.BKV),
+              p.H,
+              p.B,
+            ]);
+            const oq = await op(
+              `q ${flashName(q)}`,
+              flashBackwardQWgsl(sq),
+              [bufs.qkv, bufs.dst, bufs.dqkv2],
+              [
+                Math.ceil(p.T / q.BQ),
+                p.H,
+                p.B,
+              ],
+            );
+            const seq: Op[] = [delta, okv, oq];
+            const tm = await timer.timeAdaptive(seq, policy);
+            const rel = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            print(row("backward", label, tm, 2.5 * flops, rel, rel.dqkv <= tol), tbNow.median_ms);
+          } catch (e) {
+            print(failed("backward", label, e));
+          }
+        }
+      }
+      const best = (pass: Row["pass"]) =>
+        rows.filter((r) => r.pass === pass && r.ok).sort((a, b) => a.median_ms - b.median_ms)[0];
+      const bf = best("forward"), bb = best("backward");
+      console.log(
+        `  best: forward ${bf.kernels} ${bf.tflops.toFixed(1)} TF/s (${
+          (tNow.median_ms / bf.median_ms).toFixed(2)
+        }x), ` +
+          `backward ${bb.kernels} ${bb.tflops.toFixed(1)} TF/s (${
+            (tbNow.median_ms / bb.median_ms).toFixed(2)
+          }x)`,
+      );
+      report.problems.push({
+        ...p,
+        precision,
+        now: { forward: fwdLabel },
+        rows,
+        best: { forward: bf, backward: bb },
+      });
+      for (const b of Object.values(bufs)) b.destroy();
+      if (jsonPath) await Deno.writeTextFile(jsonPath, JSON.stringify(report, null, 1));
+    }
+  }
+  if (jsonPath) console.log(`Wrote ${jsonPath}`);
+  timer.destroy();
+  diff.destroy();
+  ctx.device.destroy();
+}
+
+if (import.meta.main) {
+  await main(Deno.args);
+  Deno.exit(0);
+}
