@@ -21,6 +21,8 @@ export interface GpuContext {
   hasF16: boolean;
   hasTimestamps: boolean;
   hasSubgroups: boolean;
+  /** The smallest subgroup the adapter may run (adapter.info.subgroupMinSize); 0 without subgroups. */
+  subgroupMinSize: number;
   /** Set once the device is lost; later submissions fail with this reason. */
   lostReason: string | null;
   /** The first validation error no error scope caught; the next readback raises it. */
@@ -110,6 +112,9 @@ export async function openDevice(opts: { features?: string[] } = {}): Promise<Gp
     hasF16: device.features.has("shader-f16"),
     hasTimestamps: device.features.has("timestamp-query"),
     hasSubgroups: device.features.has("subgroups"),
+    subgroupMinSize: device.features.has("subgroups")
+      ? (info as GPUAdapterInfo & { subgroupMinSize?: number }).subgroupMinSize ?? 0
+      : 0,
     lostReason: null,
     uncaptured: null,
   };

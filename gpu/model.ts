@@ -32,11 +32,10 @@ import { dropoutSite } from "./rng.ts";
 import { makeOp, type Op, type OpKind, type Phase, PipelineCache, type View } from "./ops.ts";
 import {
   chooseTile,
-  matmulBindings,
   matmulFlops,
-  matmulGrid,
+  matmulKernels,
+  matmulScratchBytes,
   type MatmulSpec,
-  matmulWgsl,
 } from "./kernels/matmul.ts";
 import {
   attentionBackwardKVWgsl,
@@ -47,6 +46,7 @@ import {
   type AttentionSpec,
   chooseAttentionSplit,
   chooseAttentionTiles,
+  chooseFlashForward,
   chooseSplitAttentionTiles,
 } from "./kernels/attention.ts";
 import {
@@ -357,25 +357,47 @@ export async function buildModel(
   ) => makeOp(ctx, await cache.get(label, code), { label, phase, kind, views, grid, ...o });
 
   const drop = (p: number, site: number) => p > 0 ? { site, nSites } : undefined;
+  // Split-K partial sums of the backward weight gradients (one matmul at a time, so shared).
+  const matmulPart = plan.byLabel.has("matmul_part") ? buf("matmul_part") : null;
+  /** A matmul's kernels: one, or with split-K one per slice of K and a reduction applying the epilogue. */
   const matmul = async (
     phase: Phase,
     label: string,
     spec: MatmulSpec,
     views: Record<string, View>,
-  ) => {
-    const tile = chooseTile(spec, ctx.limits.maxComputeInvocationsPerWorkgroup);
+  ): Promise<Op[]> => {
     // Each binding's element type is its buffer's, as planned.
     const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
     const math = f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
-    return await op(
-      phase,
-      phase === "forward" ? "matmul_fwd" : "matmul_bwd",
-      label,
-      matmulWgsl({ ...spec, dtypes, math }, tile),
-      matmulBindings(spec).map((n) => views[n]),
-      matmulGrid(spec, tile),
-      { uniform: spec.dropout ? dropUniform : undefined, flops: matmulFlops(spec) },
-    );
+    const full: MatmulSpec = { ...spec, dtypes, math };
+    const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize };
+    // Split-K only in backward (a checkpointed recompute drops a layer's last forward op), and only
+    // where its partial sums fit the planned scratch.
+    let tile = chooseTile(full, ctx.limits.maxComputeInvocationsPerWorkgroup, {
+      ...limits,
+      splitK: phase === "backward" && !!matmulPart,
+    });
+    if (matmulScratchBytes(full, tile) > (matmulPart?.size ?? 0)) {
+      tile = chooseTile(full, ctx.limits.maxComputeInvocationsPerWorkgroup, { ...limits, splitK: false });
+    }
+    const out: Op[] = [];
+    for (const k of matmulKernels(full, tile)) {
+      out.push(
+        await op(
+          phase,
+          phase === "forward" ? "matmul_fwd" : "matmul_bwd",
+          label + k.suffix,
+          k.code,
+          k.bindings.map((n) => n === "part" ? { buffer: matmulPart! } : views[n]),
+          k.grid,
+          {
+            uniform: k.uniform ? dropUniform : undefined,
+            flops: k.suffix === ".sum" ? 0 : matmulFlops(spec),
+          },
+        ),
+      );
+    }
+    return out;
   };
   const mm = (M: number, N: number, K: number, transA = false, transB = false) => ({
     M,
@@ -403,6 +425,14 @@ export async function buildModel(
       : chooseAttentionTiles({ T, D }, wgBytes)),
   };
   const hidden = shape.hiddenDropout, ap = shape.attnDropout;
+  // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
+  // its fused backward measured slower, so the backward keeps today's kernels).
+  const flashFwd = chooseFlashForward({ T, D }, {
+    maxWorkgroupBytes: wgBytes,
+    maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+    subgroupMinSize: ctx.subgroupMinSize,
+    maxBindingBytes: ctx.limits.maxStorageBufferBindingSize,
+  });
 
   // ---------------------------------------------------------------- forward
   const forward: Step[] = [];
@@ -477,7 +507,7 @@ export async function buildModel(
   ): Promise<Step[]> => {
     if (!TP) {
       return [
-        await matmul("forward", label, {
+        ...await matmul("forward", label, {
           ...mm(BT, C, K),
           bias: true,
           epilogue: "residual",
@@ -488,7 +518,7 @@ export async function buildModel(
     }
     const d = drop(hidden, site);
     return [
-      await matmul("forward", label, { ...mm(BT, C, K), ...(prologueA ? { prologueA } : {}) }, {
+      ...await matmul("forward", label, { ...mm(BT, C, K), ...(prologueA ? { prologueA } : {}) }, {
         A: V(A),
         B: W(w),
         out: V(partial!),
@@ -511,14 +541,14 @@ export async function buildModel(
     const a = acts[l], p = `h.${l}.`, first = forward.length;
     forward.push(await lnFwd(res[l], p + "ln_1.weight", p + "ln_1.bias", a.ln1, a.ln1s, `l${l}.ln1`));
     forward.push(
-      await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * Cl, C), bias: true }, {
+      ...await matmul("forward", `l${l}.qkv`, { ...mm(BT, 3 * Cl, C), bias: true }, {
         A: V(a.ln1),
         B: W(p + "attn.c_attn.weight"),
         bias: P(p + "attn.c_attn.bias"),
         out: V(a.qkv),
       }),
     );
-    const as = { ...attn, dropout: drop(ap, dropoutSite.attnProbs(l)) };
+    const as = { ...attn, ...flashFwd, dropout: drop(ap, dropoutSite.attnProbs(l)) };
     forward.push(
       await op(
         "forward",
@@ -544,7 +574,7 @@ export async function buildModel(
     );
     forward.push(await lnFwd(a.res2, p + "ln_2.weight", p + "ln_2.bias", a.ln2, a.ln2s, `l${l}.ln2`));
     forward.push(
-      await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * Cl, C), bias: true }, {
+      ...await matmul("forward", `l${l}.fc`, { ...mm(BT, 4 * Cl, C), bias: true }, {
         A: V(a.ln2),
         B: W(p + "mlp.c_fc.weight"),
         bias: P(p + "mlp.c_fc.bias"),
@@ -574,7 +604,7 @@ export async function buildModel(
       B: W("wte.weight"),
       out: rowsView(logits, 0, k.n, Vl),
     });
-  if (nChunks === 1) forward.push(await headFwd(chunks[0]));
+  if (nChunks === 1) forward.push(...await headFwd(chunks[0]));
 
   // ---------------------------------------------------------------- loss
   type Chunk = { i: number; r0: number; n: number };
@@ -636,7 +666,7 @@ export async function buildModel(
   if (!train) loss = [...await ceOp(chunks[0], true), await meanLoss()];
   const evalLoss: Step[] = [];
   for (const k of chunks) {
-    if (nChunks > 1) evalLoss.push(await headFwd(k));
+    if (nChunks > 1) evalLoss.push(...await headFwd(k));
     evalLoss.push(...await ceOp(k, false));
   }
   evalLoss.push(
@@ -761,12 +791,12 @@ export async function buildModel(
     // the embedding adds to it later). With several chunks each runs right after its loss.
     const sfx = (k: Chunk) => nChunks > 1 ? `.${k.i}` : "";
     const headBwd = async (k: Chunk) => [
-      await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vl), {
+      ...await matmul("backward", `lm_head.dx${sfx(k)}`, mm(k.n, C, Vl), {
         A: rowsView(logits, 0, k.n, Vl),
         B: W("wte.weight"),
         out: rowsView(dln, k.r0, k.n, C),
       }),
-      await matmul("backward", `lm_head.dw${sfx(k)}`, {
+      ...await matmul("backward", `lm_head.dw${sfx(k)}`, {
         ...mm(Vl, C, k.n, true, false),
         epilogue: k.i === 0 && !acc ? "store" : "accumulate",
       }, {
@@ -779,7 +809,7 @@ export async function buildModel(
       loss = [...await ceOp(chunks[0], true), await meanLoss()];
       backward.push(...await headBwd(chunks[0]));
     } else {
-      for (const k of chunks) loss.push(await headFwd(k), ...await ceOp(k, true), ...await headBwd(k));
+      for (const k of chunks) loss.push(...await headFwd(k), ...await ceOp(k, true), ...await headBwd(k));
       loss.push(await meanLoss());
     }
     // Tensor parallelism: each rank's vocabulary columns give a part of dlnf (and each column- or
@@ -803,7 +833,7 @@ export async function buildModel(
       // MLP output projection (+ residual): dres is the gradient of res[l+1].
       const dproj = await maskOrSelf(`l${l}.mlp_drop.bwd`, hidden, dropoutSite.mlpProj(l));
       backward.push(
-        await matmul(
+        ...await matmul(
           "backward",
           `l${l}.fc_proj.dw`,
           { ...mm(4 * Cl, C, BT, true, false), prologueA: "gelu", epilogue: dwEpilogue },
@@ -816,7 +846,7 @@ export async function buildModel(
       );
       await colsum(`l${l}.fc_proj.db`, dproj, C, G(p + "mlp.c_proj.bias"));
       backward.push(
-        await matmul("backward", `l${l}.fc_proj.dx`, {
+        ...await matmul("backward", `l${l}.fc_proj.dx`, {
           ...mm(BT, 4 * Cl, C, false, true),
           epilogue: "gelu_grad",
         }, {
@@ -827,7 +857,10 @@ export async function buildModel(
         }),
       );
       backward.push(
-        await matmul("backward", `l${l}.fc.dw`, { ...mm(C, 4 * Cl, BT, true, false), epilogue: dwEpilogue }, {
+        ...await matmul("backward", `l${l}.fc.dw`, {
+          ...mm(C, 4 * Cl, BT, true, false),
+          epilogue: dwEpilogue,
+        }, {
           A: V(a.ln2),
           B: V(d4),
           out: G(p + "mlp.c_fc.weight"),
@@ -835,7 +868,7 @@ export async function buildModel(
       );
       await colsum(`l${l}.fc.db`, d4, 4 * Cl, G(p + "mlp.c_fc.bias"));
       backward.push(
-        await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * Cl, false, true), {
+        ...await matmul("backward", `l${l}.fc.dx`, mm(BT, C, 4 * Cl, false, true), {
           A: V(d4),
           B: W(p + "mlp.c_fc.weight"),
           out: V(dln),
@@ -846,7 +879,7 @@ export async function buildModel(
       // Attention output projection (+ residual): dres is now the gradient of res2.
       const dap = await maskOrSelf(`l${l}.attn_drop.bwd`, hidden, dropoutSite.attnProj(l));
       backward.push(
-        await matmul(
+        ...await matmul(
           "backward",
           `l${l}.attn_proj.dw`,
           { ...mm(Cl, C, BT, true, false), epilogue: dwEpilogue },
@@ -859,7 +892,7 @@ export async function buildModel(
       );
       await colsum(`l${l}.attn_proj.db`, dap, C, G(p + "attn.c_proj.bias"));
       backward.push(
-        await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, Cl, C, false, true), {
+        ...await matmul("backward", `l${l}.attn_proj.dx`, mm(BT, Cl, C, false, true), {
           A: V(dap),
           B: W(p + "attn.c_proj.weight"),
           out: V(datty),
@@ -890,7 +923,7 @@ export async function buildModel(
         ], { ...u, flops: 1.5 * attentionFlops(as) }),
       );
       backward.push(
-        await matmul(
+        ...await matmul(
           "backward",
           `l${l}.qkv.dw`,
           { ...mm(C, 3 * Cl, BT, true, false), epilogue: dwEpilogue },
@@ -903,7 +936,7 @@ export async function buildModel(
       );
       await colsum(`l${l}.qkv.db`, dqkv, 3 * Cl, G(p + "attn.c_attn.bias"));
       backward.push(
-        await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * Cl, false, true), {
+        ...await matmul("backward", `l${l}.qkv.dx`, mm(BT, C, 3 * Cl, false, true), {
           A: V(dqkv),
           B: W(p + "attn.c_attn.weight"),
           out: V(dln),

@@ -109,6 +109,9 @@ export interface ModelPlan {
   totalBytes: number;
 }
 
+/** Most floats of the split-K scratch of the backward matmuls (64 MiB; less for small models: 8 slices of the MLP's weight gradient). */
+export const MATMUL_PART_FLOATS = 16 << 20;
+
 /** A range of the flat arrays inside one segment (element offsets within the segment). */
 export interface NormRange {
   segment: number;
@@ -289,6 +292,8 @@ export function planModel(
     const blocks = Math.ceil(BT / ROW_BLOCK);
     add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
     add("normPart", NORM_GROUPS * segments.length, "f32", "workspace");
+    // Split-K partial sums of the weight-gradient matmuls (those needing more do without split-K).
+    add("matmul_part", Math.min(MATMUL_PART_FLOATS, (8 * 4 * C * C) / tp), "f32", "workspace");
   }
   if (tp > 1) {
     // Row-parallel outputs (and the embedding) before their allreduce; the loss's row statistics.
