@@ -5,6 +5,7 @@
  *
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
+ *                   [--tile-rules all|split-k|none] [--no-flash]
  *
  * Memory: beside each run it prints the plan's estimate per category (gpu/estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
@@ -29,6 +30,8 @@ export interface TrainBenchOptions {
   profile: boolean;
   /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
   f16Math?: boolean;
+  /** Kernel choices (see BuildOptions.kernels). */
+  kernels?: { tileRules?: "all" | "split-k" | "none"; flashAttention?: boolean };
 }
 
 /** One model's measured figures. */
@@ -93,6 +96,7 @@ export async function benchTraining(
     checkpointLayers: o.checkpointLayers,
     precision: o.precision,
     f16Math: o.f16Math,
+    kernels: o.kernels,
   });
   console.error(
     `${model}: planned in ${((performance.now() - t0) / 1000).toFixed(1)} s, ` +
@@ -254,6 +258,13 @@ if (import.meta.main) {
     checkpointLayers: +arg(args, "checkpoint", "0"),
     profile: !args.includes("--no-profile"),
     f16Math: !args.includes("--no-f16-math"),
+    kernels: {
+      tileRules: (args.includes("--tile-rules") ? args[args.indexOf("--tile-rules") + 1] : "all") as
+        | "all"
+        | "split-k"
+        | "none",
+      flashAttention: !args.includes("--no-flash"),
+    },
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const results: TrainBenchResult[] = [];

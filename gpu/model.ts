@@ -37,6 +37,7 @@ import {
   matmulScratchBytes,
   type MatmulSpec,
 } from "./kernels/matmul.ts";
+import { MATMUL_TILE_RULES } from "./kernels/matmul_tiles.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -203,6 +204,12 @@ export interface BuildOptions {
    * vocabulary divisible by size). Its program then contains exchanges (`Sync`).
    */
   tensorParallel?: { rank: number; size: number };
+  /**
+   * Kernel choices, for benchmarks: which measured matmul tile rules to use ("all", default;
+   * "split-k": only the split-K weight-gradient ones; "none": the built-in rules alone), and
+   * whether to use the FlashAttention-2 style forward where it fits (default true).
+   */
+  kernels?: { tileRules?: "all" | "split-k" | "none"; flashAttention?: boolean };
 }
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
@@ -357,6 +364,12 @@ export async function buildModel(
   ) => makeOp(ctx, await cache.get(label, code), { label, phase, kind, views, grid, ...o });
 
   const drop = (p: number, site: number) => p > 0 ? { site, nSites } : undefined;
+  const ruleSet = opts.kernels?.tileRules ?? "all";
+  const tileRules = ruleSet === "all"
+    ? undefined
+    : ruleSet === "none"
+    ? []
+    : MATMUL_TILE_RULES.filter((r) => (r.tile.splitK ?? 1) > 1);
   // Split-K partial sums of the backward weight gradients (one matmul at a time, so shared).
   const matmulPart = plan.byLabel.has("matmul_part") ? buf("matmul_part") : null;
   /** A matmul's kernels: one, or with split-K one per slice of K and a reduction applying the epilogue. */
@@ -370,7 +383,7 @@ export async function buildModel(
     const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
     const math = f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
     const full: MatmulSpec = { ...spec, dtypes, math };
-    const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize };
+    const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize, rules: tileRules };
     // Split-K only in backward (a checkpointed recompute drops a layer's last forward op), and only
     // where its partial sums fit the planned scratch.
     let tile = chooseTile(full, ctx.limits.maxComputeInvocationsPerWorkgroup, {
@@ -427,7 +440,7 @@ export async function buildModel(
   const hidden = shape.hiddenDropout, ap = shape.attnDropout;
   // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
   // its fused backward measured slower, so the backward keeps today's kernels).
-  const flashFwd = chooseFlashForward({ T, D }, {
+  const flashFwd = opts.kernels?.flashAttention === false ? null : chooseFlashForward({ T, D }, {
     maxWorkgroupBytes: wgBytes,
     maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
     subgroupMinSize: ctx.subgroupMinSize,

@@ -20,7 +20,16 @@ import {
   type ReadRange,
 } from "./device.ts";
 import { initParams } from "./init.ts";
-import { buildModel, destroyModel, type GpuModel, isSync, STAT, type Step, type Sync } from "./model.ts";
+import {
+  buildModel,
+  type BuildOptions,
+  destroyModel,
+  type GpuModel,
+  isSync,
+  STAT,
+  type Step,
+  type Sync,
+} from "./model.ts";
 import type { ChunkOptions, Precision } from "./plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";
@@ -84,6 +93,8 @@ export interface TrainerOptions {
    * exchanges with its peers (gpu/parallel/tensor_parallel.ts). It steps with `trainStepReduced`.
    */
   tensorParallel?: { rank: number; size: number; exchange: (s: Sync) => Promise<void> };
+  /** Kernel choices for benchmarks (see BuildOptions.kernels). */
+  kernels?: BuildOptions["kernels"];
 }
 
 /** One batch of B·(T+1) tokens. */
@@ -189,6 +200,7 @@ export class Trainer {
       optimizerState: !opts.shardedOptimizer,
       tensorParallel: opts.tensorParallel &&
         { rank: opts.tensorParallel.rank, size: opts.tensorParallel.size },
+      kernels: opts.kernels,
     });
     const n = model.layout.totalSize;
     const q = ctx.device.queue;
