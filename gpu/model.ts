@@ -26,6 +26,7 @@ import {
   normRanges,
   planModel,
   type PlanOptions,
+  RECOMPUTED_ACTS,
   resLabel,
 } from "./plan.ts";
 import { dropoutSite } from "./rng.ts";
@@ -320,10 +321,14 @@ export async function buildModel(
   const nSites = dropoutSite.count(L);
   const res: GPUBuffer[] = [];
   for (let l = 0; l <= L; l++) res.push(buf(resLabel(k, L, l)));
+  // The shared LayerNorm output of a training plan (see plan.ts): ln1 and ln2 of every layer.
+  const lnw = plan.byLabel.has("lnw") ? buf("lnw") : null;
   const acts: LayerActs[] = [];
   for (let l = 0; l < L; l++) {
     acts.push(
-      Object.fromEntries(LAYER_ACTS.map((n) => [n, buf(actPrefix(k, l) + n)])) as Record<
+      Object.fromEntries(
+        LAYER_ACTS.map((n) => [n, lnw && RECOMPUTED_ACTS.includes(n) ? lnw : buf(actPrefix(k, l) + n)]),
+      ) as Record<
         LayerActName,
         GPUBuffer
       >,
@@ -869,6 +874,10 @@ export async function buildModel(
           out: V(d4),
         }),
       );
+      // ln2's output, recomputed from res2 and its statistics (not stored).
+      if (lnw) {
+        backward.push(await lnFwd(a.res2, p + "ln_2.weight", p + "ln_2.bias", lnw, a.ln2s, `l${l}.ln2.re`));
+      }
       backward.push(
         ...await matmul("backward", `l${l}.fc.dw`, {
           ...mm(C, 4 * Cl, BT, true, false),
@@ -935,6 +944,10 @@ export async function buildModel(
           B,
         ], { ...u, flops: 1.5 * attentionFlops(as) }),
       );
+      // ln1's output, recomputed from res[l] and its statistics (not stored).
+      if (lnw) {
+        backward.push(await lnFwd(res[l], p + "ln_1.weight", p + "ln_1.bias", lnw, a.ln1s, `l${l}.ln1.re`));
+      }
       backward.push(
         ...await matmul(
           "backward",

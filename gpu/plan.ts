@@ -181,6 +181,9 @@ export function headChunkRows(
 export const LAYER_ACTS = ["ln1", "ln1s", "qkv", "atty", "lse", "res2", "ln2", "ln2s", "fch"] as const;
 export type LayerActName = typeof LAYER_ACTS[number];
 
+/** Layer activations a training plan does not store (recomputed from their LayerNorm's input and statistics). */
+export const RECOMPUTED_ACTS: readonly LayerActName[] = ["ln1", "ln2"];
+
 /**
  * Label prefix of layer l's activations: its own (`l3.`) without checkpointing, or the working set
  * of its place in the group (`w1.`), shared by every group, with it.
@@ -267,11 +270,16 @@ export function planModel(
     if (!seen.has(r)) add(r, BT * C, "f32", "activations");
     seen.add(r);
   }
+  // Training keeps no LayerNorm outputs: the matmul reading one recomputes it from the stored
+  // input and statistics into one shared buffer (in forward right before, in backward before the
+  // weight gradient), which costs two LayerNorm passes per layer and saves 2·B·T·C per layer.
   for (let l = 0; l < (k > 0 ? k : L); l++) {
     for (const name of LAYER_ACTS) {
+      if (train && RECOMPUTED_ACTS.includes(name)) continue;
       add(actPrefix(k, l) + name, sizes[name], actDtype(name, half), "activations");
     }
   }
+  if (train) add("lnw", BT * C, act, "activations");
   add("lnf", BT * C, act, "activations");
   add("lnfs", BT * 2, "f32", "activations");
   add("logits", headRows * Vl, "f32", "logits");
