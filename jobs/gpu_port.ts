@@ -72,7 +72,14 @@ function commOf(job: WorkerJob): JobComm {
       weights: dp > 1 && job.config.distributed_optimizer
         ? dataParallelGroups(layout).map(() => lanes(dp, capacity, "f32"))
         : [],
-      tp: tp > 1 ? tensorParallelGroups(layout).map(() => lanes(tp, Math.max(act, 4096), "f32")) : [],
+      // Per tensor-parallel group: an fp32 lane (loss statistics, norms, checkpoint gathers), then
+      // the activation lanes, fp16 on the wire when the job is fp16.
+      tp: tp > 1
+        ? tensorParallelGroups(layout).map(() => [
+          createCommBuffer({ ranks: tp, capacity: Math.max(act, 4096), dtype: "f32" }),
+          ...lanes(tp, Math.max(act, 4096), job.config.precision === "fp16" ? "f16" : "f32"),
+        ])
+        : [],
     };
     hit = { comms, users: 1 };
     runs.set(p.run, hit);

@@ -129,3 +129,48 @@ Deno.test({
     assert.deepEqual(recomputed.params, stored.params);
   },
 });
+
+Deno.test({
+  name: "fp16 TP=2, its activations fp16 on the wire, follows fp16 on one GPU",
+  ignore: noGpu || !(await testContext())?.hasF16,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const half = { precision: "fp16" as const };
+    const one = await Trainer.create(ctx, { ...options(1), ...half });
+    const lanes = [
+      createCommBuffer({ ranks: 2, capacity: 1 << 16, dtype: "f32" }),
+      createCommBuffer({ ranks: 2, capacity: 1 << 16, dtype: "f16" }),
+      createCommBuffer({ ranks: 2, capacity: 1 << 16, dtype: "f16" }),
+    ];
+    const xs = await Promise.all(
+      [0, 1].map((r) => TensorParallelExchange.create(ctx, lanes.map((sab) => new RingComm(sab, r)))),
+    );
+    const two = await Promise.all(
+      [0, 1].map((r) =>
+        Trainer.create(ctx, {
+          ...options(2),
+          ...half,
+          tensorParallel: { rank: r, size: 2, exchange: xs[r].exchange },
+        })
+      ),
+    );
+    try {
+      for (let step = 0; step < 6; step++) {
+        const tokens = batch(300 + step);
+        one.trainStep(tokens);
+        await Promise.all(two.map((t) => t.trainStepReduced([tokens])));
+        const [a, b, c] = [await one.lastStats(), await two[0].lastStats(), await two[1].lastStats()];
+        assert.equal(b.loss, c.loss, "ranks disagree");
+        assert.ok(Number.isFinite(b.loss), `step ${step + 1}: loss ${b.loss}`);
+        assert.ok(
+          Math.abs(b.loss - a.loss) < 2e-2 * a.loss,
+          `step ${step + 1}: fp16 TP=2 loss ${b.loss} vs ${a.loss}`,
+        );
+      }
+    } finally {
+      one.destroy();
+      for (const t of two) t.destroy();
+      for (const x of xs) x.destroy();
+    }
+  },
+});

@@ -34,29 +34,37 @@ export class TensorParallelExchange {
   #x: BucketExchange;
   #t: TensorParallelTiming = { allreduces: 0, allreduceMs: 0, allreduceBytes: 0, otherMs: 0 };
 
-  private constructor(ctx: GpuContext, comms: RingComm[], x: BucketExchange) {
+  /** Elements per activation bucket. */
+  #actCapacity: number;
+
+  private constructor(ctx: GpuContext, comms: RingComm[], x: BucketExchange, actCapacity: number) {
     this.#ctx = ctx;
+    this.#actCapacity = actCapacity;
     this.#comm = comms[0];
     this.#x = x;
     this.rank = comms[0].rank;
     this.size = comms[0].size;
   }
 
-  /** An exchange over `comms` (this rank's fp32 lanes of its tensor-parallel group). */
+  /**
+   * An exchange over `comms`, this rank's lanes of its tensor-parallel group: the first fp32 (row
+   * statistics, norms, gathers), the others for the activations, fp32 or 16-bit on the wire (an
+   * fp16 job's activations travel as fp16 and are summed in fp32). One lane serves both.
+   */
   static async create(
     ctx: GpuContext,
     comms: RingComm[],
     opts: { path?: ReducePath; stagingBytes?: number; inFlight?: number } = {},
   ): Promise<TensorParallelExchange> {
-    if (comms.some((c) => c.dtype !== "f32")) {
-      throw new RangeError("Tensor-parallel communicators carry fp32");
-    }
-    const x = await BucketExchange.create(ctx, comms, {
+    if (comms[0]?.dtype !== "f32") throw new RangeError("A tensor-parallel group's first lane carries fp32");
+    const acts = comms.length > 1 ? comms.slice(1) : comms;
+    const x = await BucketExchange.create(ctx, acts, {
       path: opts.path ?? "host",
+      bufferDtype: "f32",
       stagingBytes: opts.stagingBytes ?? 16 << 20,
       inFlight: opts.inFlight ?? 8,
     });
-    return new TensorParallelExchange(ctx, comms, x);
+    return new TensorParallelExchange(ctx, comms, x, acts[0].capacity);
   }
 
   /** Runs one exchange of the program (Trainer's `tensorParallel.exchange`). */
@@ -64,7 +72,7 @@ export class TensorParallelExchange {
     const t0 = performance.now();
     switch (s.sync) {
       case "allreduce": {
-        const cap = this.#comm.capacity - (this.#comm.capacity % 4), runs = [];
+        const cap = this.#actCapacity - (this.#actCapacity % 4), runs = [];
         for (let at = 0; at < s.count; at += cap) {
           runs.push(this.#x.run({ buffer: s.buffer, offset: at * 4, count: Math.min(cap, s.count - at) }));
         }
