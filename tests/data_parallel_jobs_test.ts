@@ -170,3 +170,35 @@ Deno.test({
     }
   },
 });
+
+Deno.test({
+  name: "a data_parallel 3 job on three Workers matches data_parallel 1 with 3 accumulation steps",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_dp3_" });
+    const store = new JobStore(":memory:");
+    const runner = new JobRunner(store, {
+      root,
+      gpus: 3,
+      spawn: spawnGpuWorker,
+      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
+    });
+    try {
+      await prepareDataset(root, { builtin: "sotu" });
+      runner.start();
+      const req = { ...base, train_iters: 3, global_batch_size: 6 };
+      const one = await train(runner, req);
+      assert.equal(one.job.status, "succeeded", one.job.error ?? "");
+      const three = await train(runner, { ...req, data_parallel: 3 });
+      assert.equal(three.job.status, "succeeded", three.job.error ?? "");
+      assertSameLosses(three.losses, one.losses, [1, 2, 3], "DP=3 vs DP=1×3");
+      assert.deepEqual(three.job.metrics.gpus, [0, 1, 2]);
+    } finally {
+      runner.shutdown();
+      store.close();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
