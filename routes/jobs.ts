@@ -13,6 +13,8 @@ import { checkpointPath, streamJobEvents } from "./sse.ts";
 
 /** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
 const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
+/** The shard files of a checkpoint written at tensor-parallel size N > 1 (see jobs/checkpoint.ts). */
+const SHARD_FILE = /^(model|optimizer)-tp\d{2}-of-\d{2}\.safetensors$/;
 
 /** Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages. */
 export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
@@ -90,10 +92,11 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
 
   app.get("/jobs/:id/checkpoints/:name/:file", async (c) => {
     const { id, name, file } = c.req.param();
-    if (!CHECKPOINT_FILES.includes(file)) {
+    if (!CHECKPOINT_FILES.includes(file) && !SHARD_FILE.test(file)) {
       throw new ApiError(
         404,
-        `Unknown checkpoint file "${file}": expected one of ${CHECKPOINT_FILES.join(", ")}`,
+        `Unknown checkpoint file "${file}": expected one of ${CHECKPOINT_FILES.join(", ")} ` +
+          `or a shard such as model-tp00-of-02.safetensors`,
         {
           param: "file",
         },

@@ -113,6 +113,11 @@ Deno.test("GET /jobs/:id/checkpoints/:name/:file downloads a checkpoint's file; 
       `attachment; filename="${id}_iter_0000010_model.safetensors"`,
     );
     assertEquals(new Uint8Array(await got.arrayBuffer()), weights);
+    // A tensor-parallel checkpoint's shard files download the same way.
+    await Deno.writeFile(`${dir}/model-tp01-of-02.safetensors`, weights);
+    const shard = await t.app.request(`/jobs/${id}/checkpoints/iter_0000010/model-tp01-of-02.safetensors`);
+    assertEquals(shard.status, 200);
+    assertEquals(new Uint8Array(await shard.arrayBuffer()), weights);
 
     const unknownFile = await t.app.request(`/jobs/${id}/checkpoints/iter_0000010/..%2F..%2Fjobs.sqlite`);
     assertEquals(unknownFile.status, 404);
