@@ -3,7 +3,8 @@
  * a tensor_parallel 2 job reproduces the tensor_parallel 1 losses (hidden dropout on: its masks
  * apply to whole activations, the same on both ranks) with less memory per rank, reports its
  * exchanges, and its checkpoint (one shard per rank) resumes at tensor_parallel 1 on the same
- * course. A size that cannot shard the model is refused naming tensor_parallel.
+ * course; greedy generation on one GPU from that checkpoint equals generation from its merged TP=1
+ * copy token for token. A size that cannot shard the model is refused naming tensor_parallel.
  */
 
 import assert from "node:assert/strict";
@@ -16,8 +17,10 @@ import {
   spawnGpuWorker,
   type TrainRequest,
 } from "../jobs/mod.ts";
-import { checkpointName, readManifest } from "../jobs/checkpoint.ts";
-import { noGpu } from "./_helpers.ts";
+import { checkpointName, loadCheckpointWeights, mergedModel, readManifest } from "../jobs/checkpoint.ts";
+import { reshardCheckpoint } from "../jobs/reshard.ts";
+import { Generator } from "../gpu/generator.ts";
+import { noGpu, testContext } from "./_helpers.ts";
 
 const base: TrainRequest = {
   model: { n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32 },
@@ -131,6 +134,32 @@ Deno.test({
 
       const dir = `${runner.checkpointDir(two.job.id)}/${checkpointName(3)}`;
       assert.equal((await readManifest(dir)).parallel.tensor_parallel, 2);
+      // Generation on one GPU from the TP=2 checkpoint (its shards merged in memory) equals
+      // generation from its merged TP=1 copy on disk, token for token (greedy).
+      const merged = `${root}/merged`;
+      await reshardCheckpoint(dir, merged, 1);
+      const config = mergedModel(await readManifest(dir));
+      const greedy = async (path: string) => {
+        const gen = await Generator.create(
+          (await testContext())!,
+          config,
+          await loadCheckpointWeights(path, config),
+          {
+            maxStreams: 1,
+            chunk: 12,
+          },
+        );
+        try {
+          const h = await gen.admit([464, 3290, 318, 257], { temperature: 0, top_k: 0, top_p: 1, seed: 0 });
+          return (await gen.step(11)).get(h)!.tokens;
+        } finally {
+          gen.destroy();
+        }
+      };
+      const [fromShards, fromMerged] = [await greedy(dir), await greedy(merged)];
+      assert.equal(fromShards.length, 12);
+      assert.deepEqual(fromShards, fromMerged);
+
       const resumed = await train(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
       assert.equal(resumed.job.status, "succeeded", resumed.job.error ?? "");
       assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "TP=2 checkpoint resumed at TP=1");
