@@ -7,17 +7,10 @@
  */
 
 import assert from "node:assert/strict";
-import { isBuiltinName, prepareDataset } from "../data/mod.ts";
-import {
-  InvalidJobError,
-  type Job,
-  JobRunner,
-  JobStore,
-  spawnGpuWorker,
-  type TrainRequest,
-} from "../jobs/mod.ts";
+import { InvalidJobError, type Job, type TrainRequest } from "../jobs/mod.ts";
 import { checkpointName } from "../jobs/checkpoint.ts";
 import { noGpu } from "./_helpers.ts";
+import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 
 const base: TrainRequest = {
   model: { n_layer: 1, n_head: 2, n_embd: 32, n_positions: 32 },
@@ -43,41 +36,6 @@ const base: TrainRequest = {
   global_batch_size: 4,
 };
 
-/** Runs a job to its end; returns it with the training loss of every iteration. */
-async function train(
-  runner: JobRunner,
-  req: TrainRequest,
-): Promise<{ job: Job; losses: Map<number, number> }> {
-  const losses = new Map<number, number>();
-  const submitted = await runner.submit(req);
-  const job = await new Promise<Job>((resolve) => {
-    const off = runner.subscribe(submitted.id, (e) => {
-      if (e.type === "progress" && e.data.kind === "train") {
-        losses.set(e.data.iteration as number, e.data.loss as number);
-      }
-      if (e.type === "done") {
-        off();
-        resolve(runner.get(submitted.id));
-      }
-    });
-  });
-  return { job, losses };
-}
-
-function assertSameLosses(
-  a: Map<number, number>,
-  b: Map<number, number>,
-  iterations: number[],
-  what: string,
-) {
-  for (const i of iterations) {
-    const x = a.get(i), y = b.get(i);
-    assert.ok(x !== undefined && y !== undefined, `${what}: no loss at iteration ${i}`);
-    const rel = Math.abs(x - y) / Math.abs(y);
-    assert.ok(rel <= 1e-5, `${what}: iteration ${i} loss ${x} vs ${y} (relative ${rel.toExponential(2)})`);
-  }
-}
-
 Deno.test({
   name:
     "a data_parallel 2 job matches data_parallel 1 with 2 accumulation steps and resumes at data_parallel 1",
@@ -85,17 +43,7 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_dp_" });
-    const store = new JobStore(":memory:");
-    const runner = new JobRunner(store, {
-      root,
-      gpus: 2,
-      spawn: spawnGpuWorker,
-      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
-    });
-    try {
-      await prepareDataset(root, { builtin: "sotu" });
-      runner.start();
+    await withWorkerRunner("gpt2_dp_", 2, async (runner, _root) => {
       await assert.rejects(runner.submit({ ...base, data_parallel: 3, global_batch_size: 6 }), (e) => {
         assert.ok(e instanceof InvalidJobError);
         assert.equal(e.field, "data_parallel");
@@ -103,10 +51,15 @@ Deno.test({
         return true;
       });
 
-      const one = await train(runner, base);
+      const one = await trainJob(runner, base);
       assert.equal(one.job.status, "succeeded", one.job.error ?? "");
       // Same schedule (train_iters 6); the checkpoint at iteration 3 is resumed below.
-      const two = await train(runner, { ...base, data_parallel: 2, save_interval: 3, keep_checkpoints: 2 });
+      const two = await trainJob(runner, {
+        ...base,
+        data_parallel: 2,
+        save_interval: 3,
+        keep_checkpoints: 2,
+      });
       assert.equal(two.job.status, "succeeded", two.job.error ?? "");
       assertSameLosses(two.losses, one.losses, [1, 2, 3, 4, 5, 6], "DP=2 vs DP=1×2");
       assert.deepEqual(two.job.metrics.gpus, [0, 1]);
@@ -117,14 +70,14 @@ Deno.test({
       assert.ok(two.job.metrics.val_loss! > 0 && two.job.metrics.test_loss! > 0);
 
       // The DP=2 checkpoint continues at DP=1 exactly where DP=1 itself would have gone.
-      const resumed = await train(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
+      const resumed = await trainJob(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
       assert.equal(resumed.job.status, "succeeded", resumed.job.error ?? "");
       assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "DP=2 resumed at DP=1 vs DP=1");
       assert.equal(runner.gpus().every((g) => g.state === "idle"), true);
 
       // The distributed optimizer: the same losses, and its checkpoint (moments gathered from both
       // ranks) resumes at data_parallel 1 on the same course.
-      const zero = await train(runner, {
+      const zero = await trainJob(runner, {
         ...base,
         data_parallel: 2,
         distributed_optimizer: true,
@@ -137,7 +90,7 @@ Deno.test({
         zero.job.metrics.gpu_memory_bytes! < two.job.metrics.gpu_memory_bytes!,
         "sharded moments take less memory",
       );
-      const zeroResumed = await train(runner, {
+      const zeroResumed = await trainJob(runner, {
         ...base,
         resume_from: `${zero.job.id}/${checkpointName(3)}`,
       });
@@ -163,11 +116,7 @@ Deno.test({
       assert.equal(cancelled.status, "cancelled", cancelled.error ?? "");
       assert.ok(cancelled.iteration >= 2 && cancelled.iteration < 50, `stopped at ${cancelled.iteration}`);
       assert.equal(runner.gpus().every((g) => g.state === "idle" && g.job === null), true);
-    } finally {
-      runner.shutdown();
-      store.close();
-      await Deno.remove(root, { recursive: true });
-    }
+    });
   },
 });
 
@@ -177,28 +126,14 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_dp3_" });
-    const store = new JobStore(":memory:");
-    const runner = new JobRunner(store, {
-      root,
-      gpus: 3,
-      spawn: spawnGpuWorker,
-      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
-    });
-    try {
-      await prepareDataset(root, { builtin: "sotu" });
-      runner.start();
+    await withWorkerRunner("gpt2_dp3_", 3, async (runner, _root) => {
       const req = { ...base, train_iters: 3, global_batch_size: 6 };
-      const one = await train(runner, req);
+      const one = await trainJob(runner, req);
       assert.equal(one.job.status, "succeeded", one.job.error ?? "");
-      const three = await train(runner, { ...req, data_parallel: 3 });
+      const three = await trainJob(runner, { ...req, data_parallel: 3 });
       assert.equal(three.job.status, "succeeded", three.job.error ?? "");
       assertSameLosses(three.losses, one.losses, [1, 2, 3], "DP=3 vs DP=1×3");
       assert.deepEqual(three.job.metrics.gpus, [0, 1, 2]);
-    } finally {
-      runner.shutdown();
-      store.close();
-      await Deno.remove(root, { recursive: true });
-    }
+    });
   },
 });

@@ -5,16 +5,9 @@
  */
 
 import assert from "node:assert/strict";
-import { isBuiltinName, prepareDataset } from "../data/mod.ts";
-import {
-  type Job,
-  type JobEvent,
-  JobRunner,
-  JobStore,
-  spawnGpuWorker,
-  type TrainRequest,
-} from "../jobs/mod.ts";
+import { type Job, type JobEvent, type JobRunner, type TrainRequest } from "../jobs/mod.ts";
 import { noGpu } from "./_helpers.ts";
+import { withWorkerRunner } from "./_runner.ts";
 
 const base: TrainRequest = {
   model: "gpt2-tiny",
@@ -59,17 +52,7 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_worker_" });
-    const store = new JobStore(":memory:");
-    const runner = new JobRunner(store, {
-      root,
-      gpus: 1,
-      spawn: spawnGpuWorker,
-      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
-    });
-    try {
-      await prepareDataset(root, { builtin: "sotu" });
-      runner.start();
+    await withWorkerRunner("gpt2_worker_", 1, async (runner, _root) => {
       const big = await runner.submit({ ...base, batch_size: 4096, seq_len: 64 });
       const failed = await finished(runner, big.id);
       assert.equal(failed.status, "failed");
@@ -85,10 +68,6 @@ Deno.test({
       assert.equal(cancelled.cancel_requested, true);
       assert.ok(cancelled.iteration >= 2 && cancelled.iteration < 20, `stopped at ${cancelled.iteration}`);
       assert.equal(runner.gpus()[0].state, "idle");
-    } finally {
-      runner.shutdown();
-      store.close();
-      await Deno.remove(root, { recursive: true });
-    }
+    });
   },
 });

@@ -8,19 +8,12 @@
  */
 
 import assert from "node:assert/strict";
-import { isBuiltinName, prepareDataset } from "../data/mod.ts";
-import {
-  InvalidJobError,
-  type Job,
-  JobRunner,
-  JobStore,
-  spawnGpuWorker,
-  type TrainRequest,
-} from "../jobs/mod.ts";
+import { InvalidJobError, type TrainRequest } from "../jobs/mod.ts";
 import { checkpointName, loadCheckpointWeights, mergedModel, readManifest } from "../jobs/checkpoint.ts";
 import { reshardCheckpoint } from "../jobs/reshard.ts";
 import { Generator } from "../gpu/generator.ts";
 import { noGpu, testContext } from "./_helpers.ts";
+import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 
 const base: TrainRequest = {
   model: { n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32 },
@@ -45,40 +38,6 @@ const base: TrainRequest = {
   keep_checkpoints: 2,
 };
 
-async function train(
-  runner: JobRunner,
-  req: TrainRequest,
-): Promise<{ job: Job; losses: Map<number, number> }> {
-  const losses = new Map<number, number>();
-  const submitted = await runner.submit(req);
-  const job = await new Promise<Job>((resolve) => {
-    const off = runner.subscribe(submitted.id, (e) => {
-      if (e.type === "progress" && e.data.kind === "train") {
-        losses.set(e.data.iteration as number, e.data.loss as number);
-      }
-      if (e.type === "done") {
-        off();
-        resolve(runner.get(submitted.id));
-      }
-    });
-  });
-  return { job, losses };
-}
-
-function assertSameLosses(
-  a: Map<number, number>,
-  b: Map<number, number>,
-  iterations: number[],
-  what: string,
-) {
-  for (const i of iterations) {
-    const x = a.get(i), y = b.get(i);
-    assert.ok(x !== undefined && y !== undefined, `${what}: no loss at iteration ${i}`);
-    const rel = Math.abs(x - y) / Math.abs(y);
-    assert.ok(rel <= 1e-5, `${what}: iteration ${i} loss ${x} vs ${y} (relative ${rel.toExponential(2)})`);
-  }
-}
-
 Deno.test({
   name:
     "a tensor_parallel 2 job matches tensor_parallel 1 and its sharded checkpoint resumes at tensor_parallel 1",
@@ -86,17 +45,7 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_tp_" });
-    const store = new JobStore(":memory:");
-    const runner = new JobRunner(store, {
-      root,
-      gpus: 2,
-      spawn: spawnGpuWorker,
-      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
-    });
-    try {
-      await prepareDataset(root, { builtin: "sotu" });
-      runner.start();
+    await withWorkerRunner("gpt2_tp_", 2, async (runner, root) => {
       await assert.rejects(
         runner.submit({
           ...base,
@@ -116,9 +65,9 @@ Deno.test({
         return true;
       });
 
-      const one = await train(runner, base);
+      const one = await trainJob(runner, base);
       assert.equal(one.job.status, "succeeded", one.job.error ?? "");
-      const two = await train(runner, { ...base, tensor_parallel: 2 });
+      const two = await trainJob(runner, { ...base, tensor_parallel: 2 });
       assert.equal(two.job.status, "succeeded", two.job.error ?? "");
       assertSameLosses(two.losses, one.losses, [1, 2, 3, 4, 5, 6], "TP=2 vs TP=1");
       assert.ok(
@@ -160,14 +109,10 @@ Deno.test({
       assert.equal(fromShards.length, 12);
       assert.deepEqual(fromShards, fromMerged);
 
-      const resumed = await train(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
+      const resumed = await trainJob(runner, { ...base, resume_from: `${two.job.id}/${checkpointName(3)}` });
       assert.equal(resumed.job.status, "succeeded", resumed.job.error ?? "");
       assertSameLosses(resumed.losses, one.losses, [4, 5, 6], "TP=2 checkpoint resumed at TP=1");
-    } finally {
-      runner.shutdown();
-      store.close();
-      await Deno.remove(root, { recursive: true });
-    }
+    });
   },
 });
 
@@ -177,29 +122,15 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_dptp_" });
-    const store = new JobStore(":memory:");
-    const runner = new JobRunner(store, {
-      root,
-      gpus: 4,
-      spawn: spawnGpuWorker,
-      datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
-    });
-    try {
-      await prepareDataset(root, { builtin: "sotu" });
-      runner.start();
+    await withWorkerRunner("gpt2_dptp_", 4, async (runner, _root) => {
       const req = { ...base, train_iters: 4, save_interval: 0, global_batch_size: 4 };
-      const one = await train(runner, req);
+      const one = await trainJob(runner, req);
       assert.equal(one.job.status, "succeeded", one.job.error ?? "");
-      const grid = await train(runner, { ...req, data_parallel: 2, tensor_parallel: 2 });
+      const grid = await trainJob(runner, { ...req, data_parallel: 2, tensor_parallel: 2 });
       assert.equal(grid.job.status, "succeeded", grid.job.error ?? "");
       assertSameLosses(grid.losses, one.losses, [1, 2, 3, 4], "DP2×TP2 vs one GPU×2");
       assert.deepEqual(grid.job.metrics.gpus, [0, 1, 2, 3]);
       assert.equal(grid.job.metrics.ranks!.length, 4);
-    } finally {
-      runner.shutdown();
-      store.close();
-      await Deno.remove(root, { recursive: true });
-    }
+    });
   },
 });
