@@ -359,15 +359,21 @@ export class Trainer {
     return enc;
   }
 
-  /** A tensor-parallel step (no kernel timings: the program is cut at every exchange). */
-  async #tensorParallelStep(list: Batch[], reduce?: GradientReduce): Promise<void> {
+  /** Checks a step's micro-batches and writes its scalars: the optimizer uniform, and a zero loss to accumulate into. */
+  #beginStep(list: Batch[]): void {
     checkDevice(this.#ctx);
-    const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue, device = this.#ctx.device;
+    const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     if (list.length !== M) throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
     const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
     const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
     q.writeBuffer(m.optUniform, 0, packOptimizerUniform(adamw, schedule, lossScaler, gradMul));
     if (M > 1) q.writeBuffer(m.stats, STAT.loss * 4, new Float32Array([0]));
+  }
+
+  /** A tensor-parallel step (no kernel timings: the program is cut at every exchange). */
+  async #tensorParallelStep(list: Batch[], reduce?: GradientReduce): Promise<void> {
+    this.#beginStep(list);
+    const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue, device = this.#ctx.device;
     const p = m.program;
     try {
       for (let i = 0; i < M; i++) {
@@ -392,17 +398,8 @@ export class Trainer {
    * step is profiled.
    */
   #submitBackward(list: Batch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
-    checkDevice(this.#ctx);
-    const m = this.#model, M = m.microBatches;
-    if (list.length !== M) {
-      throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
-    }
-    const { adamw, schedule, lossScaler, debugNonFiniteAt } = this.opts;
-    const q = this.#ctx.device.queue;
-    const gradMul = debugNonFiniteAt?.includes(this.#step) ? NaN : 1;
-    const hp = packOptimizerUniform(adamw, schedule, lossScaler, gradMul);
-    q.writeBuffer(m.optUniform, 0, hp);
-    if (M > 1) q.writeBuffer(m.stats, STAT.loss * 4, new Float32Array([0]));
+    this.#beginStep(list);
+    const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     const qs = profile ? this.#querySet : undefined;
     const passes = [...m.forward, ...m.loss, ...m.backward];
     for (let i = 0; i < M; i++) {

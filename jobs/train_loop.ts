@@ -280,8 +280,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     const save = async () => {
       // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
       // Sharded moments are first assembled on rank 0, with every rank taking part.
-      const n = trainer!.zeroModel().layout.totalSize;
-      const moments = ranks.zero ? await ranks.zero.exportMoments(n) : null;
+      const moments = ranks.zero ? await ranks.zero.exportMoments(trainer!.model.layout.totalSize) : null;
       // Tensor parallelism: the first replica's shards go to rank 0, which writes one file pair per shard.
       let shards: TrainerState[] | null = null;
       if (ranks.tpx && ranks.rank === 0) shards = await gatherShards(ranks.tpx, await trainer!.exportState());

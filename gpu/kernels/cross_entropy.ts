@@ -8,7 +8,39 @@
 import { treeReduce } from "./common.ts";
 import { CONTROL_STRUCT, OPT_STRUCT } from "./adamw.ts";
 
-const WG = 256;
+/** Threads per row of the loss kernels. */
+export const WG = 256;
+
+/** Workgroup arrays of `rowMaxSumWgsl`. */
+export const ROW_STATS_DECL = `var<workgroup> ms: array<f32, ${WG}>;
+var<workgroup> ss: array<f32, ${WG}>;`;
+
+/**
+ * WGSL statements of a row's maximum and sum of exp(x − max) over columns [0, n) of `logits`
+ * from `base`, one workgroup of WG threads per row (online per thread, then a tree merge): leave
+ * them in ms[0] and ss[0]. Needs ROW_STATS_DECL, `tid` and `base`.
+ */
+export function rowMaxSumWgsl(n: number): string {
+  return `// Online max and sum of exponentials per thread, then merged.
+  var m = -1e30;
+  var sum = 0.0;
+  for (var v = tid; v < ${n}u; v = v + ${WG}u) {
+    let x = logits[base + v];
+    if (x > m) { sum = sum * exp(m - x); m = x; }
+    sum = sum + exp(x - m);
+  }
+  ms[tid] = m;
+  ss[tid] = sum;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) {
+      let m2 = max(ms[tid], ms[tid + k]);
+      ss[tid] = ss[tid] * exp(ms[tid] - m2) + ss[tid + k] * exp(ms[tid + k] - m2);
+      ms[tid] = m2;
+    }
+    workgroupBarrier();
+  }`;
+}
 
 /** Sizes of the loss kernels. */
 export interface CrossEntropySpec {
@@ -42,8 +74,7 @@ ${CONTROL_STRUCT}
 @group(1) @binding(0) var<uniform> hp: Opt;`
       : ""
   }
-var<workgroup> ms: array<f32, ${WG}>;
-var<workgroup> ss: array<f32, ${WG}>;
+${ROW_STATS_DECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
@@ -51,25 +82,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   if (row >= ${s.rows}u) { return; }
   let base = row * ${s.Vp}u;
   let grow = row + ${s.rowBase}u;
-  // Online max and sum of exponentials per thread, then merged.
-  var m = -1e30;
-  var sum = 0.0;
-  for (var v = tid; v < ${s.V}u; v = v + ${WG}u) {
-    let x = logits[base + v];
-    if (x > m) { sum = sum * exp(m - x); m = x; }
-    sum = sum + exp(x - m);
-  }
-  ms[tid] = m;
-  ss[tid] = sum;
-  workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) {
-      let m2 = max(ms[tid], ms[tid + k]);
-      ss[tid] = ss[tid] * exp(ms[tid] - m2) + ss[tid + k] * exp(ms[tid + k] - m2);
-      ms[tid] = m2;
-    }
-    workgroupBarrier();
-  }
+  ${rowMaxSumWgsl(s.V)}
   let mx = ms[0];
   let lse = mx + log(ss[0]);
   let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];

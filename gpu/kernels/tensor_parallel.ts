@@ -12,8 +12,7 @@
 
 import { dropWgsl } from "./common.ts";
 import { CONTROL_STRUCT, OPT_STRUCT } from "./adamw.ts";
-
-const WG = 256;
+import { ROW_STATS_DECL, rowMaxSumWgsl, WG } from "./cross_entropy.ts";
 
 /** out = res + dropout(x + bias) over (rows, C), x the allreduced partial sums. Grid1d(rows·C/4 / 64). */
 export function biasDropResidualWgsl(
@@ -77,8 +76,7 @@ export function ceLocalStatsWgsl(s: VocabParallelSpec): string {
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
 @group(0) @binding(2) var<storage, read_write> stats: array<vec4<f32>>;
-var<workgroup> ms: array<f32, ${WG}>;
-var<workgroup> ss: array<f32, ${WG}>;
+${ROW_STATS_DECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
@@ -86,24 +84,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   if (row >= ${s.rows}u) { return; }
   let base = row * ${s.Vl}u;
   let grow = row + ${s.rowBase}u;
-  var m = -1e30;
-  var sum = 0.0;
-  for (var v = tid; v < ${n}u; v = v + ${WG}u) {
-    let x = logits[base + v];
-    if (x > m) { sum = sum * exp(m - x); m = x; }
-    sum = sum + exp(x - m);
-  }
-  ms[tid] = m;
-  ss[tid] = sum;
-  workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) {
-      let m2 = max(ms[tid], ms[tid + k]);
-      ss[tid] = ss[tid] * exp(ms[tid] - m2) + ss[tid + k] * exp(ms[tid + k] - m2);
-      ms[tid] = m2;
-    }
-    workgroupBarrier();
-  }
+  ${rowMaxSumWgsl(n)}
   if (tid == 0u) {
     let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];
     let here = tgt >= ${s.lo}u && tgt < ${s.lo + n}u;
