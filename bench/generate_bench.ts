@@ -14,6 +14,7 @@
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
+ *                                  [--gpus 2 --roles train,generate]
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
  */
 
@@ -26,6 +27,7 @@ import { writeSafetensors } from "../jobs/safetensors.ts";
 import { GenerationManager, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../jobs/mod.ts";
 import { isBuiltinName } from "../data/mod.ts";
 import { createApp } from "../routes/mod.ts";
+import { parseGpuRoles, trainingGpus } from "../jobs/roles.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -116,14 +118,19 @@ async function server(model: string) {
     JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
   );
   const store = new JobStore(":memory:");
+  // --gpus 2 --roles train,generate: two Workers (on one GPU they share it, each with its own
+  // device and queue), one training and one generating.
+  const gpus = +arg("gpus", "1"), roleSpec = arg("roles", "");
+  const roles = roleSpec ? parseGpuRoles(roleSpec, gpus) : undefined;
   const runner = new JobRunner(store, {
     root,
-    gpus: 1,
+    gpus,
     spawn: spawnGpuWorker,
+    trainGpus: roles ? trainingGpus(roles) : undefined,
     datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
   });
   runner.start();
-  const manager = new GenerationManager(runner, root, { maxWaiting: 4096 });
+  const manager = new GenerationManager(runner, root, { maxWaiting: 4096, roles });
   // One client stands in for many users here: lift the per-client stream cap.
   const app = createApp({
     runner,
