@@ -154,6 +154,12 @@ export interface GpuModel {
   /** Loss without gradient, added into STAT.evalLoss (zeroed by the caller before a run of batches). */
   evalLoss: Op[];
   backward: Op[];
+  /**
+   * Where each layer's weight gradients are final in `backward`: layer `layer`'s are written by
+   * `backward[0 … at)` (descending layers; the embedding, the LM head's tied weight and the
+   * 1-D parameters are final only at the end). Data parallelism starts a layer's exchange there.
+   */
+  backwardMarks: { layer: number; at: number }[];
   optimizer: Op[];
   /** fp16: refreshes the f16 weight copy from the parameters (run after loading them); else empty. */
   castWeights: Op[];
@@ -696,6 +702,7 @@ export async function buildModel(
 
   // ---------------------------------------------------------------- backward
   const backward: Step[] = [];
+  const backwardMarks: { layer: number; at: number }[] = [];
   let optimizer: Step[] = [];
   // fp16: the f16 weight copy, refreshed from the master weights after every update.
   const castWeights: Op[] = [];
@@ -970,6 +977,7 @@ export async function buildModel(
       );
       if (TP) backward.push(allreduce(`l${l}.qkv.dx`, dln, BT * C));
       await lnBwd(`l${l}.ln1.bwd`, dln, res[l], a.ln1s, p + "ln_1.weight", p + "ln_1.bias", true);
+      backwardMarks.push({ layer: l, at: backward.filter((x) => !isSync(x)).length });
     }
     backward.push(
       await op(
@@ -1096,6 +1104,7 @@ export async function buildModel(
     loss: loss.filter((x): x is Op => !isSync(x)),
     evalLoss: evalLoss.filter((x): x is Op => !isSync(x)),
     backward: backward.filter((x): x is Op => !isSync(x)),
+    backwardMarks,
     optimizer: optimizer.filter((x): x is Op => !isSync(x)),
     program: { forward, loss, evalLoss, backward, optimizer },
     tensorParallel: { rank: tpRank, size: tpSize },

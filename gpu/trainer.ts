@@ -9,7 +9,7 @@
  * advance; the optimizer step lives on the GPU.
  */
 
-import type { ModelConfig } from "./config.ts";
+import type { ModelConfig, ParamLayout } from "./config.ts";
 import {
   checkDevice,
   type GpuContext,
@@ -33,6 +33,7 @@ import {
 import type { ChunkOptions, Precision } from "./plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";
+import type { StagedRun } from "./parallel/data_parallel.ts";
 import { encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold, pcg } from "./rng.ts";
 import { splitParams } from "./parallel/shard.ts";
@@ -105,6 +106,15 @@ export type Batch = Uint16Array | Uint32Array;
  * after the backward passes are submitted); resolves once the sum is in `grads` or queued to it.
  */
 export type GradientReduce = (grads: FlatBuffer) => Promise<void>;
+
+/**
+ * A data-parallel reduction that can also run in stages under the backward pass
+ * (`GradientReducer`): `begin` plans one step's stages, or returns null for the plain `reduce`.
+ */
+export interface StagedReduce {
+  reduce: GradientReduce;
+  begin(grads: FlatBuffer, layout: ParamLayout, layers: number): StagedRun | null;
+}
 
 /** What one readback at a log step returns. */
 export interface StepStats {
@@ -312,22 +322,81 @@ export class Trainer {
    * One data-parallel step: submits the forward and backward passes of this rank's micro-batches,
    * awaits `reduce` (which sums the gradients over the ranks), then submits the update.
    */
-  async trainStepReduced(tokens: Batch[], reduce?: GradientReduce, profile = false): Promise<void> {
-    if (this.#tp) return await this.#tensorParallelStep(tokens, reduce);
-    if (!reduce) throw new Error("trainStepReduced needs a reduce callback without tensor parallelism");
-    const qs = this.#submitBackward(tokens, profile, false);
+  async trainStepReduced(
+    tokens: Batch[],
+    reduce?: GradientReduce | StagedReduce,
+    profile = false,
+  ): Promise<void> {
+    const plain = typeof reduce === "function" ? reduce : reduce?.reduce;
+    if (this.#tp) return await this.#tensorParallelStep(tokens, plain);
+    if (!plain) throw new Error("trainStepReduced needs a reduce callback without tensor parallelism");
+    const m = this.#model;
+    const run = typeof reduce === "function"
+      ? null
+      : reduce!.begin(m.grads!, m.plan.layout, this.opts.config.n_layer);
+    let qs: GPUQuerySet | undefined;
     try {
-      await reduce(this.#model.grads!);
+      if (run) qs = await this.#stagedBackward(tokens, run, profile);
+      else {
+        qs = this.#submitBackward(tokens, profile, false);
+        await plain(m.grads!);
+      }
     } catch (e) {
       this.#step++; // the data was drawn; a failed reduction ends the job anyway
       throw e;
     }
     const enc = this.#ctx.device.createCommandEncoder();
-    const m = this.#model, base = 2 * (m.forward.length + m.loss.length + m.backward.length);
+    const base = 2 * (m.forward.length + m.loss.length + m.backward.length);
     encodeOps(enc, m.optimizer, qs, base);
     if (qs && this.#queryBuf) enc.resolveQuerySet(qs, 0, this.#stepOps.length * 2, this.#queryBuf, 0);
     this.#ctx.device.queue.submit([enc.finish()]);
     this.#step++;
+  }
+
+  /**
+   * Submits the step's micro-batches like `#submitBackward`, but the last one's pass in pieces cut
+   * where `run`'s stages of gradients are final: after each piece, while the next one computes,
+   * that stage is read back and exchanged. The sums are queued on the GPU when this resolves.
+   */
+  async #stagedBackward(list: Batch[], run: StagedRun, profile: boolean): Promise<GPUQuerySet | undefined> {
+    this.#beginStep(list);
+    const m = this.#model, M = m.microBatches, device = this.#ctx.device, q = device.queue;
+    const qs = profile ? this.#querySet : undefined;
+    const passes = [...m.forward, ...m.loss, ...m.backward];
+    const head = m.forward.length + m.loss.length;
+    const cuts = run.stageLayers.map((layer) => {
+      const mark = m.backwardMarks.find((x) => x.layer === layer);
+      if (!mark) throw new Error(`No backward mark for layer ${layer}`);
+      return head + mark.at;
+    });
+    const bounds = [0, ...cuts, passes.length];
+    for (let i = 0; i < M; i++) {
+      this.#writeTokens(list[i]);
+      this.#writeDropout(this.#step, true, i);
+      const last = i === M - 1;
+      const enc = device.createCommandEncoder();
+      if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+      if (!last) {
+        encodeOps(enc, passes);
+        q.submit([enc.finish()]);
+        continue;
+      }
+      // Piece j ends where stage j is final; the last piece (the embedding's backward) has no stage.
+      const piece = (j: number, e: GPUCommandEncoder) => {
+        encodeOps(e, passes.slice(bounds[j], bounds[j + 1]), qs, 2 * bounds[j]);
+        if (j < cuts.length) run.encode(e, j);
+        q.submit([e.finish()]);
+      };
+      piece(0, enc);
+      for (let j = 0; j < cuts.length; j++) {
+        await run.mapped(j);
+        piece(j + 1, device.createCommandEncoder());
+        await run.exchange(j);
+      }
+      await run.finish();
+    }
+    this.#profilePending = !!qs;
+    return qs;
   }
 
   /** The tensor-parallel exchange, when this trainer is a rank of a group of more than one. */

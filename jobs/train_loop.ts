@@ -59,6 +59,8 @@ export interface TrainHooks {
 /** How long a gradient exchange waits for a peer before the job fails (a peer may be evaluating). */
 const GRAD_TIMEOUT_MS = 600_000;
 
+const clamp01 = (x: number) => Math.min(1, Math.max(0, x));
+
 /** This Worker's place in a data-parallel job; null members on a single-rank job. */
 interface Ranks {
   /** Data-parallel rank and size (the replicas that split each global batch). */
@@ -249,10 +251,12 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       });
       if (state) ranks.zero.loadMoments(state.m, state.v);
     } else if (dp > 1) {
-      ranks.reducer = await GradientReducer.create(ctx, ranks.grads);
+      ranks.reducer = await GradientReducer.create(ctx, ranks.grads, {
+        overlap: c.overlap_grad_reduce ?? true,
+      });
     }
-    const reduce = ranks.zero?.step ?? ranks.reducer?.reduce;
-    const noTiming: ReduceTiming = { steps: 0, ms: 0, bytes: 0 };
+    const reduce = ranks.zero?.step ?? ranks.reducer ?? undefined;
+    const noTiming: ReduceTiming = { steps: 0, ms: 0, exposedMs: 0, bytes: 0 };
     const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)?.take() ?? noTiming;
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
     const sampler = new Sampler(
@@ -364,6 +368,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             elapsed / windowSteps,
             t.ms / Math.max(1, t.steps),
             t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
+            t.exposedMs / Math.max(1, t.steps),
             ...tpTiming(),
           ]);
           // Replicas of the same shard (equal tensor-parallel rank) must hold the same weights.
@@ -380,7 +385,10 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
             step_ms: r[3],
             allreduce_ms: r[4],
             allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
-            ...(tp > 1 ? { tp_exchange_ms: r[6], tp_allreduces: r[7] } : {}),
+            ...(dp > 1
+              ? { allreduce_exposed_ms: r[6], allreduce_hidden: r[4] > 0 ? clamp01(1 - r[6] / r[4]) : 0 }
+              : {}),
+            ...(tp > 1 ? { tp_exchange_ms: r[7], tp_allreduces: r[8] } : {}),
           }));
         }
         if (stats.skippedSteps > skipped) {

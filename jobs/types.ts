@@ -78,6 +78,11 @@ export interface TrainConfig {
    * gradients reduced to their owner, weights broadcast back after the update.
    */
   distributed_optimizer?: boolean;
+  /**
+   * Exchange each stage of layers' gradients while the layers below still compute their backward
+   * pass (Megatron's --overlap-grad-reduce; absent: true). Not with the distributed optimizer.
+   */
+  overlap_grad_reduce?: boolean;
 }
 
 /** Micro-batches each rank accumulates per optimizer step. */
@@ -114,6 +119,13 @@ export interface RankTimes {
   allreduce_ms: number;
   /** Gradient bytes per second through this rank's allreduce while it ran. */
   allreduce_gb_per_s: number | null;
+  /**
+   * Wall time per step of the allreduce with no backward work left under it (from the last
+   * backward submission to the summed gradients; equal to allreduce_ms without overlap).
+   */
+  allreduce_exposed_ms?: number;
+  /** Share of the allreduce time hidden under the backward pass: 1 − exposed / allreduce, in [0, 1]. */
+  allreduce_hidden?: number;
   /** Tensor-parallel jobs: wall time per step in the activation and loss exchanges, and the activation allreduces per step. */
   tp_exchange_ms?: number;
   tp_allreduces?: number;

@@ -50,6 +50,7 @@ export const TrainRequestSchema = z.strictObject({
   global_batch_size: positiveInt.max(1 << 20).optional(),
   allreduce_dtype: z.enum(["fp32", "fp16", "bf16"]).default("fp32"),
   distributed_optimizer: z.boolean().default(false),
+  overlap_grad_reduce: z.boolean().default(true),
 }).refine((r) => r.min_lr <= r.lr, { path: ["min_lr"], message: "min_lr must not exceed lr" })
   .superRefine((r, ctx) => {
     const micro = r.batch_size * r.data_parallel;

@@ -65,7 +65,12 @@ Deno.test({
       assert.deepEqual(two.job.metrics.gpus, [0, 1]);
       const ranks = two.job.metrics.ranks!;
       assert.equal(ranks.length, 2);
-      for (const r of ranks) assert.ok(r.step_ms > 0 && r.allreduce_ms > 0, JSON.stringify(r));
+      for (const r of ranks) {
+        assert.ok(r.step_ms > 0 && r.allreduce_ms > 0, JSON.stringify(r));
+        // Overlapped by default: the exposed part and the hidden share are reported.
+        assert.ok(r.allreduce_exposed_ms! > 0, JSON.stringify(r));
+        assert.ok(r.allreduce_hidden! >= 0 && r.allreduce_hidden! <= 1, JSON.stringify(r));
+      }
       assert.ok(two.job.metrics.timings!.allreduce_ms > 0);
       assert.ok(two.job.metrics.val_loss! > 0 && two.job.metrics.test_loss! > 0);
 

@@ -288,6 +288,42 @@ export class BucketExchange {
   }
 
   /**
+   * Records into `enc` the copy of this rank's part of `bucket` into `dst` from byte `at` (packed to
+   * 16 bits first when it travels so): the read half of `runFrom`, for a caller that reads it back
+   * itself, e.g. while the GPU goes on with other work.
+   */
+  encodeRead(enc: GPUCommandEncoder, bucket: Bucket, dst: GPUBuffer, at = 0): void {
+    const lane = this.#lanes[0];
+    this.#check(bucket, lane.comm, false);
+    const bytes = bucket.count * this.#wire;
+    if (bytes === 0) return;
+    if (this.#cast) {
+      const b = this.#binding(lane, bucket);
+      const pass = enc.beginComputePass();
+      pass.setPipeline(this.#kernels.pack!);
+      pass.setBindGroup(0, b.pack!);
+      pass.dispatchWorkgroups(b.workgroups);
+      pass.end();
+      enc.copyBufferToBuffer(lane.packed!, 0, dst, at, bytes);
+    } else {
+      enc.copyBufferToBuffer(bucket.buffer, bucket.offset, dst, at, bytes);
+    }
+  }
+
+  /**
+   * `run` for a bucket whose bytes on the wire (as `encodeRead` wrote them) this rank has read
+   * back already: `mine` holds them; the exchange and write-back are the same.
+   */
+  runFrom(bucket: Bucket, mine: Uint8Array): Promise<ExchangeTiming> {
+    if (mine.byteLength !== bucket.count * this.#wire) {
+      return Promise.reject(
+        new RangeError(`runFrom got ${mine.byteLength} bytes for a bucket of ${bucket.count * this.#wire}`),
+      );
+    }
+    return this.#queue(bucket, false, (lane) => this.#allreduce(lane, bucket, mine));
+  }
+
+  /**
    * Reduce-scatter of a bucket (host path, for the distributed optimizer): afterwards this rank's
    * shard `shardRange(count, ranks, rank)` of the bucket holds the sum over ranks; the rest of the
    * bucket is left as it was. A 16-bit bucket needs a count divisible by 2 × ranks.
@@ -379,7 +415,7 @@ export class BucketExchange {
     checkRange(bucket.buffer, bucket.offset, count * this.#elem);
   }
 
-  async #allreduce(lane: Lane, bucket: Bucket): Promise<ExchangeTiming> {
+  async #allreduce(lane: Lane, bucket: Bucket, mine?: Uint8Array): Promise<ExchangeTiming> {
     const comm = lane.comm, queue = this.#ctx.device.queue, bytes = bucket.count * this.#wire;
     const b = bytes > 0 && (this.#cast || (this.path === "gpu" && comm.size > 1))
       ? this.#binding(lane, bucket)
@@ -387,9 +423,10 @@ export class BucketExchange {
     const t0 = performance.now();
     const slot = await comm.acquire();
     const source = bucket.source ?? true, writeBack = bucket.writeBack ?? true;
-    if (b?.pack && source) this.#dispatch(this.#kernels.pack!, b.pack, b.workgroups);
+    if (b?.pack && source && !mine) this.#dispatch(this.#kernels.pack!, b.pack, b.workgroups);
     const [src, at] = b?.pack ? [lane.packed!, 0] : [bucket.buffer, bucket.offset];
-    if (source) await lane.stager.readInto(src, at, bytes, bytesOf(slot, 0, bytes));
+    if (mine) bytesOf(slot, 0, bytes).set(mine);
+    else if (source) await lane.stager.readInto(src, at, bytes, bytesOf(slot, 0, bytes));
     else bytesOf(slot, 0, bytes).fill(0);
     const t1 = performance.now();
     if (this.path === "host" || comm.size === 1 || bytes === 0) {
@@ -455,7 +492,7 @@ export class BucketExchange {
       });
     const k = this.#kernels, cast = this.#cast;
     const b: BucketBinding = {
-      add: this.path === "gpu" && comm.size > 1 ? group(k.add, cast ? [0, 1, 2, 3] : [0, 1, 2]) : undefined,
+      add: this.path === "gpu" && comm.size > 1 ? group(k.add, [0, 1, 2]) : undefined,
       pack: cast ? group(k.pack, [0, 2, 3]) : undefined,
       unpack: cast ? group(k.unpack, [0, 2, 3]) : undefined,
       workgroups: Math.max(1, Math.min(Math.ceil(words / EXCHANGE_WG), 4096)),

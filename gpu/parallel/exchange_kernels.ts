@@ -10,7 +10,8 @@
  *
  *  - peerAddWgsl(dtype): own = Σ over ranks q in order of rank q's value, fp32 sums, in place.
  *  - peerAddCastWgsl(dtype): the same for an fp32 bucket sent as 16-bit: the sum of every rank's
- *    rounded values, own included, lands in fp32 (no rounding of the sum).
+ *    rounded values, own included (rounded again from the bucket, the same bits as its packed
+ *    copy), lands in fp32 (no rounding of the sum).
  *  - packWgsl / unpackWgsl: fp32 bucket <-> its packed 16-bit copy (round to nearest even for
  *    bf16; f16 by pack2x16float).
  */
@@ -62,18 +63,21 @@ ${LOOP}
 }`;
 }
 
-/** Sum into an fp32 bucket of every rank's packed 16-bit values (own from its packed copy). */
+/**
+ * Sum into an fp32 bucket of every rank's 16-bit values; its own are rounded from the bucket as
+ * `packWgsl` rounds them, so the packed copy may already hold another bucket.
+ */
 export function peerAddCastWgsl(dtype: "f16" | "bf16"): string {
   return `${codec(dtype)}
 ${HEADER}
 @group(0) @binding(0) var<storage, read_write> grad: array<f32>;
 @group(0) @binding(1) var<storage, read> peers: array<u32>;
-@group(0) @binding(3) var<storage, read> packed: array<u32>;
 ${PEER}
 ${LOOP}
+    let mine = enc(vec2<f32>(grad[p.shift + 2u * i], grad[p.shift + 2u * i + 1u]));
     var s = vec2<f32>(0.0);
     for (var q = 0u; q < p.ranks; q++) {
-      if (q == p.me) { s += dec(packed[i]); } else { s += dec(peer(q, i)); }
+      if (q == p.me) { s += dec(mine); } else { s += dec(peer(q, i)); }
     }
     grad[p.shift + 2u * i] = s.x;
     grad[p.shift + 2u * i + 1u] = s.y;

@@ -279,7 +279,8 @@ export class DistributedOptimizer {
 
   /** Exchange time and bytes since the last call, then resets them. */
   take(): ReduceTiming {
-    const t = { steps: this.#steps, ms: this.#elapsed, bytes: this.#bytes };
+    // Nothing overlaps the backward pass here: all of it is exposed.
+    const t = { steps: this.#steps, ms: this.#elapsed, exposedMs: this.#elapsed, bytes: this.#bytes };
     this.#elapsed = this.#bytes = this.#steps = 0;
     return t;
   }
