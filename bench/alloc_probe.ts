@@ -1,8 +1,10 @@
 /**
  * Where GPU memory beyond the plan goes: allocates buffers without running kernels and compares
- * nvidia-smi's memory.used delta with the bytes asked for. Variants: every buffer of a model's
- * training plan as the engine allocates it; the same bytes in 1 GiB buffers; and N buffers of
- * one size. Needs nvidia-smi (the GPU machine).
+ * nvidia-smi's memory.used delta with the bytes asked for, beside the waste the allocator model
+ * predicts (allocatorWaste in gpu/plan.ts: 256 MiB blocks counted whole). Variants: every buffer
+ * of a model's training plan in plan order; the same buffers in the packed order the engine
+ * allocates them in (allocationOrder); the same bytes in 1 GiB buffers; and N buffers of one
+ * size. Needs nvidia-smi (the GPU machine).
  *
  *   deno run -A bench/alloc_probe.ts [--model gpt2-345M] [--batch 8] [--seq 1024] [--checkpoint 0]
  *                                    [--precision fp32] [--sizes 16,32,48,96,128,256,300] [--count 24]
@@ -10,7 +12,7 @@
 
 import { presetConfig } from "../gpu/config.ts";
 import { createStorage, type GpuContext, openDevice } from "../gpu/device.ts";
-import { planModel, type Precision } from "../gpu/plan.ts";
+import { allocationOrder, allocatorWaste, planModel, type Precision } from "../gpu/plan.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -49,7 +51,8 @@ const plan = planModel(ctx.limits, { config, B: +arg("batch", "8"), T: +arg("seq
   checkpointLayers: +arg("checkpoint", "0"),
   precision: arg("precision", "fp32") as Precision,
 });
-const sizes = plan.buffers.filter((b) => b.usage === "storage").map((b) => b.bytes);
+const storage = plan.buffers.filter((b) => b.usage === "storage");
+const sizes = storage.map((b) => b.bytes);
 const total = sizes.reduce((a, b) => a + b, 0);
 const hist = new Map<number, number>();
 for (const s of sizes) hist.set(Math.round(s / MiB), (hist.get(Math.round(s / MiB)) ?? 0) + 1);
@@ -58,21 +61,26 @@ console.log(
     [...hist].sort((a, b) => b[0] - a[0]).map(([m, n]) => `${m}x${n}`).join(" "),
 );
 const rows: Record<string, unknown>[] = [];
-const report = (variant: string, asked: number, delta: number) => {
-  rows.push({ variant, asked, delta });
+/** One variant: `list` allocated in that order, measured beside the modelled waste. */
+const report = async (variant: string, list: number[]) => {
+  const asked = list.reduce((a, b) => a + b, 0), modelled = allocatorWaste(list);
+  const delta = await probe(ctx, list);
+  rows.push({ variant, asked, delta, modelled_waste: modelled });
   console.log(
     `${variant.padEnd(28)} asked ${(asked / GiB).toFixed(3).padStart(8)} GiB  nvidia-smi ${
       (delta / GiB).toFixed(3).padStart(8)
-    } GiB  ${((delta / asked - 1) * 100).toFixed(1).padStart(6)}%`,
+    } GiB  ${((delta / asked - 1) * 100).toFixed(1).padStart(6)}%  modelled waste ${
+      (modelled / GiB).toFixed(3).padStart(6)
+    } GiB (${((modelled / asked) * 100).toFixed(1).padStart(5)}%)`,
   );
 };
-report("plan buffers", total, await probe(ctx, sizes));
+await report("plan buffers", sizes);
+await report("plan buffers, packed order", allocationOrder(storage).order.map((b) => b.bytes));
 const arena: number[] = [];
 for (let left = total; left > 0; left -= GiB) arena.push(Math.min(GiB, left));
-report("same bytes in 1 GiB buffers", total, await probe(ctx, arena));
+await report("same bytes in 1 GiB buffers", arena);
 const count = +arg("count", "24");
 for (const mib of arg("sizes", "16,32,48,64,96,128,192,256,300,512").split(",").filter(Boolean).map(Number)) {
-  const list = Array.from({ length: count }, () => mib * MiB);
-  report(`${count} x ${mib} MiB`, count * mib * MiB, await probe(ctx, list));
+  await report(`${count} x ${mib} MiB`, Array.from({ length: count }, () => mib * MiB));
 }
 console.log(JSON.stringify(rows));

@@ -8,11 +8,16 @@
  * much of it Megatron's column/row/vocab-parallel layers shard (attention and MLP matrices, their
  * column-parallel biases, the embedding's vocabulary, the attention and MLP activations, the
  * logits); LayerNorm, position embedding and the residual stream are replicated.
+ *
+ * Beside the buffers' bytes the estimate counts what the driver-side allocator wastes of its
+ * 256 MiB blocks under the order the engine allocates them in (`allocator`, see allocatorWaste()
+ * in gpu/plan.ts), so its total predicts what nvidia-smi shows and is what the fit check compares.
  */
 
 import { tensorParallelConfig } from "./parallel/shard.ts";
 import { type ModelConfig, paramLayout } from "./config.ts";
 import {
+  allocationOrder,
   CATEGORIES,
   type Category,
   type ModelPlan,
@@ -27,6 +32,15 @@ export const DEFAULT_PLAN_LIMITS: PlanLimits = {
   maxStorageBufferBindingSize: 2 ** 31 - 4,
   maxBufferSize: 2 ** 40,
 };
+
+/**
+ * Parts of an estimate: the buffer categories, then `allocator`, the bytes the allocator's blocks
+ * waste beyond the buffers (no buffer has that category).
+ */
+export type EstimatePart = Category | "allocator";
+
+/** Parts in report order. */
+export const ESTIMATE_PARTS: readonly EstimatePart[] = [...CATEGORIES, "allocator"];
 
 /** What to estimate. */
 export interface EstimateRequest {
@@ -51,9 +65,14 @@ export interface Estimate {
   parameters: number;
   /** What one GPU holds with tensor parallelism. */
   parameters_per_gpu: number;
-  /** Bytes per GPU by category, and their total. */
-  bytes_per_gpu: Record<Category, number> & { total: number };
-  /** The largest category (what a refusal names). */
+  /**
+   * Bytes per GPU by category, the allocator's modelled waste, and their total (what the fit check
+   * compares with the GPU's memory).
+   */
+  bytes_per_gpu: Record<EstimatePart, number> & { total: number };
+  /** Bytes of the buffers alone (what the engine reports as allocated): total less allocator. */
+  buffer_bytes: number;
+  /** The largest category of buffers (what a refusal names; the allocator's waste is never named). */
   biggest: { category: Category; bytes: number };
   /** Model FLOPs of one optimizer step over all data-parallel ranks (recomputation not counted). */
   flops_per_step: number;
@@ -100,18 +119,23 @@ function shardBytes(label: string, bytes: number, flat: number, tp: number): num
 export function estimateFromPlan(plan: ModelPlan, tp = 1, dp = 1, distributedOptimizer = false): Estimate {
   const c = plan.config;
   const flat = flatShare(c, tp);
-  const bytes = Object.fromEntries(CATEGORIES.map((k) => [k, 0])) as Record<Category, number>;
-  for (const b of plan.buffers) {
+  const bytes = Object.fromEntries(ESTIMATE_PARTS.map((k) => [k, 0])) as Record<EstimatePart, number>;
+  const sized = plan.buffers.map((b) => {
     const moments = distributedOptimizer && /^adam\.[mv](\.\d+)?$/.test(b.label);
-    bytes[b.category] += shardBytes(b.label, moments ? Math.ceil(b.bytes / dp) : b.bytes, flat, tp);
-  }
-  const total = CATEGORIES.reduce((a, k) => a + bytes[k], 0);
+    return { ...b, bytes: shardBytes(b.label, moments ? Math.ceil(b.bytes / dp) : b.bytes, flat, tp) };
+  });
+  for (const b of sized) bytes[b.category] += b.bytes;
+  const bufferBytes = CATEGORIES.reduce((a, k) => a + bytes[k], 0);
+  // The buffers as sized here, in the order the engine allocates them.
+  bytes.allocator = allocationOrder(sized).wasteBytes;
+  const total = bufferBytes + bytes.allocator;
   const biggest =
     CATEGORIES.map((k) => ({ category: k, bytes: bytes[k] })).sort((a, b) => b.bytes - a.bytes)[0];
   return {
     parameters: parametersPerGpu(c, 1),
     parameters_per_gpu: Math.round(parametersPerGpu(c, tp)),
     bytes_per_gpu: { ...bytes, total },
+    buffer_bytes: bufferBytes,
     biggest,
     flops_per_step: megatronFlops(c, plan.B * dp, plan.T),
     buffers: plan.buffers.length,

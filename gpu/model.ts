@@ -20,6 +20,7 @@ import { createStorage, type GpuContext } from "./device.ts";
 import { type FlatBuffer, flatView } from "./flat.ts";
 import {
   actPrefix,
+  allocationOrder,
   LAYER_ACTS,
   type LayerActName,
   type ModelPlan,
@@ -272,14 +273,15 @@ export async function buildModel(
   const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
   const cache = new PipelineCache(ctx);
-  // Every buffer of the plan, allocated up front in plan order; nothing else is allocated.
+  // Every buffer of the plan, allocated up front; nothing else is allocated. In the order that
+  // packs the allocator's 256 MiB blocks (allocationOrder): the code below finds them by label.
   const buffers: GPUBuffer[] = [];
   const byLabel = new Map<string, GPUBuffer>();
   /** Buffers whose elements are f16 (everything else is f32 or u32). */
   const f16Buffers = new Set<GPUBuffer>();
   let memoryBytes = 0;
   try {
-    for (const p of plan.buffers) {
+    for (const p of allocationOrder(plan.buffers).order) {
       const b = p.usage === "uniform"
         ? ctx.device.createBuffer({
           label: p.label,

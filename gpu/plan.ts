@@ -336,3 +336,93 @@ export function planModel(
     totalBytes: buffers.reduce((a, b) => a + b.bytes, 0),
   };
 }
+
+/**
+ * Block size of the driver-side allocator under Deno's WebGPU (Vulkan), as measured on an H200
+ * (bench/alloc_probe.ts): a buffer of at most this many bytes is sub-allocated from a block of
+ * this size (first fit; a new whole block when none has room), a bigger one gets an allocation of
+ * its own. nvidia-smi counts every block whole.
+ */
+export const ALLOCATOR_BLOCK_BYTES = 256 * 2 ** 20;
+
+/**
+ * What a sub-allocation takes of its block in the model: its bytes rounded up to this (Vulkan's
+ * buffer alignment is at most this on the GPUs we target), so a bin packed to the byte still fits.
+ */
+export const ALLOCATOR_ALIGN_BYTES = 256;
+
+/** Bytes a buffer of `bytes` occupies in a block. */
+function footprint(bytes: number): number {
+  return Math.ceil(bytes / ALLOCATOR_ALIGN_BYTES) * ALLOCATOR_ALIGN_BYTES;
+}
+
+/** An allocation order and what the allocator wastes under it. */
+export interface AllocationOrder<B extends { bytes: number } = PlannedBuffer> {
+  /** Every buffer once: those bigger than a block first (plan order), then the bins one after another. */
+  order: B[];
+  /** The buffers of at most a block, first-fit-decreasing into bins of at most `blockBytes`. */
+  bins: B[][];
+  /** Σ over bins of (block − bytes of its buffers): allocatorWaste() of `order`. */
+  wasteBytes: number;
+}
+
+/**
+ * The order in which to allocate `buffers` (storage and uniform alike: both live in the
+ * allocator's blocks) so the small ones pack its blocks tightly: buffers bigger than a block first
+ * (each its own allocation, no waste), then the others packed first-fit-decreasing into bins of at
+ * most `blockBytes` and emitted bin after bin. Allocated in that order, the allocator puts each
+ * bin in a block of its own whichever order it tries its blocks in: a buffer that went to a later
+ * bin did not fit the earlier bins when it was placed, and they only filled up since. Pure.
+ */
+export function allocationOrder<B extends { bytes: number }>(
+  buffers: readonly B[],
+  blockBytes: number = ALLOCATOR_BLOCK_BYTES,
+): AllocationOrder<B> {
+  const big = buffers.filter((b) => b.bytes > blockBytes);
+  // Stable: equal sizes keep plan order.
+  const small = buffers.filter((b) => b.bytes <= blockBytes)
+    .map((b, i) => ({ b, i }))
+    .sort((x, y) => footprint(y.b.bytes) - footprint(x.b.bytes) || x.i - y.i)
+    .map((x) => x.b);
+  const bins: B[][] = [], fill: number[] = [];
+  for (const b of small) {
+    const f = Math.min(footprint(b.bytes), blockBytes);
+    let i = fill.findIndex((used) => used + f <= blockBytes);
+    if (i < 0) {
+      i = bins.length;
+      bins.push([]);
+      fill.push(0);
+    }
+    bins[i].push(b);
+    fill[i] += f;
+  }
+  const order = [...big, ...bins.flat()];
+  return { order, bins, wasteBytes: allocatorWaste(order.map((b) => b.bytes), blockBytes) };
+}
+
+/**
+ * Bytes the allocator wastes when buffers of `sizes` are allocated in that order and kept: the
+ * ones of at most `blockBytes` are placed in the newest block with room (blocks are tried newest
+ * first, as gpu-allocator scans them; a new block when none has room) and every block counts
+ * whole; bigger ones are their own allocation (no waste). The result is the blocks' bytes less the
+ * bytes of the buffers in them (alignment included).
+ *
+ * Newest-first rather than first fit because it reproduces what nvidia-smi measured for the
+ * plans of gpt2-345M at 8×1024 in plan order (bench/alloc_probe.ts, H200): fp16 +0.387 GiB
+ * modelled against +0.38 measured, checkpointed +0.214 against +0.21, fp32 +1.23 against +0.98;
+ * first fit would say +0.23 for fp32. Under allocationOrder() both scans give the same blocks.
+ */
+export function allocatorWaste(sizes: readonly number[], blockBytes: number = ALLOCATOR_BLOCK_BYTES): number {
+  const fill: number[] = [];
+  let small = 0;
+  for (const s of sizes) {
+    if (s > blockBytes) continue;
+    const f = Math.min(footprint(s), blockBytes);
+    let i = fill.length - 1;
+    while (i >= 0 && fill[i] + f > blockBytes) i--;
+    if (i < 0) fill.push(f);
+    else fill[i] += f;
+    small += s;
+  }
+  return fill.length * blockBytes - small;
+}

@@ -1,13 +1,21 @@
 /**
  * The memory estimator and the fit check: the estimate equals the bytes the engine allocates for
- * tiny models in every mode (one plan feeds both), the parameter and FLOP formulas, `GET
- * /estimate`, and `POST /train`'s refusal naming the biggest part.
+ * tiny models in every mode (one plan feeds both) plus the allocator's modelled waste under the
+ * order the engine allocates in, the parameter and FLOP formulas, `GET /estimate`, and `POST
+ * /train`'s refusal naming the biggest part.
  */
 
 import assert from "node:assert/strict";
 import { makeConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
 import { estimateTraining, megatronFlops, parametersPerGpu } from "../gpu/estimate.ts";
-import { type ChunkOptions, planModel, type Precision } from "../gpu/plan.ts";
+import {
+  allocationOrder,
+  allocatorWaste,
+  CATEGORIES,
+  type ChunkOptions,
+  planModel,
+  type Precision,
+} from "../gpu/plan.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { completeConfig, InvalidJobError, JobRunner, JobStore, type TrainRequest } from "../jobs/mod.ts";
 import { ScriptedWorker } from "../jobs/testing.ts";
@@ -57,6 +65,12 @@ Deno.test("estimateTraining() of gpt2-345M at 8×1024: weights, gradients and mo
   assert.equal(est.bytes_per_gpu.activations, 24 * perLayer + residuals + lnf + shared);
   // Logits in chunks of at most 512 MiB (not 1.53 GiB), plus the per-row losses.
   assert.equal(est.bytes_per_gpu.logits, 2048 * 50304 * 4 + BT * 4);
+  // The buffers' 13.69 GiB and the allocator's waste of its 256 MiB blocks under the engine's
+  // order: 33 blocks for the buffers under 256 MiB, the last one mostly empty.
+  const buffers = CATEGORIES.reduce((a, k) => a + est.bytes_per_gpu[k], 0);
+  assert.equal(est.buffer_bytes, buffers);
+  assert.equal(est.bytes_per_gpu.total, buffers + est.bytes_per_gpu.allocator);
+  assert.ok(est.bytes_per_gpu.allocator > 0 && est.bytes_per_gpu.allocator < 256 * 2 ** 20);
   const ckpt = estimateTraining({ config: c, batchSize: 8, seqLen: 1024, checkpointLayers: 1 });
   assert.ok(ckpt.bytes_per_gpu.activations < 0.2 * est.bytes_per_gpu.activations);
 });
@@ -75,7 +89,7 @@ const modes: Array<
 ];
 for (const mode of modes) {
   Deno.test({
-    name: `Trainer allocates exactly the estimate (${mode.name})`,
+    name: `Trainer allocates exactly the estimate's buffers, in the order it models (${mode.name})`,
     ignore: noGpu,
     fn: async () => {
       const ctx = (await testContext())!;
@@ -101,9 +115,18 @@ for (const mode of modes) {
         precision: mode.opts.precision,
       });
       const allocated = tr.model.buffers.reduce((a, b) => a + b.size, 0);
-      assert.equal(allocated, est.bytes_per_gpu.total);
-      assert.equal(tr.memoryBytes, est.bytes_per_gpu.total);
+      assert.equal(allocated, est.buffer_bytes);
+      assert.equal(tr.memoryBytes, est.buffer_bytes);
       assert.equal(tr.model.buffers.length, est.buffers);
+      // The estimate is the buffers plus what the allocator wastes under the order they were
+      // allocated in, which is allocationOrder()'s.
+      assert.equal(est.bytes_per_gpu.total, allocated + est.bytes_per_gpu.allocator);
+      assert.equal(allocatorWaste(tr.model.buffers.map((b) => b.size)), est.bytes_per_gpu.allocator);
+      const plan = planModel(ctx.limits, { config: tiny, B, T }, { ...mode.opts.chunks, ...mode.opts });
+      assert.deepEqual(
+        tr.model.buffers.map((b) => b.label),
+        allocationOrder(plan.buffers).order.map((b) => b.label),
+      );
       tr.destroy();
     },
   });
@@ -194,6 +217,8 @@ Deno.test("GET /estimate returns parameters, bytes per category and FLOPs; bad i
     assert.equal(body.gpu_memory_bytes, null);
 
     assert.equal(body.total_bytes, direct.bytes_per_gpu.total);
+    assert.ok(body.bytes_per_gpu.allocator > 0, "the allocator's waste is its own part");
+    assert.equal(body.buffer_bytes, direct.bytes_per_gpu.total - body.bytes_per_gpu.allocator);
     const dims = await app.request(
       `/estimate?model=${encodeURIComponent('{"n_layer":2,"n_head":2,"n_embd":64,"n_positions":32}')}`,
     );
