@@ -10,6 +10,7 @@
  *   deno task bench matmul --from-json F --emit-tiles gpu/kernels/matmul_tiles.ts   (no GPU)
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
+ *          --flush-every 2,4 (f16 math: also the pick with k-tile sums flushed every 2, 4 tiles)
  *          --budget SECONDS (sweep, default 220)  --reps N (minimum timed repetitions, default 20)
  *
  * The sweep screens all candidates on the first shape of each class (layout; for TN, few or many
@@ -558,6 +559,8 @@ async function main(args: string[]): Promise<void> {
   const budget = +arg(args, "budget", tiny ? "45" : "220");
   const minReps = +arg(args, "reps", tiny ? "5" : "20");
   const only = new RegExp(arg(args, "only", "."));
+  /** `--flush-every 2,4`: also time the pick of every f16-math shape with those flush intervals. */
+  const flushes = arg(args, "flush-every", "").split(",").filter(Boolean).map(Number);
   const precisions = arg(args, "precision", ctx.hasF16 && !tiny ? "fp32,fp16" : "fp32").split(",") as Array<
     "fp32" | "fp16"
   >;
@@ -686,7 +689,10 @@ async function main(args: string[]): Promise<void> {
       const pick = pickOf(s);
       const results: VariantResult[] = [await measure(bench, s, pick, "pick", full, true)];
       printRow(s.name, results[0]);
-      for (const tile of chosen.get(keyOf(s.spec)) ?? []) {
+      const flushVariants = s.spec.math === "f16"
+        ? flushes.filter((f) => f > 1).map((flushEvery) => ({ ...pick, flushEvery }))
+        : [];
+      for (const tile of [...flushVariants, ...(chosen.get(keyOf(s.spec)) ?? [])]) {
         if (tileName(tile) === tileName(pick) || !bench.fits(s.spec, tile)) continue;
         const r = await measure(bench, s, tile, "full", full, false);
         printRow(s.name, r, results[0].median_ms);

@@ -91,6 +91,11 @@ export interface MatmulTile {
   transposeLoad?: "k" | "mn";
   /** Split K into up to this many slices (grid z) reduced by a second kernel; default 1. */
   splitK?: number;
+  /**
+   * With f16 math: k-tiles summed in f16 before each flush into the f32 accumulators (default 1;
+   * more trades precision, BK·flushEvery products per f16 sum, for fewer conversions).
+   */
+  flushEvery?: number;
 }
 
 /** One kernel of a matmul: its WGSL, bindings in order ("part" is the split-K scratch), grid. */
@@ -107,11 +112,12 @@ export interface MatmulKernel {
 /** A short name of a tile, e.g. "128x128x16/8x8" or "g2 128x128x16/8x8 b2 w8 mn s4". */
 export function tileName(t: MatmulTile): string {
   const base = `${t.BM}x${t.BN}x${t.BK}/${t.TM}x${t.TN}`;
-  if ((t.gen ?? 1) === 1) return base;
+  if ((t.gen ?? 1) === 1) return (t.flushEvery ?? 1) > 1 ? `${base} f${t.flushEvery}` : base;
   const parts = ["g2", base, `b${t.buffers ?? 1}`];
   if (t.warpN) parts.push(`w${t.warpN}`);
   parts.push(t.transposeLoad ?? "mn");
   if ((t.splitK ?? 1) > 1) parts.push(`s${t.splitK}`);
+  if ((t.flushEvery ?? 1) > 1) parts.push(`f${t.flushEvery}`);
   return parts.join(" ");
 }
 
@@ -442,7 +448,11 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     for (let h = 0; h < gN; h++) fma.push(`b${h} = Bs[${kk * (BN / 4) + h * (BN / gN / 4)}u + tx];`);
     fma.push(...fmaLines(gM, gN, h16));
   }
-  const { decl, flush } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  const { decl, flush: flushLines } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  const F = tile.flushEvery ?? 1;
+  const flush = F > 1 && flushLines.length
+    ? [`if ((t + 1u) % ${F}u == 0u || !more) {`, ...flushLines, `}`]
+    : flushLines;
 
   // Epilogue per accumulator vec4.
   const epi = epilogue(spec, tile, guardM, guardN);
@@ -652,7 +662,13 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
     }
     return out;
   };
-  const { decl, flush } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  const { decl, flush: flushLines } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  // With flushEvery F > 1 the f16 sums are flushed after every F-th k-tile and after the last.
+  const F = tile.flushEvery ?? 1;
+  const flushAt = (next: string) =>
+    F > 1 && flushLines.length
+      ? [`if (${next} % ${F}u == 0u || ${next} >= nT) {`, ...flushLines, `}`]
+      : flushLines;
   const threadIds = warpN
     ? [
       `let wid = tid / 32u;`,
@@ -673,7 +689,7 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       ${ind(loads, 6)}
     }
     ${ind(compute(0), 4)}
-    ${ind(flush, 4)}
+    ${ind(flushAt("t + 1u"), 4)}
     workgroupBarrier();
     if (more) {
       ${ind(stores(0), 6)}
@@ -686,7 +702,7 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       ${ind(loads, 6)}
     }
     ${ind(compute(0), 4)}
-    ${ind(flush, 4)}
+    ${ind(flushAt("t + 1u"), 4)}
     if (t + 1u < nT) {
       ${ind(stores(1), 6)}
     }
@@ -697,7 +713,7 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       ${ind(loads, 6)}
     }
     ${ind(compute(1), 4)}
-    ${ind(flush, 4)}
+    ${ind(flushAt("t + 2u"), 4)}
     if (t + 2u < nT) {
       ${ind(stores(0), 6)}
     }
