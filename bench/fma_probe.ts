@@ -2,12 +2,15 @@
  * Peak arithmetic through WGSL on this GPU: chains of fused multiply-adds on independent
  * accumulators in f32 and f16 (vec4 and vec2), no memory traffic but one store per thread. It
  * tells whether f16 arithmetic runs at twice the f32 rate through this stack (naga's SPIR-V, the
- * driver's compiler), which is what an f16 matmul needs to beat an f32 one.
+ * driver's compiler), which is what an f16 matmul needs to beat an f32 one. Timed by timestamp
+ * queries where the adapter has them (the GPU's own time of the dispatch), else by wall clock.
  *
  *   deno run -A bench/fma_probe.ts [--iters 4096] [--reps 5] [--acc 8]
  */
 
 import { createPipeline, describeDevice, openDevice } from "../gpu/device.ts";
+import { makeOp } from "../gpu/ops.ts";
+import { GpuTimer } from "./_gpu_bench.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -18,7 +21,8 @@ const ITERS = +arg("iters", "4096"), REPS = +arg("reps", "5"), ACC = +arg("acc",
 
 function wgsl(type: "f32" | "f16", lanes: 2 | 4): string {
   const v = `vec${lanes}<${type}>`;
-  const decl = Array.from({ length: ACC }, (_, i) => `var a${i} = ${v}(${type}(${i}) * ${type}(0.001));`).join("\n  ");
+  const decl = Array.from({ length: ACC }, (_, i) => `var a${i} = ${v}(${type}(${i}) * ${type}(0.001));`)
+    .join("\n  ");
   const body = Array.from({ length: ACC }, (_, i) => `a${i} = fma(a${i}, m, c);`).join("\n    ");
   const sum = Array.from({ length: ACC }, (_, i) => `a${i}`).join(" + ");
   return `${type === "f16" ? "enable f16;\n" : ""}
@@ -42,31 +46,19 @@ const groups = 132 * 64;
 const out = ctx.device.createBuffer({ size: groups * WG * 4, usage: GPUBufferUsage.STORAGE });
 const variants: ["f32" | "f16", 2 | 4][] = [["f32", 4], ["f32", 2], ["f16", 4], ["f16", 2]];
 const rows: Record<string, unknown>[] = [];
+const timer = new GpuTimer(ctx);
+console.log(`timing: ${timer.method}`);
 for (const [type, lanes] of variants) {
   if (type === "f16" && !ctx.hasF16) continue;
   const pipeline = await createPipeline(ctx, `fma ${type}x${lanes}`, wgsl(type, lanes));
-  const group = ctx.device.createBindGroup({
-    layout: pipeline.getBindGroupLayout(0),
-    entries: [{ binding: 0, resource: { buffer: out } }],
+  const op = makeOp(ctx, pipeline, {
+    label: `fma ${type}x${lanes}`,
+    phase: "forward",
+    kind: "elementwise",
+    views: [{ buffer: out }],
+    grid: [groups],
   });
-  const run = async () => {
-    const enc = ctx.device.createCommandEncoder();
-    const pass = enc.beginComputePass();
-    pass.setPipeline(pipeline);
-    pass.setBindGroup(0, group);
-    pass.dispatchWorkgroups(groups);
-    pass.end();
-    ctx.device.queue.submit([enc.finish()]);
-    await ctx.device.queue.onSubmittedWorkDone();
-  };
-  await run();
-  const times: number[] = [];
-  for (let r = 0; r < REPS; r++) {
-    const t0 = performance.now();
-    await run();
-    times.push(performance.now() - t0);
-  }
-  const ms = times.sort((a, b) => a - b)[Math.floor(REPS / 2)];
+  const ms = (await timer.time([op], REPS, 1)).median_ms;
   const flops = groups * WG * ITERS * ACC * lanes * 2;
   const tflops = flops / (ms / 1000) / 1e12;
   rows.push({ type, lanes, ms, tflops });
