@@ -11,7 +11,7 @@
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
  *
- *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch]
+ *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
@@ -63,8 +63,9 @@ async function engine(): Promise<void> {
       const ttft = performance.now() - t0;
       while (got < B * n) for (const o of (await gen.step(16)).values()) got += o.tokens.length;
       const ms = performance.now() - t0;
+      const profile = Deno.args.includes("--profile") && ctx.hasTimestamps ? await gen.profileDecode() : null;
       for (const h of hs) gen.release(h);
-      return { tokens: got, ms, ttft };
+      return { tokens: got, ms, ttft, profile };
     };
     for (const B of batches) {
       await run(B, 32); // warm-up: compiles this batch's plans
@@ -81,6 +82,31 @@ async function engine(): Promise<void> {
         `${model} batch ${B}: ${res.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
           `time to first token (batched prefill of ${B} × 32 tokens) ${r.ttft.toFixed(1)} ms`,
       );
+      if (r.profile) {
+        // Kernel families: the label without its layer, e.g. "dec.l3.fc.gemv" -> "fc.gemv".
+        const fam = new Map<string, { n: number; ms: number }>();
+        for (const k of r.profile) {
+          const key = k.label.replace(/^dec\.(l\d+\.)?/, "");
+          const f = fam.get(key) ?? { n: 0, ms: 0 };
+          f.n++;
+          f.ms += k.ms;
+          fam.set(key, f);
+        }
+        const total = r.profile.reduce((a, k) => a + k.ms, 0);
+        console.log(
+          `  one decode step, kernel by kernel: ${r.profile.length} kernels, ${
+            total.toFixed(3)
+          } ms of GPU time ` +
+            `(the timed run: ${(r.ms / (r.tokens / B)).toFixed(3)} ms per token per stream)`,
+        );
+        for (const [k, f] of [...fam].sort((a, b) => b[1].ms - a[1].ms)) {
+          console.log(
+            `    ${k.padEnd(16)} ${String(f.n).padStart(3)} × ${
+              (f.ms / f.n * 1000).toFixed(1).padStart(7)
+            } µs = ${f.ms.toFixed(3)} ms`,
+          );
+        }
+      }
     }
     gen.destroy();
     if (Deno.args.includes("--torch")) {

@@ -598,6 +598,36 @@ export class Generator {
   }
 
   /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
+  /**
+   * For benchmarks: times one decode step of the rows now decoding, kernel by kernel (a
+   * timestamped pass per kernel), and returns each kernel's GPU time in ms in order. The step's
+   * token and cache writes are overwritten by the next `step`, which rewrites the state from the
+   * CPU's copy. Needs timestamp queries and at least one row.
+   */
+  async profileDecode(): Promise<{ label: string; ms: number }[]> {
+    const R = this.#rows.length, dev = this.#ctx.device;
+    if (!this.#ctx.hasTimestamps) throw new GpuError("profileDecode", "the adapter has no timestamp queries");
+    if (R === 0) throw new RangeError("profileDecode needs a stream being decoded");
+    const ops = await this.#decodePlan(this.#bucket(R));
+    const qs = dev.createQuerySet({ type: "timestamp", count: 2 * ops.length });
+    const resolve = dev.createBuffer({
+      size: 16 * ops.length,
+      usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
+    });
+    try {
+      const enc = dev.createCommandEncoder();
+      encodeOps(enc, ops, qs);
+      enc.resolveQuerySet(qs, 0, 2 * ops.length, resolve, 0);
+      dev.queue.submit([enc.finish()]);
+      const [buf] = await readBuffers(this.#ctx, [{ buffer: resolve, bytes: 16 * ops.length }]);
+      const t = new BigUint64Array(buf);
+      return ops.map((op, i) => ({ label: op.label, ms: Number(t[2 * i + 1] - t[2 * i]) / 1e6 }));
+    } finally {
+      qs.destroy();
+      resolve.destroy();
+    }
+  }
+
   async #decodePlan(S: number): Promise<Op[]> {
     const have = this.#decode.get(S);
     if (have) return have;

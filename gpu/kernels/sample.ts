@@ -3,7 +3,9 @@
  * over the real vocabulary only (padded ids are never candidates), greedy when temperature is 0.
  * Thresholds for top-k and top-p are found by bisection on the logit value with workgroup
  * reductions, so no sort is needed; the draw walks chunk sums in vocabulary order, which makes it
- * deterministic for a given seed and position.
+ * deterministic for a given seed and position. With top-k, the ids that can be kept (logit at
+ * least the k-th largest of the threads' maxima) are first compacted in vocabulary order into
+ * workgroup memory, so the bisections walk a few thousand values, not the vocabulary, each time.
  *
  * Per-row state (u32 words, STATE_WORDS per row): token, position, seed, steps written, cache slot.
  * Per-row parameters (f32/u32 words, PARAM_WORDS per row): temperature, top_k, top_p, logprobs.
@@ -31,6 +33,8 @@ export const LP_WORDS = 2 + 2 * LOGPROBS_MAX;
 
 const WG = 256;
 const BISECT = 32;
+/** Most top-k candidates compacted into workgroup memory (value and id: 8 bytes each). */
+const CAP = 2048;
 
 /** Sizes of the sampling kernel. */
 export interface SampleSpec {
@@ -65,6 +69,22 @@ ${s.rows === "prefill" ? "@group(0) @binding(5) var<storage, read> rowSel: array
 ${PCG_WGSL}
 var<workgroup> red: array<f32, ${WG}>;
 var<workgroup> redi: array<u32, ${WG}>;
+var<workgroup> cval: array<f32, ${CAP}>;
+var<workgroup> cid: array<u32, ${CAP}>;
+var<workgroup> wbound: f32;
+var<workgroup> wcount: u32;
+
+/** Value j of what the sampling passes walk: candidate j, or logit j of the row. */
+fn val(j: u32, compact: bool, base: u32) -> f32 {
+  if (compact) { return cval[j]; }
+  return logits[base + j];
+}
+
+/** The vocabulary id of value j. */
+fn idOf(j: u32, compact: bool) -> u32 {
+  if (compact) { return cid[j]; }
+  return j;
+}
 
 fn sum_all(v: f32, tid: u32) -> f32 {
   workgroupBarrier();
@@ -122,33 +142,79 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     choice = redi[0];
   } else {
     let inv = 1.0 / temp;
+    // With top-k (k ≤ ${WG}) the k-th largest of the threads' maxima, L, bounds the cut from below
+    // (k values are ≥ L), so only ids with logit ≥ L can be kept: they are compacted in vocabulary
+    // order into workgroup memory and every later pass runs over them instead of the vocabulary.
+    // More than ${CAP} of them (or a larger k, or no top-k) keeps the passes over the vocabulary.
+    var compact = false;
+    var bound = -3.0e38;
+    var count = 0u;
+    if (topk > 0u && topk <= ${WG}u && topk < ${s.V}u) {
+      workgroupBarrier();
+      red[tid] = tmax;
+      workgroupBarrier();
+      var above = 0u;
+      for (var t = 0u; t < ${WG}u; t = t + 1u) {
+        let o = red[t];
+        if (o > tmax || (o == tmax && t < tid)) { above = above + 1u; }
+      }
+      if (above == topk - 1u) { wbound = tmax; }
+      bound = workgroupUniformLoad(&wbound);
+      var cnt = 0u;
+      for (var v = v0; v < v1; v = v + 1u) { cnt = cnt + select(0u, 1u, logits[base + v] >= bound); }
+      redi[tid] = cnt;
+      workgroupBarrier();
+      if (tid == 0u) {
+        var acc = 0u;
+        for (var k = 0u; k < ${WG}u; k = k + 1u) { let c = redi[k]; redi[k] = acc; acc = acc + c; }
+        wcount = acc;
+      }
+      count = workgroupUniformLoad(&wcount);
+      if (count <= ${CAP}u) {
+        compact = true;
+        var at = redi[tid];
+        for (var v = v0; v < v1; v = v + 1u) {
+          let x = logits[base + v];
+          if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }
+        }
+      }
+      workgroupBarrier();
+    }
+    // This thread's stretch of the values the passes below walk: candidates or vocabulary.
+    let span = select(${s.V}u, count, compact);
+    let per = (span + ${WG - 1}u) / ${WG}u;
+    let j0 = min(tid * per, span);
+    let j1 = min(j0 + per, span);
     // Cut-off logit: keep ids with logit >= cut. Top-k: the largest cut keeping at least k ids.
     var cut = -3.0e38;
     var lo = mx - 80.0 * temp;
     var hi = mx;
     if (topk > 0u && topk < ${s.V}u) {
-      var lo2 = lo;
-      for (var v = v0; v < v1; v = v + 1u) { lo2 = min(lo2, logits[base + v]); }
-      workgroupBarrier();
-      red[tid] = lo2;
-      workgroupBarrier();
-      for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-        if (tid < k) { red[tid] = min(red[tid], red[tid + k]); }
+      var a = bound;
+      if (!compact) {
+        var lo2 = lo;
+        for (var v = v0; v < v1; v = v + 1u) { lo2 = min(lo2, logits[base + v]); }
         workgroupBarrier();
+        red[tid] = lo2;
+        workgroupBarrier();
+        for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+          if (tid < k) { red[tid] = min(red[tid], red[tid + k]); }
+          workgroupBarrier();
+        }
+        a = red[0];
       }
-      var a = red[0];
       var b = mx;
       for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
         let mid = 0.5 * (a + b);
         var cnt = 0.0;
-        for (var v = v0; v < v1; v = v + 1u) { cnt = cnt + select(0.0, 1.0, logits[base + v] >= mid); }
+        for (var j = j0; j < j1; j = j + 1u) { cnt = cnt + select(0.0, 1.0, val(j, compact, base) >= mid); }
         if (sum_all(cnt, tid) >= f32(topk)) { a = mid; } else { b = mid; }
       }
       cut = a;
     }
     var z = 0.0;
-    for (var v = v0; v < v1; v = v + 1u) {
-      let x = logits[base + v];
+    for (var j = j0; j < j1; j = j + 1u) {
+      let x = val(j, compact, base);
       if (x >= cut) { z = z + exp((x - mx) * inv); }
     }
     let zs = sum_all(z, tid);
@@ -159,8 +225,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
         let mid = 0.5 * (a + b);
         var m = 0.0;
-        for (var v = v0; v < v1; v = v + 1u) {
-          let x = logits[base + v];
+        for (var j = j0; j < j1; j = j + 1u) {
+          let x = val(j, compact, base);
           if (x >= mid && x >= cut) { m = m + exp((x - mx) * inv); }
         }
         if (sum_all(m, tid) >= topp * zs) { a = mid; } else { b = mid; }
@@ -168,8 +234,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       cut = max(cut, a);
     }
     var mine = 0.0;
-    for (var v = v0; v < v1; v = v + 1u) {
-      let x = logits[base + v];
+    for (var j = j0; j < j1; j = j + 1u) {
+      let x = val(j, compact, base);
       if (x >= cut) { mine = mine + exp((x - mx) * inv); }
     }
     let total = sum_all(mine, tid);
@@ -197,13 +263,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     if (tid == owner) {
       var acc = 0.0;
       var pick = 0xffffffffu;
-      var last = v0;
-      for (var v = v0; v < v1; v = v + 1u) {
-        let x = logits[base + v];
+      var last = idOf(j0, compact);
+      for (var j = j0; j < j1; j = j + 1u) {
+        let x = val(j, compact, base);
         if (x >= cut) {
-          last = v;
+          last = idOf(j, compact);
           acc = acc + exp((x - mx) * inv);
-          if (pick == 0xffffffffu && rest < acc) { pick = v; }
+          if (pick == 0xffffffffu && rest < acc) { pick = last; }
         }
       }
       redi[0] = select(pick, last, pick == 0xffffffffu);
