@@ -37,6 +37,8 @@ import {
 import {
   chooseKSplit,
   GEMV_MAX_ROWS,
+  GEMV_TRANSPOSED_COLUMNS,
+  GEMV_TRANSPOSED_ROWS,
   type GemvEpilogue,
   gemvPartialWgsl,
   gemvReduceBindings,
@@ -44,6 +46,7 @@ import {
   gemvRowGroups,
   type GemvSpec,
   gemvTColumns,
+  gemvTransposedWgsl,
   gemvTWgsl,
 } from "./kernels/gemv.ts";
 import { grid1d } from "./kernels/common.ts";
@@ -121,6 +124,8 @@ export class Generator {
   /** A CPU adapter (llvmpipe, lavapipe, SwiftShader): kernels without barriers where it matters. */
   #cpu: boolean;
   #params: GPUBuffer;
+  /** CPU adapters: wte transposed ([C, Vp]) for the LM head of small batches (see gemvTransposedWgsl). */
+  #wteT: GPUBuffer | null = null;
   #state: GPUBuffer;
   #sampling: GPUBuffer;
   #out: GPUBuffer;
@@ -216,6 +221,15 @@ export class Generator {
     });
     g.#buffers = buffers;
     const C = config.n_embd, Vp = config.padded_vocab_size;
+    if (g.#cpu && C * GEMV_TRANSPOSED_ROWS <= 8192 && Vp % GEMV_TRANSPOSED_COLUMNS === 0) {
+      const wte = layout.byName.get("wte.weight")!, t = new Float32Array(C * Vp);
+      for (let v = 0; v < Vp; v++) {
+        const row = wte.offset + v * C;
+        for (let k = 0; k < C; k++) t[k * Vp + v] = params[row + k];
+      }
+      g.#wteT = await alloc("gen.wte_t", t.byteLength);
+      ctx.device.queue.writeBuffer(g.#wteT, 0, t);
+    }
     const f = (label: string, n: number) => alloc(label, Math.max(16, n * 4));
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
     const R = maxStreams; // the largest decode bucket
@@ -499,6 +513,16 @@ export class Generator {
   async #lmHead(label: string, M: number, x: GPUBuffer, gather: boolean): Promise<Op> {
     const c = this.config, Vp = c.padded_vocab_size, C = c.n_embd;
     const V = (buffer: GPUBuffer): View => ({ buffer });
+    if (this.#wteT && M <= GEMV_TRANSPOSED_ROWS) {
+      const s = { M, N: Vp, K: C, gather: gather ? { selStride: SEL_WORDS } : undefined };
+      return await this.#op(
+        "matmul_fwd",
+        label,
+        gemvTransposedWgsl(s),
+        [V(x), V(this.#wteT), V(this.#acts.logits), ...(gather ? [V(this.#sel)] : [])],
+        [Math.ceil(Vp / GEMV_TRANSPOSED_COLUMNS / 64)],
+      );
+    }
     if (M <= GEMV_MAX_ROWS || this.#cpu) {
       const s = {
         M,
@@ -583,6 +607,7 @@ export class Generator {
       chunk: this.opts.chunk,
       rows: "prefill",
       maxPos: c.n_positions - 1,
+      serialReductions: this.#cpu,
     });
     ops.push(
       await this.#op("elementwise", "prefill.sample", sample, [
@@ -743,6 +768,7 @@ export class Generator {
       chunk: this.opts.chunk,
       rows: "stream",
       maxPos: c.n_positions - 1,
+      serialReductions: this.#cpu,
     });
     ops.push(
       await op("elementwise", "dec.sample", sample, [

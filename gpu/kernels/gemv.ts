@@ -273,6 +273,80 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 `;
 }
 
+/** Columns one invocation of {@link gemvTransposedWgsl} computes. */
+export const GEMV_TRANSPOSED_COLUMNS = 16;
+/** Most rows {@link gemvTransposedWgsl} serves. */
+export const GEMV_TRANSPOSED_ROWS = 4;
+
+/**
+ * For CPU adapters: out[m, n] = Σ_k x[m, k] · Wt[k, n], the weight given transposed ([K, N], N a
+ * multiple of 16), for M ≤ GEMV_TRANSPOSED_ROWS rows kept in workgroup memory. Each invocation
+ * computes 16 consecutive columns: llvmpipe runs few long invocations much faster than many short
+ * ones. The sums are those of the per-thread {@link gemvTWgsl}, bit for bit (four partial sums
+ * by k mod 4, fused multiply-adds in k order, added left to right), so a stream's logits do not
+ * depend on which kernel its batch size picks. Grid (ceil(N / 16 / 64)).
+ */
+export function gemvTransposedWgsl(s: Omit<GemvTSpec, "perThread">): string {
+  const C4 = GEMV_TRANSPOSED_COLUMNS / 4, N4 = s.N / 4, K4 = s.K / 4, rows = [...Array(s.M).keys()];
+  if (s.M < 1 || s.M > GEMV_TRANSPOSED_ROWS) {
+    throw new RangeError(`The transposed gemv serves 1 to ${GEMV_TRANSPOSED_ROWS} rows, got ${s.M}`);
+  }
+  if (s.N % GEMV_TRANSPOSED_COLUMNS !== 0 || s.K % 4 !== 0) {
+    throw new RangeError(
+      `The transposed gemv needs N a multiple of ${GEMV_TRANSPOSED_COLUMNS} and K of 4, got ${s.N} and ${s.K}`,
+    );
+  }
+  const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
+  const cols = [...Array(C4).keys()], parts = [0, 1, 2, 3];
+  const acc = (m: number, c: number, j: number) => `a${m}_${c}_${j}`;
+  return `
+@group(0) @binding(0) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> Wt: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read_write> out: array<vec4<f32>>;
+${s.gather ? "@group(0) @binding(3) var<storage, read> sel: array<u32>;" : ""}
+var<workgroup> xs: array<f32, ${s.M * s.K}>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  ${rows.map((m) => `let xb${m} = ${xrow(m)} * ${s.K}u;`).join("\n  ")}
+  for (var i = tid; i < ${s.M * s.K}u; i = i + 64u) {
+    ${rows.map((m) => `if (i / ${s.K}u == ${m}u) { xs[i] = x[xb${m} + i % ${s.K}u]; }`).join("\n    ")}
+  }
+  workgroupBarrier();
+  let q = gid.x * ${C4}u;
+  if (q >= ${N4}u) { return; }
+  ${
+    rows.flatMap((m) => cols.flatMap((c) => parts.map((j) => `var ${acc(m, c, j)} = vec4<f32>(0.0);`))).join(
+      " ",
+    )
+  }
+  for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) {
+    ${
+    parts.map((j) =>
+      `{
+      let r = (k4 * 4u + ${j}u) * ${N4}u + q;
+      ${rows.map((m) => `let x${m} = vec4<f32>(xs[${m * s.K}u + k4 * 4u + ${j}u]);`).join(" ")}
+      ${
+        cols.map((c) =>
+          `{ let w = Wt[r + ${c}u]; ${
+            rows.map((m) => `${acc(m, c, j)} = fma(w, x${m}, ${acc(m, c, j)});`).join(" ")
+          } }`
+        ).join("\n      ")
+      }
+    }`
+    ).join("\n    ")
+  }
+  }
+  ${
+    rows.flatMap((m) =>
+      cols.map((c) =>
+        `out[${m * N4}u + q + ${c}u] = ${acc(m, c, 0)} + ${acc(m, c, 1)} + ${acc(m, c, 2)} + ${acc(m, c, 3)};`
+      )
+    ).join("\n  ")
+  }
+}
+`;
+}
+
 /**
  * The per-thread form of {@link gemvTWgsl}: 256 columns per workgroup, rows summed in registers.
  * x is first copied to workgroup memory when it fits: llvmpipe reads a second storage binding in

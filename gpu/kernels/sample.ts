@@ -51,7 +51,61 @@ export interface SampleSpec {
   rows: "stream" | "prefill";
   /** Largest position a stream may reach (its context); positions stop advancing there. */
   maxPos: number;
+  /**
+   * CPU adapters: workgroup sums and maxima by one invocation over the 256 partials (three
+   * barriers) instead of a tree (ten): llvmpipe runs every barrier as a switch of all 256
+   * invocations. The results differ from the tree's in summation order only.
+   */
+  serialReductions?: boolean;
 }
+
+const TREE_REDUCTIONS = `
+fn sum_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
+    workgroupBarrier();
+  }
+  return red[0];
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
+    workgroupBarrier();
+  }
+  return red[0];
+}`;
+
+const SERIAL_REDUCTIONS = `
+fn sum_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  if (tid == 0u) {
+    var t = 0.0;
+    for (var k = 0u; k < ${WG}u; k = k + 1u) { t = t + red[k]; }
+    wred = t;
+  }
+  return workgroupUniformLoad(&wred);
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  if (tid == 0u) {
+    var t = -3.0e38;
+    for (var k = 0u; k < ${WG}u; k = k + 1u) { t = max(t, red[k]); }
+    wred = t;
+  }
+  return workgroupUniformLoad(&wred);
+}`;
 
 /**
  * The sampling kernel: writes the next token into state and out[row, steps written], and when the
@@ -73,6 +127,7 @@ var<workgroup> cval: array<f32, ${CAP}>;
 var<workgroup> cid: array<u32, ${CAP}>;
 var<workgroup> wbound: f32;
 var<workgroup> wcount: u32;
+var<workgroup> wred: f32;
 
 /** Value j of what the sampling passes walk: candidate j, or logit j of the row. */
 fn val(j: u32, compact: bool, base: u32) -> f32 {
@@ -86,27 +141,7 @@ fn idOf(j: u32, compact: bool) -> u32 {
   return j;
 }
 
-fn sum_all(v: f32, tid: u32) -> f32 {
-  workgroupBarrier();
-  red[tid] = v;
-  workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
-    workgroupBarrier();
-  }
-  return red[0];
-}
-
-fn max_all(v: f32, tid: u32) -> f32 {
-  workgroupBarrier();
-  red[tid] = v;
-  workgroupBarrier();
-  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
-    workgroupBarrier();
-  }
-  return red[0];
-}
+${s.serialReductions ? SERIAL_REDUCTIONS : TREE_REDUCTIONS}
 
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
