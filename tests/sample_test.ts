@@ -5,7 +5,8 @@
  * u · total, u drawn from the row's seed and position. Rows are random logits, so a draw that
  * falls on a boundary within float rounding is vanishingly rare: every token must match. Covers
  * the compacted top-k path (k ≤ 256, few candidates), the fallback over the vocabulary (k > 256;
- * or more candidates than workgroup memory holds), top-p with and without top-k, and greedy.
+ * or more candidates than workgroup memory holds), top-p with and without top-k, and greedy, with
+ * the workgroup reductions of GPUs (a tree) and of CPU adapters (one invocation).
  */
 
 import assert from "node:assert/strict";
@@ -62,12 +63,13 @@ async function gpuPicks(
   params: Params[],
   seeds: number[],
   pos: number[],
+  serialReductions: boolean,
 ): Promise<number[]> {
   const ctx = (await testContext())!;
   const pipeline = await createPipeline(
     ctx,
     "sample test",
-    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20 }),
+    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20, serialReductions }),
   );
   const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
   const buf = (data: ArrayBufferView<ArrayBuffer>) => {
@@ -142,11 +144,14 @@ Deno.test({
       shape(logits);
       const seeds = Array.from({ length: S }, (_, r) => pcg(7 * r + i) >>> 0);
       const pos = Array.from({ length: S }, (_, r) => 3 * r + i);
-      const got = await gpuPicks(logits, Array(S).fill(p), seeds, pos);
       const want = Array.from(
         { length: S },
         (_, r) => referencePick(logits.subarray(r * Vp, (r + 1) * Vp), p, seeds[r], pos[r]),
       );
+      // The tree reductions (GPUs) and the serial ones (CPU adapters) pick the same.
+      const serial = await gpuPicks(logits, Array(S).fill(p), seeds, pos, true);
+      assert.deepEqual(serial, want, `${what}, serial reductions`);
+      const got = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false);
       assert.deepEqual(got, want, what);
       assert.ok(got.every((t) => t < V), `${what}: a padded id was picked`);
       if (p.top_k > 1 && p.temperature > 0) {
