@@ -340,8 +340,8 @@ export function planModel(
 /**
  * Block size of the driver-side allocator under Deno's WebGPU (Vulkan), as measured on an H200
  * (bench/alloc_probe.ts): a buffer of at most this many bytes is sub-allocated from a block of
- * this size (first fit; a new whole block when none has room), a bigger one gets an allocation of
- * its own. nvidia-smi counts every block whole.
+ * this size (a new whole block when none has room; see allocatorWaste for the order blocks are
+ * tried in), a bigger one gets an allocation of its own. nvidia-smi counts every block whole.
  */
 export const ALLOCATOR_BLOCK_BYTES = 256 * 2 ** 20;
 
