@@ -371,11 +371,8 @@ export class Trainer {
     });
     const bounds = [0, ...cuts, passes.length];
     for (let i = 0; i < M; i++) {
-      this.#writeTokens(list[i]);
-      this.#writeDropout(this.#step, true, i);
       const last = i === M - 1;
-      const enc = device.createCommandEncoder();
-      if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+      const enc = this.#microBatchEncoder(list, i);
       if (!last) {
         encodeOps(enc, passes);
         q.submit([enc.finish()]);
@@ -428,6 +425,19 @@ export class Trainer {
     return enc;
   }
 
+  /**
+   * Writes micro-batch `i`'s tokens and dropout keys and returns the encoder its passes go into,
+   * which first clears the accumulated gradients when it is the first of several.
+   */
+  #microBatchEncoder(list: Batch[], i: number): GPUCommandEncoder {
+    const m = this.#model;
+    this.#writeTokens(list[i]);
+    this.#writeDropout(this.#step, true, i);
+    const enc = this.#ctx.device.createCommandEncoder();
+    if (i === 0 && m.microBatches > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+    return enc;
+  }
+
   /** Checks a step's micro-batches and writes its scalars: the optimizer uniform, and a zero loss to accumulate into. */
   #beginStep(list: Batch[]): void {
     checkDevice(this.#ctx);
@@ -446,10 +456,7 @@ export class Trainer {
     const p = m.program;
     try {
       for (let i = 0; i < M; i++) {
-        this.#writeTokens(list[i]);
-        this.#writeDropout(this.#step, true, i);
-        let enc = device.createCommandEncoder();
-        if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+        let enc = this.#microBatchEncoder(list, i);
         enc = await this.#run([...p.forward, ...p.loss, ...p.backward], enc);
         q.submit([enc.finish()]);
       }
@@ -472,10 +479,7 @@ export class Trainer {
     const qs = profile ? this.#querySet : undefined;
     const passes = [...m.forward, ...m.loss, ...m.backward];
     for (let i = 0; i < M; i++) {
-      this.#writeTokens(list[i]);
-      this.#writeDropout(this.#step, true, i);
-      const enc = this.#ctx.device.createCommandEncoder();
-      if (i === 0 && M > 1) { for (const seg of m.grads!.segments) enc.clearBuffer(seg.buffer); }
+      const enc = this.#microBatchEncoder(list, i);
       const last = i === M - 1;
       encodeOps(enc, passes, last ? qs : undefined);
       if (last && withOptimizer) {

@@ -299,11 +299,7 @@ export class BucketExchange {
     if (bytes === 0) return;
     if (this.#cast) {
       const b = this.#binding(lane, bucket);
-      const pass = enc.beginComputePass();
-      pass.setPipeline(this.#kernels.pack!);
-      pass.setBindGroup(0, b.pack!);
-      pass.dispatchWorkgroups(b.workgroups);
-      pass.end();
+      encodePass(enc, this.#kernels.pack!, b.pack!, b.workgroups);
       enc.copyBufferToBuffer(lane.packed!, 0, dst, at, bytes);
     } else {
       enc.copyBufferToBuffer(bucket.buffer, bucket.offset, dst, at, bytes);
@@ -452,11 +448,7 @@ export class BucketExchange {
 
   #dispatch(pipeline: GPUComputePipeline, group: GPUBindGroup, workgroups: number): void {
     const enc = this.#ctx.device.createCommandEncoder();
-    const pass = enc.beginComputePass();
-    pass.setPipeline(pipeline);
-    pass.setBindGroup(0, group);
-    pass.dispatchWorkgroups(workgroups);
-    pass.end();
+    encodePass(enc, pipeline, group, workgroups);
     this.#ctx.device.queue.submit([enc.finish()]);
   }
 
@@ -509,6 +501,20 @@ export class BucketExchange {
       lane.packed?.destroy();
     }
   }
+}
+
+/** Records one compute pass of one dispatch into `enc`. */
+function encodePass(
+  enc: GPUCommandEncoder,
+  pipeline: GPUComputePipeline,
+  group: GPUBindGroup,
+  workgroups: number,
+): void {
+  const pass = enc.beginComputePass();
+  pass.setPipeline(pipeline);
+  pass.setBindGroup(0, group);
+  pass.dispatchWorkgroups(workgroups);
+  pass.end();
 }
 
 /** `bytes` bytes of a shared slot from byte `at`, as a writeBuffer or readInto argument. */
