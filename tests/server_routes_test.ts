@@ -85,6 +85,19 @@ Deno.test("POST /train returns 400 naming every invalid field, the first as para
   }
 });
 
+Deno.test("POST /train returns 400 naming overlap_grad_reduce when it is not a boolean", async () => {
+  const t = await setup();
+  try {
+    const e = await apiError(await t.post("/train", { overlap_grad_reduce: "yes" }), 400, {
+      param: "overlap_grad_reduce",
+      type: "invalid_request_error",
+    });
+    assertMatch(e.message, /^Invalid training config: overlap_grad_reduce: /);
+  } finally {
+    await t.cleanup();
+  }
+});
+
 Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or checkpoint", async () => {
   const t = await setup();
   try {
