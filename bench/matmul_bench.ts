@@ -7,10 +7,12 @@
  *   deno task bench matmul                       chooseTile's pick for every shape
  *   deno task bench matmul --sweep [--json F]    every kernel variant × tile on every shape, in a time budget
  *   deno task bench matmul --tiny                tiny shapes (a CPU adapter runs it in under a minute)
- *   deno task bench matmul --from-json F --emit-tiles gpu/kernels/matmul_tiles.ts   (no GPU)
+ *   deno task bench matmul --from-json F --emit-tiles gpu/kernels/matmul_tiles.ts   (no GPU; rules of
+ *                                 shapes F did not measure are kept unless --replace)
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
  *          --flush-every 2,4 (f16 math: also the pick with k-tile sums flushed every 2, 4 tiles)
+ *          --kpairs (f16 math: also time the k-pair tiles, pairTiles)
  *          --budget SECONDS (sweep, default 220)  --reps N (minimum timed repetitions, default 20)
  *
  * The sweep screens all candidates on the first shape of each class (layout; for TN, few or many
@@ -45,7 +47,7 @@ import {
   tileName,
   tileThreads,
 } from "../gpu/kernels/matmul.ts";
-import type { TileRule } from "../gpu/kernels/matmul_tiles.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "../gpu/kernels/matmul_tiles.ts";
 import { makeOp, type Op, PipelineCache } from "../gpu/ops.ts";
 import { headChunkRows } from "../gpu/plan.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
@@ -190,7 +192,30 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
     t(64, 128, 16, 4, 8, { gen: 2, buffers, warpN: 8 });
   }
   t(64, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8 });
+  out.push(...pairTiles(spec));
   return out.map((x) => (x.warpN === 0 ? { ...x, warpN: undefined } : x));
+}
+
+/**
+ * Tiles with k pairs packed per workgroup element (f16 math only): one packed f16 multiply-add
+ * per two products. Split-K ones only for the weight gradients with few output blocks.
+ */
+export function pairTiles(spec: MatmulSpec): MatmulTile[] {
+  if (spec.math !== "f16") return [];
+  const kPairs = true, gen = 2 as const;
+  const out: MatmulTile[] = [
+    { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs },
+    { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs, flushEvery: 2 },
+    { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 1, warpN: 8, kPairs },
+    { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 1, warpN: 8, transposeLoad: "k", kPairs },
+    { BM: 128, BN: 64, BK: 32, TM: 8, TN: 4, gen, buffers: 2, warpN: 8, kPairs },
+  ];
+  if (spec.transA && fewBlocks(spec)) {
+    for (const splitK of [2, 4]) {
+      out.push({ BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, splitK, kPairs });
+    }
+  }
+  return out;
 }
 
 /** One timed variant of one shape. */
@@ -477,9 +502,19 @@ function printRow(shape: string, r: VariantResult, pickMs?: number): void {
   );
 }
 
-/** TypeScript source of matmul_tiles.ts from a sweep's JSON: one exact-shape rule per measured shape. */
-export function tileTableSource(report: { device: string; date: string; shapes: ShapeResult[] }): string {
-  const rules: TileRule[] = [];
+/**
+ * TypeScript source of matmul_tiles.ts from a sweep's JSON: one exact-shape rule per measured shape,
+ * after the rules of `keep` (the current table) for shapes the report did not measure.
+ */
+export function tileTableSource(
+  report: { device: string; date: string; shapes: ShapeResult[] },
+  keep: readonly TileRule[] = [],
+): string {
+  const shapeKey = (r: TileRule) => JSON.stringify([r.M, r.N, r.K, r.layout, r.math, r.storage]);
+  const measured = new Set(
+    report.shapes.map((s) => JSON.stringify([s.M, s.N, s.K, s.layout, s.math, s.storage])),
+  );
+  const rules: TileRule[] = keep.filter((r) => !measured.has(shapeKey(r)));
   const seen = new Set<string>();
   for (const s of report.shapes) {
     for (const r of [s.best, s.best_unsplit]) {
@@ -541,7 +576,8 @@ async function main(args: string[]): Promise<void> {
   if (fromJson) {
     const report = JSON.parse(await Deno.readTextFile(fromJson));
     const dest = arg(args, "emit-tiles", "");
-    const src = tileTableSource(report);
+    // Shapes the report did not measure keep their current rules (a partial sweep, e.g. fp16 only).
+    const src = tileTableSource(report, args.includes("--replace") ? [] : MATMUL_TILE_RULES);
     if (dest) {
       await Deno.writeTextFile(dest, src);
       console.log(`Wrote ${dest} (run deno fmt on it)`);
@@ -561,6 +597,7 @@ async function main(args: string[]): Promise<void> {
   const only = new RegExp(arg(args, "only", "."));
   /** `--flush-every 2,4`: also time the pick of every f16-math shape with those flush intervals. */
   const flushes = arg(args, "flush-every", "").split(",").filter(Boolean).map(Number);
+  const kpairs = args.includes("--kpairs");
   const precisions = arg(args, "precision", ctx.hasF16 && !tiny ? "fp32,fp16" : "fp32").split(",") as Array<
     "fp32" | "fp16"
   >;
@@ -689,9 +726,10 @@ async function main(args: string[]): Promise<void> {
       const pick = pickOf(s);
       const results: VariantResult[] = [await measure(bench, s, pick, "pick", full, true)];
       printRow(s.name, results[0]);
-      const flushVariants = s.spec.math === "f16"
+      const flushVariants: MatmulTile[] = s.spec.math === "f16"
         ? flushes.filter((f) => f > 1).map((flushEvery) => ({ ...pick, flushEvery }))
         : [];
+      if (kpairs) flushVariants.push(...pairTiles(s.spec));
       for (const tile of [...flushVariants, ...(chosen.get(keyOf(s.spec)) ?? [])]) {
         if (tileName(tile) === tileName(pick) || !bench.fits(s.spec, tile)) continue;
         const r = await measure(bench, s, tile, "full", full, false);

@@ -325,6 +325,42 @@ Deno.test({
         { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 2 },
         5e-3,
       ],
+      // k pairs packed in u32 (every layout; ragged M, N and K; split-K; flushing every 2 tiles).
+      ...([[false, false], [false, true], [true, false], [true, true]] as const).map(([transA, transB]) =>
+        [
+          { ...base, M: 52, N: 100, K: 76, transA, transB, dtypes: { A: "f16", B: "f16" }, math: "f16" },
+          { BM: 64, BN: 64, BK: 32, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 8, kPairs: true },
+          5e-3,
+        ] as [MatmulSpec, MatmulTile, number]
+      ),
+      [
+        {
+          ...base,
+          M: 64,
+          N: 64,
+          K: 200,
+          transA: true,
+          transB: false,
+          dtypes: { A: "f16", B: "f16" },
+          math: "f16",
+        },
+        { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 1, splitK: 2, kPairs: true, flushEvery: 2 },
+        5e-3,
+      ],
+      [
+        {
+          ...base,
+          M: 64,
+          N: 128,
+          K: 96,
+          transA: false,
+          transB: true,
+          dtypes: { A: "f16", B: "f16" },
+          math: "f16",
+        },
+        { BM: 64, BN: 128, BK: 32, TM: 4, TN: 8, gen: 2, buffers: 1, transposeLoad: "k", kPairs: true },
+        5e-3,
+      ],
     ];
     for (const [spec, tile, tol] of cases) {
       const A = Float32Array.from(f16(randomFloats(spec.M * spec.K, 21)));

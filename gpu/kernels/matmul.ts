@@ -96,6 +96,12 @@ export interface MatmulTile {
    * more trades precision, BK·flushEvery products per f16 sum, for fewer conversions).
    */
   flushEvery?: number;
+  /**
+   * With f16 math (gen 2): workgroup tiles hold pairs of consecutive k packed in one u32, and each
+   * thread keeps a vec2<f16> partial sum per output (even and odd k), so one packed f16 multiply-add
+   * does two useful products with no operand splat. The two halves are added when flushed.
+   */
+  kPairs?: boolean;
 }
 
 /** One kernel of a matmul: its WGSL, bindings in order ("part" is the split-K scratch), grid. */
@@ -118,6 +124,7 @@ export function tileName(t: MatmulTile): string {
   parts.push(t.transposeLoad ?? "mn");
   if ((t.splitK ?? 1) > 1) parts.push(`s${t.splitK}`);
   if ((t.flushEvery ?? 1) > 1) parts.push(`f${t.flushEvery}`);
+  if (t.kPairs) parts.push("kp");
   return parts.join(" ");
 }
 
@@ -167,11 +174,23 @@ function checkTile(spec: MatmulSpec, tile: MatmulTile): void {
   }
   const gen = tile.gen ?? 1;
   if (gen !== 1 && gen !== 2) throw new RangeError(`Matmul tile gen ${gen} must be 1 or 2`);
-  const g2 = [tile.buffers, tile.warpN, tile.transposeLoad, tile.splitK].some((v) => v !== undefined);
+  const g2 = [tile.buffers, tile.warpN, tile.transposeLoad, tile.splitK, tile.kPairs].some((v) =>
+    v !== undefined
+  );
   if (gen === 1 && g2) {
     throw new RangeError(
-      `Matmul tile ${tileName(tile)}: buffers, warpN, transposeLoad and splitK need gen 2`,
+      `Matmul tile ${tileName(tile)}: buffers, warpN, transposeLoad, splitK and kPairs need gen 2`,
     );
+  }
+  if (tile.kPairs) {
+    if (spec.math !== "f16") throw new RangeError(`Matmul tile kPairs needs math "f16"`);
+    if (K % 2 !== 0) throw new RangeError(`Matmul tile kPairs needs an even K (got ${K})`);
+    // Operands stored k-major load two rows of k per slot.
+    if ((transA && ((BM * BK) / 8) % THREADS !== 0) || (!transB && ((BN * BK) / 8) % THREADS !== 0)) {
+      throw new RangeError(
+        `Matmul tile ${BM}x${BN}x${BK} kPairs: k-row pairs do not divide among ${THREADS} threads`,
+      );
+    }
   }
   if (![undefined, 1, 2].includes(tile.buffers)) throw new RangeError(`Matmul tile buffers must be 1 or 2`);
   if (![undefined, "k", "mn"].includes(tile.transposeLoad)) {
@@ -538,6 +557,59 @@ function registerDecls(gM: number, gN: number, aSlots: number, bSlots: number, h
   return { decl, flush };
 }
 
+/** WGSL helper of kPairs tiles: rows k (r0) and k+1 (r1) of four columns as one workgroup element. */
+const PACK_WGSL = `fn pk4(r0: vec4<f16>, r1: vec4<f16>) -> array<vec4<f16>, 2> {
+  return array<vec4<f16>, 2>(vec4<f16>(r0.x, r1.x, r0.y, r1.y), vec4<f16>(r0.z, r1.z, r0.w, r1.w));
+}`;
+
+/**
+ * The packed multiply-adds of one k pair (kPairs): p{g}_{i}_{h}_{j} accumulates rows' and
+ * columns' even k in .x and odd k in .y.
+ */
+function pairFmaLines(gM: number, gN: number): string[] {
+  const out: string[] = [];
+  for (let g = 0; g < gM; g++) {
+    for (let i = 0; i < 4; i++) {
+      out.push(`{ let x = a${g}[${i >> 1}].${i % 2 ? "zw" : "xy"};`);
+      for (let h = 0; h < gN; h++) {
+        for (let j = 0; j < 4; j++) {
+          const p = `p${g}_${i}_${h}_${j}`;
+          out.push(`  ${p} = fma(x, b${h}[${j >> 1}].${j % 2 ? "zw" : "xy"}, ${p});`);
+        }
+      }
+      out.push(`}`);
+    }
+  }
+  return out;
+}
+
+/** Register declarations of kPairs tiles, and the flush adding each output's two halves into f32. */
+function pairRegisterDecls(gM: number, gN: number, aSlots: number, bSlots: number) {
+  const flush: string[] = [];
+  const decl: string[] = [];
+  for (let g = 0; g < gM; g++) {
+    for (let i = 0; i < 4; i++) {
+      for (let h = 0; h < gN; h++) {
+        const p = (j: number) => `p${g}_${i}_${h}_${j}`;
+        const js = [0, 1, 2, 3];
+        for (const j of js) decl.push(`var ${p(j)} = vec2<f16>(0.0);`);
+        decl.push(`var acc${g}_${i}_${h} = vec4<f32>(0.0);`);
+        flush.push(
+          `acc${g}_${i}_${h} = acc${g}_${i}_${h} + vec4<f32>(vec4<f16>(${
+            js.map((j) => `${p(j)}.x + ${p(j)}.y`).join(", ")
+          }));`,
+          js.map((j) => `${p(j)} = vec2<f16>(0.0);`).join(" "),
+        );
+      }
+    }
+  }
+  for (let g = 0; g < gM; g++) decl.push(`var a${g}: array<vec4<f16>, 2>;`);
+  for (let h = 0; h < gN; h++) decl.push(`var b${h}: array<vec4<f16>, 2>;`);
+  for (let s = 0; s < aSlots; s++) decl.push(`var ra${s}: vec4<f16>;`);
+  for (let s = 0; s < bSlots; s++) decl.push(`var rb${s}: vec4<f16>;`);
+  return { decl, flush };
+}
+
 /**
  * The epilogue of every accumulator vec4 (thread rows g·BM/gM + ty·4 + i, columns h·BN/gN + tx·4),
  * or with `part` the raw sums into slice wg.z of the split-K scratch.
@@ -588,10 +660,14 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   const aSlots = (BM * BK) / 4 / THREADS, bSlots = (BN * BK) / 4 / THREADS;
   const h16 = spec.math === "f16";
   const tv = h16 ? "vec4<f16>" : "vec4<f32>";
+  // With kPairs a workgroup element is 4 rows (or columns) × one pair of k: two vec4<f16>, each
+  // (row r at k, r at k+1, r+1 at k, r+1 at k+1), so a row's pair is a swizzle.
+  const kp = !!tile.kPairs, KR = kp ? BK / 2 : BK, wv = kp ? "array<vec4<f16>, 2>" : tv;
   const bindings = partial ? ["A", "B", "part"] : matmulBindings(spec);
   const L: string[] = bindingDecls(bindings, h16);
-  L.push(`var<workgroup> As: array<array<array<array<${tv}, ${TY}>, ${gM}>, ${BK}>, ${NB}>;`);
-  L.push(`var<workgroup> Bs: array<array<array<array<${tv}, ${TX}>, ${gN}>, ${BK}>, ${NB}>;`);
+  L.push(`var<workgroup> As: array<array<array<array<${wv}, ${TY}>, ${gM}>, ${KR}>, ${NB}>;`);
+  L.push(`var<workgroup> Bs: array<array<array<array<${wv}, ${TX}>, ${gN}>, ${KR}>, ${NB}>;`);
+  if (kp) L.push(PACK_WGSL);
   if (!partial && spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
   const geluEpi = !partial && (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad");
   if (geluEpi || spec.prologueA === "gelu") L.push(GELU_WGSL);
@@ -605,6 +681,41 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   const storeA: Array<(b: number) => string[]> = [], storeB: Array<(b: number) => string[]> = [];
   for (let s = 0; s < aSlots; s++) {
     const lin = `(${s * THREADS}u + tid)`;
+    if (kp && transA) {
+      // A stored [K,M] with k pairs: slot pair (2q, 2q+1) reads rows 2kp and 2kp+1 of one vec4 along m.
+      if (s % 2) continue;
+      const linP = `(${(s / 2) * THREADS}u + tid)`;
+      const at = `let kp = ${linP} / ${BM / 4}u; let mq = ${linP} % ${BM / 4}u;`;
+      const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kp * 2u < ${K}u` : ""].filter(
+        Boolean,
+      );
+      for (const r of [0, 1]) {
+        loadA.push(
+          `{ ${at}`,
+          guarded(`ra${s + r}`, pro(`A[((k0 + kp * 2u + ${r}u) * ${M}u + m0) / 4u + mq]`), cond),
+        );
+      }
+      storeA.push((b) => [`{ ${at} As[${b}][kp][mq / ${TY}u][mq % ${TY}u] = pk4(ra${s}, ra${s + 1}); }`]);
+      continue;
+    }
+    if (kp) {
+      // A [M,K] with k pairs: one vec4 along k is two pairs of one row.
+      const at = byRows
+        ? `let row = ${lin} % ${BM}u; let kq = ${lin} / ${BM}u;`
+        : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
+      const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
+      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
+      storeA.push((b) => [
+        `{ ${at} let mq = row / 4u;`,
+        ...[[0, 0], [0, 1], [1, 0], [1, 1]].map(([c, r]) =>
+          `  As[${b}][kq * 2u + ${c}u][mq / ${TY}u][mq % ${TY}u][(row % 4u) / 2u][(row % 2u) * 2u + ${r}u] = ra${s}[${
+            2 * c + r
+          }];`
+        ),
+        `}`,
+      ]);
+      continue;
+    }
     if (!transA) {
       // A [M,K]: vec4 along k, stored transposed as 4 scalars.
       const at = byRows
@@ -629,6 +740,41 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   }
   for (let s = 0; s < bSlots; s++) {
     const lin = `(${s * THREADS}u + tid)`;
+    if (kp && !transB) {
+      // B [K,N] with k pairs: slot pair (2q, 2q+1) reads rows 2kp and 2kp+1 of one vec4 along n.
+      if (s % 2) continue;
+      const linP = `(${(s / 2) * THREADS}u + tid)`;
+      const at = `let kp = ${linP} / ${BN / 4}u; let nq = ${linP} % ${BN / 4}u;`;
+      const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kp * 2u < ${K}u` : ""].filter(
+        Boolean,
+      );
+      for (const r of [0, 1]) {
+        loadB.push(
+          `{ ${at}`,
+          guarded(`rb${s + r}`, `B[((k0 + kp * 2u + ${r}u) * ${N}u + n0) / 4u + nq]`, cond),
+        );
+      }
+      storeB.push((b) => [`{ ${at} Bs[${b}][kp][nq / ${TX}u][nq % ${TX}u] = pk4(rb${s}, rb${s + 1}); }`]);
+      continue;
+    }
+    if (kp) {
+      // B stored [N,K] with k pairs: one vec4 along k is two pairs of one column.
+      const at = byRows
+        ? `let col = ${lin} % ${BN}u; let kq = ${lin} / ${BN}u;`
+        : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
+      const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
+      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
+      storeB.push((b) => [
+        `{ ${at} let nq = col / 4u;`,
+        ...[[0, 0], [0, 1], [1, 0], [1, 1]].map(([c, r]) =>
+          `  Bs[${b}][kq * 2u + ${c}u][nq / ${TX}u][nq % ${TX}u][(col % 4u) / 2u][(col % 2u) * 2u + ${r}u] = rb${s}[${
+            2 * c + r
+          }];`
+        ),
+        `}`,
+      ]);
+      continue;
+    }
     if (!transB) {
       // B [K,N]: vec4 along n.
       const at = `let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`;
@@ -655,14 +801,16 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   const stores = (b: number) => [...storeA.flatMap((f) => f(b)), ...storeB.flatMap((f) => f(b))];
   const compute = (b: number) => {
     const out: string[] = [];
-    for (let kk = 0; kk < BK; kk++) {
+    for (let kk = 0; kk < KR; kk++) {
       for (let g = 0; g < gM; g++) out.push(`a${g} = As[${b}][${kk}][${g}][ty];`);
       for (let h = 0; h < gN; h++) out.push(`b${h} = Bs[${b}][${kk}][${h}][tx];`);
-      out.push(...fmaLines(gM, gN, h16));
+      out.push(...(kp ? pairFmaLines(gM, gN) : fmaLines(gM, gN, h16)));
     }
     return out;
   };
-  const { decl, flush: flushLines } = registerDecls(gM, gN, aSlots, bSlots, h16);
+  const { decl, flush: flushLines } = kp
+    ? pairRegisterDecls(gM, gN, aSlots, bSlots)
+    : registerDecls(gM, gN, aSlots, bSlots, h16);
   // With flushEvery F > 1 the f16 sums are flushed after every F-th k-tile and after the last.
   const F = tile.flushEvery ?? 1;
   const flushAt = (next: string) =>
