@@ -686,6 +686,7 @@ export class Generator {
         KS: chooseKSplit(s.N, s.K, 264, s.M),
         ln: !!fuse.ln,
         kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
+        staged: !this.#cpu,
       };
       const all: Record<string, View> = { ...views, part: V(a.part) };
       if (fuse.kv !== undefined) {

@@ -32,55 +32,70 @@ function product(M: number, N: number, K: number, x: ArrayLike<number>, w: (k: n
 }
 
 Deno.test({
-  name: "gemvPartialWgsl() in row groups with the LayerNorm prologue matches a float64 product for 13 rows",
+  name:
+    "gemvPartialWgsl() in row groups with the LayerNorm prologue matches a float64 product, plain and staged (bit-identical)",
   ignore: noGpu,
   fn: async () => {
     const ctx = (await testContext())!;
     const cache = new PipelineCache(ctx);
-    const M = 13, N = 136, K = 64, KS = 2;
-    const x = randomFloats(M * K, 21), W = randomFloats(K * N, 22), bias = randomFloats(N, 23);
-    const lnw = randomFloats(K, 24), lnb = randomFloats(K, 25);
-    const spec: GemvSpec = { M, N, K, bias: true, epilogue: "store", KS, ln: true };
-    const bufs: Record<string, GPUBuffer> = {
-      x: await upload(ctx, "x", x),
-      W: await upload(ctx, "W", W),
-      part: await upload(ctx, "part", new Float32Array(KS * M * N)),
-      out: await upload(ctx, "out", new Float32Array(M * N)),
-      bias: await upload(ctx, "bias", bias),
-      lnw: await upload(ctx, "lnw", lnw),
-      lnb: await upload(ctx, "lnb", lnb),
-    };
-    const views = (names: string[]) => names.map((n) => ({ buffer: bufs[n] }));
-    const op = async (label: string, code: string, v: string[], grid: [number, number, number] | [number]) =>
-      makeOp(ctx, await cache.get(label, code), {
-        label,
-        phase: "forward",
-        kind: "matmul_fwd",
-        views: views(v),
-        grid,
-      });
-    const ops = [
-      await op("gemv", gemvPartialWgsl(spec), ["x", "W", "part", "lnw", "lnb"], [
-        Math.ceil(N / 128),
-        KS,
-        gemvRowGroups(M),
-      ]),
-      await op("gemv.sum", gemvReduceWgsl(spec), gemvReduceBindings(spec), [Math.ceil((M * N) / 4 / 64)]),
-    ];
-    const enc = ctx.device.createCommandEncoder();
-    encodeOps(enc, ops);
-    ctx.device.queue.submit([enc.finish()]);
-    const xn = new Float64Array(M * K);
-    for (let m = 0; m < M; m++) {
-      const row = x.subarray(m * K, (m + 1) * K);
-      const mean = row.reduce((a, v) => a + v, 0) / K;
-      const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
-      for (let k = 0; k < K; k++) xn[m * K + k] = (row[k] - mean) * rstd * lnw[k] + lnb[k];
+    // 13 rows: two row groups, the second partial. K = 300 in 2 splits: stretches of 128 and 22,
+    // the unrolled loop and its tail. 3 rows: the wider k groups of small batches, no LayerNorm.
+    for (const [M, K, KS, ln] of [[13, 300, 2, true], [3, 200, 1, false]] as const) {
+      const N = 136;
+      const x = randomFloats(M * K, 21), W = randomFloats(K * N, 22), bias = randomFloats(N, 23);
+      const lnw = randomFloats(K, 24), lnb = randomFloats(K, 25);
+      const xn = new Float64Array(M * K);
+      for (let m = 0; m < M; m++) {
+        const row = x.subarray(m * K, (m + 1) * K);
+        const mean = row.reduce((a, v) => a + v, 0) / K;
+        const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
+        for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
+      }
+      const ref = product(M, N, K, xn, (k, n) => W[k * N + n]).map((v, i) => v + bias[i % N]);
+      const outs: Float32Array[] = [];
+      for (const staged of [false, true]) {
+        const spec: GemvSpec = { M, N, K, bias: true, epilogue: "store", KS, ln, staged };
+        const bufs: Record<string, GPUBuffer> = {
+          x: await upload(ctx, "x", x),
+          W: await upload(ctx, "W", W),
+          part: await upload(ctx, "part", new Float32Array(KS * M * N)),
+          out: await upload(ctx, "out", new Float32Array(M * N)),
+          bias: await upload(ctx, "bias", bias),
+          lnw: await upload(ctx, "lnw", lnw),
+          lnb: await upload(ctx, "lnb", lnb),
+        };
+        const views = (names: string[]) => names.map((n) => ({ buffer: bufs[n] }));
+        const op = async (
+          label: string,
+          code: string,
+          v: string[],
+          grid: [number, number, number] | [number],
+        ) =>
+          makeOp(ctx, await cache.get(label, code), {
+            label,
+            phase: "forward",
+            kind: "matmul_fwd",
+            views: views(v),
+            grid,
+          });
+        const ops = [
+          await op("gemv", gemvPartialWgsl(spec), ["x", "W", "part", ...(ln ? ["lnw", "lnb"] : [])], [
+            Math.ceil(N / 128),
+            KS,
+            gemvRowGroups(M),
+          ]),
+          await op("gemv.sum", gemvReduceWgsl(spec), gemvReduceBindings(spec), [Math.ceil((M * N) / 4 / 64)]),
+        ];
+        const enc = ctx.device.createCommandEncoder();
+        encodeOps(enc, ops);
+        ctx.device.queue.submit([enc.finish()]);
+        const got = await readFloats(ctx, bufs.out);
+        assert.ok(relNorm(got, ref) < 1e-5, `M ${M} staged ${staged}: rel err ${relNorm(got, ref)}`);
+        outs.push(got);
+        Object.values(bufs).forEach((b) => b.destroy());
+      }
+      assert.deepEqual(outs[1], outs[0], `M ${M}: staged sums differ from the plain kernel's`);
     }
-    const ref = product(M, N, K, xn, (k, n) => W[k * N + n]).map((v, i) => v + bias[i % N]);
-    const got = await readFloats(ctx, bufs.out);
-    assert.ok(relNorm(got, ref) < 1e-5, `rel err ${relNorm(got, ref)}`);
-    Object.values(bufs).forEach((b) => b.destroy());
   },
 });
 

@@ -27,7 +27,16 @@ export interface GemvSpec {
   ln?: boolean;
   /** Also append the key and value columns of this qkv output to the KV cache at each row's slot and position. */
   kv?: { H: number; D: number; Tmax: number };
+  /**
+   * Stage each stretch of the (normalised) x rows in workgroup memory and keep UNROLL weight
+   * loads in flight per thread (GPUs: the plain loop waits on one load at a time). The products
+   * and their order are the same, so the sums are bit-identical to the plain kernel's.
+   */
+  staged?: boolean;
 }
+
+/** k values of x staged per pass of the staged gemv, and weight loads in flight per thread. */
+const STAGE_K = 128, UNROLL = 4;
 
 /** Rows one workgroup serves (the gemv partial's row group, the transposed gemv's M). */
 export const GEMV_MAX_ROWS = 8;
@@ -83,6 +92,37 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   ${rows.map((m) => `let rstd${m} = inverseSqrt(lns[${m * T}u] / ${s.K}.0 + 1e-5);`).join(" ")}`;
   const xin = (m: number) =>
     s.ln ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]` : `x[${xr(m)} + k]`;
+  // The k loop of thread group g: k = k0 + g, k0 + g + KG, … (staged: the same k, in stretches).
+  const fmaAt = (w: string, xv: (m: number) => string) =>
+    rows.map((m) => `acc${m} = fma(vec4<f32>(${xv(m)}), ${w}, acc${m});`).join(" ");
+  const plainLoop = `if (c4 < ${N4}u) {
+    for (var k = k0 + g; k < k1; k = k + ${KG}u) {
+      let w = W[k * ${N4}u + c4];
+      ${fmaAt("w", xin)}
+    }
+  }`;
+  const CH = STAGE_K - (STAGE_K % KG);
+  const xs = (m: number, kk: string) => `xs[${m * CH}u + ${kk}]`;
+  const stagedLoop = `for (var c0 = k0; c0 < k1; c0 = c0 + ${CH}u) {
+    let c1 = min(k1, c0 + ${CH}u);
+    for (var kk = tid; kk < c1 - c0; kk = kk + ${T}u) {
+      let k = c0 + kk;
+      ${rows.map((m) => `${xs(m, "kk")} = ${xin(m)};`).join(" ")}
+    }
+    workgroupBarrier();
+    if (c4 < ${N4}u) {
+      var k = c0 + g;
+      for (; k + ${(UNROLL - 1) * KG}u < c1; k = k + ${UNROLL * KG}u) {
+        ${[...Array(UNROLL).keys()].map((u) => `let w${u} = W[(k + ${u * KG}u) * ${N4}u + c4];`).join(" ")}
+        ${[...Array(UNROLL).keys()].map((u) => fmaAt(`w${u}`, (m) => xs(m, `k - c0 + ${u * KG}u`))).join(" ")}
+      }
+      for (; k < c1; k = k + ${KG}u) {
+        let w = W[k * ${N4}u + c4];
+        ${fmaAt("w", (m) => xs(m, "k - c0"))}
+      }
+    }
+    workgroupBarrier();
+  }`;
   return `
 @group(0) @binding(0) var<storage, read> x: array<f32>;
 @group(0) @binding(1) var<storage, read> W: array<vec4<f32>>;
@@ -90,6 +130,7 @@ export function gemvPartialWgsl(s: GemvSpec): string {
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
 ${s.ln ? `var<workgroup> lns: array<f32, ${G * T}>;` : ""}
+${s.staged ? `var<workgroup> xs: array<f32, ${G * CH}>;` : ""}
 var<workgroup> red: array<vec4<f32>, ${KG * G * 32}>;
 @compute @workgroup_size(${T})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
@@ -102,12 +143,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${rows.map((m) => `let ${xr(m)} = min(m0 + ${m}u, ${s.M - 1}u) * ${s.K}u;`).join("\n  ")}
   ${prologue}
   ${rows.map((m) => `var acc${m} = vec4<f32>(0.0);`).join("\n  ")}
-  if (c4 < ${N4}u) {
-    for (var k = k0 + g; k < k1; k = k + ${KG}u) {
-      let w = W[k * ${N4}u + c4];
-      ${rows.map((m) => `acc${m} = fma(vec4<f32>(${xin(m)}), w, acc${m});`).join("\n      ")}
-    }
-  }
+  ${s.staged ? stagedLoop : plainLoop}
   ${rows.map((m) => `red[(g * ${G}u + ${m}u) * 32u + lane] = acc${m};`).join("\n  ")}
   workgroupBarrier();
   if (g == 0u && c4 < ${N4}u) {
@@ -165,7 +201,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let i = gid.x;
   if (i >= ${s.M * N4}u) { return; }
   var v = vec4<f32>(0.0);
-  for (var ks = 0u; ks < ${s.KS}u; ks = ks + 1u) { v = v + part[ks * ${s.M * N4}u + i]; }
+  ${
+    s.KS <= 64
+      // Unrolled (the loads can all be in flight at once); the same additions in the same order.
+      ? [...Array(s.KS).keys()].map((ks) => `v = v + part[${ks * s.M * N4}u + i];`).join(" ")
+      : `for (var ks = 0u; ks < ${s.KS}u; ks = ks + 1u) { v = v + part[ks * ${s.M * N4}u + i]; }`
+  }
   ${s.bias ? `v = v + bias[i % ${N4}u];` : ""}
   ${
     s.epilogue === "residual"
