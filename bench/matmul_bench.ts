@@ -12,7 +12,7 @@
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
  *          --flush-every 2,4 (f16 math: also the pick with k-tile sums flushed every 2, 4 tiles)
- *          --kpairs (f16 math: also time the k-pair tiles, pairTiles)
+ *          --kpairs (f16 math: also time the k-pair and 128-thread tiles, f16Tiles)
  *          --budget SECONDS (sweep, default 220)  --reps N (minimum timed repetitions, default 20)
  *
  * The sweep screens all candidates on the first shape of each class (layout; for TN, few or many
@@ -192,26 +192,33 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
     t(64, 128, 16, 4, 8, { gen: 2, buffers, warpN: 8 });
   }
   t(64, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8 });
-  out.push(...pairTiles(spec));
+  out.push(...f16Tiles(spec));
   return out.map((x) => (x.warpN === 0 ? { ...x, warpN: undefined } : x));
 }
 
 /**
- * Tiles with k pairs packed per workgroup element (f16 math only): one packed f16 multiply-add
- * per two products. Split-K ones only for the weight gradients with few output blocks.
+ * Extra tiles for f16 math. The f16 register tile of 8×8 outputs holds f16 partial sums beside
+ * the f32 accumulators (about 165 registers on the H200 against 123 in f32), so 256-thread
+ * blocks run one per SM; the 128-thread blocks run three. kPairs packs pairs of k per workgroup
+ * element (one packed multiply-add per two products). Split-K only for the weight gradients
+ * with few output blocks.
  */
-export function pairTiles(spec: MatmulSpec): MatmulTile[] {
+export function f16Tiles(spec: MatmulSpec): MatmulTile[] {
   if (spec.math !== "f16") return [];
   const kPairs = true, gen = 2 as const;
   const out: MatmulTile[] = [
     { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs },
-    { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs, flushEvery: 2 },
-    { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 1, warpN: 8, kPairs },
     { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 1, warpN: 8, transposeLoad: "k", kPairs },
-    { BM: 128, BN: 64, BK: 32, TM: 8, TN: 4, gen, buffers: 2, warpN: 8, kPairs },
+    { BM: 64, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8 },
+    { BM: 64, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 2, warpN: 8 },
+    { BM: 128, BN: 64, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8 },
+    { BM: 64, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs },
+    { BM: 64, BN: 128, BK: 32, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs },
+    { BM: 128, BN: 64, BK: 32, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, kPairs },
   ];
   if (spec.transA && fewBlocks(spec)) {
     for (const splitK of [2, 4]) {
+      out.push({ BM: 64, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, splitK });
       out.push({ BM: 128, BN: 128, BK: 16, TM: 8, TN: 8, gen, buffers: 2, warpN: 8, splitK, kPairs });
     }
   }
@@ -729,7 +736,7 @@ async function main(args: string[]): Promise<void> {
       const flushVariants: MatmulTile[] = s.spec.math === "f16"
         ? flushes.filter((f) => f > 1).map((flushEvery) => ({ ...pick, flushEvery }))
         : [];
-      if (kpairs) flushVariants.push(...pairTiles(s.spec));
+      if (kpairs) flushVariants.push(...f16Tiles(s.spec));
       for (const tile of [...flushVariants, ...(chosen.get(keyOf(s.spec)) ?? [])]) {
         if (tileName(tile) === tileName(pick) || !bench.fits(s.spec, tile)) continue;
         const r = await measure(bench, s, tile, "full", full, false);
