@@ -14,7 +14,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { createStorage, type GpuContext, GpuError, readBuffers } from "./device.ts";
+import { createStorage, type GpuContext, GpuError, isCpuAdapter, readBuffers } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
@@ -108,11 +108,7 @@ interface PrefillPlan {
   tail: Op[] | null;
 }
 
-/** Whether `ctx` is a software adapter running on the CPU. */
-export function isCpuAdapter(ctx: GpuContext): boolean {
-  const a = ctx.adapterInfo;
-  return /llvmpipe|lavapipe|swiftshader|software/i.test(`${a.description} ${a.device} ${a.vendor}`);
-}
+export { isCpuAdapter };
 
 /** Generates from one model on one GPU. */
 export class Generator {
