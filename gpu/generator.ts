@@ -564,7 +564,8 @@ export class Generator {
       const model = await buildModel(
         this.#ctx,
         { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
-        { train: false, params: this.#params },
+        // The LM head is replaced below, so not the CPU adapters' matmul for it (one op, not compiled).
+        { train: false, params: this.#params, kernels: { cpuMatmul: false } },
       );
       const forward = model.forward.filter((o) => o.label !== "lm_head");
       if (forward.length !== model.forward.length - 1) {
