@@ -37,6 +37,12 @@ export class NoAdapterError extends Error {
   }
 }
 
+/** Whether `ctx` is a software adapter running on the CPU. */
+export function isCpuAdapter(ctx: GpuContext): boolean {
+  const a = ctx.adapterInfo;
+  return /llvmpipe|lavapipe|swiftshader|software/i.test(`${a.description} ${a.device} ${a.vendor}`);
+}
+
 /** A WebGPU validation or out-of-memory error raised for a named kernel or buffer. */
 export class GpuError extends Error {
   constructor(what: string, message: string) {
@@ -158,7 +164,12 @@ export async function createPipeline(
 }
 
 /** Creates a storage buffer inside an out-of-memory scope, naming it on failure. */
-export async function createStorage(ctx: GpuContext, label: string, bytes: number): Promise<GPUBuffer> {
+export async function createStorage(
+  ctx: GpuContext,
+  label: string,
+  bytes: number,
+  extraUsage = 0,
+): Promise<GPUBuffer> {
   if (bytes > ctx.limits.maxBufferSize) {
     throw new GpuError(
       `Buffer "${label}"`,
@@ -170,7 +181,7 @@ export async function createStorage(ctx: GpuContext, label: string, bytes: numbe
   const buf = ctx.device.createBuffer({
     label,
     size: Math.max(16, Math.ceil(bytes / 16) * 16),
-    usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
+    usage: GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST | extraUsage,
   });
   const v = await ctx.device.popErrorScope();
   const o = await ctx.device.popErrorScope();

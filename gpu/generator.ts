@@ -14,7 +14,7 @@
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { createStorage, type GpuContext, GpuError, readBuffers } from "./device.ts";
+import { createStorage, type GpuContext, GpuError, isCpuAdapter, readBuffers } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
@@ -108,11 +108,7 @@ interface PrefillPlan {
   tail: Op[] | null;
 }
 
-/** Whether `ctx` is a software adapter running on the CPU. */
-export function isCpuAdapter(ctx: GpuContext): boolean {
-  const a = ctx.adapterInfo;
-  return /llvmpipe|lavapipe|swiftshader|software/i.test(`${a.description} ${a.device} ${a.vendor}`);
-}
+export { isCpuAdapter };
 
 /** Generates from one model on one GPU. */
 export class Generator {
@@ -568,7 +564,8 @@ export class Generator {
       const model = await buildModel(
         this.#ctx,
         { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
-        { train: false, params: this.#params },
+        // The LM head is replaced below, so not the CPU adapters' matmul for it (one op, not compiled).
+        { train: false, params: this.#params, kernels: { cpuMatmul: false } },
       );
       const forward = model.forward.filter((o) => o.label !== "lm_head");
       if (forward.length !== model.forward.length - 1) {

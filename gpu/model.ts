@@ -16,7 +16,7 @@
  */
 
 import { ConfigError, type ModelConfig, type ParamLayout, validateSeqLen } from "./config.ts";
-import { createStorage, type GpuContext } from "./device.ts";
+import { createStorage, type GpuContext, isCpuAdapter } from "./device.ts";
 import { type FlatBuffer, flatView } from "./flat.ts";
 import {
   actPrefix,
@@ -40,6 +40,7 @@ import {
   type MatmulSpec,
 } from "./kernels/matmul.ts";
 import { MATMUL_TILE_RULES } from "./kernels/matmul_tiles.ts";
+import { uboMatmulPlan } from "./kernels/matmul_ubo.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -217,8 +218,19 @@ export interface BuildOptions {
    * "split-k": only the split-K weight-gradient ones; "none": the built-in rules alone), and
    * whether to use the FlashAttention-2 style forward where it fits (default true).
    */
-  kernels?: { tileRules?: "all" | "split-k" | "none"; flashAttention?: boolean };
+  kernels?: {
+    tileRules?: "all" | "split-k" | "none";
+    flashAttention?: boolean;
+    /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
+    cpuMatmul?: boolean;
+  };
 }
+
+/**
+ * Multiply-adds from which a CPU adapter runs a matmul with kernels/matmul_ubo.ts: the LM head's
+ * (the kernel compiles for about a second on llvmpipe, more than the smaller matmuls gain).
+ */
+export const CPU_MATMUL_MIN_MACS = 1 << 24;
 
 /** Checks that every buffer of the plan fits the device; throws ConfigError naming the field. */
 export function checkFits(ctx: GpuContext, shape: ModelShape): void {
@@ -280,6 +292,8 @@ export async function buildModel(
   /** Buffers whose elements are f16 (everything else is f32 or u32). */
   const f16Buffers = new Set<GPUBuffer>();
   let memoryBytes = 0;
+  // CPU adapters: every buffer can also be bound as a uniform buffer (see kernels/matmul_ubo.ts).
+  const cpu = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
   try {
     for (const p of allocationOrder(plan.buffers).order) {
       const b = p.usage === "uniform"
@@ -288,7 +302,7 @@ export async function buildModel(
           size: p.bytes,
           usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
         })
-        : await createStorage(ctx, p.label, p.bytes);
+        : await createStorage(ctx, p.label, p.bytes, cpu ? GPUBufferUsage.UNIFORM : 0);
       buffers.push(b);
       byLabel.set(p.label, b);
       if (p.dtype === "f16") f16Buffers.add(b);
@@ -396,6 +410,8 @@ export async function buildModel(
     const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(v.buffer)]));
     const math = f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
     const full: MatmulSpec = { ...spec, dtypes, math };
+    const ubo = cpu ? await cpuMatmul(phase, label, full, views) : null;
+    if (ubo) return ubo;
     const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize, rules: tileRules };
     // Split-K only in backward (a checkpointed recompute drops a layer's last forward op), and only
     // where its partial sums fit the planned scratch.
@@ -425,6 +441,47 @@ export async function buildModel(
     }
     return out;
   };
+  /**
+   * CPU adapters: the uniform-buffer matmul (kernels/matmul_ubo.ts) for matmuls of at least
+   * CPU_MATMUL_MIN_MACS multiply-adds whose uniform operand's buffer allows it; null otherwise.
+   */
+  async function cpuMatmul(
+    phase: Phase,
+    label: string,
+    spec: MatmulSpec,
+    views: Record<string, View>,
+  ): Promise<Op[] | null> {
+    if (spec.M * spec.N * spec.K < CPU_MATMUL_MIN_MACS) return null;
+    const lim = ctx.device.limits;
+    const plan = uboMatmulPlan(spec, {
+      maxUniformBytes: Math.min(lim.maxUniformBufferBindingSize, 65536),
+      uniformAlign: lim.minUniformBufferOffsetAlignment,
+      storageAlign: lim.minStorageBufferOffsetAlignment,
+    });
+    if (typeof plan === "string") return null;
+    if (!(views[plan[0].operand].buffer.usage & GPUBufferUsage.UNIFORM)) return null;
+    const out: Op[] = [];
+    for (const [i, d] of plan.entries()) {
+      out.push(
+        await op(
+          phase,
+          phase === "forward" ? "matmul_fwd" : "matmul_bwd",
+          plan.length > 1 ? `${label}.u${i}` : label,
+          d.code,
+          d.bindings.map((n) => {
+            const v = views[n], r = d.ranges[n];
+            return r ? { buffer: v.buffer, offset: (v.offset ?? 0) + r.offset, size: r.size } : v;
+          }),
+          d.grid,
+          {
+            uniform: d.uniform ? dropUniform : undefined,
+            flops: i === 0 ? matmulFlops(spec) : 0,
+          },
+        ),
+      );
+    }
+    return out;
+  }
   const mm = (M: number, N: number, K: number, transA = false, transB = false) => ({
     M,
     N,
