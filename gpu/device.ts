@@ -61,6 +61,7 @@ const WANTED_LIMITS = [
   "maxComputeWorkgroupSizeY",
   "maxComputeWorkgroupsPerDimension",
   "maxStorageBuffersPerShaderStage",
+  "maxUniformBuffersPerShaderStage",
 ] as const;
 
 /** Opens the high-performance adapter with its maximum limits and the optional features it offers. */

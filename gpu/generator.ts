@@ -48,6 +48,10 @@ import {
   gemvTColumns,
   gemvTransposedWgsl,
   gemvTWgsl,
+  gemvUboBlocks,
+  gemvUboColumns,
+  type GemvUboSpec,
+  gemvUboWgsl,
 } from "./kernels/gemv.ts";
 import { grid1d } from "./kernels/common.ts";
 
@@ -122,6 +126,12 @@ export class Generator {
   #params: GPUBuffer;
   /** CPU adapters: wte transposed ([C, Vp]) for the LM head of small batches (see gemvTransposedWgsl). */
   #wteT: GPUBuffer | null = null;
+  /**
+   * CPU adapters: wte in uniform blocks for the decode LM head (gemvUboWgsl), each dispatch's
+   * first block (one u32 per uniform offset alignment), and the blocks bound per dispatch.
+   */
+  #ubo: { blocks: GPUBuffer; base: GPUBuffer; align: number; BC: number; NB: number; count: number } | null =
+    null;
   #state: GPUBuffer;
   #sampling: GPUBuffer;
   #out: GPUBuffer;
@@ -199,8 +209,8 @@ export class Generator {
     const maxStreams = Math.max(1, Math.min(opts.maxStreams, byBinding));
     const full = { maxStreams, chunk: opts.chunk, prefillTokens: opts.prefillTokens ?? 2048 };
     const buffers: GPUBuffer[] = [];
-    const alloc = async (label: string, bytes: number) => {
-      const b = await createStorage(ctx, label, bytes);
+    const alloc = async (label: string, bytes: number, extraUsage = 0) => {
+      const b = await createStorage(ctx, label, bytes, extraUsage);
       buffers.push(b);
       return b;
     };
@@ -225,14 +235,28 @@ export class Generator {
       }
       g.#wteT = await alloc("gen.wte_t", t.byteLength);
       ctx.device.queue.writeBuffer(g.#wteT, 0, t);
+      const BC = gemvUboColumns(C), NB = ctx.device.limits.maxUniformBuffersPerShaderStage - 2;
+      if (BC > 0 && NB >= 1) {
+        const wte = layout.byName.get("wte.weight")!;
+        const blocks = gemvUboBlocks(params, wte.offset, Vp, C, BC), count = Math.ceil(Vp / BC);
+        const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(count / NB);
+        const base = new Uint32Array((dispatches * align) / 4);
+        for (let d = 0; d < dispatches; d++) base[(d * align) / 4] = d * NB;
+        const ub = { blocks: await alloc("gen.wte_ubo", blocks.byteLength, GPUBufferUsage.UNIFORM) };
+        const bb = await alloc("gen.lm_base", base.byteLength, GPUBufferUsage.UNIFORM);
+        ctx.device.queue.writeBuffer(ub.blocks, 0, blocks);
+        ctx.device.queue.writeBuffer(bb, 0, base);
+        g.#ubo = { blocks: ub.blocks, base: bb, align, BC, NB, count };
+      }
     }
-    const f = (label: string, n: number) => alloc(label, Math.max(16, n * 4));
+    const f = (label: string, n: number, extraUsage = 0) => alloc(label, Math.max(16, n * 4), extraUsage);
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
     const R = maxStreams; // the largest decode bucket
     g.#acts = {
       x: await f("gen.x", rows * C),
       x2: await f("gen.x2", rows * C),
-      ln: await f("gen.ln", rows * C),
+      // Bound as a uniform range by the CPU adapters' LM head (gemvUboWgsl).
+      ln: await f("gen.ln", rows * C, g.#ubo ? GPUBufferUsage.UNIFORM : 0),
       stats: await f("gen.stats", rows * 2),
       qkv: await f("gen.qkv", rows * 3 * C),
       y: await f("gen.y", rows * C),
@@ -547,6 +571,29 @@ export class Generator {
     );
   }
 
+  /** The decode LM head through uniform blocks of wte (CPU adapters, see gemvUboWgsl): one op per NB blocks. */
+  async #lmHeadUbo(label: string, M: number, x: GPUBuffer): Promise<Op[]> {
+    const u = this.#ubo!, C = this.config.n_embd, blockBytes = C * u.BC * 4;
+    const s: GemvUboSpec = { M, N: this.config.padded_vocab_size, K: C, BC: u.BC, NB: u.NB };
+    const code = gemvUboWgsl(s), ops: Op[] = [];
+    for (let d = 0; d * u.NB < u.count; d++) {
+      const blocks = [...Array(u.NB).keys()].map((b) => ({
+        buffer: u.blocks,
+        offset: Math.min(d * u.NB + b, u.count - 1) * blockBytes,
+        size: blockBytes,
+      }));
+      ops.push(
+        await this.#op("matmul_fwd", label, code, [
+          { buffer: x, offset: 0, size: M * C * 4 },
+          { buffer: u.base, offset: d * u.align, size: 16 },
+          { buffer: this.#acts.logits },
+          ...blocks,
+        ], [u.NB]),
+      );
+    }
+    return ops;
+  }
+
   /** The prefill of B prompts of (bucketed) length Tb. */
   async #prefillPlan(B: number, Tb: number): Promise<PrefillPlan> {
     const key = `${B}x${Tb}`;
@@ -759,7 +806,8 @@ export class Generator {
       );
     }
     ops.push(await lnOp(a.x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
-    ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
+    if (this.#ubo && S <= GEMV_TRANSPOSED_ROWS) ops.push(...await this.#lmHeadUbo("dec.lm_head", S, a.ln));
+    else ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
     const sample = sampleWgsl({
       V: c.vocab_size,
       Vp: c.padded_vocab_size,

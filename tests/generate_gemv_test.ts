@@ -14,8 +14,12 @@ import {
   gemvRowGroups,
   type GemvSpec,
   gemvTColumns,
+  gemvTransposedWgsl,
   gemvTWgsl,
+  gemvUboBlocks,
+  gemvUboWgsl,
 } from "../gpu/kernels/gemv.ts";
+import { createStorage } from "../gpu/device.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 /** out[m, n] = Σ_k x[m, k] · w(k, n), in float64. */
@@ -144,5 +148,69 @@ Deno.test({
       );
       Object.values(bufs).forEach((b) => b.destroy());
     }
+  },
+});
+
+Deno.test({
+  name: "gemvUboWgsl() over uniform blocks gives the transposed gemv's logits bit for bit, for 1 to 4 rows",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // N = 304 columns in blocks of 32: 10 blocks (the last partly padding) over dispatches of 3.
+    const N = 304, K = 64, BC = 32, NB = 3, blocks = Math.ceil(N / BC);
+    const W = randomFloats(N * K, 41), Wt = new Float32Array(K * N);
+    for (let n = 0; n < N; n++) for (let k = 0; k < K; k++) Wt[k * N + n] = W[n * K + k];
+    const uni = async (label: string, data: Float32Array | Uint32Array) => {
+      const b = await createStorage(ctx, label, data.byteLength, GPUBufferUsage.UNIFORM);
+      ctx.device.queue.writeBuffer(b, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
+      return b;
+    };
+    const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(blocks / NB);
+    const baseWords = new Uint32Array((dispatches * align) / 4);
+    for (let d = 0; d < dispatches; d++) baseWords[(d * align) / 4] = d * NB;
+    const wb = await uni("wb", gemvUboBlocks(W, 0, N, K, BC)), base = await uni("base", baseWords);
+    const wt = await upload(ctx, "wt", Wt);
+    for (const M of [1, 2, 4]) {
+      const x = randomFloats(M * K, 42 + M);
+      const xb = await uni("x", x);
+      const outT = await upload(ctx, "outT", new Float32Array(M * N));
+      const outU = await upload(ctx, "outU", new Float32Array(M * N));
+      const ops = [makeOp(ctx, await cache.get("gemvT", gemvTransposedWgsl({ M, N, K })), {
+        label: "gemvT",
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: [xb, wt, outT].map((buffer) => ({ buffer })),
+        grid: [Math.ceil(N / 16 / 64)],
+      })];
+      const code = gemvUboWgsl({ M, N, K, BC, NB });
+      for (let d = 0; d < dispatches; d++) {
+        ops.push(makeOp(ctx, await cache.get("gemvU", code), {
+          label: "gemvU",
+          phase: "forward",
+          kind: "matmul_fwd",
+          views: [
+            { buffer: xb, offset: 0, size: M * K * 4 },
+            { buffer: base, offset: d * align, size: 16 },
+            { buffer: outU },
+            ...[...Array(NB).keys()].map((b) => ({
+              buffer: wb,
+              offset: Math.min(d * NB + b, blocks - 1) * K * BC * 4,
+              size: K * BC * 4,
+            })),
+          ],
+          grid: [NB],
+        }));
+      }
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, ops);
+      ctx.device.queue.submit([enc.finish()]);
+      const [t, u] = [await readFloats(ctx, outT), await readFloats(ctx, outU)];
+      const ref = product(M, N, K, x, (k, n) => W[n * K + k]);
+      assert.ok(relNorm(u, ref) < 1e-5, `M=${M}: rel err ${relNorm(u, ref)}`);
+      assert.deepEqual(u, t, `M=${M}: the uniform-buffer logits differ from the transposed gemv's`);
+      [xb, outT, outU].forEach((b) => b.destroy());
+    }
+    [wb, base, wt].forEach((b) => b.destroy());
   },
 });

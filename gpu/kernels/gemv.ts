@@ -427,3 +427,116 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
 }
 `;
 }
+
+/**
+ * The decode LM head on CPU adapters through uniform buffers. Mesa's CPU drivers (lavapipe,
+ * llvmpipe) load a storage buffer one invocation at a time but gather a uniform buffer's values
+ * for 8 invocations at once, several times faster; a uniform binding holds at most 64 KiB, so the
+ * weight is stored in blocks of BC columns ([block][k][column], `gemvUboBlocks`), a dispatch binds
+ * NB of them, one workgroup per block, and the LM head is ceil(blocks / NB) dispatches. Each
+ * output is the same chain of multiply-adds as {@link gemvTransposedWgsl}'s (four partial sums
+ * over k ≡ j mod 4, added in order), so the logits are bit-identical to it.
+ */
+export interface GemvUboSpec {
+  /** Rows of x (≤ GEMV_TRANSPOSED_ROWS); x is bound as one uniform range of M·K floats. */
+  M: number;
+  /** Output columns (a multiple of GEMV_TRANSPOSED_COLUMNS). */
+  N: number;
+  K: number;
+  /** Columns per block (a multiple of GEMV_TRANSPOSED_COLUMNS; K·BC·4 ≤ 65536). */
+  BC: number;
+  /** Blocks bound per dispatch. */
+  NB: number;
+}
+
+/** Columns per uniform block for K, or 0 when not even GEMV_TRANSPOSED_COLUMNS fit 64 KiB. */
+export function gemvUboColumns(K: number): number {
+  return Math.floor(16384 / K / GEMV_TRANSPOSED_COLUMNS) * GEMV_TRANSPOSED_COLUMNS;
+}
+
+/** W[N, K] (row n at n·K) as uniform blocks [block][k][column] of BC columns, zero past N. */
+export function gemvUboBlocks(
+  W: Float32Array,
+  offset: number,
+  N: number,
+  K: number,
+  BC: number,
+): Float32Array<ArrayBuffer> {
+  const blocks = Math.ceil(N / BC), out = new Float32Array(blocks * K * BC);
+  for (let n = 0; n < N; n++) {
+    const b = Math.floor(n / BC), j = n % BC, row = offset + n * K;
+    for (let k = 0; k < K; k++) out[(b * K + k) * BC + j] = W[row + k];
+  }
+  return out;
+}
+
+/**
+ * Bindings: 0 x (uniform, M·K floats), 1 the dispatch's first block (uniform u32 at .x), 2 out
+ * [M, N] (storage), 3 … 3+NB−1 the weight blocks (uniform). Grid (NB).
+ */
+export function gemvUboWgsl(s: GemvUboSpec): string {
+  const { M, N, K, BC, NB } = s;
+  if (M < 1 || M > GEMV_TRANSPOSED_ROWS) {
+    throw new RangeError(`The uniform-buffer gemv serves 1 to ${GEMV_TRANSPOSED_ROWS} rows, got ${M}`);
+  }
+  if (N % GEMV_TRANSPOSED_COLUMNS !== 0 || K % 4 !== 0 || BC % GEMV_TRANSPOSED_COLUMNS !== 0 || BC < 16) {
+    throw new RangeError(`The uniform-buffer gemv needs N and BC multiples of 16 and K of 4`);
+  }
+  if (K * BC * 4 > 65536 || M * K * 4 > 65536) {
+    throw new RangeError(`The uniform-buffer gemv's blocks and x must fit 64 KiB`);
+  }
+  const C4 = GEMV_TRANSPOSED_COLUMNS / 4, N4 = N / 4, K4 = K / 4, B4 = BC / 4, lanes = BC / 16;
+  const rows = [...Array(M).keys()], cols = [...Array(C4).keys()], parts = [0, 1, 2, 3];
+  const acc = (m: number, c: number, j: number) => `a${m}_${c}_${j}`;
+  const body = (b: number) =>
+    `for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) {
+      ${
+      parts.map((j) =>
+        `{
+        let r = (k4 * 4u + ${j}u) * ${B4}u + c0;
+        ${rows.map((m) => `let x${m} = vec4<f32>(xu[${m * K4}u + k4][${j}]);`).join(" ")}
+        ${
+          cols.map((c) =>
+            `{ let w = W${b}[r + ${c}u]; ${
+              rows.map((m) => `${acc(m, c, j)} = fma(w, x${m}, ${acc(m, c, j)});`).join(" ")
+            } }`
+          ).join("\n        ")
+        }
+      }`
+      ).join("\n      ")
+    }
+    }`;
+  return `
+@group(0) @binding(0) var<uniform> xu: array<vec4<f32>, ${(M * K) / 4}>;
+@group(0) @binding(1) var<uniform> base: vec4<u32>;
+@group(0) @binding(2) var<storage, read_write> out: array<vec4<f32>>;
+${
+    [...Array(NB).keys()].map((b) =>
+      `@group(0) @binding(${3 + b}) var<uniform> W${b}: array<vec4<f32>, ${K * B4}>;`
+    )
+      .join("\n")
+  }
+@compute @workgroup_size(${lanes})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lane: u32) {
+  let c0 = lane * ${C4}u;
+  let q = (base.x + wg.x) * ${B4}u + c0;
+  if (q >= ${N4}u) { return; }
+  ${
+    rows.flatMap((m) => cols.flatMap((c) => parts.map((j) => `var ${acc(m, c, j)} = vec4<f32>(0.0);`))).join(
+      " ",
+    )
+  }
+  switch (wg.x) {
+    ${[...Array(NB).keys()].map((b) => `case ${b}u: {\n    ${body(b)}\n    }`).join("\n    ")}
+    default: {}
+  }
+  ${
+    rows.flatMap((m) =>
+      cols.map((c) =>
+        `out[${m * N4}u + q + ${c}u] = ${acc(m, c, 0)} + ${acc(m, c, 1)} + ${acc(m, c, 2)} + ${acc(m, c, 3)};`
+      )
+    ).join("\n  ")
+  }
+}
+`;
+}
