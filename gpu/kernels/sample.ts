@@ -31,7 +31,11 @@ export const LOGPROBS_MAX = 5;
 /** f32 words per (row, step) in the logprobs output: [chosen, unused, then LOGPROBS_MAX × (id bits, logprob)]. */
 export const LP_WORDS = 2 + 2 * LOGPROBS_MAX;
 
-const WG = 256;
+/**
+ * Invocations per workgroup: 256 on GPUs; 64 on CPU adapters (with serialReductions), where every
+ * barrier switches all invocations in turn and the sampler's bisections take about a hundred.
+ */
+const WG_GPU = 256, WG_CPU = 64;
 const BISECT = 32;
 /** Most top-k candidates compacted into workgroup memory (value and id: 8 bytes each). */
 const CAP = 2048;
@@ -52,14 +56,15 @@ export interface SampleSpec {
   /** Largest position a stream may reach (its context); positions stop advancing there. */
   maxPos: number;
   /**
-   * CPU adapters: workgroup sums and maxima by one invocation over the 256 partials (three
-   * barriers) instead of a tree (ten): llvmpipe runs every barrier as a switch of all 256
-   * invocations. The results differ from the tree's in summation order only.
+   * CPU adapters: 64 invocations instead of 256, and workgroup sums and maxima by one invocation
+   * over their partials (three barriers) instead of a tree (ten): llvmpipe runs every barrier as a
+   * switch of all invocations. The results differ from the tree's in summation order only (top-k
+   * above 64 then takes the passes over the vocabulary).
    */
   serialReductions?: boolean;
 }
 
-const TREE_REDUCTIONS = `
+const TREE_REDUCTIONS = (WG: number) => `
 fn sum_all(v: f32, tid: u32) -> f32 {
   workgroupBarrier();
   red[tid] = v;
@@ -82,7 +87,7 @@ fn max_all(v: f32, tid: u32) -> f32 {
   return red[0];
 }`;
 
-const SERIAL_REDUCTIONS = `
+const SERIAL_REDUCTIONS = (WG: number) => `
 fn sum_all(v: f32, tid: u32) -> f32 {
   workgroupBarrier();
   red[tid] = v;
@@ -112,6 +117,7 @@ fn max_all(v: f32, tid: u32) -> f32 {
  * row asks for logprobs, lp[row, steps written] (LP_WORDS each). Grid (rows).
  */
 export function sampleWgsl(s: SampleSpec): string {
+  const WG = s.serialReductions ? WG_CPU : WG_GPU;
   const per = Math.ceil(s.V / WG);
   return `
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
@@ -141,7 +147,7 @@ fn idOf(j: u32, compact: bool) -> u32 {
   return j;
 }
 
-${s.serialReductions ? SERIAL_REDUCTIONS : TREE_REDUCTIONS}
+${s.serialReductions ? SERIAL_REDUCTIONS(WG) : TREE_REDUCTIONS(WG)}
 
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
