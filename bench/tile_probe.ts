@@ -13,7 +13,7 @@
  * If the inner loop alone runs near the bare FMA rate (bench/fma_probe.ts), the matmul loses its
  * speed in the staging; if it does not, in the loop's own loads and instruction mix.
  *
- *   deno run -A bench/tile_probe.ts [--reps 5] [--iters 64] [--bk 16]
+ *   deno run -A bench/tile_probe.ts [--reps 5] [--iters 64] [--bk 16] [--threads 256|128]
  */
 
 import { createPipeline, describeDevice, openDevice } from "../gpu/device.ts";
@@ -26,7 +26,9 @@ function arg(name: string, def: string): string {
 }
 
 const REPS = +arg("reps", "5"), ITERS = +arg("iters", "64"), BK = +arg("bk", "16");
-const TX = 16, TY = 16, WG = TX * TY, G = 2; // 2 groups of 4 rows and of 4 columns per thread
+// 2 groups of 4 rows and of 4 columns per thread; --threads 128 halves the block's rows (64×128),
+// so that a register-heavy tile still fits several blocks per SM.
+const TX = 16, TY = +arg("threads", "256") / TX, WG = TX * TY, G = 2;
 
 type Variant = { name: string; kind: "f32" | "splat" | "kp"; barrier: boolean; flush: boolean };
 
@@ -151,7 +153,7 @@ const variants: Variant[] = [
   { name: "f16 kp +bar", kind: "kp", barrier: true, flush: true },
 ];
 const timer = new GpuTimer(ctx);
-console.log(`timing: ${timer.method}; 128x128 block, 8x8 per thread, BK ${BK}, ${ITERS} passes`);
+console.log(`timing: ${timer.method}; ${TY * 8}x128 block, 8x8 per thread, BK ${BK}, ${ITERS} passes`);
 const rows: Record<string, unknown>[] = [];
 for (const v of variants) {
   if (v.kind !== "f32" && !ctx.hasF16) continue;

@@ -50,6 +50,8 @@ import {
   gemvTWgsl,
   gemvUboBlocks,
   gemvUboColumns,
+  gemvUboLayerRows,
+  gemvUboLayerWgsl,
   type GemvUboSpec,
   gemvUboWgsl,
 } from "./kernels/gemv.ts";
@@ -132,6 +134,14 @@ export class Generator {
    */
   #ubo: { blocks: GPUBuffer; base: GPUBuffer; align: number; BC: number; NB: number; count: number } | null =
     null;
+  /**
+   * CPU adapters: the layers' weights in uniform slices (gemvUboLayerWgsl) by weight name: the
+   * slices' and the LayerNorm's ranges in `buffer`, and rows per slice.
+   */
+  #uboW: {
+    buffer: GPUBuffer;
+    byWeight: Map<string, { R: number; slices: View[]; ln: View | null }>;
+  } | null = null;
   #state: GPUBuffer;
   #sampling: GPUBuffer;
   #out: GPUBuffer;
@@ -248,20 +258,21 @@ export class Generator {
         ctx.device.queue.writeBuffer(bb, 0, base);
         g.#ubo = { blocks: ub.blocks, base: bb, align, BC, NB, count };
       }
+      g.#uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
     }
     const f = (label: string, n: number, extraUsage = 0) => alloc(label, Math.max(16, n * 4), extraUsage);
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
     const R = maxStreams; // the largest decode bucket
     g.#acts = {
-      x: await f("gen.x", rows * C),
-      x2: await f("gen.x2", rows * C),
-      // Bound as a uniform range by the CPU adapters' LM head (gemvUboWgsl).
+      x: await f("gen.x", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
+      x2: await f("gen.x2", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
+      // Bound as uniform ranges by the CPU adapters' LM head and layers (gemvUboWgsl, gemvUboLayerWgsl).
       ln: await f("gen.ln", rows * C, g.#ubo ? GPUBufferUsage.UNIFORM : 0),
       stats: await f("gen.stats", rows * 2),
       qkv: await f("gen.qkv", rows * 3 * C),
-      y: await f("gen.y", rows * C),
+      y: await f("gen.y", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
       fch: await f("gen.fch", rows * 4 * C),
-      fcg: await f("gen.fcg", rows * 4 * C),
+      fcg: await f("gen.fcg", rows * 4 * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
       logits: await f("gen.logits", Math.max(rows, PREFILL_ROWS) * Vp),
       part: await f(
         "gen.part",
@@ -720,7 +731,10 @@ export class Generator {
       s: MatmulSpec,
       views: Record<string, View>,
       fuse: { ln?: [string, string]; kv?: number } = {},
+      weight?: string,
     ): Promise<Op[]> => {
+      const u = weight !== undefined ? this.#uboW?.byWeight.get(weight) : undefined;
+      if (u && s.M * s.K * 4 <= 65536) return await linUbo(label, s, views, fuse, u);
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
@@ -749,6 +763,42 @@ export class Generator {
         ]),
       ];
     };
+    /** CPU adapters: the layer through uniform slices of its weight, then the reduce kernel (KS = 1). */
+    const linUbo = async (
+      label: string,
+      s: MatmulSpec,
+      views: Record<string, View>,
+      fuse: { ln?: [string, string]; kv?: number },
+      u: { R: number; slices: View[]; ln: View | null },
+    ): Promise<Op[]> => {
+      const g: GemvSpec = {
+        M: s.M,
+        N: s.N,
+        K: s.K,
+        bias: s.bias,
+        epilogue: s.epilogue as GemvEpilogue,
+        KS: 1,
+        kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
+      };
+      const all: Record<string, View> = { ...views, part: V(a.part) };
+      if (fuse.kv !== undefined) {
+        Object.assign(all, { state: V(this.#state), kc: V(this.#kc[fuse.kv]), vc: V(this.#vc[fuse.kv]) });
+      }
+      const x = { buffer: views.A.buffer, offset: 0, size: s.M * s.K * 4 };
+      const code = gemvUboLayerWgsl({ M: s.M, N: s.N, K: s.K, R: u.R, ln: !!fuse.ln });
+      return [
+        await op(
+          "matmul_fwd",
+          label + ".gemv",
+          code,
+          [x, V(a.part), ...(fuse.ln && u.ln ? [u.ln] : []), ...u.slices],
+          [Math.ceil(s.N / 4 / 64)],
+        ),
+        await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
+          Math.ceil((s.M * s.N) / 4 / 64),
+        ]),
+      ];
+    };
     const ops: Op[] = [];
     ops.push(
       await op("embedding", "dec.embed", embedDecodeWgsl(spec), [
@@ -761,12 +811,18 @@ export class Generator {
     for (let l = 0; l < L; l++) {
       const p = `h.${l}.`;
       ops.push(
-        ...await lin(`dec.l${l}.qkv`, { ...base, M: S, N: 3 * C, K: C, epilogue: "store" }, {
-          A: V(a.x),
-          B: P(p + "attn.c_attn.weight"),
-          bias: P(p + "attn.c_attn.bias"),
-          out: V(a.qkv),
-        }, { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l }),
+        ...await lin(
+          `dec.l${l}.qkv`,
+          { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
+          {
+            A: V(a.x),
+            B: P(p + "attn.c_attn.weight"),
+            bias: P(p + "attn.c_attn.bias"),
+            out: V(a.qkv),
+          },
+          { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l },
+          p + "attn.c_attn.weight",
+        ),
       );
       ops.push(
         await op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec), [
@@ -778,31 +834,49 @@ export class Generator {
         ], [S, H]),
       );
       ops.push(
-        ...await lin(`dec.l${l}.proj`, { ...base, M: S, N: C, K: C, epilogue: "residual" }, {
-          A: V(a.y),
-          B: P(p + "attn.c_proj.weight"),
-          bias: P(p + "attn.c_proj.bias"),
-          res: V(a.x),
-          out: V(a.x2),
-        }),
+        ...await lin(
+          `dec.l${l}.proj`,
+          { ...base, M: S, N: C, K: C, epilogue: "residual" },
+          {
+            A: V(a.y),
+            B: P(p + "attn.c_proj.weight"),
+            bias: P(p + "attn.c_proj.bias"),
+            res: V(a.x),
+            out: V(a.x2),
+          },
+          {},
+          p + "attn.c_proj.weight",
+        ),
       );
       ops.push(
-        ...await lin(`dec.l${l}.fc`, { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" }, {
-          A: V(a.x2),
-          B: P(p + "mlp.c_fc.weight"),
-          bias: P(p + "mlp.c_fc.bias"),
-          out: V(a.fch),
-          out2: V(a.fcg),
-        }, { ln: [p + "ln_2.weight", p + "ln_2.bias"] }),
+        ...await lin(
+          `dec.l${l}.fc`,
+          { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" },
+          {
+            A: V(a.x2),
+            B: P(p + "mlp.c_fc.weight"),
+            bias: P(p + "mlp.c_fc.bias"),
+            out: V(a.fch),
+            out2: V(a.fcg),
+          },
+          { ln: [p + "ln_2.weight", p + "ln_2.bias"] },
+          p + "mlp.c_fc.weight",
+        ),
       );
       ops.push(
-        ...await lin(`dec.l${l}.fcproj`, { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" }, {
-          A: V(a.fcg),
-          B: P(p + "mlp.c_proj.weight"),
-          bias: P(p + "mlp.c_proj.bias"),
-          res: V(a.x2),
-          out: V(a.x),
-        }),
+        ...await lin(
+          `dec.l${l}.fcproj`,
+          { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" },
+          {
+            A: V(a.fcg),
+            B: P(p + "mlp.c_proj.weight"),
+            bias: P(p + "mlp.c_proj.bias"),
+            res: V(a.x2),
+            out: V(a.x),
+          },
+          {},
+          p + "mlp.c_proj.weight",
+        ),
       );
     }
     ops.push(await lnOp(a.x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
@@ -829,4 +903,73 @@ export class Generator {
     this.#decode.set(S, ops);
     return ops;
   }
+}
+
+/**
+ * CPU adapters: every layer weight [K, N] copied into uniform slices of R rows (and each
+ * LayerNorm's weight and bias beside the matrix it feeds) at the device's uniform offset
+ * alignment, for gemvUboLayerWgsl; null when some weight needs more slices than a dispatch binds.
+ */
+async function uboLayerWeights(
+  ctx: GpuContext,
+  config: ModelConfig,
+  params: Float32Array,
+  layout: ReturnType<typeof paramLayout>,
+  alloc: (label: string, bytes: number, extraUsage?: number) => Promise<GPUBuffer>,
+): Promise<
+  { buffer: GPUBuffer; byWeight: Map<string, { R: number; slices: View[]; ln: View | null }> } | null
+> {
+  const C = config.n_embd, align = ctx.device.limits.minUniformBufferOffsetAlignment;
+  const maxBindings = ctx.device.limits.maxUniformBuffersPerShaderStage;
+  const mats: Array<[string, number, number, string | null]> = [];
+  for (let l = 0; l < config.n_layer; l++) {
+    const p = `h.${l}.`;
+    mats.push([p + "attn.c_attn.weight", C, 3 * C, p + "ln_1"], [p + "attn.c_proj.weight", C, C, null]);
+    mats.push([p + "mlp.c_fc.weight", C, 4 * C, p + "ln_2"], [p + "mlp.c_proj.weight", 4 * C, C, null]);
+  }
+  // Ranges (in floats) of every slice and LayerNorm block, each starting at an aligned offset.
+  const plan: Array<
+    { weight: string; R: number; slices: [number, number, number][]; ln: [number, string] | null }
+  > = [];
+  let at = 0;
+  const place = (floats: number) => {
+    const start = at;
+    at += Math.ceil((floats * 4) / align) * (align / 4);
+    return start;
+  };
+  for (const [weight, K, N, ln] of mats) {
+    const R = gemvUboLayerRows(N), S = R > 0 ? Math.ceil(K / R) : Infinity;
+    if (S + 1 + (ln ? 1 : 0) > maxBindings) return null;
+    const slices: [number, number, number][] = [];
+    for (let sl = 0; sl < S; sl++) {
+      const rows = Math.min(R, K - sl * R);
+      slices.push([place(rows * N), sl * R, rows]);
+    }
+    plan.push({ weight, R, slices, ln: ln ? [place(2 * K), ln] : null });
+  }
+  const data = new Float32Array(at);
+  for (const [i, [weight, , N]] of mats.entries()) {
+    const w = layout.byName.get(weight)!, e = plan[i];
+    for (const [off, row0, rows] of e.slices) {
+      data.set(params.subarray(w.offset + row0 * N, w.offset + (row0 + rows) * N), off);
+    }
+    if (e.ln) {
+      const [off, ln] = e.ln, K = mats[i][1];
+      const lw = layout.byName.get(ln + ".weight")!, lb = layout.byName.get(ln + ".bias")!;
+      data.set(params.subarray(lw.offset, lw.offset + K), off);
+      data.set(params.subarray(lb.offset, lb.offset + K), off + K);
+    }
+  }
+  const buffer = await alloc("gen.w_ubo", data.byteLength, GPUBufferUsage.UNIFORM);
+  ctx.device.queue.writeBuffer(buffer, 0, data);
+  const byWeight = new Map<string, { R: number; slices: View[]; ln: View | null }>();
+  for (const [i, e] of plan.entries()) {
+    const [, K, N] = mats[i];
+    byWeight.set(e.weight, {
+      R: e.R,
+      slices: e.slices.map(([off, , rows]) => ({ buffer, offset: off * 4, size: rows * N * 4 })),
+      ln: e.ln ? { buffer, offset: e.ln[0] * 4, size: 2 * K * 4 } : null,
+    });
+  }
+  return { buffer, byWeight };
 }

@@ -17,6 +17,7 @@ import {
   gemvTransposedWgsl,
   gemvTWgsl,
   gemvUboBlocks,
+  gemvUboLayerWgsl,
   gemvUboWgsl,
 } from "../gpu/kernels/gemv.ts";
 import { createStorage } from "../gpu/device.ts";
@@ -212,5 +213,63 @@ Deno.test({
       [xb, outT, outU].forEach((b) => b.destroy());
     }
     [wb, base, wt].forEach((b) => b.destroy());
+  },
+});
+
+Deno.test({
+  name: "gemvUboLayerWgsl() over uniform slices matches a float64 product, with and without the LayerNorm",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // K = 40 in slices of 16 rows (the last of 8); 5 rows: a group of 4 and one of 1.
+    const N = 24, K = 40, R = 16, M = 5;
+    const W = randomFloats(K * N, 51), lnw = randomFloats(K, 52), lnb = randomFloats(K, 53);
+    const x = randomFloats(M * K, 54);
+    const align = ctx.device.limits.minUniformBufferOffsetAlignment / 4;
+    const pad = (n: number) => Math.ceil(n / align) * align;
+    for (const ln of [false, true]) {
+      // Layout: x, then the LayerNorm block, then the slices, each at an aligned offset.
+      const offs: number[] = [];
+      let at = 0;
+      const put = (n: number) => (offs.push(at), (at += pad(n)));
+      put(M * K);
+      put(2 * K);
+      for (let r0 = 0; r0 < K; r0 += R) put(Math.min(R, K - r0) * N);
+      const data = new Float32Array(at);
+      data.set(x, offs[0]);
+      data.set(lnw, offs[1]);
+      data.set(lnb, offs[1] + K);
+      for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) {
+        data.set(W.subarray(r0 * N, Math.min(K, r0 + R) * N), offs[2 + i]);
+      }
+      const buf = await createStorage(ctx, "ubo", data.byteLength, GPUBufferUsage.UNIFORM);
+      ctx.device.queue.writeBuffer(buf, 0, data);
+      const part = await upload(ctx, "part", new Float32Array(M * N));
+      const range = (o: number, n: number) => ({ buffer: buf, offset: o * 4, size: n * 4 });
+      const slices = [];
+      for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) slices.push(range(offs[2 + i], Math.min(R, K - r0) * N));
+      const op = makeOp(ctx, await cache.get("gemvUL", gemvUboLayerWgsl({ M, N, K, R, ln })), {
+        label: "gemvUL",
+        phase: "forward",
+        kind: "matmul_fwd",
+        views: [range(offs[0], M * K), { buffer: part }, ...(ln ? [range(offs[1], 2 * K)] : []), ...slices],
+        grid: [1],
+      });
+      const enc = ctx.device.createCommandEncoder();
+      encodeOps(enc, [op]);
+      ctx.device.queue.submit([enc.finish()]);
+      const xn = new Float64Array(M * K);
+      for (let m = 0; m < M; m++) {
+        const row = x.subarray(m * K, (m + 1) * K);
+        const mean = row.reduce((a, v) => a + v, 0) / K;
+        const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
+        for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
+      }
+      const ref = product(M, N, K, xn, (k, n) => W[k * N + n]);
+      const got = await readFloats(ctx, part);
+      assert.ok(relNorm(got, ref) < 1e-5, `ln ${ln}: rel err ${relNorm(got, ref)}`);
+      [buf, part].forEach((b) => b.destroy());
+    }
   },
 });

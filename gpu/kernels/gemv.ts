@@ -540,3 +540,97 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
 }
 `;
 }
+
+/**
+ * A decode linear layer on CPU adapters through uniform buffers (see gemvUboWgsl for why): the
+ * partial sums of gemvPartialWgsl with one K-split, for weights that fit a few 64 KiB uniform
+ * bindings. x (M·K floats) is one uniform range; W [K, N] is split into slices of R rows, one
+ * binding each; with `ln` the LayerNorm's weight and bias are one more range (2·K floats) and each
+ * invocation normalises its rows itself (no barriers). One invocation per 4 columns, all rows;
+ * each output is one chain of multiply-adds over k in order. The reduce kernel (KS = 1) adds the
+ * bias and applies the epilogue.
+ */
+export interface GemvUboLayerSpec {
+  M: number;
+  N: number;
+  K: number;
+  /** Rows of W per uniform slice (a multiple of 4, R·N·4 ≤ 65536). */
+  R: number;
+  ln: boolean;
+}
+
+/** Rows of W [K, N] per 64 KiB uniform slice (a multiple of 4), or 0 when not even 4 fit. */
+export function gemvUboLayerRows(N: number): number {
+  return Math.floor(16384 / N / 4) * 4;
+}
+
+/**
+ * Bindings: 0 x (uniform), 1 part (storage, [M, N]), then with `ln` the LayerNorm weight and bias
+ * (uniform, [2, K]), then the ceil(K / R) slices of W (uniform). Grid (ceil(N / 4 / 64)).
+ */
+export function gemvUboLayerWgsl(s: GemvUboLayerSpec): string {
+  const { M, N, K, R } = s;
+  if (N % 4 !== 0 || K % 4 !== 0 || R % 4 !== 0 || R < 4 || R * N * 4 > 65536 || M * K * 4 > 65536) {
+    throw new RangeError(`The uniform-buffer layer gemv needs N, K, R multiples of 4 within 64 KiB`);
+  }
+  const N4 = N / 4, K4 = K / 4, S = Math.ceil(K / R), R4 = R / 4;
+  const slices = [...Array(S).keys()], first = s.ln ? 3 : 2;
+  const rowsOf = (sl: number) => Math.min(R, K - sl * R);
+  // Rows in groups of up to 4 (their weights loaded once per group).
+  const groups: number[][] = [];
+  for (let m = 0; m < M; m += 4) groups.push([...Array(Math.min(4, M - m)).keys()].map((i) => m + i));
+  const xin = (m: number) =>
+    s.ln
+      ? `(xu[${m * K4}u + k4] - vec4<f32>(mean${m})) * rstd${m} * lnp[k4] + lnp[${K4}u + k4]`
+      : `xu[${m * K4}u + k4]`;
+  const stats = (m: number) =>
+    s.ln
+      ? `var su${m} = 0.0;
+    for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) { let v = xu[${
+        m * K4
+      }u + k4]; su${m} = su${m} + v.x + v.y + v.z + v.w; }
+    let mean${m} = su${m} / ${K}.0;
+    var sq${m} = 0.0;
+    for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) { let d = xu[${
+        m * K4
+      }u + k4] - vec4<f32>(mean${m}); sq${m} = sq${m} + dot(d, d); }
+    let rstd${m} = inverseSqrt(sq${m} / ${K}.0 + 1e-5);`
+      : "";
+  const group = (g: number[]) =>
+    `{
+    ${g.map(stats).join("\n    ")}
+    ${g.map((m) => `var acc${m} = vec4<f32>(0.0);`).join(" ")}
+    ${
+      slices.map((sl) =>
+        `for (var k4 = ${sl * R4}u; k4 < ${(sl * R + rowsOf(sl)) / 4}u; k4 = k4 + 1u) {
+      ${g.map((m) => `let x${m} = ${xin(m)};`).join(" ")}
+      let r = (k4 - ${sl * R4}u) * ${4 * N4}u + c4;
+      ${
+          [0, 1, 2, 3].map((j) =>
+            `{ let w = W${sl}[r + ${j * N4}u]; ${
+              g.map((m) => `acc${m} = fma(vec4<f32>(x${m}[${j}]), w, acc${m});`).join(" ")
+            } }`
+          ).join("\n      ")
+        }
+    }`
+      ).join("\n    ")
+    }
+    ${g.map((m) => `part[${m * N4}u + c4] = acc${m};`).join(" ")}
+  }`;
+  return `
+@group(0) @binding(0) var<uniform> xu: array<vec4<f32>, ${(M * K) / 4}>;
+@group(0) @binding(1) var<storage, read_write> part: array<vec4<f32>>;
+${s.ln ? `@group(0) @binding(2) var<uniform> lnp: array<vec4<f32>, ${K / 2}>;` : ""}
+${
+    slices.map((sl) =>
+      `@group(0) @binding(${first + sl}) var<uniform> W${sl}: array<vec4<f32>, ${rowsOf(sl) * N4}>;`
+    ).join("\n")
+  }
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let c4 = gid.x;
+  if (c4 >= ${N4}u) { return; }
+  ${groups.map(group).join("\n  ")}
+}
+`;
+}
