@@ -722,78 +722,58 @@ export class Generator {
     const lnOp = (src: GPUBuffer, w: string, b: string, label: string) =>
       op("layernorm", label, layernormForwardWgsl(C), [V(src), P(w), P(b), V(a.ln), V(a.stats)], [S]);
     /**
-     * One linear layer through the skinny gemv (row groups of 8 beyond 8 rows). `fuse.ln` names
-     * the LayerNorm before it (views.A is then its raw input, normalised in the prologue), `fuse.kv`
-     * the layer whose KV cache the qkv output feeds (appended in the epilogue).
+     * One linear layer of weight `weight`: on GPUs the skinny gemv (row groups of 8 beyond 8 rows),
+     * on CPU adapters the uniform-slice gemv where its weight was copied (gemvUboLayerWgsl); then the
+     * reduce kernel. `fuse.ln` names the LayerNorm before it (views.A is then its raw input,
+     * normalised in the prologue), `fuse.kv` the layer whose KV cache the qkv output feeds.
      */
     const lin = async (
       label: string,
       s: MatmulSpec,
+      weight: string,
       views: Record<string, View>,
       fuse: { ln?: [string, string]; kv?: number } = {},
-      weight?: string,
     ): Promise<Op[]> => {
-      const u = weight !== undefined ? this.#uboW?.byWeight.get(weight) : undefined;
-      if (u && s.M * s.K * 4 <= 65536) return await linUbo(label, s, views, fuse, u);
+      const u = this.#uboW?.byWeight.get(weight);
+      const ubo = u !== undefined && s.M * s.K * 4 <= 65536;
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
         K: s.K,
         bias: s.bias,
         epilogue: s.epilogue as GemvEpilogue,
-        KS: chooseKSplit(s.N, s.K, 264, s.M),
+        KS: ubo ? 1 : chooseKSplit(s.N, s.K, 264, s.M),
         ln: !!fuse.ln,
         kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
         // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row).
         staged: !this.#cpu && s.M >= 8,
       };
-      const all: Record<string, View> = { ...views, part: V(a.part) };
+      const all: Record<string, View> = { ...views, B: P(weight), part: V(a.part) };
       if (fuse.kv !== undefined) {
         Object.assign(all, { state: V(this.#state), kc: V(this.#kc[fuse.kv]), vc: V(this.#vc[fuse.kv]) });
       }
-      const partViews = [views.A, views.B, V(a.part), ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])];
-      return [
-        await op("matmul_fwd", label + ".gemv", gemvPartialWgsl(g), partViews, [
-          Math.ceil(s.N / 128),
-          g.KS,
-          gemvRowGroups(s.M),
-        ]),
-        await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
-          Math.ceil((s.M * s.N) / 4 / 64),
-        ]),
-      ];
-    };
-    /** CPU adapters: the layer through uniform slices of its weight, then the reduce kernel (KS = 1). */
-    const linUbo = async (
-      label: string,
-      s: MatmulSpec,
-      views: Record<string, View>,
-      fuse: { ln?: [string, string]; kv?: number },
-      u: { R: number; slices: View[]; ln: View | null },
-    ): Promise<Op[]> => {
-      const g: GemvSpec = {
-        M: s.M,
-        N: s.N,
-        K: s.K,
-        bias: s.bias,
-        epilogue: s.epilogue as GemvEpilogue,
-        KS: 1,
-        kv: fuse.kv !== undefined ? { H, D, Tmax: c.n_positions } : undefined,
-      };
-      const all: Record<string, View> = { ...views, part: V(a.part) };
-      if (fuse.kv !== undefined) {
-        Object.assign(all, { state: V(this.#state), kc: V(this.#kc[fuse.kv]), vc: V(this.#vc[fuse.kv]) });
-      }
-      const x = { buffer: views.A.buffer, offset: 0, size: s.M * s.K * 4 };
-      const code = gemvUboLayerWgsl({ M: s.M, N: s.N, K: s.K, R: u.R, ln: !!fuse.ln });
-      return [
-        await op(
+      const partial = ubo
+        ? await op(
           "matmul_fwd",
           label + ".gemv",
-          code,
-          [x, V(a.part), ...(fuse.ln && u.ln ? [u.ln] : []), ...u.slices],
+          gemvUboLayerWgsl({ M: s.M, N: s.N, K: s.K, R: u.R, ln: !!fuse.ln }),
+          [
+            { buffer: views.A.buffer, offset: 0, size: s.M * s.K * 4 },
+            V(a.part),
+            ...(fuse.ln && u.ln ? [u.ln] : []),
+            ...u.slices,
+          ],
           [Math.ceil(s.N / 4 / 64)],
-        ),
+        )
+        : await op(
+          "matmul_fwd",
+          label + ".gemv",
+          gemvPartialWgsl(g),
+          [all.A, all.B, all.part, ...(fuse.ln ? [P(fuse.ln[0]), P(fuse.ln[1])] : [])],
+          [Math.ceil(s.N / 128), g.KS, gemvRowGroups(s.M)],
+        );
+      return [
+        partial,
         await op("matmul_fwd", label + ".sum", gemvReduceWgsl(g), gemvReduceBindings(g).map((n) => all[n]), [
           Math.ceil((s.M * s.N) / 4 / 64),
         ]),
@@ -814,14 +794,13 @@ export class Generator {
         ...await lin(
           `dec.l${l}.qkv`,
           { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
+          p + "attn.c_attn.weight",
           {
             A: V(a.x),
-            B: P(p + "attn.c_attn.weight"),
             bias: P(p + "attn.c_attn.bias"),
             out: V(a.qkv),
           },
           { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l },
-          p + "attn.c_attn.weight",
         ),
       );
       ops.push(
@@ -837,50 +816,45 @@ export class Generator {
         ...await lin(
           `dec.l${l}.proj`,
           { ...base, M: S, N: C, K: C, epilogue: "residual" },
+          p + "attn.c_proj.weight",
           {
             A: V(a.y),
-            B: P(p + "attn.c_proj.weight"),
             bias: P(p + "attn.c_proj.bias"),
             res: V(a.x),
             out: V(a.x2),
           },
-          {},
-          p + "attn.c_proj.weight",
         ),
       );
       ops.push(
         ...await lin(
           `dec.l${l}.fc`,
           { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" },
+          p + "mlp.c_fc.weight",
           {
             A: V(a.x2),
-            B: P(p + "mlp.c_fc.weight"),
             bias: P(p + "mlp.c_fc.bias"),
             out: V(a.fch),
             out2: V(a.fcg),
           },
           { ln: [p + "ln_2.weight", p + "ln_2.bias"] },
-          p + "mlp.c_fc.weight",
         ),
       );
       ops.push(
         ...await lin(
           `dec.l${l}.fcproj`,
           { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" },
+          p + "mlp.c_proj.weight",
           {
             A: V(a.fcg),
-            B: P(p + "mlp.c_proj.weight"),
             bias: P(p + "mlp.c_proj.bias"),
             res: V(a.x2),
             out: V(a.x),
           },
-          {},
-          p + "mlp.c_proj.weight",
         ),
       );
     }
     ops.push(await lnOp(a.x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
-    if (this.#ubo && S <= GEMV_TRANSPOSED_ROWS) ops.push(...await this.#lmHeadUbo("dec.lm_head", S, a.ln));
+    if (this.#ubo && S * C * 4 <= 65536) ops.push(...await this.#lmHeadUbo("dec.lm_head", S, a.ln));
     else ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
     const sample = sampleWgsl({
       V: c.vocab_size,

@@ -153,7 +153,8 @@ Deno.test({
 });
 
 Deno.test({
-  name: "gemvUboWgsl() over uniform blocks gives the transposed gemv's logits bit for bit, for 1 to 4 rows",
+  name:
+    "gemvUboWgsl() over uniform blocks gives the transposed (up to 4 rows) and per-thread gemvs' logits bit for bit",
   ignore: noGpu,
   fn: async () => {
     const ctx = (await testContext())!;
@@ -171,19 +172,32 @@ Deno.test({
     const baseWords = new Uint32Array((dispatches * align) / 4);
     for (let d = 0; d < dispatches; d++) baseWords[(d * align) / 4] = d * NB;
     const wb = await uni("wb", gemvUboBlocks(W, 0, N, K, BC)), base = await uni("base", baseWords);
-    const wt = await upload(ctx, "wt", Wt);
-    for (const M of [1, 2, 4]) {
+    const wt = await upload(ctx, "wt", Wt), wn = await upload(ctx, "wn", W);
+    // 6 rows: two row groups, the second partial; the transposed gemv serves at most 4, the
+    // per-thread one any number (the decode LM head of larger batches), with the same sums.
+    for (const M of [1, 2, 4, 6]) {
       const x = randomFloats(M * K, 42 + M);
       const xb = await uni("x", x);
       const outT = await upload(ctx, "outT", new Float32Array(M * N));
       const outU = await upload(ctx, "outU", new Float32Array(M * N));
-      const ops = [makeOp(ctx, await cache.get("gemvT", gemvTransposedWgsl({ M, N, K })), {
-        label: "gemvT",
-        phase: "forward",
-        kind: "matmul_fwd",
-        views: [xb, wt, outT].map((buffer) => ({ buffer })),
-        grid: [Math.ceil(N / 16 / 64)],
-      })];
+      const perThread = { M, N, K, perThread: true };
+      const ops = [
+        M <= 4
+          ? makeOp(ctx, await cache.get("gemvT", gemvTransposedWgsl({ M, N, K })), {
+            label: "gemvT",
+            phase: "forward",
+            kind: "matmul_fwd",
+            views: [xb, wt, outT].map((buffer) => ({ buffer })),
+            grid: [Math.ceil(N / 16 / 64)],
+          })
+          : makeOp(ctx, await cache.get("gemvP", gemvTWgsl(perThread)), {
+            label: "gemvP",
+            phase: "forward",
+            kind: "matmul_fwd",
+            views: [xb, wn, outT].map((buffer) => ({ buffer })),
+            grid: [Math.ceil(N / gemvTColumns(perThread))],
+          }),
+      ];
       const code = gemvUboWgsl({ M, N, K, BC, NB });
       for (let d = 0; d < dispatches; d++) {
         ops.push(makeOp(ctx, await cache.get("gemvU", code), {
@@ -209,10 +223,10 @@ Deno.test({
       const [t, u] = [await readFloats(ctx, outT), await readFloats(ctx, outU)];
       const ref = product(M, N, K, x, (k, n) => W[n * K + k]);
       assert.ok(relNorm(u, ref) < 1e-5, `M=${M}: rel err ${relNorm(u, ref)}`);
-      assert.deepEqual(u, t, `M=${M}: the uniform-buffer logits differ from the transposed gemv's`);
+      assert.deepEqual(u, t, `M=${M}: the uniform-buffer logits differ from the reference gemv's`);
       [xb, outT, outU].forEach((b) => b.destroy());
     }
-    [wb, base, wt].forEach((b) => b.destroy());
+    [wb, base, wt, wn].forEach((b) => b.destroy());
   },
 });
 

@@ -438,7 +438,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(local_invocation
  * over k ≡ j mod 4, added in order), so the logits are bit-identical to it.
  */
 export interface GemvUboSpec {
-  /** Rows of x (≤ GEMV_TRANSPOSED_ROWS); x is bound as one uniform range of M·K floats. */
+  /** Rows of x (in groups of GEMV_TRANSPOSED_ROWS); x is bound as one uniform range of M·K floats. */
   M: number;
   /** Output columns (a multiple of GEMV_TRANSPOSED_COLUMNS). */
   N: number;
@@ -476,9 +476,7 @@ export function gemvUboBlocks(
  */
 export function gemvUboWgsl(s: GemvUboSpec): string {
   const { M, N, K, BC, NB } = s;
-  if (M < 1 || M > GEMV_TRANSPOSED_ROWS) {
-    throw new RangeError(`The uniform-buffer gemv serves 1 to ${GEMV_TRANSPOSED_ROWS} rows, got ${M}`);
-  }
+  if (!(M >= 1)) throw new RangeError(`The uniform-buffer gemv needs at least 1 row, got ${M}`);
   if (N % GEMV_TRANSPOSED_COLUMNS !== 0 || K % 4 !== 0 || BC % GEMV_TRANSPOSED_COLUMNS !== 0 || BC < 16) {
     throw new RangeError(`The uniform-buffer gemv needs N and BC multiples of 16 and K of 4`);
   }
@@ -486,7 +484,9 @@ export function gemvUboWgsl(s: GemvUboSpec): string {
     throw new RangeError(`The uniform-buffer gemv's blocks and x must fit 64 KiB`);
   }
   const C4 = GEMV_TRANSPOSED_COLUMNS / 4, N4 = N / 4, K4 = K / 4, B4 = BC / 4, lanes = BC / 16;
-  const rows = [...Array(M).keys()], cols = [...Array(C4).keys()], parts = [0, 1, 2, 3];
+  // Rows in groups of up to GEMV_TRANSPOSED_ROWS (row g0 + m of group g0), each with its own sums.
+  const G = Math.min(M, GEMV_TRANSPOSED_ROWS);
+  const rows = [...Array(G).keys()], cols = [...Array(C4).keys()], parts = [0, 1, 2, 3];
   const acc = (m: number, c: number, j: number) => `a${m}_${c}_${j}`;
   const body = (b: number) =>
     `for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) {
@@ -494,7 +494,11 @@ export function gemvUboWgsl(s: GemvUboSpec): string {
       parts.map((j) =>
         `{
         let r = (k4 * 4u + ${j}u) * ${B4}u + c0;
-        ${rows.map((m) => `let x${m} = vec4<f32>(xu[${m * K4}u + k4][${j}]);`).join(" ")}
+        ${
+          rows.map((m) => `let x${m} = vec4<f32>(xu[min(g0 + ${m}u, ${M - 1}u) * ${K4}u + k4][${j}]);`).join(
+            " ",
+          )
+        }
         ${
           cols.map((c) =>
             `{ let w = W${b}[r + ${c}u]; ${
@@ -521,6 +525,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
   let c0 = lane * ${C4}u;
   let q = (base.x + wg.x) * ${B4}u + c0;
   if (q >= ${N4}u) { return; }
+  for (var g0 = 0u; g0 < ${M}u; g0 = g0 + ${G}u) {
   ${
     rows.flatMap((m) => cols.flatMap((c) => parts.map((j) => `var ${acc(m, c, j)} = vec4<f32>(0.0);`))).join(
       " ",
@@ -531,11 +536,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
     default: {}
   }
   ${
-    rows.flatMap((m) =>
-      cols.map((c) =>
-        `out[${m * N4}u + q + ${c}u] = ${acc(m, c, 0)} + ${acc(m, c, 1)} + ${acc(m, c, 2)} + ${acc(m, c, 3)};`
-      )
+    rows.map((m) =>
+      `if (g0 + ${m}u < ${M}u) { ${
+        cols.map((c) =>
+          `out[(g0 + ${m}u) * ${N4}u + q + ${c}u] = ${acc(m, c, 0)} + ${acc(m, c, 1)} + ${acc(m, c, 2)} + ${
+            acc(m, c, 3)
+          };`
+        ).join(" ")
+      } }`
     ).join("\n  ")
+  }
   }
 }
 `;

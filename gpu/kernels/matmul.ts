@@ -557,6 +557,18 @@ function registerDecls(gM: number, gN: number, aSlots: number, bSlots: number, h
   return { decl, flush };
 }
 
+/**
+ * kPairs: the stores of one register vec4 along k (pairs kq·2 and kq·2 + 1 of row or column `idx`,
+ * in group `q` of T) into workgroup tile `tile`.
+ */
+function pairStores(tile: string, q: string, T: number, idx: string, reg: string): string[] {
+  return [[0, 0], [0, 1], [1, 0], [1, 1]].map(([c, r]) =>
+    `  ${tile}[kq * 2u + ${c}u][${q} / ${T}u][${q} % ${T}u][(${idx} % 4u) / 2u][(${idx} % 2u) * 2u + ${r}u] = ${reg}[${
+      2 * c + r
+    }];`
+  );
+}
+
 /** WGSL helper of kPairs tiles: rows k (r0) and k+1 (r1) of four columns as one workgroup element. */
 const PACK_WGSL = `fn pk4(r0: vec4<f16>, r1: vec4<f16>) -> array<vec4<f16>, 2> {
   return array<vec4<f16>, 2>(vec4<f16>(r0.x, r1.x, r0.y, r1.y), vec4<f16>(r0.z, r1.z, r0.w, r1.w));
@@ -705,15 +717,9 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
         : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
       const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
-      storeA.push((b) => [
-        `{ ${at} let mq = row / 4u;`,
-        ...[[0, 0], [0, 1], [1, 0], [1, 1]].map(([c, r]) =>
-          `  As[${b}][kq * 2u + ${c}u][mq / ${TY}u][mq % ${TY}u][(row % 4u) / 2u][(row % 2u) * 2u + ${r}u] = ra${s}[${
-            2 * c + r
-          }];`
-        ),
-        `}`,
-      ]);
+      storeA.push((
+        b,
+      ) => [`{ ${at} let mq = row / 4u;`, ...pairStores(`As[${b}]`, "mq", TY, "row", `ra${s}`), `}`]);
       continue;
     }
     if (!transA) {
@@ -764,15 +770,9 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
         : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
       const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
       loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
-      storeB.push((b) => [
-        `{ ${at} let nq = col / 4u;`,
-        ...[[0, 0], [0, 1], [1, 0], [1, 1]].map(([c, r]) =>
-          `  Bs[${b}][kq * 2u + ${c}u][nq / ${TX}u][nq % ${TX}u][(col % 4u) / 2u][(col % 2u) * 2u + ${r}u] = rb${s}[${
-            2 * c + r
-          }];`
-        ),
-        `}`,
-      ]);
+      storeB.push((
+        b,
+      ) => [`{ ${at} let nq = col / 4u;`, ...pairStores(`Bs[${b}]`, "nq", TX, "col", `rb${s}`), `}`]);
       continue;
     }
     if (!transB) {
