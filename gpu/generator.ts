@@ -77,6 +77,11 @@ export interface GeneratorOptions {
   chunk: number;
   /** Prompt tokens (padded) per prefill batch; a longer prompt runs alone. Default 2048. */
   prefillTokens?: number;
+  /**
+   * CPU adapters: read the decode weights through uniform buffers (gemvUboWgsl, gemvUboLayerWgsl;
+   * default true). false keeps the storage-buffer kernels that GPUs run (tests cover both).
+   */
+  cpuUniform?: boolean;
 }
 
 /** Log-probabilities of one generated token (natural log, the model's raw distribution). */
@@ -217,7 +222,12 @@ export class Generator {
     const perLayerSlot = config.n_positions * config.n_embd * 4;
     const byBinding = Math.floor(ctx.limits.maxStorageBufferBindingSize / perLayerSlot) - 1;
     const maxStreams = Math.max(1, Math.min(opts.maxStreams, byBinding));
-    const full = { maxStreams, chunk: opts.chunk, prefillTokens: opts.prefillTokens ?? 2048 };
+    const full = {
+      maxStreams,
+      chunk: opts.chunk,
+      prefillTokens: opts.prefillTokens ?? 2048,
+      cpuUniform: opts.cpuUniform ?? true,
+    };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number, extraUsage = 0) => {
       const b = await createStorage(ctx, label, bytes, extraUsage);
@@ -246,7 +256,8 @@ export class Generator {
       g.#wteT = await alloc("gen.wte_t", t.byteLength);
       ctx.device.queue.writeBuffer(g.#wteT, 0, t);
       const BC = gemvUboColumns(C), NB = ctx.device.limits.maxUniformBuffersPerShaderStage - 2;
-      if (BC > 0 && NB >= 1) {
+      const uniform = opts.cpuUniform !== false;
+      if (uniform && BC > 0 && NB >= 1) {
         const wte = layout.byName.get("wte.weight")!;
         const blocks = gemvUboBlocks(params, wte.offset, Vp, C, BC), count = Math.ceil(Vp / BC);
         const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(count / NB);
@@ -258,7 +269,7 @@ export class Generator {
         ctx.device.queue.writeBuffer(bb, 0, base);
         g.#ubo = { blocks: ub.blocks, base: bb, align, BC, NB, count };
       }
-      g.#uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
+      if (uniform) g.#uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
     }
     const f = (label: string, n: number, extraUsage = 0) => alloc(label, Math.max(16, n * 4), extraUsage);
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];

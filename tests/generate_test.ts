@@ -76,40 +76,48 @@ async function collect(
   for (const [h, o] of await gen.step(steps)) got[owner.get(h)!].push(...o.tokens);
 }
 
-Deno.test({
-  name:
-    "Generator continuous batching: greedy equals the reference for streams admitted and released at any step",
-  ignore: noGpu,
-  fn: async () => {
-    const params = await trainedParams();
-    const p64 = Float64Array.from(params);
-    const N = 10;
-    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: N, chunk: 8 });
-    assert.equal(gen.capacity, 4, "the cache starts small");
-    const got: number[][] = prompts.map(() => []);
-    const owner = new Map<number, number>();
-    const admit = async (i: number) => owner.set(await gen.admit(prompts[i], greedy), i);
-    // Three streams, one step; five more join (prefilled beside the decode); then three more (9+ rows).
-    for (const i of [0, 1, 2]) await admit(i);
-    await collect(gen, owner, got, 7);
-    for (const i of [3, 4, 5, 6, 7]) await admit(i);
-    await collect(gen, owner, got, 7);
-    // Stream 1 leaves early (after 15 tokens): its row is refilled and its slot reused, the others must not notice.
-    gen.release([...owner].find(([, i]) => i === 1)![0]);
-    for (const i of [8, 9, 10]) await admit(i);
-    assert.equal(gen.free, 0);
-    assert.equal(gen.capacity, N, "the cache grew by need");
-    await assert.rejects(() => gen.admit(prompts[0], greedy), RangeError, "past maxStreams");
-    // Ten rows: the tiled matmul and separate LayerNorm and KV-append kernels.
-    await collect(gen, owner, got, 3);
-    const lengths = got.map((t) => t.length);
-    assert.deepEqual(lengths, [18, 15, 18, 11, 11, 11, 11, 11, 4, 4, 4]);
-    for (let i = 0; i < prompts.length; i++) {
-      assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
-    }
-    gen.destroy();
-  },
-});
+for (const cpuUniform of [true, false]) {
+  Deno.test({
+    name:
+      `Generator continuous batching: greedy equals the reference for streams admitted and released at any step${
+        cpuUniform ? "" : " (storage-buffer kernels, as on GPUs)"
+      }`,
+    ignore: noGpu,
+    fn: async () => {
+      const params = await trainedParams();
+      const p64 = Float64Array.from(params);
+      const N = 10;
+      const gen = await Generator.create((await testContext())!, config, params, {
+        maxStreams: N,
+        chunk: 8,
+        cpuUniform,
+      });
+      assert.equal(gen.capacity, 4, "the cache starts small");
+      const got: number[][] = prompts.map(() => []);
+      const owner = new Map<number, number>();
+      const admit = async (i: number) => owner.set(await gen.admit(prompts[i], greedy), i);
+      // Three streams, one step; five more join (prefilled beside the decode); then three more (9+ rows).
+      for (const i of [0, 1, 2]) await admit(i);
+      await collect(gen, owner, got, 7);
+      for (const i of [3, 4, 5, 6, 7]) await admit(i);
+      await collect(gen, owner, got, 7);
+      // Stream 1 leaves early (after 15 tokens): its row is refilled and its slot reused, the others must not notice.
+      gen.release([...owner].find(([, i]) => i === 1)![0]);
+      for (const i of [8, 9, 10]) await admit(i);
+      assert.equal(gen.free, 0);
+      assert.equal(gen.capacity, N, "the cache grew by need");
+      await assert.rejects(() => gen.admit(prompts[0], greedy), RangeError, "past maxStreams");
+      // Ten rows: the tiled matmul and separate LayerNorm and KV-append kernels.
+      await collect(gen, owner, got, 3);
+      const lengths = got.map((t) => t.length);
+      assert.deepEqual(lengths, [18, 15, 18, 11, 11, 11, 11, 11, 4, 4, 4]);
+      for (let i = 0; i < prompts.length; i++) {
+        assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
+      }
+      gen.destroy();
+    },
+  });
+}
 
 Deno.test({
   name:
