@@ -255,7 +255,8 @@ export class Generator {
       }
       g.#wteT = await alloc("gen.wte_t", t.byteLength);
       ctx.device.queue.writeBuffer(g.#wteT, 0, t);
-      const BC = gemvUboColumns(C), NB = ctx.device.limits.maxUniformBuffersPerShaderStage - 2;
+      // At most 8 blocks per dispatch: each is one more case of the kernel's switch to compile.
+      const BC = gemvUboColumns(C), NB = Math.min(8, ctx.device.limits.maxUniformBuffersPerShaderStage - 2);
       const uniform = opts.cpuUniform !== false;
       if (uniform && BC > 0 && NB >= 1) {
         const wte = layout.byName.get("wte.weight")!;

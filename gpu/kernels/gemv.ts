@@ -483,7 +483,9 @@ export function gemvUboWgsl(s: GemvUboSpec): string {
   if (K * BC * 4 > 65536 || M * K * 4 > 65536) {
     throw new RangeError(`The uniform-buffer gemv's blocks and x must fit 64 KiB`);
   }
-  const C4 = GEMV_TRANSPOSED_COLUMNS / 4, N4 = N / 4, K4 = K / 4, B4 = BC / 4, lanes = BC / 16;
+  // Two column vec4s per invocation: few live sums, so Mesa's compiler stays quick (four took 2-7 s
+  // per pipeline on llvmpipe, one hit a 13-18 s case at one row); each column's sums are the same.
+  const C4 = 2, N4 = N / 4, K4 = K / 4, B4 = BC / 4, lanes = BC / 4 / C4;
   // Rows in groups of up to GEMV_TRANSPOSED_ROWS (row g0 + m of group g0), each with its own sums.
   const G = Math.min(M, GEMV_TRANSPOSED_ROWS);
   const rows = [...Array(G).keys()], cols = [...Array(C4).keys()], parts = [0, 1, 2, 3];
