@@ -243,9 +243,20 @@ Deno.test({
       await page.$eval("#ds-dedup_threshold", (el) => ((el as HTMLInputElement).value = ""));
       await page.click('#dataset-form button[type="submit"]');
       await page.waitForSelector('tr[data-dataset="tiny-texts"]', { timeout: 30_000 });
+      // The table lists the dataset while it is still being prepared: wait for the POST's answer, 201
+      // when it was ready within the server's wait (2 s), else 202 and the table shows its progress.
+      await page.waitForFunction(
+        () => document.querySelector("#ds-result")?.textContent !== "Preparing…",
+        { timeout: 30_000 },
+      );
       assert.match(
         await page.$eval("#ds-result", (el) => el.textContent!),
-        /^Ready: tiny-texts, \d documents/,
+        /^Ready: tiny-texts, \d documents|^Preparing tiny-texts \(see the table\)$/,
+      );
+      await page.waitForFunction(
+        () =>
+          document.querySelector('tr[data-dataset="tiny-texts"] td:nth-child(2)')?.textContent === "ready",
+        { timeout: 30_000 },
       );
       const cells = await page.$$eval(
         'tr[data-dataset="tiny-texts"] td',
