@@ -97,9 +97,10 @@ export interface MatmulTile {
    */
   flushEvery?: number;
   /**
-   * With f16 math (gen 2): workgroup tiles hold pairs of consecutive k packed in one u32, and each
-   * thread keeps a vec2<f16> partial sum per output (even and odd k), so one packed f16 multiply-add
-   * does two useful products with no operand splat. The two halves are added when flushed.
+   * With f16 math (gen 2): workgroup tiles hold pairs of consecutive k side by side (one vec2<f16>
+   * per row or column), and each thread keeps a vec2<f16> partial sum per output (even and odd k),
+   * so one packed f16 multiply-add does two useful products with no operand splat. The two halves
+   * are added when flushed.
    */
   kPairs?: boolean;
 }
@@ -710,20 +711,8 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       storeA.push((b) => [`{ ${at} As[${b}][kp][mq / ${TY}u][mq % ${TY}u] = pk4(ra${s}, ra${s + 1}); }`]);
       continue;
     }
-    if (kp) {
-      // A [M,K] with k pairs: one vec4 along k is two pairs of one row.
-      const at = byRows
-        ? `let row = ${lin} % ${BM}u; let kq = ${lin} / ${BM}u;`
-        : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
-      const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
-      storeA.push((
-        b,
-      ) => [`{ ${at} let mq = row / 4u;`, ...pairStores(`As[${b}]`, "mq", TY, "row", `ra${s}`), `}`]);
-      continue;
-    }
     if (!transA) {
-      // A [M,K]: vec4 along k, stored transposed as 4 scalars.
+      // A [M,K]: vec4 along k, stored transposed as 4 scalars (with k pairs: as two pairs of one row).
       const at = byRows
         ? `let row = ${lin} % ${BM}u; let kq = ${lin} / ${BM}u;`
         : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
@@ -731,9 +720,11 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
       storeA.push((b) => [
         `{ ${at} let mq = row / 4u;`,
-        ...[0, 1, 2, 3].map((c) =>
-          `  As[${b}][kq * 4u + ${c}u][mq / ${TY}u][mq % ${TY}u][row % 4u] = ra${s}[${c}];`
-        ),
+        ...(kp
+          ? pairStores(`As[${b}]`, "mq", TY, "row", `ra${s}`)
+          : [0, 1, 2, 3].map((c) =>
+            `  As[${b}][kq * 4u + ${c}u][mq / ${TY}u][mq % ${TY}u][row % 4u] = ra${s}[${c}];`
+          )),
         `}`,
       ]);
     } else {
@@ -763,18 +754,6 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       storeB.push((b) => [`{ ${at} Bs[${b}][kp][nq / ${TX}u][nq % ${TX}u] = pk4(rb${s}, rb${s + 1}); }`]);
       continue;
     }
-    if (kp) {
-      // B stored [N,K] with k pairs: one vec4 along k is two pairs of one column.
-      const at = byRows
-        ? `let col = ${lin} % ${BN}u; let kq = ${lin} / ${BN}u;`
-        : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
-      const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
-      storeB.push((
-        b,
-      ) => [`{ ${at} let nq = col / 4u;`, ...pairStores(`Bs[${b}]`, "nq", TX, "col", `rb${s}`), `}`]);
-      continue;
-    }
     if (!transB) {
       // B [K,N]: vec4 along n.
       const at = `let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`;
@@ -782,7 +761,7 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`, cond));
       storeB.push((b) => [`{ ${at} Bs[${b}][kr][nq / ${TX}u][nq % ${TX}u] = rb${s}; }`]);
     } else {
-      // B stored [N,K]: vec4 along k, stored transposed as 4 scalars.
+      // B stored [N,K]: vec4 along k, stored transposed as 4 scalars (with k pairs: as two pairs of one column).
       const at = byRows
         ? `let col = ${lin} % ${BN}u; let kq = ${lin} / ${BN}u;`
         : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
@@ -790,9 +769,11 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
       storeB.push((b) => [
         `{ ${at} let nq = col / 4u;`,
-        ...[0, 1, 2, 3].map((c) =>
-          `  Bs[${b}][kq * 4u + ${c}u][nq / ${TX}u][nq % ${TX}u][col % 4u] = rb${s}[${c}];`
-        ),
+        ...(kp
+          ? pairStores(`Bs[${b}]`, "nq", TX, "col", `rb${s}`)
+          : [0, 1, 2, 3].map((c) =>
+            `  Bs[${b}][kq * 4u + ${c}u][nq / ${TX}u][nq % ${TX}u][col % 4u] = rb${s}[${c}];`
+          )),
         `}`,
       ]);
     }
