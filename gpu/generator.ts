@@ -55,7 +55,7 @@ import {
   type GemvUboSpec,
   gemvUboWgsl,
 } from "./kernels/gemv.ts";
-import { grid1d } from "./kernels/common.ts";
+import { grid1d, UNIFORM_BINDING_BYTES } from "./kernels/common.ts";
 
 /**
  * How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
@@ -264,27 +264,29 @@ export class Generator {
         const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(count / NB);
         const base = new Uint32Array((dispatches * align) / 4);
         for (let d = 0; d < dispatches; d++) base[(d * align) / 4] = d * NB;
-        const ub = { blocks: await alloc("gen.wte_ubo", blocks.byteLength, GPUBufferUsage.UNIFORM) };
+        const wb = await alloc("gen.wte_ubo", blocks.byteLength, GPUBufferUsage.UNIFORM);
         const bb = await alloc("gen.lm_base", base.byteLength, GPUBufferUsage.UNIFORM);
-        ctx.device.queue.writeBuffer(ub.blocks, 0, blocks);
+        ctx.device.queue.writeBuffer(wb, 0, blocks);
         ctx.device.queue.writeBuffer(bb, 0, base);
-        g.#ubo = { blocks: ub.blocks, base: bb, align, BC, NB, count };
+        g.#ubo = { blocks: wb, base: bb, align, BC, NB, count };
       }
       if (uniform) g.#uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
     }
     const f = (label: string, n: number, extraUsage = 0) => alloc(label, Math.max(16, n * 4), extraUsage);
+    // The layers' inputs are bound as uniform ranges where their weights are (gemvUboLayerWgsl),
+    // the LM head's input where wte is (gemvUboWgsl).
+    const layerIn = g.#uboW ? GPUBufferUsage.UNIFORM : 0;
     const shapes = [[3 * C, C], [C, C], [4 * C, C], [C, 4 * C]];
     const R = maxStreams; // the largest decode bucket
     g.#acts = {
-      x: await f("gen.x", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
-      x2: await f("gen.x2", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
-      // Bound as uniform ranges by the CPU adapters' LM head and layers (gemvUboWgsl, gemvUboLayerWgsl).
+      x: await f("gen.x", rows * C, layerIn),
+      x2: await f("gen.x2", rows * C, layerIn),
       ln: await f("gen.ln", rows * C, g.#ubo ? GPUBufferUsage.UNIFORM : 0),
       stats: await f("gen.stats", rows * 2),
       qkv: await f("gen.qkv", rows * 3 * C),
-      y: await f("gen.y", rows * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
+      y: await f("gen.y", rows * C, layerIn),
       fch: await f("gen.fch", rows * 4 * C),
-      fcg: await f("gen.fcg", rows * 4 * C, g.#uboW ? GPUBufferUsage.UNIFORM : 0),
+      fcg: await f("gen.fcg", rows * 4 * C, layerIn),
       logits: await f("gen.logits", Math.max(rows, PREFILL_ROWS) * Vp),
       part: await f(
         "gen.part",
@@ -747,7 +749,7 @@ export class Generator {
       fuse: { ln?: [string, string]; kv?: number } = {},
     ): Promise<Op[]> => {
       const u = this.#uboW?.byWeight.get(weight);
-      const ubo = u !== undefined && s.M * s.K * 4 <= 65536;
+      const ubo = u !== undefined && s.M * s.K * 4 <= UNIFORM_BINDING_BYTES;
       const g: GemvSpec = {
         M: s.M,
         N: s.N,
@@ -866,8 +868,9 @@ export class Generator {
       );
     }
     ops.push(await lnOp(a.x, "ln_f.weight", "ln_f.bias", "dec.lnf"));
-    if (this.#ubo && S * C * 4 <= 65536) ops.push(...await this.#lmHeadUbo("dec.lm_head", S, a.ln));
-    else ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
+    if (this.#ubo && S * C * 4 <= UNIFORM_BINDING_BYTES) {
+      ops.push(...await this.#lmHeadUbo("dec.lm_head", S, a.ln));
+    } else ops.push(await this.#lmHead("dec.lm_head", S, a.ln, false));
     const sample = sampleWgsl({
       V: c.vocab_size,
       Vp: c.padded_vocab_size,
@@ -907,55 +910,63 @@ async function uboLayerWeights(
 > {
   const C = config.n_embd, align = ctx.device.limits.minUniformBufferOffsetAlignment;
   const maxBindings = ctx.device.limits.maxUniformBuffersPerShaderStage;
-  const mats: Array<[string, number, number, string | null]> = [];
-  for (let l = 0; l < config.n_layer; l++) {
-    const p = `h.${l}.`;
-    mats.push([p + "attn.c_attn.weight", C, 3 * C, p + "ln_1"], [p + "attn.c_proj.weight", C, C, null]);
-    mats.push([p + "mlp.c_fc.weight", C, 4 * C, p + "ln_2"], [p + "mlp.c_proj.weight", 4 * C, C, null]);
-  }
-  // Ranges (in floats) of every slice and LayerNorm block, each starting at an aligned offset.
-  const plan: Array<
-    { weight: string; R: number; slices: [number, number, number][]; ln: [number, string] | null }
-  > = [];
-  let at = 0;
+  // Every layer matrix [K, N] and the LayerNorm before it, and where (in floats, each at an
+  // aligned offset) its slices of R rows and that LayerNorm's weight and bias go.
+  type Slice = { at: number; row0: number; rows: number };
+  const mats: {
+    weight: string;
+    K: number;
+    N: number;
+    R: number;
+    slices: Slice[];
+    ln: string | null;
+    lnAt: number;
+  }[] = [];
+  let end = 0;
   const place = (floats: number) => {
-    const start = at;
-    at += Math.ceil((floats * 4) / align) * (align / 4);
+    const start = end;
+    end += Math.ceil((floats * 4) / align) * (align / 4);
     return start;
   };
-  for (const [weight, K, N, ln] of mats) {
-    const R = gemvUboLayerRows(N), S = R > 0 ? Math.ceil(K / R) : Infinity;
-    if (S + 1 + (ln ? 1 : 0) > maxBindings) return null;
-    const slices: [number, number, number][] = [];
-    for (let sl = 0; sl < S; sl++) {
-      const rows = Math.min(R, K - sl * R);
-      slices.push([place(rows * N), sl * R, rows]);
+  for (let l = 0; l < config.n_layer; l++) {
+    const p = `h.${l}.`;
+    for (
+      const [weight, K, N, ln] of [
+        [p + "attn.c_attn.weight", C, 3 * C, p + "ln_1"],
+        [p + "attn.c_proj.weight", C, C, null],
+        [p + "mlp.c_fc.weight", C, 4 * C, p + "ln_2"],
+        [p + "mlp.c_proj.weight", 4 * C, C, null],
+      ] as const
+    ) {
+      const R = gemvUboLayerRows(N), S = R > 0 ? Math.ceil(K / R) : Infinity;
+      if (S + 1 + (ln ? 1 : 0) > maxBindings) return null;
+      const slices: Slice[] = [];
+      for (let row0 = 0; row0 < K; row0 += R) {
+        const rows = Math.min(R, K - row0);
+        slices.push({ at: place(rows * N), row0, rows });
+      }
+      mats.push({ weight, K, N, R, slices, ln, lnAt: ln ? place(2 * K) : 0 });
     }
-    plan.push({ weight, R, slices, ln: ln ? [place(2 * K), ln] : null });
   }
-  const data = new Float32Array(at);
-  for (const [i, [weight, , N]] of mats.entries()) {
-    const w = layout.byName.get(weight)!, e = plan[i];
-    for (const [off, row0, rows] of e.slices) {
-      data.set(params.subarray(w.offset + row0 * N, w.offset + (row0 + rows) * N), off);
-    }
-    if (e.ln) {
-      const [off, ln] = e.ln, K = mats[i][1];
-      const lw = layout.byName.get(ln + ".weight")!, lb = layout.byName.get(ln + ".bias")!;
-      data.set(params.subarray(lw.offset, lw.offset + K), off);
-      data.set(params.subarray(lb.offset, lb.offset + K), off + K);
+  const data = new Float32Array(end);
+  const tensor = (name: string) => {
+    const t = layout.byName.get(name)!;
+    return params.subarray(t.offset, t.offset + t.size);
+  };
+  for (const m of mats) {
+    const w = tensor(m.weight);
+    for (const sl of m.slices) data.set(w.subarray(sl.row0 * m.N, (sl.row0 + sl.rows) * m.N), sl.at);
+    if (m.ln) {
+      data.set(tensor(m.ln + ".weight"), m.lnAt);
+      data.set(tensor(m.ln + ".bias"), m.lnAt + m.K);
     }
   }
   const buffer = await alloc("gen.w_ubo", data.byteLength, GPUBufferUsage.UNIFORM);
   ctx.device.queue.writeBuffer(buffer, 0, data);
-  const byWeight = new Map<string, { R: number; slices: View[]; ln: View | null }>();
-  for (const [i, e] of plan.entries()) {
-    const [, K, N] = mats[i];
-    byWeight.set(e.weight, {
-      R: e.R,
-      slices: e.slices.map(([off, , rows]) => ({ buffer, offset: off * 4, size: rows * N * 4 })),
-      ln: e.ln ? { buffer, offset: e.ln[0] * 4, size: 2 * K * 4 } : null,
-    });
-  }
+  const byWeight = new Map(mats.map((m) => [m.weight, {
+    R: m.R,
+    slices: m.slices.map((sl) => ({ buffer, offset: sl.at * 4, size: sl.rows * m.N * 4 })),
+    ln: m.ln ? { buffer, offset: m.lnAt * 4, size: 2 * m.K * 4 } : null,
+  }]));
   return { buffer, byWeight };
 }

@@ -71,7 +71,7 @@ import {
   NORM_GROUPS,
   stepControlWgsl,
 } from "./kernels/adamw.ts";
-import { dropoutMaskWgsl, grid1d, type StorageDtype } from "./kernels/common.ts";
+import { dropoutMaskWgsl, grid1d, type StorageDtype, UNIFORM_BINDING_BYTES } from "./kernels/common.ts";
 import { biasDropResidualWgsl, ceFromStatsWgsl, ceLocalStatsWgsl } from "./kernels/tensor_parallel.ts";
 import { checksumPartialWgsl } from "./kernels/checksum.ts";
 
@@ -454,7 +454,7 @@ export async function buildModel(
     if (spec.M * spec.N * spec.K < CPU_MATMUL_MIN_MACS) return null;
     const lim = ctx.device.limits;
     const plan = uboMatmulPlan(spec, {
-      maxUniformBytes: Math.min(lim.maxUniformBufferBindingSize, 65536),
+      maxUniformBytes: Math.min(lim.maxUniformBufferBindingSize, UNIFORM_BINDING_BYTES),
       uniformAlign: lim.minUniformBufferOffsetAlignment,
       storageAlign: lim.minStorageBufferOffsetAlignment,
     });

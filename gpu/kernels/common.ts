@@ -40,6 +40,9 @@ export function grid1d(n: number, maxPerDim = 65535): [number, number, number] {
 /** WGSL expression of the linear workgroup id for a {@link grid1d} dispatch. */
 export const LINEAR_WG = "(wg.x + wg.y * nwg.x)";
 
+/** Bytes of one uniform binding every WebGPU device allows (the minimum maxUniformBufferBindingSize). */
+export const UNIFORM_BINDING_BYTES = 65536;
+
 /** out = src ∘ dropout mask of `site` (the backward of a dropout). Grid1d(n4 / 64). */
 export function dropoutMaskWgsl(n4: number, site: number, nSites: number): string {
   return `

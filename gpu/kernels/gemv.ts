@@ -8,7 +8,7 @@
  * K-splits and applies the epilogue.
  */
 
-import { GELU_WGSL } from "./common.ts";
+import { GELU_WGSL, UNIFORM_BINDING_BYTES } from "./common.ts";
 import { STATE_SLOT, STATE_WORDS } from "./sample.ts";
 
 /** Fused work of the reduce kernel. */
@@ -451,7 +451,7 @@ export interface GemvUboSpec {
 
 /** Columns per uniform block for K, or 0 when not even GEMV_TRANSPOSED_COLUMNS fit 64 KiB. */
 export function gemvUboColumns(K: number): number {
-  return Math.floor(16384 / K / GEMV_TRANSPOSED_COLUMNS) * GEMV_TRANSPOSED_COLUMNS;
+  return Math.floor(UNIFORM_BINDING_BYTES / 4 / K / GEMV_TRANSPOSED_COLUMNS) * GEMV_TRANSPOSED_COLUMNS;
 }
 
 /** W[N, K] (row n at n·K) as uniform blocks [block][k][column] of BC columns, zero past N. */
@@ -480,7 +480,7 @@ export function gemvUboWgsl(s: GemvUboSpec): string {
   if (N % GEMV_TRANSPOSED_COLUMNS !== 0 || K % 4 !== 0 || BC % GEMV_TRANSPOSED_COLUMNS !== 0 || BC < 16) {
     throw new RangeError(`The uniform-buffer gemv needs N and BC multiples of 16 and K of 4`);
   }
-  if (K * BC * 4 > 65536 || M * K * 4 > 65536) {
+  if (K * BC * 4 > UNIFORM_BINDING_BYTES || M * K * 4 > UNIFORM_BINDING_BYTES) {
     throw new RangeError(`The uniform-buffer gemv's blocks and x must fit 64 KiB`);
   }
   // Two column vec4s per invocation: few live sums, so Mesa's compiler stays quick (four took 2-7 s
@@ -558,7 +558,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) l
  * partial sums of gemvPartialWgsl with one K-split, for weights that fit a few 64 KiB uniform
  * bindings. x (M·K floats) is one uniform range; W [K, N] is split into slices of R rows, one
  * binding each; with `ln` the LayerNorm's weight and bias are one more range (2·K floats) and each
- * invocation normalises its rows itself (no barriers). One invocation per 4 columns, all rows;
+ * invocation normalises its rows itself (no barriers). One invocation per 4 columns, all rows (in
+ * groups of 4);
  * each output is one chain of multiply-adds over k in order. The reduce kernel (KS = 1) adds the
  * bias and applies the epilogue.
  */
@@ -573,7 +574,7 @@ export interface GemvUboLayerSpec {
 
 /** Rows of W [K, N] per 64 KiB uniform slice (a multiple of 4), or 0 when not even 4 fit. */
 export function gemvUboLayerRows(N: number): number {
-  return Math.floor(16384 / N / 4) * 4;
+  return Math.floor(UNIFORM_BINDING_BYTES / 4 / N / 4) * 4;
 }
 
 /**
@@ -582,52 +583,55 @@ export function gemvUboLayerRows(N: number): number {
  */
 export function gemvUboLayerWgsl(s: GemvUboLayerSpec): string {
   const { M, N, K, R } = s;
-  if (N % 4 !== 0 || K % 4 !== 0 || R % 4 !== 0 || R < 4 || R * N * 4 > 65536 || M * K * 4 > 65536) {
+  if (
+    N % 4 !== 0 || K % 4 !== 0 || R % 4 !== 0 || R < 4 || R * N * 4 > UNIFORM_BINDING_BYTES ||
+    M * K * 4 > UNIFORM_BINDING_BYTES
+  ) {
     throw new RangeError(`The uniform-buffer layer gemv needs N, K, R multiples of 4 within 64 KiB`);
   }
   const N4 = N / 4, K4 = K / 4, S = Math.ceil(K / R), R4 = R / 4;
   const slices = [...Array(S).keys()], first = s.ln ? 3 : 2;
   const rowsOf = (sl: number) => Math.min(R, K - sl * R);
-  // Rows in groups of up to 4 (their weights loaded once per group).
-  const groups: number[][] = [];
-  for (let m = 0; m < M; m += 4) groups.push([...Array(Math.min(4, M - m)).keys()].map((i) => m + i));
+  // Rows in groups of up to 4 (their weights loaded once per group), group g0 in a loop so the
+  // code does not grow with M; row g0 + m reads x row min(g0 + m, M − 1).
+  const G = Math.min(M, 4), rows = [...Array(G).keys()];
+  const xrow = (m: number) => `min(g0 + ${m}u, ${M - 1}u) * ${K4}u`;
   const xin = (m: number) =>
     s.ln
-      ? `(xu[${m * K4}u + k4] - vec4<f32>(mean${m})) * rstd${m} * lnp[k4] + lnp[${K4}u + k4]`
-      : `xu[${m * K4}u + k4]`;
+      ? `(xu[${xrow(m)} + k4] - vec4<f32>(mean${m})) * rstd${m} * lnp[k4] + lnp[${K4}u + k4]`
+      : `xu[${xrow(m)} + k4]`;
   const stats = (m: number) =>
     s.ln
       ? `var su${m} = 0.0;
     for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) { let v = xu[${
-        m * K4
-      }u + k4]; su${m} = su${m} + v.x + v.y + v.z + v.w; }
+        xrow(m)
+      } + k4]; su${m} = su${m} + v.x + v.y + v.z + v.w; }
     let mean${m} = su${m} / ${K}.0;
     var sq${m} = 0.0;
     for (var k4 = 0u; k4 < ${K4}u; k4 = k4 + 1u) { let d = xu[${
-        m * K4
-      }u + k4] - vec4<f32>(mean${m}); sq${m} = sq${m} + dot(d, d); }
+        xrow(m)
+      } + k4] - vec4<f32>(mean${m}); sq${m} = sq${m} + dot(d, d); }
     let rstd${m} = inverseSqrt(sq${m} / ${K}.0 + 1e-5);`
       : "";
-  const group = (g: number[]) =>
-    `{
-    ${g.map(stats).join("\n    ")}
-    ${g.map((m) => `var acc${m} = vec4<f32>(0.0);`).join(" ")}
+  const group = `for (var g0 = 0u; g0 < ${M}u; g0 = g0 + ${G}u) {
+    ${rows.map(stats).join("\n    ")}
+    ${rows.map((m) => `var acc${m} = vec4<f32>(0.0);`).join(" ")}
     ${
-      slices.map((sl) =>
-        `for (var k4 = ${sl * R4}u; k4 < ${(sl * R + rowsOf(sl)) / 4}u; k4 = k4 + 1u) {
-      ${g.map((m) => `let x${m} = ${xin(m)};`).join(" ")}
+    slices.map((sl) =>
+      `for (var k4 = ${sl * R4}u; k4 < ${(sl * R + rowsOf(sl)) / 4}u; k4 = k4 + 1u) {
+      ${rows.map((m) => `let x${m} = ${xin(m)};`).join(" ")}
       let r = (k4 - ${sl * R4}u) * ${4 * N4}u + c4;
       ${
-          [0, 1, 2, 3].map((j) =>
-            `{ let w = W${sl}[r + ${j * N4}u]; ${
-              g.map((m) => `acc${m} = fma(vec4<f32>(x${m}[${j}]), w, acc${m});`).join(" ")
-            } }`
-          ).join("\n      ")
-        }
+        [0, 1, 2, 3].map((j) =>
+          `{ let w = W${sl}[r + ${j * N4}u]; ${
+            rows.map((m) => `acc${m} = fma(vec4<f32>(x${m}[${j}]), w, acc${m});`).join(" ")
+          } }`
+        ).join("\n      ")
+      }
     }`
-      ).join("\n    ")
-    }
-    ${g.map((m) => `part[${m * N4}u + c4] = acc${m};`).join(" ")}
+    ).join("\n    ")
+  }
+    ${rows.map((m) => `if (g0 + ${m}u < ${M}u) { part[(g0 + ${m}u) * ${N4}u + c4] = acc${m}; }`).join(" ")}
   }`;
   return `
 @group(0) @binding(0) var<uniform> xu: array<vec4<f32>, ${(M * K) / 4}>;
@@ -642,7 +646,7 @@ ${
 fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let c4 = gid.x;
   if (c4 >= ${N4}u) { return; }
-  ${groups.map(group).join("\n  ")}
+  ${group}
 }
 `;
 }
