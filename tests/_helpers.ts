@@ -16,13 +16,14 @@ export function testContext(): Promise<GpuContext | null> {
 /** Whether a GPU adapter exists (evaluated once at module load for `ignore`). */
 export const noGpu = (await testContext()) === null;
 
-/** Uploads floats into a new storage buffer. */
+/** Uploads floats into a new storage buffer (with `extraUsage`, e.g. UNIFORM, besides). */
 export async function upload(
   ctx: GpuContext,
   label: string,
   data: Float32Array | Uint32Array,
+  extraUsage = 0,
 ): Promise<GPUBuffer> {
-  const buf = await createStorage(ctx, label, data.byteLength);
+  const buf = await createStorage(ctx, label, data.byteLength, extraUsage);
   ctx.device.queue.writeBuffer(buf, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
   return buf;
 }

@@ -5,8 +5,8 @@
  */
 
 import assert from "node:assert/strict";
-import { readFloats } from "../gpu/device.ts";
-import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
+import { type GpuContext, readFloats } from "../gpu/device.ts";
+import { encodeOps, makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
 import {
   gemvPartialWgsl,
   gemvReduceBindings,
@@ -20,7 +20,6 @@ import {
   gemvUboLayerWgsl,
   gemvUboWgsl,
 } from "../gpu/kernels/gemv.ts";
-import { createStorage } from "../gpu/device.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 /** out[m, n] = Σ_k x[m, k] · w(k, n), in float64. */
@@ -36,6 +35,50 @@ function product(M: number, N: number, K: number, x: ArrayLike<number>, w: (k: n
   return out;
 }
 
+/** Rows of x [M, K] through a LayerNorm (eps 1e-5) of weight lnw and bias lnb, in float64; x itself without `ln`. */
+function layerNorm64(
+  x: Float32Array,
+  M: number,
+  K: number,
+  lnw: Float32Array,
+  lnb: Float32Array,
+  ln: boolean,
+) {
+  const xn = new Float64Array(M * K);
+  for (let m = 0; m < M; m++) {
+    const row = x.subarray(m * K, (m + 1) * K);
+    const mean = row.reduce((a, v) => a + v, 0) / K;
+    const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
+    for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
+  }
+  return xn;
+}
+
+/** A forward op of `code` over `views` (whole buffers or ranges), compiled once per code. */
+async function kernelOp(
+  ctx: GpuContext,
+  cache: PipelineCache,
+  label: string,
+  code: string,
+  views: Array<GPUBuffer | View>,
+  grid: [number] | [number, number, number],
+): Promise<Op> {
+  return makeOp(ctx, await cache.get(label, code), {
+    label,
+    phase: "forward",
+    kind: "matmul_fwd",
+    views: views.map((v) => (v instanceof GPUBuffer ? { buffer: v } : v)),
+    grid,
+  });
+}
+
+/** Encodes `ops` in one pass and submits them. */
+function submit(ctx: GpuContext, ops: Op[]): void {
+  const enc = ctx.device.createCommandEncoder();
+  encodeOps(enc, ops);
+  ctx.device.queue.submit([enc.finish()]);
+}
+
 Deno.test({
   name:
     "gemvPartialWgsl() in row groups with the LayerNorm prologue matches a float64 product, plain and staged (bit-identical)",
@@ -49,13 +92,7 @@ Deno.test({
       const N = 136;
       const x = randomFloats(M * K, 21), W = randomFloats(K * N, 22), bias = randomFloats(N, 23);
       const lnw = randomFloats(K, 24), lnb = randomFloats(K, 25);
-      const xn = new Float64Array(M * K);
-      for (let m = 0; m < M; m++) {
-        const row = x.subarray(m * K, (m + 1) * K);
-        const mean = row.reduce((a, v) => a + v, 0) / K;
-        const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
-        for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
-      }
+      const xn = layerNorm64(x, M, K, lnw, lnb, ln);
       const ref = product(M, N, K, xn, (k, n) => W[k * N + n]).map((v, i) => v + bias[i % N]);
       const outs: Float32Array[] = [];
       for (const staged of [false, true]) {
@@ -69,31 +106,18 @@ Deno.test({
           lnw: await upload(ctx, "lnw", lnw),
           lnb: await upload(ctx, "lnb", lnb),
         };
-        const views = (names: string[]) => names.map((n) => ({ buffer: bufs[n] }));
-        const op = async (
-          label: string,
-          code: string,
-          v: string[],
-          grid: [number, number, number] | [number],
-        ) =>
-          makeOp(ctx, await cache.get(label, code), {
-            label,
-            phase: "forward",
-            kind: "matmul_fwd",
-            views: views(v),
-            grid,
-          });
-        const ops = [
-          await op("gemv", gemvPartialWgsl(spec), ["x", "W", "part", ...(ln ? ["lnw", "lnb"] : [])], [
+        const views = (names: string[]) => names.map((n) => bufs[n]);
+        const partViews = views(["x", "W", "part", ...(ln ? ["lnw", "lnb"] : [])]);
+        submit(ctx, [
+          await kernelOp(ctx, cache, "gemv", gemvPartialWgsl(spec), partViews, [
             Math.ceil(N / 128),
             KS,
             gemvRowGroups(M),
           ]),
-          await op("gemv.sum", gemvReduceWgsl(spec), gemvReduceBindings(spec), [Math.ceil((M * N) / 4 / 64)]),
-        ];
-        const enc = ctx.device.createCommandEncoder();
-        encodeOps(enc, ops);
-        ctx.device.queue.submit([enc.finish()]);
+          await kernelOp(ctx, cache, "gemv.sum", gemvReduceWgsl(spec), views(gemvReduceBindings(spec)), [
+            Math.ceil((M * N) / 4 / 64),
+          ]),
+        ]);
         const got = await readFloats(ctx, bufs.out);
         assert.ok(relNorm(got, ref) < 1e-5, `M ${M} staged ${staged}: rel err ${relNorm(got, ref)}`);
         outs.push(got);
@@ -131,16 +155,10 @@ Deno.test({
         sel: await upload(ctx, "sel", sel),
       };
       const s = { M, N, K, perThread, gather: gather ? { selStride: 4 } : undefined };
-      const op = makeOp(ctx, await cache.get("gemvT", gemvTWgsl(s)), {
-        label: "gemvT",
-        phase: "forward",
-        kind: "matmul_fwd",
-        views: [bufs.x, bufs.W, bufs.out, ...(gather ? [bufs.sel] : [])].map((buffer) => ({ buffer })),
-        grid: [Math.ceil(N / gemvTColumns(s))],
-      });
-      const enc = ctx.device.createCommandEncoder();
-      encodeOps(enc, [op]);
-      ctx.device.queue.submit([enc.finish()]);
+      const views = [bufs.x, bufs.W, bufs.out, ...(gather ? [bufs.sel] : [])];
+      submit(ctx, [
+        await kernelOp(ctx, cache, "gemvT", gemvTWgsl(s), views, [Math.ceil(N / gemvTColumns(s))]),
+      ]);
       const ref = product(M, N, K, xs, (k, n) => W[n * K + k]);
       const got = await readFloats(ctx, bufs.out);
       assert.ok(
@@ -163,11 +181,8 @@ Deno.test({
     const N = 304, K = 64, BC = 32, NB = 3, blocks = Math.ceil(N / BC);
     const W = randomFloats(N * K, 41), Wt = new Float32Array(K * N);
     for (let n = 0; n < N; n++) for (let k = 0; k < K; k++) Wt[k * N + n] = W[n * K + k];
-    const uni = async (label: string, data: Float32Array | Uint32Array) => {
-      const b = await createStorage(ctx, label, data.byteLength, GPUBufferUsage.UNIFORM);
-      ctx.device.queue.writeBuffer(b, 0, data.buffer as ArrayBuffer, data.byteOffset, data.byteLength);
-      return b;
-    };
+    const uni = (label: string, data: Float32Array | Uint32Array) =>
+      upload(ctx, label, data, GPUBufferUsage.UNIFORM);
     const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(blocks / NB);
     const baseWords = new Uint32Array((dispatches * align) / 4);
     for (let d = 0; d < dispatches; d++) baseWords[(d * align) / 4] = d * NB;
@@ -183,43 +198,29 @@ Deno.test({
       const perThread = { M, N, K, perThread: true };
       const ops = [
         M <= 4
-          ? makeOp(ctx, await cache.get("gemvT", gemvTransposedWgsl({ M, N, K })), {
-            label: "gemvT",
-            phase: "forward",
-            kind: "matmul_fwd",
-            views: [xb, wt, outT].map((buffer) => ({ buffer })),
-            grid: [Math.ceil(N / 16 / 64)],
-          })
-          : makeOp(ctx, await cache.get("gemvP", gemvTWgsl(perThread)), {
-            label: "gemvP",
-            phase: "forward",
-            kind: "matmul_fwd",
-            views: [xb, wn, outT].map((buffer) => ({ buffer })),
-            grid: [Math.ceil(N / gemvTColumns(perThread))],
-          }),
+          ? await kernelOp(ctx, cache, "gemvT", gemvTransposedWgsl({ M, N, K }), [xb, wt, outT], [
+            Math.ceil(N / 16 / 64),
+          ])
+          : await kernelOp(ctx, cache, "gemvP", gemvTWgsl(perThread), [xb, wn, outT], [
+            Math.ceil(N / gemvTColumns(perThread)),
+          ]),
       ];
       const code = gemvUboWgsl({ M, N, K, BC, NB });
       for (let d = 0; d < dispatches; d++) {
-        ops.push(makeOp(ctx, await cache.get("gemvU", code), {
-          label: "gemvU",
-          phase: "forward",
-          kind: "matmul_fwd",
-          views: [
+        ops.push(
+          await kernelOp(ctx, cache, "gemvU", code, [
             { buffer: xb, offset: 0, size: M * K * 4 },
             { buffer: base, offset: d * align, size: 16 },
-            { buffer: outU },
+            outU,
             ...[...Array(NB).keys()].map((b) => ({
               buffer: wb,
               offset: Math.min(d * NB + b, blocks - 1) * K * BC * 4,
               size: K * BC * 4,
             })),
-          ],
-          grid: [NB],
-        }));
+          ], [NB]),
+        );
       }
-      const enc = ctx.device.createCommandEncoder();
-      encodeOps(enc, ops);
-      ctx.device.queue.submit([enc.finish()]);
+      submit(ctx, ops);
       const [t, u] = [await readFloats(ctx, outT), await readFloats(ctx, outU)];
       const ref = product(M, N, K, x, (k, n) => W[n * K + k]);
       assert.ok(relNorm(u, ref) < 1e-5, `M=${M}: rel err ${relNorm(u, ref)}`);
@@ -257,29 +258,14 @@ Deno.test({
       for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) {
         data.set(W.subarray(r0 * N, Math.min(K, r0 + R) * N), offs[2 + i]);
       }
-      const buf = await createStorage(ctx, "ubo", data.byteLength, GPUBufferUsage.UNIFORM);
-      ctx.device.queue.writeBuffer(buf, 0, data);
+      const buf = await upload(ctx, "ubo", data, GPUBufferUsage.UNIFORM);
       const part = await upload(ctx, "part", new Float32Array(M * N));
       const range = (o: number, n: number) => ({ buffer: buf, offset: o * 4, size: n * 4 });
       const slices = [];
       for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) slices.push(range(offs[2 + i], Math.min(R, K - r0) * N));
-      const op = makeOp(ctx, await cache.get("gemvUL", gemvUboLayerWgsl({ M, N, K, R, ln })), {
-        label: "gemvUL",
-        phase: "forward",
-        kind: "matmul_fwd",
-        views: [range(offs[0], M * K), { buffer: part }, ...(ln ? [range(offs[1], 2 * K)] : []), ...slices],
-        grid: [1],
-      });
-      const enc = ctx.device.createCommandEncoder();
-      encodeOps(enc, [op]);
-      ctx.device.queue.submit([enc.finish()]);
-      const xn = new Float64Array(M * K);
-      for (let m = 0; m < M; m++) {
-        const row = x.subarray(m * K, (m + 1) * K);
-        const mean = row.reduce((a, v) => a + v, 0) / K;
-        const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
-        for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
-      }
+      const views = [range(offs[0], M * K), part, ...(ln ? [range(offs[1], 2 * K)] : []), ...slices];
+      submit(ctx, [await kernelOp(ctx, cache, "gemvUL", gemvUboLayerWgsl({ M, N, K, R, ln }), views, [1])]);
+      const xn = layerNorm64(x, M, K, lnw, lnb, ln);
       const ref = product(M, N, K, xn, (k, n) => W[k * N + n]);
       const got = await readFloats(ctx, part);
       assert.ok(relNorm(got, ref) < 1e-5, `ln ${ln}: rel err ${relNorm(got, ref)}`);
