@@ -297,6 +297,17 @@ Deno.test({
     const ctx = (await testContext())!;
     if (!ctx.hasF16) return;
     const f16 = (x: Float32Array) => Float16Array.from(x);
+    // The split-K weight-gradient shape (A stored [K, M]), f16 math.
+    const wgrad: MatmulSpec = {
+      ...base,
+      M: 64,
+      N: 64,
+      K: 200,
+      transA: true,
+      transB: false,
+      dtypes: { A: "f16", B: "f16" },
+      math: "f16",
+    };
     const cases: Array<[MatmulSpec, MatmulTile, number]> = [
       [
         {
@@ -311,21 +322,8 @@ Deno.test({
         { BM: 64, BN: 64, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 8 },
         2e-3,
       ],
-      [
-        {
-          ...base,
-          M: 64,
-          N: 64,
-          K: 200,
-          transA: true,
-          transB: false,
-          dtypes: { A: "f16", B: "f16" },
-          math: "f16",
-        },
-        { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 2 },
-        5e-3,
-      ],
-      // k pairs packed in u32 (every layout; ragged M, N and K; split-K; flushing every 2 tiles).
+      [wgrad, { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 2 }, 5e-3],
+      // k pairs (every layout; ragged M, N and K; split-K; flushing every 2 tiles).
       ...([[false, false], [false, true], [true, false], [true, true]] as const).map(([transA, transB]) =>
         [
           { ...base, M: 52, N: 100, K: 76, transA, transB, dtypes: { A: "f16", B: "f16" }, math: "f16" },
@@ -334,16 +332,7 @@ Deno.test({
         ] as [MatmulSpec, MatmulTile, number]
       ),
       [
-        {
-          ...base,
-          M: 64,
-          N: 64,
-          K: 200,
-          transA: true,
-          transB: false,
-          dtypes: { A: "f16", B: "f16" },
-          math: "f16",
-        },
+        wgrad,
         { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 1, splitK: 2, kPairs: true, flushEvery: 2 },
         5e-3,
       ],
