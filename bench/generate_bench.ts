@@ -3,15 +3,18 @@
  * per stream; sampling at temperature 0.8, top-k 40, end-of-text ignored):
  *
  *   engine  the Generator alone, B streams decoded together (continuous-batching steps of a
- *           16-token chunk), aggregate tokens/s and the batch's time to first token; --torch adds
+ *           16-token chunk, --chunk; the next chunk queued ahead of each readback unless
+ *           --ahead 0), aggregate tokens/s and the batch's time to first token; --torch adds
  *           the PyTorch CUDA-graph peer (bench/torch_decode.py) in the same run.
  *   http    the whole server (Hono on Deno.serve, a GPU Worker) with S concurrent streaming
- *           `POST /v1/completions`: aggregate tokens/s, time to first token p50 and max.
+ *           `POST /v1/completions`: aggregate tokens/s (from the requests to the last token),
+ *           time to first token p50 and max, and the decode rate once every stream has begun.
  *   train   16 concurrent streams over HTTP, first alone, then (rounds for 20 s) while a gpt2-345M
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
  *
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
+ *                                   [--chunk 16] [--ahead 1]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
@@ -48,27 +51,38 @@ async function engine(): Promise<void> {
   const models = list(arg("models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M"));
   const batches = list(arg("batches", cpu ? "1,4" : "1,16,64")).map(Number);
   const newTokens = +arg("new", cpu ? "32" : "128");
+  const chunk = +arg("chunk", "16"), ahead = arg("ahead", "1") === "1" ? chunk : 0;
   for (const model of models) {
     const config = presetConfig(model);
     const gen = await Generator.create(ctx, config, initParams(config, 1), {
       maxStreams: Math.max(...batches),
-      chunk: 16,
+      chunk,
     });
     const run = async (B: number, n: number) => {
       const hs = [];
-      for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }));
+      for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }, n));
       const t0 = performance.now();
       let got = 0;
-      for (const o of (await gen.step(0)).values()) got += o.tokens.length; // the prefill's first tokens
+      // The prefill's first tokens (the first chunk then runs ahead).
+      for (const o of (await gen.step(0, ahead)).values()) got += o.tokens.length;
       const ttft = performance.now() - t0;
-      while (got < B * n) for (const o of (await gen.step(16)).values()) got += o.tokens.length;
+      const calls: string[] = [];
+      while (got < B * n) {
+        const c0 = performance.now();
+        for (const o of (await gen.step(chunk, ahead)).values()) got += o.tokens.length;
+        const t = gen.timing;
+        calls.push(`${(performance.now() - c0).toFixed(1)} (${t.steps} steps, map ${t.mapMs.toFixed(1)})`);
+      }
+      if (Deno.args.includes("--calls")) {
+        console.log(`  batch ${B}, ${n} tokens, each call in ms: ${calls.join(", ")}`);
+      }
       const ms = performance.now() - t0;
       const profile = Deno.args.includes("--profile") && ctx.hasTimestamps ? await gen.profileDecode() : null;
       for (const h of hs) gen.release(h);
       return { tokens: got, ms, ttft, profile };
     };
     for (const B of batches) {
-      await run(B, 32); // warm-up: compiles this batch's plans
+      await run(B, newTokens); // warm-up: compiles this batch's plans (and lets the GPU's clocks rise)
       const r = await run(B, newTokens);
       const res = {
         scenario: "engine",
@@ -194,6 +208,7 @@ async function stream(url: string, model: string, n: number, seed: number) {
   });
   if (!res.ok) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
   let ttft: number | null = null, tokens = 0, buf = "";
+  const times: number[] = [];
   const dec = new TextDecoder();
   for await (const chunk of res.body!) {
     buf += dec.decode(chunk, { stream: true });
@@ -202,11 +217,14 @@ async function stream(url: string, model: string, n: number, seed: number) {
       buf = buf.slice(i + 2);
       if (!ev.startsWith("data: ") || ev === "data: [DONE]") continue;
       const d = JSON.parse(ev.slice(6));
-      if (d.choices?.[0]?.text) ttft ??= performance.now() - t0;
+      if (d.choices?.[0]?.text) {
+        ttft ??= performance.now() - t0;
+        times.push(performance.now());
+      }
       if (d.usage) tokens = d.usage.completion_tokens;
     }
   }
-  return { ttft: ttft ?? NaN, tokens };
+  return { ttft: ttft ?? NaN, tokens, times };
 }
 
 async function concurrent(url: string, model: string, S: number, n: number) {
@@ -215,8 +233,12 @@ async function concurrent(url: string, model: string, S: number, n: number) {
   const ms = performance.now() - t0;
   const tokens = rs.reduce((a, r) => a + r.tokens, 0);
   const ttfts = rs.map((r) => r.ttft);
+  // Decoding alone: the chunks that arrived once every stream had its first, over that time.
+  const all = Math.max(...rs.map((r) => r.times[0] ?? Infinity));
+  const after = rs.reduce((a, r) => a + r.times.filter((t) => t > all).length, 0);
   return {
     tokens_per_s: tokens / (ms / 1000),
+    decode_tokens_per_s: after / ((t0 + ms - all) / 1000),
     ttft_p50_ms: median(ttfts),
     ttft_max_ms: Math.max(...ttfts),
     tokens,
@@ -230,13 +252,15 @@ async function http(): Promise<void> {
   try {
     // Warm-up: loads the model, compiles every batch bucket and prefill shape used below.
     await stream(s.url, model, 8, 999);
-    await concurrent(s.url, model, Math.max(...streams), 20);
+    // Every count once: each batch bucket's first use compiles its kernels (about half a second).
+    for (const S of streams) await concurrent(s.url, model, S, 20);
     for (const S of streams) {
       const r = await concurrent(s.url, model, S, n);
       console.log(JSON.stringify({ scenario: "http", model, streams: S, new_tokens: n, ...r }));
       console.log(
         `${model} over HTTP, ${S} streams: ${r.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
-          `TTFT p50 ${r.ttft_p50_ms.toFixed(0)} ms, max ${r.ttft_max_ms.toFixed(0)} ms`,
+          `TTFT p50 ${r.ttft_p50_ms.toFixed(0)} ms, max ${r.ttft_max_ms.toFixed(0)} ms; ` +
+          `${r.decode_tokens_per_s.toFixed(0)} tokens/s once every stream had its first token`,
       );
     }
   } finally {

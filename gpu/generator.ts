@@ -9,12 +9,21 @@
  * training graph planned for B prompts × a length bucket, without gradients; the LM head only on
  * each prompt's last position), each sampling its first token on the GPU; then `steps` decode
  * steps for every row, sampling on the GPU and feeding the token back through the state buffer.
- * One readback returns every stream's tokens (and logprobs when asked). Between steps the CPU
- * holds the authoritative state and writes it back, which is what makes rows movable.
+ * One readback returns every stream's tokens (and logprobs when asked). The GPU's state is
+ * authoritative: each chunk starts with a remap kernel that moves rows, writes new rows' state
+ * and resets the rest, so the CPU never has to read the state back before queueing more work,
+ * and a step can leave the next chunk running on the GPU while it returns (`step`'s `ahead`).
  */
 
 import { type ModelConfig, paramLayout } from "./config.ts";
-import { createStorage, type GpuContext, GpuError, isCpuAdapter, readBuffers } from "./device.ts";
+import {
+  checkDevice,
+  createStorage,
+  type GpuContext,
+  GpuError,
+  isCpuAdapter,
+  readBuffers,
+} from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
 import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
@@ -24,7 +33,10 @@ import {
   type DecodeSpec,
   embedDecodeWgsl,
   kvWriteWgsl,
+  REMAP_NEW,
+  REMAP_WORDS,
   SEL_WORDS,
+  stateRemapWgsl,
 } from "./kernels/decode.ts";
 import {
   LOGPROBS_MAX,
@@ -82,6 +94,23 @@ export interface GeneratorOptions {
    * default true). false keeps the storage-buffer kernels that GPUs run (tests cover both).
    */
   cpuUniform?: boolean;
+  /**
+   * Decode steps per queue submission within a step (default 4): the GPU starts on the first
+   * steps while the rest are still being encoded.
+   */
+  submitEvery?: number;
+}
+
+/** Where the last `step` spent its time (wall-clock ms on the JS thread). */
+export interface StepTiming {
+  /** Encoding and submitting the decode steps (the prefill excluded). */
+  encodeMs: number;
+  /** From the last submission until the readback arrived. */
+  waitMs: number;
+  /** Of which issuing the readback's mapAsync (it blocks until the GPU has run all queued work). */
+  mapMs: number;
+  /** Decode steps run. */
+  steps: number;
 }
 
 /** Log-probabilities of one generated token (natural log, the model's raw distribution). */
@@ -109,6 +138,19 @@ interface Pending {
   prompt: Uint32Array;
   state: Uint32Array;
   params: Uint32Array;
+}
+
+/** A chunk queued on the GPU whose results are not read yet. */
+interface Chunk {
+  /** What it produced: the rows' state, their tokens, and their logprobs when any row asked. */
+  staging: GPUBuffer;
+  /** The streams of its rows, with their epoch: a stream released since has a newer one. */
+  rows: { slot: number; epoch: number }[];
+  /** Each row's logprobs + 1 (0: none). */
+  nlp: number[];
+  wantLp: boolean;
+  /** Decode steps it ran. */
+  steps: number;
 }
 
 interface PrefillPlan {
@@ -159,20 +201,33 @@ export class Generator {
   #cap = 0;
   #buffers: GPUBuffer[] = [];
   #decode = new Map<number, Op[]>();
+  /** Where the last `step` spent its time. */
+  timing: StepTiming = { encodeMs: 0, waitMs: 0, mapMs: 0, steps: 0 };
   #prefills = new Map<string, PrefillPlan>();
   /** Row → slot of the streams being decoded. */
   #rows: number[] = [];
   #free: number[] = [];
   #pending: Pending[] = [];
-  /** CPU copies of the state and sampling rows (the GPU's are rewritten before every step). */
-  #stateCpu: Uint32Array<ArrayBuffer>;
+  /** Each row's source row in the GPU's state as the last queued chunk left it (−1: admitted since). */
+  #src: number[] = [];
+  /** Per slot, bumped when a stream takes or leaves it (chunks still running tell their streams by it). */
+  #epochs: Uint32Array;
+  /** Per slot, tokens its stream may still be asked for beyond what the queued chunks produce. */
+  #left: Float64Array;
+  /** Chunks queued and not read back, oldest first. */
+  #inflight: Chunk[] = [];
+  /** The state remap at each chunk's start, its table, and the copy of the state it reads. */
+  #remap: Op | null = null;
+  #table: GPUBuffer;
+  #prevState: GPUBuffer;
+  /** CPU copy of the sampling rows (the GPU's are rewritten before every chunk). */
   #paramsCpu: Uint32Array<ArrayBuffer>;
 
   private constructor(
     ctx: GpuContext,
     config: ModelConfig,
     opts: Required<GeneratorOptions>,
-    bufs: Record<"params" | "state" | "sampling" | "out" | "lp" | "sel", GPUBuffer>,
+    bufs: Record<"params" | "state" | "prevState" | "table" | "sampling" | "out" | "lp" | "sel", GPUBuffer>,
   ) {
     this.#ctx = ctx;
     this.config = config;
@@ -185,8 +240,11 @@ export class Generator {
     this.#out = bufs.out;
     this.#lp = bufs.lp;
     this.#sel = bufs.sel;
+    this.#prevState = bufs.prevState;
+    this.#table = bufs.table;
     // One row more than the streams: padding prefill prompts sample into it.
-    this.#stateCpu = new Uint32Array((opts.maxStreams + 1) * STATE_WORDS);
+    this.#epochs = new Uint32Array(opts.maxStreams + 1);
+    this.#left = new Float64Array(opts.maxStreams + 1);
     this.#paramsCpu = new Uint32Array((opts.maxStreams + 1) * PARAM_WORDS);
   }
 
@@ -227,6 +285,7 @@ export class Generator {
       chunk: opts.chunk,
       prefillTokens: opts.prefillTokens ?? 2048,
       cpuUniform: opts.cpuUniform ?? true,
+      submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
     };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number, extraUsage = 0) => {
@@ -240,6 +299,8 @@ export class Generator {
     const g = new Generator(ctx, config, full, {
       params: p,
       state: await alloc("gen.state", rows * STATE_WORDS * 4),
+      prevState: await alloc("gen.prev_state", rows * STATE_WORDS * 4),
+      table: await alloc("gen.remap", rows * REMAP_WORDS * 4),
       sampling: await alloc("gen.sampling", rows * PARAM_WORDS * 4),
       out: await alloc("gen.out", rows * opts.chunk * 4),
       lp: await alloc("gen.lp", rows * opts.chunk * LP_WORDS * 4),
@@ -347,9 +408,11 @@ export class Generator {
 
   /**
    * Admits a stream on `prompt` (1 … n_positions−1 tokens): it is prefilled, and its first token
-   * sampled, at the next `step`. Returns its handle. Throws RangeError when no slot is free.
+   * sampled, at the next `step`. `maxTokens`, when given, is the most tokens the stream will be
+   * asked for: the generator does not run ahead past it. Returns its handle. Throws RangeError
+   * when no slot is free.
    */
-  async admit(prompt: ArrayLike<number>, sampling: SamplingParams): Promise<number> {
+  async admit(prompt: ArrayLike<number>, sampling: SamplingParams, maxTokens = Infinity): Promise<number> {
     const c = this.config, len = prompt.length;
     if (len < 1 || len >= c.n_positions) {
       throw new RangeError(`Prompt of ${len} tokens must have 1 to ${c.n_positions - 1} tokens`);
@@ -366,6 +429,7 @@ export class Generator {
     if (lp !== undefined && !(Number.isInteger(lp) && lp >= 0 && lp <= LOGPROBS_MAX)) {
       throw new RangeError(`Logprobs ${lp} must be 0 to ${LOGPROBS_MAX}`);
     }
+    if (!(maxTokens >= 1)) throw new RangeError(`maxTokens ${maxTokens} must be at least 1`);
     if (this.free <= 0) throw new RangeError(`All ${this.opts.maxStreams} stream slots are in use`);
     if (this.#free.length === 0) await this.#grow(Math.min(this.opts.maxStreams, this.#cap * 2));
     const slot = this.#free.pop()!;
@@ -377,15 +441,21 @@ export class Generator {
     params[1] = sampling.top_k >>> 0;
     pf[2] = sampling.top_p;
     params[3] = lp === undefined ? 0 : lp + 1;
+    this.#epochs[slot]++;
+    this.#left[slot] = maxTokens;
     this.#pending.push({ slot, prompt: tokens, state, params });
     return slot;
   }
 
-  /** Ends stream `handle`: its row is refilled by the last row and its slot freed. */
+  /**
+   * Ends stream `handle`: its row is refilled by the last row and its slot freed. Tokens of a
+   * chunk still running for it are dropped.
+   */
   release(handle: number): void {
     const p = this.#pending.findIndex((x) => x.slot === handle);
     if (p >= 0) {
       this.#pending.splice(p, 1);
+      this.#epochs[handle]++;
       this.#free.push(handle);
       return;
     }
@@ -394,62 +464,158 @@ export class Generator {
     const last = this.#rows.length - 1;
     if (r !== last) {
       this.#rows[r] = this.#rows[last];
-      this.#stateCpu.copyWithin(r * STATE_WORDS, last * STATE_WORDS, (last + 1) * STATE_WORDS);
+      this.#src[r] = this.#src[last];
       this.#paramsCpu.copyWithin(r * PARAM_WORDS, last * PARAM_WORDS, (last + 1) * PARAM_WORDS);
     }
     this.#rows.pop();
+    this.#src.pop();
+    this.#epochs[handle]++;
     this.#free.push(handle);
   }
 
   /**
    * Prefills the streams admitted since the last step, runs `steps` decode steps for every stream,
-   * and reads back what each produced: a new stream's first token, then one token per step.
-   * `steps` + 1 (when prompts are pending) must not exceed the chunk. Returns outputs by handle.
+   * and returns what each produced since the last step: a new stream's first token, then one
+   * token per step. `steps` + 1 (when prompts are pending) must not exceed the chunk.
+   *
+   * `ahead` > 0 runs ahead: once the GPU has finished the work read back here, a further chunk of
+   * up to `ahead` steps for the same streams is queued before this call returns, so the GPU keeps
+   * decoding while the readback settles (Deno resolves a mapAsync about 10 ms after the GPU is
+   * done) and while the caller handles the tokens. The next call then returns that chunk's
+   * tokens, without queueing its own `steps` unless prompts are pending. A stream released in
+   * between just loses the tokens of the chunk that ran ahead for it.
    */
-  async step(steps: number): Promise<Map<number, StreamOutput>> {
+  async step(steps: number, ahead = 0): Promise<Map<number, StreamOutput>> {
     const chunk = this.opts.chunk, pending = this.#pending.splice(0);
     if (!(Number.isInteger(steps) && steps >= 0 && steps + (pending.length ? 1 : 0) <= chunk)) {
+      this.#pending.unshift(...pending);
       throw new RangeError(`Step of ${steps} decode steps exceeds the chunk of ${chunk} tokens`);
     }
-    const res = new Map<number, StreamOutput>();
-    for (const p of pending) {
-      const r = this.#rows.length;
-      this.#rows.push(p.slot);
-      this.#stateCpu.set(p.state, r * STATE_WORDS);
-      this.#paramsCpu.set(p.params, r * PARAM_WORDS);
+    if (!(Number.isInteger(ahead) && ahead >= 0 && ahead <= chunk)) {
+      this.#pending.unshift(...pending);
+      throw new RangeError(`Running ahead ${ahead} steps must be 0 to the chunk of ${chunk} tokens`);
     }
-    const R = this.#rows.length;
-    if (R === 0) return res;
-    const Rb = this.#bucket(R);
-    // Padding rows: greedy, in the scratch slot at position 0.
-    this.#stateCpu.fill(0, R * STATE_WORDS, Rb * STATE_WORDS);
+    for (const p of pending) {
+      this.#paramsCpu.set(p.params, this.#rows.length * PARAM_WORDS);
+      this.#rows.push(p.slot);
+      this.#src.push(-1);
+    }
+    const t0 = performance.now();
+    if (this.#rows.length > 0 && (pending.length > 0 || this.#inflight.length === 0)) {
+      await this.#submitChunk(pending, steps);
+    }
+    const t1 = performance.now();
+    const chunks = this.#inflight.splice(0);
+    // The first mapAsync blocks until the GPU has run everything queued; the rest find it done.
+    const maps = chunks.map((c) => c.staging.mapAsync(GPUMapMode.READ));
+    const t2 = performance.now();
+    if (ahead > 0 && this.#rows.length > 0) {
+      const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
+      if (n > 0) await this.#submitChunk([], n);
+    }
+    const t3 = performance.now();
+    const res = new Map<number, StreamOutput>();
+    try {
+      await Promise.all(maps);
+      checkDevice(this.#ctx);
+      for (const c of chunks) this.#collect(c, c.staging.getMappedRange(), res);
+    } finally {
+      for (const c of chunks) c.staging.destroy();
+    }
+    this.timing = {
+      encodeMs: t1 - t0 + (t3 - t2),
+      waitMs: performance.now() - t3 + (t2 - t1),
+      mapMs: t2 - t1,
+      steps: chunks.reduce((a, c) => a + c.steps, 0),
+    };
+    return res;
+  }
+
+  /**
+   * Queues one chunk: the state remap (rows moved, new rows' state, padding rows and the spare row
+   * reset), the pending prompts' prefill, `steps` decode steps, and the copy of what the chunk
+   * produced into its own staging buffer for a later readback.
+   */
+  async #submitChunk(pending: Pending[], steps: number): Promise<void> {
+    const R = this.#rows.length, Rb = this.#bucket(R), chunk = this.opts.chunk;
+    const N = this.opts.maxStreams + 1, dev = this.#ctx.device, q = dev.queue;
+    const fresh = new Map(pending.map((p) => [p.slot, p.state]));
+    const table = new Uint32Array(N * REMAP_WORDS);
+    for (let j = 0; j < N; j++) {
+      const e = j * REMAP_WORDS;
+      if (j < R && this.#src[j] >= 0) table[e] = this.#src[j];
+      else if (j < R) {
+        table[e] = REMAP_NEW;
+        table.set(fresh.get(this.#rows[j])!, e + STATE_WORDS);
+      } // Padding rows and the spare row: greedy, in the scratch slot at position 0.
+      else if (j < Rb || j === N - 1) table[e] = REMAP_NEW;
+      else table[e] = j;
+    }
     this.#paramsCpu.fill(0, R * PARAM_WORDS, Rb * PARAM_WORDS);
-    for (let r = 0; r < Rb; r++) this.#stateCpu[r * STATE_WORDS + 3] = 0;
-    const scratch = this.opts.maxStreams * STATE_WORDS;
-    this.#stateCpu.fill(0, scratch, scratch + STATE_WORDS);
-    const q = this.#ctx.device.queue;
-    q.writeBuffer(this.#state, 0, this.#stateCpu);
+    q.writeBuffer(this.#table, 0, table);
     q.writeBuffer(this.#sampling, 0, this.#paramsCpu);
+    this.#remap ??= await this.#op("elementwise", "dec.remap", stateRemapWgsl(), [
+      { buffer: this.#prevState },
+      { buffer: this.#table },
+      { buffer: this.#state },
+    ], [Math.ceil(N / 64)]);
+    const enc = dev.createCommandEncoder();
+    enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
+    encodeOps(enc, [this.#remap]);
+    q.submit([enc.finish()]);
+    this.#src = this.#rows.map((_, r) => r);
     for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
     if (steps > 0) {
-      const ops = await this.#decodePlan(Rb);
-      const enc = this.#ctx.device.createCommandEncoder();
-      for (let i = 0; i < steps; i++) encodeOps(enc, ops);
-      q.submit([enc.finish()]);
+      const ops = await this.#decodePlan(Rb), every = this.opts.submitEvery;
+      for (let i = 0; i < steps; i += every) {
+        const e = dev.createCommandEncoder();
+        for (let j = i; j < Math.min(steps, i + every); j++) encodeOps(e, ops);
+        q.submit([e.finish()]);
+      }
     }
-    const wantLp = this.#rows.some((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3] > 0);
-    const reads = [
+    const nlp = this.#rows.map((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3]);
+    const wantLp = nlp.some((n) => n > 0);
+    const parts = [
       { buffer: this.#state, bytes: R * STATE_WORDS * 4 },
       { buffer: this.#out, bytes: R * chunk * 4 },
       ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
     ];
-    const [sbuf, obuf, lbuf] = await readBuffers(this.#ctx, reads);
-    const state = new Uint32Array(sbuf), out = new Uint32Array(obuf);
-    const lpf = lbuf ? new Float32Array(lbuf) : null, lpu = lbuf ? new Uint32Array(lbuf) : null;
+    const staging = dev.createBuffer({
+      size: parts.reduce((a, p) => a + p.bytes, 0),
+      usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
+    });
+    const enc2 = dev.createCommandEncoder();
+    let at = 0;
+    for (const p of parts) {
+      enc2.copyBufferToBuffer(p.buffer, 0, staging, at, p.bytes);
+      at += p.bytes;
+    }
+    q.submit([enc2.finish()]);
+    const isNew = new Set(pending.map((p) => p.slot));
+    for (const slot of this.#rows) this.#left[slot] -= steps + (isNew.has(slot) ? 1 : 0);
+    this.#inflight.push({
+      staging,
+      rows: this.#rows.map((slot) => ({ slot, epoch: this.#epochs[slot] })),
+      nlp,
+      wantLp,
+      steps,
+    });
+  }
+
+  /** Adds what chunk `c` produced (its staging buffer mapped as `buf`) to `res`, for streams still running. */
+  #collect(c: Chunk, buf: ArrayBuffer, res: Map<number, StreamOutput>): void {
+    const chunk = this.opts.chunk, R = c.rows.length;
+    const state = new Uint32Array(buf, 0, R * STATE_WORDS);
+    const out = new Uint32Array(buf, R * STATE_WORDS * 4, R * chunk);
+    const lpAt = R * (STATE_WORDS + chunk) * 4;
+    const lpf = c.wantLp ? new Float32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
+    const lpu = c.wantLp ? new Uint32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
     for (let r = 0; r < R; r++) {
+      const { slot, epoch } = c.rows[r];
+      if (this.#epochs[slot] !== epoch) continue; // released since
       const n = Math.min(state[r * STATE_WORDS + 3], chunk);
       const tokens = Array.from(out.subarray(r * chunk, r * chunk + n));
-      const nlp = this.#paramsCpu[r * PARAM_WORDS + 3];
+      const nlp = c.nlp[r];
       let logprobs: TokenLogprobs[] | null = null;
       if (nlp > 0 && lpf && lpu) {
         logprobs = [];
@@ -460,17 +626,20 @@ export class Generator {
           logprobs.push({ logprob: lpf[o], top });
         }
       }
-      res.set(this.#rows[r], { tokens, logprobs });
-      this.#stateCpu[r * STATE_WORDS] = state[r * STATE_WORDS];
-      this.#stateCpu[r * STATE_WORDS + 1] = state[r * STATE_WORDS + 1];
+      const have = res.get(slot);
+      if (!have) res.set(slot, { tokens, logprobs });
+      else {
+        have.tokens.push(...tokens);
+        if (logprobs) have.logprobs = [...(have.logprobs ?? []), ...logprobs];
+      }
     }
-    return res;
   }
 
   /** Frees the GPU buffers. */
   destroy(): void {
     for (const { model } of this.#prefills.values()) destroyModel(model);
     for (const b of [...this.#buffers, ...this.#kc, ...this.#vc]) b.destroy();
+    for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
 
   #bucket(rows: number): number {
@@ -691,12 +860,11 @@ export class Generator {
     return ops;
   }
 
-  /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
   /**
    * For benchmarks: times one decode step of the rows now decoding, kernel by kernel (a
-   * timestamped pass per kernel), and returns each kernel's GPU time in ms in order. The step's
-   * token and cache writes are overwritten by the next `step`, which rewrites the state from the
-   * CPU's copy. Needs timestamp queries and at least one row.
+   * timestamped pass per kernel), and returns each kernel's GPU time in ms in order. The state is
+   * restored after it, so the streams go on as if it had not run (the cache rows it wrote are
+   * written again by the next step). Needs timestamp queries and at least one row.
    */
   async profileDecode(): Promise<{ label: string; ms: number }[]> {
     const R = this.#rows.length, dev = this.#ctx.device;
@@ -710,7 +878,9 @@ export class Generator {
     });
     try {
       const enc = dev.createCommandEncoder();
+      enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
       encodeOps(enc, ops, qs);
+      enc.copyBufferToBuffer(this.#prevState, 0, this.#state, 0, this.#state.size);
       enc.resolveQuerySet(qs, 0, 2 * ops.length, resolve, 0);
       dev.queue.submit([enc.finish()]);
       const [buf] = await readBuffers(this.#ctx, [{ buffer: resolve, bytes: 16 * ops.length }]);
@@ -722,6 +892,50 @@ export class Generator {
     }
   }
 
+  /**
+   * For benchmarks: GPU time of `steps` decode steps of the rows now decoding, recorded in one
+   * compute pass with a timestamp at its start and end (so the gaps between dispatches count),
+   * and the JS time spent encoding them. Like profileDecode, the state is restored after it.
+   */
+  async profileChunk(steps: number): Promise<{ gpuMs: number; encodeMs: number }> {
+    const R = this.#rows.length, dev = this.#ctx.device;
+    if (!this.#ctx.hasTimestamps) throw new GpuError("profileChunk", "the adapter has no timestamp queries");
+    if (R === 0) throw new RangeError("profileChunk needs a stream being decoded");
+    const ops = await this.#decodePlan(this.#bucket(R));
+    const qs = dev.createQuerySet({ type: "timestamp", count: 2 });
+    const resolve = dev.createBuffer({
+      size: 16,
+      usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
+    });
+    try {
+      const t0 = performance.now();
+      const enc = dev.createCommandEncoder();
+      enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
+      const pass = enc.beginComputePass({
+        timestampWrites: { querySet: qs, beginningOfPassWriteIndex: 0, endOfPassWriteIndex: 1 },
+      });
+      for (let i = 0; i < steps; i++) {
+        for (const op of ops) {
+          pass.setPipeline(op.pipeline);
+          for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
+          pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
+        }
+      }
+      pass.end();
+      enc.copyBufferToBuffer(this.#prevState, 0, this.#state, 0, this.#state.size);
+      enc.resolveQuerySet(qs, 0, 2, resolve, 0);
+      const encodeMs = performance.now() - t0;
+      dev.queue.submit([enc.finish()]);
+      const [buf] = await readBuffers(this.#ctx, [{ buffer: resolve, bytes: 16 }]);
+      const t = new BigUint64Array(buf);
+      return { gpuMs: Number(t[1] - t[0]) / 1e6, encodeMs };
+    } finally {
+      qs.destroy();
+      resolve.destroy();
+    }
+  }
+
+  /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
   async #decodePlan(S: number): Promise<Op[]> {
     const have = this.#decode.get(S);
     if (have) return have;

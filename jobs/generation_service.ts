@@ -27,12 +27,23 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   maxModels: number;
   /** Share of GPU time training keeps while generations run beside it (0 … 1). */
   trainShare: number;
+  /**
+   * Queue the next chunk of decode steps before handing out the tokens of the last one (see
+   * Generator.step's `ahead`): the GPU keeps decoding through the readback's latency.
+   */
+  runAhead: boolean;
+  /**
+   * ms an idle engine waits before its first step, so requests sent together (a burst of users,
+   * or `n` choices) are prefilled together rather than one first and the rest a chunk later.
+   */
+  admitWindowMs: number;
 }
 
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
- * 10 ms on a real GPU, so fewer, longer steps) and at most 250 ms per step, 2048 prompt tokens
- * prefilled per step, two models loaded, training keeps 70% of a shared GPU.
+ * 10 ms on a real GPU, so fewer, longer steps, each queued while the one before is read back)
+ * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering
+ * requests for 2 ms, two models loaded, training keeps 70% of a shared GPU.
  */
 export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   maxStreams: 64,
@@ -42,18 +53,21 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   stepBudgetMs: 250,
   maxModels: 2,
   trainShare: 0.7,
+  runAhead: true,
+  admitWindowMs: 2,
 };
 
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE. Throws RangeError naming a variable that is not a number in range.
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1). Throws RangeError naming a variable that is out of range.
  */
 export function generationOptionsFromEnv(
   env: { get(key: string): string | undefined },
 ): GenerationServiceOptions {
   const o = { ...DEFAULT_GENERATION_OPTIONS };
-  const read = (name: string, key: keyof GenerationServiceOptions, min: number, max: number, int = true) => {
+  type NumericKey = Exclude<keyof GenerationServiceOptions, "runAhead">;
+  const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
     if (raw === undefined || raw === "") return;
     const v = Number(raw);
@@ -71,6 +85,12 @@ export function generationOptionsFromEnv(
   read("GPT2_GEN_STEP_BUDGET_MS", "stepBudgetMs", 1, 60_000, false);
   read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
   read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
+  read("GPT2_GEN_ADMIT_WINDOW_MS", "admitWindowMs", 0, 1000, false);
+  const ahead = env.get("GPT2_GEN_RUN_AHEAD");
+  if (ahead !== undefined && ahead !== "") {
+    if (ahead !== "0" && ahead !== "1") throw new RangeError(`GPT2_GEN_RUN_AHEAD "${ahead}" must be 0 or 1`);
+    o.runAhead = ahead === "1";
+  }
   return o;
 }
 
@@ -167,7 +187,12 @@ class Engine {
     this.#running = true;
     try {
       const gen = await this.#gen;
-      while (this.#waiting.length > 0 || this.#active.length > 0) await this.#step(gen);
+      while (this.#waiting.length > 0 || this.#active.length > 0) {
+        if (this.#active.length === 0 && this.#opts.admitWindowMs > 0) {
+          await new Promise((r) => setTimeout(r, this.#opts.admitWindowMs));
+        }
+        await this.#step(gen);
+      }
     } catch (e) {
       this.#dead = true;
       const message = (e as Error).message || String(e);
@@ -197,7 +222,11 @@ class Engine {
     );
     for (const req of this.#waiting.splice(0, plan.admit)) {
       try {
-        const handle = await gen.admit(req.prompt, { ...req, logprobs: req.logprobs ?? undefined });
+        const handle = await gen.admit(
+          req.prompt,
+          { ...req, logprobs: req.logprobs ?? undefined },
+          req.max_tokens,
+        );
         this.#active.push({ req, handle, produced: 0, cancelled: false });
         this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
       } catch (e) {
@@ -206,11 +235,11 @@ class Engine {
     }
     if (this.#active.length === 0) return;
     const t0 = performance.now();
-    const out = await gen.step(plan.steps);
-    const ms = performance.now() - t0;
+    const out = await gen.step(plan.steps, this.#opts.runAhead ? plan.ahead : 0);
+    const ms = performance.now() - t0, ran = gen.timing.steps;
     this.#onStep(ms);
-    if (plan.steps > 0 && plan.admit === 0) {
-      const per = ms / plan.steps;
+    if (ran > 0 && plan.admit === 0) {
+      const per = ms / ran;
       this.#msPerStep = this.#msPerStep === undefined ? per : 0.7 * this.#msPerStep + 0.3 * per;
     }
     for (const s of [...this.#active]) {

@@ -31,6 +31,11 @@ export interface StepPlan {
   admit: number;
   /** Decode steps to run after their prefill. */
   steps: number;
+  /**
+   * Decode steps the generator may queue ahead for the next step: the chunk within the time
+   * budget, but only a first chunk after admitting, so requests arriving in a burst join soon.
+   */
+  ahead: number;
 }
 
 /**
@@ -57,6 +62,7 @@ export function planStep(
     ? Math.max(1, Math.floor((limits.stepBudgetMs ?? 250) / msPerStep))
     : limits.chunk;
   let cap = Math.min(limits.chunk, budget);
+  const ahead = admit > 0 ? Math.min(cap, limits.firstChunk) : cap;
   if (admit > 0) cap = remaining.length === 0 ? 0 : Math.min(cap, limits.firstChunk, limits.chunk - 1);
-  return { admit, steps: Math.min(cap, need) };
+  return { admit, steps: Math.min(cap, need), ahead };
 }

@@ -1,15 +1,16 @@
 /**
  * The Worker-side generation service on the real GPU (a tiny random model from a Hugging Face
  * directory): a request that finds every stream slot taken waits in order and is admitted at the
- * step after a cancel frees one; and training's turn resolves once generation has had its share,
- * or at once when generation is idle. Skipped without an adapter.
+ * step after a cancel frees one; requests sent together to an idle engine are prefilled together;
+ * and training's turn resolves once generation has had its share, or at once when generation is
+ * idle. Skipped without an adapter. The options' environment variables and their errors.
  */
 
 import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
 import { initParams } from "../gpu/init.ts";
 import { exportTensors, hfConfig } from "../jobs/checkpoint.ts";
-import { GenerationService } from "../jobs/generation_service.ts";
+import { generationOptionsFromEnv, GenerationService } from "../jobs/generation_service.ts";
 import type { FromWorker, WorkerGeneration } from "../jobs/messages.ts";
 import { resolveModelSource } from "../jobs/model_source.ts";
 import { writeSafetensors } from "../jobs/safetensors.ts";
@@ -77,4 +78,80 @@ Deno.test({
       await Deno.remove(root, { recursive: true });
     }
   },
+});
+
+Deno.test({
+  name: "GenerationService: requests sent together to an idle engine are prefilled in one step",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const root = await Deno.makeTempDir({ prefix: "gpt2_gensvc_" });
+    const dir = `${root}/models/rand`;
+    await Deno.mkdir(dir, { recursive: true });
+    await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 5)));
+    await Deno.writeTextFile(
+      `${dir}/config.json`,
+      JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
+    );
+    const model = await resolveModelSource(root, "rand");
+    const msgs: FromWorker[] = [];
+    const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), {
+      maxStreams: 4,
+      chunk: 4,
+      firstChunk: 2,
+      admitWindowMs: 50,
+    });
+    const req = (id: string): WorkerGeneration => ({
+      id,
+      model,
+      prompt: [464, 3290, 318],
+      max_tokens: 6,
+      temperature: 0,
+      top_k: 0,
+      top_p: 1,
+      seed: 1,
+      stop_at_eos: false,
+    });
+    try {
+      await svc.generate(req("warm")); // loads the model
+      await until(() => msgs.some((m) => m.type === "gen_done"), "the warm-up", 60_000);
+      await until(() => !svc.busy, "the engine to go idle");
+      msgs.length = 0;
+      await svc.generate(req("a"));
+      await svc.generate(req("b"));
+      await until(() => msgs.filter((m) => m.type === "gen_done").length === 2, "both", 60_000);
+      const firstTokens = msgs.findIndex((m) => m.type === "gen_tokens");
+      const started = msgs.filter((m, i) => m.type === "gen_started" && i < firstTokens);
+      assert.equal(started.length, 2, "both admitted before the first token came");
+      for (const id of ["a", "b"]) {
+        const done = msgs.find((m) => m.type === "gen_done" && m.id === id) as Extract<
+          FromWorker,
+          { type: "gen_done" }
+        >;
+        assert.deepEqual([done.reason, done.completion_tokens], ["length", 6]);
+      }
+    } finally {
+      await svc.destroy();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
+
+Deno.test("generationOptionsFromEnv reads the run-ahead switch and the admission window, naming bad values", () => {
+  const env = (o: Record<string, string>) => ({ get: (k: string) => o[k] });
+  const d = generationOptionsFromEnv(env({}));
+  assert.equal(d.runAhead, true);
+  assert.equal(d.admitWindowMs, 2);
+  const o = generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "0", GPT2_GEN_ADMIT_WINDOW_MS: "0.5" }));
+  assert.equal(o.runAhead, false);
+  assert.equal(o.admitWindowMs, 0.5);
+  assert.throws(
+    () => generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "yes" })),
+    /GPT2_GEN_RUN_AHEAD "yes" must be 0 or 1/,
+  );
+  assert.throws(
+    () => generationOptionsFromEnv(env({ GPT2_GEN_ADMIT_WINDOW_MS: "-1" })),
+    /GPT2_GEN_ADMIT_WINDOW_MS/,
+  );
 });

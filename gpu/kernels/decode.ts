@@ -147,3 +147,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 }
 `;
 }
+
+/** u32 words per row of the state remap table: [source row or REMAP_NEW, unused ×7, new state ×STATE_WORDS]. */
+export const REMAP_WORDS = 2 * STATE_WORDS;
+/** Source marker of a remap entry that takes the state written in its table entry. */
+export const REMAP_NEW = 0xffffffff;
+
+/**
+ * The start of a chunk of steps, with the GPU's state authoritative: state row i becomes row
+ * table[i]'s source row of `prev` (a copy of the state as the work before left it) or, for
+ * REMAP_NEW, the state in the entry; the steps-written word is zeroed either way. This is how
+ * rows move when streams end and new ones join without the CPU reading the state first, so a
+ * chunk can be queued while the one before is still running. One entry per state row.
+ * Grid (ceil(rows/64)).
+ */
+export function stateRemapWgsl(): string {
+  return `
+@group(0) @binding(0) var<storage, read> prev: array<u32>;
+@group(0) @binding(1) var<storage, read> table: array<u32>;
+@group(0) @binding(2) var<storage, read_write> state: array<u32>;
+@compute @workgroup_size(64)
+fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
+  let i = gid.x;
+  if (i >= arrayLength(&table) / ${REMAP_WORDS}u) { return; }
+  let e = i * ${REMAP_WORDS}u;
+  let src = table[e];
+  for (var w = 0u; w < ${STATE_WORDS}u; w = w + 1u) {
+    var v = table[e + ${STATE_WORDS}u + w];
+    if (src != ${REMAP_NEW}u) { v = prev[src * ${STATE_WORDS}u + w]; }
+    if (w == 3u) { v = 0u; }
+    state[i * ${STATE_WORDS}u + w] = v;
+  }
+}
+`;
+}

@@ -1,0 +1,108 @@
+/**
+ * GPU time of the sampling kernel alone (issue 13): S rows of GPT-2's vocabulary, random logits
+ * (roughly normal, scale 2), for several sampling settings. Each figure is the mean of 100
+ * dispatches recorded in one timestamped pass.
+ *
+ *   deno run -A bench/sample_probe.ts [--streams 1,16]
+ */
+
+import { createPipeline, describeDevice, openDevice, readBuffers } from "../gpu/device.ts";
+import { LP_WORDS, PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../gpu/kernels/sample.ts";
+import { pcg } from "../gpu/rng.ts";
+
+function arg(name: string, def: string): string {
+  const i = Deno.args.indexOf(`--${name}`);
+  return i >= 0 && i + 1 < Deno.args.length ? Deno.args[i + 1] : def;
+}
+
+const ctx = await openDevice();
+console.log(describeDevice(ctx));
+if (!ctx.hasTimestamps) throw new Error("needs timestamp queries");
+const V = 50257, Vp = 50304, REPS = 100;
+const settings = [
+  { name: "greedy", temperature: 0, top_k: 0, top_p: 1, logprobs: 0 },
+  { name: "T0.8 top-k 40", temperature: 0.8, top_k: 40, top_p: 1, logprobs: 0 },
+  { name: "T1 no filter", temperature: 1, top_k: 0, top_p: 1, logprobs: 0 },
+  { name: "T0.8 top-p 0.9", temperature: 0.8, top_k: 0, top_p: 0.9, logprobs: 0 },
+  { name: "T0.8 top-k 40 logprobs 5", temperature: 0.8, top_k: 40, top_p: 1, logprobs: 6 },
+];
+const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
+const buf = (data: ArrayBufferView<ArrayBuffer>) => {
+  const b = ctx.device.createBuffer({ size: Math.max(16, data.byteLength), usage });
+  ctx.device.queue.writeBuffer(b, 0, data);
+  return b;
+};
+for (const S of arg("streams", "1,16").split(",").map(Number)) {
+  {
+    const stride = Vp;
+    const logits = new Float32Array(S * stride);
+    let seed = 12345;
+    const next = () => (seed = pcg(seed)) / 4294967296;
+    for (let r = 0; r < S; r++) {
+      for (let v = 0; v < V; v++) {
+        logits[r * stride + v] = 2 *
+          (next() + next() + next() + next() - 2);
+      }
+    }
+    const pipeline = await createPipeline(
+      ctx,
+      "sample probe",
+      sampleWgsl({ V, Vp, streams: S, chunk: REPS, rows: "stream", maxPos: 1 << 20 }),
+    );
+    const lb = buf(logits);
+    const line: string[] = [];
+    const picks: number[] = [];
+    for (const st of settings) {
+      const state = new Uint32Array(S * STATE_WORDS), prm = new Uint32Array(S * PARAM_WORDS);
+      const pf = new Float32Array(prm.buffer);
+      for (let r = 0; r < S; r++) {
+        state[r * STATE_WORDS + 2] = r + 1;
+        pf[r * PARAM_WORDS] = st.temperature;
+        prm[r * PARAM_WORDS + 1] = st.top_k;
+        pf[r * PARAM_WORDS + 2] = st.top_p;
+        prm[r * PARAM_WORDS + 3] = st.logprobs;
+      }
+      const bufs = [
+        lb,
+        buf(state),
+        buf(prm),
+        buf(new Uint32Array(S * REPS)),
+        buf(new Float32Array(S * REPS * LP_WORDS)),
+      ];
+      const group = ctx.device.createBindGroup({
+        layout: pipeline.getBindGroupLayout(0),
+        entries: bufs.map((b, binding) => ({ binding, resource: { buffer: b } })),
+      });
+      const qs = ctx.device.createQuerySet({ type: "timestamp", count: 2 });
+      const res = ctx.device.createBuffer({
+        size: 16,
+        usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
+      });
+      const enc = ctx.device.createCommandEncoder();
+      const pass = enc.beginComputePass({
+        timestampWrites: { querySet: qs, beginningOfPassWriteIndex: 0, endOfPassWriteIndex: 1 },
+      });
+      pass.setPipeline(pipeline);
+      pass.setBindGroup(0, group);
+      for (let i = 0; i < REPS; i++) pass.dispatchWorkgroups(S);
+      pass.end();
+      enc.resolveQuerySet(qs, 0, 2, res, 0);
+      ctx.device.queue.submit([enc.finish()]);
+      const [t, out] = await readBuffers(ctx, [{ buffer: res, bytes: 16 }, {
+        buffer: bufs[3],
+        bytes: S * REPS * 4,
+      }]);
+      const ts = new BigUint64Array(t);
+      line.push(`${st.name} ${(Number(ts[1] - ts[0]) / 1e3 / REPS).toFixed(1)} µs`);
+      picks.push(...new Uint32Array(out).subarray(0, 8));
+      for (const b of bufs.slice(1)) b.destroy();
+      qs.destroy();
+      res.destroy();
+    }
+    lb.destroy();
+    console.log(
+      `S=${S}: ${line.join(", ")}; first picks ${picks.slice(0, 24).join(",")}`,
+    );
+  }
+}
+Deno.exit(0);
