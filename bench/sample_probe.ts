@@ -1,7 +1,8 @@
 /**
  * GPU time of the sampling kernel alone (issue 13): S rows of GPT-2's vocabulary, random logits
- * (roughly normal, scale 2), for several sampling settings. Each figure is the mean of 100
- * dispatches recorded in one timestamped pass.
+ * (roughly normal, scale 2; "peaked": 20 ids raised by 9, as a trained model's few likely
+ * tokens), for several sampling settings. Each figure is the mean of 100 dispatches recorded in
+ * one timestamped pass.
  *
  *   deno run -A bench/sample_probe.ts [--streams 1,16]
  */
@@ -25,6 +26,7 @@ const settings = [
   { name: "T1 no filter", temperature: 1, top_k: 0, top_p: 1, logprobs: 0 },
   { name: "T0.8 top-p 0.9", temperature: 0.8, top_k: 0, top_p: 0.9, logprobs: 0 },
   { name: "T0.8 top-k 40 logprobs 5", temperature: 0.8, top_k: 40, top_p: 1, logprobs: 6 },
+  { name: "T0.8 top-p 0.9, peaked", temperature: 0.8, top_k: 0, top_p: 0.9, logprobs: 0, peaked: true },
 ];
 const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
 const buf = (data: ArrayBufferView<ArrayBuffer>) => {
@@ -34,22 +36,20 @@ const buf = (data: ArrayBufferView<ArrayBuffer>) => {
 };
 for (const S of arg("streams", "1,16").split(",").map(Number)) {
   {
-    const stride = Vp;
-    const logits = new Float32Array(S * stride);
+    const logits = new Float32Array(S * Vp);
     let seed = 12345;
     const next = () => (seed = pcg(seed)) / 4294967296;
     for (let r = 0; r < S; r++) {
-      for (let v = 0; v < V; v++) {
-        logits[r * stride + v] = 2 *
-          (next() + next() + next() + next() - 2);
-      }
+      for (let v = 0; v < V; v++) logits[r * Vp + v] = 2 * (next() + next() + next() + next() - 2);
     }
+    const peaked = logits.slice();
+    for (let r = 0; r < S; r++) for (let i = 0; i < 20; i++) peaked[r * Vp + ((i * 2477 + r * 31) % V)] += 9;
     const pipeline = await createPipeline(
       ctx,
       "sample probe",
       sampleWgsl({ V, Vp, streams: S, chunk: REPS, rows: "stream", maxPos: 1 << 20 }),
     );
-    const lb = buf(logits);
+    const lb = buf(logits), pb = buf(peaked);
     const line: string[] = [];
     const picks: number[] = [];
     for (const st of settings) {
@@ -63,7 +63,7 @@ for (const S of arg("streams", "1,16").split(",").map(Number)) {
         prm[r * PARAM_WORDS + 3] = st.logprobs;
       }
       const bufs = [
-        lb,
+        "peaked" in st ? pb : lb,
         buf(state),
         buf(prm),
         buf(new Uint32Array(S * REPS)),
@@ -100,6 +100,7 @@ for (const S of arg("streams", "1,16").split(",").map(Number)) {
       res.destroy();
     }
     lb.destroy();
+    pb.destroy();
     console.log(
       `S=${S}: ${line.join(", ")}; first picks ${picks.slice(0, 24).join(",")}`,
     );

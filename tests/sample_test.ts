@@ -5,7 +5,8 @@
  * u · total, u drawn from the row's seed and position. Rows are random logits, so a draw that
  * falls on a boundary within float rounding is vanishingly rare: every token must match. Covers
  * the compacted top-k path (k ≤ 256, few candidates), the fallback over the vocabulary (k > 256;
- * or more candidates than workgroup memory holds), top-p with and without top-k, and greedy, with
+ * or more candidates than workgroup memory holds), top-p with and without top-k (peaked logits,
+ * whose nucleus is bounded by the threads' maxima, and nearly flat ones), and greedy, with
  * the workgroup reductions of GPUs (a tree) and of CPU adapters (one invocation).
  */
 
@@ -132,6 +133,14 @@ Deno.test({
       ["top-k 300 (over the vocabulary)", { temperature: 1.3, top_k: 300, top_p: 1 }, () => {}],
       ["top-k 40 and top-p 0.8", { temperature: 1, top_k: 40, top_p: 0.8 }, () => {}],
       ["top-p 0.9 alone", { temperature: 1, top_k: 0, top_p: 0.9 }, () => {}],
+      // 20 ids well above the rest carry most of the mass: the threads' maxima bound the nucleus.
+      ["top-p 0.9 alone, peaked (compacted)", { temperature: 1, top_k: 0, top_p: 0.9 }, (l) => {
+        for (let r = 0; r < S; r++) for (let i = 0; i < 20; i++) l[r * Vp + ((i * 149 + r * 7) % V)] += 9;
+      }],
+      // Nearly flat: the maxima carry a small share of the mass, so no bound (over the vocabulary).
+      ["top-p 0.5 alone, flat", { temperature: 1, top_k: 0, top_p: 0.5 }, (l) => {
+        for (let r = 0; r < S; r++) for (let v = 0; v < V; v++) l[r * Vp + v] *= 0.01;
+      }],
       ["temperature alone", { temperature: 0.7, top_k: 0, top_p: 1 }, () => {}],
       ["greedy", { temperature: 0, top_k: 0, top_p: 1 }, () => {}],
       // 2,600 ids tied at the top: more candidates than the workgroup memory holds (falls back).

@@ -227,10 +227,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     // With top-k (k ≤ ${WG}) the k-th largest of the threads' maxima, L, bounds the cut from below
     // (k values are ≥ L), so only ids with logit ≥ L can be kept: they are compacted in vocabulary
     // order into workgroup memory and every later pass runs over them instead of the vocabulary.
-    // More than ${CAP} of them (or a larger k, or no top-k) keeps the passes over the vocabulary.
+    // Top-p alone has a bound too when the threads' maxima alone carry top_p of the mass (a
+    // peaked distribution, as a trained model's usually is). More than ${CAP} candidates, a larger
+    // k, or no bound keeps the passes over the vocabulary.
     var compact = false;
     var bound = -3.0e38;
     var count = 0u;
+    // Top-p alone keeps the whole vocabulary first: its mass now, over the vocabulary.
+    let nucleusOnly = (topk == 0u || topk >= ${s.V}u) && topp > 0.0 && topp < 1.0;
+    var zfull = 0.0;
+    if (nucleusOnly) {
+      var zf = 0.0;
+      ${pass(U, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
+      zfull = sum_all(zf, tid);
+    }
+    var bounded = false;
     if (topk > 0u && topk <= ${WG}u && topk < ${s.V}u) {
       workgroupBarrier();
       red[tid] = tmax;
@@ -242,6 +253,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       }
       if (above == topk - 1u) { wbound = tmax; }
       bound = workgroupUniformLoad(&wbound);
+      bounded = true;
+    } else if (nucleusOnly) {
+      // The largest thread maximum whose mass with the maxima above it reaches top_p: the
+      // nucleus then holds no id below it (when none does, the passes run over the vocabulary).
+      workgroupBarrier();
+      red[tid] = tmax;
+      workgroupBarrier();
+      var m = 0.0;
+      for (var t = 0u; t < ${WG}u; t = t + 1u) {
+        let o = red[t];
+        if (o >= tmax) { m = m + exp((o - mx) * inv); }
+      }
+      bound = max_all(select(-3.0e38, tmax, m >= topp * zfull), tid);
+      bounded = bound > -3.0e38;
+    }
+    if (bounded) {
       var cnt = 0u;
       ${pass(U, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
       redi[tid] = cnt;
@@ -270,7 +297,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var hi = mx;
     // Few candidates (one per invocation at most): exact cuts by rank instead of bisection.
     let ranked = compact && count <= ${WG}u;
-    if (ranked) {
+    if (ranked && topk > 0u && topk < ${s.V}u) {
       // The k-th largest candidate: the largest one with at least k candidates ≥ it.
       var mv = -3.0e38;
       if (tid < count) {
@@ -305,7 +332,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     var z = 0.0;
     ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
-    let zs = sum_all(z, tid);
+    let zs = select(sum_all(z, tid), zfull, nucleusOnly);
     if (ranked && topp > 0.0 && topp < 1.0) {
       // Nucleus: the largest kept candidate whose kept mass at or above it reaches top_p.
       var mv = -3.0e38;
