@@ -216,6 +216,13 @@ export class Generator {
   #left: Float64Array;
   /** Chunks queued and not read back, oldest first. */
   #inflight: Chunk[] = [];
+  /**
+   * The rest of a chunk run ahead (its later steps and its copy into the staging buffer), queued
+   * a piece at a time from a timer (`#schedule`), the remainder by `#flush` when the generator is
+   * next used, so a step returns soon after its readback (see `step`).
+   */
+  #rest: (() => boolean) | null = null;
+  #timer: ReturnType<typeof setTimeout> | null = null;
   /** The state remap at each chunk's start, its table, and the copy of the state it reads. */
   #remap: Op | null = null;
   #table: GPUBuffer;
@@ -431,6 +438,7 @@ export class Generator {
     }
     if (!(maxTokens >= 1)) throw new RangeError(`maxTokens ${maxTokens} must be at least 1`);
     if (this.free <= 0) throw new RangeError(`All ${this.opts.maxStreams} stream slots are in use`);
+    this.#flush(); // its steps are bound to the cache a growth replaces
     if (this.#free.length === 0) await this.#grow(Math.min(this.opts.maxStreams, this.#cap * 2));
     const slot = this.#free.pop()!;
     const state = new Uint32Array(STATE_WORDS);
@@ -483,7 +491,10 @@ export class Generator {
    * decoding while the readback settles (Deno resolves a mapAsync about 10 ms after the GPU is
    * done) and while the caller handles the tokens. The next call then returns that chunk's
    * tokens, without queueing its own `steps` unless prompts are pending. A stream released in
-   * between just loses the tokens of the chunk that ran ahead for it.
+   * between just loses the tokens of the chunk that ran ahead for it. Only the first
+   * `submitEvery` steps of that chunk are queued at once; the rest follow a piece at a time from
+   * a timer while the readback settles and the caller handles the tokens, and whatever is left
+   * when the generator is next used is queued then.
    */
   async step(steps: number, ahead = 0): Promise<Map<number, StreamOutput>> {
     const chunk = this.opts.chunk, pending = this.#pending.splice(0);
@@ -495,6 +506,7 @@ export class Generator {
       this.#pending.unshift(...pending);
       throw new RangeError(`Running ahead ${ahead} steps must be 0 to the chunk of ${chunk} tokens`);
     }
+    this.#flush();
     for (const p of pending) {
       this.#paramsCpu.set(p.params, this.#rows.length * PARAM_WORDS);
       this.#rows.push(p.slot);
@@ -511,7 +523,7 @@ export class Generator {
     const t2 = performance.now();
     if (ahead > 0 && this.#rows.length > 0) {
       const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
-      if (n > 0) await this.#submitChunk([], n);
+      if (n > 0) await this.#submitChunk([], n, true);
     }
     const t3 = performance.now();
     const res = new Map<number, StreamOutput>();
@@ -536,7 +548,7 @@ export class Generator {
    * reset), the pending prompts' prefill, `steps` decode steps, and the copy of what the chunk
    * produced into its own staging buffer for a later readback.
    */
-  async #submitChunk(pending: Pending[], steps: number): Promise<void> {
+  async #submitChunk(pending: Pending[], steps: number, defer = false): Promise<void> {
     const R = this.#rows.length, Rb = this.#bucket(R), chunk = this.opts.chunk;
     const N = this.opts.maxStreams + 1, dev = this.#ctx.device, q = dev.queue;
     const fresh = new Map(pending.map((p) => [p.slot, p.state]));
@@ -565,14 +577,16 @@ export class Generator {
     q.submit([enc.finish()]);
     this.#src = this.#rows.map((_, r) => r);
     for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
-    if (steps > 0) {
-      const ops = await this.#decodePlan(Rb), every = this.opts.submitEvery;
-      for (let i = 0; i < steps; i += every) {
+    const ops = steps > 0 ? await this.#decodePlan(Rb) : [], every = this.opts.submitEvery;
+    const submitSteps = (from: number, to: number) => {
+      for (let i = from; i < to; i += every) {
         const e = dev.createCommandEncoder();
-        for (let j = i; j < Math.min(steps, i + every); j++) encodeOps(e, ops);
+        for (let j = i; j < Math.min(to, i + every); j++) encodeOps(e, ops);
         q.submit([e.finish()]);
       }
-    }
+    };
+    const now = defer ? Math.min(steps, every) : steps;
+    submitSteps(0, now);
     const nlp = this.#rows.map((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3]);
     const wantLp = nlp.some((n) => n > 0);
     const parts = [
@@ -584,13 +598,27 @@ export class Generator {
       size: parts.reduce((a, p) => a + p.bytes, 0),
       usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
     });
-    const enc2 = dev.createCommandEncoder();
-    let at = 0;
-    for (const p of parts) {
-      enc2.copyBufferToBuffer(p.buffer, 0, staging, at, p.bytes);
-      at += p.bytes;
-    }
-    q.submit([enc2.finish()]);
+    let next = now;
+    /** Queues the next `submitEvery` steps, or the copy once all are; true when done. */
+    const piece = (): boolean => {
+      if (next < steps) {
+        submitSteps(next, Math.min(steps, next + every));
+        next += every;
+        return false;
+      }
+      const enc2 = dev.createCommandEncoder();
+      let at = 0;
+      for (const p of parts) {
+        enc2.copyBufferToBuffer(p.buffer, 0, staging, at, p.bytes);
+        at += p.bytes;
+      }
+      q.submit([enc2.finish()]);
+      return true;
+    };
+    if (defer) {
+      this.#rest = piece;
+      this.#schedule();
+    } else while (!piece());
     const isNew = new Set(pending.map((p) => p.slot));
     for (const slot of this.#rows) this.#left[slot] -= steps + (isNew.has(slot) ? 1 : 0);
     this.#inflight.push({
@@ -600,6 +628,29 @@ export class Generator {
       wantLp,
       steps,
     });
+  }
+
+  /**
+   * Queues one more piece of the chunk run ahead from a timer, so the pieces go to the GPU while
+   * `step` awaits its readback and while the caller handles the tokens.
+   */
+  #schedule(): void {
+    this.#timer = setTimeout(() => {
+      this.#timer = null;
+      const rest = this.#rest;
+      if (!rest) return;
+      if (rest()) this.#rest = null;
+      else this.#schedule();
+    }, 0);
+  }
+
+  /** Queues what is left of the chunk run ahead, if any (before anything else is queued or read). */
+  #flush(): void {
+    if (this.#timer !== null) clearTimeout(this.#timer);
+    this.#timer = null;
+    const rest = this.#rest;
+    this.#rest = null;
+    if (rest) { while (!rest()); }
   }
 
   /** Adds what chunk `c` produced (its staging buffer mapped as `buf`) to `res`, for streams still running. */
@@ -637,6 +688,9 @@ export class Generator {
 
   /** Frees the GPU buffers. */
   destroy(): void {
+    if (this.#timer !== null) clearTimeout(this.#timer);
+    this.#timer = null;
+    this.#rest = null;
     for (const { model } of this.#prefills.values()) destroyModel(model);
     for (const b of [...this.#buffers, ...this.#kc, ...this.#vc]) b.destroy();
     for (const c of this.#inflight.splice(0)) c.staging.destroy();
@@ -867,6 +921,7 @@ export class Generator {
    * written again by the next step). Needs timestamp queries and at least one row.
    */
   async profileDecode(): Promise<{ label: string; ms: number }[]> {
+    this.#flush();
     const R = this.#rows.length, dev = this.#ctx.device;
     if (!this.#ctx.hasTimestamps) throw new GpuError("profileDecode", "the adapter has no timestamp queries");
     if (R === 0) throw new RangeError("profileDecode needs a stream being decoded");
@@ -898,6 +953,7 @@ export class Generator {
    * and the JS time spent encoding them. Like profileDecode, the state is restored after it.
    */
   async profileChunk(steps: number): Promise<{ gpuMs: number; encodeMs: number }> {
+    this.#flush();
     const R = this.#rows.length, dev = this.#ctx.device;
     if (!this.#ctx.hasTimestamps) throw new GpuError("profileChunk", "the adapter has no timestamp queries");
     if (R === 0) throw new RangeError("profileChunk needs a stream being decoded");
