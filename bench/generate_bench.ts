@@ -14,7 +14,7 @@
  *           and beside generation.
  *
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
- *                                   [--chunk 16] [--ahead 1]
+ *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
@@ -57,7 +57,13 @@ async function engine(): Promise<void> {
     const gen = await Generator.create(ctx, config, initParams(config, 1), {
       maxStreams: Math.max(...batches),
       chunk,
+      submitEvery: +arg("every", "4"),
     });
+    if (!cpu) {
+      console.log(
+        `${model}: every batch bucket's decode kernels compiled in ${(await gen.warm()).toFixed(0)} ms`,
+      );
+    }
     const run = async (B: number, n: number) => {
       const hs = [];
       for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }, n));

@@ -14,7 +14,7 @@
 
 import { EOT_TOKEN } from "../gpu/config.ts";
 import type { GpuContext } from "../gpu/device.ts";
-import { Generator } from "../gpu/generator.ts";
+import { Generator, isCpuAdapter } from "../gpu/generator.ts";
 import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "./messages.ts";
 import { loadWeights } from "./model_source.ts";
 import { planStep, type SchedulerLimits } from "./scheduler.ts";
@@ -140,7 +140,9 @@ class Engine {
         chunk: opts.chunk,
         prefillTokens: opts.prefillTokens,
       })
-    ).then((g) => {
+    ).then(async (g) => {
+      // GPUs: every batch size's kernels up front (CPU adapters compile far slower: on first use).
+      if (!isCpuAdapter(ctx)) await g.warm();
       this.#loadMs = performance.now() - t0;
       return g;
     });

@@ -246,3 +246,24 @@ Deno.test({
     gen.destroy();
   },
 });
+
+Deno.test({
+  name:
+    "Generator.warm() compiles every batch bucket's decode kernels: growing the batch compiles nothing more",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: 4, chunk: 4 });
+    const hs = [await gen.admit(prompts[0], greedy)];
+    await gen.step(2); // one stream: the prefill's kernels and bucket 1's
+    assert.ok(await gen.warm() >= 0);
+    const kernels = gen.kernels;
+    for (const i of [1, 2]) {
+      hs.push(await gen.admit(prompts[i], greedy)); // alone in its prefill, as the first was
+      await gen.step(2); // buckets 2, then 4
+    }
+    assert.equal(gen.kernels, kernels, "no kernel compiled after warm()");
+    for (const h of hs) gen.release(h);
+    gen.destroy();
+  },
+});
