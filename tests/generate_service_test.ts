@@ -19,21 +19,26 @@ import { until } from "./_wait.ts";
 
 const config = makeConfig({ n_layer: 1, n_head: 4, n_embd: 64, n_positions: 64 });
 
+/** A tiny random model as a Hugging Face directory under a fresh home (remove `root` after). */
+async function randomModel() {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_gensvc_" });
+  const dir = `${root}/models/rand`;
+  await Deno.mkdir(dir, { recursive: true });
+  await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 5)));
+  await Deno.writeTextFile(
+    `${dir}/config.json`,
+    JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
+  );
+  return { root, model: await resolveModelSource(root, "rand") };
+}
+
 Deno.test({
   name: "GenerationService queues past its slots and admits at the step after a cancel frees one",
   ignore: noGpu,
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_gensvc_" });
-    const dir = `${root}/models/rand`;
-    await Deno.mkdir(dir, { recursive: true });
-    await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 5)));
-    await Deno.writeTextFile(
-      `${dir}/config.json`,
-      JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
-    );
-    const model = await resolveModelSource(root, "rand");
+    const { root, model } = await randomModel();
     const msgs: FromWorker[] = [];
     const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), {
       maxStreams: 1,
@@ -86,15 +91,7 @@ Deno.test({
   sanitizeResources: false,
   sanitizeOps: false,
   fn: async () => {
-    const root = await Deno.makeTempDir({ prefix: "gpt2_gensvc_" });
-    const dir = `${root}/models/rand`;
-    await Deno.mkdir(dir, { recursive: true });
-    await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 5)));
-    await Deno.writeTextFile(
-      `${dir}/config.json`,
-      JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
-    );
-    const model = await resolveModelSource(root, "rand");
+    const { root, model } = await randomModel();
     const msgs: FromWorker[] = [];
     const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), {
       maxStreams: 4,
