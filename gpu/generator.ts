@@ -498,6 +498,18 @@ export class Generator {
     this.#src.pop();
     this.#epochs[handle]++;
     this.#free.push(handle);
+    if (this.#rows.length === 0) this.#dropAhead();
+  }
+
+  /**
+   * No stream is left: the rest of a chunk run ahead is not queued, and the chunks still queued
+   * are not read (their staging buffers go once the GPU is done with them).
+   */
+  #dropAhead(): void {
+    if (this.#timer !== null) clearTimeout(this.#timer);
+    this.#timer = null;
+    this.#rest = null;
+    for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
 
   /**
@@ -707,12 +719,9 @@ export class Generator {
 
   /** Frees the GPU buffers. */
   destroy(): void {
-    if (this.#timer !== null) clearTimeout(this.#timer);
-    this.#timer = null;
-    this.#rest = null;
+    this.#dropAhead();
     for (const { model } of this.#prefills.values()) destroyModel(model);
     for (const b of [...this.#buffers, ...this.#kc, ...this.#vc]) b.destroy();
-    for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
 
   #bucket(rows: number): number {

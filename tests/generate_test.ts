@@ -242,6 +242,13 @@ Deno.test({
     assert.equal(seen.length, 3);
     assert.deepEqual(seen, referenceArgmaxes(p64, prompts[4], seen));
     assert.equal(gen.timing.steps, 0, "nothing ran past the 3 tokens");
+    gen.release(h);
+    // The last stream leaving drops the chunk that ran ahead for it: nothing is left to read.
+    const g = await gen.admit(prompts[5], greedy);
+    assert.equal((await gen.step(0, 8)).get(g)?.tokens.length, 1);
+    gen.release(g);
+    assert.equal((await gen.step(0)).size, 0);
+    assert.equal(gen.timing.steps, 0, "the chunk run ahead was not read");
     await assert.rejects(() => gen.step(0, 9), RangeError, "ahead past the chunk");
     gen.destroy();
   },
