@@ -29,9 +29,11 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   trainShare: number;
   /**
    * Queue the next chunk of decode steps before handing out the tokens of the last one (see
-   * Generator.step's `ahead`): the GPU keeps decoding through the readback's latency.
+   * Generator.step's `ahead`): the GPU keeps decoding through the readback's latency. Unset: on
+   * GPUs only (a CPU adapter runs work as it is submitted, so running ahead there mostly delays
+   * the tokens already read: the demo's first token came after 529 ms instead of 320).
    */
-  runAhead: boolean;
+  runAhead?: boolean;
   /**
    * ms an idle engine waits before its first step, so requests sent together (a burst of users,
    * or `n` choices) are prefilled together rather than one first and the rest a chunk later.
@@ -41,7 +43,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
 
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
- * 10 ms on a real GPU, so fewer, longer steps, each queued while the one before is read back)
+ * 10 ms on a real GPU, so fewer, longer steps; on GPUs each is queued while the one before is read back)
  * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering
  * requests for 2 ms, two models loaded, training keeps 70% of a shared GPU.
  */
@@ -53,7 +55,6 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   stepBudgetMs: 250,
   maxModels: 2,
   trainShare: 0.7,
-  runAhead: true,
   admitWindowMs: 2,
 };
 
@@ -117,6 +118,8 @@ class Engine {
   #dead = false;
   #onIdle: () => void;
   #onStep: (ms: number) => void;
+  /** Whether steps run ahead of their readback (GenerationServiceOptions.runAhead). */
+  #runAhead: boolean;
   /** Measured ms per decode step (moving average), for the scheduler's time budget. */
   #msPerStep: number | undefined;
 
@@ -131,6 +134,7 @@ class Engine {
     this.#ctx = ctx;
     this.#post = post;
     this.#opts = opts;
+    this.#runAhead = opts.runAhead ?? !isCpuAdapter(ctx);
     this.#onIdle = hooks.idle;
     this.#onStep = hooks.step;
     const t0 = performance.now();
@@ -237,7 +241,7 @@ class Engine {
     }
     if (this.#active.length === 0) return;
     const t0 = performance.now();
-    const out = await gen.step(plan.steps, this.#opts.runAhead ? plan.ahead : 0);
+    const out = await gen.step(plan.steps, this.#runAhead ? plan.ahead : 0);
     const ms = performance.now() - t0, ran = gen.timing.steps;
     this.#onStep(ms);
     if (ran > 0 && plan.admit === 0) {
