@@ -330,8 +330,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       }
       cut = a;
     }
+    // The kept mass (top-p alone keeps the vocabulary: its mass is zfull, taken above).
     var z = 0.0;
-    ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
+    if (!nucleusOnly) {
+      ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
+    }
     let zs = select(sum_all(z, tid), zfull, nucleusOnly);
     if (ranked && topp > 0.0 && topp < 1.0) {
       // Nucleus: the largest kept candidate whose kept mass at or above it reaches top_p.
