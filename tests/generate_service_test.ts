@@ -32,6 +32,26 @@ async function randomModel() {
   return { root, model: await resolveModelSource(root, "rand") };
 }
 
+/** A request for `model` on a fixed 3-token prompt; `over` changes any field. */
+function request(
+  model: WorkerGeneration["model"],
+  id: string,
+  over: Partial<WorkerGeneration>,
+): WorkerGeneration {
+  return {
+    id,
+    model,
+    prompt: [464, 3290, 318],
+    max_tokens: 6,
+    temperature: 1,
+    top_k: 0,
+    top_p: 1,
+    seed: 1,
+    stop_at_eos: false,
+    ...over,
+  };
+}
+
 Deno.test({
   name: "GenerationService queues past its slots and admits at the step after a cancel frees one",
   ignore: noGpu,
@@ -45,17 +65,7 @@ Deno.test({
       chunk: 4,
       firstChunk: 2,
     });
-    const req = (id: string, max_tokens: number): WorkerGeneration => ({
-      id,
-      model,
-      prompt: [464, 3290, 318],
-      max_tokens,
-      temperature: 1,
-      top_k: 0,
-      top_p: 1,
-      seed: 1,
-      stop_at_eos: false,
-    });
+    const req = (id: string, max_tokens: number) => request(model, id, { max_tokens });
     const of = (id: string, type: FromWorker["type"]) =>
       msgs.filter((m) => m.type === type && "id" in m && m.id === id);
     try {
@@ -100,17 +110,7 @@ Deno.test({
       admitWindowMs: 50,
       runAhead: true, // as on GPUs
     });
-    const req = (id: string): WorkerGeneration => ({
-      id,
-      model,
-      prompt: [464, 3290, 318],
-      max_tokens: 6,
-      temperature: 0,
-      top_k: 0,
-      top_p: 1,
-      seed: 1,
-      stop_at_eos: false,
-    });
+    const req = (id: string) => request(model, id, { temperature: 0 });
     try {
       await svc.generate(req("warm")); // loads the model
       await until(() => msgs.some((m) => m.type === "gen_done"), "the warm-up", 60_000);
