@@ -198,33 +198,47 @@ export interface ReadRange {
 }
 
 /**
- * Reads several buffer ranges through one staging buffer and one mapAsync (each mapAsync blocks
- * ~10 ms on real GPUs, so callers batch what they need). Returns one ArrayBuffer per range.
+ * A staging buffer (MAP_READ) for `ranges` end to end, their byte offsets in it, and `copy`,
+ * which records the copies filling it (into an encoder submitted once the data is final).
  */
-export async function readBuffers(ctx: GpuContext, ranges: ReadRange[]): Promise<ArrayBuffer[]> {
+export function stagingFor(
+  ctx: GpuContext,
+  ranges: ReadRange[],
+): { buffer: GPUBuffer; offsets: number[]; bytes: number[]; copy: (enc: GPUCommandEncoder) => void } {
   const sized = ranges.map((r) => {
     const offset = r.offset ?? 0;
     return { buffer: r.buffer, offset, bytes: r.bytes ?? r.buffer.size - offset };
   });
-  const total = sized.reduce((a, r) => a + r.bytes, 0);
-  const staging = ctx.device.createBuffer({
+  const offsets: number[] = [];
+  let total = 0;
+  for (const r of sized) {
+    offsets.push(total);
+    total += r.bytes;
+  }
+  const buffer = ctx.device.createBuffer({
     size: total,
     usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
   });
+  const copy = (enc: GPUCommandEncoder) =>
+    sized.forEach((r, i) => enc.copyBufferToBuffer(r.buffer, r.offset, buffer, offsets[i], r.bytes));
+  return { buffer, offsets, bytes: sized.map((r) => r.bytes), copy };
+}
+
+/**
+ * Reads several buffer ranges through one staging buffer and one mapAsync (each mapAsync blocks
+ * ~10 ms on real GPUs, so callers batch what they need). Returns one ArrayBuffer per range.
+ */
+export async function readBuffers(ctx: GpuContext, ranges: ReadRange[]): Promise<ArrayBuffer[]> {
+  const staged = stagingFor(ctx, ranges);
   const enc = ctx.device.createCommandEncoder();
-  let at = 0;
-  for (const r of sized) {
-    enc.copyBufferToBuffer(r.buffer, r.offset, staging, at, r.bytes);
-    at += r.bytes;
-  }
+  staged.copy(enc);
   ctx.device.queue.submit([enc.finish()]);
-  await staging.mapAsync(GPUMapMode.READ);
-  const all = staging.getMappedRange().slice(0);
-  staging.unmap();
-  staging.destroy();
+  await staged.buffer.mapAsync(GPUMapMode.READ);
+  const all = staged.buffer.getMappedRange().slice(0);
+  staged.buffer.unmap();
+  staged.buffer.destroy();
   checkDevice(ctx);
-  at = 0;
-  return sized.map((r) => all.slice(at, at += r.bytes));
+  return staged.offsets.map((at, i) => all.slice(at, at + staged.bytes[i]));
 }
 
 /** Reads `bytes` bytes from `src` at `offset` (a staging copy plus mapAsync: blocks ~10 ms on real GPUs). */

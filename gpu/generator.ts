@@ -23,9 +23,10 @@ import {
   GpuError,
   isCpuAdapter,
   readBuffers,
+  stagingFor,
 } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
-import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, type View } from "./ops.ts";
+import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, recordOps, type View } from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
 import { layernormForwardWgsl } from "./kernels/layernorm.ts";
 import {
@@ -144,6 +145,8 @@ interface Pending {
 interface Chunk {
   /** What it produced: the rows' state, their tokens, and their logprobs when any row asked. */
   staging: GPUBuffer;
+  /** Byte offsets of those three in `staging`. */
+  offsets: number[];
   /** The streams of its rows, with their epoch: a stream released since has a newer one. */
   rows: { slot: number; epoch: number }[];
   /** Each row's logprobs + 1 (0: none). */
@@ -506,9 +509,7 @@ export class Generator {
    * are not read (their staging buffers go once the GPU is done with them).
    */
   #dropAhead(): void {
-    if (this.#timer !== null) clearTimeout(this.#timer);
-    this.#timer = null;
-    this.#rest = null;
+    this.#takeRest();
     for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
 
@@ -528,15 +529,14 @@ export class Generator {
    * when the generator is next used is queued then.
    */
   async step(steps: number, ahead = 0): Promise<Map<number, StreamOutput>> {
-    const chunk = this.opts.chunk, pending = this.#pending.splice(0);
-    if (!(Number.isInteger(steps) && steps >= 0 && steps + (pending.length ? 1 : 0) <= chunk)) {
-      this.#pending.unshift(...pending);
+    const chunk = this.opts.chunk;
+    if (!(Number.isInteger(steps) && steps >= 0 && steps + (this.#pending.length ? 1 : 0) <= chunk)) {
       throw new RangeError(`Step of ${steps} decode steps exceeds the chunk of ${chunk} tokens`);
     }
     if (!(Number.isInteger(ahead) && ahead >= 0 && ahead <= chunk)) {
-      this.#pending.unshift(...pending);
       throw new RangeError(`Running ahead ${ahead} steps must be 0 to the chunk of ${chunk} tokens`);
     }
+    const pending = this.#pending.splice(0);
     this.#flush();
     for (const p of pending) {
       this.#paramsCpu.set(p.params, this.#rows.length * PARAM_WORDS);
@@ -609,51 +609,33 @@ export class Generator {
     this.#src = this.#rows.map((_, r) => r);
     for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
     const ops = steps > 0 ? await this.#decodePlan(Rb) : [], every = this.opts.submitEvery;
-    const submitSteps = (from: number, to: number) => {
-      for (let i = from; i < to; i += every) {
-        const e = dev.createCommandEncoder();
-        for (let j = i; j < Math.min(to, i + every); j++) encodeOps(e, ops);
-        q.submit([e.finish()]);
-      }
-    };
-    const now = defer ? Math.min(steps, every) : steps;
-    submitSteps(0, now);
     const nlp = this.#rows.map((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3]);
     const wantLp = nlp.some((n) => n > 0);
-    const parts = [
+    const staged = stagingFor(this.#ctx, [
       { buffer: this.#state, bytes: R * STATE_WORDS * 4 },
       { buffer: this.#out, bytes: R * chunk * 4 },
       ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
-    ];
-    const staging = dev.createBuffer({
-      size: parts.reduce((a, p) => a + p.bytes, 0),
-      usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
-    });
-    let next = now;
-    /** Queues the next `submitEvery` steps, or the copy once all are; true when done. */
+    ]);
+    let next = 0;
+    /** Queues the next `submitEvery` steps in one submission, or the copy once all are; true when done. */
     const piece = (): boolean => {
-      if (next < steps) {
-        submitSteps(next, Math.min(steps, next + every));
-        next += every;
-        return false;
-      }
-      const enc2 = dev.createCommandEncoder();
-      let at = 0;
-      for (const p of parts) {
-        enc2.copyBufferToBuffer(p.buffer, 0, staging, at, p.bytes);
-        at += p.bytes;
-      }
-      q.submit([enc2.finish()]);
-      return true;
+      const e = dev.createCommandEncoder();
+      const done = next >= steps;
+      if (done) staged.copy(e);
+      for (const end = Math.min(steps, next + every); next < end; next++) encodeOps(e, ops);
+      q.submit([e.finish()]);
+      return done;
     };
     if (defer) {
+      piece();
       this.#rest = piece;
       this.#schedule();
     } else while (!piece());
     const isNew = new Set(pending.map((p) => p.slot));
     for (const slot of this.#rows) this.#left[slot] -= steps + (isNew.has(slot) ? 1 : 0);
     this.#inflight.push({
-      staging,
+      staging: staged.buffer,
+      offsets: staged.offsets,
       rows: this.#rows.map((slot) => ({ slot, epoch: this.#epochs[slot] })),
       nlp,
       wantLp,
@@ -668,28 +650,32 @@ export class Generator {
   #schedule(): void {
     this.#timer = setTimeout(() => {
       this.#timer = null;
-      const rest = this.#rest;
-      if (!rest) return;
-      if (rest()) this.#rest = null;
-      else this.#schedule();
+      if (this.#rest?.()) this.#rest = null;
+      else if (this.#rest) this.#schedule();
     }, 0);
   }
 
-  /** Queues what is left of the chunk run ahead, if any (before anything else is queued or read). */
-  #flush(): void {
+  /** The rest of the chunk run ahead, taken from the timer (null when none is left). */
+  #takeRest(): (() => boolean) | null {
     if (this.#timer !== null) clearTimeout(this.#timer);
     this.#timer = null;
     const rest = this.#rest;
     this.#rest = null;
+    return rest;
+  }
+
+  /** Queues what is left of the chunk run ahead, if any (before anything else is queued or read). */
+  #flush(): void {
+    const rest = this.#takeRest();
     if (rest) { while (!rest()); }
   }
 
   /** Adds what chunk `c` produced (its staging buffer mapped as `buf`) to `res`, for streams still running. */
   #collect(c: Chunk, buf: ArrayBuffer, res: Map<number, StreamOutput>): void {
     const chunk = this.opts.chunk, R = c.rows.length;
-    const state = new Uint32Array(buf, 0, R * STATE_WORDS);
-    const out = new Uint32Array(buf, R * STATE_WORDS * 4, R * chunk);
-    const lpAt = R * (STATE_WORDS + chunk) * 4;
+    const [stateAt, outAt, lpAt] = c.offsets;
+    const state = new Uint32Array(buf, stateAt, R * STATE_WORDS);
+    const out = new Uint32Array(buf, outAt, R * chunk);
     const lpf = c.wantLp ? new Float32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
     const lpu = c.wantLp ? new Uint32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
     for (let r = 0; r < R; r++) {
@@ -998,13 +984,7 @@ export class Generator {
       const pass = enc.beginComputePass({
         timestampWrites: { querySet: qs, beginningOfPassWriteIndex: 0, endOfPassWriteIndex: 1 },
       });
-      for (let i = 0; i < steps; i++) {
-        for (const op of ops) {
-          pass.setPipeline(op.pipeline);
-          for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
-          pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
-        }
-      }
+      for (let i = 0; i < steps; i++) recordOps(pass, ops);
       pass.end();
       enc.copyBufferToBuffer(this.#prevState, 0, this.#state, 0, this.#state.size);
       enc.resolveQuerySet(qs, 0, 2, resolve, 0);

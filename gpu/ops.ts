@@ -107,15 +107,20 @@ export function makeOp(
   return { label: o.label, phase: o.phase, kind: o.kind, pipeline, bindGroups, grid, flops: o.flops ?? 0 };
 }
 
+/** Records the dispatches of `ops` into an open compute pass. */
+export function recordOps(pass: GPUComputePassEncoder, ops: Op[]): void {
+  for (const op of ops) {
+    pass.setPipeline(op.pipeline);
+    for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
+    pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
+  }
+}
+
 /** Records ops into one compute pass (or one pass per op with timestamps at `querySet`). */
 export function encodeOps(enc: GPUCommandEncoder, ops: Op[], querySet?: GPUQuerySet, queryBase = 0): void {
   if (!querySet) {
     const pass = enc.beginComputePass();
-    for (const op of ops) {
-      pass.setPipeline(op.pipeline);
-      for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
-      pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
-    }
+    recordOps(pass, ops);
     pass.end();
     return;
   }
@@ -127,9 +132,7 @@ export function encodeOps(enc: GPUCommandEncoder, ops: Op[], querySet?: GPUQuery
         endOfPassWriteIndex: queryBase + 2 * i + 1,
       },
     });
-    pass.setPipeline(op.pipeline);
-    for (let g = 0; g < op.bindGroups.length; g++) pass.setBindGroup(g, op.bindGroups[g]);
-    pass.dispatchWorkgroups(op.grid[0], op.grid[1], op.grid[2]);
+    recordOps(pass, [op]);
     pass.end();
   });
 }
