@@ -10,7 +10,11 @@ import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
 import { initParams } from "../gpu/init.ts";
 import { exportTensors, hfConfig } from "../jobs/checkpoint.ts";
-import { generationOptionsFromEnv, GenerationService } from "../jobs/generation_service.ts";
+import {
+  generationOptionsFromEnv,
+  GenerationService,
+  type GenerationServiceOptions,
+} from "../jobs/generation_service.ts";
 import type { FromWorker, WorkerGeneration } from "../jobs/messages.ts";
 import { resolveModelSource } from "../jobs/model_source.ts";
 import { writeSafetensors } from "../jobs/safetensors.ts";
@@ -30,6 +34,13 @@ async function randomModel() {
     JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
   );
   return { root, model: await resolveModelSource(root, "rand") };
+}
+
+/** A service on the test adapter with `opts`, and the messages it posts. */
+function service(opts: Partial<GenerationServiceOptions>) {
+  const msgs: FromWorker[] = [];
+  const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), opts);
+  return { svc, msgs };
 }
 
 /** A request for `model` on a fixed 3-token prompt; `over` changes any field. */
@@ -59,12 +70,7 @@ Deno.test({
   sanitizeOps: false,
   fn: async () => {
     const { root, model } = await randomModel();
-    const msgs: FromWorker[] = [];
-    const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), {
-      maxStreams: 1,
-      chunk: 4,
-      firstChunk: 2,
-    });
+    const { svc, msgs } = service({ maxStreams: 1, chunk: 4, firstChunk: 2 });
     const req = (id: string, max_tokens: number) => request(model, id, { max_tokens });
     const of = (id: string, type: FromWorker["type"]) =>
       msgs.filter((m) => m.type === type && "id" in m && m.id === id);
@@ -102,13 +108,13 @@ Deno.test({
   sanitizeOps: false,
   fn: async () => {
     const { root, model } = await randomModel();
-    const msgs: FromWorker[] = [];
-    const svc = new GenerationService(async () => (await testContext())!, (m) => msgs.push(m), {
+    // Running ahead as on GPUs.
+    const { svc, msgs } = service({
       maxStreams: 4,
       chunk: 4,
       firstChunk: 2,
       admitWindowMs: 50,
-      runAhead: true, // as on GPUs
+      runAhead: true,
     });
     const req = (id: string) => request(model, id, { temperature: 0 });
     try {
