@@ -155,7 +155,7 @@ fn max_all(v: f32, tid: u32) -> f32 {
 export function sampleWgsl(s: SampleSpec): string {
   const WG = s.serialReductions ? WG_CPU : WG_GPU;
   const per = Math.ceil(s.V / WG);
-  const LG = (i: string) => `lg(base, ${i})`, VAL = (i: string) => `val(${i}, compact, base)`;
+  const LG = (i: string) => `logits[base + ${i}]`, VAL = (i: string) => `val(${i}, compact, base)`;
   // CPU adapters run each invocation's loop serially anyway: no unrolling there.
   const U = s.serialReductions ? 1 : UNROLL;
   return `
@@ -174,15 +174,10 @@ var<workgroup> wbound: f32;
 var<workgroup> wcount: u32;
 var<workgroup> wred: f32;
 
-/** Logit v of the row at base. */
-fn lg(base: u32, v: u32) -> f32 {
-  return logits[base + v];
-}
-
 /** Value j of what the sampling passes walk: candidate j, or logit j of the row. */
 fn val(j: u32, compact: bool, base: u32) -> f32 {
   if (compact) { return cval[j]; }
-  return lg(base, j);
+  return logits[base + j];
 }
 
 /** The vocabulary id of value j. */
@@ -436,7 +431,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       pv = top;
       pi = id;
     }
-    if (tid == 0u && n < ${s.chunk}u) { lp[o] = lg(base, choice) - lse; }
+    if (tid == 0u && n < ${s.chunk}u) { lp[o] = logits[base + choice] - lse; }
   }
   if (tid == 0u) {
     let st = stream * ${STATE_WORDS}u;
