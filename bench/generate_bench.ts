@@ -15,6 +15,7 @@
  *
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
+ *                                   [--calls (each step call's time)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
@@ -213,7 +214,8 @@ async function stream(url: string, model: string, n: number, seed: number) {
     }),
   });
   if (!res.ok) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
-  let ttft: number | null = null, tokens = 0, buf = "";
+  let tokens = 0, buf = "";
+  /** When each text chunk arrived. */
   const times: number[] = [];
   const dec = new TextDecoder();
   for await (const chunk of res.body!) {
@@ -223,14 +225,11 @@ async function stream(url: string, model: string, n: number, seed: number) {
       buf = buf.slice(i + 2);
       if (!ev.startsWith("data: ") || ev === "data: [DONE]") continue;
       const d = JSON.parse(ev.slice(6));
-      if (d.choices?.[0]?.text) {
-        ttft ??= performance.now() - t0;
-        times.push(performance.now());
-      }
+      if (d.choices?.[0]?.text) times.push(performance.now());
       if (d.usage) tokens = d.usage.completion_tokens;
     }
   }
-  return { ttft: ttft ?? NaN, tokens, times };
+  return { ttft: times.length ? times[0] - t0 : NaN, tokens, times };
 }
 
 async function concurrent(url: string, model: string, S: number, n: number) {
