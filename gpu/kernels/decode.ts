@@ -154,9 +154,9 @@ export const REMAP_WORDS = 2 * STATE_WORDS;
 export const REMAP_NEW = 0xffffffff;
 
 /**
- * The start of a chunk of steps, with the GPU's state authoritative: state row i becomes row
- * table[i]'s source row of `prev` (a copy of the state as the work before left it) or, for
- * REMAP_NEW, the state in the entry; the steps-written word is zeroed either way. This is how
+ * The start of a chunk of steps, with the GPU's state authoritative: state row i becomes the row
+ * of `prev` (a copy of the state as the work before left it) that entry i names, or, for
+ * REMAP_NEW, the state written in the entry; the steps-written word is zeroed either way. This is how
  * rows move when streams end and new ones join without the CPU reading the state first, so a
  * chunk can be queued while the one before is still running. One entry per state row.
  * Grid (ceil(rows/64)).
