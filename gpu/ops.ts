@@ -40,6 +40,21 @@ export interface Op {
   flops: number;
 }
 
+/** One pipeline compiled while a model or generator is built, of `total` distinct ones it needs. */
+export interface CompileProgress {
+  /** Pipelines compiled so far, 1-based. */
+  done: number;
+  /** Distinct pipelines this build compiles (known before the first is compiled). */
+  total: number;
+  /** The first kernel label that uses it. */
+  label: string;
+  /** Milliseconds it took: creation, plus on CPU adapters its first dispatch (where Mesa compiles). */
+  ms: number;
+}
+
+/** Receives each {@link CompileProgress} as it happens. */
+export type CompileListener = (p: CompileProgress) => void;
+
 /** Compiles each distinct WGSL source once per device. */
 export class PipelineCache {
   #ctx: GpuContext;
