@@ -36,6 +36,8 @@ interface RunOptions {
   flashFwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
   /** Flash backward tiling (replaces the dK/dV and dQ kernels). */
   flashBwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
+  /** The CPU adapters' kernels without workgroup memory (AttentionSpec.direct). */
+  direct?: boolean;
 }
 
 async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
@@ -52,6 +54,7 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
     ...tiles,
     dropout: p > 0 ? { site: 0, nSites: 1 } : undefined,
     ...(o.half ? { dtype: "f16", gradDtype: "f16" } : {}),
+    ...(o.direct ? { direct: true } : {}),
   };
   const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
@@ -163,6 +166,21 @@ for (const [split, p, tiles] of cases) {
       const e = await run(split, p, tiles);
       assert.ok(e.y < 1e-5, `forward rel err ${e.y}`);
       assert.ok(e.dqkv < 1e-5, `dqkv rel err ${e.dqkv}`);
+    },
+  });
+}
+
+for (const p of [0, 0.2]) {
+  Deno.test({
+    name:
+      `attention's direct kernels (CPU adapters: no workgroup memory) match float64 at T=40, dropout=${p}`,
+    ignore: noGpu,
+    async fn() {
+      for (const D of [64, 16]) {
+        const e = await run(1, p, undefined, { direct: true, D });
+        assert.ok(e.y < 1e-5, `D=${D} forward rel err ${e.y}`);
+        assert.ok(e.dqkv < 1e-5, `D=${D} dqkv rel err ${e.dqkv}`);
+      }
     },
   });
 }

@@ -45,6 +45,13 @@ export interface AttentionSpec {
    * fused backward (flashBackwardKVWgsl, flashBackwardQWgsl); `split` is then unused.
    */
   flash?: FlashOptions;
+  /**
+   * CPU adapters: one thread per query (forward, dQ) or key (dK/dV) reading keys and queries
+   * straight from storage, with no workgroup memory and no barriers, which Mesa compiles in a
+   * fraction of a second instead of 2-20 s (see attentionForwardDirectWgsl). Same loop order and
+   * arithmetic as the plain kernels; `split` and `flash` are then unused.
+   */
+  direct?: boolean;
 }
 
 /**
@@ -166,6 +173,7 @@ export function attentionBackwardQWgsl(s: AttentionSpec): string {
 
 /** Forward: y = softmax(q kᵀ/√D, causal) v per head; writes lse. Grid (ceil(T/BQ), H, B). */
 function attentionForwardPlainWgsl(s: AttentionSpec): string {
+  if (s.direct) return attentionForwardDirectWgsl(s);
   if (s.flash) return flashForwardWgsl(s);
   if ((s.split ?? 1) > 1) return attentionForwardSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
@@ -315,6 +323,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 
 /** dK and dV: one thread per key, looping over the queries that see it. Grid (ceil(T/BKV), H, B). */
 function attentionBackwardKVPlainWgsl(s: AttentionSpec): string {
+  if (s.direct) return attentionBackwardKVDirectWgsl(s);
   if ((s.split ?? 1) > 1) return attentionBackwardKVSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
@@ -381,6 +390,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 
 /** dQ: one thread per query, looping over the keys it sees. Grid (ceil(T/BQ), H, B). */
 function attentionBackwardQPlainWgsl(s: AttentionSpec): string {
+  if (s.direct) return attentionBackwardQDirectWgsl(s);
   if ((s.split ?? 1) > 1) return attentionBackwardQSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1;
@@ -430,6 +440,128 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   if (qok) {
     ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n    ")}
   }
+}
+`;
+}
+
+/**
+ * Forward for CPU adapters: the plain kernel without its workgroup tiles. Mesa compiles a shader
+ * with barriers as an LLVM coroutine whose frame holds every value live across them (the q and
+ * o registers here): the plain kernels took 2-20 s each on llvmpipe with an empty shader cache,
+ * these well under one. Keys are visited in the same order with the same arithmetic, so the
+ * results equal the plain kernel's. Grid (ceil(T/BQ), H, B).
+ */
+function attentionForwardDirectWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+${forwardBindings(s)}
+
+@compute @workgroup_size(${s.BQ})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let qi = wg.x * ${s.BQ}u + tid;
+  if (qi >= ${s.T}u) { return; }
+  let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
+  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
+  ${range(D4).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  var m = -1e30;
+  var l = 0.0;
+  for (var kj = 0u; kj <= qi; kj = kj + 1u) {
+    let kb = (b * ${s.T}u + kj) * ${R4}u + h * ${D4}u;
+    let sc = ${dotExpr((c) => `q${c}`, (c) => `qkv[kb + ${C4 + c}u]`, D4)};
+    if (sc > m) {
+      let corr = exp(m - sc);
+      l = l * corr;
+      ${range(D4).map((c) => `o${c} = o${c} * corr;`).join(" ")}
+      m = sc;
+    }
+    let p = exp(sc - m);
+    l = l + p;
+    ${s.dropout ? `let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+    ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), qkv[kb + ${2 * C4 + c}u], o${c});`).join("\n    ")}
+  }
+  let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
+  let inv = 1.0 / l;
+  ${range(D4).map((c) => `y[orow + ${c}u] = o${c} * inv;`).join("\n  ")}
+  lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l);
+}
+`;
+}
+
+/** dK and dV for CPU adapters: the plain kernel without workgroup tiles (see attentionForwardDirectWgsl). */
+function attentionBackwardKVDirectWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+${backwardBindings(s)}
+
+@compute @workgroup_size(${s.BKV})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let kj = wg.x * ${s.BKV}u + tid;
+  if (kj >= ${s.T}u) { return; }
+  let krow = (b * ${s.T}u + kj) * ${R4}u + h * ${D4}u;
+  ${range(D4).map((c) => `let k${c} = qkv[krow + ${C4 + c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `let v${c} = qkv[krow + ${2 * C4 + c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${range(D4).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let lhbase = (b * ${s.H}u + h) * ${s.T}u;
+  for (var qi = kj; qi < ${s.T}u; qi = qi + 1u) {
+    let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
+    let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
+    ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n    ")}
+    ${range(D4).map((c) => `let do${c} = dy[orow + ${c}u];`).join("\n    ")}
+    let sc = ${dotExpr((c) => `q${c}`, (c) => `k${c}`, D4)};
+    let p = exp(sc - lse[lhbase + qi]);
+    var dp = ${dotExpr((c) => `do${c}`, (c) => `v${c}`, D4)};
+    ${
+    s.dropout
+      ? `let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; dp = dp * kp;`
+      : "let pd = p;"
+  }
+    let ds = p * (dp - delta[lhbase + qi]);
+    ${range(D4).map((c) => `dv${c} = fma(vec4<f32>(pd), do${c}, dv${c});`).join("\n    ")}
+    ${range(D4).map((c) => `dk${c} = fma(vec4<f32>(ds), q${c}, dk${c});`).join("\n    ")}
+  }
+  ${range(D4).map((c) => `dqkv[krow + ${C4 + c}u] = dk${c};`).join("\n  ")}
+  ${range(D4).map((c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`).join("\n  ")}
+}
+`;
+}
+
+/** dQ for CPU adapters: the plain kernel without workgroup tiles (see attentionForwardDirectWgsl). */
+function attentionBackwardQDirectWgsl(s: AttentionSpec): string {
+  const { D4, C4, R4, scale } = header(s);
+  const range = (n: number) => [...Array(n).keys()];
+  return `
+${backwardBindings(s)}
+
+@compute @workgroup_size(${s.BQ})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let h = wg.y;
+  let b = wg.z;
+  let qi = wg.x * ${s.BQ}u + tid;
+  if (qi >= ${s.T}u) { return; }
+  let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
+  let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
+  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
+  ${range(D4).map((c) => `let do${c} = dy[orow + ${c}u];`).join("\n  ")}
+  ${range(D4).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
+  let li = lse[(b * ${s.H}u + h) * ${s.T}u + qi];
+  let di = delta[(b * ${s.H}u + h) * ${s.T}u + qi];
+  for (var kj = 0u; kj <= qi; kj = kj + 1u) {
+    let kb = (b * ${s.T}u + kj) * ${R4}u + h * ${D4}u;
+    let sc = ${dotExpr((c) => `q${c}`, (c) => `qkv[kb + ${C4 + c}u]`, D4)};
+    let p = exp(sc - li);
+    var dp = ${dotExpr((c) => `do${c}`, (c) => `qkv[kb + ${2 * C4 + c}u]`, D4)};
+    ${s.dropout ? `dp = dp * keep(${dropIdx(s)}, ${s.dropout.site}u);` : ""}
+    let ds = p * (dp - di);
+    ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), qkv[kb + ${C4 + c}u], dq${c});`).join("\n    ")}
+  }
+  ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n  ")}
 }
 `;
 }

@@ -329,7 +329,7 @@ export function matmulScratchBytes(spec: MatmulSpec, tile: MatmulTile): number {
 }
 
 /** Epilogue statements for one vec4 of output, with `q` (its vec4 index) and `var v` in scope. */
-function epilogueLines(spec: MatmulSpec, col: string): string[] {
+export function epilogueLines(spec: MatmulSpec, col: string): string[] {
   const body: string[] = [];
   if (spec.bias) body.push(`v = v + bias[${col} / 4u];`);
   switch (spec.epilogue) {
@@ -360,7 +360,7 @@ function epilogueLines(spec: MatmulSpec, col: string): string[] {
 }
 
 /** Storage binding declarations: f16 tiles declare A and B f16 directly. */
-function bindingDecls(bindings: string[], h16: boolean, written = ["out", "out2", "part"]): string[] {
+export function bindingDecls(bindings: string[], h16: boolean, written = ["out", "out2", "part"]): string[] {
   const rw = new Set(written);
   const tv = h16 ? "vec4<f16>" : "vec4<f32>";
   return bindings.map((name, i) =>
@@ -374,7 +374,7 @@ function bindingDecls(bindings: string[], h16: boolean, written = ["out", "out2"
  * Applies the storage dtypes of the declared bindings (with f16 math A and B are declared f16
  * already) and `enable f16`.
  */
-function finish(code: string, spec: MatmulSpec, h16: boolean, bindings: string[]): string {
+export function finish(code: string, spec: MatmulSpec, h16: boolean, bindings: string[]): string {
   const dtypes = Object.fromEntries(
     Object.entries(spec.dtypes ?? {}).filter(([n]) =>
       bindings.includes(n) && !(h16 && (n === "A" || n === "B"))
