@@ -31,7 +31,7 @@ import {
   resLabel,
 } from "./plan.ts";
 import { dropoutSite } from "./rng.ts";
-import { makeOp, type Op, type OpKind, type Phase, PipelineCache, type View } from "./ops.ts";
+import { type CompileListener, type Op, type OpKind, type Phase, PipelineCache, type View } from "./ops.ts";
 import {
   chooseTile,
   matmulFlops,
@@ -41,6 +41,7 @@ import {
 } from "./kernels/matmul.ts";
 import { MATMUL_TILE_RULES } from "./kernels/matmul_tiles.ts";
 import { uboMatmulPlan } from "./kernels/matmul_ubo.ts";
+import { matmulDirectError, matmulDirectKernel } from "./kernels/matmul_direct.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -223,7 +224,16 @@ export interface BuildOptions {
     flashAttention?: boolean;
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
+    /**
+     * CPU adapters: the kernels Mesa compiles fast (no barriers: kernels/matmul_direct.ts and the
+     * direct attention kernels) instead of the tiled ones (default true).
+     */
+    cpuDirect?: boolean;
   };
+  /** Compile into this cache (shared with the caller's other builds) instead of a new one. */
+  cache?: PipelineCache;
+  /** Hears of each pipeline compiled, with the build's total (see OpBatch.compile). */
+  onCompile?: CompileListener;
 }
 
 /**
@@ -284,7 +294,7 @@ export async function buildModel(
   });
   const { layout, segments, headRows } = plan, k = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
-  const cache = new PipelineCache(ctx);
+  const batch = (opts.cache ?? new PipelineCache(ctx)).batch();
   // Every buffer of the plan, allocated up front; nothing else is allocated. In the order that
   // packs the allocator's 256 MiB blocks (allocationOrder): the code below finds them by label.
   const buffers: GPUBuffer[] = [];
@@ -294,6 +304,7 @@ export async function buildModel(
   let memoryBytes = 0;
   // CPU adapters: every buffer can also be bound as a uniform buffer (see kernels/matmul_ubo.ts).
   const cpu = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
+  const direct = isCpuAdapter(ctx) && opts.kernels?.cpuDirect !== false;
   try {
     for (const p of allocationOrder(plan.buffers).order) {
       const b = p.usage === "uniform"
@@ -380,7 +391,7 @@ export async function buildModel(
   });
   const V = (buffer: GPUBuffer): View => ({ buffer });
 
-  const op = async (
+  const op = (
     phase: Phase,
     kind: OpKind,
     label: string,
@@ -388,7 +399,7 @@ export async function buildModel(
     views: View[],
     grid: [number, number, number] | [number, number] | [number],
     o: { uniform?: GPUBuffer; flops?: number } = {},
-  ) => makeOp(ctx, await cache.get(label, code), { label, phase, kind, views, grid, ...o });
+  ): Op => batch.defer(code, { label, phase, kind, views, grid, ...o });
 
   const drop = (p: number, site: number) => p > 0 ? { site, nSites } : undefined;
   const ruleSet = opts.kernels?.tileRules ?? "all";
@@ -412,6 +423,12 @@ export async function buildModel(
     const full: MatmulSpec = { ...spec, dtypes, math };
     const ubo = cpu ? await cpuMatmul(phase, label, full, views) : null;
     if (ubo) return ubo;
+    if (direct && matmulDirectError(full) === null) {
+      const k = matmulDirectKernel(full);
+      const kind = phase === "forward" ? "matmul_fwd" : "matmul_bwd";
+      const o = { uniform: k.uniform ? dropUniform : undefined, flops: matmulFlops(spec) };
+      return [await op(phase, kind, label, k.code, k.bindings.map((n) => views[n]), k.grid, o)];
+    }
     const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize, rules: tileRules };
     // Split-K only in backward (a checkpointed recompute drops a layer's last forward op), and only
     // where its partial sums fit the planned scratch.
@@ -503,6 +520,7 @@ export async function buildModel(
     split,
     dtype: half ? "f16" : "f32",
     gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
+    direct,
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
       : chooseAttentionTiles({ T, D }, wgBytes)),
@@ -510,7 +528,7 @@ export async function buildModel(
   const hidden = shape.hiddenDropout, ap = shape.attnDropout;
   // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
   // its fused backward measured slower, so the backward keeps today's kernels).
-  const flashFwd = opts.kernels?.flashAttention === false ? null : chooseFlashForward({ T, D }, {
+  const flashFwd = opts.kernels?.flashAttention === false || direct ? null : chooseFlashForward({ T, D }, {
     maxWorkgroupBytes: wgBytes,
     maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
     subgroupMinSize: ctx.subgroupMinSize,
@@ -1140,6 +1158,22 @@ export async function buildModel(
       );
     }
     checksumParts = normPart;
+  }
+
+  // Every kernel compiled here, against a known total. On a CPU adapter each is also dispatched
+  // once, since Mesa compiles at the first dispatch: on buffers that hold nothing yet (a shared
+  // parameter buffer only feeds a forward pass, which never writes it), cleared again after.
+  const warm = isCpuAdapter(ctx) && (!opts.params || !train);
+  try {
+    await batch.compile(opts.onCompile, warm);
+  } catch (e) {
+    for (const b of buffers) b.destroy();
+    throw e;
+  }
+  if (warm) {
+    const enc = ctx.device.createCommandEncoder();
+    for (const b of buffers) enc.clearBuffer(b);
+    ctx.device.queue.submit([enc.finish()]);
   }
 
   return {

@@ -55,6 +55,17 @@ export interface CompileProgress {
 /** Receives each {@link CompileProgress} as it happens. */
 export type CompileListener = (p: CompileProgress) => void;
 
+/** What {@link makeOp} takes besides the pipeline. */
+export interface OpOptions {
+  label: string;
+  phase: Phase;
+  kind: OpKind;
+  views: View[];
+  uniform?: GPUBuffer;
+  grid: [number, number, number] | [number, number] | [number];
+  flops?: number;
+}
+
 /** Compiles each distinct WGSL source once per device. */
 export class PipelineCache {
   #ctx: GpuContext;
@@ -71,26 +82,88 @@ export class PipelineCache {
     }
     return p;
   }
+  /** Whether `code` was compiled (or is being compiled) already. */
+  has(code: string): boolean {
+    return this.#cache.has(code);
+  }
   get size(): number {
     return this.#cache.size;
   }
+  /** A batch of ops compiled together through this cache (see {@link OpBatch}). */
+  batch(): OpBatch {
+    return new OpBatch(this.#ctx, this);
+  }
 }
 
-/** Creates the op: bind group 0 from `views` in binding order, group 1 the optional uniform. */
-export function makeOp(
-  ctx: GpuContext,
-  pipeline: GPUComputePipeline,
-  o: {
-    label: string;
-    phase: Phase;
-    kind: OpKind;
-    views: View[];
-    uniform?: GPUBuffer;
-    grid: [number, number, number] | [number, number] | [number];
-    flops?: number;
-  },
-): Op {
-  const { device } = ctx;
+/**
+ * Ops of one build whose pipelines are compiled together at its end: `defer` lists an op at once
+ * and `compile` completes them all, knowing how many pipelines it needs before compiling the
+ * first, so it can report progress against a total. A batch that is never compiled leaves
+ * nothing behind.
+ */
+export class OpBatch {
+  #ctx: GpuContext;
+  #cache: PipelineCache;
+  #ops: { op: Op; code: string; o: OpOptions }[] = [];
+  constructor(ctx: GpuContext, cache: PipelineCache) {
+    this.#ctx = ctx;
+    this.#cache = cache;
+  }
+
+  /**
+   * An op whose pipeline and bind groups are filled in by {@link compile}: the returned object is
+   * the one completed, so it can be listed at once. Its grid and bindings are checked now.
+   */
+  defer(code: string, o: OpOptions): Op {
+    const grid = checkGrid(this.#ctx, o);
+    checkBindings(this.#ctx, o);
+    const op: Op = {
+      label: o.label,
+      phase: o.phase,
+      kind: o.kind,
+      pipeline: undefined as unknown as GPUComputePipeline,
+      bindGroups: [],
+      grid,
+      flops: o.flops ?? 0,
+    };
+    this.#ops.push({ op, code, o });
+    return op;
+  }
+
+  /**
+   * Compiles the pipelines of the deferred ops in the order the ops were deferred and completes
+   * them. `onProgress` hears of each distinct pipeline the cache did not hold, with their total.
+   * With `warm`, each new pipeline is also dispatched once, one workgroup, on the bindings of its
+   * first op, and waited for: Mesa's llvmpipe compiles a shader at its first dispatch, not at
+   * pipeline creation, so this moves that cost here where it is reported (the caller makes sure
+   * such a dispatch changes nothing it keeps; see buildModel).
+   */
+  async compile(onProgress?: CompileListener, warm = false): Promise<void> {
+    const list = this.#ops.splice(0);
+    const fresh = new Set(list.map((d) => d.code).filter((c) => !this.#cache.has(c)));
+    const total = fresh.size;
+    let done = 0;
+    for (const d of list) {
+      const t0 = performance.now();
+      Object.assign(d.op, makeOp(this.#ctx, await this.#cache.get(d.o.label, d.code), d.o));
+      if (!fresh.delete(d.code)) continue;
+      if (warm) await warmDispatch(this.#ctx, d.op);
+      onProgress?.({ done: ++done, total, label: d.o.label, ms: performance.now() - t0 });
+    }
+  }
+}
+
+/** Dispatches one workgroup of `op` and waits for it (see OpBatch.compile). */
+async function warmDispatch(ctx: GpuContext, op: Op): Promise<void> {
+  const enc = ctx.device.createCommandEncoder();
+  const pass = enc.beginComputePass();
+  recordOps(pass, [{ ...op, grid: [1, 1, 1] }]);
+  pass.end();
+  ctx.device.queue.submit([enc.finish()]);
+  await ctx.device.queue.onSubmittedWorkDone();
+}
+
+function checkGrid(ctx: GpuContext, o: Pick<OpOptions, "label" | "grid">): [number, number, number] {
   const maxWg = ctx.limits.maxComputeWorkgroupsPerDimension;
   const grid: [number, number, number] = [o.grid[0], o.grid[1] ?? 1, o.grid[2] ?? 1];
   if (grid.some((g) => g > maxWg || g < 1)) {
@@ -99,7 +172,11 @@ export function makeOp(
       `grid ${grid.join("x")} exceeds the device's ${maxWg} workgroups per dimension`,
     );
   }
-  const entries: GPUBindGroupEntry[] = o.views.map((v, i) => {
+  return grid;
+}
+
+function checkBindings(ctx: GpuContext, o: Pick<OpOptions, "label" | "views">): GPUBindGroupEntry[] {
+  return o.views.map((v, i) => {
     const size = v.size ?? v.buffer.size - (v.offset ?? 0);
     if (size > ctx.limits.maxStorageBufferBindingSize) {
       throw new GpuError(
@@ -109,6 +186,13 @@ export function makeOp(
     }
     return { binding: i, resource: { buffer: v.buffer, offset: v.offset ?? 0, size } };
   });
+}
+
+/** Creates the op: bind group 0 from `views` in binding order, group 1 the optional uniform. */
+export function makeOp(ctx: GpuContext, pipeline: GPUComputePipeline, o: OpOptions): Op {
+  const { device } = ctx;
+  const grid = checkGrid(ctx, o);
+  const entries = checkBindings(ctx, o);
   const bindGroups = [
     device.createBindGroup({ label: o.label, layout: pipeline.getBindGroupLayout(0), entries }),
   ];

@@ -34,7 +34,7 @@ import type { ChunkOptions, Precision } from "./plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";
 import type { StagedRun } from "./parallel/data_parallel.ts";
-import { encodeOps, type Op } from "./ops.ts";
+import { type CompileListener, encodeOps, type Op } from "./ops.ts";
 import { dropoutKey, dropoutSite, dropThreshold, pcg } from "./rng.ts";
 import { splitParams } from "./parallel/shard.ts";
 import { type AdamWConfig, type LrSchedule } from "./schedule.ts";
@@ -76,6 +76,8 @@ export interface TrainerOptions {
   chunks?: ChunkOptions;
   /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
   checkpointLayers?: number;
+  /** Hears of each kernel compiled while the model is built, with their total. */
+  onCompile?: CompileListener;
   /** Micro-batches per optimizer step, their gradients accumulated on the GPU (default 1). */
   microBatches?: number;
   /**
@@ -211,6 +213,7 @@ export class Trainer {
       tensorParallel: opts.tensorParallel &&
         { rank: opts.tensorParallel.rank, size: opts.tensorParallel.size },
       kernels: opts.kernels,
+      onCompile: opts.onCompile,
     });
     const n = model.layout.totalSize;
     const q = ctx.device.queue;
