@@ -26,7 +26,17 @@ import {
   stagingFor,
 } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
-import { encodeOps, makeOp, type Op, type OpKind, PipelineCache, recordOps, type View } from "./ops.ts";
+import {
+  type CompileListener,
+  encodeOps,
+  makeOp,
+  type Op,
+  type OpBatch,
+  type OpKind,
+  PipelineCache,
+  recordOps,
+  type View,
+} from "./ops.ts";
 import { chooseTile, matmulBindings, matmulGrid, type MatmulSpec, matmulWgsl } from "./kernels/matmul.ts";
 import { layernormForwardWgsl } from "./kernels/layernorm.ts";
 import {
@@ -100,6 +110,8 @@ export interface GeneratorOptions {
    * steps while the rest are still being encoded.
    */
   submitEvery?: number;
+  /** Hears of each kernel compiled, with the total of the plan being built (see OpBatch.compile). */
+  onCompile?: CompileListener;
 }
 
 /** Where the last `step` spent its time (wall-clock ms on the JS thread). */
@@ -172,6 +184,10 @@ export class Generator {
   readonly opts: Required<GeneratorOptions>;
   #ctx: GpuContext;
   #cache: PipelineCache;
+  /** The plan being built: its ops are deferred into it and compiled together (see #inBatch). */
+  #batch: OpBatch | null = null;
+  /** The build in progress: builds run one at a time. */
+  #building: Promise<unknown> = Promise.resolve();
   #layout: ReturnType<typeof paramLayout> | null = null;
   /** A CPU adapter (llvmpipe, lavapipe, SwiftShader): kernels without barriers where it matters. */
   #cpu: boolean;
@@ -296,6 +312,7 @@ export class Generator {
       prefillTokens: opts.prefillTokens ?? 2048,
       cpuUniform: opts.cpuUniform ?? true,
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
+      onCompile: opts.onCompile ?? (() => {}),
     };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number, extraUsage = 0) => {
@@ -597,11 +614,13 @@ export class Generator {
     this.#paramsCpu.fill(0, R * PARAM_WORDS, Rb * PARAM_WORDS);
     q.writeBuffer(this.#table, 0, table);
     q.writeBuffer(this.#sampling, 0, this.#paramsCpu);
-    this.#remap ??= await this.#op("elementwise", "dec.remap", stateRemapWgsl(), [
-      { buffer: this.#prevState },
-      { buffer: this.#table },
-      { buffer: this.#state },
-    ], [Math.ceil(N / 64)]);
+    this.#remap ??= await this.#inBatch(() =>
+      this.#op("elementwise", "dec.remap", stateRemapWgsl(), [
+        { buffer: this.#prevState },
+        { buffer: this.#table },
+        { buffer: this.#state },
+      ], [Math.ceil(N / 64)])
+    );
     const enc = dev.createCommandEncoder();
     enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
     encodeOps(enc, [this.#remap]);
@@ -776,6 +795,7 @@ export class Generator {
     views: View[],
     grid: [number, number, number] | [number, number] | [number],
   ): Promise<Op> {
+    if (this.#batch) return this.#batch.defer(code, { label, phase: "forward", kind, views, grid });
     return makeOp(this.#ctx, await this.#cache.get(label, code), {
       label,
       phase: "forward",
@@ -783,6 +803,32 @@ export class Generator {
       views,
       grid,
     });
+  }
+
+  /**
+   * Builds one plan with its ops deferred into one batch, then compiles them together, reporting
+   * progress against the plan's total. Builds run one at a time (a warm-up may overlap a step).
+   */
+  async #inBatch<T>(build: () => Promise<T>, keep?: (out: T) => void): Promise<T> {
+    const before = this.#building;
+    let done!: () => void;
+    this.#building = new Promise<void>((r) => done = r);
+    await before;
+    try {
+      const batch = this.#cache.batch();
+      this.#batch = batch;
+      let out: T;
+      try {
+        out = await build();
+      } finally {
+        this.#batch = null;
+      }
+      await batch.compile(this.opts.onCompile);
+      keep?.(out);
+      return out;
+    } finally {
+      done();
+    }
   }
 
   #P(name: string): View {
@@ -874,7 +920,13 @@ export class Generator {
         this.#ctx,
         { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
         // The LM head is replaced below, so not the CPU adapters' matmul for it (one op, not compiled).
-        { train: false, params: this.#params, kernels: { cpuMatmul: false } },
+        {
+          train: false,
+          params: this.#params,
+          kernels: { cpuMatmul: false },
+          cache: this.#cache,
+          onCompile: this.opts.onCompile,
+        },
       );
       const forward = model.forward.filter((o) => o.label !== "lm_head");
       if (forward.length !== model.forward.length - 1) {
@@ -883,7 +935,7 @@ export class Generator {
       plan = { model, forward, tail: null };
       this.#prefills.set(key, plan);
     }
-    plan.tail ??= await this.#prefillTail(plan.model, B, Tb);
+    plan.tail ??= await this.#inBatch(() => this.#prefillTail(plan!.model, B, Tb));
     return plan;
   }
 
@@ -1001,6 +1053,12 @@ export class Generator {
 
   /** One decode step for S rows: embed, 12 layers of gemv/matmul and attention, LM head, sample. */
   async #decodePlan(S: number): Promise<Op[]> {
+    // Listed once compiled, so a step never meets a plan still being built.
+    return this.#decode.get(S) ??
+      await this.#inBatch(() => this.#buildDecodePlan(S), (ops) => this.#decode.set(S, ops));
+  }
+
+  async #buildDecodePlan(S: number): Promise<Op[]> {
     const have = this.#decode.get(S);
     if (have) return have;
     const c = this.config, a = this.#acts;
@@ -1167,7 +1225,6 @@ export class Generator {
         V(this.#lp),
       ], [S]),
     );
-    this.#decode.set(S, ops);
     return ops;
   }
 }
