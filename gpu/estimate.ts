@@ -12,6 +12,10 @@
  * Beside the buffers' bytes the estimate counts what the driver-side allocator wastes of its
  * 256 MiB blocks under the order the engine allocates them in (`allocator`, see allocatorWaste()
  * in gpu/plan.ts), so its total predicts what nvidia-smi shows and is what the fit check compares.
+ *
+ * A GPU is planned for as a description (name, memory, binding and buffer limits), never a device:
+ * presets describe common GPUs, and estimateForGpu() picks the server's own GPU, a named preset or
+ * the default one, so an estimate does not depend on the machine that answers it.
  */
 
 import { tensorParallelConfig } from "./parallel/shard.ts";
@@ -27,11 +31,59 @@ import {
   type Precision,
 } from "./plan.ts";
 
-/** Limits assumed when no device has reported its own (a 2 GiB binding, large buffers). */
-export const DEFAULT_PLAN_LIMITS: PlanLimits = {
+/**
+ * An NVIDIA GPU's limits under Deno's WebGPU on Vulkan, as bench/RESULTS.md records the H200's
+ * ("storage binding 2.00 GiB, buffer 4.00 GiB", to two decimals): wgpu caps the binding at the
+ * i32 range, taken as 2^31 − 4 as this module always has. Their last bytes are not recorded; a
+ * plan would change only for a tensor within a few bytes of 2 GiB (segments are cut below the
+ * binding limit, the smaller). The H100 and A100 presets assume the same driver and caps: not
+ * measured.
+ */
+const NVIDIA_VULKAN_LIMITS: PlanLimits = {
   maxStorageBufferBindingSize: 2 ** 31 - 4,
-  maxBufferSize: 2 ** 40,
+  maxBufferSize: 2 ** 32,
 };
+
+/** Limits assumed when no device has reported its own: the default GPU's (the H200's). */
+export const DEFAULT_PLAN_LIMITS: PlanLimits = NVIDIA_VULKAN_LIMITS;
+
+/** A GPU to plan for: plain numbers, so an estimate never needs the GPU itself. */
+export interface GpuDescription extends PlanLimits {
+  /** The adapter's description, or how a preset's adapter describes itself. */
+  name: string;
+  /** Device memory; null when unknown (the fit check then applies only the limits). */
+  memoryBytes: number | null;
+}
+
+const GiB = 2 ** 30;
+
+/**
+ * GPUs `GET /estimate` can plan for by name. Memory is knownDeviceMemory()'s figure for each (the
+ * fit check at `POST /train` uses the same); "webgpu-default" has the WebGPU spec's default limits
+ * (128 MiB binding, 256 MiB buffer), what a browser grants without asking, and no stated memory.
+ */
+export const GPU_PRESETS = {
+  /** NVIDIA's "141 GB", counted as 140 GiB as the fit check always has. */
+  h200: { name: "NVIDIA H200", memoryBytes: 140 * GiB, ...NVIDIA_VULKAN_LIMITS },
+  h100: { name: "NVIDIA H100 80GB", memoryBytes: 80 * GiB, ...NVIDIA_VULKAN_LIMITS },
+  "a100-80gb": { name: "NVIDIA A100 80GB", memoryBytes: 80 * GiB, ...NVIDIA_VULKAN_LIMITS },
+  "a100-40gb": { name: "NVIDIA A100 40GB", memoryBytes: 40 * GiB, ...NVIDIA_VULKAN_LIMITS },
+  "webgpu-default": {
+    name: "WebGPU default limits",
+    memoryBytes: null,
+    maxStorageBufferBindingSize: 128 * 2 ** 20,
+    maxBufferSize: 256 * 2 ** 20,
+  },
+} as const satisfies Record<string, GpuDescription>;
+
+/** Names of the GPU presets. */
+export type GpuPresetName = keyof typeof GPU_PRESETS;
+
+/** Preset names in the order they are listed. */
+export const GPU_PRESET_NAMES = Object.keys(GPU_PRESETS) as GpuPresetName[];
+
+/** The GPU an estimate plans for when the server's own cannot hold the model: the walkthrough's. */
+export const DEFAULT_GPU: GpuPresetName = "h200";
 
 /**
  * Parts of an estimate: the buffer categories, then `allocator`, the bytes the allocator's blocks
@@ -181,4 +233,76 @@ export function knownDeviceMemory(adapter: string | null): number | null {
   if (!adapter) return null;
   for (const [re, bytes] of KNOWN_MEMORY) if (re.test(adapter)) return bytes;
   return null;
+}
+
+/** Whether an estimate fits a GPU's memory; null when its memory is unknown. */
+export function fitsMemory(est: Estimate, gpu: GpuDescription): boolean | null {
+  return gpu.memoryBytes === null ? null : est.bytes_per_gpu.total <= gpu.memoryBytes;
+}
+
+/** The GPU an estimate was planned for, as `GET /estimate` reports it. */
+export interface PlannedFor {
+  /** The preset planned for, or null for the server's own GPU. */
+  preset: GpuPresetName | null;
+  name: string;
+  memory_bytes: number | null;
+  max_storage_buffer_binding_size: number;
+  max_buffer_size: number;
+  /** "server", "query", or "default because the server's GPU cannot hold it: <reason>". */
+  why: string;
+}
+
+/** An estimate with the GPU it was planned for and whether the server's own GPU holds the model. */
+export interface GpuEstimate<E extends Estimate> {
+  estimate: E;
+  planned_for: PlannedFor;
+  /** False when the server's GPU cannot bind or hold the model; null without one or when its memory is unknown. */
+  fits_server_gpu: boolean | null;
+}
+
+const gib = (n: number) => `${(n / GiB).toFixed(2)} GiB`;
+
+/**
+ * Plans for the preset the query names, else for the server's GPU when it holds the model (its
+ * binding limits plan it and, when its memory is known, the estimate fits), else for DEFAULT_GPU.
+ * `estimate` plans for one GPU and throws when it cannot; only the GPU differs between the calls,
+ * so an error that is not the server's limits recurs for the GPU planned for and is thrown.
+ */
+export function estimateForGpu<E extends Estimate>(
+  estimate: (gpu: GpuDescription) => E,
+  server: GpuDescription | null,
+  preset?: GpuPresetName,
+): GpuEstimate<E> {
+  let onServer: E | null = null, fitsServer: boolean | null = null, refusal = "the server has no GPU ready";
+  if (server) {
+    try {
+      onServer = estimate(server);
+      fitsServer = fitsMemory(onServer, server);
+      if (fitsServer === false) {
+        const total = onServer.bytes_per_gpu.total;
+        refusal = `the estimate of ${gib(total)} exceeds its ${gib(server.memoryBytes!)}`;
+      }
+    } catch (e) {
+      fitsServer = false;
+      refusal = (e as Error).message;
+    }
+  }
+  if (preset === undefined && server && onServer && fitsServer !== false) {
+    const planned_for = plannedFor(server, null, "server");
+    return { estimate: onServer, planned_for, fits_server_gpu: fitsServer };
+  }
+  const name = preset ?? DEFAULT_GPU, gpu = GPU_PRESETS[name];
+  const why = preset ? "query" : `default because the server's GPU cannot hold it: ${refusal}`;
+  return { estimate: estimate(gpu), planned_for: plannedFor(gpu, name, why), fits_server_gpu: fitsServer };
+}
+
+function plannedFor(gpu: GpuDescription, preset: GpuPresetName | null, why: string): PlannedFor {
+  return {
+    preset,
+    name: gpu.name,
+    memory_bytes: gpu.memoryBytes,
+    max_storage_buffer_binding_size: gpu.maxStorageBufferBindingSize,
+    max_buffer_size: gpu.maxBufferSize,
+    why,
+  };
 }
