@@ -4,7 +4,7 @@
  * with fetch (EventSource cannot send headers), resumed with Last-Event-ID after a break.
  */
 
-import { errorInfo, estimateBytes } from "./shapes.js";
+import { errorInfo, estimateBytes, estimateGpu } from "./shapes.js";
 import { readSse } from "./sse.js";
 
 const TOKEN_KEY = "gpt2.token";
@@ -68,10 +68,11 @@ export async function postJson(path, body) {
 }
 
 /**
- * The estimator's total bytes (`GET /estimate`) for a training config, or null when the server
- * has no estimator (404) or it refused the config. `base` prefixes the path (tests).
+ * The estimator's answer (`GET /estimate`) for a training config: its total bytes and the GPU it
+ * planned for (estimateGpu()), or null when the server has no estimator (404) or it refused the
+ * config. `base` prefixes the path (tests).
  */
-export async function fetchEstimate(config, signal, base = "") {
+export async function fetchEstimateAnswer(config, signal, base = "") {
   const q = new URLSearchParams();
   q.set("model", typeof config.model === "string" ? config.model : JSON.stringify(config.model));
   for (const k of ["batch_size", "seq_len", "precision", "checkpoint_activations", "checkpoint_num_layers"]) {
@@ -79,10 +80,17 @@ export async function fetchEstimate(config, signal, base = "") {
   }
   try {
     const res = await apiFetch(`${base}/estimate?${q}`, { signal });
-    return estimateBytes(await res.json());
+    const body = await res.json();
+    const bytes = estimateBytes(body);
+    return bytes === null ? null : { bytes, gpu: estimateGpu(body) };
   } catch {
     return null;
   }
+}
+
+/** The estimator's total bytes for a training config, or null (see fetchEstimateAnswer()). */
+export async function fetchEstimate(config, signal, base = "") {
+  return (await fetchEstimateAnswer(config, signal, base))?.bytes ?? null;
 }
 
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));

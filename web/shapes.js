@@ -1,6 +1,6 @@
 /**
  * Pure readers of the API's answers, kept apart from the DOM so Deno tests can check them:
- * error bodies in both shapes the API has used, the estimator's memory figure, a dataset's
+ * error bodies in both shapes the API has used, the estimator's memory figure and GPU, a dataset's
  * pipeline counts, the curves of a job built from its event stream, and number formats.
  */
 
@@ -51,6 +51,21 @@ export function estimateBytes(body) {
     }
   }
   return null;
+}
+
+/**
+ * Which GPU a `GET /estimate` answer planned for, as one short phrase ("this server's GPU (…)",
+ * "NVIDIA H100 80GB", "NVIDIA H200: this server's GPU cannot hold it", or the default when the
+ * server has no GPU ready); null when it does not say.
+ */
+export function estimateGpu(body) {
+  const p = body?.planned_for;
+  if (typeof p !== "object" || p === null || typeof p.name !== "string") return null;
+  if (p.why === "server") return `this server's GPU (${p.name})`;
+  if (p.why === "query") return p.name;
+  return body.fits_server_gpu === false
+    ? `${p.name}: this server's GPU cannot hold it`
+    : `${p.name}, the default: this server has no GPU ready`;
 }
 
 /** A dataset's pipeline counts from its manifest stats: URLs dropped, near-duplicates, short documents. */

@@ -2,10 +2,11 @@
  * The form that starts a training job. Its fields are built from the JSON Schema of `POST /train`
  * (served at /web/meta.json, generated from the server's zod schema), so new fields appear by
  * themselves; browser validation is off, so the API's own messages show beside each field. The
- * estimator's memory figure (`GET /estimate`, when the server has one) shows before submitting.
+ * estimator's memory figure (`GET /estimate`, when the server has one) and the GPU it planned for
+ * show before submitting.
  */
 
-import { ApiError, fetchEstimate, getJson, postJson } from "./api.js";
+import { ApiError, fetchEstimateAnswer, getJson, postJson } from "./api.js";
 import { h, setChildren } from "./dom.js";
 import { fmtBytes } from "./shapes.js";
 
@@ -128,10 +129,11 @@ export async function trainView(ctx) {
         model: b.model ?? props.model.default,
         batch_size: b.batch_size ?? props.batch_size.default,
       };
-      const bytes = await fetchEstimate(cfg, ctx.signal);
+      const answer = await fetchEstimateAnswer(cfg, ctx.signal);
       if (n !== asked) return;
-      estimate.hidden = bytes === null;
-      estimate.textContent = bytes === null ? "" : `Estimated GPU memory: ${fmtBytes(bytes)}`;
+      estimate.hidden = answer === null;
+      estimate.textContent = answer === null ? "" : `Estimated GPU memory: ${fmtBytes(answer.bytes)}` +
+        (answer.gpu ? `, planned for ${answer.gpu}` : "");
     }, 300);
   };
   form.addEventListener("input", updateEstimate);
