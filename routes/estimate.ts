@@ -1,13 +1,16 @@
 /**
  * `GET /estimate`: parameters, GPU bytes per category and FLOPs per step of a training config,
- * from the same memory plan the engine allocates, for the first GPU's limits once it has reported
- * them. Validates the query and delegates to jobs/model.ts.
+ * from the same memory plan the engine allocates. It plans for the GPU the query names (`gpu`, a
+ * preset), else for the server's first GPU when that reports limits that hold the model, else for
+ * the default preset (gpu/estimate.ts), and says which in `planned_for`. Validates the query and
+ * delegates to jobs/model.ts and gpu/estimate.ts.
  */
 
 import { Hono } from "hono";
 import { z } from "zod";
 import { PRESET_NAMES } from "../gpu/config.ts";
-import { estimateJob, type JobRunner } from "../jobs/mod.ts";
+import { estimateForGpu, GPU_PRESET_NAMES, type GpuDescription, knownDeviceMemory } from "../gpu/estimate.ts";
+import { type DeviceBudget, estimateJob, type JobRunner } from "../jobs/mod.ts";
 import { queryParams } from "./errors.ts";
 import { ModelDimsSchema } from "./schemas.ts";
 
@@ -45,15 +48,40 @@ export const EstimateQuerySchema = z.strictObject({
   tensor_parallel: int(64).default(1),
   data_parallel: int(4096).default(1),
   distributed_optimizer: bool.default(false),
+  /** A GPU preset to plan for instead of the server's own. */
+  gpu: z.enum(GPU_PRESET_NAMES, {
+    error: `Unknown GPU preset: expected one of ${GPU_PRESET_NAMES.join(", ")}`,
+  }).optional(),
 });
+
+/** The server's GPU as the Worker reported it: the adapter's description is its line up to the features. */
+function serverGpu(d: DeviceBudget | null): GpuDescription | null {
+  if (!d || d.max_binding_bytes === null) return null;
+  return {
+    name: d.adapter?.split(" [")[0] || "GPU 0",
+    memoryBytes: knownDeviceMemory(d.adapter),
+    maxStorageBufferBindingSize: d.max_binding_bytes,
+    maxBufferSize: d.max_buffer_bytes ?? d.max_binding_bytes,
+  };
+}
 
 /** The estimator route. */
 export function estimateRoutes(runner: JobRunner): Hono {
   const app = new Hono();
   app.get("/estimate", queryParams(EstimateQuerySchema, "estimate query"), (c) => {
     const q = c.req.valid("query");
-    const est = estimateJob(q, runner.device(0));
-    return c.json({ ...q, ...est, total_bytes: est.bytes_per_gpu.total });
+    // estimateJob() reads the memory of the GPU it plans for from its name, as the fit check does.
+    const { estimate: est, planned_for, fits_server_gpu } = estimateForGpu(
+      (gpu) =>
+        estimateJob(q, {
+          adapter: gpu.name,
+          max_binding_bytes: gpu.maxStorageBufferBindingSize,
+          max_buffer_bytes: gpu.maxBufferSize,
+        }),
+      serverGpu(runner.device(0)),
+      q.gpu,
+    );
+    return c.json({ ...q, ...est, total_bytes: est.bytes_per_gpu.total, planned_for, fits_server_gpu });
   });
   return app;
 }

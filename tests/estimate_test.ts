@@ -1,13 +1,26 @@
 /**
  * The memory estimator and the fit check: the estimate equals the bytes the engine allocates for
  * tiny models in every mode (one plan feeds both) plus the allocator's modelled waste under the
- * order the engine allocates in, the parameter and FLOP formulas, `GET /estimate`, and `POST
- * /train`'s refusal naming the biggest part.
+ * order the engine allocates in, the parameter and FLOP formulas, `GET /estimate` and the GPU it
+ * plans for (the server's, a named preset, or the default when the server's cannot hold the model),
+ * and `POST /train`'s refusal naming the biggest part.
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
-import { estimateTraining, megatronFlops, parametersPerGpu } from "../gpu/estimate.ts";
+import { ConfigError, makeConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
+import { describeDevice } from "../gpu/device.ts";
+import {
+  DEFAULT_GPU,
+  DEFAULT_PLAN_LIMITS,
+  estimateForGpu,
+  estimateTraining,
+  GPU_PRESET_NAMES,
+  GPU_PRESETS,
+  type GpuDescription,
+  knownDeviceMemory,
+  megatronFlops,
+  parametersPerGpu,
+} from "../gpu/estimate.ts";
 import {
   allocationOrder,
   allocatorWaste,
@@ -22,6 +35,7 @@ import { ScriptedWorker } from "../jobs/testing.ts";
 import { createApp } from "../routes/mod.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 import { apiError } from "./_api.ts";
+import { estimateGpu } from "../web/shapes.js";
 
 const H200 = { adapter: "NVIDIA H200", max_binding_bytes: 2 ** 31 - 4, max_buffer_bytes: 2 ** 40 };
 const tiny = makeConfig({ n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 256 });
@@ -214,7 +228,19 @@ Deno.test("GET /estimate returns parameters, bytes per category and FLOPs; bad i
     assert.deepEqual(body.bytes_per_gpu, direct.bytes_per_gpu);
     assert.equal(body.flops_per_step, direct.flops_per_step);
     assert.equal(body.checkpoint_activations, true);
-    assert.equal(body.gpu_memory_bytes, null);
+    // No GPU has reported (the runner was not started): planned for the default preset.
+    assert.deepEqual(body.planned_for, {
+      preset: "h200",
+      name: "NVIDIA H200",
+      memory_bytes: 140 * 2 ** 30,
+      max_storage_buffer_binding_size: 2 ** 31 - 4,
+      max_buffer_size: 2 ** 32,
+      why: "default because the server's GPU cannot hold it: the server has no GPU ready",
+    });
+    assert.equal(body.gpu_memory_bytes, 140 * 2 ** 30);
+    assert.equal(body.fits, true);
+    assert.equal(body.fits_server_gpu, null);
+    assert.equal(estimateGpu(body), "NVIDIA H200, the default: this server has no GPU ready");
 
     assert.equal(body.total_bytes, direct.bytes_per_gpu.total);
     assert.ok(body.bytes_per_gpu.allocator > 0, "the allocator's waste is its own part");
@@ -237,4 +263,190 @@ Deno.test("GET /estimate returns parameters, bytes per category and FLOPs; bad i
     store.close();
     await Deno.remove(root, { recursive: true });
   }
+});
+
+/** 12·L·h² + 13·L·h + (V+P)·h + 2h, V the padded vocabulary. */
+function formulaParameters(name: string): number {
+  const c = presetConfig(name), L = c.n_layer, h = c.n_embd;
+  return 12 * L * h * h + 13 * L * h + (c.padded_vocab_size + c.n_positions) * h + 2 * h;
+}
+
+/** What lavapipe (Mesa's Vulkan CPU driver) reports under Deno's WebGPU: a 128 MiB binding. */
+const LAVAPIPE: GpuDescription = {
+  name: "llvmpipe (LLVM 15.0.6, 256 bits)",
+  memoryBytes: null,
+  maxStorageBufferBindingSize: 2 ** 27,
+  maxBufferSize: 2 ** 31 - 1,
+};
+const M345_FP16_CKPT = { batchSize: 8, seqLen: 1024, precision: "fp16", checkpointLayers: 1 } as const;
+const WTE_REFUSAL =
+  /tensor "wte\.weight" of 206045184 bytes exceeds the device's buffer binding limit of 134217728/;
+
+Deno.test("GPU_PRESETS: memory as the fit check knows it, NVIDIA's limits as measured, WebGPU's defaults", () => {
+  assert.deepEqual(GPU_PRESET_NAMES, ["h200", "h100", "a100-80gb", "a100-40gb", "webgpu-default"]);
+  for (const name of GPU_PRESET_NAMES) {
+    assert.equal(knownDeviceMemory(GPU_PRESETS[name].name), GPU_PRESETS[name].memoryBytes, name);
+  }
+  assert.equal(GPU_PRESETS.h200.memoryBytes, 140 * 2 ** 30);
+  assert.equal(GPU_PRESETS["a100-40gb"].memoryBytes, 40 * 2 ** 30);
+  assert.equal(GPU_PRESETS.h200.maxStorageBufferBindingSize, 2 ** 31 - 4);
+  assert.equal(GPU_PRESETS["webgpu-default"].maxStorageBufferBindingSize, 128 * 2 ** 20);
+  assert.equal(GPU_PRESETS["webgpu-default"].maxBufferSize, 256 * 2 ** 20);
+  assert.equal(DEFAULT_GPU, "h200");
+  assert.equal(DEFAULT_PLAN_LIMITS.maxStorageBufferBindingSize, GPU_PRESETS.h200.maxStorageBufferBindingSize);
+});
+
+Deno.test("estimateForGpu() plans for the server's GPU when it holds the model, else the named or default preset", () => {
+  const plan = (config: string, opts: object = {}) => (gpu: GpuDescription) =>
+    estimateTraining({ config: presetConfig(config), batchSize: 4, seqLen: 64, ...opts, limits: gpu });
+  // gpt2-tiny binds on lavapipe: its own GPU, memory unknown.
+  const tiny = estimateForGpu(plan("gpt2-tiny"), LAVAPIPE);
+  assert.equal(tiny.planned_for.preset, null);
+  assert.equal(tiny.planned_for.name, LAVAPIPE.name);
+  assert.equal(tiny.planned_for.why, "server");
+  assert.equal(tiny.planned_for.max_storage_buffer_binding_size, 2 ** 27);
+  assert.equal(tiny.fits_server_gpu, null);
+
+  // gpt2-345M's embedding does not bind there: the default preset, the refusal as the reason.
+  const big = estimateForGpu(plan("gpt2-345M", M345_FP16_CKPT), LAVAPIPE);
+  assert.equal(big.planned_for.preset, "h200");
+  assert.match(big.planned_for.why, /^default because the server's GPU cannot hold it: /);
+  assert.match(big.planned_for.why, WTE_REFUSAL);
+  assert.equal(big.fits_server_gpu, false);
+  assert.equal(big.estimate.parameters, formulaParameters("gpt2-345M"));
+  assert.deepEqual(big.estimate, plan("gpt2-345M", M345_FP16_CKPT)(GPU_PRESETS.h200));
+
+  // A GPU of known memory too small for the estimate; no GPU at all.
+  const small = { ...GPU_PRESETS.h200, name: "NVIDIA A100 40GB", memoryBytes: 2 ** 30 };
+  const over = estimateForGpu(plan("gpt2-345M"), small);
+  assert.equal(over.planned_for.preset, "h200");
+  assert.match(over.planned_for.why, /: the estimate of [\d.]+ GiB exceeds its 1\.00 GiB$/);
+  assert.equal(over.fits_server_gpu, false);
+  const none = estimateForGpu(plan("gpt2-tiny"), null);
+  assert.equal(
+    none.planned_for.why,
+    "default because the server's GPU cannot hold it: the server has no GPU ready",
+  );
+  assert.equal(none.fits_server_gpu, null);
+
+  // A named preset wins even when the server holds the model; the server's fit is still reported.
+  const named = estimateForGpu(plan("gpt2-tiny"), { ...LAVAPIPE, memoryBytes: 2 ** 30 }, "h100");
+  assert.equal(named.planned_for.preset, "h100");
+  assert.equal(named.planned_for.why, "query");
+  assert.equal(named.planned_for.memory_bytes, 80 * 2 ** 30);
+  assert.equal(named.fits_server_gpu, true);
+  // What no GPU can plan is refused for the GPU planned for.
+  assert.throws(() => estimateForGpu(plan("gpt2-345M"), LAVAPIPE, "webgpu-default"), ConfigError);
+  assert.throws(
+    () => estimateForGpu(plan("gpt2-1558M", { batchSize: 128, seqLen: 1024 }), LAVAPIPE),
+    /storage binding limit of 2147483644 bytes/,
+  );
+});
+
+/** A started runner whose one GPU reports `ready` as given (a ScriptedWorker: nothing runs). */
+async function withServerGpu(
+  ready: { adapter: string; max_binding_bytes: number; max_buffer_bytes: number } | null,
+  fn: (app: ReturnType<typeof createApp>) => Promise<void>,
+): Promise<void> {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_estimate_" });
+  const store = new JobStore(":memory:");
+  const worker = new ScriptedWorker({});
+  const runner = new JobRunner(store, {
+    root,
+    gpus: 1,
+    spawn: () => worker,
+    datasetExists: () => Promise.resolve(true),
+  });
+  try {
+    runner.start();
+    await new Promise((r) => setTimeout(r, 0)); // the scripted `ready`
+    if (ready) worker.send({ type: "ready", gpu: 0, ...ready });
+    assert.ok(runner.device(0), "the GPU reported its limits");
+    await fn(createApp({ runner, token: null }));
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+}
+
+const M345_QUERY =
+  "/estimate?model=gpt2-345M&batch_size=8&seq_len=1024&precision=fp16&checkpoint_activations=true";
+
+Deno.test("GET /estimate of gpt2-345M on a server whose GPU binds 128 MiB plans for the default H200", async () => {
+  // The scripted Worker reports a 128 MiB binding and a 256 MiB buffer, as lavapipe's binding.
+  await withServerGpu(null, async (app) => {
+    const res = await app.request(M345_QUERY);
+    assert.equal(res.status, 200);
+    const body = await res.json();
+    assert.equal(body.parameters, formulaParameters("gpt2-345M"));
+    assert.equal(body.parameters, 354_871_296);
+    const direct = estimateTraining({ config: presetConfig("gpt2-345M"), ...M345_FP16_CKPT });
+    assert.deepEqual(body.bytes_per_gpu, direct.bytes_per_gpu);
+    assert.equal(body.planned_for.preset, "h200");
+    assert.equal(body.planned_for.name, "NVIDIA H200");
+    assert.equal(body.planned_for.memory_bytes, 140 * 2 ** 30);
+    assert.match(body.planned_for.why, /^default because the server's GPU cannot hold it: /);
+    assert.match(body.planned_for.why, WTE_REFUSAL);
+    assert.equal(body.gpu_memory_bytes, 140 * 2 ** 30);
+    assert.equal(body.fits, true);
+    assert.equal(body.fits_server_gpu, false);
+    assert.equal(estimateGpu(body), "NVIDIA H200: this server's GPU cannot hold it", "the dashboard's line");
+
+    // gpt2-tiny binds there: the server's own GPU, as before.
+    const tiny = await (await app.request("/estimate?model=gpt2-tiny")).json();
+    assert.equal(tiny.planned_for.why, "server");
+    assert.equal(tiny.planned_for.preset, null);
+    assert.equal(tiny.planned_for.name, "scripted test double");
+    assert.equal(tiny.planned_for.max_storage_buffer_binding_size, 2 ** 27);
+    assert.equal(tiny.gpu_memory_bytes, null);
+    assert.equal(tiny.fits, null);
+    assert.equal(tiny.fits_server_gpu, null);
+    assert.equal(estimateGpu(tiny), "this server's GPU (scripted test double)");
+
+    const h100 = await app.request(`${M345_QUERY}&gpu=h100`);
+    assert.equal(h100.status, 200);
+    const named = await h100.json();
+    assert.equal(named.gpu, "h100");
+    assert.equal(named.planned_for.preset, "h100");
+    assert.equal(named.planned_for.name, "NVIDIA H100 80GB");
+    assert.equal(named.planned_for.why, "query");
+    assert.equal(named.gpu_memory_bytes, 80 * 2 ** 30);
+    assert.equal(named.fits, true);
+    assert.equal(named.fits_server_gpu, false);
+
+    await apiError(await app.request(`${M345_QUERY}&gpu=nope`), 400, {
+      param: "gpu",
+      message: /gpu: Unknown GPU preset: expected one of h200, h100, a100-80gb, a100-40gb, webgpu-default/,
+    });
+    await apiError(await app.request(`${M345_QUERY}&gpu=webgpu-default`), 400, {
+      param: "model",
+      message: WTE_REFUSAL,
+    });
+  });
+});
+
+Deno.test({
+  name: "GET /estimate on this machine's own adapter: gpt2-345M plans for the default unless it binds",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const ready = {
+      adapter: describeDevice(ctx),
+      max_binding_bytes: ctx.limits.maxStorageBufferBindingSize,
+      max_buffer_bytes: ctx.limits.maxBufferSize,
+    };
+    await withServerGpu(ready, async (app) => {
+      const res = await app.request(M345_QUERY);
+      assert.equal(res.status, 200);
+      const body = await res.json();
+      assert.equal(body.parameters, formulaParameters("gpt2-345M"));
+      const binds = ctx.limits.maxStorageBufferBindingSize >= 206045184;
+      assert.equal(body.planned_for.why === "server", binds, body.planned_for.why);
+      if (!binds) assert.match(body.planned_for.why, /tensor "wte\.weight" of 206045184 bytes exceeds/);
+      const tiny = await (await app.request("/estimate?model=gpt2-tiny")).json();
+      assert.equal(tiny.planned_for.why, "server");
+      assert.equal(tiny.planned_for.name, ctx.adapterInfo.description || ctx.adapterInfo.vendor);
+    });
+  },
 });
