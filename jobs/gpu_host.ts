@@ -10,7 +10,10 @@
  * which GPU each landed on. When stdin closes (the server is done, or died), running jobs are
  * cancelled without saving and every Worker is shut down before the host exits.
  *
- * Run by jobs/host_client.ts as `deno run -A jobs/gpu_host.ts`.
+ * Run by jobs/host_client.ts as `deno run <hostPermissions()> jobs/gpu_host.ts`: it reads its code
+ * and the data directory, writes the data directory, sets the device-select variables and runs
+ * `nvidia-smi`. A Worker that cannot start reports its GPU unavailable with the reason; the
+ * queue of later messages goes on.
  */
 
 import type { FromHost, FromWorker, ToHost, ToWorker } from "./messages.ts";
@@ -64,7 +67,12 @@ class GpuHost {
   handle(line: ToHost): void {
     const { gpu, msg } = line;
     if (msg.type === "init") {
-      this.#starting = this.#starting.then(() => this.#start(gpu));
+      const failed = (error: string) =>
+        send({
+          gpu,
+          msg: { type: "unavailable", gpu, error: `Cannot start the Worker of GPU ${gpu}: ${error}` },
+        });
+      this.#queue(() => this.#start(gpu), failed);
       return;
     }
     const deliver = () => {
@@ -91,8 +99,15 @@ class GpuHost {
     };
     // Flags and generation traffic go straight to a started Worker; the rest waits for its start.
     const urgent = msg.type === "cancel" || msg.type === "stop" || msg.type.startsWith("generate");
+    const lost = (error: string) =>
+      console.error(`GPU host: cannot deliver "${msg.type}" to GPU ${gpu}: ${error}`);
     if (urgent && this.#ports.has(gpu)) deliver();
-    else this.#starting = this.#starting.then(deliver);
+    else this.#queue(deliver, lost);
+  }
+
+  /** Runs `step` after the Workers' starts queued before it; a step that throws never stops the ones after. */
+  #queue(step: () => void | Promise<void>, onError: (message: string) => void): void {
+    this.#starting = this.#starting.then(step).catch((e) => onError(`${(e as Error).message ?? e}`));
   }
 
   async #start(gpu: number): Promise<void> {

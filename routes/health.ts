@@ -2,7 +2,8 @@
  * Probes and metrics, as vLLM and llama.cpp split them:
  * - `GET /health`: liveness. 200 whenever the server answers, with each GPU's state and job counts.
  * - `GET /ready`: readiness. 200 once at least one GPU's device is open and the job store takes a
- *   write; until then 503 with the reasons in the error message (a load balancer sends it no work).
+ *   write; until then, and while the GPU host is "failed" (it could not start; `/health` has
+ *   `gpu_host.reason`), 503 with the reasons in the error message (a load balancer sends it no work).
  * - `GET /metrics`: the app's Prometheus registry (routes/metrics.ts).
  */
 
@@ -22,6 +23,8 @@ export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppM
       const why = gpus.map((g) => `GPU ${g.index} ${g.state}${g.error ? `: ${g.error}` : ""}`).join("; ");
       reasons.push(`No GPU is open (${why || "no GPUs configured"})`);
     }
+    const host = runner.hostStatus();
+    if (host?.state === "failed") reasons.push(host.reason ?? "GPU host failed");
     const storeError = runner.store.writeError();
     if (storeError) reasons.push(`Job store is not writable: ${storeError}`);
     return { gpus, reasons };
