@@ -4,12 +4,17 @@
  * per GPU) and the job runner, build the routes and serve them. No WebGPU is loaded in this
  * process, so a driver fault can only take down the GPU host, which is restarted.
  *
+ * Nothing that can go wrong at start ends in an uncaught error: a bad setting or an unusable data
+ * directory exits with a message, and a GPU host that cannot start is a state `/health` shows
+ * while it is tried again (jobs/host_client.ts).
+ *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
  * running job saves a checkpoint at its current step, event streams end, the Workers let their
  * GPUs go idle, the host exits, the store closes, and the process exits 0. A second signal exits
  * at once.
  */
 
+import { resolve } from "node:path";
 import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
 import {
   GenerationManager,
@@ -24,6 +29,7 @@ import {
   type ServerConfig,
   trainingGpus,
 } from "./jobs/mod.ts";
+import { hostPermissions } from "./jobs/host_client.ts";
 import { createApp } from "./routes/mod.ts";
 import { datasetRoutes } from "./routes/datasets.ts";
 
@@ -36,20 +42,6 @@ if (import.meta.main) {
     Deno.exit(2);
   }
   const { home } = config;
-  await Deno.mkdir(home, { recursive: true });
-  await Deno.mkdir(config.sources, { recursive: true });
-  try {
-    await lockDataDir(home);
-  } catch (e) {
-    console.error((e as Error).message);
-    Deno.exit(1);
-  }
-  // No writer is running yet: whatever a killed process left half-written goes.
-  const stale = [
-    ...await removeStaleCheckpointTemporaries(home),
-    ...await removeStaleTemporaries(datasetsDir(home)),
-  ];
-  for (const name of stale) console.log(`Removed stale temporary "${name}"`);
   let roles;
   try {
     roles = parseGpuRoles(Deno.env.get("GPT2_GPU_ROLES"), config.gpus);
@@ -57,8 +49,36 @@ if (import.meta.main) {
     console.error((e as Error).message);
     Deno.exit(2);
   }
-  const store = new JobStore(`${home}/jobs.sqlite`);
-  const host = new GpuHostClient({ env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) } });
+  let store: JobStore, homeReal: string;
+  try {
+    for (const [dir, setting] of [[home, "GPT2_HOME"], [config.sources, "GPT2_SOURCES"]]) {
+      await Deno.mkdir(dir, { recursive: true }).catch((e) => {
+        throw new Error(`Cannot create "${dir}" (${setting}): ${(e as Error).message}`);
+      });
+    }
+    homeReal = await Deno.realPath(home);
+    await lockDataDir(home);
+    // No writer is running yet: whatever a killed process left half-written goes.
+    const stale = [
+      ...await removeStaleCheckpointTemporaries(home),
+      ...await removeStaleTemporaries(datasetsDir(home)),
+    ];
+    for (const name of stale) console.log(`Removed stale temporary "${name}"`);
+    try {
+      store = new JobStore(`${home}/jobs.sqlite`);
+    } catch (e) {
+      throw new Error(`Cannot open the job store "${home}/jobs.sqlite": ${(e as Error).message}`);
+    }
+  } catch (e) {
+    console.error((e as Error).message);
+    Deno.exit(1);
+  }
+  const host = new GpuHostClient({
+    env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) },
+    // The Deno that runs the GPU host; a path that does not work leaves the host "failed" in /health.
+    deno: Deno.env.get("GPT2_GPU_HOST_DENO") || undefined,
+    denoFlags: hostPermissions([resolve(home), homeReal]),
+  });
   const runner = new JobRunner(store, {
     root: home,
     gpus: config.gpus,
@@ -131,6 +151,13 @@ if (import.meta.main) {
     console.log("Stopped");
     Deno.exit(0);
   };
-  Deno.addSignalListener("SIGINT", () => stop("SIGINT"));
-  Deno.addSignalListener("SIGTERM", () => stop("SIGTERM"));
+  const stopOn = (signal: Deno.Signal) =>
+    stop(signal).catch((e) => {
+      console.error(
+        `Stopping failed: ${(e as Error).message}; running jobs resume from their newest checkpoint`,
+      );
+      Deno.exit(1);
+    });
+  Deno.addSignalListener("SIGINT", () => stopOn("SIGINT"));
+  Deno.addSignalListener("SIGTERM", () => stopOn("SIGTERM"));
 }
