@@ -448,6 +448,7 @@ export class GenerationManager {
         seed: s,
         stop_at_eos: !p.ignore_eos,
         logprobs: p.logprobs ?? null,
+        root: this.#root,
       };
       const gen = new Generation(
         {

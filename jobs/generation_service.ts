@@ -13,8 +13,9 @@
  */
 
 import { EOT_TOKEN } from "../gpu/config.ts";
-import type { GpuContext } from "../gpu/device.ts";
+import { describeDevice, type GpuContext } from "../gpu/device.ts";
 import { Generator, isCpuAdapter } from "../gpu/generator.ts";
+import { compileReporter, driverCacheDisabled } from "./kernel_cache.ts";
 import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "./messages.ts";
 import { loadWeights } from "./model_source.ts";
 import { planStep, type SchedulerLimits } from "./scheduler.ts";
@@ -39,6 +40,8 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    * or `n` choices) are prefilled together rather than one first and the rest a chunk later.
    */
   admitWindowMs: number;
+  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
+  driverCacheDisabled?: boolean;
 }
 
 /**
@@ -61,13 +64,14 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1). Throws RangeError naming a variable that is out of range.
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
+ * (only reported). Throws RangeError naming a variable that is out of range.
  */
 export function generationOptionsFromEnv(
   env: { get(key: string): string | undefined },
 ): GenerationServiceOptions {
   const o = { ...DEFAULT_GENERATION_OPTIONS };
-  type NumericKey = Exclude<keyof GenerationServiceOptions, "runAhead">;
+  type NumericKey = Exclude<keyof GenerationServiceOptions, "runAhead" | "driverCacheDisabled">;
   const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
     if (raw === undefined || raw === "") return;
@@ -92,6 +96,7 @@ export function generationOptionsFromEnv(
     if (ahead !== "0" && ahead !== "1") throw new RangeError(`GPT2_GEN_RUN_AHEAD "${ahead}" must be 0 or 1`);
     o.runAhead = ahead === "1";
   }
+  o.driverCacheDisabled = driverCacheDisabled(env);
   return o;
 }
 
@@ -138,11 +143,28 @@ class Engine {
     this.#onIdle = hooks.idle;
     this.#onStep = hooks.step;
     const t0 = performance.now();
-    this.#gen = loadWeights(first.model).then((params) =>
+    const build = JSON.stringify({
+      generate: first.model.config,
+      streams: opts.maxStreams,
+      chunk: opts.chunk,
+      prefill: opts.prefillTokens,
+    });
+    this.#gen = Promise.all([
+      loadWeights(first.model),
+      compileReporter({
+        root: first.root ?? null,
+        adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
+        description: describeDevice(ctx),
+        build,
+        cacheDisabled: opts.driverCacheDisabled ?? false,
+        send: (r) => post({ type: "compile", id: null, model: first.model.id, ...r }),
+      }),
+    ]).then(([params, onCompile]) =>
       Generator.create(ctx, first.model.config, params, {
         maxStreams: opts.maxStreams,
         chunk: opts.chunk,
         prefillTokens: opts.prefillTokens,
+        onCompile,
       })
     ).then(async (g) => {
       // GPUs: every batch size's kernels up front (CPU adapters compile far slower: on first use).

@@ -36,10 +36,14 @@ class GpuWorker {
   #probe: GPUBuffer | null = null;
   #post: (msg: FromWorker) => void;
   #generation: GenerationService;
+  /** Whether the driver's shader cache is off (said in compile reports). */
+  #cacheDisabled: boolean;
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
-    this.#generation = new GenerationService(() => this.#open(), post, generationOptionsFromEnv(Deno.env));
+    const settings = generationOptionsFromEnv(Deno.env);
+    this.#cacheDisabled = settings.driverCacheDisabled ?? false;
+    this.#generation = new GenerationService(() => this.#open(), post, settings);
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
@@ -111,6 +115,7 @@ class GpuWorker {
             stopRequested: () => this.#flag(STOP_FLAG),
             generation: this.#generation,
             comm: msg.comm,
+            driverCacheDisabled: this.#cacheDisabled,
           }),
         );
         return;

@@ -9,6 +9,7 @@
 
 import type { PhaseTimes, RankTimes, TrainConfig } from "./types.ts";
 import type { ModelConfig } from "../gpu/config.ts";
+import type { CompileReport } from "./kernel_cache.ts";
 
 /** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
 export const CANCEL_FLAG = 0;
@@ -73,6 +74,8 @@ export interface WorkerGeneration {
   stop_at_eos: boolean;
   /** Log-probabilities per token: null for none, else how many top ones (0 … 5). */
   logprobs?: number | null;
+  /** Data directory: the Worker records there which kernels it compiled (jobs/kernel_cache.ts). */
+  root?: string;
 }
 
 /** Log-probabilities of one generated token: its own and the top ones as [id, logprob], best first. */
@@ -161,6 +164,11 @@ export type FromWorker =
     tokens: number;
   }
   | { type: "log"; id: string; level: "info" | "warn"; message: string }
+  /**
+   * Kernel compilation of a training job (`id`), or of a generation model (`id` null, `model` its
+   * id), throttled by the Worker (jobs/kernel_cache.ts).
+   */
+  | ({ type: "compile"; id: string | null; model?: string } & CompileReport)
   | { type: "checkpoint"; id: string; iteration: number; name: string; path: string }
   | {
     type: "done";

@@ -15,6 +15,7 @@ import type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
 import type { HostStatus } from "./host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "./checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "./types.ts";
+import { compileLine } from "./kernel_cache.ts";
 import { completeConfig, type DeviceBudget, estimateBytes, type TrainRequest } from "./model.ts";
 
 export type { SpawnWorker, WorkerPort } from "./gpu_port.ts";
@@ -66,6 +67,9 @@ interface Gang {
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
 const PEER_FAILURE = /^Communicator (aborted|timed out)/;
 
+/** Least ms between two server log lines of one build's kernel compilation. */
+const COMPILE_LOG_MS = 5000;
+
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
   /** Data directory: datasets and `checkpoints/<job id>/`. */
@@ -102,6 +106,8 @@ export class JobRunner {
   #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
+  /** When each build's compilation was last logged (by job id, or GPU and model). */
+  #compileLogged = new Map<string, number>();
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
@@ -648,6 +654,19 @@ export class JobRunner {
       case "log":
         this.#emit(msg.id, "log", { level: msg.level, message: msg.message });
         return;
+      case "compile": {
+        const { type: _, id, model: __, ...report } = msg;
+        if (id) this.#emit(id, "compile", report);
+        // The server's log: the first and last report of a build, and one every few seconds between.
+        const key = id ?? `${slot.index}:${msg.model}`;
+        const now = Date.now(), complete = msg.done >= msg.total;
+        if (msg.done === 1 || complete || now - (this.#compileLogged.get(key) ?? 0) >= COMPILE_LOG_MS) {
+          console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
+          this.#compileLogged.set(key, now);
+        }
+        if (complete) this.#compileLogged.delete(key);
+        return;
+      }
       case "checkpoint":
         this.#store.updateJob(msg.id, { last_checkpoint: msg.name });
         this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });

@@ -5,7 +5,7 @@
  * job in-process and compare losses bit for bit.
  */
 
-import type { GpuContext } from "../gpu/device.ts";
+import { describeDevice, type GpuContext } from "../gpu/device.ts";
 import { ConfigError } from "../gpu/config.ts";
 import type { LrSchedule } from "../gpu/schedule.ts";
 import { Trainer, type TrainerState } from "../gpu/trainer.ts";
@@ -32,6 +32,7 @@ import {
   TensorParallelExchange,
 } from "../gpu/parallel/mod.ts";
 import { checkpointLayers, trainingModel } from "./model.ts";
+import { compileReporter } from "./kernel_cache.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
@@ -54,6 +55,8 @@ export interface TrainHooks {
   generation?: { readonly busy: boolean; turn(trainMs: number): Promise<void> };
   /** Data-parallel jobs: the run's shared communicators (see `WorkerJob.parallel`). */
   comm?: JobComm;
+  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
+  driverCacheDisabled?: boolean;
 }
 
 /** How long a gradient exchange waits for a peer before the job fails (a peer may be evaluating). */
@@ -222,6 +225,26 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       samplerState = ck.manifest.sampler;
       iteration = ck.state.step;
     }
+    // Kernels depend on these: a marker per adapter records which ones compiled there before.
+    const build = JSON.stringify({
+      train: model,
+      batch: c.batch_size,
+      seq: c.seq_len,
+      precision: c.precision ?? "fp32",
+      micro: accumulation,
+      checkpoint: checkpointLayers(c),
+      dp,
+      tp,
+      sharded,
+    });
+    const onCompile = await compileReporter({
+      root: job.root,
+      adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
+      description: describeDevice(ctx),
+      build,
+      cacheDisabled: hooks.driverCacheDisabled ?? false,
+      send: (r) => post({ type: "compile", id: job.id, ...r }),
+    });
     trainer = await Trainer.create(ctx, {
       config: model,
       batchSize: c.batch_size,
@@ -240,6 +263,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
       shardedOptimizer: sharded,
       tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
+      onCompile,
     }, state);
     if (sharded) {
       ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {

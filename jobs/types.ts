@@ -182,10 +182,12 @@ export interface Job {
 }
 
 /**
- * Kinds of server-sent events. `shutdown` is live only (never stored): the server is stopping,
- * and the stream ends; the job resumes when the server is back.
+ * Kinds of server-sent events. `compile`: kernel compilation before the first step (pipelines
+ * done of total, the adapter, whether it is a first run there; see jobs/kernel_cache.ts).
+ * `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
+ * resumes when the server is back.
  */
-export type JobEventType = "progress" | "log" | "checkpoint" | "done" | "shutdown";
+export type JobEventType = "progress" | "compile" | "log" | "checkpoint" | "done" | "shutdown";
 
 /** One stored event; `id` increases across all jobs and is the SSE id. */
 export interface JobEvent {
