@@ -259,7 +259,18 @@ export async function jobView(ctx, id) {
           job.metrics[`${p}_loss`] = data.loss;
           job.metrics[`${p}_perplexity`] = data.perplexity;
         }
-        if (type === "log") {
+        if (type === "compile" && (data.done === 1 || data.done >= data.total)) {
+          const cache = data.cache_disabled
+            ? " (the driver's shader cache is disabled)"
+            : data.first_run
+            ? " (first run on this adapter; cached afterwards)"
+            : "";
+          addLog(
+            data.done >= data.total
+              ? `Compiled ${data.total} kernels on ${data.adapter} in ${(data.ms / 1000).toFixed(1)} s`
+              : `Compiling ${data.total} kernels on ${data.adapter}${cache}`,
+          );
+        } else if (type === "log") {
           addLog(data.message, data.level);
           if (data.status) refreshJob().catch(() => {});
         } else if (type === "checkpoint") {
