@@ -3,7 +3,8 @@
  * `--batch`, `--seq`), timing each pipeline's creation, then runs one step with one submission per
  * op, twice, so an op's first dispatch minus its second is what the driver compiled lazily
  * (llvmpipe through OpenGL compiles at first dispatch). Run with MESA_SHADER_CACHE_DISABLE=true for
- * a fresh machine's figures. Prints the slowest ops of each kind.
+ * a fresh machine's figures. Prints the slowest ops of each kind. `--tiled` keeps the GPUs' tiled
+ * kernels on a CPU adapter (what it compiled before the direct ones existed).
  */
 import { openDevice } from "../gpu/device.ts";
 import { presetConfig } from "../gpu/config.ts";
@@ -39,6 +40,7 @@ const trainer = await Trainer.create(ctx, {
   attnDropout: 0,
   hiddenDropout: 0,
   seed: 1,
+  kernels: { cpuDirect: !Deno.args.includes("--tiled") },
   onCompile: (p) => {
     if (Deno.args.includes("--verbose")) {
       console.log(`  ${p.done}/${p.total} ${p.label} ${p.ms.toFixed(0)} ms`);

@@ -390,15 +390,15 @@ export class Generator {
   }
 
   /**
-   * Compiles the decode kernels of every batch bucket now (1, 2, 4 … maxStreams rows), so the
-   * first time the batch reaches a bucket does not stall every stream while its kernels compile
-   * (about half a second per bucket on an H200). Returns the ms it took.
+   * Compiles the decode kernels of every batch bucket up to `maxRows` rows now (1, 2, 4 …; all of
+   * them by default), so the first time the batch reaches a bucket does not stall every stream
+   * while its kernels compile (about half a second per bucket on an H200). Returns the ms it took.
    */
-  async warm(): Promise<number> {
-    const t0 = performance.now();
+  async warm(maxRows = this.opts.maxStreams): Promise<number> {
+    const t0 = performance.now(), top = Math.min(maxRows, this.opts.maxStreams);
     for (let b = 1;; b *= 2) {
-      await this.#decodePlan(Math.min(b, this.opts.maxStreams));
-      if (b >= this.opts.maxStreams) break;
+      await this.#decodePlan(Math.min(b, top));
+      if (b >= top) break;
     }
     return performance.now() - t0;
   }
