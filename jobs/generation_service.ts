@@ -120,6 +120,8 @@ class Engine {
   #waiting: WorkerGeneration[] = [];
   #active: Active[] = [];
   #running = false;
+  /** Whether the background warm-up of every batch size has started (#warmRest). */
+  #warmed = false;
   #dead = false;
   #onIdle: () => void;
   #onStep: (ms: number) => void;
@@ -167,8 +169,11 @@ class Engine {
         onCompile,
       })
     ).then(async (g) => {
-      // GPUs: every batch size's kernels up front (CPU adapters compile far slower: on first use).
-      if (!isCpuAdapter(ctx)) await g.warm();
+      // GPUs: the one-stream batch's kernels before the first request; the other batch sizes'
+      // once the engine is first idle (#run), so the first token does not wait for all of them
+      // (4.2 s for the demo's model on an H200) and a growing batch still finds them compiled.
+      // CPU adapters compile far slower: on first use.
+      if (!isCpuAdapter(ctx)) await g.warm(1);
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -228,8 +233,19 @@ class Engine {
       for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
     } finally {
       this.#running = false;
+      this.#warmRest();
       this.#onIdle();
     }
+  }
+
+  /**
+   * GPUs: compiles the other batch sizes' decode kernels in the background, once. Builds run one
+   * at a time, so a request arriving meanwhile waits at most for the bucket being compiled.
+   */
+  #warmRest(): void {
+    if (this.#warmed || !this.usable || isCpuAdapter(this.#ctx)) return;
+    this.#warmed = true;
+    this.#gen.then((g) => this.#dead ? 0 : g.warm()).catch(() => {}); // failures show at next use
   }
 
   #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
