@@ -390,17 +390,48 @@ export class Generator {
   }
 
   /**
-   * Compiles the decode kernels of every batch bucket up to `maxRows` rows now (1, 2, 4 …; all of
-   * them by default), so the first time the batch reaches a bucket does not stall every stream
-   * while its kernels compile (about half a second per bucket on an H200). Returns the ms it took.
+   * Compiles now the decode kernels of every batch bucket up to `maxRows` rows (1, 2, 4 …; all of
+   * them by default) and, with `prefill`, the kernels of every prefill shape a step can meet
+   * (prefillShapes), so the first request at a new concurrency or prompt length does not stall
+   * every stream while its kernels compile (about half a second per decode bucket on an H200).
+   * Returns the ms it took.
    */
-  async warm(maxRows = this.opts.maxStreams): Promise<number> {
+  async warm(maxRows = this.opts.maxStreams, prefill = true): Promise<number> {
     const t0 = performance.now(), top = Math.min(maxRows, this.opts.maxStreams);
+    await this.#remapOp();
     for (let b = 1;; b *= 2) {
       await this.#decodePlan(Math.min(b, top));
       if (b >= top) break;
     }
+    if (prefill) { for (const [B, Tb] of this.prefillShapes()) await this.#prefillPlan(B, Tb); }
     return performance.now() - t0;
+  }
+
+  /** The state remap that starts every chunk (see stateRemapWgsl), built once. */
+  async #remapOp(): Promise<Op> {
+    this.#remap ??= await this.#inBatch(() =>
+      this.#op("elementwise", "dec.remap", stateRemapWgsl(), [
+        { buffer: this.#prevState },
+        { buffer: this.#table },
+        { buffer: this.#state },
+      ], [Math.ceil((this.opts.maxStreams + 1) / 64)])
+    );
+    return this.#remap;
+  }
+
+  /**
+   * Every prefill shape [prompts per batch (a power of 2), bucketed prompt length] a step can
+   * meet: batches of up to PREFILL_ROWS prompts within the prefill token budget, or one prompt
+   * of any length.
+   */
+  prefillShapes(): Array<[number, number]> {
+    const n = this.config.n_positions;
+    const lens = [...new Set(Array.from({ length: n - 1 }, (_, i) => this.#lenBucket(i + 1)))];
+    const out: Array<[number, number]> = [];
+    for (let B = 1; B <= PREFILL_ROWS; B *= 2) {
+      for (const Tb of lens) if (B === 1 || B * Tb <= this.opts.prefillTokens) out.push([B, Tb]);
+    }
+    return out;
   }
 
   /** Distinct kernels compiled so far. */
@@ -614,16 +645,10 @@ export class Generator {
     this.#paramsCpu.fill(0, R * PARAM_WORDS, Rb * PARAM_WORDS);
     q.writeBuffer(this.#table, 0, table);
     q.writeBuffer(this.#sampling, 0, this.#paramsCpu);
-    this.#remap ??= await this.#inBatch(() =>
-      this.#op("elementwise", "dec.remap", stateRemapWgsl(), [
-        { buffer: this.#prevState },
-        { buffer: this.#table },
-        { buffer: this.#state },
-      ], [Math.ceil(N / 64)])
-    );
+    const remap = await this.#remapOp();
     const enc = dev.createCommandEncoder();
     enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
-    encodeOps(enc, [this.#remap]);
+    encodeOps(enc, [remap]);
     q.submit([enc.finish()]);
     this.#src = this.#rows.map((_, r) => r);
     for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);

@@ -173,7 +173,7 @@ class Engine {
       // once the engine is first idle (#run), so the first token does not wait for all of them
       // (4.2 s for the demo's model on an H200) and a growing batch still finds them compiled.
       // CPU adapters compile far slower: on first use.
-      if (!isCpuAdapter(ctx)) await g.warm(1);
+      if (!isCpuAdapter(ctx)) await g.warm(1, false);
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -239,8 +239,9 @@ class Engine {
   }
 
   /**
-   * GPUs: compiles the other batch sizes' decode kernels in the background, once. Builds run one
-   * at a time, so a request arriving meanwhile waits at most for the bucket being compiled.
+   * GPUs: compiles the other batch sizes' decode kernels and every prefill shape's in the
+   * background, once. Builds run one at a time, so a request arriving meanwhile waits at most for
+   * the plan being compiled.
    */
   #warmRest(): void {
     if (this.#warmed || !this.usable || isCpuAdapter(this.#ctx)) return;

@@ -274,3 +274,38 @@ Deno.test({
     gen.destroy();
   },
 });
+
+Deno.test({
+  name:
+    "Generator.warm() compiles every prefill shape: no pipeline is created for any batch of prompts after it",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const params = await trainedParams();
+    const gen = await Generator.create(ctx, config, params, { maxStreams: 4, chunk: 4, prefillTokens: 64 });
+    const shapes = gen.prefillShapes();
+    // Up to 8 prompts per batch, lengths bucketed to 32 or n_positions, B·T within 64 tokens.
+    assert.deepEqual(shapes, [[1, 32], [1, 64], [2, 32]]);
+    await gen.warm();
+    const device = ctx.device, create = device.createComputePipeline;
+    let created = 0;
+    device.createComputePipeline = (d: GPUComputePipelineDescriptor) => {
+      created++;
+      return create.call(device, d);
+    };
+    try {
+      for (const n of [1, 2, 3, 4]) {
+        for (const len of [3, 31, config.n_positions - 1]) {
+          const hs = [];
+          for (let i = 0; i < n; i++) hs.push(await gen.admit(Array(len).fill(11 + i), greedy));
+          await gen.step(2);
+          for (const h of hs) gen.release(h);
+        }
+      }
+    } finally {
+      device.createComputePipeline = create;
+    }
+    assert.equal(created, 0, "pipelines created after warm()");
+    gen.destroy();
+  },
+});
