@@ -41,7 +41,7 @@ export function compileLine(r: CompileReport, who?: string): string {
     ? "compiled before on this adapter: the driver's cache should make it quick"
     : null;
   const what = r.done >= r.total
-    ? `compiled ${r.total} kernels on ${r.adapter} in ${(r.ms / 1000).toFixed(1)} s`
+    ? `compiled ${r.total} kernel${r.total === 1 ? "" : "s"} on ${r.adapter} in ${(r.ms / 1000).toFixed(1)} s`
     : `compiling kernels ${r.done}/${r.total} on ${r.adapter}, ${(r.ms / 1000).toFixed(1)} s so far`;
   return `${who ? `${who}: ` : ""}${what}${cache ? ` (${cache})` : ""}`;
 }

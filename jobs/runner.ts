@@ -69,6 +69,8 @@ const PEER_FAILURE = /^Communicator (aborted|timed out)/;
 
 /** Least ms between two server log lines of one build's kernel compilation. */
 const COMPILE_LOG_MS = 5000;
+/** A build's end is logged when it compiled at least this many kernels, or took a second. */
+const COMPILE_LOG_KERNELS = 8;
 
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
@@ -106,8 +108,8 @@ export class JobRunner {
   #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
-  /** When each build's compilation was last logged (by job id, or GPU and model). */
-  #compileLogged = new Map<string, number>();
+  /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
+  #compileLogged = new Map<string, { at: number; logged: boolean }>();
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
@@ -657,14 +659,21 @@ export class JobRunner {
       case "compile": {
         const { type: _, id, model: __, ...report } = msg;
         if (id) this.#emit(id, "compile", report);
-        // The server's log: the first and last report of a build, and one every few seconds between.
+        // The server's log: a line every few seconds while a build compiles, and its end unless it
+        // was small and quick (a generator compiles several such builds).
         const key = id ?? `${slot.index}:${msg.model}`;
-        const now = Date.now(), complete = msg.done >= msg.total;
-        if (msg.done === 1 || complete || now - (this.#compileLogged.get(key) ?? 0) >= COMPILE_LOG_MS) {
+        const now = Date.now(), seen = this.#compileLogged.get(key) ?? { at: now, logged: false };
+        const complete = msg.done >= msg.total;
+        if (
+          complete
+            ? seen.logged || msg.total >= COMPILE_LOG_KERNELS || msg.ms >= 1000
+            : now - seen.at >= COMPILE_LOG_MS
+        ) {
           console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
-          this.#compileLogged.set(key, now);
+          Object.assign(seen, { at: now, logged: true });
         }
         if (complete) this.#compileLogged.delete(key);
+        else this.#compileLogged.set(key, seen);
         return;
       }
       case "checkpoint":
