@@ -198,12 +198,14 @@ export interface ReadRange {
 }
 
 /**
- * A staging buffer (MAP_READ) for `ranges` end to end, their byte offsets in it, and `copy`,
- * which records the copies filling it (into an encoder submitted once the data is final).
+ * A staging buffer (MAP_READ, or `usage` instead) for `ranges` end to end, their byte offsets in
+ * it, and `copy`, which records the copies filling it (into an encoder submitted once the data is
+ * final).
  */
 export function stagingFor(
   ctx: GpuContext,
   ranges: ReadRange[],
+  usage: GPUBufferUsageFlags = GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
 ): { buffer: GPUBuffer; offsets: number[]; bytes: number[]; copy: (enc: GPUCommandEncoder) => void } {
   const sized = ranges.map((r) => {
     const offset = r.offset ?? 0;
@@ -216,8 +218,8 @@ export function stagingFor(
     total += r.bytes;
   }
   const buffer = ctx.device.createBuffer({
-    size: total,
-    usage: GPUBufferUsage.MAP_READ | GPUBufferUsage.COPY_DST,
+    size: Math.ceil(total / 4) * 4,
+    usage,
   });
   const copy = (enc: GPUCommandEncoder) =>
     sized.forEach((r, i) => enc.copyBufferToBuffer(r.buffer, r.offset, buffer, offsets[i], r.bytes));

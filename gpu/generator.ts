@@ -26,6 +26,7 @@ import {
   stagingFor,
 } from "./device.ts";
 import { buildModel, destroyModel, type GpuModel } from "./model.ts";
+import type { Readback } from "./readback.ts";
 import {
   type CompileListener,
   encodeOps,
@@ -112,6 +113,12 @@ export interface GeneratorOptions {
   submitEvery?: number;
   /** Hears of each kernel compiled, with the total of the plan being built (see OpBatch.compile). */
   onCompile?: CompileListener;
+  /**
+   * Reads each chunk's tokens back through this reader's canvas path where it serves their size
+   * (gpu/readback.ts: well under a millisecond for a chunk's few KB, against mapAsync's 10 ms
+   * floor); null or absent: mapAsync.
+   */
+  readback?: Readback | null;
 }
 
 /** Where the last `step` spent its time (wall-clock ms on the JS thread). */
@@ -166,6 +173,8 @@ interface Chunk {
   wantLp: boolean;
   /** Decode steps it ran. */
   steps: number;
+  /** Read back through `GeneratorOptions.readback`'s canvas path (staging is a COPY_SRC buffer). */
+  fast: boolean;
 }
 
 interface PrefillPlan {
@@ -313,6 +322,7 @@ export class Generator {
       cpuUniform: opts.cpuUniform ?? true,
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
       onCompile: opts.onCompile ?? (() => {}),
+      readback: opts.readback ?? null,
     };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number, extraUsage = 0) => {
@@ -597,8 +607,9 @@ export class Generator {
     }
     const t1 = performance.now();
     const chunks = this.#inflight.splice(0);
+    if (chunks.length > 0 && chunks.every((c) => c.fast)) return await this.#stepFast(chunks, ahead, t0, t1);
     // The first mapAsync blocks until the GPU has run everything queued; the rest find it done.
-    const maps = chunks.map((c) => c.staging.mapAsync(GPUMapMode.READ));
+    const maps = chunks.map((c) => c.fast ? null : c.staging.mapAsync(GPUMapMode.READ));
     const t2 = performance.now();
     if (ahead > 0 && this.#rows.length > 0) {
       const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
@@ -609,7 +620,13 @@ export class Generator {
     try {
       await Promise.all(maps);
       checkDevice(this.#ctx);
-      for (const c of chunks) this.#collect(c, c.staging.getMappedRange(), res);
+      for (const c of chunks) {
+        this.#collect(
+          c,
+          c.fast ? await this.opts.readback!.read(c.staging) : c.staging.getMappedRange(),
+          res,
+        );
+      }
     } finally {
       for (const c of chunks) c.staging.destroy();
     }
@@ -617,6 +634,39 @@ export class Generator {
       encodeMs: t1 - t0 + (t3 - t2),
       waitMs: performance.now() - t3 + (t2 - t1),
       mapMs: t2 - t1,
+      steps: chunks.reduce((a, c) => a + c.steps, 0),
+    };
+    return res;
+  }
+
+  /**
+   * The end of `step` when its chunks are read through the canvas path, which waits for the GPU on
+   * this thread: the chunks are read first and the chunk run ahead is queued after, so nothing
+   * queued behind the copy delays the read.
+   */
+  async #stepFast(
+    chunks: Chunk[],
+    ahead: number,
+    t0: number,
+    t1: number,
+  ): Promise<Map<number, StreamOutput>> {
+    const res = new Map<number, StreamOutput>();
+    const bufs: ArrayBuffer[] = [];
+    try {
+      for (const c of chunks) bufs.push(await this.opts.readback!.read(c.staging));
+    } finally {
+      for (const c of chunks) c.staging.destroy();
+    }
+    const t2 = performance.now();
+    if (ahead > 0 && this.#rows.length > 0) {
+      const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
+      if (n > 0) await this.#submitChunk([], n, true);
+    }
+    chunks.forEach((c, i) => this.#collect(c, bufs[i], res));
+    this.timing = {
+      encodeMs: t1 - t0 + (performance.now() - t2),
+      waitMs: t2 - t1,
+      mapMs: 0,
       steps: chunks.reduce((a, c) => a + c.steps, 0),
     };
     return res;
@@ -655,11 +705,17 @@ export class Generator {
     const ops = steps > 0 ? await this.#decodePlan(Rb) : [], every = this.opts.submitEvery;
     const nlp = this.#rows.map((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3]);
     const wantLp = nlp.some((n) => n > 0);
-    const staged = stagingFor(this.#ctx, [
+    const ranges = [
       { buffer: this.#state, bytes: R * STATE_WORDS * 4 },
       { buffer: this.#out, bytes: R * chunk * 4 },
       ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
-    ]);
+    ];
+    const fast = this.opts.readback?.pathFor(ranges.reduce((a, r) => a + r.bytes, 0)) === "canvas";
+    const staged = stagingFor(
+      this.#ctx,
+      ranges,
+      fast ? GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST : undefined,
+    );
     let next = 0;
     /** Queues the next `submitEvery` steps in one submission, or the copy once all are; true when done. */
     const piece = (): boolean => {
@@ -684,6 +740,7 @@ export class Generator {
       nlp,
       wantLp,
       steps,
+      fast,
     });
   }
 

@@ -15,6 +15,7 @@
 import { EOT_TOKEN } from "../gpu/config.ts";
 import { describeDevice, type GpuContext } from "../gpu/device.ts";
 import { Generator, isCpuAdapter } from "../gpu/generator.ts";
+import { createReadback, parseFastReadback, type Readback } from "../gpu/readback.ts";
 import { compileReporter, driverCacheDisabled } from "./kernel_cache.ts";
 import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "./messages.ts";
 import { loadWeights } from "./model_source.ts";
@@ -42,6 +43,12 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   admitWindowMs: number;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
   driverCacheDisabled?: boolean;
+  /**
+   * Read each chunk's tokens back through the canvas path where it works (gpu/readback.ts: well
+   * under a millisecond on an H200 against mapAsync's 10 ms floor); default true,
+   * GPT2_FAST_READBACK=0 turns it off.
+   */
+  fastReadback?: boolean;
 }
 
 /**
@@ -62,6 +69,21 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
 };
 
 /**
+ * Resolves in a later task (a message on a channel: unlike a timer, never clamped to 4 ms when
+ * nested), so the event loop runs what is queued first.
+ */
+function nextTask(): Promise<void> {
+  const { port1, port2 } = new MessageChannel();
+  return new Promise((resolve) => {
+    port1.onmessage = () => {
+      port1.close();
+      resolve();
+    };
+    port2.postMessage(null);
+  });
+}
+
+/**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
  * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
@@ -71,7 +93,10 @@ export function generationOptionsFromEnv(
   env: { get(key: string): string | undefined },
 ): GenerationServiceOptions {
   const o = { ...DEFAULT_GENERATION_OPTIONS };
-  type NumericKey = Exclude<keyof GenerationServiceOptions, "runAhead" | "driverCacheDisabled">;
+  type NumericKey = Exclude<
+    keyof GenerationServiceOptions,
+    "runAhead" | "driverCacheDisabled" | "fastReadback"
+  >;
   const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
     if (raw === undefined || raw === "") return;
@@ -97,6 +122,11 @@ export function generationOptionsFromEnv(
     o.runAhead = ahead === "1";
   }
   o.driverCacheDisabled = driverCacheDisabled(env);
+  try {
+    o.fastReadback = parseFastReadback(env.get("GPT2_FAST_READBACK"));
+  } catch (e) {
+    throw new RangeError((e as Error).message);
+  }
   return o;
 }
 
@@ -120,6 +150,8 @@ class Engine {
   #waiting: WorkerGeneration[] = [];
   #active: Active[] = [];
   #running = false;
+  /** Reads the chunks back (gpu/readback.ts), made with the generator. */
+  #readback: Readback | null = null;
   /** Whether the background warm-up of every batch size has started (#warmRest). */
   #warmed = false;
   #dead = false;
@@ -161,14 +193,17 @@ class Engine {
         cacheDisabled: opts.driverCacheDisabled ?? false,
         send: (r) => post({ type: "compile", id: null, model: first.model.id, ...r }),
       }),
-    ]).then(([params, onCompile]) =>
-      Generator.create(ctx, first.model.config, params, {
+      createReadback(ctx, { canvas: opts.fastReadback ?? true }),
+    ]).then(([params, onCompile, readback]) => {
+      this.#readback = readback;
+      return Generator.create(ctx, first.model.config, params, {
         maxStreams: opts.maxStreams,
         chunk: opts.chunk,
         prefillTokens: opts.prefillTokens,
         onCompile,
-      })
-    ).then(async (g) => {
+        readback,
+      });
+    }).then(async (g) => {
       // GPUs: the one-stream batch's kernels before the first request; the other batch sizes'
       // once the engine is first idle (#run), so the first token does not wait for all of them
       // (4.2 s for the demo's model on an H200) and a growing batch still finds them compiled.
@@ -210,6 +245,7 @@ class Engine {
   async destroy(): Promise<void> {
     this.#dead = true;
     (await this.#gen.catch(() => null))?.destroy();
+    this.#readback?.destroy();
   }
 
   #done(id: string, reason: Done["reason"], error: string | null, completion_tokens: number): void {
@@ -225,6 +261,9 @@ class Engine {
           await new Promise((r) => setTimeout(r, this.#opts.admitWindowMs));
         }
         await this.#step(gen);
+        // A step read through the canvas path may never leave the microtask queue: let messages
+        // (a cancel, a new request) and timers in between steps.
+        await nextTask();
       }
     } catch (e) {
       this.#dead = true;

@@ -9,6 +9,7 @@
 import assert from "node:assert/strict";
 import { makeConfig } from "../gpu/config.ts";
 import { Generator, type SamplingParams } from "../gpu/generator.ts";
+import { createReadback } from "../gpu/readback.ts";
 import { referenceForward } from "../gpu/reference.ts";
 import { Trainer } from "../gpu/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
@@ -80,17 +81,20 @@ for (const cpuUniform of [true, false]) {
   Deno.test({
     name:
       `Generator continuous batching: greedy equals the reference for streams admitted and released at any step${
-        cpuUniform ? "" : " (storage-buffer kernels, as on GPUs)"
+        cpuUniform ? "" : " (storage-buffer kernels, as on GPUs; chunks read through the canvas path)"
       }`,
     ignore: noGpu,
     fn: async () => {
       const params = await trainedParams();
       const p64 = Float64Array.from(params);
       const N = 10;
-      const gen = await Generator.create((await testContext())!, config, params, {
+      const ctx = (await testContext())!;
+      const readback = cpuUniform ? null : await createReadback(ctx);
+      const gen = await Generator.create(ctx, config, params, {
         maxStreams: N,
         chunk: 8,
         cpuUniform,
+        readback,
       });
       assert.equal(gen.capacity, 4, "the cache starts small");
       const got: number[][] = prompts.map(() => []);
@@ -114,7 +118,14 @@ for (const cpuUniform of [true, false]) {
       for (let i = 0; i < prompts.length; i++) {
         assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
       }
+      if (readback?.canvas) {
+        assert.ok(
+          readback.counts.canvas >= 3 && readback.counts.mapAsync === 0,
+          JSON.stringify(readback.counts),
+        );
+      }
       gen.destroy();
+      readback?.destroy();
     },
   });
 }
@@ -193,66 +204,74 @@ Deno.test({
   },
 });
 
-Deno.test({
-  name:
-    "Generator running ahead: the same greedy tokens while streams join and leave with a chunk still queued; maxTokens bounds it",
-  ignore: noGpu,
-  fn: async () => {
-    const params = await trainedParams();
-    const p64 = Float64Array.from(params);
-    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: 6, chunk: 8 });
-    const got: number[][] = [[], [], [], []], lps: number[] = [0, 0, 0, 0];
-    const owner = new Map<number, number>();
-    const admit = async (i: number, s: SamplingParams = greedy) =>
-      owner.set(await gen.admit(prompts[i], s), i);
-    const step = async (steps: number, ahead: number) => {
-      for (const [h, o] of await gen.step(steps, ahead)) {
-        const i = owner.get(h)!;
-        got[i].push(...o.tokens);
-        if (o.logprobs) {
-          lps[i] += o.logprobs.length;
-          // Greedy: the chosen token is the most likely one.
-          for (const l of o.logprobs) assert.ok(Math.abs(l.logprob - l.top[0].logprob) < 1e-6);
+for (const fast of [false, true]) {
+  Deno.test({
+    name:
+      `Generator running ahead: the same greedy tokens while streams join and leave with a chunk still queued; maxTokens bounds it${
+        fast ? " (chunks read through the canvas path)" : ""
+      }`,
+    ignore: noGpu,
+    fn: async () => {
+      const params = await trainedParams();
+      const p64 = Float64Array.from(params);
+      const ctx = (await testContext())!;
+      const readback = fast ? await createReadback(ctx) : null;
+      const gen = await Generator.create(ctx, config, params, { maxStreams: 6, chunk: 8, readback });
+      const got: number[][] = [[], [], [], []], lps: number[] = [0, 0, 0, 0];
+      const owner = new Map<number, number>();
+      const admit = async (i: number, s: SamplingParams = greedy) =>
+        owner.set(await gen.admit(prompts[i], s), i);
+      const step = async (steps: number, ahead: number) => {
+        for (const [h, o] of await gen.step(steps, ahead)) {
+          const i = owner.get(h)!;
+          got[i].push(...o.tokens);
+          if (o.logprobs) {
+            lps[i] += o.logprobs.length;
+            // Greedy: the chosen token is the most likely one.
+            for (const l of o.logprobs) assert.ok(Math.abs(l.logprob - l.top[0].logprob) < 1e-6);
+          }
         }
+      };
+      await admit(0);
+      await admit(1, { ...greedy, logprobs: 2 });
+      await step(3, 5); // prefill + 3 steps; 5 more run ahead
+      assert.deepEqual(got.map((t) => t.length), [4, 4, 0, 0]);
+      await admit(2); // joins while the 5 steps are queued
+      await step(2, 5); // those 5, then its prefill and 2 steps for all; 5 more ahead
+      assert.deepEqual(got.map((t) => t.length), [11, 11, 3, 0]);
+      assert.equal(gen.timing.steps, 7);
+      gen.release([...owner].find(([, i]) => i === 0)![0]); // leaves with 5 steps queued for it
+      await step(4, 5); // nothing pending: returns the queued 5 (stream 0's dropped), 5 more ahead
+      assert.deepEqual(got.map((t) => t.length), [11, 16, 8, 0]);
+      await admit(3); // takes stream 0's slot while the chunk ahead still writes it
+      await step(1, 0);
+      assert.deepEqual(got.map((t) => t.length), [11, 22, 14, 2]);
+      assert.equal(lps[1], 22, "logprobs for every token, across chunks");
+      for (let i = 0; i < got.length; i++) {
+        assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
       }
-    };
-    await admit(0);
-    await admit(1, { ...greedy, logprobs: 2 });
-    await step(3, 5); // prefill + 3 steps; 5 more run ahead
-    assert.deepEqual(got.map((t) => t.length), [4, 4, 0, 0]);
-    await admit(2); // joins while the 5 steps are queued
-    await step(2, 5); // those 5, then its prefill and 2 steps for all; 5 more ahead
-    assert.deepEqual(got.map((t) => t.length), [11, 11, 3, 0]);
-    assert.equal(gen.timing.steps, 7);
-    gen.release([...owner].find(([, i]) => i === 0)![0]); // leaves with 5 steps queued for it
-    await step(4, 5); // nothing pending: returns the queued 5 (stream 0's dropped), 5 more ahead
-    assert.deepEqual(got.map((t) => t.length), [11, 16, 8, 0]);
-    await admit(3); // takes stream 0's slot while the chunk ahead still writes it
-    await step(1, 0);
-    assert.deepEqual(got.map((t) => t.length), [11, 22, 14, 2]);
-    assert.equal(lps[1], 22, "logprobs for every token, across chunks");
-    for (let i = 0; i < got.length; i++) {
-      assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
-    }
-    for (const h of [...owner.keys()]) gen.release(h);
-    // A stream that will be asked for 3 tokens: the generator runs ahead 2 steps, then stops.
-    const h = await gen.admit(prompts[4], greedy, 3);
-    const seen: number[] = [];
-    for (let i = 0; i < 3; i++) seen.push(...((await gen.step(0, 8)).get(h)?.tokens ?? []));
-    assert.equal(seen.length, 3);
-    assert.deepEqual(seen, referenceArgmaxes(p64, prompts[4], seen));
-    assert.equal(gen.timing.steps, 0, "nothing ran past the 3 tokens");
-    gen.release(h);
-    // The last stream leaving drops the chunk that ran ahead for it: nothing is left to read.
-    const g = await gen.admit(prompts[5], greedy);
-    assert.equal((await gen.step(0, 8)).get(g)?.tokens.length, 1);
-    gen.release(g);
-    assert.equal((await gen.step(0)).size, 0);
-    assert.equal(gen.timing.steps, 0, "the chunk run ahead was not read");
-    await assert.rejects(() => gen.step(0, 9), RangeError, "ahead past the chunk");
-    gen.destroy();
-  },
-});
+      for (const h of [...owner.keys()]) gen.release(h);
+      // A stream that will be asked for 3 tokens: the generator runs ahead 2 steps, then stops.
+      const h = await gen.admit(prompts[4], greedy, 3);
+      const seen: number[] = [];
+      for (let i = 0; i < 3; i++) seen.push(...((await gen.step(0, 8)).get(h)?.tokens ?? []));
+      assert.equal(seen.length, 3);
+      assert.deepEqual(seen, referenceArgmaxes(p64, prompts[4], seen));
+      assert.equal(gen.timing.steps, 0, "nothing ran past the 3 tokens");
+      gen.release(h);
+      // The last stream leaving drops the chunk that ran ahead for it: nothing is left to read.
+      const g = await gen.admit(prompts[5], greedy);
+      assert.equal((await gen.step(0, 8)).get(g)?.tokens.length, 1);
+      gen.release(g);
+      assert.equal((await gen.step(0)).size, 0);
+      assert.equal(gen.timing.steps, 0, "the chunk run ahead was not read");
+      await assert.rejects(() => gen.step(0, 9), RangeError, "ahead past the chunk");
+      gen.destroy();
+      if (readback?.canvas) assert.equal(readback.counts.mapAsync, 0, "every chunk through the canvas");
+      readback?.destroy();
+    },
+  });
+}
 
 Deno.test({
   name:
