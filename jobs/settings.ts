@@ -1,12 +1,13 @@
 /**
  * The server's settings, read once from the environment: where it listens and keeps its data,
- * the API token, who may call it (hosts, CORS origins), and every resource limit with its
- * default. One module, so the README's table of limits and the code cannot drift apart, and a
- * refusal past a limit can name the setting that raises it.
+ * the API token, who may call it (hosts, CORS origins), which proxies may name the client, and
+ * every resource limit with its default. One module, so the README's table of limits and the
+ * code cannot drift apart, and a refusal past a limit can name the setting that raises it.
  */
 
 import { join } from "node:path";
 import { makeConfig, paramLayout, presetConfig } from "../gpu/config.ts";
+import { parseRange } from "./addresses.ts";
 import { LimitError } from "./errors.ts";
 import type { ModelDims } from "./types.ts";
 
@@ -20,7 +21,10 @@ export interface Limits {
   prepareWorkers: number;
   /** Bytes downloaded for one URL dataset, all URLs together; later URLs fail once it is spent. */
   maxDownloadBytes: number;
-  /** Open server-sent event streams from one client address; 429 past it. */
+  /**
+   * Open server-sent event streams from one client: its API token when auth is on, else its
+   * address (the forwarded one when the peer is a trusted proxy); 429 past it.
+   */
   maxStreamsPerClient: number;
   /** Open server-sent event streams in all; 429 past it. */
   maxStreams: number;
@@ -45,14 +49,21 @@ export const LIMIT_SETTINGS: Record<keyof Limits, string> = {
   maxUploadBytes: "GPT2_MAX_UPLOAD_BYTES",
 };
 
-/** Default limits (see README, "Limits"). */
+/**
+ * Streams one generation engine decodes together by default: `DEFAULT_GENERATION_OPTIONS.maxStreams`
+ * of jobs/generation_service.ts, which the HTTP side cannot import (it loads the GPU engine); a
+ * test keeps the two equal.
+ */
+export const ENGINE_MAX_STREAMS = 64;
+
+/** Default limits (see README, "Limits"); one client may fill an engine's batch. */
 export function defaultLimits(cores = navigator.hardwareConcurrency ?? 2): Limits {
   return {
     maxQueuedJobs: 100,
     maxPreparations: 2,
     prepareWorkers: Math.max(1, Math.floor(cores / 2)),
     maxDownloadBytes: 2 * 1024 ** 3,
-    maxStreamsPerClient: 16,
+    maxStreamsPerClient: ENGINE_MAX_STREAMS,
     maxStreams: 256,
     maxCheckpointBytes: 64 * 1024 ** 3,
     maxBodyBytes: 64 * 1024,
@@ -81,6 +92,11 @@ export interface ServerConfig {
   allowedHosts: string[];
   /** Whether URL sources may reach loopback, private, link-local and multicast addresses. */
   allowPrivateUrls: boolean;
+  /**
+   * Addresses and CIDR ranges of reverse proxies whose `X-Forwarded-For` or `Forwarded` header
+   * names the client (GPT2_TRUSTED_PROXIES); from any other peer those headers are ignored.
+   */
+  trustedProxies: string[];
   limits: Limits;
   /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S, default 30). */
   shutdownSeconds: number;
@@ -133,8 +149,8 @@ function list(env: Env, name: string): string[] {
 
 /**
  * Reads PORT, HOST, GPT2_HOME, GPT2_SOURCES, GPT2_API_TOKEN (or GPT2_API_TOKEN_FILE), GPT2_GPUS,
- * GPT2_CORS_ORIGINS, GPT2_ALLOWED_HOSTS, GPT2_ALLOW_PRIVATE_URLS and the limits of
- * {@link LIMIT_SETTINGS}; refuses a non-loopback host without a token.
+ * GPT2_CORS_ORIGINS, GPT2_ALLOWED_HOSTS, GPT2_ALLOW_PRIVATE_URLS, GPT2_TRUSTED_PROXIES and the
+ * limits of {@link LIMIT_SETTINGS}; refuses a non-loopback host without a token.
  */
 export function readServerConfig(
   env: Env,
@@ -167,6 +183,13 @@ export function readServerConfig(
     }
     return u.origin;
   });
+  const trustedProxies = list(env, "GPT2_TRUSTED_PROXIES");
+  const badProxy = trustedProxies.find((e) => parseRange(e) === null);
+  if (badProxy !== undefined) {
+    throw new Error(
+      `Invalid GPT2_TRUSTED_PROXIES entry "${badProxy}": expected an IP address or a CIDR range such as "10.0.0.0/8" or "fd00::/8"`,
+    );
+  }
   const defaults = defaultLimits();
   const limits = Object.fromEntries(
     (Object.keys(LIMIT_SETTINGS) as Array<keyof Limits>).map((
@@ -191,6 +214,7 @@ export function readServerConfig(
     corsOrigins,
     allowedHosts: list(env, "GPT2_ALLOWED_HOSTS").map((h) => h.toLowerCase()),
     allowPrivateUrls: allowPrivate === "1",
+    trustedProxies,
     limits,
   };
 }

@@ -23,6 +23,7 @@ Deno.test("readServerConfig() defaults to 127.0.0.1:8080, ./.gpt2 and its source
     corsOrigins: [],
     allowedHosts: [],
     allowPrivateUrls: false,
+    trustedProxies: [],
     limits: defaultLimits(),
     shutdownSeconds: 30,
   });
