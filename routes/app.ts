@@ -2,9 +2,10 @@
  * Builds the Hono app and its guards, in order: request counting, the Host check (against DNS
  * rebinding), the Origin and Sec-Fetch-Site checks (against cross-site requests from any page a
  * user visits), CORS for an explicit allow-list, the bearer token (constant-time, any printable
- * token), `application/json` on state-changing methods, body-size limits and the bound on open
- * streams; then the job, health, estimate, checkpoint, generation and extra route groups, and the
- * one error handler.
+ * token, one or several), `application/json` on state-changing methods, body-size limits and the
+ * bound on open streams (per client: its token when auth is on, else its address, taken from
+ * `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job, health, estimate,
+ * checkpoint, generation and extra route groups, and the one error handler.
  * No state of its own beyond per-app counters: everything comes from the arguments.
  */
 
@@ -24,7 +25,8 @@ import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { generateRoutes } from "./generate.ts";
 import { createMetrics, type MetricsHook } from "./metrics.ts";
-import { type StreamCounter, streamLimit } from "./sse.ts";
+import { clientKey, identifyByToken, type StreamCounter, streamLimit } from "./sse.ts";
+import { AddressRanges } from "../jobs/addresses.ts";
 import { webRoutes } from "./web.ts";
 import { estimateRoutes } from "./estimate.ts";
 import { checkpointRoutes } from "./checkpoints.ts";
@@ -34,8 +36,11 @@ export interface AppOptions {
   /** While `active()` (a graceful stop), every request gets 503 with `Retry-After`, health included. */
   draining?: { active: () => boolean; retryAfterSeconds: number };
   runner: JobRunner;
-  /** Bearer token required on every route, or null for none (loopback only). */
-  token: string | null;
+  /**
+   * Bearer token required on every route (any one of several), or null for none (loopback
+   * only). Each token is one client of the per-client stream limit.
+   */
+  token: string | readonly string[] | null;
   /** Largest accepted body for the job routes, in bytes (overrides `limits.maxBodyBytes`). */
   maxBodyBytes?: number;
   /** Largest accepted body for any other route (overrides `limits.maxUploadBytes`). */
@@ -56,6 +61,11 @@ export interface AppOptions {
   allowedHosts?: string[];
   /** Origins allowed to call from a browser (GPT2_CORS_ORIGINS). */
   corsOrigins?: string[];
+  /**
+   * Proxies (addresses, CIDR ranges) whose `X-Forwarded-For` or `Forwarded` names the client of
+   * the per-client stream limit (GPT2_TRUSTED_PROXIES); from other peers those headers are ignored.
+   */
+  trustedProxies?: string[];
   /** The data directory: cut from error messages. */
   home?: string;
   /** Called with the app's Prometheus registry to add collectors (routes/metrics.ts). */
@@ -142,8 +152,8 @@ function originGuard(allowed: ReadonlySet<string>): MiddlewareHandler {
 
 const digest = (s: string) => createHash("sha256").update(s).digest();
 
-function bearer(token: string): MiddlewareHandler {
-  const expected = digest(token);
+function bearer(tokens: readonly string[]): MiddlewareHandler {
+  const expected = tokens.map(digest);
   return async (c, next) => {
     const header = c.req.header("Authorization");
     if (header === undefined) {
@@ -153,12 +163,16 @@ function bearer(token: string): MiddlewareHandler {
       });
     }
     const m = /^Bearer +(.+)$/i.exec(header);
-    if (!m || !timingSafeEqual(digest(m[1].trimEnd()), expected)) {
+    const presented = digest(m ? m[1].trimEnd() : "");
+    // Every token is compared, so the time taken does not say which one nearly matched.
+    const matches = expected.filter((e) => timingSafeEqual(presented, e)).length;
+    if (!m || matches === 0) {
       throw new ApiError(401, "Invalid bearer token", {
         code: "invalid_api_key",
         headers: { "WWW-Authenticate": `${AUTH_CHALLENGE}, error="invalid_token"` },
       });
     }
+    identifyByToken(c, presented);
     await next();
   };
 }
@@ -229,7 +243,8 @@ export function createApp(opts: AppOptions): Hono {
     );
   }
   app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
-  if (opts.token) app.use("*", bearer(opts.token));
+  const tokens = (typeof opts.token === "string" ? [opts.token] : opts.token ?? []).filter((t) => t !== "");
+  if (tokens.length > 0) app.use("*", bearer(tokens));
   app.use("*", requireJson);
   const limit = (maxSize: number) =>
     bodyLimit({
@@ -247,7 +262,8 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/generate", small);
   app.use("/checkpoints/*", small);
   const streams: StreamCounter = { total: 0, perClient: new Map() };
-  const bounded = streamLimit(limits, streams);
+  const trusted = new AddressRanges(opts.trustedProxies ?? []);
+  const bounded = streamLimit(limits, streams, (c) => clientKey(c, trusted));
   app.use("/jobs/:id/events", bounded);
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);

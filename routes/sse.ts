@@ -4,13 +4,23 @@
  * memory whole, then live ones as the runner records them, until `done`. Each event carries its
  * store id. A comment line every 15 s keeps proxies from closing idle streams.
  *
- * Also the bound on open streams ({@link streamLimit}): per client address and in all, since each
- * one holds a connection and, for generation, a GPU slot.
+ * Also the bound on open streams ({@link streamLimit}): per client and in all, since each one
+ * holds a connection and, for generation, a GPU slot. A client is its API token when auth is on
+ * (by the token's SHA-256, never the token), else its address: the socket's, or the one a
+ * trusted proxy forwards ({@link clientKey}).
  */
 
 import type { Context, MiddlewareHandler } from "hono";
 import { streamSSE } from "hono/streaming";
 import { type PathAlias, scrubPaths } from "./errors.ts";
+import {
+  AddressRanges,
+  formatAddress,
+  forwardedClient,
+  forwardedFor,
+  parseAddress,
+  xForwardedFor,
+} from "../jobs/addresses.ts";
 import {
   isFinished,
   type JobEvent,
@@ -100,10 +110,34 @@ export function streamJobEvents(
   });
 }
 
-/** The client a request comes from: its remote address under Deno.serve, else "local". */
-export function clientKey(c: Context): string {
+const TOKEN_CLIENT = "gpt2.tokenClient";
+const NO_PROXIES = new AddressRanges([]);
+
+/** Marks a request as the holder of a verified API token, known by `digest` (the token's SHA-256). */
+export function identifyByToken(c: Context, digest: Uint8Array): void {
+  const hex = Array.from(digest.subarray(0, 16), (b) => b.toString(16).padStart(2, "0")).join("");
+  c.set(TOKEN_CLIENT, `token:${hex}`);
+}
+
+/**
+ * The client a request comes from: its verified API token ({@link identifyByToken}), else its
+ * address. That is the socket's peer under Deno.serve ("local" without one), unless the peer is
+ * in `trusted`: then the right-most address of `X-Forwarded-For` (or, without it, `Forwarded`)
+ * that is not a trusted proxy itself (jobs/addresses.ts).
+ */
+export function clientKey(c: Context, trusted: AddressRanges = NO_PROXIES): string {
+  const token: string | undefined = c.get(TOKEN_CLIENT);
+  if (token !== undefined) return token;
   const env = c.env as { remoteAddr?: { hostname?: string } } | undefined;
-  return env?.remoteAddr?.hostname ?? "local";
+  const host = env?.remoteAddr?.hostname;
+  if (host === undefined) return "local";
+  const peer = parseAddress(host);
+  if (peer === null) return host;
+  if (trusted.size === 0 || !trusted.has(peer)) return formatAddress(peer);
+  const xff = c.req.header("X-Forwarded-For");
+  const fwd = c.req.header("Forwarded");
+  const hops = xff?.trim() ? xForwardedFor(xff) : fwd ? forwardedFor(fwd) : [];
+  return formatAddress(forwardedClient(peer, hops, trusted));
 }
 
 /** Open streams, counted per client and in all (one counter per app). */
@@ -113,14 +147,19 @@ export interface StreamCounter {
 }
 
 /**
- * Middleware bounding open response streams: past `maxStreamsPerClient` from one address or
- * `maxStreams` in all, 429 naming the limit. A slot is held until the streamed body ends or the
- * client goes away; an answer that is not a stream frees it at once.
+ * Middleware bounding open response streams: past `maxStreamsPerClient` from one client (`key`,
+ * default {@link clientKey} without trusted proxies) or `maxStreams` in all, 429 naming the
+ * limit. A slot is held until the streamed body ends or the client goes away; an answer that is
+ * not a stream frees it at once.
  */
-export function streamLimit(limits: Limits, counter: StreamCounter): MiddlewareHandler {
+export function streamLimit(
+  limits: Limits,
+  counter: StreamCounter,
+  key: (c: Context) => string = (c) => clientKey(c),
+): MiddlewareHandler {
   return async (c, next) => {
-    const key = clientKey(c);
-    const mine = counter.perClient.get(key) ?? 0;
+    const client = key(c);
+    const mine = counter.perClient.get(client) ?? 0;
     if (mine >= limits.maxStreamsPerClient) {
       throw new LimitError(
         429,
@@ -134,15 +173,15 @@ export function streamLimit(limits: Limits, counter: StreamCounter): MiddlewareH
       );
     }
     counter.total++;
-    counter.perClient.set(key, mine + 1);
+    counter.perClient.set(client, mine + 1);
     let released = false;
     const release = () => {
       if (released) return;
       released = true;
       counter.total--;
-      const n = (counter.perClient.get(key) ?? 1) - 1;
-      if (n <= 0) counter.perClient.delete(key);
-      else counter.perClient.set(key, n);
+      const n = (counter.perClient.get(client) ?? 1) - 1;
+      if (n <= 0) counter.perClient.delete(client);
+      else counter.perClient.set(client, n);
     };
     try {
       await next();
