@@ -105,6 +105,7 @@ if (import.meta.main) {
     port: config.port,
     allowedHosts: config.allowedHosts,
     corsOrigins: config.corsOrigins,
+    trustedProxies: config.trustedProxies,
     home,
     extra: [datasets],
     draining: { active: () => runner.draining, retryAfterSeconds: config.shutdownSeconds },
