@@ -6,9 +6,16 @@
  *           16-token chunk, --chunk; the next chunk queued ahead of each readback unless
  *           --ahead 0), aggregate tokens/s and the batch's time to first token; --torch adds
  *           the PyTorch CUDA-graph peer (bench/torch_decode.py) in the same run.
- *   http    the whole server (Hono on Deno.serve, a GPU Worker) with S concurrent streaming
- *           `POST /v1/completions`: aggregate tokens/s (from the requests to the last token),
- *           time to first token p50 and max, and the decode rate once every stream has begun.
+ *   http    what users meet: for each stream count S a fresh `deno task serve` subprocess (the serve
+ *           task's flags, PORT=0, a new GPT2_HOME holding the model under models/<name>, every
+ *           limit at its default), one client (127.0.0.1) sending S concurrent streaming
+ *           `POST /v1/completions`. First a 1-token request loads the model (`load_ms`, and its
+ *           first token `first_ever_ttft_ms`); then a cold round (the first at S on that server)
+ *           and a warm one (the same again). Per round: aggregate tokens/s (from the requests to
+ *           the last token), time to first token p50 and max, the decode rate once every stream
+ *           has begun, and the 429 answers (exits 1 if any); --torch adds the PyTorch CUDA-graph
+ *           peer at batches S in the same call, after the servers, and ours/peer ratios; a table
+ *           ends it. --log relays the servers' output.
  *   train   16 concurrent streams over HTTP, first alone, then (rounds for 20 s) while a gpt2-345M
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
@@ -16,7 +23,7 @@
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--calls (each step call's time)]
- *   deno task bench generate http [--model gpt2-124M] [--streams 1,16,64]
+ *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
@@ -31,6 +38,7 @@ import { writeSafetensors } from "../jobs/safetensors.ts";
 import { GenerationManager, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../jobs/mod.ts";
 import { isBuiltinName } from "../data/mod.ts";
 import { createApp } from "../routes/mod.ts";
+import { LIMIT_SETTINGS } from "../jobs/settings.ts";
 import { parseGpuRoles, trainingGpus } from "../jobs/roles.ts";
 
 function arg(name: string, def: string): string {
@@ -131,24 +139,59 @@ async function engine(): Promise<void> {
     }
     gen.destroy();
     if (Deno.args.includes("--torch")) {
-      const out = await new Deno.Command("python3", {
-        args: [
-          "bench/torch_decode.py",
-          "--model",
-          model,
-          "--batches",
-          batches.join(","),
-          "--new-tokens",
-          `${newTokens}`,
-        ],
-        stderr: "inherit",
-      }).output();
-      for (const line of new TextDecoder().decode(out.stdout).trim().split("\n")) {
-        console.log(`  PyTorch CUDA graph fp32: ${line}`);
-      }
+      const peer = await torchPeer(model, batches, newTokens);
+      if (typeof peer === "string") console.log(`  PyTorch CUDA graph fp32: ${peer}`);
+      else for (const p of peer.values()) console.log(`  PyTorch CUDA graph fp32: ${JSON.stringify(p)}`);
     }
   }
   ctx.device.destroy();
+}
+
+/** What bench/torch_decode.py prints per batch. */
+interface PeerResult {
+  model: string;
+  batch: number;
+  new_tokens: number;
+  tokens_per_s: number;
+  step_ms: number;
+}
+
+/**
+ * The PyTorch CUDA-graph peer (bench/torch_decode.py, decode steps only) at each batch, keyed by
+ * batch; a string saying why when it could not run (no python3, no torch, no CUDA, a model it
+ * does not know). Its stderr passes through.
+ */
+async function torchPeer(
+  model: string,
+  batches: number[],
+  n: number,
+): Promise<Map<number, PeerResult> | string> {
+  let out: Deno.CommandOutput;
+  try {
+    out = await new Deno.Command("python3", {
+      args: [
+        "bench/torch_decode.py",
+        "--model",
+        model,
+        "--batches",
+        batches.join(","),
+        "--new-tokens",
+        `${n}`,
+      ],
+      cwd: new URL("..", import.meta.url).pathname,
+      stderr: "inherit",
+    }).output();
+  } catch (e) {
+    return `cannot run python3: ${(e as Error).message}`;
+  }
+  const results = new Map<number, PeerResult>();
+  for (const line of new TextDecoder().decode(out.stdout).split("\n")) {
+    if (!line.startsWith("{")) continue;
+    const r = JSON.parse(line) as PeerResult;
+    results.set(r.batch, r);
+  }
+  if (!out.success && results.size === 0) return `bench/torch_decode.py exited with status ${out.code}`;
+  return results;
 }
 
 /** A server over a temporary data directory holding `model` as a Hugging Face directory. */
@@ -196,15 +239,18 @@ async function server(model: string) {
   return { url, runner, close };
 }
 
-/** One streaming completion: time to first token and tokens received. */
-async function stream(url: string, model: string, n: number, seed: number) {
+/**
+ * One streaming completion of a `promptLength`-token prompt: its status (a 429 is counted, not
+ * thrown; any other refusal throws), time to first token and tokens received.
+ */
+async function stream(url: string, model: string, n: number, seed: number, promptLength = 32) {
   const t0 = performance.now();
   const res = await fetch(`${url}/v1/completions`, {
     method: "POST",
     headers: { "Content-Type": "application/json" },
     body: JSON.stringify({
       model,
-      prompt: promptOf(32, seed),
+      prompt: promptOf(promptLength, seed),
       max_tokens: n,
       ...sampling,
       seed,
@@ -213,10 +259,14 @@ async function stream(url: string, model: string, n: number, seed: number) {
       stream_options: { include_usage: true },
     }),
   });
+  if (res.status === 429) {
+    return { status: 429, error: await res.text(), ttft: NaN, tokens: 0, times: [] as number[] };
+  }
   if (!res.ok) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
   let tokens = 0, buf = "";
-  /** When each text chunk arrived. */
+  /** When each text chunk arrived; `first`: the first chunk with text or an end (a token's text may be held back). */
   const times: number[] = [];
+  let first = NaN;
   const dec = new TextDecoder();
   for await (const chunk of res.body!) {
     buf += dec.decode(chunk, { stream: true });
@@ -225,51 +275,296 @@ async function stream(url: string, model: string, n: number, seed: number) {
       buf = buf.slice(i + 2);
       if (!ev.startsWith("data: ") || ev === "data: [DONE]") continue;
       const d = JSON.parse(ev.slice(6));
-      if (d.choices?.[0]?.text) times.push(performance.now());
+      const c = d.choices?.[0];
+      if (c?.text) times.push(performance.now());
+      if ((c?.text || c?.finish_reason) && Number.isNaN(first)) first = performance.now();
       if (d.usage) tokens = d.usage.completion_tokens;
     }
   }
-  return { ttft: times.length ? times[0] - t0 : NaN, tokens, times };
+  return { status: res.status, error: "", ttft: first - t0, tokens, times };
 }
 
-async function concurrent(url: string, model: string, S: number, n: number) {
+/**
+ * S concurrent streams (seeds `seed0`…): aggregate tokens/s from the requests to the last token,
+ * time to first token p50 and max, the decode rate once every stream has begun, and 429s.
+ */
+async function concurrent(url: string, model: string, S: number, n: number, seed0 = 0) {
   const t0 = performance.now();
-  const rs = await Promise.all(Array.from({ length: S }, (_, i) => stream(url, model, n, i)));
+  const all = await Promise.all(Array.from({ length: S }, (_, i) => stream(url, model, n, seed0 + i)));
   const ms = performance.now() - t0;
+  const rs = all.filter((r) => r.status === 200);
   const tokens = rs.reduce((a, r) => a + r.tokens, 0);
   const ttfts = rs.map((r) => r.ttft);
   // Decoding alone: the chunks that arrived once every stream had its first, over that time.
-  const all = Math.max(...rs.map((r) => r.times[0] ?? Infinity));
-  const after = rs.reduce((a, r) => a + r.times.filter((t) => t > all).length, 0);
+  const begun = Math.max(...rs.map((r) => r.times[0] ?? Infinity));
+  const after = rs.reduce((a, r) => a + r.times.filter((t) => t > begun).length, 0);
   return {
     tokens_per_s: tokens / (ms / 1000),
-    decode_tokens_per_s: after / ((t0 + ms - all) / 1000),
+    decode_tokens_per_s: after / ((t0 + ms - begun) / 1000),
     ttft_p50_ms: median(ttfts),
     ttft_max_ms: Math.max(...ttfts),
     tokens,
+    refused_429: all.length - rs.length,
   };
+}
+
+// ---------------------------------------------------------------------------------------------
+// http: fresh servers, as users start them.
+
+/** The permission flags of deno.json's `serve` task, so the server runs as `deno task serve` runs it. */
+async function serveFlags(): Promise<string[]> {
+  const json = JSON.parse(await Deno.readTextFile(new URL("../deno.json", import.meta.url)));
+  const task = json.tasks?.serve;
+  const line: string = typeof task === "string" ? task : task?.command ?? "";
+  const words = line.trim().split(/\s+/);
+  const run = words.indexOf("run"), main = words.findIndex((w) => w.endsWith("main.ts"));
+  if (run < 0 || main < run) throw new Error(`Cannot read the serve task of deno.json: "${line}"`);
+  return words.slice(run + 1, main);
+}
+
+/**
+ * Settings a caller may have exported that would make the server differ from the default one a
+ * user starts: every limit, auth, trusted proxies. They are left out of the server's environment.
+ */
+const NOT_DEFAULT = [
+  ...Object.values(LIMIT_SETTINGS),
+  "GPT2_API_TOKEN",
+  "GPT2_API_TOKEN_FILE",
+  "GPT2_TRUSTED_PROXIES",
+  "GPT2_HOME",
+  "GPT2_SOURCES",
+  "PORT",
+  "HOST",
+];
+
+/** A `deno task serve` subprocess on a loopback port of its own, over data directory `home`. */
+interface ServeProcess {
+  url: string;
+  child: Deno.ChildProcess;
+  /** Spawn to the "listening on" line, ms. */
+  startMs: number;
+  /** The server's last 200 lines of output (stdout and stderr), for errors. */
+  log: string[];
+  close(): Promise<void>;
+}
+
+/** Starts main.ts with the serve task's flags, `env`, PORT=0 and GPT2_HOME=`home`. */
+async function serve(home: string, env: Record<string, string>, relay: boolean): Promise<ServeProcess> {
+  const t0 = performance.now();
+  const child = new Deno.Command(Deno.execPath(), {
+    args: ["run", ...await serveFlags(), "main.ts"],
+    cwd: new URL("..", import.meta.url).pathname,
+    env: { ...env, PORT: "0", HOST: "127.0.0.1", GPT2_HOME: home },
+    clearEnv: true,
+    stdin: "null",
+    stdout: "piped",
+    stderr: "piped",
+  }).spawn();
+  const log: string[] = [];
+  let listening: (url: string) => void;
+  const url = new Promise<string>((r) => listening = r);
+  const read = async (body: ReadableStream<Uint8Array>) => {
+    let buf = "";
+    for await (const text of body.pipeThrough(new TextDecoderStream())) {
+      buf += text;
+      for (let i = buf.indexOf("\n"); i >= 0; i = buf.indexOf("\n")) {
+        const line = buf.slice(0, i);
+        buf = buf.slice(i + 1);
+        log.push(line);
+        if (log.length > 200) log.shift();
+        if (relay) console.log(`  server: ${line}`);
+        const m = line.match(/listening on (http:\/\/127\.0\.0\.1:\d+)\//);
+        if (m) listening(m[1]);
+      }
+    }
+  };
+  const reading = Promise.all([read(child.stdout), read(child.stderr)]).catch(() => {});
+  const started = await Promise.race([
+    url,
+    child.status.then((s) => ({ exited: s.code })),
+    new Promise<null>((r) => setTimeout(() => r(null), 60_000)),
+  ]);
+  if (typeof started !== "string") {
+    child.kill("SIGKILL");
+    await child.status;
+    throw new Error(
+      `Server did not start: ${
+        started ? `exited with status ${started.exited}` : "no listening line within 60 s"
+      }` +
+        `:\n${log.join("\n")}`,
+    );
+  }
+  const close = async () => {
+    try {
+      child.kill("SIGTERM");
+    } catch { /* already gone */ }
+    // The graceful stop takes at most GPT2_SHUTDOWN_S (30 s); past that, SIGKILL.
+    const timer = setTimeout(() => {
+      try {
+        child.kill("SIGKILL");
+      } catch { /* gone */ }
+    }, 40_000);
+    await child.status;
+    clearTimeout(timer);
+    await reading;
+  };
+  return { url: started, child, startMs: performance.now() - t0, log, close };
+}
+
+/** Writes `model` with fresh random weights as a Hugging Face directory `dir` (config.json, model.safetensors). */
+async function writeModel(dir: string, model: string): Promise<void> {
+  const config = presetConfig(model);
+  await Deno.mkdir(dir, { recursive: true });
+  await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 1)));
+  await Deno.writeTextFile(
+    `${dir}/config.json`,
+    JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
+  );
+}
+
+/** A fresh data directory under `tmp` holding the model of `src` (hard links, else copies) under models/<model>. */
+async function freshHome(tmp: string, src: string, model: string, tag: string): Promise<string> {
+  const home = `${tmp}/home_${tag}`;
+  await Deno.mkdir(`${home}/models/${model}`, { recursive: true });
+  for (const f of ["config.json", "model.safetensors"]) {
+    await Deno.link(`${src}/${f}`, `${home}/models/${model}/${f}`)
+      .catch(() => Deno.copyFile(`${src}/${f}`, `${home}/models/${model}/${f}`));
+  }
+  return home;
+}
+
+/** One round's figures, as printed. */
+type Round = Awaited<ReturnType<typeof concurrent>>;
+
+const fmt = (x: number | null | undefined, digits = 0) =>
+  x === null || x === undefined || !Number.isFinite(x) ? "-" : x.toFixed(digits);
+
+function roundLine(model: string, S: number, round: string, r: Round): string {
+  return `${model} over HTTP, ${S} streams, ${round}: ${fmt(r.tokens_per_s)} tokens/s aggregate, ` +
+    `TTFT p50 ${fmt(r.ttft_p50_ms)} ms, max ${fmt(r.ttft_max_ms)} ms; ` +
+    `${fmt(r.decode_tokens_per_s)} tokens/s once every stream had its first token; ` +
+    `${r.refused_429} answered 429`;
 }
 
 async function http(): Promise<void> {
   const model = arg("model", "gpt2-124M"), n = +arg("new", "128");
-  const streams = list(arg("streams", "1,16,64")).map(Number);
-  const s = await server(model);
+  const streams = list(arg("streams", "1,4,16,64")).map(Number);
+  const relay = Deno.args.includes("--log");
+  const env = Deno.env.toObject();
+  const dropped = NOT_DEFAULT.filter((k) => k in env);
+  for (const k of dropped) delete env[k];
+  if (dropped.length) console.log(`Left out of the servers' environment: ${dropped.join(", ")}`);
+  const tmp = await Deno.makeTempDir({ prefix: "gpt2_genbench_" });
+  const rows: { S: number; cold: Round; warm: Round }[] = [];
   try {
-    // Warm-up: loads the model, compiles every batch bucket and prefill shape used below.
-    await stream(s.url, model, 8, 999);
-    // Every count once: each batch bucket's first use compiles its kernels (about half a second).
-    for (const S of streams) await concurrent(s.url, model, S, 20);
+    const src = `${tmp}/model`;
+    await writeModel(src, model);
     for (const S of streams) {
-      const r = await concurrent(s.url, model, S, n);
-      console.log(JSON.stringify({ scenario: "http", model, streams: S, new_tokens: n, ...r }));
-      console.log(
-        `${model} over HTTP, ${S} streams: ${r.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
-          `TTFT p50 ${r.ttft_p50_ms.toFixed(0)} ms, max ${r.ttft_max_ms.toFixed(0)} ms; ` +
-          `${r.decode_tokens_per_s.toFixed(0)} tokens/s once every stream had its first token`,
-      );
+      // A fresh server per count: its own data directory, GPU host, Workers and compiled kernels.
+      const home = await freshHome(tmp, src, model, String(S));
+      const s = await serve(home, env, relay);
+      try {
+        // The model loads on first use: a 1-token prompt, 1 new token (the smallest shapes there are).
+        const t0 = performance.now();
+        const first = await stream(s.url, model, 1, 999_999, 1);
+        const loadMs = performance.now() - t0;
+        if (first.status !== 200) {
+          throw new Error(`The first request answered ${first.status}: ${first.error}\n${s.log.join("\n")}`);
+        }
+        const load = {
+          scenario: "http",
+          round: "load",
+          model,
+          streams: S,
+          start_ms: s.startMs,
+          load_ms: loadMs,
+          first_ever_ttft_ms: first.ttft,
+        };
+        console.log(JSON.stringify(load));
+        console.log(
+          `${model} over HTTP, fresh server for ${S} streams: listening after ${fmt(s.startMs)} ms; ` +
+            `the first request (1 token, loading the model) took ${fmt(loadMs)} ms, ` +
+            `its first token ${fmt(first.ttft)} ms`,
+        );
+        const cold = await concurrent(s.url, model, S, n, 0);
+        const warm = await concurrent(s.url, model, S, n, S);
+        for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
+          console.log(JSON.stringify({ scenario: "http", round, model, streams: S, new_tokens: n, ...r }));
+          console.log(roundLine(model, S, round, r));
+        }
+        rows.push({ S, cold, warm });
+      } finally {
+        await s.close();
+      }
     }
   } finally {
-    await s.close();
+    await Deno.remove(tmp, { recursive: true });
+  }
+
+  // The peer runs once every server has exited, so it has the GPU to itself.
+  const peer = Deno.args.includes("--torch") ? await torchPeer(model, streams, n) : null;
+  if (typeof peer === "string") console.log(`PyTorch CUDA-graph peer: ${peer}`);
+  const peerOf = (S: number) => (peer instanceof Map ? peer.get(S) : undefined);
+  if (peer instanceof Map) {
+    for (const { S, cold, warm } of rows) {
+      const p = peerOf(S);
+      if (!p) continue;
+      const res = {
+        scenario: "http",
+        round: "peer",
+        model,
+        streams: S,
+        peer_tokens_per_s: p.tokens_per_s,
+        peer_step_ms: p.step_ms,
+        cold_ratio: cold.tokens_per_s / p.tokens_per_s,
+        warm_ratio: warm.tokens_per_s / p.tokens_per_s,
+      };
+      console.log(JSON.stringify(res));
+      console.log(
+        `${model}, ${S} streams: PyTorch CUDA graph fp32 ${
+          fmt(p.tokens_per_s)
+        } tokens/s (decode steps only); ` +
+          `ours over HTTP ${fmt(res.cold_ratio, 2)}× cold, ${fmt(res.warm_ratio, 2)}× warm`,
+      );
+    }
+  }
+
+  const head = [
+    "S",
+    "cold tok/s",
+    "cold TTFT p50",
+    "warm tok/s",
+    "warm TTFT p50",
+    "cold/warm TTFT",
+    "peer tok/s",
+    "ratio",
+    "429s",
+  ];
+  const table = rows.map(({ S, cold, warm }) => {
+    const p = peerOf(S);
+    return [
+      String(S),
+      fmt(cold.tokens_per_s),
+      `${fmt(cold.ttft_p50_ms)} ms`,
+      fmt(warm.tokens_per_s),
+      `${fmt(warm.ttft_p50_ms)} ms`,
+      `${fmt(cold.ttft_p50_ms / warm.ttft_p50_ms, 2)}×`,
+      fmt(p?.tokens_per_s),
+      p ? `${fmt(warm.tokens_per_s / p.tokens_per_s, 2)}×` : "-",
+      String(cold.refused_429 + warm.refused_429),
+    ];
+  });
+  const widths = head.map((h, i) => Math.max(h.length, ...table.map((r) => r[i].length)));
+  console.log(
+    `\n${model} over HTTP, one client at default limits, ${n} new tokens per stream (ratio: warm / peer)`,
+  );
+  for (const r of [head, widths.map((w) => "-".repeat(w)), ...table]) {
+    console.log(`| ${r.map((c, i) => c.padStart(widths[i])).join(" | ")} |`);
+  }
+  const refused = rows.reduce((a, r) => a + r.cold.refused_429 + r.warm.refused_429, 0);
+  if (refused > 0) {
+    console.error(`${refused} requests answered 429 at the default limits: one client should fill the batch`);
+    Deno.exit(1);
   }
 }
 
