@@ -30,9 +30,10 @@ const cpuPattern = /llvmpipe|lavapipe|swiftshader|software|cpu/i;
 /**
  * What the OpenGL fallback costs: seconds to compile the demo's kernels (training and generation)
  * with an empty shader cache on 2 cores, by OpenGL llvmpipe and by lavapipe. Measured with
- * `MESA_SHADER_CACHE_DIR` set to an empty directory; update when the kernels change.
+ * `deno task bench demo --backend gl` and its lavapipe run (mostly the generation kernels' first
+ * dispatches on OpenGL); update when the kernels change.
  */
-const FALLBACK_COST = { gl_s: 400, lavapipe_s: 15, measured: "2026-12-02, 2 cores, empty shader cache" };
+const FALLBACK_COST = { gl_s: 420, lavapipe_s: 10, measured: "2026-12-02, 2 cores, empty shader cache" };
 /** The server will run on OpenGL llvmpipe (the user's choice, or lavapipe missing). */
 let onOpenGl = false;
 const LAVAPIPE_PACKAGES = ["libvulkan1", "mesa-vulkan-drivers"];
@@ -325,7 +326,11 @@ async function waitForGpu(url: string): Promise<string | null> {
   waiting(() => "waiting for the GPU host to open the adapter");
   try {
     for (;;) {
-      const health = await (await fetch(`${url}/health`)).json();
+      const health = await fetch(`${url}/health`).then((r) => r.json()).catch((e) => ({ down: e }));
+      if (health.down) {
+        say(`   The server stopped answering: ${(health.down as Error).message}`);
+        return null;
+      }
       const gpu = health.gpus?.[0] as
         | { state: string; adapter: string | null; error: string | null }
         | undefined;
@@ -455,7 +460,11 @@ async function sample(url: string, model: string, maxTokens: number): Promise<bo
       if (type === "token") {
         if (tokens++ === 0) {
           // Slow tokens (kernels compiled for the next steps) get a reminder line between them.
-          waiting(() => `${tokens} tokens so far, waiting for the next (the server compiles kernels)`);
+          waiting(() =>
+            `${tokens} token${
+              tokens === 1 ? "" : "s"
+            } so far, waiting for the next (the server compiles kernels)`
+          );
           say("");
           write(`   > ${PROMPT}`);
         } else if (!midLine) {
