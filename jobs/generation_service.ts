@@ -279,13 +279,19 @@ class Engine {
 
   /**
    * GPUs: compiles the other batch sizes' decode kernels and every prefill shape's in the
-   * background, once. Builds run one at a time, so a request arriving meanwhile waits at most for
-   * the plan being compiled.
+   * background, once, one plan at a time while the engine is idle (pipeline creation blocks the
+   * thread, so compiling beside running streams slowed each of their steps by up to a pipeline's
+   * 85 ms): a request arriving meanwhile waits at most for the plan being compiled.
    */
   #warmRest(): void {
     if (this.#warmed || !this.usable || isCpuAdapter(this.#ctx)) return;
     this.#warmed = true;
-    this.#gen.then((g) => this.#dead ? 0 : g.warm()).catch(() => {}); // failures show at next use
+    const idle = async () => {
+      while (!this.idle && !this.#dead) await new Promise((r) => setTimeout(r, 20));
+      if (this.#dead) throw new Error("Engine closed");
+    };
+    // Failures show again where the plan is next needed.
+    this.#gen.then((g) => this.#dead ? 0 : g.warm(undefined, true, idle)).catch(() => {});
   }
 
   #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
