@@ -69,8 +69,8 @@ const PEER_FAILURE = /^Communicator (aborted|timed out)/;
 
 /** Least ms between two server log lines of one build's kernel compilation. */
 const COMPILE_LOG_MS = 5000;
-/** A build's end is logged when it compiled at least this many kernels, or took a second. */
-const COMPILE_LOG_KERNELS = 8;
+/** A build's end is logged when it took at least this long (or was logged before). */
+const COMPILE_LOG_END_MS = 1000;
 
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
@@ -660,14 +660,12 @@ export class JobRunner {
         const { type: _, id, model: __, ...report } = msg;
         if (id) this.#emit(id, "compile", report);
         // The server's log: a line every few seconds while a build compiles, and its end unless it
-        // was small and quick (a generator compiles several such builds).
+        // was quick (a generator compiles several such builds, some in the background).
         const key = id ?? `${slot.index}:${msg.model}`;
         const now = Date.now(), seen = this.#compileLogged.get(key) ?? { at: now, logged: false };
         const complete = msg.done >= msg.total;
         if (
-          complete
-            ? seen.logged || msg.total >= COMPILE_LOG_KERNELS || msg.ms >= 1000
-            : now - seen.at >= COMPILE_LOG_MS
+          complete ? seen.logged || msg.ms >= COMPILE_LOG_END_MS : now - seen.at >= COMPILE_LOG_MS
         ) {
           console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
           Object.assign(seen, { at: now, logged: true });

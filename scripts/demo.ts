@@ -54,8 +54,16 @@ let waitStart = Date.now();
 /** Server lines that arrived while a sample was streaming: shown after it. */
 const held: string[] = [];
 
-/** Relays a line of the server's log, or holds it while a sample streams. */
+/** Waiting for a first token: the server's lines about compiling generation kernels are shown. */
+let showCompiles = false;
+
+/**
+ * Relays a line of the server's log, or holds it while a sample streams. Its lines about
+ * compiling generation kernels are shown only while a first token is awaited (the server goes
+ * on compiling other batch sizes in the background).
+ */
 function relay(line: string): void {
+  if (/: compil(ing kernels|ed) \d/.test(line) && !showCompiles) return;
   if (midLine) held.push(line);
   else say(`   server: ${line}`);
 }
@@ -448,6 +456,7 @@ async function sample(url: string, model: string, maxTokens: number): Promise<bo
   });
   const slow = onOpenGl ? "; OpenGL llvmpipe takes minutes on a first run" : "";
   waiting(() => `waiting for the first token (the server loads the model and compiles its kernels${slow})`);
+  showCompiles = true;
   try {
     const res = await fetch(`${url}/generate?${q}`);
     if (res.status !== 200) {
@@ -459,6 +468,7 @@ async function sample(url: string, model: string, maxTokens: number): Promise<bo
       const d = JSON.parse(raw);
       if (type === "token") {
         if (tokens++ === 0) {
+          showCompiles = false;
           // Slow tokens (kernels compiled for the next steps) get a reminder line between them.
           waiting(() =>
             `${tokens} token${
@@ -488,6 +498,7 @@ async function sample(url: string, model: string, maxTokens: number): Promise<bo
     });
     return ok;
   } finally {
+    showCompiles = false;
     waiting(null);
   }
 }
