@@ -23,7 +23,10 @@ const t0 = performance.now();
 const gen = await Generator.create(ctx, config, initParams(config, 1), {
   maxStreams: 64,
   chunk: 16,
-  onCompile: () => pipelines++,
+  onCompile: (p) => {
+    pipelines++;
+    if (p.ms > 1000) console.log(`  slow: ${p.label} ${p.ms.toFixed(0)} ms`);
+  },
 });
 const created = performance.now() - t0;
 const w1 = await gen.warm(1, false);

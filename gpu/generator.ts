@@ -913,7 +913,9 @@ export class Generator {
       } finally {
         this.#batch = null;
       }
-      await batch.compile(this.opts.onCompile);
+      // CPU adapters: each new pipeline dispatched once on scratch buffers, since llvmpipe compiles
+      // at the first dispatch (the first token waited minutes for it through OpenGL).
+      await batch.compile(this.opts.onCompile, this.#cpu ? "scratch" : false);
       keep?.(out);
       return out;
     } finally {

@@ -133,12 +133,13 @@ export class OpBatch {
   /**
    * Compiles the pipelines of the deferred ops in the order the ops were deferred and completes
    * them. `onProgress` hears of each distinct pipeline the cache did not hold, with their total.
-   * With `warm`, each new pipeline is also dispatched once, one workgroup, on the bindings of its
-   * first op, and waited for: Mesa's llvmpipe compiles a shader at its first dispatch, not at
-   * pipeline creation, so this moves that cost here where it is reported (the caller makes sure
-   * such a dispatch changes nothing it keeps; see buildModel).
+   * With `warm`, each new pipeline is also dispatched once, one workgroup, and waited for: Mesa's
+   * llvmpipe compiles a shader at its first dispatch, not at pipeline creation, so this moves that
+   * cost here where it is reported. `true` dispatches on the bindings of its first op (the caller
+   * makes sure that changes nothing it keeps; see buildModel); "scratch" on zeroed buffers of the
+   * same sizes and usages, made for the dispatch and destroyed after.
    */
-  async compile(onProgress?: CompileListener, warm = false): Promise<void> {
+  async compile(onProgress?: CompileListener, warm: boolean | "scratch" = false): Promise<void> {
     const list = this.#ops.splice(0);
     const fresh = new Set(list.map((d) => d.code).filter((c) => !this.#cache.has(c)));
     const total = fresh.size;
@@ -147,20 +148,50 @@ export class OpBatch {
       const t0 = performance.now();
       Object.assign(d.op, makeOp(this.#ctx, await this.#cache.get(d.o.label, d.code), d.o));
       if (!fresh.delete(d.code)) continue;
-      if (warm) await warmDispatch(this.#ctx, d.op);
+      if (warm === "scratch") await warmDispatch(this.#ctx, scratchOp(this.#ctx, d.op.pipeline, d.o), true);
+      else if (warm) await warmDispatch(this.#ctx, d.op);
       onProgress?.({ done: ++done, total, label: d.o.label, ms: performance.now() - t0 });
     }
   }
 }
 
-/** Dispatches one workgroup of `op` and waits for it (see OpBatch.compile). */
-async function warmDispatch(ctx: GpuContext, op: Op): Promise<void> {
+/**
+ * Dispatches one workgroup of `op` and waits for it (see OpBatch.compile); with `destroy`, frees
+ * the buffers it binds after.
+ */
+async function warmDispatch(
+  ctx: GpuContext,
+  op: Op & { buffers?: GPUBuffer[] },
+  destroy = false,
+): Promise<void> {
   const enc = ctx.device.createCommandEncoder();
   const pass = enc.beginComputePass();
   recordOps(pass, [{ ...op, grid: [1, 1, 1] }]);
   pass.end();
   ctx.device.queue.submit([enc.finish()]);
   await ctx.device.queue.onSubmittedWorkDone();
+  if (destroy) { for (const b of op.buffers ?? []) b.destroy(); }
+}
+
+/** `o` on zeroed buffers of the same binding sizes and usages (a warm-up dispatch that touches nothing kept). */
+function scratchOp(
+  ctx: GpuContext,
+  pipeline: GPUComputePipeline,
+  o: OpOptions,
+): Op & { buffers: GPUBuffer[] } {
+  const buffers: GPUBuffer[] = [];
+  const mirror = (b: GPUBuffer, bytes: number) => {
+    const m = ctx.device.createBuffer({
+      label: `${o.label}.warm`,
+      size: Math.max(16, Math.ceil(bytes / 16) * 16),
+      usage: b.usage & ~(GPUBufferUsage.MAP_READ | GPUBufferUsage.MAP_WRITE),
+    });
+    buffers.push(m);
+    return m;
+  };
+  const views = o.views.map((v) => ({ buffer: mirror(v.buffer, v.size ?? v.buffer.size - (v.offset ?? 0)) }));
+  const uniform = o.uniform ? mirror(o.uniform, o.uniform.size) : undefined;
+  return { ...makeOp(ctx, pipeline, { ...o, views, uniform }), buffers };
 }
 
 function checkGrid(ctx: GpuContext, o: Pick<OpOptions, "label" | "grid">): [number, number, number] {
