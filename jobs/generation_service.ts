@@ -68,6 +68,9 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   admitWindowMs: 2,
 };
 
+/** ms an engine stays idle before it compiles the rest of its plans in the background (#warmRest). */
+const WARM_AFTER_IDLE_MS = 2000;
+
 /**
  * Resolves in a later task (a message on a channel: unlike a timer, never clamped to 4 ms when
  * nested), so the event loop runs what is queued first.
@@ -154,6 +157,7 @@ class Engine {
   #readback: Readback | null = null;
   /** Whether the background warm-up of every batch size has started (#warmRest). */
   #warmed = false;
+  #warmTimer: ReturnType<typeof setTimeout> | null = null;
   #dead = false;
   #onIdle: () => void;
   #onStep: (ms: number) => void;
@@ -244,6 +248,7 @@ class Engine {
 
   async destroy(): Promise<void> {
     this.#dead = true;
+    if (this.#warmTimer !== null) clearTimeout(this.#warmTimer);
     (await this.#gen.catch(() => null))?.destroy();
     this.#readback?.destroy();
   }
@@ -279,12 +284,22 @@ class Engine {
 
   /**
    * GPUs: compiles the other batch sizes' decode kernels and every prefill shape's in the
-   * background, once, one plan at a time while the engine is idle (pipeline creation blocks the
-   * thread, so compiling beside running streams slowed each of their steps by up to a pipeline's
-   * 85 ms): a request arriving meanwhile waits at most for the plan being compiled.
+   * background, once, after the engine has been idle for WARM_AFTER_IDLE_MS, one plan at a time
+   * while it stays idle: pipeline creation blocks the thread (about 85 ms a pipeline on an H200
+   * with an empty driver cache), so compiling beside running streams slowed each of their steps
+   * (on the H200 the first requests after a load took 1.2-8 s to their first token). A request
+   * arriving meanwhile waits at most for the plan being compiled.
    */
   #warmRest(): void {
-    if (this.#warmed || !this.usable || isCpuAdapter(this.#ctx)) return;
+    if (this.#warmed || this.#warmTimer !== null || !this.usable || isCpuAdapter(this.#ctx)) return;
+    this.#warmTimer = setTimeout(() => {
+      this.#warmTimer = null;
+      if (this.idle) this.#startWarm();
+    }, WARM_AFTER_IDLE_MS);
+  }
+
+  #startWarm(): void {
+    if (this.#warmed || !this.usable) return;
     this.#warmed = true;
     const idle = async () => {
       while (!this.idle && !this.#dead) await new Promise((r) => setTimeout(r, 20));
