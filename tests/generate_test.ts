@@ -81,7 +81,7 @@ for (const cpuUniform of [true, false]) {
   Deno.test({
     name:
       `Generator continuous batching: greedy equals the reference for streams admitted and released at any step${
-        cpuUniform ? "" : " (storage-buffer kernels, as on GPUs; chunks read through the canvas path)"
+        cpuUniform ? "" : " (storage-buffer kernels, as on GPUs)"
       }`,
     ignore: noGpu,
     fn: async () => {
@@ -89,12 +89,10 @@ for (const cpuUniform of [true, false]) {
       const p64 = Float64Array.from(params);
       const N = 10;
       const ctx = (await testContext())!;
-      const readback = cpuUniform ? null : await createReadback(ctx);
       const gen = await Generator.create(ctx, config, params, {
         maxStreams: N,
         chunk: 8,
         cpuUniform,
-        readback,
       });
       assert.equal(gen.capacity, 4, "the cache starts small");
       const got: number[][] = prompts.map(() => []);
@@ -118,14 +116,7 @@ for (const cpuUniform of [true, false]) {
       for (let i = 0; i < prompts.length; i++) {
         assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i], got[i]), `stream ${i}`);
       }
-      if (readback?.canvas) {
-        assert.ok(
-          readback.counts.canvas >= 3 && readback.counts.mapAsync === 0,
-          JSON.stringify(readback.counts),
-        );
-      }
       gen.destroy();
-      readback?.destroy();
     },
   });
 }
@@ -208,7 +199,7 @@ for (const fast of [false, true]) {
   Deno.test({
     name:
       `Generator running ahead: the same greedy tokens while streams join and leave with a chunk still queued; maxTokens bounds it${
-        fast ? " (chunks read through the canvas path)" : ""
+        fast ? " (a lone stream's chunks read through the canvas path)" : ""
       }`,
     ignore: noGpu,
     fn: async () => {
@@ -267,7 +258,11 @@ for (const fast of [false, true]) {
       assert.equal(gen.timing.steps, 0, "the chunk run ahead was not read");
       await assert.rejects(() => gen.step(0, 9), RangeError, "ahead past the chunk");
       gen.destroy();
-      if (readback?.canvas) assert.equal(readback.counts.mapAsync, 0, "every chunk through the canvas");
+      if (readback?.canvas) {
+        // A lone stream's chunks go through the canvas, several streams' through mapAsync.
+        assert.ok(readback.counts.canvas >= 3, `${readback.counts.canvas} chunks through the canvas`);
+        assert.equal(readback.counts.mapAsync, 0, "no fallback");
+      }
       readback?.destroy();
     },
   });
