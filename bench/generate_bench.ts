@@ -363,7 +363,7 @@ async function serve(home: string, env: Record<string, string>, relay: boolean):
   const log: string[] = [];
   let listening: (url: string) => void;
   const url = new Promise<string>((r) => listening = r);
-  const read = async (body: ReadableStream<Uint8Array>) => {
+  const read = async (body: ReadableStream<Uint8Array<ArrayBuffer>>) => {
     let buf = "";
     for await (const text of body.pipeThrough(new TextDecoderStream())) {
       buf += text;
