@@ -1,12 +1,12 @@
 /**
  * The server's entry point, and only wiring: read the configuration from the environment once
- * (jobs/settings.ts), open the job store, start the GPU host (a child process with one Worker
+ * (server/settings.ts), open the job store, start the GPU host (a child process with one Worker
  * per GPU) and the job runner, build the routes and serve them. No WebGPU is loaded in this
  * process, so a driver fault can only take down the GPU host, which is restarted.
  *
  * Nothing that can go wrong at start ends in an uncaught error: a bad setting or an unusable data
  * directory exits with a message, and a GPU host that cannot start is a state `/health` shows
- * while it is tried again (jobs/host_client.ts).
+ * while it is tried again (server/gpus/host_client.ts).
  *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
  * running job saves a checkpoint at its current step, event streams end, the Workers let their
@@ -28,10 +28,10 @@ import {
   removeStaleTemporaries,
   type ServerConfig,
   trainingGpus,
-} from "./jobs/mod.ts";
-import { hostPermissions } from "./jobs/host_client.ts";
-import { createApp } from "./routes/mod.ts";
-import { datasetRoutes } from "./routes/datasets.ts";
+} from "./server/jobs/mod.ts";
+import { hostPermissions } from "./server/gpus/host_client.ts";
+import { createApp } from "./server/routes/mod.ts";
+import { datasetRoutes } from "./server/routes/datasets.ts";
 
 if (import.meta.main) {
   let config: ServerConfig;

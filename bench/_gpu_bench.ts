@@ -10,9 +10,9 @@
  * Correctness: an on-GPU max |a − b| / max |b| of two outputs.
  */
 
-import { type GpuContext, readBuffer } from "../gpu/device.ts";
-import { type StorageDtype, treeReduce } from "../gpu/kernels/common.ts";
-import { makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
+import { type GpuContext, readBuffer } from "../engine/device.ts";
+import { type StorageDtype, treeReduce } from "../engine/kernels/common.ts";
+import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 
 /** Time of one repetition of a measured kernel sequence, in ms, over batches of repetitions. */
 export interface Timing {

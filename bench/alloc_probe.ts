@@ -1,7 +1,7 @@
 /**
  * Where GPU memory beyond the plan goes: allocates buffers without running kernels and compares
  * nvidia-smi's memory.used delta with the bytes asked for, beside the waste the allocator model
- * predicts (allocatorWaste in gpu/plan.ts: 256 MiB blocks counted whole). Variants: every buffer
+ * predicts (allocatorWaste in model/plan.ts: 256 MiB blocks counted whole). Variants: every buffer
  * of a model's training plan in plan order; the same buffers in the packed order the engine
  * allocates them in (allocationOrder); the same bytes in 1 GiB buffers; and N buffers of one
  * size. Needs nvidia-smi (the GPU machine).
@@ -10,9 +10,9 @@
  *                                    [--precision fp32] [--sizes 16,32,48,96,128,256,300] [--count 24]
  */
 
-import { presetConfig } from "../gpu/config.ts";
-import { createStorage, type GpuContext, openDevice } from "../gpu/device.ts";
-import { allocationOrder, allocatorWaste, planModel, type Precision } from "../gpu/plan.ts";
+import { presetConfig } from "../model/config.ts";
+import { createStorage, type GpuContext, openDevice } from "../engine/device.ts";
+import { allocationOrder, allocatorWaste, planModel, type Precision } from "../model/plan.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

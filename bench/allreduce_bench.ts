@@ -16,9 +16,9 @@
  *   options: --part ring,gpu,exchange   --reps N   --step-ms T (DP=1 micro-batch time for the
  *            DP=2 speed-up estimate printed after the exchange; default 644.3, 345M fp32 on the H200)
  */
-import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
-import { type CommAlgorithm, type CommDtype, createCommBuffer } from "../gpu/parallel/allreduce.ts";
-import { type ReducePath, sharedSource, Stager } from "../gpu/parallel/exchange.ts";
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
+import { type CommAlgorithm, type CommDtype, createCommBuffer } from "../engine/parallel/allreduce.ts";
+import { type ReducePath, sharedSource, Stager } from "../engine/parallel/exchange.ts";
 import type { BenchTask } from "./allreduce_worker.ts";
 
 const args = Deno.args;

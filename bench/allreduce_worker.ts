@@ -6,9 +6,9 @@
  * Each posts back its per-repetition milliseconds.
  */
 /// <reference lib="deno.worker" />
-import { openDevice } from "../gpu/device.ts";
-import { type CommDtype, RingComm } from "../gpu/parallel/allreduce.ts";
-import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
+import { openDevice } from "../engine/device.ts";
+import { type CommDtype, RingComm } from "../engine/parallel/allreduce.ts";
+import { BucketExchange, type ReducePath } from "../engine/parallel/exchange.ts";
 
 /** A benchmark task for one rank. */
 export interface BenchTask {

@@ -1,6 +1,6 @@
 /**
  * Attention benchmark: the causal attention forward and backward of gpt2-124M and gpt2-345M
- * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (gpu/model.ts's
+ * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (engine/graph.ts's
  * choice) against the flash kernels (every tiling the device fits), timed by timestamp queries
  * (median over ≥ 20 repetitions after warmup). Every flash result is compared on the GPU with
  * today's kernels on the same inputs (max |difference| / max |value| of y, lse and dqkv) and a
@@ -15,8 +15,8 @@
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
 
-import { presetConfig } from "../gpu/config.ts";
-import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
+import { presetConfig } from "../model/config.ts";
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -36,9 +36,9 @@ import {
   type FlashLimits,
   flashScratchBytes,
   type FlashTiles,
-} from "../gpu/kernels/attention.ts";
-import { grid1d, type StorageDtype } from "../gpu/kernels/common.ts";
-import { makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
+} from "../engine/kernels/attention.ts";
+import { grid1d, type StorageDtype } from "../engine/kernels/common.ts";
+import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
 function arg(args: string[], name: string, def: string): string {
@@ -156,7 +156,7 @@ async function main(args: string[]): Promise<void> {
         dtype: half ? "f16" : "f32",
         gradDtype: half ? "f16" : "f32",
       };
-      // Today's choice, as gpu/model.ts makes it.
+      // Today's choice, as engine/graph.ts makes it.
       const split = chooseAttentionSplit(p.D, ctx.hasSubgroups);
       const now: AttentionSpec = {
         ...base,

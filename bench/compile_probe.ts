@@ -6,11 +6,11 @@
  * a fresh machine's figures. Prints the slowest ops of each kind. `--tiled` keeps the GPUs' tiled
  * kernels on a CPU adapter (what it compiled before the direct ones existed).
  */
-import { openDevice } from "../gpu/device.ts";
-import { presetConfig } from "../gpu/config.ts";
-import { Trainer } from "../gpu/trainer.ts";
-import { DEFAULT_ADAMW } from "../gpu/schedule.ts";
-import type { CompileProgress, Op } from "../gpu/ops.ts";
+import { openDevice } from "../engine/device.ts";
+import { presetConfig } from "../model/config.ts";
+import { Trainer } from "../engine/trainer.ts";
+import { DEFAULT_ADAMW } from "../model/schedule.ts";
+import type { CompileProgress, Op } from "../engine/ops.ts";
 
 const arg = (name: string, dflt: string) => {
   const i = Deno.args.indexOf(`--${name}`);

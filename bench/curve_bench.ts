@@ -19,10 +19,10 @@
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
 import { builtinDocuments } from "../data/builtin.ts";
 import { Sampler } from "../data/sampler.ts";
-import { EOT_TOKEN, presetConfig } from "../gpu/config.ts";
-import { describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
-import type { Precision } from "../gpu/plan.ts";
-import { Trainer } from "../gpu/trainer.ts";
+import { EOT_TOKEN, presetConfig } from "../model/config.ts";
+import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
+import type { Precision } from "../model/plan.ts";
+import { Trainer } from "../engine/trainer.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

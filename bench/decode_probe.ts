@@ -7,10 +7,10 @@
  *   deno run -A bench/decode_probe.ts [--model gpt2-124M] [--batches 1,16] [--chunk 32] [--every 1,4,32]
  */
 
-import { presetConfig } from "../gpu/config.ts";
-import { describeDevice, openDevice, readBuffer } from "../gpu/device.ts";
-import { Generator } from "../gpu/generator.ts";
-import { initParams } from "../gpu/init.ts";
+import { presetConfig } from "../model/config.ts";
+import { describeDevice, openDevice, readBuffer } from "../engine/device.ts";
+import { Generator } from "../engine/generator.ts";
+import { initParams } from "../model/init.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

@@ -8,8 +8,8 @@
  *   deno run -A bench/fma_probe.ts [--iters 4096] [--reps 5] [--acc 8]
  */
 
-import { createPipeline, describeDevice, openDevice } from "../gpu/device.ts";
-import { makeOp } from "../gpu/ops.ts";
+import { createPipeline, describeDevice, openDevice } from "../engine/device.ts";
+import { makeOp } from "../engine/ops.ts";
 import { GpuTimer } from "./_gpu_bench.ts";
 
 function arg(name: string, def: string): string {

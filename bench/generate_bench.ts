@@ -29,17 +29,23 @@
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
  */
 
-import { presetConfig } from "../gpu/config.ts";
-import { describeDevice, openDevice } from "../gpu/device.ts";
-import { Generator, isCpuAdapter } from "../gpu/generator.ts";
-import { initParams } from "../gpu/init.ts";
-import { exportTensors, hfConfig } from "../jobs/checkpoint.ts";
-import { writeSafetensors } from "../jobs/safetensors.ts";
-import { GenerationManager, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../jobs/mod.ts";
+import { presetConfig } from "../model/config.ts";
+import { describeDevice, openDevice } from "../engine/device.ts";
+import { Generator, isCpuAdapter } from "../engine/generator.ts";
+import { initParams } from "../model/init.ts";
+import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
+import { writeSafetensors } from "../checkpoint/safetensors.ts";
+import {
+  GenerationManager,
+  JobRunner,
+  JobStore,
+  spawnGpuWorker,
+  type TrainRequest,
+} from "../server/jobs/mod.ts";
 import { isBuiltinName } from "../data/mod.ts";
-import { createApp } from "../routes/mod.ts";
-import { LIMIT_SETTINGS } from "../jobs/settings.ts";
-import { parseGpuRoles, trainingGpus } from "../jobs/roles.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { LIMIT_SETTINGS } from "../server/settings.ts";
+import { parseGpuRoles, trainingGpus } from "../server/gpus/roles.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

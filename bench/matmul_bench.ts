@@ -1,13 +1,13 @@
 /**
  * Matmul benchmark: every GPT-2 training matmul (forward, both backward layouts, the LM head's
  * chunk forward, dx and dw) of gpt2-124M and gpt2-345M at B·T = 8192, in fp32 and with fp16
- * storage (the dtypes and f16 math gpu/model.ts gives each binding), timed by timestamp queries
+ * storage (the dtypes and f16 math engine/graph.ts gives each binding), timed by timestamp queries
  * (median and min over ≥ 20 repetitions after warmup; wall clock where the adapter has none).
  *
  *   deno task bench matmul                       chooseTile's pick for every shape
  *   deno task bench matmul --sweep [--json F]    every kernel variant × tile on every shape, in a time budget
  *   deno task bench matmul --tiny                tiny shapes (a CPU adapter runs it in under a minute)
- *   deno task bench matmul --from-json F --emit-tiles gpu/kernels/matmul_tiles.ts   (no GPU; rules of
+ *   deno task bench matmul --from-json F --emit-tiles engine/kernels/matmul_tiles.ts   (no GPU; rules of
  *                                 shapes F did not measure are kept unless --replace)
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
@@ -24,15 +24,15 @@
  * timing; `--emit-tiles` turns its best picks into the rule table chooseTile reads.
  *
  * Timing (bench/_gpu_bench.ts): batches of back-to-back dispatches per timestamped pass, the
- * median and min over batches of the per-dispatch time; "pick" is what gpu/model.ts runs today
+ * median and min over batches of the per-dispatch time; "pick" is what engine/graph.ts runs today
  * (chooseTile on the spec before dtypes are added, without the device's workgroup limit).
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
 
-import { makeConfig, type ModelConfig, presetConfig } from "../gpu/config.ts";
-import { createStorage, describeDevice, type GpuContext, openDevice } from "../gpu/device.ts";
-import type { StorageDtype } from "../gpu/kernels/common.ts";
+import { makeConfig, type ModelConfig, presetConfig } from "../model/config.ts";
+import { createStorage, describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
+import type { StorageDtype } from "../engine/kernels/common.ts";
 import {
   chooseTile,
   type MatmulBinding,
@@ -46,13 +46,13 @@ import {
   splitSlices,
   tileName,
   tileThreads,
-} from "../gpu/kernels/matmul.ts";
-import { MATMUL_TILE_RULES, type TileRule } from "../gpu/kernels/matmul_tiles.ts";
-import { makeOp, type Op, PipelineCache } from "../gpu/ops.ts";
-import { headChunkRows } from "../gpu/plan.ts";
+} from "../engine/kernels/matmul.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul_tiles.ts";
+import { makeOp, type Op, PipelineCache } from "../engine/ops.ts";
+import { headChunkRows } from "../model/plan.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
-/** One benchmarked matmul as gpu/model.ts builds it. */
+/** One benchmarked matmul as engine/graph.ts builds it. */
 export interface BenchShape {
   /** e.g. "gpt2-345M fp32 fc.dw". */
   name: string;
@@ -68,7 +68,7 @@ type Views = Partial<Record<MatmulBinding, StorageDtype>>;
 type ViewSet = Record<string, { buffer: GPUBuffer; offset: number; size: number }>;
 
 /**
- * The training matmuls of one model at B·T rows, in the order gpu/model.ts runs them, with the
+ * The training matmuls of one model at B·T rows, in the order engine/graph.ts runs them, with the
  * element types and math it gives them (fp16: f16 activations, weights and most gradients).
  */
 export function gpt2MatmulShapes(
@@ -543,7 +543,7 @@ export function tileTableSource(
   }
   const lines = rules.map((r) => `  ${JSON.stringify(r)},`);
   return `/**
- * Measured matmul tile choices, consulted first by \`chooseTile\` (gpu/kernels/matmul.ts).
+ * Measured matmul tile choices, consulted first by \`chooseTile\` (engine/kernels/matmul.ts).
  *
  * Written by \`deno task bench matmul --from-json … --emit-tiles …\` from a sweep on ${report.device}
  * (${report.date}). Rules are tried in order; the first whose given fields all match the spec, and
@@ -640,7 +640,7 @@ async function main(args: string[]): Promise<void> {
   const todo = shapes.filter((s) => only.test(s.name));
   const bench = new MatmulBench(ctx);
   const maxInv = ctx.limits.maxComputeInvocationsPerWorkgroup;
-  // What gpu/model.ts runs today: chooseTile on the spec before dtypes and math are added.
+  // What engine/graph.ts runs today: chooseTile on the spec before dtypes and math are added.
   const pickOf = (s: BenchShape) => {
     const { dtypes: _d, math: _m, ...bare } = s.spec;
     return chooseTile(bare, maxInv);

@@ -3,8 +3,8 @@
  * (different shapes, so nothing is cached) created one at a time with createComputePipeline,
  * then N others all at once with createComputePipelineAsync, each set timed whole.
  */
-import { openDevice } from "../gpu/device.ts";
-import { chooseTile, type MatmulSpec, matmulWgsl } from "../gpu/kernels/matmul.ts";
+import { openDevice } from "../engine/device.ts";
+import { chooseTile, type MatmulSpec, matmulWgsl } from "../engine/kernels/matmul.ts";
 
 const n = Number(Deno.args[0] ?? 24);
 const ctx = await openDevice();

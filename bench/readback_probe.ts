@@ -1,5 +1,5 @@
 /**
- * The two readback paths of gpu/readback.ts side by side (issue 26): for each size, the median
+ * The two readback paths of engine/readback.ts side by side (issue 26): for each size, the median
  * (and min, max) wall time of `Readback.read()` through the canvas path (forced at every size with
  * `maxCanvasBytes: Infinity`) and through mapAsync (`canvas: false`), each read right after a small
  * write to the buffer so that there is queued work to wait for, as after a decode step. The first
@@ -10,8 +10,8 @@
  *   deno run -A bench/readback_probe.ts [--sizes 4096,65536,1048576,16777216] [--reps 21]
  */
 
-import { createStorage, describeDevice, openDevice } from "../gpu/device.ts";
-import { CANVAS_MAX_BYTES, createReadback, type Readback, type ReadbackPath } from "../gpu/readback.ts";
+import { createStorage, describeDevice, openDevice } from "../engine/device.ts";
+import { CANVAS_MAX_BYTES, createReadback, type Readback, type ReadbackPath } from "../engine/readback.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

@@ -7,9 +7,9 @@
  *   deno run -A bench/sample_probe.ts [--streams 1,16]
  */
 
-import { createPipeline, describeDevice, openDevice, readBuffers } from "../gpu/device.ts";
-import { LP_WORDS, PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../gpu/kernels/sample.ts";
-import { pcg } from "../gpu/rng.ts";
+import { createPipeline, describeDevice, openDevice, readBuffers } from "../engine/device.ts";
+import { LP_WORDS, PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../engine/kernels/sample.ts";
+import { pcg } from "../model/rng.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);

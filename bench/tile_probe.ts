@@ -16,8 +16,8 @@
  *   deno run -A bench/tile_probe.ts [--reps 5] [--iters 64] [--bk 16] [--threads 256|128]
  */
 
-import { createPipeline, describeDevice, openDevice } from "../gpu/device.ts";
-import { makeOp } from "../gpu/ops.ts";
+import { createPipeline, describeDevice, openDevice } from "../engine/device.ts";
+import { makeOp } from "../engine/ops.ts";
 import { GpuTimer } from "./_gpu_bench.ts";
 
 function arg(name: string, def: string): string {

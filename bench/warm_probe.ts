@@ -6,10 +6,10 @@
  * background warm-up of every bucket and prefill shape, and a request at a new shape after it.
  * Prints one line per figure and a `RESULT` JSON line.
  */
-import { openDevice } from "../gpu/device.ts";
-import { presetConfig } from "../gpu/config.ts";
-import { initParams } from "../gpu/init.ts";
-import { Generator } from "../gpu/generator.ts";
+import { openDevice } from "../engine/device.ts";
+import { presetConfig } from "../model/config.ts";
+import { initParams } from "../model/init.ts";
+import { Generator } from "../engine/generator.ts";
 
 const arg = (name: string, dflt: string) => {
   const i = Deno.args.indexOf(`--${name}`);

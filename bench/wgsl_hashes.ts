@@ -11,11 +11,11 @@
  * Needs an adapter (lavapipe will do). Every module is captured at `createShaderModule`.
  */
 
-import { makeConfig, paramLayout } from "../gpu/config.ts";
-import { openDevice } from "../gpu/device.ts";
-import { Trainer, type TrainerOptions } from "../gpu/trainer.ts";
-import { Generator } from "../gpu/generator.ts";
-import { tensorParallelConfig } from "../gpu/parallel/shard.ts";
+import { makeConfig, paramLayout } from "../model/config.ts";
+import { openDevice } from "../engine/device.ts";
+import { Trainer, type TrainerOptions } from "../engine/trainer.ts";
+import { Generator } from "../engine/generator.ts";
+import { tensorParallelConfig } from "../model/shard.ts";
 
 const seen = new Map<string, string>();
 const original = GPUDevice.prototype.createShaderModule;

@@ -13,7 +13,7 @@
  */
 
 import { prepareDataset } from "../data/mod.ts";
-import { compileLine, type CompileReport } from "../jobs/kernel_cache.ts";
+import { compileLine, type CompileReport } from "../worker/compile_report.ts";
 
 const home = Deno.env.get("GPT2_HOME") || "./.gpt2";
 const FLAGS = ["--keep", "--no-install"];

@@ -8,7 +8,7 @@
  */
 
 import { parseArgs } from "node:util";
-import { reshardCheckpoint, ReshardError } from "../jobs/reshard.ts";
+import { reshardCheckpoint, ReshardError } from "../checkpoint/reshard.ts";
 
 const USAGE = "Usage: deno task reshard SRC --tensor-parallel N --out DST";
 

@@ -3,7 +3,7 @@
  * helpers, and an error measure for comparing GPU results with the CPU reference.
  */
 
-import { createStorage, type GpuContext, openDevice } from "../gpu/device.ts";
+import { createStorage, type GpuContext, openDevice } from "../engine/device.ts";
 
 let ctxPromise: Promise<GpuContext | null> | null = null;
 

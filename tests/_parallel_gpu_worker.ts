@@ -4,9 +4,9 @@
  * once, or reduce-scatter then all-gather), and posts the whole buffer back as read from the GPU.
  */
 /// <reference lib="deno.worker" />
-import { type GpuContext, openDevice, readBuffer } from "../gpu/device.ts";
-import { type CommDtype, RingComm } from "../gpu/parallel/allreduce.ts";
-import { BucketExchange, type ReducePath } from "../gpu/parallel/exchange.ts";
+import { type GpuContext, openDevice, readBuffer } from "../engine/device.ts";
+import { type CommDtype, RingComm } from "../engine/parallel/allreduce.ts";
+import { BucketExchange, type ReducePath } from "../engine/parallel/exchange.ts";
 
 /** One exchange to run on this rank. */
 export interface ExchangeTask {

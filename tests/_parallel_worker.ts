@@ -4,7 +4,7 @@
  * posts the rank's result back, or the error message.
  */
 /// <reference lib="deno.worker" />
-import { type Payload, RingComm } from "../gpu/parallel/allreduce.ts";
+import { type Payload, RingComm } from "../engine/parallel/allreduce.ts";
 
 /** A task for one rank. */
 export interface RankTask {

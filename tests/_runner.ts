@@ -6,7 +6,7 @@
 
 import assert from "node:assert/strict";
 import { isBuiltinName, prepareDataset } from "../data/mod.ts";
-import { type Job, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../jobs/mod.ts";
+import { type Job, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../server/jobs/mod.ts";
 
 /** Runs `fn` with a started runner of `gpus` Workers over a fresh data directory, then tears both down. */
 export async function withWorkerRunner(

@@ -1,12 +1,12 @@
 /**
- * The allocation order that packs the driver-side allocator's 256 MiB blocks (gpu/plan.ts
+ * The allocation order that packs the driver-side allocator's 256 MiB blocks (model/plan.ts
  * allocationOrder) and the model of what the allocator wastes under an order (allocatorWaste):
  * pure, no GPU.
  */
 
 import assert from "node:assert/strict";
-import { presetConfig } from "../gpu/config.ts";
-import { DEFAULT_PLAN_LIMITS, estimateTraining } from "../gpu/estimate.ts";
+import { presetConfig } from "../model/config.ts";
+import { DEFAULT_PLAN_LIMITS, estimateTraining } from "../model/estimate.ts";
 import {
   allocationOrder,
   ALLOCATOR_BLOCK_BYTES,
@@ -14,7 +14,7 @@ import {
   planModel,
   type PlannedBuffer,
   type PlanOptions,
-} from "../gpu/plan.ts";
+} from "../model/plan.ts";
 
 const MiB = 2 ** 20, BLOCK = ALLOCATOR_BLOCK_BYTES;
 

@@ -5,7 +5,7 @@
  */
 
 import assert from "node:assert/strict";
-import { readBuffer, readFloats } from "../gpu/device.ts";
+import { readBuffer, readFloats } from "../engine/device.ts";
 import {
   attentionBackwardKVWgsl,
   attentionBackwardQWgsl,
@@ -17,11 +17,11 @@ import {
   flashBackwardKVWgsl,
   flashBackwardQWgsl,
   flashScratchBytes,
-} from "../gpu/kernels/attention.ts";
-import { grid1d } from "../gpu/kernels/common.ts";
-import { encodeOps, makeOp, type OpKind, PipelineCache } from "../gpu/ops.ts";
-import { attention_backward, attention_forward } from "../gpu/reference.ts";
-import { dropThreshold } from "../gpu/rng.ts";
+} from "../engine/kernels/attention.ts";
+import { grid1d } from "../engine/kernels/common.ts";
+import { encodeOps, makeOp, type OpKind, PipelineCache } from "../engine/ops.ts";
+import { attention_backward, attention_forward } from "./reference/cpu_gpt2.ts";
+import { dropThreshold } from "../model/rng.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 const B = 1, H = 2, T = 40;

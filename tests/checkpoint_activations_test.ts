@@ -6,8 +6,8 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig } from "../gpu/config.ts";
-import { Trainer } from "../gpu/trainer.ts";
+import { makeConfig } from "../model/config.ts";
+import { Trainer } from "../engine/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 3, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 256 });

@@ -5,9 +5,9 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, paramLayout } from "../gpu/config.ts";
-import { planSegments } from "../gpu/flat.ts";
-import { type StepStats, Trainer, type TrainerOptions } from "../gpu/trainer.ts";
+import { makeConfig, paramLayout } from "../model/config.ts";
+import { planSegments } from "../engine/flat.ts";
+import { type StepStats, Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import { noGpu, relNorm, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32, vocab_size: 256 });

@@ -7,8 +7,8 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert, throws as assertThrows } from "node:assert/strict";
-import { GenerationManager, JobRunner, JobStore, type Limits } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
+import { GenerationManager, JobRunner, JobStore, type Limits } from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import {
   AddressRanges,
   formatAddress,
@@ -17,10 +17,10 @@ import {
   parseAddress,
   parseRange,
   xForwardedFor,
-} from "../jobs/addresses.ts";
-import { defaultLimits, ENGINE_MAX_STREAMS, readServerConfig } from "../jobs/settings.ts";
-import { DEFAULT_GENERATION_OPTIONS } from "../jobs/generation_service.ts";
-import { type AppOptions, createApp } from "../routes/mod.ts";
+} from "../server/addresses.ts";
+import { defaultLimits, ENGINE_MAX_STREAMS, readServerConfig } from "../server/settings.ts";
+import { DEFAULT_GENERATION_OPTIONS } from "../worker/serving.ts";
+import { type AppOptions, createApp } from "../server/routes/mod.ts";
 import { apiError } from "./_api.ts";
 
 const PER_CLIENT = "Too many open streams from this client: 1 (limit GPT2_MAX_STREAMS_PER_CLIENT=1)";

@@ -6,8 +6,8 @@
  */
 
 import assert from "node:assert/strict";
-import type { JobEvent, TrainRequest } from "../jobs/mod.ts";
-import { type CompileReport, compileReporter, driverCacheDisabled } from "../jobs/kernel_cache.ts";
+import type { JobEvent, TrainRequest } from "../server/jobs/mod.ts";
+import { type CompileReport, compileReporter, driverCacheDisabled } from "../worker/compile_report.ts";
 import { noGpu } from "./_helpers.ts";
 import { withWorkerRunner } from "./_runner.ts";
 

@@ -13,9 +13,9 @@ import {
   PRESET_NAMES,
   presetConfig,
   validateSeqLen,
-} from "../gpu/config.ts";
-import type { GpuContext } from "../gpu/device.ts";
-import { checkFits } from "../gpu/model.ts";
+} from "../model/config.ts";
+import type { GpuContext } from "../engine/device.ts";
+import { checkFits } from "../engine/graph.ts";
 
 function throwsField(fn: () => unknown, field: string, pattern: RegExp) {
   assert.throws(fn, (e: unknown) => {

@@ -7,8 +7,8 @@
  */
 
 import assert from "node:assert/strict";
-import { InvalidJobError, type Job, type TrainRequest } from "../jobs/mod.ts";
-import { checkpointName } from "../jobs/checkpoint.ts";
+import { InvalidJobError, type Job, type TrainRequest } from "../server/jobs/mod.ts";
+import { checkpointName } from "../checkpoint/checkpoint.ts";
 import { noGpu } from "./_helpers.ts";
 import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 

@@ -9,9 +9,9 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, paramLayout } from "../gpu/config.ts";
-import { type Batch, Trainer, type TrainerOptions } from "../gpu/trainer.ts";
-import { checksumOf } from "../gpu/kernels/checksum.ts";
+import { makeConfig, paramLayout } from "../model/config.ts";
+import { type Batch, Trainer, type TrainerOptions } from "../engine/trainer.ts";
+import { checksumOf } from "../engine/kernels/checksum.ts";
 import {
   type CommDtype,
   createCommBuffer,
@@ -21,7 +21,7 @@ import {
   RankControl,
   type ReducerOptions,
   RingComm,
-} from "../gpu/parallel/mod.ts";
+} from "../engine/parallel/mod.ts";
 import { noGpu, relNorm, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 2, n_embd: 32, n_positions: 16, vocab_size: 256 });

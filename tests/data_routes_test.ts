@@ -5,7 +5,7 @@
 import assert from "node:assert/strict";
 import { join } from "node:path";
 import { Hono } from "hono";
-import { datasetRoutes } from "../routes/datasets.ts";
+import { datasetRoutes } from "../server/routes/datasets.ts";
 import { makeDocs, withRoot } from "./data_fixtures.ts";
 import { apiError } from "./_api.ts";
 

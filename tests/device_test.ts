@@ -11,7 +11,7 @@ import {
   GpuError,
   openDevice,
   readFloats,
-} from "../gpu/device.ts";
+} from "../engine/device.ts";
 import { noGpu } from "./_helpers.ts";
 
 Deno.test({

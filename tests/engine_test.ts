@@ -5,11 +5,11 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, paramLayout } from "../gpu/config.ts";
-import { referenceAdamWStep, referenceForward, referenceLossAndGrads } from "../gpu/reference.ts";
-import { initParams } from "../gpu/init.ts";
-import { learningRate, type LrSchedule } from "../gpu/schedule.ts";
-import { Trainer, type TrainerOptions } from "../gpu/trainer.ts";
+import { makeConfig, paramLayout } from "../model/config.ts";
+import { referenceAdamWStep, referenceForward, referenceLossAndGrads } from "./reference/cpu_gpt2.ts";
+import { initParams } from "../model/init.ts";
+import { learningRate, type LrSchedule } from "../model/schedule.ts";
+import { Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import { noGpu, relNorm, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 4, n_embd: 64, n_positions: 32 });

@@ -7,8 +7,8 @@
  */
 
 import assert from "node:assert/strict";
-import { ConfigError, makeConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
-import { describeDevice } from "../gpu/device.ts";
+import { ConfigError, makeConfig, parameterCount, paramLayout, presetConfig } from "../model/config.ts";
+import { describeDevice } from "../engine/device.ts";
 import {
   DEFAULT_GPU,
   DEFAULT_PLAN_LIMITS,
@@ -20,7 +20,7 @@ import {
   knownDeviceMemory,
   megatronFlops,
   parametersPerGpu,
-} from "../gpu/estimate.ts";
+} from "../model/estimate.ts";
 import {
   allocationOrder,
   allocatorWaste,
@@ -28,11 +28,17 @@ import {
   type ChunkOptions,
   planModel,
   type Precision,
-} from "../gpu/plan.ts";
-import { Trainer } from "../gpu/trainer.ts";
-import { completeConfig, InvalidJobError, JobRunner, JobStore, type TrainRequest } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { createApp } from "../routes/mod.ts";
+} from "../model/plan.ts";
+import { Trainer } from "../engine/trainer.ts";
+import {
+  completeConfig,
+  InvalidJobError,
+  JobRunner,
+  JobStore,
+  type TrainRequest,
+} from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 import { apiError } from "./_api.ts";
 import { estimateGpu } from "../web/shapes.js";

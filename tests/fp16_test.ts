@@ -6,21 +6,21 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, paramLayout } from "../gpu/config.ts";
-import { withStorageDtypes } from "../gpu/kernels/common.ts";
+import { makeConfig, paramLayout } from "../model/config.ts";
+import { withStorageDtypes } from "../engine/kernels/common.ts";
 import {
   chooseTile,
   matmulBindings,
   matmulGrid,
   type MatmulSpec,
   matmulWgsl,
-} from "../gpu/kernels/matmul.ts";
-import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
-import { createStorage, readBuffer } from "../gpu/device.ts";
-import { initParams } from "../gpu/init.ts";
-import { referenceLossAndGrads } from "../gpu/reference.ts";
-import { Trainer, type TrainerOptions } from "../gpu/trainer.ts";
-import { DEFAULT_LOSS_SCALER } from "../gpu/kernels/adamw.ts";
+} from "../engine/kernels/matmul.ts";
+import { encodeOps, makeOp, PipelineCache } from "../engine/ops.ts";
+import { createStorage, readBuffer } from "../engine/device.ts";
+import { initParams } from "../model/init.ts";
+import { referenceLossAndGrads } from "./reference/cpu_gpt2.ts";
+import { Trainer, type TrainerOptions } from "../engine/trainer.ts";
+import { DEFAULT_LOSS_SCALER } from "../engine/kernels/adamw.ts";
 import { noGpu, randomFloats, relNorm, testContext } from "./_helpers.ts";
 
 const ctx0 = await testContext();

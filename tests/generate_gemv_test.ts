@@ -5,8 +5,8 @@
  */
 
 import assert from "node:assert/strict";
-import { type GpuContext, readFloats } from "../gpu/device.ts";
-import { encodeOps, makeOp, type Op, PipelineCache, type View } from "../gpu/ops.ts";
+import { type GpuContext, readFloats } from "../engine/device.ts";
+import { encodeOps, makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import {
   gemvPartialWgsl,
   gemvReduceBindings,
@@ -19,7 +19,7 @@ import {
   gemvUboBlocks,
   gemvUboLayerWgsl,
   gemvUboWgsl,
-} from "../gpu/kernels/gemv.ts";
+} from "../engine/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 /** out[m, n] = Σ_k x[m, k] · w(k, n), in float64. */

@@ -14,12 +14,12 @@ import {
   JobRunner,
   JobStore,
   TextStream,
-} from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
+} from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { Hono } from "hono";
-import { createApp } from "../routes/mod.ts";
-import { onError } from "../routes/errors.ts";
-import { generateRoutes } from "../routes/generate.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { onError } from "../server/routes/api_errors.ts";
+import { generateRoutes } from "../server/routes/generate.ts";
 import { until } from "./_wait.ts";
 
 const tinyDims = { n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 };

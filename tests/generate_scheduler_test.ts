@@ -7,8 +7,8 @@
  */
 
 import { deepStrictEqual as assertEquals, throws as assertThrows } from "node:assert/strict";
-import { planStep, type SchedulerLimits } from "../jobs/scheduler.ts";
-import { generationGpus, parseGpuRoles, trainingGpus } from "../jobs/roles.ts";
+import { planStep, type SchedulerLimits } from "../worker/batching.ts";
+import { generationGpus, parseGpuRoles, trainingGpus } from "../server/gpus/roles.ts";
 
 const limits: SchedulerLimits = { chunk: 16, firstChunk: 4, prefillTokens: 100 };
 const req = (promptTokens: number, maxTokens = 50) => ({ promptTokens, maxTokens });

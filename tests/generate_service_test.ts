@@ -7,17 +7,17 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig } from "../gpu/config.ts";
-import { initParams } from "../gpu/init.ts";
-import { exportTensors, hfConfig } from "../jobs/checkpoint.ts";
+import { makeConfig } from "../model/config.ts";
+import { initParams } from "../model/init.ts";
+import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
 import {
   generationOptionsFromEnv,
   GenerationService,
   type GenerationServiceOptions,
-} from "../jobs/generation_service.ts";
-import type { FromWorker, WorkerGeneration } from "../jobs/messages.ts";
-import { resolveModelSource } from "../jobs/model_source.ts";
-import { writeSafetensors } from "../jobs/safetensors.ts";
+} from "../worker/serving.ts";
+import type { FromWorker, WorkerGeneration } from "../protocol.ts";
+import { resolveModelSource } from "../checkpoint/model_source.ts";
+import { writeSafetensors } from "../checkpoint/safetensors.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 import { until } from "./_wait.ts";
 

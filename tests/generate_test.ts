@@ -7,11 +7,11 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig } from "../gpu/config.ts";
-import { Generator, type SamplingParams } from "../gpu/generator.ts";
-import { createReadback } from "../gpu/readback.ts";
-import { referenceForward } from "../gpu/reference.ts";
-import { Trainer } from "../gpu/trainer.ts";
+import { makeConfig } from "../model/config.ts";
+import { Generator, type SamplingParams } from "../engine/generator.ts";
+import { createReadback } from "../engine/readback.ts";
+import { referenceForward } from "./reference/cpu_gpt2.ts";
+import { Trainer } from "../engine/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 });

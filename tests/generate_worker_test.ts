@@ -17,12 +17,12 @@ import {
   JobStore,
   loadCheckpoint,
   spawnGpuWorker,
-} from "../jobs/mod.ts";
-import type { TrainRequest } from "../jobs/mod.ts";
-import { createApp } from "../routes/mod.ts";
-import { presetConfig } from "../gpu/config.ts";
-import { referenceGreedy } from "../gpu/reference.ts";
-import { decodeTokens, encodePrompt } from "../jobs/text_stream.ts";
+} from "../server/jobs/mod.ts";
+import type { TrainRequest } from "../server/jobs/mod.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { presetConfig } from "../model/config.ts";
+import { referenceGreedy } from "./reference/cpu_gpt2.ts";
+import { decodeTokens, encodePrompt } from "../server/generate/text_stream.ts";
 import { noGpu } from "./_helpers.ts";
 import { until } from "./_wait.ts";
 

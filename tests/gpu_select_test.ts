@@ -11,7 +11,7 @@ import {
   parseSelectMode,
   type PciGpu,
   pciTag,
-} from "../jobs/gpu_select.ts";
+} from "../host/gpu_select.ts";
 
 const two: PciGpu[] = [{ index: 0, bus: "0000:19:00.0" }, { index: 1, bus: "0000:3B:00.0" }];
 const four: PciGpu[] = [...two, { index: 2, bus: "0000:4c:00.0" }, { index: 3, bus: "0000:5d:00.0" }];

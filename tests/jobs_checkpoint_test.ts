@@ -11,8 +11,8 @@
 
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
-import { ConfigError, makeConfig, paramLayout, presetConfig } from "../gpu/config.ts";
-import { mergeParams, shardLayout, splitParams, tensorParallelConfig } from "../gpu/parallel/mod.ts";
+import { ConfigError, makeConfig, paramLayout, presetConfig } from "../model/config.ts";
+import { mergeParams, shardLayout, splitParams, tensorParallelConfig } from "../engine/parallel/mod.ts";
 import {
   type CheckpointManifest,
   checkpointName,
@@ -29,7 +29,7 @@ import {
   saveCheckpoint,
   type TrainConfig,
   writeSafetensors,
-} from "../jobs/mod.ts";
+} from "../server/jobs/mod.ts";
 
 const train: TrainConfig = {
   model: "gpt2-tiny",

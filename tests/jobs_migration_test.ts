@@ -6,9 +6,9 @@
 
 import assert from "node:assert/strict";
 import { DatabaseSync } from "node:sqlite";
-import { JobStore, SCHEMA_VERSION } from "../jobs/mod.ts";
+import { JobStore, SCHEMA_VERSION } from "../server/jobs/mod.ts";
 
-/** The DDL of the first release (jobs/store.ts before versioning), copied as it was. */
+/** The DDL of the first release (server/jobs/job_store.ts before versioning), copied as it was. */
 const FIRST_RELEASE_SCHEMA = `
 create table if not exists jobs (
   seq integer primary key autoincrement,

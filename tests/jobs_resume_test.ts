@@ -6,8 +6,8 @@
 
 import assert from "node:assert/strict";
 import { prepareDataset } from "../data/mod.ts";
-import { type FromWorker, listCheckpoints, type TrainConfig } from "../jobs/mod.ts";
-import { runTraining } from "../jobs/train_loop.ts";
+import { type FromWorker, listCheckpoints, type TrainConfig } from "../server/jobs/mod.ts";
+import { runTraining } from "../worker/train_loop.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const config: TrainConfig = {

@@ -1,14 +1,20 @@
 /**
- * The runner and store without a GPU (the Worker is the scripted double in jobs/testing.ts):
+ * The runner and store without a GPU (the Worker is the scripted double in tests/fakes/fake_worker.ts):
  * FIFO order per GPU, spreading over several GPUs, crash recovery from the store on disk, a
  * Worker crash interrupting its job (resumed, or failed when it keeps crashing), and the
  * graceful stop.
  */
 
 import assert from "node:assert/strict";
-import { paramLayout, presetConfig } from "../gpu/config.ts";
-import { JobRunner, JobStore, saveCheckpoint, type TrainConfig, type TrainRequest } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
+import { paramLayout, presetConfig } from "../model/config.ts";
+import {
+  JobRunner,
+  JobStore,
+  saveCheckpoint,
+  type TrainConfig,
+  type TrainRequest,
+} from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { until } from "./_wait.ts";
 
 const tick = () => new Promise((r) => setTimeout(r, 5));

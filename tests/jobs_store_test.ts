@@ -4,7 +4,7 @@
  */
 
 import assert from "node:assert/strict";
-import { JobStore, lockDataDir, type TrainConfig } from "../jobs/mod.ts";
+import { JobStore, lockDataDir, type TrainConfig } from "../server/jobs/mod.ts";
 
 const config = { model: "gpt2-tiny", dataset: "sotu", train_iters: 10 } as TrainConfig;
 

@@ -5,7 +5,7 @@
  */
 
 import assert from "node:assert/strict";
-import { type Job, type JobEvent, type JobRunner, type TrainRequest } from "../jobs/mod.ts";
+import { type Job, type JobEvent, type JobRunner, type TrainRequest } from "../server/jobs/mod.ts";
 import { noGpu } from "./_helpers.ts";
 import { withWorkerRunner } from "./_runner.ts";
 

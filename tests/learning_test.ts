@@ -8,8 +8,8 @@ import assert from "node:assert/strict";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
 import { builtinDocuments } from "../data/builtin.ts";
 import { Sampler } from "../data/sampler.ts";
-import { EOT_TOKEN, presetConfig } from "../gpu/config.ts";
-import { Trainer } from "../gpu/trainer.ts";
+import { EOT_TOKEN, presetConfig } from "../model/config.ts";
+import { Trainer } from "../engine/trainer.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const STEPS = 100;

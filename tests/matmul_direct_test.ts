@@ -1,15 +1,15 @@
 /**
- * The CPU adapters' direct matmul (gpu/kernels/matmul_direct.ts: no workgroup memory, no
- * barriers) against the tiled kernel of gpu/kernels/matmul.ts on the same inputs: bit for bit in
+ * The CPU adapters' direct matmul (engine/kernels/matmul_direct.ts: no workgroup memory, no
+ * barriers) against the tiled kernel of engine/kernels/matmul.ts on the same inputs: bit for bit in
  * every layout, with every epilogue (dropout included), the GELU prologue and f16 storage.
  */
 
 import assert from "node:assert/strict";
-import { readFloats } from "../gpu/device.ts";
-import { chooseTile, type MatmulKernel, matmulKernels, type MatmulSpec } from "../gpu/kernels/matmul.ts";
-import { matmulDirectError, matmulDirectKernel } from "../gpu/kernels/matmul_direct.ts";
-import { dropThreshold } from "../gpu/rng.ts";
-import { encodeOps, makeOp, type Op, PipelineCache } from "../gpu/ops.ts";
+import { readFloats } from "../engine/device.ts";
+import { chooseTile, type MatmulKernel, matmulKernels, type MatmulSpec } from "../engine/kernels/matmul.ts";
+import { matmulDirectError, matmulDirectKernel } from "../engine/kernels/matmul_direct.ts";
+import { dropThreshold } from "../model/rng.ts";
+import { encodeOps, makeOp, type Op, PipelineCache } from "../engine/ops.ts";
 import { noGpu, randomFloats, testContext } from "./_helpers.ts";
 
 /** Outputs (out, out2) of the tiled kernels and of the direct one on the same random inputs. */

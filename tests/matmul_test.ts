@@ -6,7 +6,7 @@
  */
 
 import assert from "node:assert/strict";
-import { createStorage, readBuffer, readFloats } from "../gpu/device.ts";
+import { createStorage, readBuffer, readFloats } from "../engine/device.ts";
 import {
   chooseTile,
   matmulKernels,
@@ -15,11 +15,11 @@ import {
   type MatmulTile,
   matmulWgsl,
   tileName,
-} from "../gpu/kernels/matmul.ts";
-import type { TileRule } from "../gpu/kernels/matmul_tiles.ts";
-import { dropKeep, dropThreshold } from "../gpu/rng.ts";
-import { encodeOps, makeOp, PipelineCache } from "../gpu/ops.ts";
-import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../gpu/kernels/gemv.ts";
+} from "../engine/kernels/matmul.ts";
+import type { TileRule } from "../engine/kernels/matmul_tiles.ts";
+import { dropKeep, dropThreshold } from "../model/rng.ts";
+import { encodeOps, makeOp, PipelineCache } from "../engine/ops.ts";
+import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../engine/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "./_helpers.ts";
 
 const gelu = (x: number) => 0.5 * x * (1 + Math.tanh(Math.sqrt(2 / Math.PI) * (x + 0.044715 * x ** 3)));

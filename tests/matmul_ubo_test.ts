@@ -1,16 +1,16 @@
 /**
- * The CPU adapters' uniform-buffer matmul (gpu/kernels/matmul_ubo.ts) against the tiled kernel of
- * gpu/kernels/matmul.ts on the same inputs: bit for bit in both forms (lanes over N, lanes over M),
+ * The CPU adapters' uniform-buffer matmul (engine/kernels/matmul_ubo.ts) against the tiled kernel of
+ * engine/kernels/matmul.ts on the same inputs: bit for bit in both forms (lanes over N, lanes over M),
  * in one dispatch and split into chunks, with every epilogue (dropout included) and the GELU
  * prologue; within float tolerance where the accumulate epilogue spans several K chunks.
  */
 
 import assert from "node:assert/strict";
-import { readFloats } from "../gpu/device.ts";
-import { chooseTile, matmulKernels, type MatmulSpec } from "../gpu/kernels/matmul.ts";
-import { type UboMatmulLimits, uboMatmulPlan } from "../gpu/kernels/matmul_ubo.ts";
-import { dropThreshold } from "../gpu/rng.ts";
-import { encodeOps, makeOp, type Op, PipelineCache } from "../gpu/ops.ts";
+import { readFloats } from "../engine/device.ts";
+import { chooseTile, matmulKernels, type MatmulSpec } from "../engine/kernels/matmul.ts";
+import { type UboMatmulLimits, uboMatmulPlan } from "../engine/kernels/matmul_ubo.ts";
+import { dropThreshold } from "../model/rng.ts";
+import { encodeOps, makeOp, type Op, PipelineCache } from "../engine/ops.ts";
 import { noGpu, randomFloats, relNorm, testContext } from "./_helpers.ts";
 
 function buffer(ctx: GPUDevice, data: Float32Array): GPUBuffer {

@@ -1,5 +1,5 @@
 /**
- * Tests of gpu/parallel/allreduce.ts: the 16-bit rounding helpers against the built-in
+ * Tests of engine/parallel/allreduce.ts: the 16-bit rounding helpers against the built-in
  * Float16Array, and the ring allreduce, reduce-scatter and all-gather run by 2, 3 and 4 real
  * Workers (half of them with blocking waits, half async) against a serial sum.
  */
@@ -14,7 +14,7 @@ import {
   type Payload,
   RingComm,
   shardRange,
-} from "../gpu/parallel/allreduce.ts";
+} from "../engine/parallel/allreduce.ts";
 import type { RankTask } from "./_parallel_worker.ts";
 import { randomFloats } from "./_helpers.ts";
 

@@ -1,12 +1,12 @@
 /**
- * Tests of gpu/parallel/exchange.ts on lavapipe: two Workers, each with its own device, sum a
+ * Tests of engine/parallel/exchange.ts on lavapipe: two Workers, each with its own device, sum a
  * bucket of their GPU buffers by the host path (readback, CPU ring, writeBuffer) and by the GPU
  * path (peers' slots uploaded and added by a kernel), with one lane or two (three sub-buckets
  * issued at once), and by reduce-scatter then all-gather; both buffers must hold the sum,
  * identical bits on both ranks, and the bytes outside the bucket must stay untouched.
  */
 import assert from "node:assert/strict";
-import { type CommDtype, createCommBuffer, f32BitsToF16 } from "../gpu/parallel/allreduce.ts";
+import { type CommDtype, createCommBuffer, f32BitsToF16 } from "../engine/parallel/allreduce.ts";
 import type { ExchangeTask } from "./_parallel_gpu_worker.ts";
 import { noGpu, randomFloats } from "./_helpers.ts";
 

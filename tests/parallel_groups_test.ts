@@ -1,5 +1,5 @@
 /**
- * Tests of gpu/parallel/groups.ts (Megatron-style data- and tensor-parallel groups and their
+ * Tests of engine/parallel/groups.ts (Megatron-style data- and tensor-parallel groups and their
  * errors) and setup.ts (the communicator buffers a GPU host hands each rank).
  */
 import assert from "node:assert/strict";
@@ -8,8 +8,8 @@ import {
   parallelLayout,
   rankGroups,
   tensorParallelGroups,
-} from "../gpu/parallel/groups.ts";
-import { createJobBuffers, RingComm } from "../gpu/parallel/mod.ts";
+} from "../engine/parallel/groups.ts";
+import { createJobBuffers, RingComm } from "../engine/parallel/mod.ts";
 
 Deno.test("parallelLayout() completes dp from worldSize / tp and names a bad field", () => {
   assert.deepEqual(parallelLayout(8, { tp: 2 }), { worldSize: 8, tp: 2, dp: 4 });

@@ -1,5 +1,5 @@
 /**
- * gpu/readback.ts: every size the canvas path serves comes back byte-exact (random bytes in every
+ * engine/readback.ts: every size the canvas path serves comes back byte-exact (random bytes in every
  * channel, alpha included), larger reads and `canvas: false` go through mapAsync, and the fallback
  * is taken, and exact, when the canvas cannot be made, when its round trip is not exact, and when a
  * later canvas read fails. Each test asserts the path it took, so a canvas path that silently never
@@ -7,7 +7,7 @@
  */
 
 import assert from "node:assert/strict";
-import { createStorage, type GpuContext } from "../gpu/device.ts";
+import { createStorage, type GpuContext } from "../engine/device.ts";
 import {
   CANVAS_MAX_BYTES,
   createReadback,
@@ -15,7 +15,7 @@ import {
   parseFastReadback,
   type ReadbackCanvas,
   type ReadbackOptions,
-} from "../gpu/readback.ts";
+} from "../engine/readback.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 /** Whether this runtime offers OffscreenCanvas; where it does, the canvas path must be taken. */

@@ -1,12 +1,12 @@
 /**
- * Checks the CPU reference of GPT-2 training (gpu/reference.ts) on its own terms: analytic gradients
+ * Checks the CPU reference of GPT-2 training (tests/reference/cpu_gpt2.ts) on its own terms: analytic gradients
  * against central finite differences for every tensor (dropout off and on), spec properties of the
  * forward pass (causality, padded vocabulary, the untrained loss), hand-computed AdamW steps, and the
  * parameter counts. The GPU engine is checked against this reference, so it has to be right first.
  */
 
 import assert from "node:assert/strict";
-import { makeConfig, type ModelConfig, parameterCount, paramLayout, presetConfig } from "../gpu/config.ts";
+import { makeConfig, type ModelConfig, parameterCount, paramLayout, presetConfig } from "../model/config.ts";
 import {
   initParams,
   normalZiggurat,
@@ -15,9 +15,9 @@ import {
   referenceForward,
   referenceLossAndGrads,
   type ReferenceOptions,
-} from "../gpu/reference.ts";
-import { Rng } from "../gpu/rng.ts";
-import { type AdamWConfig, DEFAULT_ADAMW } from "../gpu/schedule.ts";
+} from "./reference/cpu_gpt2.ts";
+import { Rng } from "../model/rng.ts";
+import { type AdamWConfig, DEFAULT_ADAMW } from "../model/schedule.ts";
 
 const TINY = makeConfig({
   n_layer: 2,

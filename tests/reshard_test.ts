@@ -9,9 +9,9 @@
 
 import assert from "node:assert/strict";
 import { createHash } from "node:crypto";
-import { type ModelConfig, paramLayout, presetConfig } from "../gpu/config.ts";
-import type { ControlState } from "../gpu/kernels/adamw.ts";
-import { splitParams, tensorParallelConfig } from "../gpu/parallel/mod.ts";
+import { type ModelConfig, paramLayout, presetConfig } from "../model/config.ts";
+import type { ControlState } from "../engine/kernels/adamw.ts";
+import { splitParams, tensorParallelConfig } from "../engine/parallel/mod.ts";
 import {
   type CheckpointState,
   JobRunner,
@@ -23,10 +23,10 @@ import {
   resolveModelSource,
   saveCheckpoint,
   type TrainConfig,
-} from "../jobs/mod.ts";
-import { reshardByName, reshardCheckpoint, ReshardError } from "../jobs/reshard.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { createApp } from "../routes/mod.ts";
+} from "../server/jobs/mod.ts";
+import { reshardByName, reshardCheckpoint, ReshardError } from "../checkpoint/reshard.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
 import { apiError } from "./_api.ts";
 
 /** Deterministic floats in [-1, 1) from `seed` (a 32-bit LCG; no GPU helper needed here). */

@@ -11,9 +11,9 @@
  */
 
 import assert from "node:assert/strict";
-import { createPipeline, readBuffers } from "../gpu/device.ts";
-import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../gpu/kernels/sample.ts";
-import { pcg } from "../gpu/rng.ts";
+import { createPipeline, readBuffers } from "../engine/device.ts";
+import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../engine/kernels/sample.ts";
+import { pcg } from "../model/rng.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const V = 3000, Vp = 3072, S = 48;

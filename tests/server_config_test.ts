@@ -5,7 +5,7 @@
  */
 
 import assert from "node:assert/strict";
-import { defaultLimits, readServerConfig } from "../jobs/settings.ts";
+import { defaultLimits, readServerConfig } from "../server/settings.ts";
 
 const env = (vars: Record<string, string>) => ({ get: (k: string) => vars[k] });
 const noFile = (path: string): string => {

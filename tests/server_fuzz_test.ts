@@ -6,10 +6,10 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
-import { GenerationManager, JobRunner, JobStore } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { createApp } from "../routes/mod.ts";
-import { datasetRoutes } from "../routes/datasets.ts";
+import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { datasetRoutes } from "../server/routes/datasets.ts";
 import { apiError } from "./_api.ts";
 
 interface Hostile {

@@ -1,13 +1,13 @@
 /**
  * Route tests through `app.request()`: status codes, bodies, validation, auth, SSE replay and
  * Prometheus output, with the real store and runner and a scripted stand-in for the GPU Worker
- * (jobs/testing.ts), so nothing here needs a GPU.
+ * (tests/fakes/fake_worker.ts), so nothing here needs a GPU.
  */
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
-import { type FromWorker, JobRunner, JobStore } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { createApp } from "../routes/mod.ts";
+import { type FromWorker, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
 import { until } from "./_wait.ts";
 import { apiError } from "./_api.ts";
 

@@ -6,11 +6,11 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
-import { JobRunner, JobStore, type Limits } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { type AppOptions, createApp } from "../routes/mod.ts";
-import { datasetRoutes } from "../routes/datasets.ts";
-import { scrubPaths } from "../routes/errors.ts";
+import { JobRunner, JobStore, type Limits } from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { type AppOptions, createApp } from "../server/routes/mod.ts";
+import { datasetRoutes } from "../server/routes/datasets.ts";
+import { scrubPaths } from "../server/routes/api_errors.ts";
 import { until } from "./_wait.ts";
 import { apiError } from "./_api.ts";
 

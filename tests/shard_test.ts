@@ -6,8 +6,8 @@
  */
 
 import assert from "node:assert/strict";
-import { ConfigError, makeConfig, paramLayout, presetConfig } from "../gpu/config.ts";
-import { parametersPerGpu } from "../gpu/estimate.ts";
+import { ConfigError, makeConfig, paramLayout, presetConfig } from "../model/config.ts";
+import { parametersPerGpu } from "../model/estimate.ts";
 import {
   checkTensorParallel,
   cutShard,
@@ -21,7 +21,7 @@ import {
   tensorParallelVocab,
   vocabShard,
   vocabSizes,
-} from "../gpu/parallel/mod.ts";
+} from "../engine/parallel/mod.ts";
 
 /** Deterministic floats in [-1, 1) from `seed` (a 32-bit LCG; no GPU helper needed here). */
 function randomFloats(n: number, seed: number): Float32Array {

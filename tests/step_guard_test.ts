@@ -6,10 +6,10 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig } from "../gpu/config.ts";
-import { learningRate, type LrSchedule } from "../gpu/schedule.ts";
-import { type StepStats, Trainer, type TrainerOptions } from "../gpu/trainer.ts";
-import type { LossScalerConfig } from "../gpu/kernels/adamw.ts";
+import { makeConfig } from "../model/config.ts";
+import { learningRate, type LrSchedule } from "../model/schedule.ts";
+import { type StepStats, Trainer, type TrainerOptions } from "../engine/trainer.ts";
+import type { LossScalerConfig } from "../engine/kernels/adamw.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const config = makeConfig({ n_layer: 1, n_head: 2, n_embd: 32, n_positions: 16, vocab_size: 256 });

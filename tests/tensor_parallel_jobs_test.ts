@@ -8,10 +8,15 @@
  */
 
 import assert from "node:assert/strict";
-import { InvalidJobError, type TrainRequest } from "../jobs/mod.ts";
-import { checkpointName, loadCheckpointWeights, mergedModel, readManifest } from "../jobs/checkpoint.ts";
-import { reshardCheckpoint } from "../jobs/reshard.ts";
-import { Generator } from "../gpu/generator.ts";
+import { InvalidJobError, type TrainRequest } from "../server/jobs/mod.ts";
+import {
+  checkpointName,
+  loadCheckpointWeights,
+  mergedModel,
+  readManifest,
+} from "../checkpoint/checkpoint.ts";
+import { reshardCheckpoint } from "../checkpoint/reshard.ts";
+import { Generator } from "../engine/generator.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 

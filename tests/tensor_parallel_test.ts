@@ -7,15 +7,15 @@
  */
 
 import assert from "node:assert/strict";
-import { makeConfig } from "../gpu/config.ts";
-import { Trainer, type TrainerOptions } from "../gpu/trainer.ts";
+import { makeConfig } from "../model/config.ts";
+import { Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import {
   createCommBuffer,
   mergeParams,
   RingComm,
   tensorParallelConfig,
   TensorParallelExchange,
-} from "../gpu/parallel/mod.ts";
+} from "../engine/parallel/mod.ts";
 import { noGpu, relNorm, testContext } from "./_helpers.ts";
 
 const base = makeConfig({ n_layer: 2, n_head: 4, n_embd: 32, n_positions: 16, vocab_size: 250 });

@@ -7,10 +7,10 @@
  */
 
 import assert from "node:assert/strict";
-import { presetConfig } from "../gpu/config.ts";
+import { presetConfig } from "../model/config.ts";
 import { prepareDataset } from "../data/mod.ts";
-import { type FromWorker, listCheckpoints, loadCheckpoint, type TrainConfig } from "../jobs/mod.ts";
-import { runTraining, type TrainHooks } from "../jobs/train_loop.ts";
+import { type FromWorker, listCheckpoints, loadCheckpoint, type TrainConfig } from "../server/jobs/mod.ts";
+import { runTraining, type TrainHooks } from "../worker/train_loop.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 
 const base: TrainConfig = {

@@ -6,9 +6,9 @@
  */
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
-import { JobRunner, JobStore } from "../jobs/mod.ts";
-import { ScriptedWorker } from "../jobs/testing.ts";
-import { createApp } from "../routes/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
 
 /** The message of an error body, in today's shape (`{error}`) or OpenAI's (`{error: {message}}`). */
 function message(body: { error: string | { message: string } }): string {

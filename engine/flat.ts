@@ -1,0 +1,93 @@
+/**
+ * Flat parameter-shaped arrays (parameters, gradients, AdamW moments) split over GPU buffers.
+ *
+ * A GPT-2 XL flat buffer is 6.2 GB in fp32, past the 2 GiB storage-binding limit and possibly past
+ * the device's largest buffer. The layout is cut at tensor boundaries into segments no larger than
+ * either limit; each segment is its own GPU buffer, a tensor lives in exactly one segment, and
+ * kernels over the whole array (gradient norm, AdamW) run once per segment. Small models have one
+ * segment, exactly the old single buffer.
+ */
+
+import { ConfigError, type ParamLayout } from "../model/config.ts";
+import type { View } from "./ops.ts";
+import { type GpuContext, readFloats } from "./device.ts";
+
+/** A range [start, start + size) of the flat layout, in elements. */
+export interface SegmentRange {
+  start: number;
+  size: number;
+}
+
+/** One GPU buffer holding a segment. */
+export interface Segment extends SegmentRange {
+  buffer: GPUBuffer;
+}
+
+/** A flat array over one or more GPU buffers. */
+export interface FlatBuffer {
+  segments: Segment[];
+  /** Elements of the whole layout. */
+  totalSize: number;
+  /** 4 for f32, 2 for f16. */
+  bytesPerElement: number;
+}
+
+/**
+ * Cuts the layout into segments of at most `maxBytes` (bytes per element `bpe`), at tensor
+ * boundaries; every segment start is a tensor offset, so 256-byte binding alignment holds.
+ */
+export function planSegments(layout: ParamLayout, maxBytes: number, bpe = 4): SegmentRange[] {
+  const maxElems = Math.floor(maxBytes / bpe);
+  const tensors = [...layout.tensors].sort((a, b) => a.offset - b.offset);
+  const out: SegmentRange[] = [];
+  let start = 0;
+  for (let i = 0; i < tensors.length; i++) {
+    const t = tensors[i];
+    const end = i + 1 < tensors.length ? tensors[i + 1].offset : layout.totalSize;
+    if (end - t.offset > maxElems) {
+      throw new ConfigError(
+        "model",
+        `tensor "${t.name}" of ${
+          t.size * bpe
+        } bytes exceeds the device's buffer binding limit of ${maxBytes} bytes`,
+      );
+    }
+    if (end - start > maxElems) {
+      out.push({ start, size: t.offset - start });
+      start = t.offset;
+    }
+  }
+  out.push({ start, size: layout.totalSize - start });
+  return out;
+}
+
+/** The segment holding elements [offset, offset + size), and the view of them. */
+export function flatView(f: FlatBuffer, offset: number, size: number): View {
+  const s = f.segments.find((s) => offset >= s.start && offset + size <= s.start + s.size);
+  if (!s) throw new RangeError(`Range ${offset}+${size} of a flat buffer crosses a segment boundary`);
+  const bpe = f.bytesPerElement;
+  return { buffer: s.buffer, offset: (offset - s.start) * bpe, size: size * bpe };
+}
+
+/** Writes a whole flat array (length totalSize) into its segments. */
+export function writeFlat(q: GPUQueue, f: FlatBuffer, data: Float32Array): void {
+  if (data.length !== f.totalSize) {
+    throw new RangeError(`Flat write of ${data.length} elements, the layout has ${f.totalSize}`);
+  }
+  for (const s of f.segments) {
+    const part = data.subarray(s.start, s.start + s.size);
+    q.writeBuffer(s.buffer, 0, part.buffer as ArrayBuffer, part.byteOffset, part.byteLength);
+  }
+}
+
+/** Bytes of all segments. */
+export function flatBytes(f: FlatBuffer): number {
+  return f.totalSize * f.bytesPerElement;
+}
+
+/** Reads a whole flat f32 array back, one segment at a time. */
+export async function readFlat(ctx: GpuContext, f: FlatBuffer): Promise<Float32Array> {
+  const out = new Float32Array(f.totalSize);
+  for (const s of f.segments) out.set(await readFloats(ctx, s.buffer, 0, s.size), s.start);
+  return out;
+}

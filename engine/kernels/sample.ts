@@ -1,0 +1,446 @@
+/**
+ * Token sampling on the GPU, one workgroup per stream: temperature, top-k and top-p (nucleus)
+ * over the real vocabulary only (padded ids are never candidates), greedy when temperature is 0.
+ * Thresholds for top-k and top-p are found by bisection on the logit value with workgroup
+ * reductions, so no sort is needed; the draw walks chunk sums in vocabulary order, which makes it
+ * deterministic for a given seed and position. With top-k, the ids that can be kept (logit at
+ * least the k-th largest of the threads' maxima) are first compacted in vocabulary order into
+ * workgroup memory, so the bisections walk a few thousand values, not the vocabulary, each time;
+ * at most one candidate per invocation, the top-k and top-p cuts are found exactly by rank (each
+ * candidate counts the candidates, or sums the mass, at or above it) with no bisection at all.
+ *
+ * Per-row state (u32 words, STATE_WORDS per row): token, position, seed, steps written, cache slot.
+ * Per-row parameters (f32/u32 words, PARAM_WORDS per row): temperature, top_k, top_p, logprobs.
+ *
+ * Logprobs (when a row asks for them) are of the model's own distribution, a log-softmax of the
+ * raw logits over the real vocabulary: the chosen token's, and the top N (N ≤ LOGPROBS_MAX) found
+ * by N rounds of a workgroup arg-max below the previous pick (ties to the lower id).
+ */
+
+import { PCG_WGSL } from "../../model/rng.ts";
+
+/** u32 words of state per row: [token, position, seed, steps written, cache slot, unused ×3]. */
+export const STATE_WORDS = 8;
+/** Word of a row's state holding its KV-cache slot. */
+export const STATE_SLOT = 4;
+/**
+ * Words of sampling parameters per row: [temperature (f32), top_k (u32, 0 = off), top_p (f32),
+ * logprobs + 1 (u32, 0 = none)].
+ */
+export const PARAM_WORDS = 4;
+/** Most top logprobs per token. */
+export const LOGPROBS_MAX = 5;
+/** f32 words per (row, step) in the logprobs output: [chosen, unused, then LOGPROBS_MAX × (id bits, logprob)]. */
+export const LP_WORDS = 2 + 2 * LOGPROBS_MAX;
+
+/**
+ * Invocations per workgroup: 256 on GPUs; 64 on CPU adapters (with serialReductions), where every
+ * barrier switches all invocations in turn and the sampler's bisections take about a hundred.
+ */
+const WG_GPU = 256, WG_CPU = 64;
+const BISECT = 32;
+/** Most top-k candidates compacted into workgroup memory (value and id: 8 bytes each). */
+const CAP = 2048;
+
+/** Sizes of the sampling kernel. */
+export interface SampleSpec {
+  V: number;
+  Vp: number;
+  /** Streams (workgroups). */
+  streams: number;
+  /** Tokens each stream can record per submission in `out` (steps of one chunk). */
+  chunk: number;
+  /**
+   * Where each workgroup's logits row and state row are: "stream" uses row wg for both (decode);
+   * "prefill" reads logits row wg for the state row `rowSel[wg·4 + 3]` (a batched prefill).
+   */
+  rows: "stream" | "prefill";
+  /** Largest position a stream may reach (its context); positions stop advancing there. */
+  maxPos: number;
+  /**
+   * CPU adapters: 64 invocations instead of 256, and workgroup sums and maxima by one invocation
+   * over their partials (three barriers) instead of a tree (ten): llvmpipe runs every barrier as a
+   * switch of all invocations. The results differ from the tree's in summation order only (top-k
+   * above 64 then takes the passes over the vocabulary).
+   */
+  serialReductions?: boolean;
+}
+
+/** Values each pass over a stretch loads before using them on GPUs (loads in flight per thread). */
+const UNROLL = 8;
+
+/**
+ * WGSL of a pass over `idx` in [from, to): loads U values ahead, then runs `body` on each (as
+ * `x`, with `idx` its index) in order, so results are those of the plain loop while the loads
+ * overlap (one at a time, a pass over a thread's 197 logits took about 40 µs on an H200).
+ */
+function pass(
+  U: number,
+  idx: string,
+  from: string,
+  to: string,
+  load: (i: string) => string,
+  body: string,
+): string {
+  const b = `${idx}_b`;
+  if (U === 1) {
+    return `for (var ${b} = ${from}; ${b} < ${to}; ${b} = ${b} + 1u) { let ${idx} = ${b}; let x = ${
+      load(b)
+    }; ${body} }`;
+  }
+  const loads = Array.from({ length: U }, (_, u) => `let x${u} = ${load(`${b} + ${u}u`)};`).join(" ");
+  const uses = Array.from({ length: U }, (_, u) => `{ let ${idx} = ${b} + ${u}u; let x = x${u}; ${body} }`);
+  return `{
+    var ${b} = ${from};
+    for (; ${b} + ${U - 1}u < ${to}; ${b} = ${b} + ${U}u) {
+      ${loads}
+      ${uses.join("\n      ")}
+    }
+    for (; ${b} < ${to}; ${b} = ${b} + 1u) { let ${idx} = ${b}; let x = ${load(b)}; ${body} }
+  }`;
+}
+
+const TREE_REDUCTIONS = (WG: number) => `
+fn sum_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = red[tid] + red[tid + k]; }
+    workgroupBarrier();
+  }
+  return red[0];
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { red[tid] = max(red[tid], red[tid + k]); }
+    workgroupBarrier();
+  }
+  return red[0];
+}`;
+
+const SERIAL_REDUCTIONS = (WG: number) => `
+fn sum_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  if (tid == 0u) {
+    var t = 0.0;
+    for (var k = 0u; k < ${WG}u; k = k + 1u) { t = t + red[k]; }
+    wred = t;
+  }
+  return workgroupUniformLoad(&wred);
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  workgroupBarrier();
+  red[tid] = v;
+  workgroupBarrier();
+  if (tid == 0u) {
+    var t = -3.0e38;
+    for (var k = 0u; k < ${WG}u; k = k + 1u) { t = max(t, red[k]); }
+    wred = t;
+  }
+  return workgroupUniformLoad(&wred);
+}`;
+
+/**
+ * The sampling kernel: writes the next token into state and out[row, steps written], and when the
+ * row asks for logprobs, lp[row, steps written] (LP_WORDS each). Grid (rows).
+ */
+export function sampleWgsl(s: SampleSpec): string {
+  const WG = s.serialReductions ? WG_CPU : WG_GPU;
+  const per = Math.ceil(s.V / WG);
+  const LG = (i: string) => `logits[base + ${i}]`, VAL = (i: string) => `val(${i}, compact, base)`;
+  // CPU adapters run each invocation's loop serially anyway: no unrolling there.
+  const U = s.serialReductions ? 1 : UNROLL;
+  return `
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read_write> state: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<u32>;
+@group(0) @binding(4) var<storage, read_write> lp: array<f32>;
+${s.rows === "prefill" ? "@group(0) @binding(5) var<storage, read> rowSel: array<u32>;" : ""}
+${PCG_WGSL}
+var<workgroup> red: array<f32, ${WG}>;
+var<workgroup> redi: array<u32, ${WG}>;
+var<workgroup> cval: array<f32, ${CAP}>;
+var<workgroup> cid: array<u32, ${CAP}>;
+var<workgroup> wbound: f32;
+var<workgroup> wcount: u32;
+var<workgroup> wred: f32;
+
+/** Value j of what the sampling passes walk: candidate j, or logit j of the row. */
+fn val(j: u32, compact: bool, base: u32) -> f32 {
+  if (compact) { return cval[j]; }
+  return logits[base + j];
+}
+
+/** The vocabulary id of value j. */
+fn idOf(j: u32, compact: bool) -> u32 {
+  if (compact) { return cid[j]; }
+  return j;
+}
+
+${s.serialReductions ? SERIAL_REDUCTIONS(WG) : TREE_REDUCTIONS(WG)}
+
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  ${
+    s.rows === "prefill"
+      ? "let stream = rowSel[wg.x * 4u + 3u];\n  let row = wg.x;"
+      : "let stream = wg.x;\n  let row = wg.x;"
+  }
+  let base = row * ${s.Vp}u;
+  let temp = bitcast<f32>(params[stream * ${PARAM_WORDS}u]);
+  let topk = params[stream * ${PARAM_WORDS}u + 1u];
+  let topp = bitcast<f32>(params[stream * ${PARAM_WORDS}u + 2u]);
+  // Each thread owns a contiguous chunk of the vocabulary, so chunk order is vocabulary order.
+  let v0 = min(tid * ${per}u, ${s.V}u);
+  let v1 = min(v0 + ${per}u, ${s.V}u);
+  var tmax = -3.0e38;
+  var targ = 0xffffffffu;
+  ${pass(U, "v", "v0", "v1", LG, "if (x > tmax) { tmax = x; targ = v; }")}
+  let mx = max_all(tmax, tid);
+  var choice = 0u;
+  if (temp <= 0.0) {
+    // Greedy: the lowest id holding the maximum.
+    workgroupBarrier();
+    redi[tid] = select(0xffffffffu, targ, tmax == mx);
+    workgroupBarrier();
+    for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+      if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
+      workgroupBarrier();
+    }
+    choice = redi[0];
+  } else {
+    let inv = 1.0 / temp;
+    // With top-k (k ≤ ${WG}) the k-th largest of the threads' maxima, L, bounds the cut from below
+    // (k values are ≥ L), so only ids with logit ≥ L can be kept: they are compacted in vocabulary
+    // order into workgroup memory and every later pass runs over them instead of the vocabulary.
+    // Top-p alone has a bound too when the threads' maxima alone carry top_p of the mass (a
+    // peaked distribution, as a trained model's usually is). More than ${CAP} candidates, a larger
+    // k, or no bound keeps the passes over the vocabulary.
+    var compact = false;
+    var bound = -3.0e38;
+    var count = 0u;
+    // Top-p alone keeps the whole vocabulary first: its mass now, over the vocabulary.
+    let nucleusOnly = (topk == 0u || topk >= ${s.V}u) && topp > 0.0 && topp < 1.0;
+    var zfull = 0.0;
+    if (nucleusOnly) {
+      var zf = 0.0;
+      ${pass(U, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
+      zfull = sum_all(zf, tid);
+    }
+    var bounded = false;
+    if (topk > 0u && topk <= ${WG}u && topk < ${s.V}u) {
+      workgroupBarrier();
+      red[tid] = tmax;
+      workgroupBarrier();
+      var above = 0u;
+      for (var t = 0u; t < ${WG}u; t = t + 1u) {
+        let o = red[t];
+        if (o > tmax || (o == tmax && t < tid)) { above = above + 1u; }
+      }
+      if (above == topk - 1u) { wbound = tmax; }
+      bound = workgroupUniformLoad(&wbound);
+      bounded = true;
+    } else if (nucleusOnly) {
+      // The largest thread maximum whose mass with the maxima above it reaches top_p: the
+      // nucleus then holds no id below it (when none does, the passes run over the vocabulary).
+      workgroupBarrier();
+      red[tid] = tmax;
+      workgroupBarrier();
+      var m = 0.0;
+      for (var t = 0u; t < ${WG}u; t = t + 1u) {
+        let o = red[t];
+        if (o >= tmax) { m = m + exp((o - mx) * inv); }
+      }
+      bound = max_all(select(-3.0e38, tmax, m >= topp * zfull), tid);
+      bounded = bound > -3.0e38;
+    }
+    if (bounded) {
+      var cnt = 0u;
+      ${pass(U, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
+      redi[tid] = cnt;
+      workgroupBarrier();
+      if (tid == 0u) {
+        var acc = 0u;
+        for (var k = 0u; k < ${WG}u; k = k + 1u) { let c = redi[k]; redi[k] = acc; acc = acc + c; }
+        wcount = acc;
+      }
+      count = workgroupUniformLoad(&wcount);
+      if (count <= ${CAP}u) {
+        compact = true;
+        var at = redi[tid];
+        ${pass(U, "v", "v0", "v1", LG, "if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }")}
+      }
+      workgroupBarrier();
+    }
+    // This thread's stretch of the values the passes below walk: candidates or vocabulary.
+    let span = select(${s.V}u, count, compact);
+    let per = (span + ${WG - 1}u) / ${WG}u;
+    let j0 = min(tid * per, span);
+    let j1 = min(j0 + per, span);
+    // Cut-off logit: keep ids with logit >= cut. Top-k: the largest cut keeping at least k ids.
+    var cut = -3.0e38;
+    var lo = mx - 80.0 * temp;
+    var hi = mx;
+    // Few candidates (one per invocation at most): exact cuts by rank instead of bisection.
+    let ranked = compact && count <= ${WG}u;
+    if (ranked && topk > 0u && topk < ${s.V}u) {
+      // The k-th largest candidate: the largest one with at least k candidates ≥ it.
+      var mv = -3.0e38;
+      if (tid < count) {
+        let c = cval[tid];
+        var ge = 0u;
+        for (var j = 0u; j < count; j = j + 1u) { ge = ge + select(0u, 1u, cval[j] >= c); }
+        if (ge >= topk) { mv = c; }
+      }
+      cut = max_all(mv, tid);
+    } else if (topk > 0u && topk < ${s.V}u) {
+      var a = bound;
+      if (!compact) {
+        var lo2 = lo;
+        ${pass(U, "v", "v0", "v1", LG, "lo2 = min(lo2, x);")}
+        workgroupBarrier();
+        red[tid] = lo2;
+        workgroupBarrier();
+        for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+          if (tid < k) { red[tid] = min(red[tid], red[tid + k]); }
+          workgroupBarrier();
+        }
+        a = red[0];
+      }
+      var b = mx;
+      for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
+        let mid = 0.5 * (a + b);
+        var cnt = 0.0;
+        ${pass(U, "j", "j0", "j1", VAL, "cnt = cnt + select(0.0, 1.0, x >= mid);")}
+        if (sum_all(cnt, tid) >= f32(topk)) { a = mid; } else { b = mid; }
+      }
+      cut = a;
+    }
+    // The kept mass (top-p alone keeps the vocabulary: its mass is zfull, taken above).
+    var z = 0.0;
+    if (!nucleusOnly) {
+      ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
+    }
+    let zs = select(sum_all(z, tid), zfull, nucleusOnly);
+    if (ranked && topp > 0.0 && topp < 1.0) {
+      // Nucleus: the largest kept candidate whose kept mass at or above it reaches top_p.
+      var mv = -3.0e38;
+      if (tid < count) {
+        let c = cval[tid];
+        if (c >= cut) {
+          var m = 0.0;
+          for (var j = 0u; j < count; j = j + 1u) {
+            let y = cval[j];
+            if (y >= c && y >= cut) { m = m + exp((y - mx) * inv); }
+          }
+          if (m >= topp * zs) { mv = c; }
+        }
+      }
+      cut = max(cut, max_all(mv, tid));
+    } else if (topp > 0.0 && topp < 1.0) {
+      // Nucleus: the largest cut whose kept mass is still >= top_p.
+      var a = max(cut, lo);
+      var b = mx;
+      for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
+        let mid = 0.5 * (a + b);
+        var m = 0.0;
+        ${pass(U, "j", "j0", "j1", VAL, "if (x >= mid && x >= cut) { m = m + exp((x - mx) * inv); }")}
+        if (sum_all(m, tid) >= topp * zs) { a = mid; } else { b = mid; }
+      }
+      cut = max(cut, a);
+    }
+    var mine = 0.0;
+    ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { mine = mine + exp((x - mx) * inv); }")}
+    let total = sum_all(mine, tid);
+    // Exclusive prefix of chunk masses (sequential over ${WG} values by thread 0: cheap, deterministic).
+    workgroupBarrier();
+    red[tid] = mine;
+    workgroupBarrier();
+    if (tid == 0u) {
+      let st = stream * ${STATE_WORDS}u;
+      let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
+      let u = (f32(r >> 8u) + 0.5) / 16777216.0 * total;
+      var acc = 0.0;
+      var owner = ${WG - 1}u;
+      for (var k = 0u; k < ${WG}u; k = k + 1u) {
+        if (u < acc + red[k] && red[k] > 0.0) { owner = k; break; }
+        acc = acc + red[k];
+      }
+      redi[0] = owner;
+      red[0] = u - acc;
+    }
+    workgroupBarrier();
+    let owner = redi[0];
+    let rest = red[0];
+    workgroupBarrier();
+    if (tid == owner) {
+      var acc = 0.0;
+      var pick = 0xffffffffu;
+      var last = idOf(j0, compact);
+      ${
+    pass(
+      U,
+      "j",
+      "j0",
+      "j1",
+      VAL,
+      "if (x >= cut) { last = idOf(j, compact); acc = acc + exp((x - mx) * inv); if (pick == 0xffffffffu && rest < acc) { pick = last; } }",
+    )
+  }
+      redi[0] = select(pick, last, pick == 0xffffffffu);
+    }
+    workgroupBarrier();
+    choice = redi[0];
+  }
+  let nlp = params[stream * ${PARAM_WORDS}u + 3u];
+  if (nlp > 0u) {
+    // Log-softmax of the raw logits: lse = mx + log Σ exp(x − mx).
+    var z1 = 0.0;
+    ${pass(U, "v", "v0", "v1", LG, "z1 = z1 + exp(x - mx);")}
+    let lse = mx + log(sum_all(z1, tid));
+    let n = state[stream * ${STATE_WORDS}u + 3u];
+    let o = (stream * ${s.chunk}u + min(n, ${s.chunk - 1}u)) * ${LP_WORDS}u;
+    var pv = 3.0e38;
+    var pi = 0u;
+    for (var i = 0u; i < min(nlp - 1u, ${LOGPROBS_MAX}u); i = i + 1u) {
+      var bv = -3.0e38;
+      var bi = 0xffffffffu;
+      ${pass(U, "v", "v0", "v1", LG, "if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
+      let top = max_all(bv, tid);
+      workgroupBarrier();
+      redi[tid] = select(0xffffffffu, bi, bv == top);
+      workgroupBarrier();
+      for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+        if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
+        workgroupBarrier();
+      }
+      let id = redi[0];
+      if (tid == 0u && n < ${s.chunk}u) {
+        lp[o + 2u + 2u * i] = bitcast<f32>(id);
+        lp[o + 3u + 2u * i] = top - lse;
+      }
+      pv = top;
+      pi = id;
+    }
+    if (tid == 0u && n < ${s.chunk}u) { lp[o] = logits[base + choice] - lse; }
+  }
+  if (tid == 0u) {
+    let st = stream * ${STATE_WORDS}u;
+    state[st] = choice;
+    let n = state[st + 3u];
+    if (n < ${s.chunk}u) { out[stream * ${s.chunk}u + n] = choice; }
+    state[st + 3u] = n + 1u;
+    state[st + 1u] = min(state[st + 1u] + 1u, ${s.maxPos}u);
+  }
+}
+`;
+}

@@ -1,0 +1,200 @@
+/**
+ * Turning a submitted training request into a complete job config: resolve the model (a preset
+ * or explicit dimensions, always GPT-2's vocabulary padded to 128), fill the sequence length the
+ * model allows, and reject what cannot work with a message that names the field — including a
+ * model whose memory plan (model/plan.ts, the one the engine allocates) exceeds the GPU's memory.
+ */
+
+import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "./config.ts";
+import { DEFAULT_PLAN_LIMITS, type Estimate, estimateTraining, knownDeviceMemory } from "./estimate.ts";
+import type { PlanLimits } from "./plan.ts";
+import { tensorParallelConfig } from "./shard.ts";
+import { InvalidJobError } from "./errors.ts";
+import type { TrainConfig } from "./job.ts";
+
+/** A training request before defaults that depend on the model are filled in. */
+export type TrainRequest = Omit<TrainConfig, "seq_len"> & { seq_len?: number };
+
+/** Default sequence length: the model's position table, capped at this. */
+export const DEFAULT_MAX_SEQ_LEN = 128;
+
+/** What a GPU reported about itself (see the Worker's "ready" message). */
+export interface DeviceBudget {
+  adapter: string | null;
+  max_binding_bytes: number | null;
+  max_buffer_bytes: number | null;
+}
+
+/** Resolves a job's model: a preset name or explicit dimensions. Throws ConfigError naming the field. */
+export function resolveModel(config: Pick<TrainConfig, "model" | "seq_len">): ModelConfig {
+  const model = typeof config.model === "string" ? presetConfig(config.model) : makeConfig(config.model);
+  validateSeqLen(model, config.seq_len);
+  return model;
+}
+
+/**
+ * The model one rank of a job trains: `resolveModel`, with the vocabulary padded for the job's
+ * tensor-parallel size (a multiple of 128·tp; the same as resolveModel's at tp 1).
+ */
+export function trainingModel(
+  config: Pick<TrainConfig, "model" | "seq_len" | "tensor_parallel">,
+): ModelConfig {
+  const tp = config.tensor_parallel ?? 1;
+  return tp > 1 ? tensorParallelConfig(resolveModel(config), tp) : resolveModel(config);
+}
+
+/** Layers per recomputed group of a config (0: no checkpointing). */
+export function checkpointLayers(
+  c: Pick<TrainConfig, "checkpoint_activations" | "checkpoint_num_layers">,
+): number {
+  return c.checkpoint_activations ? c.checkpoint_num_layers ?? 1 : 0;
+}
+
+function planLimits(device: DeviceBudget | null): PlanLimits {
+  return {
+    maxStorageBufferBindingSize: device?.max_binding_bytes ?? DEFAULT_PLAN_LIMITS.maxStorageBufferBindingSize,
+    maxBufferSize: device?.max_buffer_bytes ?? DEFAULT_PLAN_LIMITS.maxBufferSize,
+  };
+}
+
+/** What `GET /estimate` is asked. */
+export interface EstimateQuery {
+  model: TrainConfig["model"];
+  batch_size: number;
+  seq_len?: number;
+  precision: "fp32" | "fp16";
+  checkpoint_activations: boolean;
+  checkpoint_num_layers: number;
+  tensor_parallel: number;
+  data_parallel: number;
+  distributed_optimizer?: boolean;
+}
+
+/** The estimate of a query for a device (or the default limits), with the device's memory when known. */
+export function estimateJob(
+  q: EstimateQuery,
+  device: DeviceBudget | null,
+): Estimate & { seq_len: number; gpu_memory_bytes: number | null; fits: boolean | null } {
+  try {
+    const config = typeof q.model === "string" ? presetConfig(q.model) : makeConfig(q.model);
+    const seq_len = q.seq_len ?? Math.min(config.n_positions, DEFAULT_MAX_SEQ_LEN);
+    validateSeqLen(config, seq_len);
+    const est = estimateTraining({
+      config,
+      batchSize: q.batch_size,
+      seqLen: seq_len,
+      precision: q.precision,
+      checkpointLayers: checkpointLayers(q),
+      tensorParallel: q.tensor_parallel,
+      dataParallel: q.data_parallel,
+      distributedOptimizer: q.distributed_optimizer ?? false,
+      limits: planLimits(device),
+    });
+    const memory = knownDeviceMemory(device?.adapter ?? null);
+    return {
+      ...est,
+      seq_len,
+      gpu_memory_bytes: memory,
+      fits: memory === null ? null : est.bytes_per_gpu.total <= memory,
+    };
+  } catch (e) {
+    if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
+    throw e;
+  }
+}
+
+/** The plan's GPU bytes for a complete config on `device` (default limits without one). */
+export function estimateBytes(config: TrainConfig, device: DeviceBudget | null): number {
+  return estimateTraining({
+    config: resolveModel(config),
+    batchSize: config.batch_size,
+    seqLen: config.seq_len,
+    precision: config.precision ?? "fp32",
+    checkpointLayers: checkpointLayers(config),
+    dataParallel: config.data_parallel ?? 1,
+    distributedOptimizer: (config.data_parallel ?? 1) > 1 && (config.distributed_optimizer ?? false),
+    limits: planLimits(device),
+  }).bytes_per_gpu.total;
+}
+
+const gib = (n: number) => `${(n / 2 ** 30).toFixed(2)} GiB`;
+
+/**
+ * Completes and checks a request. With `device` (what its GPU reported), a model whose buffers
+ * cannot be bound, or whose estimate exceeds the GPU's memory when that is known, is refused
+ * naming the biggest part of the estimate.
+ */
+export function completeConfig(req: TrainRequest, device: DeviceBudget | null = null): TrainConfig {
+  let config: TrainConfig;
+  try {
+    const dims = typeof req.model === "string" ? presetConfig(req.model) : makeConfig(req.model);
+    config = { ...req, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
+    const dp = config.data_parallel ?? 1;
+    config.data_parallel = dp;
+    config.global_batch_size ??= config.batch_size * dp;
+    const tp = config.tensor_parallel ?? 1;
+    config.tensor_parallel = tp;
+    if (tp > 1) {
+      trainingModel(config); // throws ConfigError naming tensor_parallel when tp cannot shard the model
+      if (config.distributed_optimizer && dp > 1) {
+        throw new InvalidJobError(
+          "distributed_optimizer",
+          "distributed_optimizer is not supported with tensor_parallel > 1 yet: use one of them",
+        );
+      }
+    }
+    if (config.global_batch_size % (config.batch_size * dp) !== 0) {
+      throw new InvalidJobError(
+        "global_batch_size",
+        `global_batch_size ${config.global_batch_size} must be a multiple of batch_size × data_parallel = ` +
+          `${config.batch_size * dp}`,
+      );
+    }
+    resolveModel(config);
+  } catch (e) {
+    if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
+    throw e;
+  }
+  if (config.precision === "fp16" && device?.adapter && !/shader-f16/.test(device.adapter)) {
+    // The Worker's adapter line lists the device's features (see describeDevice()).
+    throw new InvalidJobError(
+      "precision",
+      `Precision "fp16" needs a GPU with shader-f16: "${device.adapter}" has none`,
+    );
+  }
+  if (device) checkFitsDevice(config, device);
+  return config;
+}
+
+function checkFitsDevice(config: TrainConfig, device: DeviceBudget): void {
+  let est: Estimate;
+  try {
+    est = estimateTraining({
+      config: resolveModel(config),
+      batchSize: config.batch_size,
+      seqLen: config.seq_len,
+      precision: config.precision ?? "fp32",
+      checkpointLayers: checkpointLayers(config),
+      limits: planLimits(device),
+    });
+  } catch (e) {
+    if (e instanceof ConfigError) {
+      throw new InvalidJobError(e.field, `Model does not fit the GPU: ${e.detail}`);
+    }
+    throw e;
+  }
+  const memory = knownDeviceMemory(device.adapter);
+  if (memory === null || est.bytes_per_gpu.total <= memory) return;
+  const { category, bytes } = est.biggest;
+  const activation = category === "activations" || category === "logits";
+  const hint = activation
+    ? "lower batch_size or seq_len, or set checkpoint_activations"
+    : config.precision === "fp16"
+    ? "choose a smaller model"
+    : 'choose a smaller model or precision "fp16"';
+  throw new InvalidJobError(
+    activation ? "batch_size" : "model",
+    `Model does not fit the GPU: the estimate of ${gib(est.bytes_per_gpu.total)} exceeds the GPU's ` +
+      `${gib(memory)}; the biggest part is ${category} (${gib(bytes)}): ${hint}`,
+  );
+}

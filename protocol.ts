@@ -1,0 +1,192 @@
+/**
+ * Messages between the HTTP process (the runner) and a GPU Worker. The Worker owns its device and
+ * never sees the store: it receives a fully resolved job and reports progress, evaluations,
+ * checkpoints and the outcome. Every message is plain JSON, since it may cross a process
+ * boundary (HTTP process -> GPU host -> Worker thread). Cancel and stop reach a running job as
+ * shared Int32 flags that the GPU host sets for the Worker and the training loop polls between
+ * steps, so they work even while the loop does not yield to the event loop.
+ */
+
+import type { PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
+import type { ModelConfig } from "./model/config.ts";
+import type { CompileReport } from "./worker/compile_report.ts";
+
+/** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
+export const CANCEL_FLAG = 0;
+/** Index in the shared flags: non-zero asks the running job to save a checkpoint at its current step and end "interrupted" (server shutdown). */
+export const STOP_FLAG = 1;
+/** Int32 slots in the shared flags buffer. */
+export const FLAG_COUNT = 2;
+
+/** A job handed to a Worker. */
+export interface WorkerJob {
+  id: string;
+  config: TrainConfig;
+  /** Data directory (datasets live under it). */
+  root: string;
+  /** Directory holding this job's checkpoints. */
+  checkpoint_dir: string;
+  /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
+  resume_path: string | null;
+  /**
+   * Parallel jobs: this Worker's global rank of `size` (data_parallel × tensor_parallel, tensor
+   * parallel fastest), and an id of this run of the job (fresh communicators per run).
+   */
+  parallel?: { rank: number; size: number; run: string };
+}
+
+/** The shared buffers of one data-parallel run, the same objects for all its ranks (made by the GPU port). */
+export interface JobComm {
+  /** Gradient lanes of this rank's data-parallel group (empty when dp is 1; see engine/parallel/allreduce.ts). */
+  grads: SharedArrayBuffer[];
+  /** The small control communicator (see engine/parallel/data_parallel.ts). */
+  control: SharedArrayBuffer;
+  /** fp32 weight lanes of the distributed optimizer (its broadcasts and moment gathers). */
+  weights?: SharedArrayBuffer[];
+  /** fp32 lanes of this rank's tensor-parallel group (activation exchanges). */
+  tp?: SharedArrayBuffer[];
+}
+
+/** Where a generation model's weights are: one of our checkpoints or a Hugging Face GPT-2 directory. */
+export interface ModelSource {
+  /** The id clients use ("job_x", "job_x/iter_0000100", or a directory name under models/). */
+  id: string;
+  kind: "checkpoint" | "safetensors";
+  /** Directory holding `model.safetensors`. */
+  path: string;
+  /** Changes when the weights on disk change (checkpoint creation time, file mtime). */
+  version: string;
+  config: ModelConfig;
+}
+
+/** A generation handed to a Worker: the prompt already tokenized and cut to fit the context. */
+export interface WorkerGeneration {
+  id: string;
+  model: ModelSource;
+  /** 1 ... n_positions - max_tokens token ids. */
+  prompt: number[];
+  max_tokens: number;
+  temperature: number;
+  top_k: number;
+  top_p: number;
+  seed: number;
+  /** Stop at `<|endoftext|>` (not returned). */
+  stop_at_eos: boolean;
+  /** Log-probabilities per token: null for none, else how many top ones (0 … 5). */
+  logprobs?: number | null;
+  /** Data directory: the Worker records there which kernels it compiled (worker/compile_report.ts). */
+  root?: string;
+}
+
+/** Log-probabilities of one generated token: its own and the top ones as [id, logprob], best first. */
+export interface WorkerLogprobs {
+  logprob: number;
+  top: [number, number][];
+}
+
+/**
+ * Runner → GPU port. `cancel` and `stop` raise the shared flags of the Worker (the port does it,
+ * since the Worker's own event loop is busy while it trains); `shutdown` destroys the Worker's
+ * generators, trainer and device and ends the Worker.
+ */
+export type ToWorker =
+  | { type: "init"; gpu: number }
+  | { type: "train"; job: WorkerJob }
+  | { type: "generate"; request: WorkerGeneration }
+  | { type: "generate_cancel"; id: string }
+  | { type: "cancel" }
+  | { type: "stop" }
+  | { type: "shutdown" };
+
+/** What the Worker thread itself receives: `init` carries the shared flags (FLAG_COUNT Int32s). */
+export type ToWorkerThread =
+  | Exclude<ToWorker, { type: "init" | "cancel" | "stop" | "train" }>
+  /** `comm`: the run's shared communicators when the job is data-parallel. */
+  | { type: "train"; job: WorkerJob; comm?: JobComm }
+  /** `probe_bytes`: hold a buffer this large until `probe_done`, so the host can see which GPU's memory grew. */
+  | { type: "init"; gpu: number; flags: SharedArrayBuffer; probe_bytes?: number }
+  | { type: "probe_done" };
+
+/** Worker → HTTP thread, for generations: accepted onto the GPU, new tokens, finished. */
+export type FromWorkerGeneration =
+  | { type: "gen_started"; id: string; load_ms: number }
+  | { type: "gen_tokens"; id: string; tokens: number[]; logprobs?: WorkerLogprobs[] }
+  | {
+    type: "gen_done";
+    id: string;
+    reason: "length" | "eos" | "cancelled" | "error";
+    error: string | null;
+    completion_tokens: number;
+  };
+
+/** Worker → HTTP thread. */
+export type FromWorker =
+  | FromWorkerGeneration
+  | {
+    type: "ready";
+    gpu: number;
+    adapter: string;
+    max_buffer_bytes: number;
+    max_binding_bytes: number;
+    /** The PCI bus the Worker landed on, when the GPU host could tell (nvidia-smi). */
+    pci_bus?: string | null;
+  }
+  /** The Worker destroyed its device and is ending (answer to `shutdown`). */
+  | { type: "closed"; gpu: number }
+  | { type: "unavailable"; gpu: number; error: string }
+  | { type: "started"; id: string; iteration: number; resumed_from: string | null; gpu_memory_bytes: number }
+  | {
+    type: "progress";
+    id: string;
+    iteration: number;
+    /** Null when the logged step was skipped for a non-finite loss or gradient. */
+    loss: number | null;
+    grad_norm: number | null;
+    lr: number;
+    tokens_per_s: number;
+    timings: PhaseTimes;
+    gpu_memory_bytes: number;
+    /** Steps whose update was skipped for a non-finite loss or gradient, in this job so far. */
+    skipped_steps: number;
+    /** Dynamic loss scale of the next step (1 in fp32). */
+    loss_scale: number;
+    /** Data-parallel jobs: each rank's step and allreduce times over the log interval. */
+    ranks?: RankTimes[];
+  }
+  | {
+    type: "eval";
+    id: string;
+    iteration: number;
+    split: "valid" | "test";
+    loss: number;
+    perplexity: number;
+    /** Tokens whose loss was averaged. */
+    tokens: number;
+  }
+  | { type: "log"; id: string; level: "info" | "warn"; message: string }
+  /**
+   * Kernel compilation of a training job (`id`), or of a generation model (`id` null, `model` its
+   * id), throttled by the Worker (worker/compile_report.ts).
+   */
+  | ({ type: "compile"; id: string | null; model?: string } & CompileReport)
+  | { type: "checkpoint"; id: string; iteration: number; name: string; path: string }
+  | {
+    type: "done";
+    id: string;
+    /** "interrupted": stopped by a shutdown after saving a checkpoint at `iteration`; it resumes there. */
+    status: "succeeded" | "failed" | "cancelled" | "interrupted";
+    iteration: number;
+    error: string | null;
+  };
+
+/** HTTP process → GPU host: one JSON line on the host's stdin per message. */
+export interface ToHost {
+  gpu: number;
+  msg: ToWorker;
+}
+
+/** GPU host → HTTP process: one JSON line on the host's stdout per message. */
+export type FromHost =
+  | { gpu: number; msg: FromWorker }
+  /** The Worker thread of `gpu` died (uncaught error); the host starts a new one on the next `init`. */
+  | { gpu: number; error: string };

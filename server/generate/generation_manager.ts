@@ -1,0 +1,527 @@
+/**
+ * The HTTP thread's side of generation: resolve the model, tokenize and fit the prompt (text or
+ * token ids), pick the GPU (by role, preferring one not training, then the one already holding
+ * the model, then the least loaded), hand the request to its Worker (n choices as n streams with
+ * seeds seed, seed+1, …), and turn the token ids it posts back into text events: one per token
+ * (with logprobs when asked), then a final event with the finish reason, token counts and
+ * timings. Stop sequences are matched here (the Worker is then told to cancel); a client that
+ * goes away cancels through `Generation.cancel()`; a request past its time limit ends with
+ * "timeout". Requests waiting for a stream slot are capped (GenerationOverloadedError: 429).
+ * `stats()` keeps vLLM-style serving statistics for /metrics.
+ */
+
+import { EOT_TOKEN } from "../../model/config.ts";
+import { GpuUnavailableError, InvalidJobError } from "../../model/errors.ts";
+import type { FromWorkerGeneration, ModelSource, WorkerGeneration, WorkerLogprobs } from "../../protocol.ts";
+import { listModelSources, type ModelInfo, resolveModelSource } from "../../checkpoint/model_source.ts";
+import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
+import type { GenerationReport, JobRunner } from "../jobs/runner.ts";
+import { encodePrompt, fitPromptTokens, TextStream } from "./text_stream.ts";
+
+/** A generation request, validated by the routes (ranges), not yet against the model. */
+export interface GenerateParams {
+  /** Model id: "<job id>", "<job id>/iter_N" or a directory name under models/. */
+  model: string;
+  /** Text, or GPT-2 token ids. */
+  prompt: string | number[];
+  /** New tokens at most; default min(64, context / 2). Must leave room for one prompt token. */
+  max_tokens?: number;
+  /** 0 is greedy. */
+  temperature: number;
+  /** 0 disables. */
+  top_k: number;
+  /** 1 disables. */
+  top_p: number;
+  /** Default: random (reported in the final event). */
+  seed?: number;
+  stop: string[];
+  /** Keep going past `<|endoftext|>` (it then appears as text). */
+  ignore_eos: boolean;
+  /** Log-probabilities per token: null or absent for none, else the count of top ones (0 … 5). */
+  logprobs?: number | null;
+}
+
+/** Why a generation ended. */
+export type FinishReason = "length" | "stop" | "eos" | "cancelled" | "error" | "timeout";
+
+/**
+ * One generated token and the text it completed (may be empty while a character or stop is
+ * pending). `id` is null for text released only at the end (held back for a stop sequence, or
+ * an incomplete character, which becomes U+FFFD).
+ */
+export interface TokenEvent {
+  type: "token";
+  id: number | null;
+  text: string;
+  /** When asked for: this token's log-probability and the top ones as [id, logprob]. */
+  logprobs?: WorkerLogprobs;
+}
+
+/** The last event of a generation. */
+export interface DoneEvent {
+  type: "done";
+  finish_reason: FinishReason;
+  error: string | null;
+  /** Tokens fed to the model (after truncation). */
+  prompt_tokens: number;
+  completion_tokens: number;
+  /** Prompt tokens dropped from the left to fit the context. */
+  truncated_tokens: number;
+  seed: number;
+  /** Time from the request to the first token, in ms. */
+  ttft_ms: number | null;
+  /** Completion tokens per second from the request to the end. */
+  tokens_per_s: number | null;
+  total_ms: number;
+  /** Time to load the model on the GPU (0 when it was loaded already). */
+  load_ms: number;
+}
+
+/** Events of a generation, in order. */
+export type GenerationEvent = TokenEvent | DoneEvent;
+
+/** A running generation: its resolved settings, its events, and cancel. */
+export class Generation {
+  readonly id: string;
+  /** The checkpoint or model actually used. */
+  readonly model: ModelSource;
+  readonly prompt_tokens: number;
+  readonly truncated_tokens: number;
+  readonly max_tokens: number;
+  readonly seed: number;
+  readonly gpu: number;
+  /** The prompt's token ids as fed to the model. */
+  readonly prompt: readonly number[];
+  /** Which choice of its request this is (0 … n−1). */
+  readonly index: number;
+  #queue: GenerationEvent[] = [];
+  #wake: (() => void) | null = null;
+  #text: TextStream;
+  #t0: number;
+  #first: number | null = null;
+  #completion = 0;
+  #loadMs = 0;
+  #finished = false;
+  #started = false;
+  #last: number | null = null;
+  #cancel: () => void;
+  #timer: ReturnType<typeof setTimeout> | null = null;
+  #stats: StatsSink | null;
+
+  constructor(
+    init: {
+      id: string;
+      model: ModelSource;
+      prompt: number[];
+      truncated_tokens: number;
+      max_tokens: number;
+      seed: number;
+      gpu: number;
+      stop: string[];
+      index?: number;
+      /** Ends the generation with "timeout" after this many ms. */
+      timeout_ms?: number;
+    },
+    cancel: () => void,
+    stats: StatsSink | null = null,
+  ) {
+    this.id = init.id;
+    this.model = init.model;
+    this.prompt = init.prompt;
+    this.index = init.index ?? 0;
+    this.prompt_tokens = init.prompt.length;
+    this.truncated_tokens = init.truncated_tokens;
+    this.max_tokens = init.max_tokens;
+    this.seed = init.seed;
+    this.gpu = init.gpu;
+    this.#text = new TextStream(init.stop);
+    this.#t0 = performance.now();
+    this.#cancel = cancel;
+    this.#stats = stats;
+    const limit = init.timeout_ms;
+    if (limit !== undefined && Number.isFinite(limit)) {
+      this.#timer = setTimeout(() => {
+        this.#timer = null;
+        if (this.#finished) return;
+        this.#cancel();
+        this.#end("timeout", `Generation exceeded the time limit of ${limit / 1000} s`);
+      }, limit);
+    }
+  }
+
+  /** Whether the final event has been produced. */
+  get finished(): boolean {
+    return this.#finished;
+  }
+
+  /** Whether its Worker has given it a stream slot. */
+  get started(): boolean {
+    return this.#started;
+  }
+
+  /** Stops the generation (client gone); the Worker drops it at its next chunk. */
+  cancel(): void {
+    if (this.#finished) return;
+    this.#cancel();
+    this.#end("cancelled", null);
+  }
+
+  /** Events until (and including) the final one. */
+  async *events(): AsyncGenerator<GenerationEvent> {
+    for (;;) {
+      while (this.#queue.length > 0) {
+        const e = this.#queue.shift()!;
+        yield e;
+        if (e.type === "done") return;
+      }
+      await new Promise<void>((r) => (this.#wake = r));
+      this.#wake = null;
+    }
+  }
+
+  /** Collects the whole generation: its text and final event. */
+  async collect(): Promise<{ text: string; done: DoneEvent }> {
+    let text = "";
+    for await (const e of this.events()) {
+      if (e.type === "token") text += e.text;
+      else return { text, done: e };
+    }
+    throw new Error("Generation ended without a final event");
+  }
+
+  /** Handles a Worker report for this generation. */
+  report(msg: FromWorkerGeneration | { type: "gen_crash"; error: string }): void {
+    if (this.#finished) return;
+    switch (msg.type) {
+      case "gen_started":
+        this.#loadMs = msg.load_ms;
+        this.#started = true;
+        return;
+      case "gen_tokens": {
+        const now = performance.now();
+        if (this.#first === null) {
+          this.#first = now;
+          this.#stats?.ttft((now - this.#t0) / 1000);
+        } else if (this.#last !== null && msg.tokens.length > 0) {
+          this.#stats?.itl((now - this.#last) / 1000 / msg.tokens.length, msg.tokens.length);
+        }
+        this.#last = now;
+        for (const [i, id] of msg.tokens.entries()) {
+          this.#completion++;
+          const step = this.#text.push(id);
+          const lp = msg.logprobs?.[i];
+          this.#push({ type: "token", id, text: step.text, ...(lp ? { logprobs: lp } : {}) });
+          if (step.stopped) {
+            this.#cancel();
+            this.#end("stop", null);
+            return;
+          }
+        }
+        return;
+      }
+      case "gen_done": {
+        const tail = this.#text.finish();
+        if (tail.text) this.#push({ type: "token", id: null, text: tail.text });
+        const reason: FinishReason = tail.stopped ? "stop" : msg.reason;
+        this.#end(reason, msg.error);
+        return;
+      }
+      case "gen_crash":
+        this.#end("error", msg.error);
+        return;
+    }
+  }
+
+  #push(e: GenerationEvent): void {
+    this.#queue.push(e);
+    this.#wake?.();
+  }
+
+  #end(finish_reason: FinishReason, error: string | null): void {
+    if (this.#finished) return;
+    this.#finished = true;
+    if (this.#timer !== null) clearTimeout(this.#timer);
+    const total_ms = performance.now() - this.#t0;
+    this.#push({
+      type: "done",
+      finish_reason,
+      error,
+      prompt_tokens: this.prompt_tokens,
+      completion_tokens: this.#completion,
+      truncated_tokens: this.truncated_tokens,
+      seed: this.seed,
+      ttft_ms: this.#first === null ? null : this.#first - this.#t0,
+      tokens_per_s: this.#completion > 0 ? this.#completion / (total_ms / 1000) : null,
+      total_ms,
+      load_ms: this.#loadMs,
+    });
+  }
+}
+
+/** How long a request waits for a GPU Worker that is still starting. */
+const READY_TIMEOUT_MS = 60_000;
+
+type FromWorkerDone = Extract<FromWorkerGeneration, { type: "gen_done" }>;
+
+/** A cumulative histogram: counts[i] observations ≤ buckets[i] (the last bucket is +Inf). */
+export interface Histogram {
+  buckets: number[];
+  counts: number[];
+  sum: number;
+  count: number;
+}
+
+/** Serving statistics, named after vLLM's metrics (see server/routes/health.ts for the exposition). */
+export interface GenerationStats {
+  /** Requests (choices) handed to a Worker: `gpt2_generations_started`. */
+  started: number;
+  /** Finished by the Workers, by reason (a stop sequence shows as "cancelled"): `vllm:request_success_total`. */
+  finished: Record<FromWorkerDone["reason"], number>;
+  /** Tokens the Workers generated: `vllm:generation_tokens_total`. */
+  tokens: number;
+  /** Prompt tokens fed to the Workers: `vllm:prompt_tokens_total`. */
+  prompt_tokens: number;
+  /** Streams decoding now: `vllm:num_requests_running`. */
+  running: number;
+  /** Streams waiting for a slot (or the model to load): `vllm:num_requests_waiting`. */
+  waiting: number;
+  /** Seconds from request to first token: `vllm:time_to_first_token_seconds`. */
+  ttft: Histogram;
+  /** Seconds between tokens (per token of each arriving chunk): `vllm:inter_token_latency_seconds`. */
+  itl: Histogram;
+}
+
+/** Where a Generation reports its latencies. */
+interface StatsSink {
+  ttft(seconds: number): void;
+  itl(seconds: number, tokens: number): void;
+}
+
+const TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10];
+const ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1];
+
+function histogram(buckets: number[]): Histogram {
+  return { buckets: [...buckets, Infinity], counts: new Array(buckets.length + 1).fill(0), sum: 0, count: 0 };
+}
+
+function observe(h: Histogram, v: number, times = 1): void {
+  for (let i = 0; i < h.buckets.length; i++) if (v <= h.buckets[i]) h.counts[i] += times;
+  h.sum += v * times;
+  h.count += times;
+}
+
+/** Raised when too many requests wait for a stream slot; the route answers 429 with Retry-After. */
+export class GenerationOverloadedError extends Error {
+  /** Seconds a client should wait before retrying. */
+  readonly retryAfter: number;
+  constructor(waiting: number, limit: number) {
+    super(`Too many generation requests are waiting: ${waiting} of at most ${limit}, retry later`);
+    this.name = "GenerationOverloadedError";
+    this.retryAfter = 1;
+  }
+}
+
+/** Limits and placement of the generation manager. */
+export interface GenerationManagerOptions {
+  /** GPU roles (server/gpus/roles.ts); absent: every GPU may generate. */
+  roles?: GpuRoles;
+  /** Most requests waiting for a slot, over all GPUs (default 256). */
+  maxWaiting?: number;
+  /** Time limit of one request in ms (default 10 minutes). */
+  timeoutMs?: number;
+}
+
+/** Starts generations on the runner's GPU Workers and routes their reports back. */
+export class GenerationManager {
+  #runner: JobRunner;
+  #root: string;
+  #opts: Required<Omit<GenerationManagerOptions, "roles">> & { roles: GpuRoles | null };
+  /** Generations whose Worker has not reported them finished (cancelled ones included). */
+  #live = new Map<string, Generation>();
+  #stats: Omit<GenerationStats, "running" | "waiting"> = {
+    started: 0,
+    finished: { length: 0, eos: 0, cancelled: 0, error: 0 },
+    tokens: 0,
+    prompt_tokens: 0,
+    ttft: histogram(TTFT_BUCKETS),
+    itl: histogram(ITL_BUCKETS),
+  };
+  #sink: StatsSink = {
+    ttft: (s) => observe(this.#stats.ttft, s),
+    itl: (s, n) => observe(this.#stats.itl, s, n),
+  };
+  /** Where each loaded model (path@version) went last, to batch its requests on one GPU. */
+  #placed = new Map<string, number>();
+
+  /** `root` is the data directory (checkpoints/ and models/ under it). */
+  constructor(runner: JobRunner, root: string, opts: GenerationManagerOptions = {}) {
+    this.#runner = runner;
+    this.#root = root;
+    this.#opts = {
+      roles: opts.roles ?? null,
+      maxWaiting: opts.maxWaiting ?? 256,
+      timeoutMs: opts.timeoutMs ?? 600_000,
+    };
+    runner.onGeneration((gpu, msg) => this.#onReport(gpu, msg));
+  }
+
+  /** Generations still running on a GPU (a cancelled one until its Worker confirms). */
+  get active(): number {
+    return this.#live.size;
+  }
+
+  /** Serving statistics (a copy). */
+  get stats(): GenerationStats {
+    let running = 0, waiting = 0;
+    for (const g of this.#live.values()) {
+      if (g.finished) continue;
+      if (g.started) running++;
+      else waiting++;
+    }
+    return { ...structuredClone(this.#stats), running, waiting };
+  }
+
+  /** Models that can be loaded. */
+  models(): Promise<ModelInfo[]> {
+    return listModelSources(this.#root);
+  }
+
+  /** One model by id (ModelNotFoundError: 404). */
+  async model(id: string): Promise<ModelInfo> {
+    const m = await resolveModelSource(this.#root, id);
+    const all = await listModelSources(this.#root);
+    return all.find((x) => x.id === m.id) ??
+      { id: m.id, kind: m.kind, created: Math.floor(Date.now() / 1000), config: m.config };
+  }
+
+  /** Resolves a model's context length (for /tokenize). */
+  async contextOf(id: string): Promise<number> {
+    return (await resolveModelSource(this.#root, id)).config.n_positions;
+  }
+
+  /** Starts one generation (see {@link startChoices}). */
+  async start(p: GenerateParams): Promise<Generation> {
+    return (await this.startChoices(p, 1))[0];
+  }
+
+  /**
+   * Resolves the model (ModelNotFoundError: 404), checks max_tokens against its context
+   * (InvalidJobError: 400), fits the prompt, and hands `n` streams of it (seeds seed … seed+n−1)
+   * to a GPU Worker. Throws GenerationOverloadedError when too many requests wait already.
+   */
+  async startChoices(p: GenerateParams, n: number): Promise<Generation[]> {
+    const model = await resolveModelSource(this.#root, p.model);
+    const ctxLen = model.config.n_positions;
+    const max_tokens = p.max_tokens ?? Math.min(64, Math.floor(ctxLen / 2));
+    if (max_tokens > ctxLen - 1) {
+      throw new InvalidJobError(
+        "max_tokens",
+        `max_tokens ${max_tokens} leaves no room for the prompt: model "${model.id}" has a context of ${ctxLen} tokens`,
+      );
+    }
+    const prompt = typeof p.prompt === "string"
+      ? encodePrompt(p.prompt, ctxLen - max_tokens)
+      : fitPromptTokens(p.prompt, ctxLen - max_tokens);
+    const bad = prompt.tokens.find((t) => !(Number.isInteger(t) && t >= 0 && t <= EOT_TOKEN));
+    if (bad !== undefined) {
+      throw new InvalidJobError("prompt", `Prompt token ${bad} is outside the vocabulary`);
+    }
+    const waiting = this.stats.waiting;
+    if (waiting + n > this.#opts.maxWaiting) {
+      throw new GenerationOverloadedError(waiting, this.#opts.maxWaiting);
+    }
+    const gpu = await this.#pickGpu(`${model.path}@${model.version}`);
+    const seed = p.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
+    const base = `gen_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    const out: Generation[] = [];
+    for (let i = 0; i < n; i++) {
+      const id = n === 1 ? base : `${base}_${i}`;
+      const s = (seed + i) >>> 0;
+      const request: WorkerGeneration = {
+        id,
+        model,
+        prompt: prompt.tokens,
+        max_tokens,
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        seed: s,
+        stop_at_eos: !p.ignore_eos,
+        logprobs: p.logprobs ?? null,
+        root: this.#root,
+      };
+      const gen = new Generation(
+        {
+          id,
+          model,
+          prompt: prompt.tokens,
+          truncated_tokens: prompt.truncated,
+          max_tokens,
+          seed: s,
+          gpu,
+          stop: p.stop,
+          index: i,
+          timeout_ms: this.#opts.timeoutMs,
+        },
+        () => {
+          try {
+            this.#runner.postGeneration(gpu, { type: "generate_cancel", id });
+          } catch { /* worker gone */ }
+        },
+        this.#sink,
+      );
+      this.#live.set(id, gen);
+      this.#runner.postGeneration(gpu, { type: "generate", request });
+      this.#stats.started++;
+      this.#stats.prompt_tokens += prompt.tokens.length;
+      out.push(gen);
+    }
+    return out;
+  }
+
+  /**
+   * The GPU for a model: among the ready GPUs whose role allows generation, one not training,
+   * then the one already holding the model, then the fewest live generations.
+   */
+  async #pickGpu(key: string): Promise<number> {
+    const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
+    for (const end = Date.now() + READY_TIMEOUT_MS;;) {
+      const gpus = this.#runner.gpus().filter((g) => !allowed || allowed.has(g.index));
+      const ready = gpus.filter((g) => g.state === "idle" || g.state === "busy");
+      if (ready.length > 0) {
+        const placed = this.#placed.get(key);
+        const live = (i: number) => [...this.#live.values()].filter((g) => g.gpu === i).length;
+        const score = (g: (typeof ready)[number]) =>
+          (g.state === "busy" ? 1e6 : 0) + (g.index === placed ? 0 : 1e3) + live(g.index);
+        const best = ready.reduce((a, b) => (score(b) < score(a) ? b : a)).index;
+        this.#placed.set(key, best);
+        return best;
+      }
+      if (!gpus.some((g) => g.state === "starting") || Date.now() > end) {
+        const why = gpus.map((g) => g.error).filter(Boolean).join("; ");
+        throw new GpuUnavailableError(`No GPU can generate now${why ? `: ${why}` : ""}`);
+      }
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+
+  #onReport(gpu: number, msg: GenerationReport): void {
+    if (msg.type === "gen_crash") {
+      for (const [id, g] of this.#live) {
+        if (g.gpu !== gpu) continue;
+        this.#live.delete(id);
+        g.report(msg);
+      }
+      for (const [key, i] of this.#placed) if (i === gpu) this.#placed.delete(key);
+      return;
+    }
+    const g = this.#live.get(msg.id);
+    if (!g) return;
+    g.report(msg);
+    if (msg.type === "gen_done") {
+      this.#live.delete(msg.id);
+      this.#stats.finished[msg.reason]++;
+      this.#stats.tokens += msg.completion_tokens;
+    }
+  }
+}

@@ -1,0 +1,28 @@
+/**
+ * The job layer: SQLite store, per-GPU queues, the runner owning one Worker per GPU, the
+ * messages between them, and checkpoints on disk. Re-exports only.
+ */
+
+export * from "../../model/job.ts";
+export * from "../../model/errors.ts";
+export * from "../../protocol.ts";
+export { isFinished, type JobPatch, JobStore, MIGRATIONS, SCHEMA_VERSION } from "./job_store.ts";
+export * from "../settings.ts";
+export {
+  type GenerationReport,
+  type GpuState,
+  JobRunner,
+  type RunnerOptions,
+  spawnGpuWorker,
+  type SpawnWorker,
+  type WorkerPort,
+} from "./runner.ts";
+export * from "../../checkpoint/checkpoint.ts";
+export * from "../../checkpoint/safetensors.ts";
+export * from "../../model/job_config.ts";
+export { lockDataDir } from "../lock.ts";
+export { GpuHostClient, type HostStatus } from "../gpus/host_client.ts";
+export * from "../../checkpoint/model_source.ts";
+export * from "../generate/text_stream.ts";
+export * from "../generate/generation_manager.ts";
+export * from "../gpus/roles.ts";

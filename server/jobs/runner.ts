@@ -1,0 +1,806 @@
+/**
+ * The job runner: the HTTP process's side of training. It holds one port per GPU (a Worker in the
+ * GPU host process, see host_client.ts; each Worker opens its own device, since mapAsync and
+ * onSubmittedWorkDone block the JS thread), feeds each GPU's FIFO queue from the store, turns
+ * Worker messages into stored metrics and events, and fans events out to live subscribers (the
+ * SSE routes). Jobs whose Worker died, or that a dead server left running, are marked
+ * interrupted; they go to the head of their queue and resume from their newest checkpoint. A
+ * graceful `stop()` has every running job save a checkpoint at its current step first.
+ */
+
+import { isFinished, type JobStore } from "./job_store.ts";
+import {
+  GpuUnavailableError,
+  InvalidJobError,
+  JobConflictError,
+  JobNotFoundError,
+} from "../../model/errors.ts";
+import type { FromWorker, FromWorkerGeneration, ToWorker, WorkerJob } from "../../protocol.ts";
+import type { SpawnWorker, WorkerPort } from "../../host/local_port.ts";
+import type { HostStatus } from "../gpus/host_client.ts";
+import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
+import type { Job, JobEvent, JobEventType } from "../../model/job.ts";
+import { compileLine } from "../../worker/compile_report.ts";
+import {
+  completeConfig,
+  type DeviceBudget,
+  estimateBytes,
+  type TrainRequest,
+} from "../../model/job_config.ts";
+
+export type { SpawnWorker, WorkerPort } from "../../host/local_port.ts";
+export { spawnGpuWorker } from "../../host/local_port.ts";
+
+/** A job whose Worker died this many times without getting further fails instead of resuming again. */
+const MAX_CRASHES_WITHOUT_PROGRESS = 3;
+
+/** What one GPU slot is doing. */
+export interface GpuState {
+  index: number;
+  state: "starting" | "idle" | "busy" | "unavailable";
+  adapter: string | null;
+  error: string | null;
+  job: string | null;
+  queued: number;
+  max_buffer_bytes: number | null;
+  /** PCI bus of the GPU the Worker landed on, when known. */
+  pci_bus: string | null;
+}
+
+interface Slot {
+  index: number;
+  /** A data-parallel job waiting for more free GPUs holds this one for itself. */
+  reserved: string | null;
+  worker: WorkerPort;
+  state: GpuState["state"];
+  pciBus: string | null;
+  closed: boolean;
+  adapter: string | null;
+  error: string | null;
+  job: string | null;
+  maxBuffer: number | null;
+  maxBinding: number | null;
+}
+
+/** A data-parallel job on several slots: its ranks in order, and what each has reported at its end. */
+interface Gang {
+  job: string;
+  size: number;
+  /** Slots of the ranks (rank order), gathered while the job waits for them. */
+  slots: Slot[];
+  started: boolean;
+  outcomes: Map<number, Extract<FromWorker, { type: "done" }>>;
+  /** A rank's Worker died: the job resumes (or fails after repeated crashes) once the others ended. */
+  crash: string | null;
+}
+
+/** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
+const PEER_FAILURE = /^Communicator (aborted|timed out)/;
+
+/** Least ms between two server log lines of one build's kernel compilation. */
+const COMPILE_LOG_MS = 5000;
+/** A build's end is logged when it took at least this long (or was logged before). */
+const COMPILE_LOG_END_MS = 1000;
+
+/** Options of {@link JobRunner}. */
+export interface RunnerOptions {
+  /** Data directory: datasets and `checkpoints/<job id>/`. */
+  root: string;
+  /** Number of GPUs (one Worker each). */
+  gpus: number;
+  spawn: SpawnWorker;
+  /** Whether a dataset id can be trained on (prepared, or a builtin prepared on first use). */
+  datasetExists: (id: string) => Promise<boolean>;
+  /** Tokens per split of a prepared dataset (null when not known before it is prepared), to refuse splits shorter than one sequence. */
+  splitTokens?: (id: string) => Promise<{ train: number; valid: number; test: number } | null>;
+  /** The GPU host's state, when the Workers run in one (shown by /health). */
+  host?: () => HostStatus;
+  /** GPUs that take training jobs (GPT2_GPU_ROLES); default all. */
+  trainGpus?: number[];
+}
+
+type Listener = (e: JobEvent) => void;
+
+/** What a GPU Worker reports about generations, plus its crash (every generation on it is lost). */
+export type GenerationReport = FromWorkerGeneration | { type: "gen_crash"; error: string };
+
+/** Schedules jobs onto GPU Workers and records what they report. */
+export class JobRunner {
+  #store: JobStore;
+  #opts: RunnerOptions;
+  #slots: Slot[] = [];
+  #listeners = new Map<string, Set<Listener>>();
+  #stopped = false;
+  /** Set by stop(): no new job starts; running ones save and end "interrupted". */
+  #draining = false;
+  /** Worker deaths per job since it last got further: id -> [count, iteration]. */
+  #crashes = new Map<string, [number, number]>();
+  #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
+  /** Data-parallel jobs gathering GPUs or running, by job id. */
+  #gangs = new Map<string, Gang>();
+  /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
+  #compileLogged = new Map<string, { at: number; logged: boolean }>();
+
+  constructor(store: JobStore, opts: RunnerOptions) {
+    this.#store = store;
+    this.#opts = opts;
+  }
+
+  /** The store the runner records into. */
+  get store(): JobStore {
+    return this.#store;
+  }
+
+  /** Recovers interrupted jobs and starts one Worker per GPU. */
+  start(): void {
+    // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
+    this.#store.requeueBeyond(this.#opts.gpus);
+    for (const job of this.#store.markInterrupted()) {
+      const cancelled = job.cancel_requested;
+      this.#emit(job.id, "log", {
+        level: "warn",
+        message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
+          (cancelled ? "it was being cancelled" : "resuming"),
+        status: "interrupted",
+      });
+      if (cancelled) this.#finish(job.id, "cancelled", job.iteration, null);
+    }
+    for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
+  }
+
+  /** Directory of a job's checkpoints. */
+  checkpointDir(id: string): string {
+    return `${this.#opts.root}/checkpoints/${id}`;
+  }
+
+  /**
+   * Queues a training job on the GPU with the shortest queue. Throws InvalidJobError naming the
+   * field for an unknown model or dataset, a model that cannot fit, or a bad resume_from.
+   */
+  async submit(req: TrainRequest): Promise<Job> {
+    if (this.#draining) {
+      throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
+    }
+    const gpu = this.#pickGpu();
+    const config = completeConfig(req, this.device(gpu));
+    const dp = config.data_parallel ?? 1, tp = config.tensor_parallel ?? 1;
+    const trainers = this.#trainSlots().length;
+    if (dp * tp > trainers) {
+      const what = tp > 1 ? `data_parallel ${dp} × tensor_parallel ${tp}` : `data_parallel ${dp}`;
+      throw new InvalidJobError(
+        tp > 1 ? "tensor_parallel" : "data_parallel",
+        `${what} needs ${dp * tp} GPU workers that take training; this server has ${trainers} ` +
+          `(GPT2_GPUS, GPT2_GPU_ROLES)`,
+      );
+    }
+    if (!(await this.#opts.datasetExists(config.dataset))) {
+      throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
+    }
+    const splits = await this.#opts.splitTokens?.(config.dataset);
+    for (const split of ["train", "valid", "test"] as const) {
+      // A split weighted 0 is empty on purpose and simply not evaluated.
+      if (!splits || splits[split] === 0 || splits[split] > config.seq_len) continue;
+      throw new InvalidJobError(
+        "seq_len",
+        `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +
+          `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
+      );
+    }
+    if (config.resume_from) await this.#resolveResume(config.resume_from);
+    const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    this.#store.createJob(id, gpu, config);
+    const job = this.#store.updateJob(id, {
+      metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
+    });
+    this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
+    this.#dispatch(gpu);
+    return job; // as accepted: "queued", even if its GPU already took it
+  }
+
+  /** Cancels a job: at once when waiting, between steps when running. Idempotent; 409 once it finished otherwise. */
+  cancel(id: string): Job {
+    const job = this.get(id);
+    if (job.status === "cancelled" || job.cancel_requested) return job;
+    if (isFinished(job.status)) {
+      throw new JobConflictError(`Cannot cancel job "${id}": it already ${job.status}`);
+    }
+    if (job.status === "running") {
+      for (const slot of this.#slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
+      this.#emit(id, "log", { level: "info", message: "Cancel requested" });
+      return this.#store.updateJob(id, { cancel_requested: true });
+    }
+    const gang = this.#gangs.get(id);
+    if (gang && !gang.started) {
+      // It was gathering GPUs: give them back.
+      this.#gangs.delete(id);
+      for (const s of gang.slots) s.reserved = null;
+      queueMicrotask(() => gang.slots.forEach((s) => this.#dispatch(s.index)));
+    }
+    this.#store.updateJob(id, {
+      status: "cancelled",
+      cancel_requested: true,
+      finished_at: new Date().toISOString(),
+    });
+    this.#emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null });
+    return this.#store.getJob(id)!;
+  }
+
+  /** A job, or JobNotFoundError. */
+  get(id: string): Job {
+    const job = this.#store.getJob(id);
+    if (!job) throw new JobNotFoundError(id);
+    return job;
+  }
+
+  /** A job's checkpoints on disk, oldest first. */
+  checkpoints(id: string): Promise<CheckpointInfo[]> {
+    this.get(id);
+    return listCheckpoints(this.checkpointDir(id));
+  }
+
+  /**
+   * Deletes a finished job: its checkpoints on disk, then its record, metrics and events.
+   * JobConflictError while it may still change (cancel it first).
+   */
+  async remove(id: string): Promise<void> {
+    const job = this.get(id);
+    if (!isFinished(job.status)) {
+      throw new JobConflictError(`Cannot delete job "${id}": it is ${job.status} (cancel it first)`);
+    }
+    await Deno.remove(this.checkpointDir(id), { recursive: true }).catch((e) => {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+    });
+    this.#store.deleteJob(id);
+    this.#listeners.delete(id);
+  }
+
+  /** Calls `fn` with every new event of job `id` until the returned function is called. */
+  subscribe(id: string, fn: Listener): () => void {
+    let set = this.#listeners.get(id);
+    if (!set) this.#listeners.set(id, set = new Set());
+    set.add(fn);
+    return () => {
+      set.delete(fn);
+      if (set.size === 0) this.#listeners.delete(id);
+    };
+  }
+
+  /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
+  device(gpu: number): DeviceBudget | null {
+    const s = this.#slots[gpu];
+    if (!s || s.maxBinding === null) return null;
+    return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
+  }
+
+  /** The GPU host's state, or null when Workers run in this process. */
+  hostStatus(): HostStatus | null {
+    return this.#opts.host?.() ?? null;
+  }
+
+  /** State of each GPU slot. */
+  gpus(): GpuState[] {
+    return this.#slots.map((s) => ({
+      index: s.index,
+      state: s.state,
+      adapter: s.adapter,
+      error: s.error,
+      job: s.job,
+      queued: this.#store.queueLength(s.index),
+      max_buffer_bytes: s.maxBuffer,
+      pci_bus: s.pciBus,
+    }));
+  }
+
+  /** Posts a generation message to GPU `gpu`'s Worker (see server/generate/generation_manager.ts). */
+  postGeneration(gpu: number, msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
+    const slot = this.#slots[gpu];
+    if (!slot || this.#stopped) throw new Error(`GPU ${gpu} has no worker`);
+    slot.worker.postMessage(msg);
+  }
+
+  /** Receives every Worker's generation reports (one receiver: the generation manager). */
+  onGeneration(fn: (gpu: number, msg: GenerationReport) => void): void {
+    this.#generation = fn;
+  }
+
+  /** Whether stop() has begun. */
+  get draining(): boolean {
+    return this.#draining;
+  }
+
+  /**
+   * Graceful stop, within `timeoutMs`: no new job starts, each running job saves a checkpoint at
+   * its current step and becomes "interrupted" (it resumes there on the next start), open event
+   * streams get a final `shutdown` event, and every Worker destroys its device and ends. Whatever
+   * has not finished by the deadline is left to resume from its newest checkpoint.
+   */
+  async stop(timeoutMs: number): Promise<void> {
+    if (this.#draining) return;
+    this.#draining = true;
+    const deadline = Date.now() + timeoutMs;
+    const until = async (done: () => boolean) => {
+      while (!done() && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
+    };
+    for (const s of this.#slots) if (s.job) s.worker.postMessage({ type: "stop" });
+    await until(() => this.#slots.every((s) => !s.job || s.state === "unavailable"));
+    for (const s of this.#slots) {
+      this.#generation?.(s.index, { type: "gen_crash", error: "Server is shutting down" });
+    }
+    for (const [id, set] of this.#listeners) {
+      const event: JobEvent = {
+        id: 0,
+        job_id: id,
+        type: "shutdown",
+        data: { message: "Server is shutting down" },
+        at: new Date().toISOString(),
+      };
+      for (const fn of set) fn(event);
+    }
+    for (const s of this.#slots) s.worker.postMessage({ type: "shutdown" });
+    await until(() => this.#slots.every((s) => s.closed || s.state === "unavailable"));
+    this.shutdown();
+  }
+
+  /** Stops at once: every Worker is terminated. Running jobs stay "running" in the store and resume on the next start. */
+  shutdown(): void {
+    this.#stopped = true;
+    this.#draining = true;
+    for (const s of this.#slots) s.worker.terminate();
+    this.#listeners.clear();
+  }
+
+  #spawn(index: number): Slot {
+    const slot: Slot = {
+      index,
+      reserved: null,
+      worker: this.#opts.spawn(index),
+      state: "starting",
+      pciBus: null,
+      closed: false,
+      adapter: null,
+      error: null,
+      job: null,
+      maxBuffer: null,
+      maxBinding: null,
+    };
+    slot.worker.onmessage = (e) => this.#onMessage(slot, e.data);
+    slot.worker.onerror = (e) => {
+      e.preventDefault();
+      this.#onCrash(slot, e.message ?? String(e));
+    };
+    slot.worker.postMessage({ type: "init", gpu: index });
+    return slot;
+  }
+
+  /** Slots that take training jobs. */
+  #trainSlots(): Slot[] {
+    return this.#slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
+  }
+
+  #pickGpu(): number {
+    const candidates = this.#trainSlots();
+    let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
+    for (const s of candidates) {
+      if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
+      const load = this.#store.queueLength(s.index) + (s.job ? 1 : 0);
+      if (load < bestLoad) [best, bestLoad] = [s.index, load];
+    }
+    return best;
+  }
+
+  async #resolveResume(spec: string): Promise<string> {
+    const [jobId, name, ...rest] = spec.split("/");
+    if (
+      !/^[A-Za-z0-9_-]+$/.test(jobId) || rest.length > 0 || (name !== undefined && !/^iter_\d+$/.test(name))
+    ) {
+      throw new InvalidJobError(
+        "resume_from",
+        `Invalid resume_from "${spec}": expected "<job id>" or "<job id>/iter_N"`,
+      );
+    }
+    const all = await listCheckpoints(this.checkpointDir(jobId));
+    const found = name ? all.find((c) => c.name === name) : all.at(-1);
+    if (!found) throw new InvalidJobError("resume_from", `Unknown checkpoint "${spec}"`);
+    return found.path;
+  }
+
+  /**
+   * Starts the next waiting job on `gpu` if its Worker is free. A data-parallel job first gathers
+   * free training GPUs (holding each as it frees up, so smaller jobs cannot starve it) and starts
+   * once it has one per rank.
+   */
+  #dispatch(gpu: number): void {
+    const slot = this.#slots[gpu];
+    if (!slot || this.#stopped || this.#draining || slot.job) return;
+    if (slot.state === "unavailable") {
+      // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
+      for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
+      return;
+    }
+    if (slot.state !== "idle" || slot.reserved) return;
+    const waiting = [...this.#gangs.values()].find((g) => !g.started);
+    if (waiting && this.#trainSlots().includes(slot)) {
+      slot.reserved = waiting.job;
+      waiting.slots.push(slot);
+      this.#startGang(waiting);
+      return;
+    }
+    const job = this.#store.nextQueued(gpu);
+    if (!job) return;
+    // A data- or tensor-parallel job needs a slot per rank.
+    const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
+    if (dp > 1) {
+      const gang: Gang = {
+        job: job.id,
+        size: dp,
+        slots: [slot],
+        started: false,
+        outcomes: new Map(),
+        crash: null,
+      };
+      slot.reserved = job.id;
+      this.#gangs.set(job.id, gang);
+      for (const s of this.#trainSlots()) {
+        if (gang.slots.length >= dp) break;
+        if (s !== slot && s.state === "idle" && !s.job && !s.reserved) {
+          s.reserved = job.id;
+          gang.slots.push(s);
+        }
+      }
+      if (gang.slots.length < dp) {
+        this.#emit(job.id, "log", {
+          level: "info",
+          message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for its ${dp} ranks`,
+        });
+      }
+      this.#startGang(gang);
+      return;
+    }
+    slot.job = job.id;
+    slot.state = "busy";
+    const wasInterrupted = job.status === "interrupted";
+    this.#store.updateJob(job.id, {
+      status: "running",
+      started_at: job.started_at ?? new Date().toISOString(),
+      resumes: job.resumes + (wasInterrupted ? 1 : 0),
+    });
+    this.#startOnWorker(slot, job).catch((e) => {
+      if (this.#stopped) return;
+      slot.job = null;
+      slot.state = "idle";
+      this.#finish(job.id, "failed", job.iteration, (e as Error).message);
+      this.#dispatch(gpu);
+    });
+  }
+
+  /** Starts a data-parallel job once it holds a slot per rank. */
+  #startGang(gang: Gang): void {
+    if (gang.started || gang.slots.length < gang.size) return;
+    const job = this.#store.getJob(gang.job);
+    if (!job || isFinished(job.status)) {
+      for (const s of gang.slots) s.reserved = null;
+      this.#gangs.delete(gang.job);
+      for (const s of gang.slots) this.#dispatch(s.index);
+      return;
+    }
+    gang.started = true;
+    const run = crypto.randomUUID();
+    for (const s of gang.slots) {
+      s.job = job.id;
+      s.state = "busy";
+      s.reserved = null;
+    }
+    const wasInterrupted = job.status === "interrupted";
+    this.#store.updateJob(job.id, {
+      status: "running",
+      started_at: job.started_at ?? new Date().toISOString(),
+      resumes: job.resumes + (wasInterrupted ? 1 : 0),
+      metrics: { gpus: gang.slots.map((s) => s.index) },
+    });
+    gang.slots.forEach((s, rank) => {
+      this.#startOnWorker(s, job, { rank, size: gang.size, run }).catch((e) => {
+        if (this.#stopped) return;
+        // A rank that never started: the others fail at their first exchange (timeout) or are cancelled.
+        for (const o of gang.slots) if (o.job === job.id) o.worker.postMessage({ type: "cancel" });
+        this.#onRankDone(s, {
+          type: "done",
+          id: job.id,
+          status: "failed",
+          iteration: job.iteration,
+          error: (e as Error).message,
+        });
+      });
+    });
+  }
+
+  /** One rank of a data-parallel job ended; once all have, the job ends with the most telling outcome. */
+  #onRankDone(slot: Slot, msg: Extract<FromWorker, { type: "done" }>): void {
+    const gang = this.#gangs.get(msg.id);
+    if (!gang) return;
+    const rank = gang.slots.indexOf(slot);
+    gang.outcomes.set(rank, msg);
+    if (slot.job === msg.id) {
+      slot.job = null;
+      slot.state = "idle";
+    }
+    if (gang.outcomes.size < gang.size) return;
+    this.#gangs.delete(gang.job);
+    const lead = gang.outcomes.get(0)!;
+    const all = [...gang.outcomes.values()];
+    const failed = all.filter((o) => o.status === "failed");
+    if (gang.crash !== null) {
+      this.#crashed(gang.job, gang.crash);
+    } else if (failed.length > 0) {
+      const own = failed.find((o) => !PEER_FAILURE.test(o.error ?? "")) ?? failed[0];
+      this.#finish(gang.job, "failed", lead.iteration, own.error);
+    } else if (lead.status === "interrupted") {
+      this.#interrupted(gang.job, lead.iteration);
+    } else {
+      this.#finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
+    }
+    for (const s of gang.slots) this.#dispatch(s.index);
+  }
+
+  async #startOnWorker(slot: Slot, job: Job, parallel?: WorkerJob["parallel"]): Promise<void> {
+    const dir = this.checkpointDir(job.id);
+    const own = (await listCheckpoints(dir)).at(-1);
+    const resume_path = own?.path ??
+      (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
+    if (this.#stopped) return; // shut down meanwhile: the job stays "running" and resumes on the next start
+    const msg: WorkerJob = {
+      id: job.id,
+      config: job.config,
+      root: this.#opts.root,
+      checkpoint_dir: dir,
+      resume_path,
+      ...(parallel ? { parallel } : {}),
+    };
+    if (!parallel || parallel.rank === 0) {
+      const gang = this.#gangs.get(job.id);
+      const where = gang
+        ? `GPUs ${gang.slots.map((s) => s.index).join(", ")} (data_parallel ${
+          job.config.data_parallel ?? 1
+        }, ` +
+          `tensor_parallel ${job.config.tensor_parallel ?? 1})`
+        : `GPU ${slot.index}`;
+      this.#emit(job.id, "log", {
+        level: "info",
+        message: resume_path ? `Running on ${where} from checkpoint "${resume_path}"` : `Running on ${where}`,
+        status: "running",
+      });
+    }
+    slot.worker.postMessage({ type: "train", job: msg });
+  }
+
+  #onMessage(slot: Slot, msg: FromWorker): void {
+    if (this.#stopped) return;
+    switch (msg.type) {
+      case "gen_started":
+      case "gen_tokens":
+      case "gen_done":
+        this.#generation?.(slot.index, msg);
+        return;
+      case "ready":
+        slot.state = "idle";
+        slot.pciBus = msg.pci_bus ?? null;
+        slot.adapter = msg.adapter;
+        slot.maxBuffer = msg.max_buffer_bytes;
+        slot.maxBinding = msg.max_binding_bytes;
+        this.#dispatch(slot.index);
+        return;
+      case "closed":
+        slot.closed = true;
+        return;
+      case "unavailable":
+        slot.state = "unavailable";
+        slot.error = msg.error;
+        this.#dispatch(slot.index);
+        return;
+      case "started":
+        this.#store.updateJob(msg.id, {
+          iteration: msg.iteration,
+          resumed_from: msg.resumed_from,
+          metrics: { gpu_memory_bytes: msg.gpu_memory_bytes },
+        });
+        this.#emit(msg.id, "log", {
+          level: "info",
+          message: msg.resumed_from
+            ? `Resumed from "${msg.resumed_from}" at iteration ${msg.iteration}`
+            : `Started at iteration ${msg.iteration}`,
+          iteration: msg.iteration,
+          resumed_from: msg.resumed_from,
+        });
+        return;
+      case "progress": {
+        const { id, type: _, ...rest } = msg;
+        this.#store.updateJob(id, {
+          iteration: msg.iteration,
+          metrics: {
+            ...(msg.loss !== null ? { loss: msg.loss, grad_norm: msg.grad_norm } : {}),
+            lr: msg.lr,
+            tokens_per_s: msg.tokens_per_s,
+            timings: msg.timings,
+            gpu_memory_bytes: msg.gpu_memory_bytes,
+            skipped_steps: msg.skipped_steps,
+            loss_scale: msg.loss_scale,
+            ...(msg.ranks ? { ranks: msg.ranks } : {}),
+          },
+        });
+        if (msg.loss !== null) {
+          this.#store.addMetric(id, {
+            iteration: msg.iteration,
+            split: "train",
+            loss: msg.loss,
+            perplexity: Math.exp(msg.loss),
+            lr: msg.lr,
+            tokens_per_s: msg.tokens_per_s,
+          });
+        }
+        this.#emit(id, "progress", { kind: "train", ...rest });
+        this.#crashes.delete(id);
+        return;
+      }
+      case "eval": {
+        const metrics = msg.split === "valid"
+          ? { val_loss: msg.loss, val_perplexity: msg.perplexity, val_tokens: msg.tokens }
+          : { test_loss: msg.loss, test_perplexity: msg.perplexity, test_tokens: msg.tokens };
+        this.#store.updateJob(msg.id, { metrics });
+        this.#store.addMetric(msg.id, {
+          iteration: msg.iteration,
+          split: msg.split,
+          loss: msg.loss,
+          perplexity: msg.perplexity,
+          lr: null,
+          tokens_per_s: null,
+        });
+        this.#emit(msg.id, "progress", {
+          kind: "eval",
+          split: msg.split,
+          iteration: msg.iteration,
+          loss: msg.loss,
+          perplexity: msg.perplexity,
+          tokens: msg.tokens,
+        });
+        return;
+      }
+      case "log":
+        this.#emit(msg.id, "log", { level: msg.level, message: msg.message });
+        return;
+      case "compile": {
+        const { type: _, id, model: __, ...report } = msg;
+        if (id) this.#emit(id, "compile", report);
+        // The server's log: a line every few seconds while a build compiles, and its end unless it
+        // was quick (a generator compiles several such builds, some in the background).
+        const key = id ?? `${slot.index}:${msg.model}`;
+        const now = Date.now(), seen = this.#compileLogged.get(key) ?? { at: now, logged: false };
+        const complete = msg.done >= msg.total;
+        if (
+          complete ? seen.logged || msg.ms >= COMPILE_LOG_END_MS : now - seen.at >= COMPILE_LOG_MS
+        ) {
+          console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
+          Object.assign(seen, { at: now, logged: true });
+        }
+        if (complete) this.#compileLogged.delete(key);
+        else this.#compileLogged.set(key, seen);
+        return;
+      }
+      case "checkpoint":
+        this.#store.updateJob(msg.id, { last_checkpoint: msg.name });
+        this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
+        return;
+      case "done":
+        if (this.#gangs.has(msg.id)) return this.#onRankDone(slot, msg);
+        slot.job = null;
+        slot.state = "idle";
+        if (msg.status === "interrupted") {
+          this.#interrupted(msg.id, msg.iteration);
+        } else {
+          this.#finish(msg.id, msg.status, msg.iteration, msg.error);
+        }
+        this.#dispatch(slot.index);
+        return;
+    }
+  }
+
+  /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
+  #interrupted(id: string, iteration: number): void {
+    this.#store.updateJob(id, { status: "interrupted", iteration });
+    this.#emit(id, "log", {
+      level: "warn",
+      message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
+      status: "interrupted",
+      iteration,
+    });
+  }
+
+  #finish(
+    id: string,
+    status: "succeeded" | "failed" | "cancelled",
+    iteration: number,
+    error: string | null,
+  ): void {
+    const job = this.#store.updateJob(id, {
+      status,
+      iteration,
+      error,
+      finished_at: new Date().toISOString(),
+    });
+    this.#emit(id, "done", {
+      status,
+      iteration,
+      error,
+      loss: job.metrics.loss,
+      val_loss: job.metrics.val_loss,
+      test_loss: job.metrics.test_loss,
+    });
+  }
+
+  /**
+   * A Worker (or the whole GPU host) died: its job becomes "interrupted" and resumes from its
+   * newest checkpoint on a fresh Worker, unless it keeps crashing without getting further.
+   */
+  #onCrash(slot: Slot, message: string): void {
+    if (this.#stopped) return;
+    const jobId = slot.job;
+    slot.worker.terminate();
+    if (this.#draining) {
+      slot.state = "unavailable";
+      slot.job = null;
+      return; // stopping anyway: the job stays as it is and resumes on the next start
+    }
+    this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
+    const gang = jobId ? this.#gangs.get(jobId) : undefined;
+    if (gang) {
+      // The other ranks fail at their next exchange (the port aborts the communicators); the job
+      // resumes once all of them have ended.
+      gang.crash ??= message;
+      for (const s of gang.slots) if (s !== slot && s.job === jobId) s.worker.postMessage({ type: "cancel" });
+      const replacement = this.#spawn(slot.index);
+      this.#slots[slot.index] = replacement;
+      gang.slots[gang.slots.indexOf(slot)] = replacement;
+      this.#onRankDone(replacement, {
+        type: "done",
+        id: jobId!,
+        status: "failed",
+        iteration: 0,
+        error: `GPU worker crashed: ${message}`,
+      });
+      return;
+    }
+    if (jobId) this.#crashed(jobId, message);
+    this.#slots[slot.index] = this.#spawn(slot.index);
+  }
+
+  /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
+  #crashed(jobId: string, message: string): void {
+    {
+      const job = this.#store.getJob(jobId);
+      const iteration = job?.iteration ?? 0;
+      const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
+      const crashes = at === iteration ? count + 1 : 1;
+      this.#crashes.set(jobId, [crashes, iteration]);
+      if (crashes >= MAX_CRASHES_WITHOUT_PROGRESS) {
+        this.#crashes.delete(jobId);
+        this.#finish(
+          jobId,
+          "failed",
+          iteration,
+          `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
+        );
+      } else {
+        this.#store.updateJob(jobId, { status: "interrupted" });
+        this.#emit(jobId, "log", {
+          level: "warn",
+          message:
+            `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
+          status: "interrupted",
+        });
+      }
+    }
+  }
+
+  #emit(id: string, type: JobEventType, data: Record<string, unknown>): void {
+    const event = this.#store.addEvent(id, type, data);
+    for (const fn of this.#listeners.get(id) ?? []) fn(event);
+  }
+}

@@ -1,0 +1,194 @@
+/**
+ * The API's one error shape, OpenAI's `{error: {message, type, param, code}}`, produced here and
+ * nowhere else. Route code throws {@link ApiError} (or Hono's HTTPException, or the job layer's
+ * error classes); {@link onError} renders all of them, zod issues included (`param` is the first
+ * issue's path), keeping the headers a thrown exception carries (`WWW-Authenticate` on a 401).
+ * Anything else is a logged 500 whose message is still shown, since the message is what a user
+ * of this local tool needs; the data and sources folders are cut from messages ("$GPT2_HOME").
+ */
+
+import type { Context } from "hono";
+import { HTTPException } from "hono/http-exception";
+import type { ContentfulStatusCode } from "hono/utils/http-status";
+import { zValidator } from "@hono/zod-validator";
+import type { z } from "zod";
+import {
+  GpuUnavailableError,
+  InvalidJobError,
+  JobConflictError,
+  JobNotFoundError,
+  LimitError,
+  ModelNotFoundError,
+} from "../jobs/mod.ts";
+import { PathOutsideRootError } from "../../data/mod.ts";
+
+/** Options of an {@link ApiError}: OpenAI's `type` (default from the status), `param`, `code`, extra headers. */
+export interface ApiErrorOptions {
+  type?: string;
+  param?: string | null;
+  code?: string | null;
+  headers?: HeadersInit;
+}
+
+/** The OpenAI error type for a status. */
+export function errorType(status: number): string {
+  if (status === 401) return "authentication_error";
+  if (status === 403) return "permission_error";
+  if (status === 404) return "not_found_error";
+  if (status === 429) return "rate_limit_error";
+  if (status === 507) return "insufficient_storage_error";
+  return status >= 500 ? "server_error" : "invalid_request_error";
+}
+
+/** An error the API answers with `status` and the one error shape. */
+export class ApiError extends HTTPException {
+  readonly type: string;
+  readonly param: string | null;
+  readonly code: string | null;
+  readonly headers: HeadersInit | undefined;
+
+  constructor(status: ContentfulStatusCode, message: string, opts: ApiErrorOptions = {}) {
+    super(status, { message });
+    this.name = "ApiError";
+    this.type = opts.type ?? errorType(status);
+    this.param = opts.param ?? null;
+    this.code = opts.code ?? null;
+    this.headers = opts.headers;
+  }
+}
+
+/** The body of every error response. */
+export interface ErrorBody {
+  error: { message: string; type: string; param: string | null; code: string | null };
+}
+
+type Issue = z.core.$ZodIssue;
+
+/** The parameter an issue is about: its path joined by ".", or the first unknown key. */
+export function issueParam(issue: Issue): string | null {
+  const path = issue.path.map(String).join(".");
+  if (issue.code === "unrecognized_keys" && issue.keys.length > 0) {
+    return path ? `${path}.${issue.keys[0]}` : issue.keys[0];
+  }
+  return path || null;
+}
+
+/** An ApiError 400 describing zod's issues: `Invalid <what>: a: problem; b: problem`, param of the first. */
+export function zodError(what: string, issues: readonly Issue[]): ApiError {
+  const parts = issues.slice(0, 10).map((i) => {
+    const p = issueParam(i);
+    return p ? `${p}: ${i.message}` : i.message;
+  });
+  const more = issues.length > 10 ? `; and ${issues.length - 10} more` : "";
+  return new ApiError(400, `Invalid ${what}: ${parts.join("; ")}${more}`, {
+    param: issues[0] ? issueParam(issues[0]) : null,
+    code: issues[0]?.code ?? null,
+  });
+}
+
+/**
+ * Validates a JSON body against `schema` (the route's `c.req.valid("json")` is then typed); a
+ * failure is a 400 naming the fields. The content type itself is checked in app.ts (415).
+ */
+export function jsonBody<T extends z.ZodType>(schema: T, what: string) {
+  return zValidator("json", schema, (result) => {
+    if (!result.success) throw zodError(what, result.error.issues);
+  });
+}
+
+/** Validates a query string against `schema`, as {@link jsonBody} does a body. */
+export function queryParams<T extends z.ZodType>(schema: T, what: string) {
+  return zValidator("query", schema, (result) => {
+    if (!result.success) throw zodError(what, result.error.issues);
+  });
+}
+
+/** A folder to cut from messages, and the name shown instead (e.g. `["/srv/gpt2", "$GPT2_HOME"]`). */
+export type PathAlias = readonly [path: string, name: string];
+
+/** The aliases of a folder: as given, and its real absolute path when it exists. */
+export function pathAliases(path: string, name: string): PathAlias[] {
+  const out: PathAlias[] = [[path, name]];
+  try {
+    out.unshift([Deno.realPathSync(path), name]);
+  } catch { /* not there (yet): only the form given */ }
+  return out;
+}
+
+/** Replaces each alias's folder in `message` by its name (longest folders first). */
+export function scrubPaths(message: string, aliases: readonly PathAlias[]): string {
+  let out = message;
+  const sorted = [...aliases].sort((a, b) => b[0].length - a[0].length);
+  for (const [path, name] of sorted) {
+    const p = path.replace(/\/+$/, "");
+    if (p.length > 1 && p !== ".") out = out.replaceAll(p, name);
+  }
+  return out;
+}
+
+/** Renders a thrown error as the one error shape; `aliases` are cut from messages. */
+export function errorHandler(aliases: readonly PathAlias[] = []): (err: Error, c: Context) => Response {
+  return (err, c) => {
+    const r = toApiError(err);
+    const body: ErrorBody = {
+      error: { message: scrubPaths(r.message, aliases), type: r.type, param: r.param, code: r.code },
+    };
+    return c.json(body, r.status, headersOf(r, err));
+  };
+}
+
+/** {@link errorHandler} without path scrubbing. */
+export const onError: (err: Error, c: Context) => Response = errorHandler();
+
+function headersOf(r: ApiError, err: Error): Record<string, string> {
+  const out: Record<string, string> = {};
+  if (err instanceof HTTPException && !(err instanceof ApiError) && err.res) {
+    err.res.headers.forEach((v, k) => {
+      if (k !== "content-type" && k !== "content-length") out[k] = v;
+    });
+  }
+  new Headers(r.headers).forEach((v, k) => (out[k] = v));
+  return out;
+}
+
+function toApiError(err: Error): ApiError {
+  if (err instanceof ApiError) return err;
+  if (err instanceof HTTPException) {
+    const status = err.status as ContentfulStatusCode;
+    if (Array.isArray(err.cause) && err.cause.length > 0) {
+      const issues = err.cause as Issue[];
+      return new ApiError(status, err.message || zodError("request", issues).message, {
+        param: issueParam(issues[0]),
+        code: issues[0].code ?? null,
+      });
+    }
+    const fallback = status === 401 ? "Unauthorized" : `HTTP error ${status}`;
+    return new ApiError(status, err.message || fallback);
+  }
+  if (err instanceof JobNotFoundError) {
+    return new ApiError(404, err.message, { param: "id", code: "job_not_found" });
+  }
+  if (err instanceof ModelNotFoundError) {
+    return new ApiError(404, err.message, {
+      type: "invalid_request_error",
+      param: "model",
+      code: "model_not_found",
+    });
+  }
+  if (err instanceof GpuUnavailableError) return new ApiError(503, err.message, { code: "gpu_unavailable" });
+  if (err instanceof JobConflictError) return new ApiError(409, err.message, { code: "conflict" });
+  if (err instanceof InvalidJobError) {
+    return new ApiError(400, err.message, { param: err.field, code: "invalid_value" });
+  }
+  if (err instanceof LimitError) {
+    return new ApiError(err.status, err.message, { param: err.param, code: "limit_exceeded" });
+  }
+  if (err instanceof PathOutsideRootError) {
+    return new ApiError(403, `Path "${err.path}" is outside the sources folder`, {
+      param: "path",
+      code: "path_outside_sources",
+    });
+  }
+  console.error(err);
+  return new ApiError(500, `Internal error: ${err.message}`, { code: "internal_error" });
+}

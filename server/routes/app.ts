@@ -1,0 +1,277 @@
+/**
+ * Builds the Hono app and its guards, in order: request counting, the Host check (against DNS
+ * rebinding), the Origin and Sec-Fetch-Site checks (against cross-site requests from any page a
+ * user visits), CORS for an explicit allow-list, the bearer token (constant-time, any printable
+ * token, one or several), `application/json` on state-changing methods, body-size limits and the
+ * bound on open streams (per client: its token when auth is on, else its address, taken from
+ * `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job, health, estimate,
+ * checkpoint, generation and extra route groups, and the one error handler.
+ * No state of its own beyond per-app counters: everything comes from the arguments.
+ */
+
+import { createHash, timingSafeEqual } from "node:crypto";
+import { Hono, type MiddlewareHandler } from "hono";
+import { bodyLimit } from "hono/body-limit";
+import { cors } from "hono/cors";
+import {
+  defaultLimits,
+  type GenerationManager,
+  type JobRunner,
+  type Limits,
+  LOOPBACK_HOSTS,
+} from "../jobs/mod.ts";
+import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
+import { healthRoutes } from "./health.ts";
+import { jobRoutes } from "./jobs.ts";
+import { generateRoutes } from "./generate.ts";
+import { createMetrics, type MetricsHook } from "./metrics.ts";
+import { clientKey, identifyByToken, type StreamCounter, streamLimit } from "./sse.ts";
+import { AddressRanges } from "../addresses.ts";
+import { webRoutes } from "./web.ts";
+import { estimateRoutes } from "./estimate.ts";
+import { checkpointRoutes } from "./checkpoints.ts";
+
+/** What the app is built from. */
+export interface AppOptions {
+  /** While `active()` (a graceful stop), every request gets 503 with `Retry-After`, health included. */
+  draining?: { active: () => boolean; retryAfterSeconds: number };
+  runner: JobRunner;
+  /**
+   * Bearer token required on every route (any one of several), or null for none (loopback
+   * only). Each token is one client of the per-client stream limit.
+   */
+  token: string | readonly string[] | null;
+  /** Largest accepted body for the job routes, in bytes (overrides `limits.maxBodyBytes`). */
+  maxBodyBytes?: number;
+  /** Largest accepted body for any other route (overrides `limits.maxUploadBytes`). */
+  maxUploadBytes?: number;
+  /** Resource limits; missing ones take their defaults (server/settings.ts). */
+  limits?: Partial<Limits>;
+  /** Generation (`GET /generate`, `/v1/completions`, `/v1/models`); absent: not served. */
+  generation?: GenerationManager;
+  /** Other route groups mounted at "/" (e.g. datasets). */
+  extra?: Hono[];
+  /** Server start time in ms (for uptime). */
+  startedAt?: number;
+  /** The address the server is bound to (default 127.0.0.1): requests must name it in Host. */
+  host?: string;
+  /** The bound port; when given (and not 0) the Host header's port must match it. */
+  port?: number;
+  /** More host names requests may use (GPT2_ALLOWED_HOSTS). */
+  allowedHosts?: string[];
+  /** Origins allowed to call from a browser (GPT2_CORS_ORIGINS). */
+  corsOrigins?: string[];
+  /**
+   * Proxies (addresses, CIDR ranges) whose `X-Forwarded-For` or `Forwarded` names the client of
+   * the per-client stream limit (GPT2_TRUSTED_PROXIES); from other peers those headers are ignored.
+   */
+  trustedProxies?: string[];
+  /** The data directory: cut from error messages. */
+  home?: string;
+  /** Called with the app's Prometheus registry to add collectors (server/routes/metrics.ts). */
+  metrics?: MetricsHook[];
+}
+
+/** The default request body limit: 64 KiB is plenty for a training config. */
+export const DEFAULT_MAX_BODY_BYTES = defaultLimits().maxBodyBytes;
+/** The default limit for other routes, such as dataset uploads. */
+export const DEFAULT_MAX_UPLOAD_BYTES = defaultLimits().maxUploadBytes;
+
+const WILDCARD_HOSTS = new Set(["0.0.0.0", "::", ""]);
+const JSON_TYPE = /^application\/([\w.-]+\+)?json$/i;
+const AUTH_CHALLENGE = 'Bearer realm="gpt2-webgpu"';
+
+/** Splits a Host header into a lower-case name (IPv6 without brackets) and a port (null if absent). */
+export function parseHost(value: string): { name: string; port: number | null } | null {
+  const m = /^(\[[0-9a-f:.]+\]|[^:\[\]]+)(?::(\d{1,5}))?$/i.exec(value.trim());
+  if (!m) return null;
+  const name = m[1].replace(/^\[|\]$/g, "").toLowerCase().replace(/\.$/, "");
+  const port = m[2] === undefined ? null : Number(m[2]);
+  return port !== null && port > 65535 ? null : { name, port };
+}
+
+function hostGuard(opts: AppOptions): MiddlewareHandler {
+  const bound = (opts.host ?? "127.0.0.1").toLowerCase();
+  const extra = (opts.allowedHosts ?? []).map((h) => h.toLowerCase());
+  // A wildcard bind is reachable under any of the machine's names: only an explicit list narrows it.
+  const any = WILDCARD_HOSTS.has(bound) && extra.length === 0;
+  const names = new Set([...extra, ...(LOOPBACK_HOSTS.has(bound) ? LOOPBACK_HOSTS : [bound])]);
+  if (WILDCARD_HOSTS.has(bound)) { for (const h of LOOPBACK_HOSTS) names.add(h); }
+  const port = opts.port || null;
+  return async (c, next) => {
+    const raw = c.req.header("Host") ?? new URL(c.req.url).host;
+    const host = parseHost(raw);
+    const portOk = port === null || (host?.port ?? 80) === port;
+    if (!host || (!any && !names.has(host.name)) || !portOk) {
+      throw new ApiError(
+        400,
+        `Host "${raw.slice(0, 200)}" does not name this server: expected ${[...names].join(", ")}${
+          port ? ` on port ${port}` : ""
+        } (add names with GPT2_ALLOWED_HOSTS)`,
+        { param: "Host", code: "invalid_host" },
+      );
+    }
+    await next();
+  };
+}
+
+function originGuard(allowed: ReadonlySet<string>): MiddlewareHandler {
+  return async (c, next) => {
+    const origin = c.req.header("Origin");
+    const host = c.req.header("Host") ?? new URL(c.req.url).host;
+    let sameOrigin = false;
+    if (origin !== undefined) {
+      try {
+        sameOrigin = new URL(origin).host === host.toLowerCase();
+      } catch { /* "null" or garbage: not same-origin */ }
+      if (!sameOrigin && !allowed.has(origin)) {
+        throw new ApiError(
+          403,
+          `Origin "${
+            origin.slice(0, 200)
+          }" is not allowed: list it in GPT2_CORS_ORIGINS to call this server from it`,
+          { param: "Origin", code: "origin_not_allowed" },
+        );
+      }
+    }
+    // <img>, <form> and friends send no Origin on GET, but browsers mark them cross-site.
+    const site = c.req.header("Sec-Fetch-Site");
+    if ((site === "cross-site" || site === "same-site") && !sameOrigin && !(origin && allowed.has(origin))) {
+      throw new ApiError(
+        403,
+        `Cross-site request refused (Sec-Fetch-Site "${site}" without an allowed Origin)`,
+        {
+          param: "Origin",
+          code: "cross_site_request",
+        },
+      );
+    }
+    await next();
+  };
+}
+
+const digest = (s: string) => createHash("sha256").update(s).digest();
+
+function bearer(tokens: readonly string[]): MiddlewareHandler {
+  const expected = tokens.map(digest);
+  return async (c, next) => {
+    const header = c.req.header("Authorization");
+    if (header === undefined) {
+      throw new ApiError(401, 'Missing bearer token: send "Authorization: Bearer <token>"', {
+        code: "missing_api_key",
+        headers: { "WWW-Authenticate": AUTH_CHALLENGE },
+      });
+    }
+    const m = /^Bearer +(.+)$/i.exec(header);
+    const presented = digest(m ? m[1].trimEnd() : "");
+    // Every token is compared, so the time taken does not say which one nearly matched.
+    const matches = expected.filter((e) => timingSafeEqual(presented, e)).length;
+    if (!m || matches === 0) {
+      throw new ApiError(401, "Invalid bearer token", {
+        code: "invalid_api_key",
+        headers: { "WWW-Authenticate": `${AUTH_CHALLENGE}, error="invalid_token"` },
+      });
+    }
+    identifyByToken(c, presented);
+    await next();
+  };
+}
+
+const requireJson: MiddlewareHandler = async (c, next) => {
+  if (c.req.method === "POST" || c.req.method === "PUT" || c.req.method === "PATCH") {
+    const type = c.req.header("Content-Type");
+    const media = type?.split(";")[0].trim() ?? "";
+    if (!JSON_TYPE.test(media)) {
+      throw new ApiError(
+        415,
+        type === undefined
+          ? "Missing Content-Type: send application/json"
+          : `Unsupported Content-Type "${type.slice(0, 100)}": send application/json`,
+        { param: "Content-Type", code: "unsupported_media_type" },
+      );
+    }
+  }
+  await next();
+};
+
+/** Builds the HTTP app. */
+export function createApp(opts: AppOptions): Hono {
+  const limits: Limits = { ...defaultLimits(), ...opts.limits };
+  if (opts.maxBodyBytes !== undefined) limits.maxBodyBytes = opts.maxBodyBytes;
+  if (opts.maxUploadBytes !== undefined) limits.maxUploadBytes = opts.maxUploadBytes;
+  const startedAt = opts.startedAt ?? Date.now();
+  const metrics = createMetrics(opts.runner, startedAt, opts.generation);
+  for (const hook of opts.metrics ?? []) metrics.register(hook);
+  const aliases = opts.home ? pathAliases(opts.home, "$GPT2_HOME") : [];
+  const render = errorHandler(aliases);
+
+  const app = new Hono();
+  app.onError(render);
+  app.notFound((c) =>
+    render(new ApiError(404, `No route for ${c.req.method} ${c.req.path.slice(0, 200)}`), c)
+  );
+  const draining = opts.draining;
+  if (draining) {
+    app.use("*", async (_c, next) => {
+      if (draining.active()) {
+        throw new ApiError(503, "Server is shutting down: retry once it is back", {
+          type: "unavailable",
+          code: "shutting_down",
+          headers: { "Retry-After": String(draining.retryAfterSeconds) },
+        });
+      }
+      await next();
+    });
+  }
+  app.use("*", async (c, next) => {
+    await next();
+    metrics.countRequest(c.req.method, c.res.status);
+  });
+  app.use("*", hostGuard(opts));
+  const origins = new Set(opts.corsOrigins ?? []);
+  app.use("*", originGuard(origins));
+  if (origins.size > 0) {
+    app.use(
+      "*",
+      cors({
+        origin: [...origins],
+        allowMethods: ["GET", "POST", "DELETE", "OPTIONS"],
+        allowHeaders: ["Authorization", "Content-Type", "Last-Event-ID"],
+        exposeHeaders: ["Location", "X-Prompt-Truncated", "X-Model"],
+        maxAge: 600,
+      }),
+    );
+  }
+  app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
+  const tokens = (typeof opts.token === "string" ? [opts.token] : opts.token ?? []).filter((t) => t !== "");
+  if (tokens.length > 0) app.use("*", bearer(tokens));
+  app.use("*", requireJson);
+  const limit = (maxSize: number) =>
+    bodyLimit({
+      maxSize,
+      onError: () => {
+        throw new ApiError(413, `Request body is larger than ${maxSize} bytes`, { code: "body_too_large" });
+      },
+    });
+  // Training configs are small; dataset uploads ({"texts": [...]}) may be large.
+  app.use("*", limit(limits.maxUploadBytes));
+  const small = limit(limits.maxBodyBytes);
+  app.use("/train", small);
+  app.use("/jobs/*", small);
+  app.use("/v1/*", small);
+  app.use("/generate", small);
+  app.use("/checkpoints/*", small);
+  const streams: StreamCounter = { total: 0, perClient: new Map() };
+  const trusted = new AddressRanges(opts.trustedProxies ?? []);
+  const bounded = streamLimit(limits, streams, (c) => clientKey(c, trusted));
+  app.use("/jobs/:id/events", bounded);
+  app.use("/generate", bounded);
+  app.use("/v1/completions", bounded);
+  app.route("/", healthRoutes(opts.runner, startedAt, metrics));
+  app.route("/", jobRoutes(opts.runner, limits, aliases));
+  app.route("/", estimateRoutes(opts.runner));
+  app.route("/", checkpointRoutes(opts.runner));
+  if (opts.generation) app.route("/", generateRoutes(opts.generation));
+  for (const extra of opts.extra ?? []) app.route("/", extra);
+  return app;
+}

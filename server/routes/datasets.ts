@@ -1,0 +1,218 @@
+/**
+ * HTTP routes of the data pipeline, as a Hono sub-app the server mounts with
+ * `app.route("/", datasetRoutes(root))`:
+ *
+ * - `POST /datasets` prepares a dataset from one source (`builtin`, `path`, `urls`, `url_list`,
+ *   `texts`) plus options; 201 with `{id, documents, tokens, splits}` when done within a short
+ *   wait (always for a cached dataset), else 202 with the id, whose progress `GET /datasets/:id`
+ *   reports.
+ * - `GET /datasets` lists prepared datasets and preparations in progress or failed.
+ * - `GET /datasets/:id` one of them; 404 for an unknown id.
+ *
+ * Bodies are validated with zod (400 naming the field). `path` and `url_list` sources are read
+ * only from the sources folder (`$GPT2_HOME/sources` or `GPT2_SOURCES`), never from the data
+ * directory with the job database in it: a path outside it is 403, and paths in answers are
+ * relative to it. Preparations running at once are bounded (429 past the limit), each with its
+ * own share of the cores, and URL sources have a download budget and reach only public
+ * addresses unless `GPT2_ALLOW_PRIVATE_URLS=1`. Preparation state lives in the closure of one
+ * `datasetRoutes` call; failures use the one error shape (server/routes/api_errors.ts).
+ */
+import { join } from "node:path";
+import { Hono } from "hono";
+import { z } from "zod";
+import { defaultLimits, LIMIT_SETTINGS, LimitError, limitName, type Limits } from "../jobs/mod.ts";
+import { ApiError, errorHandler, jsonBody, pathAliases, scrubPaths } from "./api_errors.ts";
+import {
+  BUILTIN_NAMES,
+  type DatasetInfo,
+  type DatasetSource,
+  getDataset,
+  listDatasets,
+  PathOutsideRootError,
+  planDataset,
+  prepareDataset,
+  type PrepareOptions,
+  type Progress,
+} from "../../data/mod.ts";
+
+/** Options shared by every source. */
+const optionsShape = {
+  id: z.string().regex(/^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$/, "Use 1-64 letters, digits, '.', '-' or '_'")
+    .optional(),
+  min_tokens: z.number().int().min(0).max(1_000_000).optional(),
+  dedup: z.boolean().optional(),
+  dedup_threshold: z.number().gt(0).max(1).optional(),
+  num_perm: z.number().int().min(8).max(1024).optional(),
+  shingle_size: z.number().int().min(1).max(32).optional(),
+  split: z.union([
+    z.string().regex(
+      /^\s*\d+(\.\d+)?(\s*,\s*\d+(\.\d+)?){0,2}\s*$/,
+      'Use up to three weights like "949,50,1"',
+    ),
+    z.array(z.number().min(0)).min(1).max(3),
+  ]).optional(),
+  seq_len: z.number().int().min(1).max(1 << 20).optional(),
+  max_documents: z.number().int().min(1).optional(),
+  force: z.boolean().optional(),
+  blacklist: z.array(z.string().min(1).max(253)).max(10_000).optional(),
+};
+
+/** The body of `POST /datasets`: exactly one source and options. */
+export const createDatasetSchema = z.object({
+  builtin: z.enum(BUILTIN_NAMES).optional(),
+  path: z.string().min(1).max(4096).optional(),
+  urls: z.array(z.string().min(1).max(8192)).min(1).max(100_000).optional(),
+  url_list: z.string().min(1).max(4096).optional(),
+  texts: z.array(z.string()).min(1).max(1_000_000).optional(),
+  ...optionsShape,
+}).strict().refine(
+  (b) =>
+    ["builtin", "path", "urls", "url_list", "texts"].filter((k) => b[k as keyof typeof b] !== undefined)
+      .length === 1,
+  { message: 'Name exactly one source: "builtin", "path", "urls", "url_list" or "texts"' },
+);
+
+/** A preparation started by this app. */
+interface Job {
+  id: string;
+  status: "running" | "failed";
+  progress?: Progress;
+  error?: string;
+  started_at: string;
+  done: Promise<void>;
+}
+
+/** Options of {@link datasetRoutes}. */
+export interface DatasetRoutesOptions {
+  /** How long POST waits for a preparation before answering 202 (default 2000 ms). */
+  waitMs?: number;
+  /** Tokenize workers per preparation (default: `limits.prepareWorkers`). */
+  workers?: number;
+  /** The folder `path` and `url_list` sources are read from (default `<root>/sources`). */
+  sources?: string;
+  /** Limits (preparations at once, download budget); missing ones take their defaults. */
+  limits?: Partial<Limits>;
+  /** Let URL sources reach loopback, private, link-local and multicast addresses (default false). */
+  allowPrivateUrls?: boolean;
+}
+
+/** The dataset routes over data root `root` (datasets in `<root>/datasets/`). */
+export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}): Hono {
+  const app = new Hono();
+  const jobs = new Map<string, Job>();
+  const waitMs = options.waitMs ?? 2000;
+  const limits: Limits = { ...defaultLimits(), ...options.limits };
+  const sources = options.sources ?? join(root, "sources");
+  const running = () => [...jobs.values()].filter((j) => j.status === "running").length;
+  const aliases = [...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")];
+  app.onError(errorHandler(aliases));
+  const summary = (info: DatasetInfo) => ({ ...info, status: "ready" as const });
+  const jobView = (j: Job) => ({
+    id: j.id,
+    status: j.status,
+    started_at: j.started_at,
+    ...(j.progress ? { progress: j.progress } : {}),
+    ...(j.error ? { error: scrubPaths(j.error, aliases) } : {}),
+  });
+
+  app.post("/datasets", jsonBody(createDatasetSchema, "dataset request"), async (c) => {
+    const { builtin, path, urls, url_list, texts, ...rest } = c.req.valid("json");
+    const source = (builtin !== undefined
+      ? { builtin }
+      : path !== undefined
+      ? { path }
+      : urls !== undefined
+      ? { urls }
+      : url_list !== undefined
+      ? { url_list }
+      : { texts: texts! }) as DatasetSource;
+    const kind = Object.keys(source)[0];
+    const prepOptions: PrepareOptions = {
+      ...rest,
+      workers: options.workers ?? limits.prepareWorkers,
+      sources_root: sources,
+      download: {
+        allowPrivate: options.allowPrivateUrls ?? false,
+        maxTotalBytes: limits.maxDownloadBytes,
+        budgetSetting: LIMIT_SETTINGS.maxDownloadBytes,
+      },
+    };
+    let id: string;
+    try {
+      id = (await planDataset(root, source, prepOptions)).id;
+    } catch (e) {
+      if (e instanceof PathOutsideRootError) {
+        throw new ApiError(403, `Path "${e.path}" is outside the sources folder: put sources under it`, {
+          param: kind,
+          code: "path_outside_sources",
+        });
+      }
+      throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
+    }
+    const same = jobs.get(id);
+    if (same?.status === "running") {
+      c.header("Location", `/datasets/${id}`);
+      return c.json(jobView(same), 202);
+    }
+    if (running() >= limits.maxPreparations) {
+      throw new LimitError(
+        429,
+        `Too many dataset preparations running: ${running()} (limit ${
+          limitName(limits, "maxPreparations")
+        }); retry when one finishes`,
+      );
+    }
+    const job: Job = { id, status: "running", started_at: new Date().toISOString(), done: Promise.resolve() };
+    let result: DatasetInfo | undefined;
+    job.done = prepareDataset(root, source, prepOptions, (p) => (job.progress = p)).then(
+      (info) => {
+        result = info;
+        jobs.delete(id);
+      },
+      (e) => {
+        job.status = "failed";
+        job.error = (e as Error).message;
+      },
+    );
+    jobs.set(id, job);
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    const finished = await Promise.race([
+      job.done.then(() =>
+        true
+      ),
+      new Promise<boolean>((r) => (timer = setTimeout(() => r(false), waitMs))),
+    ]);
+    clearTimeout(timer);
+    if (finished && result) {
+      const { id: rid, documents, tokens, splits } = result;
+      return c.json({ ...summary(result), id: rid, documents, tokens, splits }, 201);
+    }
+    if (finished && job.status === "failed") {
+      throw new ApiError(422, `Cannot prepare dataset "${id}": ${job.error}`, { code: "preparation_failed" });
+    }
+    c.header("Location", `/datasets/${id}`);
+    return c.json(jobView(job), 202);
+  });
+
+  app.get("/datasets", async (c) => {
+    const ready = await listDatasets(root);
+    const readyIds = new Set(ready.map((d) => d.id));
+    const pending = [...jobs.values()].filter((j) => !readyIds.has(j.id) || j.status === "running").map(
+      jobView,
+    );
+    return c.json({ datasets: [...ready.map(summary), ...pending] });
+  });
+
+  app.get("/datasets/:id", async (c) => {
+    const id = c.req.param("id");
+    const job = jobs.get(id);
+    if (job) return c.json(jobView(job), 200);
+    const info = await getDataset(root, id);
+    if (!info) {
+      throw new ApiError(404, `Dataset "${id}" not found`, { param: "id", code: "dataset_not_found" });
+    }
+    return c.json(summary(info), 200);
+  });
+
+  return app;
+}

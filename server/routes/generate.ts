@@ -1,0 +1,459 @@
+/**
+ * Generation routes, validating and delegating to the GenerationManager:
+ * - `GET /generate?prompt=&model=&max_tokens=&temperature=&top_k=&top_p=&seed=&stop=&ignore_eos=`:
+ *   server-sent events, `event: token` `{id, text}` per token, then `event: done` with the finish
+ *   reason (length, stop, eos, timeout, error), token counts and timings.
+ * - `POST /v1/completions`: OpenAI's completions (streamed `data: {chunk}` … `data: [DONE]`, or
+ *   whole), with `n`, `logprobs`, `echo`, `stream_options.include_usage` and token-array prompts;
+ *   unknown fields are refused (400), never dropped.
+ * - `GET /v1/models`, `GET /v1/models/{id}`: the checkpoints and model directories that can be loaded.
+ * - `POST /tokenize`, `POST /detokenize`: GPT-2 tokens of a text and back (vLLM's shapes).
+ * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`; too many
+ * waiting requests is 429 with Retry-After. Streams send a keepalive comment while no token
+ * comes; a client that disconnects cancels its generation through `onAbort`.
+ */
+
+import { type Context, Hono } from "hono";
+import { HTTPException } from "hono/http-exception";
+import { type SSEStreamingApi, streamSSE } from "hono/streaming";
+import { z } from "zod";
+import {
+  decodeTokens,
+  type DoneEvent,
+  encodePrompt,
+  type GenerateParams,
+  type Generation,
+  type GenerationEvent,
+  type GenerationManager,
+  GenerationOverloadedError,
+  GpuUnavailableError,
+  InvalidJobError,
+  type ModelInfo,
+  ModelNotFoundError,
+  tokenBytes,
+  type TokenEvent,
+} from "../jobs/mod.ts";
+import { ApiError } from "./api_errors.ts";
+
+const MAX_PROMPT_CHARS = 1_000_000;
+/** Token ids accepted in a prompt (GPT-2's real vocabulary). */
+const tokenId = z.number().int().min(0).max(50256);
+const tokenList = z.array(tokenId).max(65536);
+const stopList = z.array(z.string().min(1).max(256)).max(8);
+
+/** Sampling and length parameters shared by both routes (JSON numbers). */
+const samplingShape = {
+  max_tokens: z.number().int().min(1).max(8192).optional(),
+  temperature: z.number().min(0).max(10).default(1),
+  top_k: z.number().int().min(0).max(50257).default(0),
+  top_p: z.number().gt(0).max(1).default(1),
+  seed: z.number().int().min(0).max(2 ** 32 - 1).optional(),
+  ignore_eos: z.boolean().default(false),
+};
+
+/** Query of `GET /generate` (strings coerced). */
+export const GenerateQuerySchema = z.strictObject({
+  model: z.string().min(1).max(300),
+  prompt: z.string().max(MAX_PROMPT_CHARS).default(""),
+  max_tokens: z.coerce.number().int().min(1).max(8192).optional(),
+  temperature: z.coerce.number().min(0).max(10).default(1),
+  top_k: z.coerce.number().int().min(0).max(50257).default(0),
+  top_p: z.coerce.number().gt(0).max(1).default(1),
+  seed: z.coerce.number().int().min(0).max(2 ** 32 - 1).optional(),
+  stop: stopList.default([]),
+  ignore_eos: z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1").default(false),
+});
+
+/** A field OpenAI defines that we accept only at its neutral value (so nothing is silently ignored). */
+const neutral = <T extends z.ZodType>(t: T, ok: (v: z.infer<T>) => boolean, what: string) =>
+  t.nullable().optional().refine((v) => v === null || v === undefined || ok(v as z.infer<T>), {
+    message: `Only ${what} is supported`,
+  });
+
+/** Body of `POST /v1/completions`: OpenAI's fields, plus top_k and ignore_eos; nothing else. */
+export const CompletionRequestSchema = z.strictObject({
+  model: z.string().min(1).max(300),
+  prompt: z.union([
+    z.string().max(MAX_PROMPT_CHARS),
+    z.array(z.string().max(MAX_PROMPT_CHARS)).length(1),
+    tokenList,
+    z.array(tokenList).length(1),
+  ]).default(""),
+  ...samplingShape,
+  max_tokens: samplingShape.max_tokens.default(16),
+  stop: z.union([z.string().min(1).max(256), stopList]).nullable().optional(),
+  stream: z.boolean().default(false),
+  stream_options: z.strictObject({ include_usage: z.boolean().default(false) }).nullable().optional(),
+  n: z.number().int().min(1).max(8).default(1),
+  logprobs: z.number().int().min(0).max(5).nullable().optional(),
+  echo: z.boolean().default(false),
+  best_of: neutral(z.number().int(), (v) => v === 1, "best_of 1"),
+  presence_penalty: neutral(z.number(), (v) => v === 0, "presence_penalty 0"),
+  frequency_penalty: neutral(z.number(), (v) => v === 0, "frequency_penalty 0"),
+  logit_bias: neutral(
+    z.record(z.string(), z.number()),
+    (v) => Object.keys(v).length === 0,
+    "an empty logit_bias",
+  ),
+  suffix: neutral(z.string(), (v) => v === "", "an empty suffix"),
+  user: z.string().max(256).optional(),
+});
+
+/** Body of `POST /tokenize`. */
+const TokenizeSchema = z.strictObject({
+  model: z.string().min(1).max(300).optional(),
+  prompt: z.string().max(MAX_PROMPT_CHARS),
+  add_special_tokens: z.boolean().optional(),
+});
+
+/** Body of `POST /detokenize`. */
+const DetokenizeSchema = z.strictObject({
+  model: z.string().min(1).max(300).optional(),
+  tokens: tokenList,
+});
+
+/** Options of the generation routes. */
+export interface GenerateRoutesOptions {
+  /** Milliseconds without an event before a stream sends a `: keepalive` comment (default 15 s). */
+  keepaliveMs?: number;
+}
+
+/** A 400 naming every parameter zod rejected (the first one as `param`). */
+function invalid(issues: z.core.$ZodIssue[]): never {
+  const names = [...new Set(issues.map(pathOf))];
+  throw new ApiError(400, `Invalid parameters: ${names.join(", ")}`, { param: names[0] ?? null });
+}
+
+function pathOf(i: z.core.$ZodIssue): string {
+  if (i.code === "unrecognized_keys") return i.keys.join(", ");
+  return i.path.join(".") || "body";
+}
+
+/** The job layer's caller errors as OpenAI errors. */
+function apiError(e: unknown): never {
+  if (e instanceof ApiError) throw e;
+  if (e instanceof ModelNotFoundError) {
+    throw new ApiError(404, e.message, {
+      type: "invalid_request_error",
+      param: "model",
+      code: "model_not_found",
+    });
+  }
+  if (e instanceof InvalidJobError) throw new ApiError(400, e.message, { param: e.field });
+  if (e instanceof GenerationOverloadedError) {
+    throw new ApiError(429, e.message, {
+      type: "server_error",
+      code: "too_many_requests",
+      headers: { "Retry-After": String(e.retryAfter) },
+    });
+  }
+  if (e instanceof GpuUnavailableError) throw new ApiError(503, e.message, { code: "gpu_unavailable" });
+  if (e instanceof HTTPException) throw new ApiError(e.status, e.message);
+  throw e;
+}
+
+async function jsonBody(c: Context): Promise<unknown> {
+  try {
+    return await c.req.json();
+  } catch {
+    throw new ApiError(400, "Invalid JSON body", { param: "body" });
+  }
+}
+
+function truncationHeader(c: Context, gen: Generation): void {
+  if (gen.truncated_tokens > 0) c.header("X-Prompt-Truncated", String(gen.truncated_tokens));
+  c.header("X-Model", gen.model.id);
+}
+
+/** The final event as `GET /generate` sends it. */
+function doneData(gen: Generation, d: DoneEvent): Record<string, unknown> {
+  return {
+    finish_reason: d.finish_reason,
+    ...(d.error ? { error: d.error } : {}),
+    model: gen.model.id,
+    prompt_tokens: d.prompt_tokens,
+    completion_tokens: d.completion_tokens,
+    truncated_tokens: d.truncated_tokens,
+    seed: d.seed,
+    timings: {
+      ttft_ms: d.ttft_ms,
+      tokens_per_s: d.tokens_per_s,
+      total_ms: d.total_ms,
+      load_ms: d.load_ms,
+    },
+  };
+}
+
+/** OpenAI's finish reasons: the end-of-text token is a "stop", a time limit a "length". */
+function openaiReason(d: DoneEvent): string | null {
+  if (d.finish_reason === "length" || d.finish_reason === "timeout") return "length";
+  if (d.finish_reason === "stop" || d.finish_reason === "eos") return "stop";
+  return d.finish_reason === "error" ? "error" : null;
+}
+
+function usage(gens: Generation[], dones: DoneEvent[]) {
+  const prompt_tokens = gens[0].prompt_tokens;
+  const completion_tokens = dones.reduce((a, d) => a + d.completion_tokens, 0);
+  const truncated = gens[0].truncated_tokens;
+  return {
+    prompt_tokens,
+    completion_tokens,
+    total_tokens: prompt_tokens + completion_tokens,
+    ...(truncated > 0 ? { truncated_prompt_tokens: truncated } : {}),
+  };
+}
+
+/** A token's text for logprobs: its bytes as UTF-8 (an incomplete character shows as U+FFFD). */
+function tokenText(id: number): string {
+  return new TextDecoder().decode(tokenBytes(id));
+}
+
+/** OpenAI's legacy logprobs object for some tokens, offsets counted from `offset`. */
+class LogprobsBuilder {
+  tokens: string[] = [];
+  token_logprobs: (number | null)[] = [];
+  top_logprobs: (Record<string, number> | null)[] = [];
+  text_offset: number[] = [];
+  #offset: number;
+  constructor(offset = 0) {
+    this.#offset = offset;
+  }
+  add(id: number, lp: TokenEvent["logprobs"] | null): void {
+    const text = tokenText(id);
+    this.tokens.push(text);
+    this.text_offset.push(this.#offset);
+    this.#offset += text.length;
+    this.token_logprobs.push(lp ? lp.logprob : null);
+    this.top_logprobs.push(lp ? Object.fromEntries(lp.top.map(([t, v]) => [tokenText(t), v])) : null);
+  }
+  take(): Record<string, unknown> {
+    const out = {
+      tokens: this.tokens,
+      token_logprobs: this.token_logprobs,
+      top_logprobs: this.top_logprobs,
+      text_offset: this.text_offset,
+    };
+    this.tokens = [];
+    this.token_logprobs = [];
+    this.top_logprobs = [];
+    this.text_offset = [];
+    return out;
+  }
+}
+
+/** Events of several generations merged as they come, each tagged with its index. */
+async function* merged(gens: Generation[]): AsyncGenerator<{ i: number; e: GenerationEvent }> {
+  const its = gens.map((g) => g.events());
+  const next = (i: number) => its[i].next().then((r) => ({ i, r }));
+  const pending = new Map(gens.map((_, i) => [i, next(i)]));
+  while (pending.size > 0) {
+    const { i, r } = await Promise.race(pending.values());
+    if (r.done) {
+      pending.delete(i);
+      continue;
+    }
+    pending.set(i, next(i));
+    yield { i, e: r.value };
+  }
+}
+
+/** Sends `: keepalive` comments while the stream is idle for `ms`; returns a stopper. */
+function keepalive(stream: SSEStreamingApi, ms: number): { touch(): void; stop(): void } {
+  let last = Date.now();
+  const timer = setInterval(() => {
+    if (Date.now() - last >= ms) {
+      last = Date.now();
+      stream.write(": keepalive\n\n");
+    }
+  }, Math.max(10, Math.floor(ms / 2)));
+  return { touch: () => (last = Date.now()), stop: () => clearInterval(timer) };
+}
+
+function modelObject(m: ModelInfo) {
+  return {
+    id: m.id,
+    object: "model",
+    created: m.created,
+    owned_by: "gpt2-webgpu",
+    kind: m.kind,
+    max_model_len: m.config.n_positions,
+    n_layer: m.config.n_layer,
+    n_head: m.config.n_head,
+    n_embd: m.config.n_embd,
+    n_positions: m.config.n_positions,
+  };
+}
+
+/** Generation routes backed by `manager`. */
+export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesOptions = {}): Hono {
+  const app = new Hono();
+  const keepaliveMs = opts.keepaliveMs ?? 15_000;
+
+  app.get("/generate", async (c) => {
+    const raw: Record<string, unknown> = { ...c.req.query() };
+    const stops = c.req.queries("stop");
+    if (stops) raw.stop = stops;
+    const parsed = GenerateQuerySchema.safeParse(raw);
+    if (!parsed.success) invalid(parsed.error.issues);
+    const gen = await manager.start(parsed.data satisfies GenerateParams).catch(apiError);
+    truncationHeader(c, gen);
+    return streamSSE(c, async (stream) => {
+      stream.onAbort(() => gen.cancel());
+      const ka = keepalive(stream, keepaliveMs);
+      try {
+        for await (const e of gen.events()) {
+          ka.touch();
+          if (e.type === "token") {
+            await stream.writeSSE({ event: "token", data: JSON.stringify({ id: e.id, text: e.text }) });
+          } else {
+            await stream.writeSSE({ event: "done", data: JSON.stringify(doneData(gen, e)) });
+          }
+        }
+      } finally {
+        ka.stop();
+        gen.cancel(); // no-op once finished
+      }
+    });
+  });
+
+  app.post("/v1/completions", async (c) => {
+    const parsed = CompletionRequestSchema.safeParse(await jsonBody(c));
+    if (!parsed.success) invalid(parsed.error.issues);
+    const r = parsed.data;
+    const prompt: string | number[] = Array.isArray(r.prompt)
+      ? (typeof r.prompt[0] === "string" || Array.isArray(r.prompt[0]) ? r.prompt[0] : r.prompt as number[])
+      : r.prompt;
+    const gens = await manager.startChoices({
+      model: r.model,
+      prompt,
+      max_tokens: r.max_tokens,
+      temperature: r.temperature,
+      top_k: r.top_k,
+      top_p: r.top_p,
+      seed: r.seed,
+      stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
+      ignore_eos: r.ignore_eos,
+      logprobs: r.logprobs ?? null,
+    }, r.n).catch(apiError);
+    const cancelAll = () => gens.forEach((g) => g.cancel());
+    truncationHeader(c, gens[0]);
+    const head = {
+      id: `cmpl-${gens[0].id.slice(4, 16)}`,
+      object: "text_completion",
+      created: Math.floor(Date.now() / 1000),
+      model: gens[0].model.id,
+    };
+    const wantLp = r.logprobs !== null && r.logprobs !== undefined;
+    // Echo: the prompt comes first, its tokens without logprobs (none are computed for the prompt).
+    const echoText = r.echo ? (typeof prompt === "string" ? prompt : decodeTokens(gens[0].prompt)) : "";
+    const lps = gens.map(() => new LogprobsBuilder(0));
+    const echoLp = (i: number) => {
+      if (!wantLp || !r.echo) return;
+      for (const id of gens[i].prompt) lps[i].add(id, null);
+    };
+    if (!r.stream) {
+      c.req.raw.signal?.addEventListener("abort", cancelAll);
+      const texts = gens.map(() => echoText);
+      gens.forEach((_, i) => echoLp(i));
+      const dones: DoneEvent[] = [];
+      for await (const { i, e } of merged(gens)) {
+        if (e.type === "token") {
+          texts[i] += e.text;
+          if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
+        } else dones[i] = e;
+      }
+      c.req.raw.signal?.removeEventListener("abort", cancelAll);
+      const failed = dones.find((d) => d.finish_reason === "error");
+      if (failed) throw new ApiError(500, failed.error ?? "Generation failed");
+      return c.json({
+        ...head,
+        choices: gens.map((_, i) => ({
+          text: texts[i],
+          index: i,
+          logprobs: wantLp ? lps[i].take() : null,
+          finish_reason: openaiReason(dones[i]),
+        })),
+        usage: usage(gens, dones),
+      });
+    }
+    const includeUsage = r.stream_options?.include_usage === true;
+    return streamSSE(c, async (stream) => {
+      stream.onAbort(cancelAll);
+      const ka = keepalive(stream, keepaliveMs);
+      const chunk = (i: number, text: string, finish_reason: string | null, logprobs: unknown = null) =>
+        stream.writeSSE({
+          data: JSON.stringify({
+            ...head,
+            choices: [{ text, index: i, logprobs, finish_reason }],
+            ...(includeUsage ? { usage: null } : {}),
+          }),
+        });
+      try {
+        if (r.echo) {
+          for (let i = 0; i < gens.length; i++) {
+            echoLp(i);
+            await chunk(i, echoText, null, wantLp ? lps[i].take() : null);
+          }
+        }
+        const dones: DoneEvent[] = [];
+        for await (const { i, e } of merged(gens)) {
+          ka.touch();
+          if (e.type === "token") {
+            if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
+            if (e.text || (wantLp && lps[i].tokens.length > 0)) {
+              await chunk(i, e.text, null, wantLp ? lps[i].take() : null);
+            }
+          } else {
+            dones[i] = e;
+            await stream.writeSSE({
+              data: JSON.stringify({
+                ...head,
+                choices: [{ text: "", index: i, logprobs: null, finish_reason: openaiReason(e) }],
+                ...(includeUsage ? { usage: null } : {}),
+                ...(e.error
+                  ? { error: { message: e.error, type: "server_error", param: null, code: null } }
+                  : {}),
+              }),
+            });
+          }
+        }
+        if (includeUsage) {
+          await stream.writeSSE({
+            data: JSON.stringify({ ...head, choices: [], usage: usage(gens, dones) }),
+          });
+        }
+        await stream.writeSSE({ data: "[DONE]" });
+      } finally {
+        ka.stop();
+        cancelAll();
+      }
+    });
+  });
+
+  app.get("/v1/models", async (c) => {
+    const models = await manager.models();
+    return c.json({ object: "list", data: models.map(modelObject) });
+  });
+
+  app.get("/v1/models/:id{.+}", async (c) => {
+    const m = await manager.model(c.req.param("id")).catch(apiError);
+    return c.json(modelObject(m));
+  });
+
+  app.post("/tokenize", async (c) => {
+    const parsed = TokenizeSchema.safeParse(await jsonBody(c));
+    if (!parsed.success) invalid(parsed.error.issues);
+    const ctx = parsed.data.model ? await manager.contextOf(parsed.data.model).catch(apiError) : 1024;
+    const tokens = parsed.data.prompt === "" ? [] : encodePrompt(parsed.data.prompt, Infinity).tokens;
+    return c.json({ count: tokens.length, max_model_len: ctx, tokens });
+  });
+
+  app.post("/detokenize", async (c) => {
+    const parsed = DetokenizeSchema.safeParse(await jsonBody(c));
+    if (!parsed.success) invalid(parsed.error.issues);
+    if (parsed.data.model) await manager.contextOf(parsed.data.model).catch(apiError);
+    return c.json({ prompt: decodeTokens(parsed.data.tokens) });
+  });
+
+  return app;
+}

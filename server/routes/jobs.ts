@@ -1,0 +1,123 @@
+/**
+ * Training job routes: submit (`POST /train`), list (paged), inspect, follow (SSE), cancel,
+ * delete, list checkpoints and download their files, and metrics history. Handlers validate and
+ * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
+ * stored. Paths in answers are relative to the data directory.
+ */
+
+import { Hono } from "hono";
+import { admitTrainJob, type CheckpointInfo, type Job, type JobRunner, type Limits } from "../jobs/mod.ts";
+import { ApiError, jsonBody, type PathAlias, queryParams, scrubPaths } from "./api_errors.ts";
+import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./schemas.ts";
+import { checkpointPath, streamJobEvents } from "./sse.ts";
+
+/** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
+const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
+/** The shard files of a checkpoint written at tensor-parallel size N > 1 (see checkpoint/checkpoint.ts). */
+const SHARD_FILE = /^(model|optimizer)-tp\d{2}-of-\d{2}\.safetensors$/;
+
+/** Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages. */
+export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
+  const app = new Hono();
+  const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
+  // Errors and resumed_from may carry the data directory's absolute path: show it as $GPT2_HOME.
+  const inJson = aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name] as const);
+  const shown = (
+    job: Job,
+  ): Job => (aliases.length ? JSON.parse(scrubPaths(JSON.stringify(job), inJson)) : job);
+
+  app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
+    const req = c.req.valid("json");
+    admitTrainJob(limits, runner.store.waitingCount(), req);
+    const job = await runner.submit(req);
+    return c.json({ id: job.id, status: job.status, job: shown(job) }, 202, { Location: `/jobs/${job.id}` });
+  });
+
+  app.get("/jobs", queryParams(JobListQuerySchema, "job list query"), (c) => {
+    const { status, limit, after } = c.req.valid("query");
+    if (after !== undefined && !runner.store.hasJob(after)) {
+      throw new ApiError(400, `Unknown job "${after}" in after: expected the id of a listed job`, {
+        param: "after",
+        code: "invalid_value",
+      });
+    }
+    const page = runner.store.listJobs({ status, after, limit: limit + 1 });
+    const jobs = page.slice(0, limit).map(shown);
+    return c.json({
+      jobs,
+      has_more: page.length > limit,
+      first_id: jobs[0]?.id ?? null,
+      last_id: jobs.at(-1)?.id ?? null,
+    });
+  });
+
+  app.get("/jobs/:id", (c) => c.json(shown(runner.get(c.req.param("id")))));
+
+  app.delete("/jobs/:id", async (c) => {
+    const id = c.req.param("id");
+    await runner.remove(id);
+    return c.json({ id, deleted: true });
+  });
+
+  app.get("/jobs/:id/metrics", (c) => {
+    const id = c.req.param("id");
+    runner.get(id);
+    return c.json({ id, metrics: runner.store.metrics(id) });
+  });
+
+  app.get("/jobs/:id/events", queryParams(EventsQuerySchema, "event stream query"), (c) => {
+    const id = c.req.param("id");
+    runner.get(id);
+    const header = c.req.header("Last-Event-ID");
+    const raw = header ?? c.req.valid("query").last_event_id ?? "0";
+    const after = Number(raw);
+    if (!/^\d+$/.test(raw) || !Number.isSafeInteger(after)) {
+      throw new ApiError(400, `Invalid Last-Event-ID "${raw}": expected a non-negative integer`, {
+        param: header !== undefined ? "Last-Event-ID" : "last_event_id",
+        code: "invalid_value",
+      });
+    }
+    return streamJobEvents(c, runner, id, after, aliases);
+  });
+
+  app.post("/jobs/:id/cancel", (c) => {
+    const job = runner.cancel(c.req.param("id"));
+    return c.json({ id: job.id, status: job.status, cancel_requested: job.cancel_requested }, 202);
+  });
+
+  app.get("/jobs/:id/checkpoints", async (c) => {
+    const id = c.req.param("id");
+    return c.json({ id, checkpoints: (await runner.checkpoints(id)).map((ck) => view(id, ck)) });
+  });
+
+  app.get("/jobs/:id/checkpoints/:name/:file", async (c) => {
+    const { id, name, file } = c.req.param();
+    if (!CHECKPOINT_FILES.includes(file) && !SHARD_FILE.test(file)) {
+      throw new ApiError(
+        404,
+        `Unknown checkpoint file "${file}": expected one of ${CHECKPOINT_FILES.join(", ")} ` +
+          `or a shard such as model-tp00-of-02.safetensors`,
+        {
+          param: "file",
+        },
+      );
+    }
+    const ckpt = (await runner.checkpoints(id)).find((k) => k.name === name);
+    if (!ckpt) throw new ApiError(404, `Job "${id}" has no checkpoint "${name}"`, { param: "name" });
+    let f: Deno.FsFile;
+    try {
+      f = await Deno.open(`${ckpt.path}/${file}`);
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+      throw new ApiError(404, `Checkpoint "${name}" of job "${id}" has no "${file}"`, { param: "file" });
+    }
+    const { size } = await f.stat();
+    return c.body(f.readable, 200, {
+      "Content-Type": file.endsWith(".json") ? "application/json" : "application/octet-stream",
+      "Content-Length": String(size),
+      "Content-Disposition": `attachment; filename="${id}_${name}_${file}"`,
+    });
+  });
+
+  return app;
+}

@@ -1,0 +1,293 @@
+/**
+ * The Prometheus registry of one app (prom-client), with Prometheus naming: counters end in
+ * `_total`, times are in seconds, a job is the label `job_id` (never `job`, which Prometheus
+ * sets to the scrape target). Gauges are read from the runner, its store and the generation
+ * manager when scraped; the step-time histogram observes each training progress event as it is
+ * stored. Other code adds its own collectors through {@link AppMetrics.register}.
+ */
+
+import { Counter, Gauge, Histogram, Registry } from "prom-client";
+import type { GenerationManager, JobRunner } from "../jobs/mod.ts";
+
+/** Adds collectors to an app's registry (e.g. `new Gauge({ ..., registers: [registry] })`). */
+export type MetricsHook = (registry: Registry) => void;
+
+/** An app's metrics. */
+export interface AppMetrics {
+  /** The registry `GET /metrics` renders. */
+  readonly registry: Registry;
+  /** Runs `hook` on the registry: the way to add metrics from outside this module. */
+  register(hook: MetricsHook): void;
+  /** Counts an answered request. */
+  countRequest(method: string, status: number): void;
+}
+
+/** Upper bounds of the step-time histogram, in seconds. */
+export const STEP_SECONDS_BUCKETS = [
+  0.001,
+  0.0025,
+  0.005,
+  0.01,
+  0.025,
+  0.05,
+  0.1,
+  0.25,
+  0.5,
+  1,
+  2.5,
+  5,
+  10,
+  30,
+  60,
+];
+
+const PHASES = [
+  "forward_ms",
+  "backward_ms",
+  "allreduce_ms",
+  "optimizer_ms",
+  "batch_generator_ms",
+  "step_ms",
+] as const;
+
+/** Builds the registry of one app over `runner` (and `generation`, when served). */
+export function createMetrics(
+  runner: JobRunner,
+  startedAt: number,
+  generation?: GenerationManager,
+): AppMetrics {
+  const registry = new Registry();
+  const registers = [registry];
+  const live = () => [
+    ...runner.store.listJobs({ status: "running" }),
+    ...runner.store.listJobs({ status: "interrupted" }),
+  ];
+
+  new Gauge({
+    name: "process_start_time_seconds",
+    help: "Start time of the server since the Unix epoch in seconds",
+    registers,
+    collect() {
+      this.set(startedAt / 1000);
+    },
+  });
+  new Gauge({
+    name: "gpt2_uptime_seconds",
+    help: "Seconds since the server started",
+    registers,
+    collect() {
+      this.set((Date.now() - startedAt) / 1000);
+    },
+  });
+  new Gauge({
+    name: "gpt2_jobs",
+    help: "Jobs by status",
+    labelNames: ["status"],
+    registers,
+    collect() {
+      for (const [status, n] of Object.entries(runner.store.countByStatus())) this.set({ status }, n);
+    },
+  });
+  const perGpu = (name: string, help: string, pick: (g: ReturnType<JobRunner["gpus"]>[number]) => number) =>
+    new Gauge({
+      name,
+      help,
+      labelNames: ["gpu"],
+      registers,
+      collect() {
+        this.reset();
+        for (const g of runner.gpus()) this.set({ gpu: g.index }, pick(g));
+      },
+    });
+  perGpu("gpt2_gpu_busy", "Whether the GPU runs a job", (g) => (g.state === "busy" ? 1 : 0));
+  perGpu(
+    "gpt2_gpu_available",
+    "Whether the GPU's device is open (idle or busy)",
+    (g) => g.state === "idle" || g.state === "busy" ? 1 : 0,
+  );
+  perGpu("gpt2_gpu_queue_length", "Jobs waiting per GPU", (g) => g.queued);
+
+  type LiveJob = ReturnType<typeof live>[number];
+  const perJob = (name: string, help: string, pick: (j: LiveJob) => number | null | undefined) =>
+    new Gauge({
+      name,
+      help,
+      labelNames: ["job_id", "gpu"],
+      registers,
+      collect() {
+        this.reset();
+        for (const j of live()) {
+          const v = pick(j);
+          if (typeof v === "number") this.set({ job_id: j.id, gpu: j.gpu }, v);
+        }
+      },
+    });
+  perJob("gpt2_job_iteration", "Iterations done", (j) => j.iteration);
+  perJob("gpt2_job_loss", "Latest training loss", (j) => j.metrics.loss);
+  perJob("gpt2_job_val_loss", "Latest validation loss", (j) => j.metrics.val_loss);
+  perJob("gpt2_job_learning_rate", "Current learning rate", (j) => j.metrics.lr);
+  perJob(
+    "gpt2_job_tokens_per_second",
+    "Training throughput (last log interval)",
+    (j) => j.metrics.tokens_per_s,
+  );
+  perJob("gpt2_job_gpu_memory_bytes", "GPU memory allocated by the job", (j) => j.metrics.gpu_memory_bytes);
+  perJob(
+    "gpt2_job_gpu_memory_estimate_bytes",
+    "GPU memory the plan estimated for the job",
+    (j) => j.metrics.gpu_memory_estimate_bytes,
+  );
+  perJob("gpt2_job_loss_scale", "Dynamic loss scale (1 in fp32)", (j) => j.metrics.loss_scale);
+  perJob(
+    "gpt2_job_skipped_steps",
+    "Steps skipped for a non-finite loss or gradient",
+    (j) => j.metrics.skipped_steps,
+  );
+  new Gauge({
+    name: "gpt2_job_phase_seconds",
+    help: "Seconds per step in each phase, averaged over the last log interval",
+    labelNames: ["job_id", "phase"],
+    registers,
+    collect() {
+      this.reset();
+      for (const j of live()) {
+        for (const p of PHASES) {
+          const v = j.metrics.timings?.[p];
+          if (typeof v === "number") this.set({ job_id: j.id, phase: p.slice(0, -3) }, v / 1000);
+        }
+      }
+    },
+  });
+  const steps = new Histogram({
+    name: "gpt2_job_step_seconds",
+    help: "Training step time: one observation per log interval, that interval's mean step time",
+    labelNames: ["job_id"],
+    buckets: STEP_SECONDS_BUCKETS,
+    registers,
+  });
+  runner.store.onEvent((e) => {
+    const timings = e.type === "progress" && e.data.kind === "train"
+      ? e.data.timings as { step_ms?: unknown } | null
+      : null;
+    if (typeof timings?.step_ms === "number") steps.observe({ job_id: e.job_id }, timings.step_ms / 1000);
+  });
+
+  const requests = new Counter({
+    name: "gpt2_http_requests_total",
+    help: "HTTP requests answered, by method and status code",
+    labelNames: ["method", "code"],
+    registers,
+  });
+
+  if (generation) {
+    new Counter({
+      name: "gpt2_generation_requests_total",
+      help: "Generation requests started",
+      registers,
+      collect() {
+        this.reset();
+        this.inc(generation.stats.started);
+      },
+    });
+    new Counter({
+      name: "gpt2_generation_finished_total",
+      help: "Generation requests finished, by reason",
+      labelNames: ["reason"],
+      registers,
+      collect() {
+        this.reset();
+        for (const [reason, n] of Object.entries(generation.stats.finished)) this.inc({ reason }, n);
+      },
+    });
+    new Counter({
+      name: "gpt2_generation_tokens_total",
+      help: "Tokens generated",
+      registers,
+      collect() {
+        this.reset();
+        this.inc(generation.stats.tokens);
+      },
+    });
+    // The names vLLM's users already scrape.
+    const gauge = (name: string, help: string, read: () => number) =>
+      new Gauge({
+        name,
+        help,
+        registers,
+        collect() {
+          this.set(read());
+        },
+      });
+    gauge("vllm:num_requests_running", "Requests decoding on a GPU", () => generation.stats.running);
+    gauge("vllm:num_requests_waiting", "Requests waiting for a stream slot", () => generation.stats.waiting);
+    const counter = (name: string, help: string, read: () => number) =>
+      new Counter({
+        name,
+        help,
+        registers,
+        collect() {
+          this.reset();
+          this.inc(read());
+        },
+      });
+    counter("vllm:prompt_tokens_total", "Prompt tokens processed", () => generation.stats.prompt_tokens);
+    counter("vllm:generation_tokens_total", "Tokens generated", () => generation.stats.tokens);
+    new Counter({
+      name: "vllm:request_success_total",
+      help: "Requests finished, by reason",
+      labelNames: ["finished_reason"],
+      registers,
+      collect() {
+        this.reset();
+        for (const [reason, n] of Object.entries(generation.stats.finished)) {
+          this.inc({ finished_reason: reason }, n);
+        }
+      },
+    });
+    registry.registerMetric(bucketed(
+      "vllm:time_to_first_token_seconds",
+      "Seconds from request to first token",
+      () => generation.stats.ttft,
+    ));
+    registry.registerMetric(bucketed(
+      "vllm:inter_token_latency_seconds",
+      "Seconds between tokens",
+      () => generation.stats.itl,
+    ));
+  }
+
+  return {
+    registry,
+    register: (hook) => hook(registry),
+    countRequest: (method, status) => requests.inc({ method, code: String(status) }),
+  };
+}
+
+/** A histogram whose buckets are counted elsewhere (the generation manager), exposed as prom-client expects. */
+function bucketed(name: string, help: string, read: () => BucketCounts) {
+  return {
+    name,
+    help,
+    type: "histogram",
+    aggregator: "sum",
+    get() {
+      const h = read(); // counts are cumulative already, the last bucket +Inf
+      const values = h.buckets.map((le, i) => ({
+        metricName: `${name}_bucket`,
+        labels: { le: le === Infinity ? "+Inf" : le },
+        value: h.counts[i],
+      }));
+      values.push({ metricName: `${name}_sum`, labels: {} as { le: string | number }, value: h.sum });
+      values.push({ metricName: `${name}_count`, labels: {} as { le: string | number }, value: h.count });
+      return { name, help, type: "histogram", aggregator: "sum", values };
+    },
+  } as unknown as Parameters<Registry["registerMetric"]>[0];
+}
+
+/** Cumulative bucket counts as the generation manager keeps them (server/generate/generation_manager.ts). */
+interface BucketCounts {
+  buckets: number[];
+  counts: number[];
+  sum: number;
+  count: number;
+}

@@ -1,0 +1,87 @@
+/**
+ * Zod schemas of the HTTP API's request bodies. `POST /train` mirrors Megatron-LM's training
+ * arguments; defaults are filled here so a stored job always shows every value it ran with.
+ */
+
+import { z } from "zod";
+import { PRESET_NAMES } from "../../model/config.ts";
+import { DEFAULT_SPLIT } from "../../data/mod.ts";
+
+const positiveInt = z.number().int().positive();
+
+/** Explicit model dimensions (GPT-2 vocabulary implied). */
+export const ModelDimsSchema = z.strictObject({
+  n_layer: positiveInt.max(96),
+  n_head: positiveInt.max(128),
+  n_embd: positiveInt.max(8192),
+  n_positions: positiveInt.max(8192),
+});
+
+/** Body of `POST /train`. */
+export const TrainRequestSchema = z.strictObject({
+  model: z.union([z.string().min(1), ModelDimsSchema]).default("gpt2-tiny"),
+  dataset: z.string().min(1).max(200).default("sotu"),
+  split: z.string().regex(/^\d+(,\d+){0,2}$/, 'expected Megatron\'s form, e.g. "949,50,1"').default(
+    DEFAULT_SPLIT.join(","),
+  ),
+  train_iters: positiveInt.max(10_000_000).default(1000),
+  batch_size: positiveInt.max(4096).default(4),
+  seq_len: positiveInt.max(8192).optional(),
+  lr: z.number().positive().max(1).default(6e-4),
+  min_lr: z.number().min(0).max(1).default(6e-5),
+  lr_decay_style: z.enum(["cosine", "linear", "constant"]).default("cosine"),
+  warmup: z.number().min(0).max(1).default(0.01),
+  weight_decay: z.number().min(0).max(10).default(0.1),
+  clip_grad: z.number().min(0).default(1.0),
+  attention_dropout: z.number().min(0).lt(1).default(0.1),
+  hidden_dropout: z.number().min(0).lt(1).default(0.1),
+  seed: z.number().int().min(0).max(2 ** 32 - 1).default(1234),
+  log_interval: positiveInt.default(10),
+  eval_interval: z.number().int().min(0).default(100),
+  eval_iters: positiveInt.max(10_000).default(10),
+  save_interval: z.number().int().min(0).default(100),
+  keep_checkpoints: positiveInt.max(1000).default(3),
+  resume_from: z.string().min(1).max(300).optional(),
+  precision: z.enum(["fp32", "fp16"]).default("fp32"),
+  checkpoint_activations: z.boolean().default(false),
+  checkpoint_num_layers: positiveInt.max(96).default(1),
+  data_parallel: positiveInt.max(64).default(1),
+  tensor_parallel: positiveInt.max(64).default(1),
+  global_batch_size: positiveInt.max(1 << 20).optional(),
+  allreduce_dtype: z.enum(["fp32", "fp16", "bf16"]).default("fp32"),
+  distributed_optimizer: z.boolean().default(false),
+  overlap_grad_reduce: z.boolean().default(true),
+}).refine((r) => r.min_lr <= r.lr, { path: ["min_lr"], message: "min_lr must not exceed lr" })
+  .superRefine((r, ctx) => {
+    const micro = r.batch_size * r.data_parallel;
+    if (r.global_batch_size !== undefined && r.global_batch_size % micro !== 0) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["global_batch_size"],
+        message:
+          `global_batch_size ${r.global_batch_size} must be a multiple of batch_size × data_parallel = ` +
+          `${r.batch_size} × ${r.data_parallel} = ${micro}`,
+      });
+    }
+  })
+  .refine((r) => typeof r.model !== "string" || (PRESET_NAMES as readonly string[]).includes(r.model), {
+    path: ["model"],
+    message: `Unknown model preset: expected one of ${
+      PRESET_NAMES.join(", ")
+    } or {n_layer, n_head, n_embd, n_positions}`,
+  });
+
+/** Query of `GET /jobs`: a status filter and a page (`limit` newest after job `after`). */
+export const JobListQuerySchema = z.strictObject({
+  status: z.enum(["queued", "running", "succeeded", "failed", "cancelled", "interrupted"]).optional(),
+  limit: z.coerce.number().int().min(1).max(1000).default(100),
+  after: z.string().min(1).max(100).optional(),
+});
+
+/** Query of `GET /jobs/:id/events` (the `Last-Event-ID` header wins over it). */
+export const EventsQuerySchema = z.strictObject({
+  last_event_id: z.string().max(30).optional(),
+});
+
+/** A validated `POST /train` body. */
+export type TrainRequestBody = z.infer<typeof TrainRequestSchema>;

@@ -1,0 +1,507 @@
+/**
+ * Generation inside a GPU Worker, with continuous batching. One engine per loaded model holds a
+ * gpu/ Generator (up to `maxStreams` streams, its KV cache grown by need). At every step the
+ * engine drops cancelled streams, admits waiting requests into free slots (worker/batching.ts),
+ * and runs their prefill and a chunk of decode steps for all streams in one go, posting each
+ * stream's tokens as they arrive. A request ends at its token budget, at `<|endoftext|>`, or when
+ * cancelled (the slot is freed at the next step). Requests beyond the slots wait in order.
+ *
+ * Beside training on the same GPU: the train loop asks `busy` after each step; while generation
+ * is busy it keeps one step in flight and hands the GPU over through `turn`, which returns after
+ * generation has had its share of the time, so neither side's readback waits on a deep queue of
+ * the other's work. Idle engines beyond `maxModels` are unloaded, least recently used first.
+ */
+
+import { EOT_TOKEN } from "../model/config.ts";
+import { describeDevice, type GpuContext } from "../engine/device.ts";
+import { Generator, isCpuAdapter } from "../engine/generator.ts";
+import { createReadback, parseFastReadback, type Readback } from "../engine/readback.ts";
+import { compileReporter, driverCacheDisabled } from "./compile_report.ts";
+import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "../protocol.ts";
+import { loadWeights } from "../checkpoint/model_source.ts";
+import { planStep, type SchedulerLimits } from "./batching.ts";
+
+/** Sizing of each engine. */
+export interface GenerationServiceOptions extends SchedulerLimits {
+  /** Most streams decoded together per model. */
+  maxStreams: number;
+  /** Models kept loaded when idle. */
+  maxModels: number;
+  /** Share of GPU time training keeps while generations run beside it (0 … 1). */
+  trainShare: number;
+  /**
+   * Queue the next chunk of decode steps before handing out the tokens of the last one (see
+   * Generator.step's `ahead`): the GPU keeps decoding through the readback's latency. Unset: on
+   * GPUs only (a CPU adapter runs work as it is submitted, so running ahead there mostly delays
+   * the tokens already read: the demo's first token came after 529 ms instead of 320).
+   */
+  runAhead?: boolean;
+  /**
+   * ms an idle engine waits before its first step, so requests sent together (a burst of users,
+   * or `n` choices) are prefilled together rather than one first and the rest a chunk later.
+   */
+  admitWindowMs: number;
+  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
+  driverCacheDisabled?: boolean;
+  /**
+   * Read each chunk's tokens back through the canvas path where it works (engine/readback.ts: well
+   * under a millisecond on an H200 against mapAsync's 10 ms floor); default true,
+   * GPT2_FAST_READBACK=0 turns it off.
+   */
+  fastReadback?: boolean;
+}
+
+/**
+ * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
+ * 10 ms on a real GPU, so fewer, longer steps; on GPUs each is queued while the one before is read back)
+ * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering
+ * requests for 2 ms, two models loaded, training keeps 70% of a shared GPU.
+ */
+export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
+  maxStreams: 64,
+  chunk: 32,
+  firstChunk: 4,
+  prefillTokens: 2048,
+  stepBudgetMs: 250,
+  maxModels: 2,
+  trainShare: 0.7,
+  admitWindowMs: 2,
+};
+
+/** ms an engine stays idle before it compiles the rest of its plans in the background (#warmRest). */
+const WARM_AFTER_IDLE_MS = 2000;
+
+/**
+ * Resolves in a later task (a message on a channel: unlike a timer, never clamped to 4 ms when
+ * nested), so the event loop runs what is queued first.
+ */
+function nextTask(): Promise<void> {
+  const { port1, port2 } = new MessageChannel();
+  return new Promise((resolve) => {
+    port1.onmessage = () => {
+      port1.close();
+      resolve();
+    };
+    port2.postMessage(null);
+  });
+}
+
+/**
+ * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
+ * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
+ * (only reported). Throws RangeError naming a variable that is out of range.
+ */
+export function generationOptionsFromEnv(
+  env: { get(key: string): string | undefined },
+): GenerationServiceOptions {
+  const o = { ...DEFAULT_GENERATION_OPTIONS };
+  type NumericKey = Exclude<
+    keyof GenerationServiceOptions,
+    "runAhead" | "driverCacheDisabled" | "fastReadback"
+  >;
+  const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
+    const raw = env.get(name);
+    if (raw === undefined || raw === "") return;
+    const v = Number(raw);
+    if (!(v >= min && v <= max) || (int && !Number.isInteger(v))) {
+      throw new RangeError(
+        `${name} "${raw}" must be ${int ? "an integer" : "a number"} from ${min} to ${max}`,
+      );
+    }
+    o[key] = v;
+  };
+  read("GPT2_GEN_MAX_STREAMS", "maxStreams", 1, 1024);
+  read("GPT2_GEN_CHUNK", "chunk", 2, 256);
+  read("GPT2_GEN_FIRST_CHUNK", "firstChunk", 1, 256);
+  read("GPT2_GEN_PREFILL_TOKENS", "prefillTokens", 1, 1 << 20);
+  read("GPT2_GEN_STEP_BUDGET_MS", "stepBudgetMs", 1, 60_000, false);
+  read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
+  read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
+  read("GPT2_GEN_ADMIT_WINDOW_MS", "admitWindowMs", 0, 1000, false);
+  const ahead = env.get("GPT2_GEN_RUN_AHEAD");
+  if (ahead !== undefined && ahead !== "") {
+    if (ahead !== "0" && ahead !== "1") throw new RangeError(`GPT2_GEN_RUN_AHEAD "${ahead}" must be 0 or 1`);
+    o.runAhead = ahead === "1";
+  }
+  o.driverCacheDisabled = driverCacheDisabled(env);
+  try {
+    o.fastReadback = parseFastReadback(env.get("GPT2_FAST_READBACK"));
+  } catch (e) {
+    throw new RangeError((e as Error).message);
+  }
+  return o;
+}
+
+type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;
+
+interface Active {
+  req: WorkerGeneration;
+  handle: number;
+  produced: number;
+  cancelled: boolean;
+}
+
+/** One model on the GPU and the requests using it. */
+class Engine {
+  readonly key: string;
+  #ctx: GpuContext;
+  #post: (msg: FromWorker) => void;
+  #opts: GenerationServiceOptions;
+  #gen: Promise<Generator>;
+  #loadMs = 0;
+  #waiting: WorkerGeneration[] = [];
+  #active: Active[] = [];
+  #running = false;
+  /** Reads the chunks back (engine/readback.ts), made with the generator. */
+  #readback: Readback | null = null;
+  /** Whether the background warm-up of every batch size has started (#warmRest). */
+  #warmed = false;
+  #warmTimer: ReturnType<typeof setTimeout> | null = null;
+  #dead = false;
+  #onIdle: () => void;
+  #onStep: (ms: number) => void;
+  /** Whether steps run ahead of their readback (GenerationServiceOptions.runAhead). */
+  #runAhead: boolean;
+  /** Measured ms per decode step (moving average), for the scheduler's time budget. */
+  #msPerStep: number | undefined;
+
+  constructor(
+    ctx: GpuContext,
+    first: WorkerGeneration,
+    post: (msg: FromWorker) => void,
+    opts: GenerationServiceOptions,
+    hooks: { idle: () => void; step: (ms: number) => void },
+  ) {
+    this.key = keyOf(first);
+    this.#ctx = ctx;
+    this.#post = post;
+    this.#opts = opts;
+    this.#runAhead = opts.runAhead ?? !isCpuAdapter(ctx);
+    this.#onIdle = hooks.idle;
+    this.#onStep = hooks.step;
+    const t0 = performance.now();
+    const build = JSON.stringify({
+      generate: first.model.config,
+      streams: opts.maxStreams,
+      chunk: opts.chunk,
+      prefill: opts.prefillTokens,
+    });
+    this.#gen = Promise.all([
+      loadWeights(first.model),
+      compileReporter({
+        root: first.root ?? null,
+        adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
+        description: describeDevice(ctx),
+        build,
+        cacheDisabled: opts.driverCacheDisabled ?? false,
+        send: (r) => post({ type: "compile", id: null, model: first.model.id, ...r }),
+      }),
+      createReadback(ctx, { canvas: opts.fastReadback ?? true }),
+    ]).then(([params, onCompile, readback]) => {
+      this.#readback = readback;
+      return Generator.create(ctx, first.model.config, params, {
+        maxStreams: opts.maxStreams,
+        chunk: opts.chunk,
+        prefillTokens: opts.prefillTokens,
+        onCompile,
+        readback,
+      });
+    }).then(async (g) => {
+      // GPUs: the one-stream batch's kernels before the first request; the other batch sizes'
+      // once the engine is first idle (#run), so the first token does not wait for all of them
+      // (4.2 s for the demo's model on an H200) and a growing batch still finds them compiled.
+      // CPU adapters compile far slower: on first use.
+      if (!isCpuAdapter(ctx)) await g.warm(1, false);
+      this.#loadMs = performance.now() - t0;
+      return g;
+    });
+    this.#gen.catch(() => {}); // reported through the requests waiting on it
+  }
+
+  /** Whether this engine can take requests (its device alive, its load not failed). */
+  get usable(): boolean {
+    return !this.#dead && !this.#ctx.lostReason;
+  }
+
+  get idle(): boolean {
+    return !this.#running && this.#waiting.length === 0;
+  }
+
+  add(req: WorkerGeneration): void {
+    this.#waiting.push(req);
+    if (!this.#running) this.#run();
+  }
+
+  /** Cancels request `id` if it is here; returns whether it was. */
+  cancel(id: string): boolean {
+    const w = this.#waiting.findIndex((r) => r.id === id);
+    if (w >= 0) {
+      this.#waiting.splice(w, 1);
+      this.#done(id, "cancelled", null, 0);
+      return true;
+    }
+    const a = this.#active.find((s) => s.req.id === id);
+    if (a) a.cancelled = true;
+    return a !== undefined;
+  }
+
+  async destroy(): Promise<void> {
+    this.#dead = true;
+    if (this.#warmTimer !== null) clearTimeout(this.#warmTimer);
+    (await this.#gen.catch(() => null))?.destroy();
+    this.#readback?.destroy();
+  }
+
+  #done(id: string, reason: Done["reason"], error: string | null, completion_tokens: number): void {
+    this.#post({ type: "gen_done", id, reason, error, completion_tokens });
+  }
+
+  async #run(): Promise<void> {
+    this.#running = true;
+    try {
+      const gen = await this.#gen;
+      while (this.#waiting.length > 0 || this.#active.length > 0) {
+        if (this.#active.length === 0 && this.#opts.admitWindowMs > 0) {
+          await new Promise((r) => setTimeout(r, this.#opts.admitWindowMs));
+        }
+        await this.#step(gen);
+        // A step read through the canvas path may never leave the microtask queue: let messages
+        // (a cancel, a new request) and timers in between steps.
+        await nextTask();
+      }
+    } catch (e) {
+      this.#dead = true;
+      const message = (e as Error).message || String(e);
+      for (const r of this.#waiting.splice(0)) this.#done(r.id, "error", message, 0);
+      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
+    } finally {
+      this.#running = false;
+      this.#warmRest();
+      this.#onIdle();
+    }
+  }
+
+  /**
+   * GPUs: compiles the other batch sizes' decode kernels and every prefill shape's in the
+   * background, once, after the engine has been idle for WARM_AFTER_IDLE_MS, one plan at a time
+   * while it stays idle: pipeline creation blocks the thread (about 85 ms a pipeline on an H200
+   * with an empty driver cache), so compiling beside running streams slowed each of their steps
+   * (on the H200 the first requests after a load took 1.2-8 s to their first token). A request
+   * arriving meanwhile waits at most for the plan being compiled.
+   */
+  #warmRest(): void {
+    if (this.#warmed || this.#warmTimer !== null || !this.usable || isCpuAdapter(this.#ctx)) return;
+    this.#warmTimer = setTimeout(() => {
+      this.#warmTimer = null;
+      if (this.idle) this.#startWarm();
+    }, WARM_AFTER_IDLE_MS);
+  }
+
+  #startWarm(): void {
+    if (this.#warmed || !this.usable) return;
+    this.#warmed = true;
+    const idle = async () => {
+      while (!this.idle && !this.#dead) await new Promise((r) => setTimeout(r, 20));
+      if (this.#dead) throw new Error("Engine closed");
+    };
+    // Failures show again where the plan is next needed.
+    this.#gen.then((g) => this.#dead ? 0 : g.warm(undefined, true, idle)).catch(() => {});
+  }
+
+  #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
+    gen.release(s.handle);
+    this.#active.splice(this.#active.indexOf(s), 1);
+    this.#done(s.req.id, reason, null, s.produced);
+  }
+
+  /** Drops cancelled streams, admits what fits, runs one step, posts what each stream produced. */
+  async #step(gen: Generator): Promise<void> {
+    for (const s of [...this.#active]) if (s.cancelled) this.#finish(gen, s, "cancelled");
+    const plan = planStep(
+      this.#waiting.map((r) => ({ promptTokens: r.prompt.length, maxTokens: r.max_tokens })),
+      gen.free,
+      this.#active.map((s) => s.req.max_tokens - s.produced),
+      this.#opts,
+      this.#msPerStep,
+    );
+    for (const req of this.#waiting.splice(0, plan.admit)) {
+      try {
+        const handle = await gen.admit(
+          req.prompt,
+          { ...req, logprobs: req.logprobs ?? undefined },
+          req.max_tokens,
+        );
+        this.#active.push({ req, handle, produced: 0, cancelled: false });
+        this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
+      } catch (e) {
+        this.#done(req.id, "error", (e as Error).message, 0);
+      }
+    }
+    if (this.#active.length === 0) return;
+    const t0 = performance.now();
+    const out = await gen.step(plan.steps, this.#runAhead ? plan.ahead : 0);
+    const ms = performance.now() - t0, ran = gen.timing.steps;
+    this.#onStep(ms);
+    if (ran > 0 && plan.admit === 0) {
+      const per = ms / ran;
+      this.#msPerStep = this.#msPerStep === undefined ? per : 0.7 * this.#msPerStep + 0.3 * per;
+    }
+    for (const s of [...this.#active]) {
+      const o = out.get(s.handle);
+      if (!o) continue;
+      if (s.cancelled) {
+        this.#finish(gen, s, "cancelled");
+        continue;
+      }
+      const room = s.req.max_tokens - s.produced;
+      let tokens = o.tokens.slice(0, room);
+      const eos = s.req.stop_at_eos ? tokens.indexOf(EOT_TOKEN) : -1;
+      if (eos >= 0) tokens = tokens.slice(0, eos);
+      s.produced += tokens.length;
+      if (tokens.length > 0) {
+        const logprobs: WorkerLogprobs[] | undefined = o.logprobs?.slice(0, tokens.length).map((l) => ({
+          logprob: l.logprob,
+          top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
+        }));
+        this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}) });
+      }
+      if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
+    }
+  }
+}
+
+function keyOf(req: WorkerGeneration): string {
+  return `${req.model.path}@${req.model.version}`;
+}
+
+/** The generation side of a GPU Worker. */
+export class GenerationService {
+  #open: () => Promise<GpuContext>;
+  #post: (msg: FromWorker) => void;
+  #opts: GenerationServiceOptions;
+  /** Loaded engines, least recently used first. */
+  #engines = new Map<string, Engine>();
+  /** Cancels that arrived while their request was still being routed to an engine. */
+  #early = new Set<string>();
+  /** Generation time owed to training's turn, and who waits for it. */
+  #turn: { left: number; resolve: () => void } | null = null;
+
+  /** `open` returns the Worker's device (opening it again if lost); `post` sends to the HTTP thread. */
+  constructor(
+    open: () => Promise<GpuContext>,
+    post: (msg: FromWorker) => void,
+    opts: Partial<GenerationServiceOptions> = {},
+  ) {
+    this.#open = open;
+    this.#post = post;
+    this.#opts = { ...DEFAULT_GENERATION_OPTIONS, ...opts };
+  }
+
+  /** Whether any model has requests running or waiting. */
+  get busy(): boolean {
+    for (const e of this.#engines.values()) if (!e.idle) return true;
+    return false;
+  }
+
+  /**
+   * Training's hand-over after a step that took `trainMs`: resolves once generation has run for
+   * its share (trainMs · (1 − trainShare) / trainShare, at most 2 s), or at once when idle.
+   */
+  turn(trainMs: number): Promise<void> {
+    if (!this.busy) return Promise.resolve();
+    this.#turn?.resolve();
+    const share = Math.min(0.95, Math.max(0.05, this.#opts.trainShare));
+    const left = Math.min(2000, (trainMs * (1 - share)) / share);
+    return new Promise((resolve) => {
+      // Never longer than the share plus a second (a model still loading takes no steps).
+      const timer = setTimeout(() => this.#releaseTurn(), left + 1000);
+      this.#turn = {
+        left,
+        resolve: () => {
+          clearTimeout(timer);
+          resolve();
+        },
+      };
+    });
+  }
+
+  #stepped(ms: number): void {
+    if (!this.#turn) return;
+    this.#turn.left -= ms;
+    if (this.#turn.left <= 0) this.#releaseTurn();
+  }
+
+  #releaseTurn(): void {
+    const t = this.#turn;
+    this.#turn = null;
+    t?.resolve();
+  }
+
+  /** Starts a request on its model's engine, loading the model first if needed. */
+  async generate(req: WorkerGeneration): Promise<void> {
+    const key = keyOf(req);
+    let engine = this.#engines.get(key);
+    if (engine && !engine.usable && engine.idle) {
+      this.#engines.delete(key);
+      await engine.destroy();
+      engine = undefined;
+    }
+    if (!engine) {
+      let ctx: GpuContext;
+      try {
+        ctx = await this.#open();
+      } catch (e) {
+        this.#post({
+          type: "gen_done",
+          id: req.id,
+          reason: "error",
+          error: `Cannot open the GPU: ${(e as Error).message}`,
+          completion_tokens: 0,
+        });
+        return;
+      }
+      await this.#evict(this.#opts.maxModels - 1);
+      engine = new Engine(ctx, req, this.#post, this.#opts, {
+        idle: () => {
+          if (!this.busy) this.#releaseTurn();
+          this.#evict(this.#opts.maxModels);
+        },
+        step: (ms) => this.#stepped(ms),
+      });
+    }
+    // Most recently used last.
+    this.#engines.delete(key);
+    this.#engines.set(key, engine);
+    if (this.#early.delete(req.id)) {
+      this.#post({ type: "gen_done", id: req.id, reason: "cancelled", error: null, completion_tokens: 0 });
+      return;
+    }
+    engine.add(req);
+  }
+
+  /** Cancels a request wherever it is; a request already finished is ignored. */
+  cancel(id: string): void {
+    for (const e of this.#engines.values()) if (e.cancel(id)) return;
+    if (this.#early.size > 1000) this.#early.clear(); // cancels of finished requests land here too
+    this.#early.add(id);
+  }
+
+  /** Unloads every model. */
+  async destroy(): Promise<void> {
+    for (const e of this.#engines.values()) await e.destroy();
+    this.#engines.clear();
+    this.#releaseTurn();
+  }
+
+  /** Unloads idle engines while more than `limit` are loaded (least recently used first), and broken idle ones. */
+  async #evict(limit: number): Promise<void> {
+    for (const [key, e] of this.#engines) {
+      if (!e.idle) continue;
+      if (this.#engines.size > limit || !e.usable) {
+        this.#engines.delete(key);
+        await e.destroy();
+      }
+    }
+  }
+}

@@ -1,0 +1,496 @@
+/**
+ * One training job inside a GPU Worker: build the model from gpu/, pull batches from the data/
+ * sampler, run steps (one submission each, no readback between logs), evaluate, checkpoint,
+ * and report through `hooks`. Kept apart from the Worker's message plumbing so a test can run a
+ * job in-process and compare losses bit for bit.
+ */
+
+import { describeDevice, type GpuContext } from "../engine/device.ts";
+import { ConfigError } from "../model/config.ts";
+import type { LrSchedule } from "../model/schedule.ts";
+import { Trainer, type TrainerState } from "../engine/trainer.ts";
+import {
+  DEFAULT_SPLIT,
+  evalBatches,
+  getDataset,
+  isBuiltinName,
+  loadSplit,
+  prepareDataset,
+  Sampler,
+} from "../data/mod.ts";
+import { loadCheckpoint, type SamplerState, saveCheckpoint } from "../checkpoint/checkpoint.ts";
+import type { FromWorker, JobComm, WorkerJob } from "../protocol.ts";
+import { accumulationSteps, type RankTimes, type TrainConfig } from "../model/job.ts";
+import {
+  DistributedOptimizer,
+  GradientReducer,
+  joinU32,
+  RankControl,
+  type ReduceTiming,
+  RingComm,
+  splitU32,
+  TensorParallelExchange,
+} from "../engine/parallel/mod.ts";
+import { checkpointLayers, trainingModel } from "../model/job_config.ts";
+import { compileReporter } from "./compile_report.ts";
+
+/** Steps submitted without waiting for the GPU, at most. */
+const MAX_STEPS_IN_FLIGHT = 4;
+/** Consecutive steps skipped for a non-finite loss or gradient after which the job fails. */
+export const MAX_CONSECUTIVE_SKIPS = 10;
+
+/** How a running job talks to the outside. */
+export interface TrainHooks {
+  post(msg: FromWorker): void;
+  /** Polled between steps: end the job "cancelled". */
+  cancelled(): boolean;
+  /** Polled between steps: save a checkpoint at the current step and end "interrupted" (shutdown). */
+  stopRequested?(): boolean;
+  /** Test hook: make the gradient non-finite on the GPU at these steps (0-based, as Trainer's `debugNonFiniteAt`). */
+  nonFiniteAt?: number[];
+  /**
+   * Generation sharing this GPU: while it is busy, at most one training step is in flight, and
+   * after each step `turn(stepMs)` hands it the GPU for its share of time.
+   */
+  generation?: { readonly busy: boolean; turn(trainMs: number): Promise<void> };
+  /** Data-parallel jobs: the run's shared communicators (see `WorkerJob.parallel`). */
+  comm?: JobComm;
+  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
+  driverCacheDisabled?: boolean;
+}
+
+/** How long a gradient exchange waits for a peer before the job fails (a peer may be evaluating). */
+const GRAD_TIMEOUT_MS = 600_000;
+
+const clamp01 = (x: number) => Math.min(1, Math.max(0, x));
+
+/** This Worker's place in a data-parallel job; null members on a single-rank job. */
+interface Ranks {
+  /** Data-parallel rank and size (the replicas that split each global batch). */
+  rank: number;
+  size: number;
+  /** Tensor-parallel rank and size (the shards of each layer), and the group's exchanges. */
+  tpRank: number;
+  tp: number;
+  tpx: TensorParallelExchange | null;
+  control: RankControl | null;
+  grads: RingComm[];
+  /** Weight lanes of the distributed optimizer. */
+  weights: RingComm[];
+  reducer: GradientReducer | null;
+  zero: DistributedOptimizer | null;
+  tpLanes: RingComm[];
+}
+
+/** Every tensor-parallel rank's state, on the group's rank 0 (null on the others). */
+async function gatherShards(tpx: TensorParallelExchange, s: TrainerState): Promise<TrainerState[] | null> {
+  const [params, m, v] = [await tpx.gatherAll(s.params), await tpx.gatherAll(s.m), await tpx.gatherAll(s.v)];
+  if (tpx.rank !== 0) return null;
+  return params.map((p, r) => ({ step: s.step, params: p, m: m[r], v: v[r], control: s.control }));
+}
+
+/** The outcome message of a job. */
+export type DoneMessage = Extract<FromWorker, { type: "done" }>;
+
+/** The LR schedule of a job: warmup is a fraction of train_iters, decay ends at train_iters. */
+export function scheduleOf(c: TrainConfig): LrSchedule {
+  return {
+    lr: c.lr,
+    min_lr: c.min_lr,
+    warmup_iters: Math.round(c.warmup * c.train_iters),
+    decay_iters: c.train_iters,
+    style: c.lr_decay_style,
+  };
+}
+
+/**
+ * Loads the three splits of a job's dataset. A builtin (e.g. "sotu") is prepared on first use;
+ * a split other than the data pipeline's default prepares it under its own derived id.
+ */
+export async function loadSplits(root: string, dataset: string, split: string, seqLen = 1024) {
+  let id = dataset;
+  if (isBuiltinName(dataset)) {
+    const isDefault = split.replaceAll(" ", "") === DEFAULT_SPLIT.join(",");
+    // Another split is checked against the job's sequence length rather than the default 1024.
+    id = (await prepareDataset(root, { builtin: dataset }, isDefault ? {} : { split, seq_len: seqLen })).id;
+  } else if (!(await getDataset(root, dataset))) {
+    throw new Error(`Unknown dataset "${dataset}"`);
+  }
+  const [train, valid, test] = await Promise.all([
+    loadSplit(root, id, "train"),
+    loadSplit(root, id, "valid"),
+    loadSplit(root, id, "test"),
+  ]);
+  return { id, train, valid, test };
+}
+
+/**
+ * Mean loss over the split's non-overlapping windows (up to `eval_iters` batches), and the tokens
+ * it averaged. Data-parallel ranks evaluate every size-th batch each and sum their losses.
+ */
+async function evaluate(
+  trainer: Trainer,
+  tokens: Uint16Array,
+  c: TrainConfig,
+  split: "valid" | "test",
+  ranks: Ranks,
+): Promise<{ loss: number; tokens: number }> {
+  const e = evalBatches(tokens, c.batch_size, c.seq_len, c.eval_iters, split);
+  if (!ranks.control) return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
+  // Every rank of a tensor-parallel group evaluates the same batches (together), so the sum over
+  // all ranks counts each batch tp times.
+  const mine = e.batches.filter((_, i) => i % ranks.size === ranks.rank);
+  const sum = mine.length > 0 ? (await trainer.evalLoss(mine)) * mine.length : 0;
+  const [total] = await ranks.control.sum([sum]);
+  return { loss: total / ranks.tp / e.batches.length, tokens: e.tokens };
+}
+
+/** Runs `job` to the end, cancellation or failure; never throws. */
+export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
+  let trainer: Trainer | null = null;
+  let iteration = 0;
+  const c = job.config;
+  const dp = c.data_parallel ?? 1, tp = c.tensor_parallel ?? 1, world = dp * tp;
+  const globalRank = job.parallel?.rank ?? 0;
+  const ranks: Ranks = {
+    rank: Math.floor(globalRank / tp),
+    size: dp,
+    tpRank: globalRank % tp,
+    tp,
+    tpx: null,
+    control: null,
+    grads: [],
+    weights: [],
+    reducer: null,
+    zero: null,
+    tpLanes: [],
+  };
+  const sharded = dp > 1 && (c.distributed_optimizer ?? false);
+  const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
+    type: "done",
+    id: job.id,
+    status,
+    iteration,
+    error,
+  });
+  // Rank 0 speaks for a parallel job; the other ranks report only their outcome.
+  const lead = globalRank === 0;
+  const post = (msg: FromWorker) => {
+    if (lead) hooks.post(msg);
+  };
+  try {
+    if (world > 1) {
+      if (!hooks.comm || job.parallel?.size !== world) {
+        throw new Error(`A ${world}-rank job reached a Worker without its ${world}-rank communicators`);
+      }
+      ranks.grads = hooks.comm.grads.map((sab) =>
+        new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+      );
+      ranks.control = new RankControl(hooks.comm.control, globalRank);
+      if (sharded) {
+        if (!hooks.comm.weights) {
+          throw new Error("A distributed_optimizer job reached a Worker without its weight lanes");
+        }
+        ranks.weights = hooks.comm.weights.map((sab) =>
+          new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+        );
+      }
+    }
+    const model = trainingModel(c);
+    const accumulation = accumulationSteps(c);
+    if (tp > 1) {
+      if (!hooks.comm?.tp) {
+        throw new Error("A tensor-parallel job reached a Worker without its group's lanes");
+      }
+      const lanes = hooks.comm.tp.map((sab) =>
+        new RingComm(sab, ranks.tpRank, { timeoutMs: GRAD_TIMEOUT_MS })
+      );
+      ranks.tpLanes = lanes;
+      ranks.tpx = await TensorParallelExchange.create(ctx, lanes);
+    }
+    const t0 = performance.now();
+    const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
+    const dataLoaderMs = performance.now() - t0;
+    // Refuse before training, not at the first evaluation (weights of 0 leave a split empty on purpose).
+    for (const split of ["valid", "test"] as const) {
+      if (data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
+    }
+
+    let state: TrainerState | undefined;
+    let samplerState: SamplerState | undefined;
+    if (job.resume_path) {
+      // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
+      const ck = await loadCheckpoint(job.resume_path, model, { tensorParallel: tp, rank: ranks.tpRank });
+      state = ck.state;
+      samplerState = ck.manifest.sampler;
+      iteration = ck.state.step;
+    }
+    // Kernels depend on these: a marker per adapter records which ones compiled there before.
+    const build = JSON.stringify({
+      train: model,
+      batch: c.batch_size,
+      seq: c.seq_len,
+      precision: c.precision ?? "fp32",
+      micro: accumulation,
+      checkpoint: checkpointLayers(c),
+      dp,
+      tp,
+      sharded,
+    });
+    const onCompile = await compileReporter({
+      root: job.root,
+      adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
+      description: describeDevice(ctx),
+      build,
+      cacheDisabled: hooks.driverCacheDisabled ?? false,
+      send: (r) => post({ type: "compile", id: job.id, ...r }),
+    });
+    trainer = await Trainer.create(ctx, {
+      config: model,
+      batchSize: c.batch_size,
+      seqLen: c.seq_len,
+      schedule: scheduleOf(c),
+      adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
+      attnDropout: c.attention_dropout,
+      hiddenDropout: c.hidden_dropout,
+      seed: c.seed,
+      // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
+      profile: ctx.hasTimestamps,
+      debugNonFiniteAt: hooks.nonFiniteAt,
+      checkpointLayers: checkpointLayers(c),
+      precision: c.precision ?? "fp32",
+      microBatches: accumulation,
+      dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
+      shardedOptimizer: sharded,
+      tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
+      onCompile,
+    }, state);
+    if (sharded) {
+      ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
+        rank: ranks.rank,
+        size: dp,
+        gradComms: ranks.grads,
+        paramComms: ranks.weights,
+        control: ranks.control!,
+      });
+      if (state) ranks.zero.loadMoments(state.m, state.v);
+    } else if (dp > 1) {
+      ranks.reducer = await GradientReducer.create(ctx, ranks.grads, {
+        overlap: c.overlap_grad_reduce ?? true,
+      });
+    }
+    const reduce = ranks.zero?.step ?? ranks.reducer ?? undefined;
+    const noTiming: ReduceTiming = { steps: 0, ms: 0, exposedMs: 0, bytes: 0 };
+    const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)?.take() ?? noTiming;
+    const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
+    const sampler = new Sampler(
+      data.train,
+      {
+        seqLen: c.seq_len,
+        batchSize: c.batch_size,
+        seed: c.seed,
+        rank: ranks.rank,
+        worldSize: dp,
+        accumulation,
+      },
+      samplerState,
+    );
+    iteration = trainer.step;
+    post({
+      type: "started",
+      id: job.id,
+      iteration,
+      resumed_from: job.resume_path,
+      gpu_memory_bytes: memoryBytes,
+    });
+
+    let lastLoss: number | null = null, lastVal: number | null = null, lastSaved = -1;
+    const save = async () => {
+      // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
+      // Sharded moments are first assembled on rank 0, with every rank taking part.
+      const moments = ranks.zero ? await ranks.zero.exportMoments(trainer!.model.layout.totalSize) : null;
+      // Tensor parallelism: the first replica's shards go to rank 0, which writes one file pair per shard.
+      let shards: TrainerState[] | null = null;
+      if (ranks.tpx && ranks.rank === 0) shards = await gatherShards(ranks.tpx, await trainer!.exportState());
+      if (lead) {
+        const exported = shards ?? await trainer!.exportState();
+        const { name, path } = await saveCheckpoint(
+          job.checkpoint_dir,
+          {
+            job_id: job.id,
+            model,
+            train: c,
+            sampler: { ...sampler.state },
+            metrics: { loss: lastLoss, val_loss: lastVal },
+          },
+          Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
+          c.keep_checkpoints,
+        );
+        hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
+      }
+      lastSaved = trainer!.step;
+    };
+    const evalSplit = async (split: "valid" | "test") => {
+      if (data[split].length === 0) return;
+      const { loss, tokens } = await evaluate(trainer!, data[split], c, split, ranks);
+      if (split === "valid") lastVal = loss;
+      post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
+    };
+
+    /** Tensor-parallel exchange ms and allreduces per step since the last log. */
+    const tpTiming = (): number[] => {
+      if (!ranks.tpx) return [0, 0];
+      const t = ranks.tpx.take();
+      return [
+        (t.allreduceMs + t.otherMs) / Math.max(1, windowSteps),
+        t.allreduces / Math.max(1, windowSteps),
+      ];
+    };
+    let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
+    let skipped = 0;
+    while (trainer.step < c.train_iters) {
+      let cancel = hooks.cancelled(), stop = hooks.stopRequested?.() ?? false;
+      if (ranks.control) {
+        // All ranks act on the same step: a flag raised on any of them counts for all.
+        const [nc, ns] = await ranks.control.sum([cancel ? 1 : 0, stop ? 1 : 0]);
+        cancel = nc > 0;
+        stop = ns > 0;
+      }
+      if (cancel) return done("cancelled", null);
+      if (stop) {
+        // Shutdown: keep every finished step. The checkpoint is at the step the GPU last finished.
+        if (lastSaved !== trainer.step) await save();
+        return done("interrupted", null);
+      }
+      const tb = performance.now();
+      const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
+      batchMs += performance.now() - tb;
+      const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
+      if (reduce || ranks.tpx) await trainer.trainStepReduced(tokens, reduce, logStep);
+      else trainer.trainStep(tokens, logStep);
+      iteration = trainer.step;
+      windowSteps++;
+      const last = iteration === c.train_iters;
+      if (hooks.generation?.busy) {
+        const ts = performance.now();
+        await ctx.device.queue.onSubmittedWorkDone();
+        await hooks.generation.turn(performance.now() - ts);
+      } else if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) {
+        // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
+        await ctx.device.queue.onSubmittedWorkDone();
+      }
+      if (logStep) {
+        const stats = await trainer.lastStats({ checksum: world > 1 });
+        const phases = await trainer.phaseTimes();
+        const elapsed = performance.now() - windowStart;
+        let loss = stats.loss, rankTimes: RankTimes[] | undefined;
+        if (ranks.control) {
+          const t = takeTiming();
+          const rows = await ranks.control.gather([
+            stats.loss,
+            ...splitU32(stats.checksum!),
+            elapsed / windowSteps,
+            t.ms / Math.max(1, t.steps),
+            t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
+            t.exposedMs / Math.max(1, t.steps),
+            ...tpTiming(),
+          ]);
+          // Replicas of the same shard (equal tensor-parallel rank) must hold the same weights.
+          const sums = rows.map((r) => joinU32(r[1], r[2]));
+          if (sums.some((x, r) => x !== sums[r % tp])) {
+            throw new Error(
+              `Weights differ between data-parallel ranks after iteration ${iteration}: checksums ` +
+                sums.map((x, r) => `rank ${r} ${x.toString(16).padStart(8, "0")}`).join(", "),
+            );
+          }
+          loss = rows.reduce((a, r) => a + r[0], 0) / rows.length;
+          rankTimes = rows.map((r, rank) => ({
+            rank,
+            step_ms: r[3],
+            allreduce_ms: r[4],
+            allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
+            ...(dp > 1
+              ? { allreduce_exposed_ms: r[6], allreduce_hidden: r[4] > 0 ? clamp01(1 - r[6] / r[4]) : 0 }
+              : {}),
+            ...(tp > 1 ? { tp_exchange_ms: r[7], tp_allreduces: r[8] } : {}),
+          }));
+        }
+        if (stats.skippedSteps > skipped) {
+          post({
+            type: "log",
+            id: job.id,
+            level: "warn",
+            message: `Skipped ${stats.skippedSteps - skipped} step(s) with a non-finite loss or gradient ` +
+              `by iteration ${iteration} (${stats.skippedSteps} in all)`,
+          });
+          skipped = stats.skippedSteps;
+        }
+        if (stats.consecutiveSkipped >= MAX_CONSECUTIVE_SKIPS) {
+          throw new Error(
+            `Loss or gradient norm was non-finite for ${stats.consecutiveSkipped} consecutive steps, ` +
+              `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
+          );
+        }
+        if (Number.isFinite(loss)) lastLoss = loss;
+        const allreduceMs = rankTimes
+          ? rankTimes.reduce((a, r) => a + r.allreduce_ms, 0) / rankTimes.length
+          : 0;
+        post({
+          type: "progress",
+          id: job.id,
+          iteration,
+          // JSON has no NaN: a skipped step's numbers travel as null.
+          loss: Number.isFinite(loss) ? loss : null,
+          grad_norm: Number.isFinite(stats.gradNorm) ? stats.gradNorm : null,
+          lr: stats.lr,
+          tokens_per_s: (windowSteps * accumulation * dp * c.batch_size * c.seq_len) / (elapsed / 1000),
+          timings: {
+            forward_ms: phases?.forward_ms ?? null,
+            backward_ms: phases?.backward_ms ?? null,
+            allreduce_ms: allreduceMs,
+            optimizer_ms: phases?.optimizer_ms ?? null,
+            batch_generator_ms: batchMs / windowSteps,
+            data_loader_ms: dataLoaderMs,
+            step_ms: elapsed / windowSteps,
+          },
+          gpu_memory_bytes: memoryBytes,
+          skipped_steps: stats.skippedSteps,
+          loss_scale: stats.lossScale,
+          ...(rankTimes ? { ranks: rankTimes } : {}),
+        });
+        windowStart = performance.now();
+        windowSteps = 0;
+        batchMs = 0;
+      }
+      const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
+      const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
+      if (evalNow) await evalSplit("valid");
+      if (saveNow) await save();
+      if (evalNow || saveNow) {
+        // Throughput and step time measure training only: restart the window after the pause.
+        await ctx.device.queue.onSubmittedWorkDone();
+        windowStart = performance.now();
+        windowSteps = 0;
+        batchMs = 0;
+      }
+    }
+    await evalSplit("valid");
+    await evalSplit("test");
+    if (lastSaved !== trainer.step) await save();
+    return done("succeeded", null);
+  } catch (e) {
+    const err = e as Error;
+    const message = err instanceof ConfigError
+      ? `Cannot train this configuration: ${err.message}`
+      : err.message;
+    // Peers would wait for this rank at their next exchange: fail them now, naming the reason.
+    for (const comm of [...ranks.grads, ...ranks.weights, ...ranks.tpLanes]) comm.abort(message);
+    ranks.control?.abort(message);
+    return done("failed", message || String(e));
+  } finally {
+    ranks.reducer?.destroy();
+    ranks.zero?.destroy();
+    ranks.tpx?.destroy();
+    trainer?.destroy();
+  }
+}
