@@ -136,9 +136,58 @@ export function lshBands(threshold: number, numPerm: number): { bands: number; r
   return best ?? fallback;
 }
 
+/** Bits of a signature entry kept by {@link LshIndex} (b-bit MinHash, Li & König 2010). */
+export const LSH_FINGERPRINT_BITS = 4;
+/** Documents per page of stored fingerprints (pages avoid copying on growth). */
+const PAGE_DOCS = 1 << 16;
+/** Bits of a table slot holding the document id + 1; the rest hold a tag of the band key. */
+const ID_BITS = 25;
+const ID_MASK = (1 << ID_BITS) - 1;
+/** Most documents an {@link LshIndex} keeps: ids + 1 must fit {@link ID_BITS} bits. */
+export const LSH_MAX_DOCUMENTS = ID_MASK - 1;
+/** Tables grow (double) when kept documents exceed this fraction of their slots. */
+const MAX_LOAD = 0.8;
+/** Smallest table (slots per band). */
+const MIN_SLOTS = 1 << 12;
+
+/** Non-zero nibbles of a 32-bit word (so 8 minus the equal 4-bit entries of two XORed words). */
+function nonZeroNibbles(x: number): number {
+  const y = (x | (x >>> 1) | (x >>> 2) | (x >>> 3)) & 0x11111111;
+  return Math.imul(y, 0x11111111) >>> 28;
+}
+
+/**
+ * Pack the low 4 bits of each entry of a signature (`sig[0 .. numPerm)`) into
+ * `out[offset .. offset + ceil(numPerm / 8))`, 8 entries per word; padding nibbles are 0.
+ */
+export function packSignature(sig: Uint32Array, numPerm: number, out: Uint32Array, offset = 0): void {
+  const words = (numPerm + 7) >>> 3;
+  for (let w = 0; w < words; w++) {
+    let v = 0;
+    const end = Math.min(numPerm, (w + 1) * 8);
+    for (let i = w * 8; i < end; i++) v |= (sig[i] & 15) << ((i & 7) << 2);
+    out[offset + w] = v;
+  }
+}
+
 /**
  * An LSH index over MinHash signatures. {@link LshIndex.addUnlessDuplicate} keeps the first of
  * each group of near-duplicates: documents are compared only with those already kept.
+ *
+ * Everything lives in typed arrays, outside the JS heap, in a fixed number of bytes per kept
+ * document ({@link LshIndex.bytesPerDocument}):
+ * - each kept document's signature is stored as 4-bit fingerprints of its entries (b-bit
+ *   MinHash): 64 bytes for 128 entries, in pages of 65,536 documents;
+ * - each band has an open-addressing hash table (linear probing) of 32-bit slots, holding the
+ *   document id and 7 bits of the band key as a tag; all tables double together when the kept
+ *   documents pass 80% of their slots, so a table costs 4 / load (5 to 10) bytes per document.
+ *
+ * Band keys hash the band's fingerprints (not the full 32-bit entries), so a doubling rehashes
+ * from the stored fingerprints alone. Two documents agree on a 4-bit entry with probability
+ * J + (1 − J) / 16 at Jaccard similarity J; candidates are confirmed with the unbiased estimate
+ * (agree / numPerm − 1/16) / (15/16) ≥ threshold. Chance agreements make banding find a few more
+ * candidates (a random pair shares a 7-entry band with probability 16⁻⁷), which only costs a
+ * 64-byte comparison each. At most {@link LSH_MAX_DOCUMENTS} documents are kept.
  */
 export class LshIndex {
   /** Jaccard threshold at or above which a document is a near-duplicate. */
@@ -149,9 +198,17 @@ export class LshIndex {
   readonly bands: number;
   /** Rows per band. */
   readonly rows: number;
-  #tables: Map<number, number | number[]>[];
-  #sigs: Uint32Array;
+  /** Words (32-bit) per stored fingerprint signature. */
+  readonly words: number;
+  /** Entries that must agree for a candidate to be a near-duplicate. */
+  readonly agreeNeeded: number;
+  #tables: Uint32Array[];
+  #mask: number;
+  #pages: Uint32Array[] = [];
   #count = 0;
+  #packed: Uint32Array;
+  #keys: Uint32Array;
+  #checked: Int32Array;
 
   /** An empty index for signatures of `numPerm` entries and a Jaccard `threshold` in (0, 1]. */
   constructor(numPerm: number, threshold: number) {
@@ -161,8 +218,13 @@ export class LshIndex {
     this.threshold = threshold;
     this.numPerm = numPerm;
     ({ bands: this.bands, rows: this.rows } = lshBands(threshold, numPerm));
-    this.#tables = Array.from({ length: this.bands }, () => new Map());
-    this.#sigs = new Uint32Array(numPerm * 1024);
+    this.words = (numPerm + 7) >>> 3;
+    this.agreeNeeded = Math.min(numPerm, Math.ceil((numPerm * (threshold * 15 + 1)) / 16 - 1e-9));
+    this.#tables = Array.from({ length: this.bands }, () => new Uint32Array(MIN_SLOTS));
+    this.#mask = MIN_SLOTS - 1;
+    this.#packed = new Uint32Array(this.words);
+    this.#keys = new Uint32Array(this.bands);
+    this.#checked = new Int32Array(this.bands * 8);
   }
 
   /** Kept documents. */
@@ -170,17 +232,105 @@ export class LshIndex {
     return this.#count;
   }
 
-  /** Bytes held by signatures (for memory reports). */
+  /** Bytes held by stored fingerprints (for memory reports). */
   get signatureBytes(): number {
-    return this.#sigs.byteLength;
+    return this.#pages.length * PAGE_DOCS * this.words * 4;
   }
 
-  /** Band keys of `sig`. */
-  #bandKey(sig: Uint32Array, band: number): number {
+  /** Bytes held by the index: fingerprints and band tables. */
+  get memoryBytes(): number {
+    return this.signatureBytes + this.bands * (this.#mask + 1) * 4;
+  }
+
+  /** Bytes per kept document: fingerprints plus band-table slots at the lowest and highest load. */
+  get bytesPerDocument(): { signature: number; tablesMin: number; tablesMax: number } {
+    return {
+      signature: this.words * 4,
+      tablesMin: Math.ceil((this.bands * 4) / MAX_LOAD),
+      tablesMax: Math.ceil((this.bands * 4 * 2) / MAX_LOAD),
+    };
+  }
+
+  /** The packed fingerprints of the last signature given to {@link addUnlessDuplicate} (words entries). */
+  get lastPacked(): Uint32Array {
+    return this.#packed;
+  }
+
+  /** Bits `[pos, pos + n)` (n ≤ 28) of the fingerprints at `words[off ..]`. */
+  #bits(words: Uint32Array, off: number, pos: number, n: number): number {
+    const w = off + (pos >>> 5), sh = pos & 31;
+    let v = words[w] >>> sh;
+    if (sh + n > 32) v |= words[w + 1] << (32 - sh);
+    return v & ((1 << n) - 1);
+  }
+
+  /** Key of band `band` of the fingerprints at `words[off ..]`: a hash of its bits, 28 at a time. */
+  #bandKey(words: Uint32Array, off: number, band: number): number {
     let h = 0x27d4eb2f ^ band;
-    const start = band * this.rows;
-    for (let i = start; i < start + this.rows; i++) h = Math.imul(h ^ sig[i], 0x01000193) ^ (h >>> 13);
-    return fmix32(h);
+    for (let pos = band * this.rows * 4, end = pos + this.rows * 4; pos < end; pos += 28) {
+      h = fmix32(h ^ this.#bits(words, off, pos, Math.min(28, end - pos)));
+    }
+    return h >>> 0;
+  }
+
+  /** Whether band `band` of fingerprints `a[ao ..]` and `b[bo ..]` is equal. */
+  #sameBand(a: Uint32Array, ao: number, b: Uint32Array, bo: number, band: number): boolean {
+    for (let pos = band * this.rows * 4, end = pos + this.rows * 4; pos < end; pos += 28) {
+      const n = Math.min(28, end - pos);
+      if (this.#bits(a, ao, pos, n) !== this.#bits(b, bo, pos, n)) return false;
+    }
+    return true;
+  }
+
+  /** Entries on which fingerprints `a[ao ..]` and `b[bo ..]` agree. */
+  #agreements(a: Uint32Array, ao: number, b: Uint32Array, bo: number): number {
+    let differ = 0;
+    for (let w = 0; w < this.words; w++) differ += nonZeroNibbles(a[ao + w] ^ b[bo + w]);
+    return this.numPerm - differ;
+  }
+
+  /** Insert document `id` with band keys `keys` into every table. */
+  #insert(id: number, keys: Uint32Array): void {
+    const mask = this.#mask;
+    for (let b = 0; b < this.bands; b++) {
+      const table = this.#tables[b], key = keys[b];
+      let i = key & mask;
+      while (table[i] !== 0) i = (i + 1) & mask;
+      table[i] = (((key >>> ID_BITS) << ID_BITS) | (id + 1)) >>> 0;
+    }
+  }
+
+  /**
+   * Double every table, rebuilt from the stored fingerprints in document order (the old tables
+   * are dropped first, so a doubling never holds both).
+   */
+  #grow(): void {
+    const slots = (this.#mask + 1) * 2;
+    this.#tables = [];
+    this.#tables = Array.from({ length: this.bands }, () => new Uint32Array(slots));
+    this.#mask = slots - 1;
+    const keys = new Uint32Array(this.bands);
+    for (let id = 0; id < this.#count; id++) {
+      const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
+      for (let b = 0; b < this.bands; b++) keys[b] = this.#bandKey(page, off, b);
+      this.#insert(id, keys);
+    }
+  }
+
+  /** Store the packed fingerprints in `this.#packed` as a new document (growing first); returns its id. */
+  #store(): number {
+    if (this.#count >= LSH_MAX_DOCUMENTS) {
+      throw new RangeError(
+        `Cannot keep document ${this.#count + 1} in the dedup index: over its cap of ${LSH_MAX_DOCUMENTS} ` +
+          `kept documents; prepare the source in parts or turn dedup off`,
+      );
+    }
+    if (this.#count + 1 > (this.#mask + 1) * MAX_LOAD) this.#grow();
+    const id = this.#count++;
+    const p = Math.floor(id / PAGE_DOCS);
+    if (p === this.#pages.length) this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
+    this.#pages[p].set(this.#packed, (id % PAGE_DOCS) * this.words);
+    return id;
   }
 
   /**
@@ -188,33 +338,42 @@ export class LshIndex {
    * Returns true when it was a duplicate (and so not added).
    */
   addUnlessDuplicate(sig: Uint32Array): boolean {
-    const n = this.numPerm;
-    const keys = new Array<number>(this.bands);
-    const checked = new Set<number>();
+    const packed = this.#packed, keys = this.#keys, mask = this.#mask;
+    packSignature(sig, this.numPerm, packed);
+    let checked = 0;
     for (let b = 0; b < this.bands; b++) {
-      const key = this.#bandKey(sig, b);
-      keys[b] = key;
-      const hit = this.#tables[b].get(key);
-      if (hit === undefined) continue;
-      for (const doc of typeof hit === "number" ? [hit] : hit) {
-        if (checked.has(doc)) continue;
-        checked.add(doc);
-        if (estimateJaccard(sig, this.#sigs.subarray(doc * n, doc * n + n)) >= this.threshold) return true;
+      const key = keys[b] = this.#bandKey(packed, 0, b);
+      const table = this.#tables[b], tag = key >>> ID_BITS;
+      for (let i = key & mask; table[i] !== 0; i = (i + 1) & mask) {
+        const slot = table[i];
+        if (slot >>> ID_BITS !== tag) continue;
+        const id = (slot & ID_MASK) - 1;
+        const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
+        if (!this.#sameBand(packed, 0, page, off, b)) continue;
+        let seen = false;
+        for (let c = 0; c < checked && !seen; c++) seen = this.#checked[c] === id;
+        if (seen) continue;
+        if (checked === this.#checked.length) {
+          const grown = new Int32Array(checked * 2);
+          grown.set(this.#checked);
+          this.#checked = grown;
+        }
+        this.#checked[checked++] = id;
+        if (this.#agreements(packed, 0, page, off) >= this.agreeNeeded) return true;
       }
     }
-    const id = this.#count++;
-    if (this.#count * n > this.#sigs.length) {
-      const grown = new Uint32Array(this.#sigs.length * 2);
-      grown.set(this.#sigs);
-      this.#sigs = grown;
-    }
-    this.#sigs.set(sig.subarray(0, n), id * n);
-    for (let b = 0; b < this.bands; b++) {
-      const table = this.#tables[b], prev = table.get(keys[b]);
-      if (prev === undefined) table.set(keys[b], id);
-      else if (typeof prev === "number") table.set(keys[b], [prev, id]);
-      else prev.push(id);
-    }
+    this.#insert(this.#store(), keys); // band keys do not depend on the table size
     return false;
+  }
+
+  /**
+   * Keep a document given its packed fingerprints (`words` entries, as {@link lastPacked} gave
+   * them) without checking for duplicates: how a resumed preparation rebuilds its index.
+   */
+  addPacked(packed: Uint32Array, offset = 0): void {
+    this.#packed.set(packed.subarray(offset, offset + this.words));
+    const id = this.#store();
+    for (let b = 0; b < this.bands; b++) this.#keys[b] = this.#bandKey(this.#packed, 0, b);
+    this.#insert(id, this.#keys);
   }
 }

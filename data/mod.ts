@@ -40,11 +40,14 @@ export {
   candidateProbability,
   DEFAULT_MINHASH,
   estimateJaccard,
+  LSH_FINGERPRINT_BITS,
+  LSH_MAX_DOCUMENTS,
   LSH_RECALL_AT_THRESHOLD,
   lshBands,
   LshIndex,
   type MinHashParams,
   minhashSignature,
+  packSignature,
 } from "./minhash.ts";
 export {
   type DatasetPlan,

@@ -7,6 +7,7 @@ import {
   lshBands,
   LshIndex,
   minhashSignature,
+  packSignature,
 } from "../data/mod.ts";
 import { makeDocs, nearDuplicate, rng } from "./data_fixtures.ts";
 
@@ -102,4 +103,71 @@ Deno.test("LshIndex removes pairs well above the threshold and keeps pairs well 
   };
   assert.ok(removedAt(0.9) >= 0.97, "J = 0.9 removed");
   assert.ok(removedAt(0.6) <= 0.01, "J = 0.6 kept");
+});
+
+/** Exact Jaccard similarity of the 5-word shingle sets of two texts (words as minhash.ts reads them). */
+function trueJaccard(a: string, b: string): number {
+  const shingles = (t: string) => {
+    const w = t.toLowerCase().match(/[a-z]+|[0-9]+/g) ?? [];
+    const set = new Set<string>();
+    for (let i = 0; i + 5 <= w.length; i++) set.add(w.slice(i, i + 5).join(" "));
+    return set;
+  };
+  const sa = shingles(a), sb = shingles(b);
+  let both = 0;
+  for (const s of sa) if (sb.has(s)) both++;
+  return both / (sa.size + sb.size - both);
+}
+
+Deno.test("LshIndex on planted pairs of real documents: ≥ 0.95 removed at Jaccard 0.85-0.9, none below 0.7", () => {
+  const rand = rng(27);
+  const docs = makeDocs(1500, 400, 27);
+  const index = new LshIndex(128, 0.8);
+  for (const d of docs) assert.equal(index.addUnlessDuplicate(sig(d)), false, "distinct documents kept");
+  const high = { pairs: 0, removed: 0 }, low = { pairs: 0, removed: 0 };
+  for (let k = 0; k < docs.length; k++) {
+    // Replace 3 to 18 words at random places: Jaccard from about 0.93 down to about 0.6.
+    const words = docs[k].split(" ");
+    const changes = 3 + Math.floor(rand() * 16);
+    for (let c = 0; c < changes; c++) words[Math.floor(rand() * words.length)] = `planted${k}x${c}`;
+    const variant = words.join(" ");
+    const j = trueJaccard(docs[k], variant);
+    const bucket = j >= 0.85 && j <= 0.9 ? high : j < 0.7 ? low : undefined;
+    const removed = index.addUnlessDuplicate(sig(variant));
+    if (!bucket) continue;
+    bucket.pairs++;
+    if (removed) bucket.removed++;
+  }
+  assert.ok(high.pairs >= 150 && low.pairs >= 300, `pairs: ${high.pairs} high, ${low.pairs} low`);
+  assert.ok(high.removed / high.pairs >= 0.95, `removed at 0.85-0.9: ${high.removed}/${high.pairs}`);
+  assert.equal(low.removed, 0, `removed below 0.7: ${low.removed}/${low.pairs}`);
+});
+
+Deno.test("LshIndex grows its typed-array tables: 300,000 distinct signatures kept, copies found after growth", () => {
+  const rand = rng(5);
+  const index = new LshIndex(128, 0.8);
+  const n = 300_000, s = new Uint32Array(128);
+  const keepEvery = 1000, kept: Uint32Array[] = [];
+  for (let d = 0; d < n; d++) {
+    for (let i = 0; i < 128; i++) s[i] = (rand() * 2 ** 32) >>> 0;
+    if (d % keepEvery === 0) kept.push(s.slice());
+    assert.equal(index.addUnlessDuplicate(s), false);
+  }
+  assert.equal(index.size, n);
+  // Each early signature, with 10 of 128 entries changed (Jaccard about 0.92), is found again.
+  for (const k of kept) {
+    const copy = k.slice();
+    for (let c = 0; c < 10; c++) copy[Math.floor(rand() * 128)] ^= 0x5a5a5a5a;
+    assert.equal(index.addUnlessDuplicate(copy), true);
+  }
+  const per = index.memoryBytes / n, { signature, tablesMax } = index.bytesPerDocument;
+  assert.ok(per <= signature + tablesMax + 8, `${per} bytes per document`);
+  // addPacked rebuilds an index from fingerprints: the rebuilt one finds the same copies.
+  const rebuilt = new LshIndex(128, 0.8), packed = new Uint32Array(16);
+  for (const k of kept) {
+    packSignature(k, 128, packed);
+    rebuilt.addPacked(packed);
+  }
+  assert.equal(rebuilt.size, kept.length);
+  for (const k of kept) assert.equal(rebuilt.addUnlessDuplicate(k), true);
 });
