@@ -9,6 +9,13 @@
  * with the reason (line numbers included) through `onIssue`. Lines are read in bounded chunks, so
  * an enormous line costs at most the cap in memory; nesting depth is measured by a linear scan
  * before `JSON.parse`, so a file of deeply nested arrays is refused in time linear in its size.
+ *
+ * The time bound counts only the time spent decoding and parsing a file's own lines, never the
+ * time the consumer takes between documents (tokenizing, waiting for workers) or I/O, so a
+ * legitimate large file is never cut because the rest of the pipeline is slow. A file that is cut
+ * (the rest of it dropped) is marked with `cut` in its issue, so the caller can refuse to call
+ * the result whole. The stream reports where it stands ({@link ReadPosition}) and can start again
+ * from such a position, which is how an interrupted preparation resumes without re-reading.
  */
 import { basename, extname, join, relative } from "node:path";
 import { decodeUtf8, looksBinary } from "./text.ts";
@@ -51,6 +58,29 @@ export interface FileIssue {
   file: string;
   /** What was wrong, e.g. `binary (NUL bytes)` or `malformed JSON on lines 3, 7`. */
   reason: string;
+  /** Set when the rest of the file was dropped: the line (or array item, from 0) it stopped at. */
+  cut?: { line: number } | { item: number };
+}
+
+/**
+ * Where a document stream stands, just after the last document it produced: the file (relative
+ * to the folder read, or its name) and, in it, the byte offset and number of the next line (loose
+ * JSON) or the items read (a JSON array). `file` is "" before the first document.
+ */
+export interface ReadPosition {
+  /** The file of the last document produced. */
+  file: string;
+  /** Byte offset of the next line, in a loose-JSON file. */
+  offset: number;
+  /** Lines read so far, in a loose-JSON file. */
+  line: number;
+  /** Items read so far, in a JSON array file. */
+  item: number;
+}
+
+/** A position before any document. */
+export function startPosition(): ReadPosition {
+  return { file: "", offset: 0, line: 0, item: 0 };
 }
 
 /** A fresh zeroed {@link MergeCounts}. */
@@ -77,8 +107,12 @@ export interface MergeOptions {
   onBytes?: (bytes: number) => void;
   /** Deepest JSON nesting accepted in a line or file (default {@link DEFAULT_MAX_JSON_DEPTH}). */
   maxJsonDepth?: number;
-  /** Time one file may take, in ms, before the rest of it is skipped (default 60000). */
+  /** Time one file may spend being decoded and parsed, in ms, before the rest of it is dropped (default 60000). */
   maxFileMs?: number;
+  /** Updated in place as documents are produced (see {@link ReadPosition}). */
+  position?: ReadPosition;
+  /** Start just after this position (from `position` of an earlier, interrupted read). */
+  resumeFrom?: ReadPosition;
   /** Called once per skipped or partly bad file, with the reason. */
   onIssue?: (issue: FileIssue) => void;
 }
@@ -135,21 +169,25 @@ export const JSON_EXTENSIONS: ReadonlySet<string> = new Set([".jsonl", ".json", 
 
 /**
  * Stream the lines of a file as bytes, in bounded memory: lines over `maxBytes` are skipped and
- * reported through `onOversized`.
+ * reported through `onOversized`. With `at`, reading starts at byte `at.offset` and `at.offset`
+ * is set, before each line is produced, to the offset just past it.
  */
 export async function* readLineBytes(
   path: string,
   maxBytes: number,
   onOversized: () => void,
   onBytes?: (n: number) => void,
+  at?: { offset: number },
 ): AsyncGenerator<Uint8Array> {
   using file = await Deno.open(path, { read: true });
   const buf = new Uint8Array(1 << 20);
   let parts: Uint8Array[] = [];
-  let partLen = 0, skipping = false, total = 0;
+  let partLen = 0, skipping = false, total = at?.offset ?? 0;
+  if (total > 0) await file.seek(total, Deno.SeekMode.Start);
   while (true) {
     const n = await file.read(buf);
     if (n === null) break;
+    const chunkBase = total;
     total += n;
     onBytes?.(total);
     const chunk = buf.subarray(0, n);
@@ -164,6 +202,7 @@ export async function* readLineBytes(
           partLen = 0;
           onOversized();
         } else if (nl >= 0 && partLen === 0) {
+          if (at) at.offset = chunkBase + nl + 1;
           yield chunk.slice(start, end);
         } else {
           parts.push(chunk.slice(start, end));
@@ -172,6 +211,7 @@ export async function* readLineBytes(
       }
       if (nl < 0) break;
       if (!skipping && parts.length > 0) {
+        if (at) at.offset = chunkBase + nl + 1;
         yield concat(parts, partLen);
         parts = [];
         partLen = 0;
@@ -180,7 +220,10 @@ export async function* readLineBytes(
       start = nl + 1;
     }
   }
-  if (!skipping && partLen > 0) yield concat(parts, partLen);
+  if (!skipping && partLen > 0) {
+    if (at) at.offset = total;
+    yield concat(parts, partLen);
+  }
 }
 
 /** Concatenate byte chunks. */
@@ -219,21 +262,27 @@ function docFromValue(v: unknown): SourceDocument | undefined {
   return undefined;
 }
 
-/** What reading one file needs: counts, bounds and where issues go. */
+/** What reading one file needs: counts, bounds, where issues go and where the stream stands. */
 interface FileContext {
   counts: MergeCounts;
   max: number;
   maxDepth: number;
   maxMs: number;
-  issue: (reason: string) => void;
+  issue: (reason: string, cut?: FileIssue["cut"]) => void;
   onBytes?: (n: number) => void;
+  /** The stream's position, updated before each document (file already set). */
+  pos: ReadPosition;
+  /** Resuming inside this file: start after this position. */
+  from?: ReadPosition;
 }
 
 /** Read a loose-JSON file (or a JSON array file) into documents. */
 async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
-  const { counts } = f;
-  const started = performance.now();
-  const late = () => performance.now() - started >= f.maxMs;
+  const { counts, pos } = f;
+  // Only decoding and parsing count towards the time bound: the clock runs in the synchronous
+  // work on each line, and stops while the consumer holds a document or a read is awaited.
+  let busy = 0;
+  const late = () => busy >= f.maxMs;
   const head = new Uint8Array(64);
   let first = "";
   {
@@ -250,8 +299,9 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     }
     const bytes = await Deno.readFile(path);
     f.onBytes?.(bytes.length);
+    const t0 = performance.now();
     const { text, invalid } = decodeUtf8(bytes);
-    if (invalid) counts.invalid_utf8++;
+    if (invalid && !f.from) counts.invalid_utf8++;
     if (jsonTooDeep(text, f.maxDepth)) {
       counts.too_deep++;
       return f.issue(`too deep: JSON nested more than ${f.maxDepth} levels`);
@@ -263,20 +313,25 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
       counts.malformed_json++;
       return f.issue(`malformed JSON: ${(e as Error).message}`);
     }
+    busy += performance.now() - t0;
     if (!Array.isArray(arr)) {
       counts.malformed_json++;
       return f.issue("malformed JSON: not an array of documents");
     }
     const bad: number[] = [];
     let badTotal = 0;
-    for (let i = 0; i < arr.length; i++) {
+    for (let i = f.from?.item ?? 0; i < arr.length; i++) {
       if (late()) {
         counts.timed_out++;
-        return f.issue(`timed out: longer than ${f.maxMs} ms, stopped at item ${i}`);
+        return f.issue(`timed out: parsing took longer than ${f.maxMs} ms, stopped at item ${i}`, {
+          item: i,
+        });
       }
       const doc = docFromValue(arr[i]);
-      if (doc) yield doc;
-      else {
+      if (doc) {
+        pos.item = i + 1;
+        yield doc;
+      } else {
         counts.malformed_json++;
         if (badTotal++ < 10) bad.push(i);
       }
@@ -290,23 +345,28 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     if (reasons.length) f.issue(reasons.join("; "));
     return;
   }
-  let sawLine = false, line = 0;
+  let sawLine = !!f.from, line = f.from?.line ?? 0;
   const problems = new LineProblems();
   const oversized = () => {
     counts.oversized++;
     problems.add(`over the ${f.max}-byte cap`, ++line);
   };
-  for await (const bytes of readLineBytes(path, f.max, oversized, f.onBytes)) {
+  const at = { offset: f.from?.offset ?? 0 };
+  for await (const bytes of readLineBytes(path, f.max, oversized, f.onBytes, at)) {
     line++;
     if (late()) {
       counts.timed_out++;
       const rest = problems.reason();
       return f.issue(
-        `timed out: longer than ${f.maxMs} ms, stopped at line ${line}${rest ? `; ${rest}` : ""}`,
+        `timed out: parsing took longer than ${f.maxMs} ms, stopped at line ${line}${
+          rest ? `; ${rest}` : ""
+        }`,
+        { line },
       );
     }
     if (bytes.length === 0 || (bytes.length === 1 && bytes[0] === 13)) continue;
     sawLine = true;
+    const t0 = performance.now();
     const { text, invalid } = decodeUtf8(bytes);
     if (!text.trim()) continue;
     if (jsonTooDeep(text, f.maxDepth)) {
@@ -315,6 +375,7 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
       continue;
     }
     const doc = parseJsonLine(text);
+    busy += performance.now() - t0;
     if (!doc) {
       counts.malformed_json++;
       problems.add("malformed JSON", line);
@@ -324,6 +385,8 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
       counts.invalid_utf8++;
       problems.add("invalid UTF-8", line);
     }
+    pos.offset = at.offset;
+    pos.line = line;
     yield doc;
   }
   if (!sawLine) counts.empty_files++;
@@ -337,10 +400,11 @@ async function* readFile(path: string, f: FileContext): AsyncGenerator<SourceDoc
   const { counts } = f;
   const ext = extname(path).toLowerCase();
   if (JSON_EXTENSIONS.has(ext)) {
-    counts.files++;
+    if (!f.from) counts.files++;
     yield* readJsonFile(path, f);
     return;
   }
+  if (f.from) return; // a one-document file whose document was read before the interruption
   if (!TEXT_EXTENSIONS.has(ext)) {
     counts.skipped_files++;
     return f.issue(ext ? `unsupported extension "${ext}"` : "unsupported file: no extension");
@@ -375,7 +439,9 @@ async function* readFile(path: string, f: FileContext): AsyncGenerator<SourceDoc
 
 /**
  * Stream documents from a file or a folder tree (sorted, hidden entries and symlinks skipped).
- * Counts are updated in place as the stream advances.
+ * Counts are updated in place as the stream advances, and so is `options.position`; with
+ * `options.resumeFrom` (a position saved earlier, counts restored by the caller) files before its
+ * file are skipped unread and that file is read on from just after it.
  */
 export async function* readDocuments(
   path: string,
@@ -387,16 +453,35 @@ export async function* readDocuments(
   const onBytes = options.onBytes ? (n: number) => options.onBytes!(base + n) : undefined;
   const top = await Deno.lstat(path);
   const nameOf = (p: string) => top.isDirectory ? relative(path, p) : basename(p);
-  const context = (p: string): FileContext => ({
+  const pos = options.position ?? startPosition();
+  let skipTo = options.resumeFrom?.file || undefined;
+  const context = (p: string, from?: ReadPosition): FileContext => ({
     counts,
     max,
     maxDepth: options.maxJsonDepth ?? DEFAULT_MAX_JSON_DEPTH,
     maxMs: options.maxFileMs ?? 60_000,
-    issue: (reason) => options.onIssue?.({ file: nameOf(p), reason }),
+    issue: (reason, cut) => options.onIssue?.({ file: nameOf(p), reason, ...(cut ? { cut } : {}) }),
     onBytes,
+    pos,
+    ...(from ? { from } : {}),
   });
   const walk = async function* (p: string): AsyncGenerator<SourceDocument> {
     const info = await Deno.lstat(p);
+    if (skipTo !== undefined && !info.isDirectory) {
+      // Resuming: files before the saved position were read (and counted) already.
+      if (nameOf(p) !== skipTo) {
+        base += info.isFile ? info.size : 0;
+        return;
+      }
+      skipTo = undefined;
+      Object.assign(pos, options.resumeFrom!);
+      for await (const doc of readFile(p, context(p, options.resumeFrom!))) {
+        counts.documents++;
+        yield doc;
+      }
+      base += info.size;
+      return;
+    }
     if (info.isSymlink) {
       counts.skipped_files++;
       context(p).issue("symlink (not followed)");
@@ -414,6 +499,7 @@ export async function* readDocuments(
       context(p).issue("not a regular file");
       return;
     }
+    Object.assign(pos, { file: nameOf(p), offset: 0, line: 0, item: 0 });
     for await (const doc of readFile(p, context(p))) {
       counts.documents++;
       yield doc;
@@ -421,6 +507,9 @@ export async function* readDocuments(
     base += info.size;
   };
   yield* walk(path);
+  if (skipTo !== undefined) {
+    throw new Error(`Cannot resume reading "${path}": file "${skipTo}" is no longer there`);
+  }
 }
 
 /**

@@ -2,10 +2,12 @@
  * The end-to-end preparation: source → (URLs → download) → merge → clean → min-token filter →
  * MinHash/LSH dedup → GPT-2 tokens → train/valid/test split → `<root>/datasets/<id>/`.
  *
- * Streaming throughout: documents flow in batches through a worker pool (clean, tokenize and
- * signature per core) while the main thread keeps only the LSH index and document offsets; tokens
- * go straight to disk. Everything is written in a temporary folder that is renamed into place at
- * the end, so nothing already prepared is lost or corrupted by a failure half-way.
+ * Streaming throughout, in bounded memory: documents flow in batches through a worker pool
+ * (clean, tokenize and signature per core) while the main thread keeps only the LSH index (typed
+ * arrays, a fixed number of bytes per kept document; see minhash.ts); tokens, token counts and
+ * fingerprints of kept documents go straight to disk. Everything is written in a work folder that
+ * is committed shard by shard (so a killed preparation resumes where it stopped) and renamed into
+ * place at the end, so nothing already prepared is lost or corrupted by a failure half-way.
  */
 import { createHash } from "node:crypto";
 import { join, relative } from "node:path";
@@ -16,7 +18,9 @@ import {
   type FileIssue,
   type MergeCounts,
   readDocuments,
+  type ReadPosition,
   type SourceDocument,
+  startPosition,
 } from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
 import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
@@ -75,6 +79,18 @@ export interface PrepareOptions {
   allow_any_path?: boolean;
   /** The folder `path` / `url_list` sources must lie in, and are recorded relative to (default: the root). */
   sources_root?: string;
+  /**
+   * Time one source file may spend being decoded and parsed, in ms (default 60000; waiting for the
+   * tokenizer does not count). A file over it is cut: the preparation fails unless `allow_partial`.
+   */
+  max_file_ms?: number;
+  /**
+   * Publish a dataset even when a source file was cut (the documents read before the cut), marked
+   * `partial: true` with the `cut` files in its manifest (default false: the preparation fails).
+   */
+  allow_partial?: boolean;
+  /** Source characters per committed shard, the unit a resumed preparation restarts from (default 64 Mi). */
+  shard_chars?: number;
 }
 
 /** Progress of a preparation. */
@@ -93,6 +109,14 @@ export interface Progress {
   documents: number;
   /** Tokens kept so far. */
   tokens: number;
+  /** Source bytes (characters for in-memory sources) per second in this run, in the tokenize stage. */
+  rate?: number;
+  /** Seconds left in the tokenize stage at that rate. */
+  eta_s?: number;
+  /** Shards committed: a preparation interrupted now would resume after the last one. */
+  shards?: number;
+  /** Source bytes done by an earlier, interrupted run that this one resumed from. */
+  resumed_bytes?: number;
 }
 
 /** Stage counts recorded in the manifest's `stats`. */
@@ -109,11 +133,20 @@ interface Stats {
   characters: number;
   /** Worker milliseconds spent cleaning, tokenizing and computing signatures (summed over workers). */
   worker_ms: { clean: number; tokenize: number; signatures: number };
-  lsh?: { bands: number; rows: number; num_perm: number; shingle_size: number };
+  lsh?: {
+    bands: number;
+    rows: number;
+    num_perm: number;
+    shingle_size: number;
+    /** Bytes of the index per kept document: fingerprints, and band tables at their lowest and highest load. */
+    bytes_per_document: { signature: number; tablesMin: number; tablesMax: number };
+  };
 }
 
 /** Characters per batch sent to a worker. */
 const BATCH_CHARS = 1 << 19;
+/** Source characters per committed shard (the unit of resumption). */
+const SHARD_CHARS = 1 << 26;
 /** Bytes buffered before a write to disk. */
 const WRITE_BUFFER = 1 << 22;
 
@@ -144,6 +177,10 @@ function resolveOptions(o: PrepareOptions, defaultSplit: readonly number[] = DEF
   if (!Number.isInteger(shingle_size) || shingle_size < 1 || shingle_size > 32) {
     throw new RangeError(`shingle_size must be an integer in [1, 32], got ${shingle_size}`);
   }
+  const max_file_ms = o.max_file_ms;
+  if (max_file_ms !== undefined && !(Number.isFinite(max_file_ms) && max_file_ms >= 0)) {
+    throw new RangeError(`max_file_ms must be a non-negative number, got ${max_file_ms}`);
+  }
   const max_documents = o.max_documents;
   if (max_documents !== undefined && (!Number.isInteger(max_documents) || max_documents < 1)) {
     throw new RangeError(`max_documents must be a positive integer, got ${max_documents}`);
@@ -157,6 +194,9 @@ function resolveOptions(o: PrepareOptions, defaultSplit: readonly number[] = DEF
     split: parseSplitWeights(o.split ?? defaultSplit),
     seq_len,
     ...(max_documents !== undefined ? { max_documents } : {}),
+    // Only when set, so that default ids and cache keys stay as they were.
+    ...(max_file_ms !== undefined ? { max_file_ms } : {}),
+    ...(o.allow_partial ? { allow_partial: true } : {}),
   };
 }
 
@@ -315,11 +355,82 @@ export async function planDataset(
   return { id, kind, describe, ...(resolvedPath ? { resolvedPath } : {}), sourceKey, opts };
 }
 
+/** What a work folder's journal records at each committed shard: enough to resume from there. */
+interface Journal {
+  format: typeof WORK_FORMAT;
+  source_key: string;
+  /** "tokenize" while reading; "split" once valid.bin and test.bin are written. */
+  stage: "tokenize" | "split";
+  /** The source was read to its end (or to max_documents) and everything read is committed. */
+  read_done: boolean;
+  /** URL sources: the download finished (out/downloads.jsonl is complete). */
+  downloaded: boolean;
+  /** Committed shards. */
+  shards: number;
+  /** Reader state just after the last committed document. */
+  position: ReadPosition;
+  documents_read: number;
+  chars_read: number;
+  bytes_done: number;
+  /** Kept documents and their tokens: the committed lengths of all.bin, lengths.u32 and kept.sig. */
+  documents: number;
+  tokens: number;
+  stats: Stats;
+  cut: FileIssue[];
+}
+
+/** Format of a work folder (a different one is discarded, not resumed). */
+const WORK_FORMAT = "gpt2-webgpu-work/1";
+
+/** Where the reader stood when a batch was submitted: what a commit after that batch records. */
+interface ReaderSnapshot {
+  position: ReadPosition;
+  documents_read: number;
+  chars_read: number;
+  bytes_done: number;
+  merge: MergeCounts;
+  file_issues: FileIssue[] | undefined;
+  cut: FileIssue[];
+}
+
+/** The work folder of a preparation: stable for one id and source key, so a rerun finds it. */
+export function workDir(root: string, id: string, sourceKey: string): string {
+  return join(datasetsDir(root), `.work-${id}-${sourceKey}`);
+}
+
+/** Whether an error means the disk is full (the work is kept, to resume once there is room). */
+function diskFull(e: unknown): boolean {
+  return (e as { code?: string })?.code === "ENOSPC" || /os error 28\b/.test(String((e as Error)?.message));
+}
+
+/** Write `data` to `path` through a temporary file and a rename, so a kill leaves old or new. */
+async function writeAtomic(path: string, data: string): Promise<void> {
+  await Deno.writeTextFile(`${path}.part`, data);
+  await Deno.rename(`${path}.part`, path);
+}
+
+/** Open `path` for appending after truncating it to `bytes` (what the journal committed). */
+async function openAt(path: string, bytes: number): Promise<Deno.FsFile> {
+  const f = await Deno.open(path, { read: true, write: true, create: true });
+  await f.truncate(bytes);
+  await f.seek(bytes, Deno.SeekMode.Start);
+  return f;
+}
+
 /**
  * Prepare a dataset from `source` under `<root>/datasets/<id>/` and return its manifest. A dataset
  * with the same id, source and options is reused as it is (unless `force`); `{builtin: "sotu"}`
  * with default options has the id "sotu". Throws with a clear message when nothing is left to
- * train on or a split is too small for one sequence.
+ * train on, a split is too small for one sequence, or a source file was cut (unless
+ * `allow_partial`).
+ *
+ * Work happens in `<root>/datasets/.work-<id>-<key>/` in stages: tokens, token counts and dedup
+ * fingerprints of kept documents are appended to files, and every `shard_chars` characters of
+ * source a journal records their committed lengths with the reader's position and the counts. A
+ * preparation killed at any point (crash, SIGKILL, out of memory, full disk) and started again
+ * with the same source and options resumes from its last committed shard, rebuilding the dedup
+ * index from the fingerprints, and publishes the same bytes as an uninterrupted run. A failure for
+ * any other cause removes the work folder. A file lock keeps two preparations off one folder.
  */
 export async function prepareDataset(
   root: string,
@@ -333,105 +444,114 @@ export async function prepareDataset(
     const existing = await getDataset(root, id).catch(() => undefined);
     if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;
   }
+  const shardChars = options.shard_chars ?? SHARD_CHARS;
+  if (!(Number.isInteger(shardChars) && shardChars > 0)) {
+    throw new RangeError(`shard_chars must be a positive integer, got ${shardChars}`);
+  }
 
   const progress: Progress = { id, stage: "tokenize", done: 0, documents_read: 0, documents: 0, tokens: 0 };
   const report = () => onProgress?.({ ...progress });
-  await Deno.mkdir(datasetsDir(root), { recursive: true });
-  const tmp = await Deno.makeTempDir({ dir: datasetsDir(root), prefix: `.tmp-${id}-` });
-  const stats: Stats = {
-    merge: emptyMergeCounts(),
-    documents_read: 0,
-    empty_after_cleaning: 0,
-    under_min_tokens: 0,
-    near_duplicates: 0,
-    characters: 0,
-    worker_ms: { clean: 0, tokenize: 0, signatures: 0 },
-  };
+  const work = workDir(root, id, sourceKey), out = join(work, "out");
+  await Deno.mkdir(out, { recursive: true });
+  using lock = await Deno.open(join(work, "lock"), { write: true, create: true });
+  if (!(await lock.tryLock(true))) {
+    throw new Error(`Cannot prepare dataset "${id}": another preparation of it is running in "${work}"`);
+  }
   let pool: ReturnType<typeof createTokenizePool> | undefined;
   try {
-    // Stages 1-3: turn the source into a document stream.
-    let docs: AsyncIterable<SourceDocument> | Iterable<SourceDocument>;
+    const journalPath = join(work, "journal.json");
+    let journal = await Deno.readTextFile(journalPath).then((t) => JSON.parse(t) as Journal).catch(() =>
+      undefined
+    );
+    if (journal && (journal.format !== WORK_FORMAT || journal.source_key !== sourceKey)) journal = undefined;
+    const resumed = journal !== undefined && (journal.shards > 0 || journal.downloaded);
+    const stats: Stats = journal?.stats ?? {
+      merge: emptyMergeCounts(),
+      documents_read: 0,
+      empty_after_cleaning: 0,
+      under_min_tokens: 0,
+      near_duplicates: 0,
+      characters: 0,
+      worker_ms: { clean: 0, tokenize: 0, signatures: 0 },
+    };
+    const cuts: FileIssue[] = journal?.cut ?? [];
+    const state: Journal = journal ?? {
+      format: WORK_FORMAT,
+      source_key: sourceKey,
+      stage: "tokenize",
+      read_done: false,
+      downloaded: false,
+      shards: 0,
+      position: startPosition(),
+      documents_read: 0,
+      chars_read: 0,
+      bytes_done: 0,
+      documents: 0,
+      tokens: 0,
+      stats,
+      cut: cuts,
+    };
+    const commit = () => writeAtomic(journalPath, JSON.stringify(state));
+
+    // Stages 1-3: turn the source into a document stream (resuming after the committed position).
+    let docs: AsyncIterable<SourceDocument> | Iterable<SourceDocument> = [];
     let totalBytes: number | undefined;
+    const position = startPosition();
+    const onIssue = (issue: FileIssue) => {
+      if (issue.cut) {
+        const at = "line" in issue.cut ? `line ${issue.cut.line}` : `item ${issue.cut.item}`;
+        if (!opts.allow_partial) {
+          throw new Error(
+            `Cannot prepare dataset "${id}": source file "${issue.file}" was cut at ${at} (${issue.reason}); ` +
+              `nothing was published. Set allow_partial to publish the documents read as a partial dataset`,
+          );
+        }
+        cuts.push(issue);
+      }
+      console.warn(`Dataset "${id}": file "${issue.file}": ${issue.reason}`);
+      const issues = stats.file_issues ??= [];
+      if (issues.length < 100) issues.push(issue);
+    };
+    const readOptions = {
+      maxDocumentBytes: options.max_document_bytes,
+      maxFileMs: opts.max_file_ms,
+      onBytes: (n: number) => (progress.done = n),
+      onIssue,
+      position,
+      ...(state.shards > 0 ? { resumeFrom: state.position } : {}),
+    };
     if (kind === "builtin") {
       const list = await builtinDocuments((source as { builtin: BuiltinName }).builtin);
-      docs = list;
+      docs = list.slice(state.documents_read);
       totalBytes = list.reduce((s, d) => s + d.text.length, 0);
     } else if (kind === "texts") {
       const list = (source as { texts: string[] }).texts;
-      docs = list.map((text) => ({ text }));
+      docs = list.slice(state.documents_read).map((text) => ({ text }));
       totalBytes = list.reduce((s, t) => s + t.length, 0);
     } else if (kind === "path") {
       totalBytes = await treeSize(resolvedPath!);
-      const issues: FileIssue[] = stats.file_issues = [];
-      docs = readDocuments(resolvedPath!, stats.merge, {
-        maxDocumentBytes: options.max_document_bytes,
-        onBytes: (n) => (progress.done = n),
-        onIssue: (issue) => {
-          console.warn(`Dataset "${id}": file "${issue.file}": ${issue.reason}`);
-          if (issues.length < 100) issues.push(issue);
-        },
-      });
+      if (!state.read_done) docs = readDocuments(resolvedPath!, stats.merge, readOptions);
     } else {
-      let lines: string[];
-      if (kind === "urls") lines = (source as { urls: string[] }).urls;
-      else {
-        try {
-          lines = (await Deno.readTextFile(resolvedPath!)).split(/\r?\n/);
-        } catch (e) {
-          throw new Error(
-            `Cannot read "${(source as { url_list: string }).url_list}": ${(e as Error).message}`,
-          );
-        }
+      const outPath = join(out, "downloads.jsonl");
+      if (!state.downloaded) {
+        await download(source, kind, resolvedPath, options, outPath, stats, progress, report);
       }
-      progress.stage = "urls";
-      report();
-      const { urls, counts } = filterUrls(lines, { blacklist: options.blacklist });
-      stats.urls = counts;
-      progress.stage = "download";
-      progress.total = urls.length;
-      report();
-      const outPath = join(tmp, "downloads.jsonl");
-      const failures: DownloadFailure[] = [];
-      {
-        using out = await Deno.open(outPath, { write: true, create: true, truncate: true });
-        const writer = new Writer(out);
-        const enc = new TextEncoder();
-        const res = await downloadUrls(
-          urls,
-          options.download ?? {},
-          (doc) => writer.write(enc.encode(JSON.stringify(doc) + "\n")),
-          (p) => {
-            progress.done = p.done;
-            report();
-          },
-        );
-        await writer.flush();
-        failures.push(...res.failures);
-        stats.download = res.counts;
-      }
-      if (failures.length > 0) {
-        await Deno.writeTextFile(
-          join(tmp, "failures.jsonl"),
-          failures.map((f) => JSON.stringify(f)).join("\n") + "\n",
-        );
-        stats.download!.failures_file = "failures.jsonl";
-      }
-      if (stats.download!.ok === 0) {
-        throw new Error(
-          `No documents downloaded: all ${urls.length} URLs failed (first: "${failures[0]?.url}": ${
-            failures[0]?.error
-          })`,
-        );
-      }
+      state.downloaded = true;
+      await commit();
       totalBytes = (await Deno.stat(outPath)).size;
-      docs = readDocuments(outPath, stats.merge, {});
+      if (!state.read_done) docs = readDocuments(outPath, stats.merge, { ...readOptions, onIssue });
     }
     progress.stage = "tokenize";
-    progress.done = 0;
+    progress.done = state.bytes_done;
     progress.total = totalBytes;
+    progress.documents_read = state.documents_read;
+    progress.documents = state.documents;
+    progress.tokens = state.tokens;
+    progress.shards = state.shards;
+    if (resumed) progress.resumed_bytes = state.bytes_done;
     report();
 
-    // Stages 4-6: clean, filter, dedup, tokenize (workers) and write tokens (here).
+    // Stages 4-6: clean, filter, dedup, tokenize (workers) and append tokens (here), in shards.
     const minhash: MinHashParams | null = opts.dedup
       ? { numPerm: opts.num_perm, shingleSize: opts.shingle_size, seed: DEFAULT_MINHASH.seed }
       : null;
@@ -442,101 +562,181 @@ export async function prepareDataset(
         rows: lsh.rows,
         num_perm: opts.num_perm,
         shingle_size: opts.shingle_size,
+        bytes_per_document: lsh.bytesPerDocument,
       };
     }
-    const allPath = join(tmp, "all.bin");
-    using allFile = await Deno.open(allPath, { read: true, write: true, create: true, truncate: true });
-    const writer = new Writer(allFile);
-    let offsets = new Float64Array(1024);
-    let docCount = 0, tokenCount = 0;
-    const onResult = async (r: WorkerResult) => {
-      stats.under_min_tokens += r.short;
-      stats.worker_ms.clean += Math.round(r.ms[0]);
-      stats.worker_ms.tokenize += Math.round(r.ms[1]);
-      stats.worker_ms.signatures += Math.round(r.ms[2]);
-      stats.empty_after_cleaning += r.empty;
-      let tokOff = 0, sigIdx = 0;
-      const n = minhash?.numPerm ?? 0;
-      for (let i = 0; i < r.lengths.length; i++) {
-        const len = r.lengths[i];
-        if (len === 0) continue;
-        const toks = r.tokens.subarray(tokOff, tokOff + len);
-        tokOff += len;
-        const sig = lsh ? r.sigs.subarray(sigIdx * n, sigIdx * n + n) : undefined;
-        sigIdx++;
-        if (lsh && lsh.addUnlessDuplicate(sig!)) {
-          stats.near_duplicates++;
-          continue;
+    const words = lsh?.words ?? 0;
+    const allPath = join(out, "all.bin"), lengthsPath = join(work, "lengths.u32");
+    const sigPath = join(work, "kept.sig");
+    if (lsh && state.documents > 0) {
+      // Resuming: rebuild the index from the committed fingerprints, in document order.
+      using f = await Deno.open(sigPath, { read: true });
+      const chunk = new Uint32Array(words * 65536);
+      const bytes = new Uint8Array(chunk.buffer);
+      for (let done = 0; done < state.documents;) {
+        const n = Math.min(65536, state.documents - done);
+        for (let off = 0; off < n * words * 4;) {
+          const r = await f.read(bytes.subarray(off, n * words * 4));
+          if (r === null) throw new Error(`Cannot resume dataset "${id}": "${sigPath}" ended early`);
+          off += r;
         }
-        if (docCount + 1 >= offsets.length) {
-          const grown = new Float64Array(offsets.length * 2);
-          grown.set(offsets);
-          offsets = grown;
-        }
-        offsets[docCount++] = tokenCount;
-        tokenCount += len;
-        await writer.write(new Uint8Array(toks.buffer, toks.byteOffset, toks.byteLength));
-      }
-      stats.characters += r.chars;
-      progress.documents = docCount;
-      progress.tokens = tokenCount;
-      report();
-    };
-    pool = createTokenizePool({ minTokens: opts.min_tokens, minhash }, onResult, {
-      workers: options.workers,
-    });
-    let batch: string[] = [], batchChars = 0, read = 0, charsRead = 0;
-    for await (const doc of docs as AsyncIterable<SourceDocument>) {
-      if (opts.max_documents !== undefined && read >= opts.max_documents) break;
-      read++;
-      batch.push(doc.text);
-      batchChars += doc.text.length;
-      if (kind !== "path") progress.done = charsRead += doc.text.length;
-      progress.documents_read = read;
-      if (batchChars >= BATCH_CHARS) {
-        await pool.submit(batch);
-        batch = [];
-        batchChars = 0;
+        for (let i = 0; i < n; i++) lsh.addPacked(chunk, i * words);
+        done += n;
       }
     }
-    if (batch.length > 0) await pool.submit(batch);
-    await pool.drain();
-    pool.close();
-    pool = undefined;
-    await writer.flush();
-    stats.documents_read = read;
+    if (state.stage === "tokenize" && !state.read_done) {
+      using allFile = await openAt(allPath, state.tokens * 2);
+      using lengthsFile = await openAt(lengthsPath, state.documents * 4);
+      using sigFile = lsh ? await openAt(sigPath, state.documents * words * 4) : undefined;
+      const tokenWriter = new Writer(allFile), lengthWriter = new Writer(lengthsFile);
+      const sigWriter = sigFile ? new Writer(sigFile) : undefined;
+      let docCount = state.documents, tokenCount = state.tokens;
+      const lengthBuf = new Uint32Array(1);
+      const lengthBytes = new Uint8Array(lengthBuf.buffer);
+      const runStart = performance.now(), runFrom = state.bytes_done;
+      const pendingCommits: (ReaderSnapshot | null)[] = [];
+      const commitShard = async (snap: ReaderSnapshot) => {
+        await tokenWriter.flush();
+        await lengthWriter.flush();
+        await sigWriter?.flush();
+        Object.assign(state, {
+          shards: state.shards + 1,
+          position: snap.position,
+          documents_read: snap.documents_read,
+          chars_read: snap.chars_read,
+          bytes_done: snap.bytes_done,
+          documents: docCount,
+          tokens: tokenCount,
+          stats: { ...stats, merge: snap.merge, file_issues: snap.file_issues },
+          cut: snap.cut,
+        });
+        await commit();
+        progress.shards = state.shards;
+      };
+      const onResult = async (r: WorkerResult) => {
+        stats.under_min_tokens += r.short;
+        stats.worker_ms.clean += Math.round(r.ms[0]);
+        stats.worker_ms.tokenize += Math.round(r.ms[1]);
+        stats.worker_ms.signatures += Math.round(r.ms[2]);
+        stats.empty_after_cleaning += r.empty;
+        let tokOff = 0, sigIdx = 0;
+        const n = minhash?.numPerm ?? 0;
+        for (let i = 0; i < r.lengths.length; i++) {
+          const len = r.lengths[i];
+          if (len === 0) continue;
+          const toks = r.tokens.subarray(tokOff, tokOff + len);
+          tokOff += len;
+          const sig = lsh ? r.sigs.subarray(sigIdx * n, sigIdx * n + n) : undefined;
+          sigIdx++;
+          if (lsh && lsh.addUnlessDuplicate(sig!)) {
+            stats.near_duplicates++;
+            continue;
+          }
+          if (lsh) {
+            const p = lsh.lastPacked;
+            await sigWriter!.write(new Uint8Array(p.buffer, p.byteOffset, words * 4));
+          }
+          docCount++;
+          tokenCount += len;
+          lengthBuf[0] = len;
+          await lengthWriter.write(lengthBytes);
+          await tokenWriter.write(new Uint8Array(toks.buffer, toks.byteOffset, toks.byteLength));
+        }
+        stats.characters += r.chars;
+        progress.documents = docCount;
+        progress.tokens = tokenCount;
+        const snap = pendingCommits.shift();
+        if (snap) await commitShard(snap);
+        const seconds = (performance.now() - runStart) / 1000;
+        if (seconds > 0.5) {
+          progress.rate = Math.round((progress.done - runFrom) / seconds);
+          if (totalBytes !== undefined && progress.rate > 0) {
+            progress.eta_s = Math.round(Math.max(0, totalBytes - progress.done) / progress.rate);
+          }
+        }
+        report();
+      };
+      pool = createTokenizePool({ minTokens: opts.min_tokens, minhash }, onResult, {
+        workers: options.workers,
+      });
+      let batch: string[] = [], batchChars = 0, shardChars_ = 0;
+      let read = state.documents_read, charsRead = state.chars_read;
+      const issuesNow = () => stats.file_issues ? [...stats.file_issues] : undefined;
+      const snapshot = (): ReaderSnapshot => ({
+        position: { ...position },
+        documents_read: read,
+        chars_read: charsRead,
+        bytes_done: progress.done,
+        merge: { ...stats.merge },
+        file_issues: issuesNow(),
+        cut: [...cuts],
+      });
+      const submit = async (endsShard: boolean) => {
+        pendingCommits.push(endsShard ? snapshot() : null);
+        await pool!.submit(batch);
+        batch = [];
+        batchChars = 0;
+      };
+      for await (const doc of docs as AsyncIterable<SourceDocument>) {
+        if (opts.max_documents !== undefined && read >= opts.max_documents) break;
+        read++;
+        batch.push(doc.text);
+        batchChars += doc.text.length;
+        shardChars_ += doc.text.length;
+        if (kind === "texts" || kind === "builtin") progress.done = charsRead += doc.text.length;
+        progress.documents_read = read;
+        if (batchChars >= BATCH_CHARS || shardChars_ >= shardChars) {
+          const ends = shardChars_ >= shardChars;
+          if (ends) shardChars_ = 0;
+          await submit(ends);
+        }
+      }
+      if (batch.length > 0) await submit(true);
+      await pool.drain();
+      pool.close();
+      pool = undefined;
+      state.read_done = true;
+      await commitShard(snapshot());
+    }
+    stats.documents_read = state.documents_read;
+    const docCount = state.documents, tokenCount = state.tokens;
 
     if (docCount === 0) {
       const files = stats.file_issues ?? [];
       const listed = files.slice(0, 10).map((i) => `"${i.file}": ${i.reason}`).join("; ");
       throw new Error(
-        `No documents left to train on: ${read} read, ${stats.empty_after_cleaning} empty after cleaning, ` +
-          `${stats.under_min_tokens} under ${opts.min_tokens} tokens, ${stats.near_duplicates} near-duplicates` +
+        `No documents left to train on: ${stats.documents_read} read, ${stats.empty_after_cleaning} empty ` +
+          `after cleaning, ${stats.under_min_tokens} under ${opts.min_tokens} tokens, ` +
+          `${stats.near_duplicates} near-duplicates` +
           (files.length
             ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}`
             : ""),
       );
     }
 
-    // Stage 7: split (throws naming a split too small for one sequence).
+    // Stage 7: split (throws naming a split too small for one sequence). valid.bin and test.bin
+    // are copied from the end of all.bin, then all.bin is cut to the train part and renamed.
     progress.stage = "split";
     report();
     const sizes: SplitCounts = splitSizes(tokenCount, opts.split, opts.seq_len);
-    await copyRange(allFile, sizes.train, sizes.valid, join(tmp, "valid.bin"));
-    await copyRange(allFile, sizes.train + sizes.valid, sizes.test, join(tmp, "test.bin"));
-    await allFile.truncate(sizes.train * 2);
-    allFile.close();
-    await Deno.rename(allPath, join(tmp, "train.bin"));
-    const idx = new BigUint64Array(docCount + 1);
-    for (let i = 0; i < docCount; i++) idx[i] = BigInt(offsets[i]);
-    idx[docCount] = BigInt(tokenCount);
-    await Deno.writeFile(join(tmp, "documents.idx"), new Uint8Array(idx.buffer));
+    if (state.stage === "tokenize") {
+      using allFile = await Deno.open(allPath, { read: true });
+      await copyRange(allFile, sizes.train, sizes.valid, join(out, "valid.bin"));
+      await copyRange(allFile, sizes.train + sizes.valid, sizes.test, join(out, "test.bin"));
+      state.stage = "split";
+      await commit();
+    }
+    if (await Deno.stat(allPath).then(() => true, () => false)) {
+      await Deno.truncate(allPath, sizes.train * 2);
+      await Deno.rename(allPath, join(out, "train.bin"));
+    }
+    await writeDocumentIndex(lengthsPath, docCount, join(out, "documents.idx"));
 
     const all = createHash("sha256");
     const files: Record<string, { bytes: number; sha256: string }> = {};
-    for (const s of SPLITS) files[`${s}.bin`] = await hashFile(join(tmp, `${s}.bin`), all);
-    files["documents.idx"] = await hashFile(join(tmp, "documents.idx"), createHash("sha256"));
-    const info: DatasetInfo & { source_key: string } = {
+    for (const s of SPLITS) files[`${s}.bin`] = await hashFile(join(out, `${s}.bin`), all);
+    files["documents.idx"] = await hashFile(join(out, "documents.idx"), createHash("sha256"));
+    const info: DatasetInfo & { source_key: string; partial?: boolean; cut?: FileIssue[] } = {
       id,
       documents: docCount,
       tokens: tokenCount,
@@ -545,6 +745,7 @@ export async function prepareDataset(
       source: describe,
       tokenizer: { name: "gpt2 (r50k_base)", vocab_size: 50257, eot: 50256, dtype: "uint16" },
       options: { ...opts, split: opts.split.join(",") },
+      ...(cuts.length > 0 ? { partial: true, cut: cuts } : {}),
       stats: stats as unknown as Record<string, unknown>,
       files,
       checksum: all.digest("hex"),
@@ -552,11 +753,11 @@ export async function prepareDataset(
       seconds: Math.round((performance.now() - started) / 10) / 100,
       source_key: sourceKey,
     };
-    await Deno.writeTextFile(join(tmp, "manifest.json"), JSON.stringify(info, null, 2) + "\n");
+    await Deno.writeTextFile(join(out, "manifest.json"), JSON.stringify(info, null, 2) + "\n");
 
     // Publish atomically: rename the finished folder into place, moving any older one aside first.
     const final = datasetDir(root, id);
-    const old = `${tmp}.old`;
+    const old = `${work}.old`;
     let hadOld = false;
     try {
       await Deno.rename(final, old);
@@ -565,20 +766,109 @@ export async function prepareDataset(
       if (!(e instanceof Deno.errors.NotFound)) throw e;
     }
     try {
-      await Deno.rename(tmp, final);
+      await Deno.rename(out, final);
     } catch (e) {
       if (hadOld) await Deno.rename(old, final).catch(() => {});
       throw new Error(`Cannot publish dataset "${id}": ${(e as Error).message}`);
     }
     if (hadOld) await Deno.remove(old, { recursive: true }).catch(() => {});
+    await Deno.remove(work, { recursive: true }).catch(() => {});
     progress.stage = "done";
     report();
     return info;
   } catch (e) {
     pool?.close();
-    await Deno.remove(tmp, { recursive: true }).catch(() => {});
+    if (!diskFull(e)) await Deno.remove(work, { recursive: true }).catch(() => {});
     throw e;
   }
+}
+
+/** Stages 1-2 of URL sources: filter the URLs and download them into `outPath` (loose JSON). */
+async function download(
+  source: DatasetSource,
+  kind: "urls" | "url_list",
+  resolvedPath: string | undefined,
+  options: PrepareOptions,
+  outPath: string,
+  stats: Stats,
+  progress: Progress,
+  report: () => void,
+): Promise<void> {
+  let lines: string[];
+  if (kind === "urls") lines = (source as { urls: string[] }).urls;
+  else {
+    try {
+      lines = (await Deno.readTextFile(resolvedPath!)).split(/\r?\n/);
+    } catch (e) {
+      throw new Error(`Cannot read "${(source as { url_list: string }).url_list}": ${(e as Error).message}`);
+    }
+  }
+  progress.stage = "urls";
+  report();
+  const { urls, counts } = filterUrls(lines, { blacklist: options.blacklist });
+  stats.urls = counts;
+  progress.stage = "download";
+  progress.total = urls.length;
+  report();
+  const failures: DownloadFailure[] = [];
+  {
+    using out = await Deno.open(outPath, { write: true, create: true, truncate: true });
+    const writer = new Writer(out);
+    const enc = new TextEncoder();
+    const res = await downloadUrls(
+      urls,
+      options.download ?? {},
+      (doc) => writer.write(enc.encode(JSON.stringify(doc) + "\n")),
+      (p) => {
+        progress.done = p.done;
+        report();
+      },
+    );
+    await writer.flush();
+    failures.push(...res.failures);
+    stats.download = res.counts;
+  }
+  if (failures.length > 0) {
+    await Deno.writeTextFile(
+      join(outPath, "..", "failures.jsonl"),
+      failures.map((f) => JSON.stringify(f)).join("\n") + "\n",
+    );
+    stats.download!.failures_file = "failures.jsonl";
+  }
+  if (stats.download!.ok === 0) {
+    throw new Error(
+      `No documents downloaded: all ${urls.length} URLs failed (first: "${failures[0]?.url}": ${
+        failures[0]?.error
+      })`,
+    );
+  }
+}
+
+/** Write `documents.idx` (uint64 token offsets, one per document plus the end) from token counts. */
+async function writeDocumentIndex(lengthsPath: string, documents: number, outPath: string): Promise<void> {
+  using src = await Deno.open(lengthsPath, { read: true });
+  using dst = await Deno.open(outPath, { write: true, create: true, truncate: true });
+  const lengths = new Uint32Array(1 << 16), offsets = new BigUint64Array(1 << 16);
+  const lengthBytes = new Uint8Array(lengths.buffer);
+  let offset = 0;
+  const writeAll = async (b: Uint8Array) => {
+    for (let off = 0; off < b.length;) off += await dst.write(b.subarray(off));
+  };
+  for (let done = 0; done < documents;) {
+    const n = Math.min(lengths.length, documents - done);
+    for (let off = 0; off < n * 4;) {
+      const r = await src.read(lengthBytes.subarray(off, n * 4));
+      if (r === null) throw new Error(`Cannot write the document index: "${lengthsPath}" ended early`);
+      off += r;
+    }
+    for (let i = 0; i < n; i++) {
+      offsets[i] = BigInt(offset);
+      offset += lengths[i];
+    }
+    await writeAll(new Uint8Array(offsets.buffer, 0, n * 8));
+    done += n;
+  }
+  await writeAll(new Uint8Array(new BigUint64Array([BigInt(offset)]).buffer));
 }
 
 /** Files, bytes and newest modification time (ms) of the regular files under `path`. */
