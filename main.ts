@@ -22,7 +22,6 @@ import {
   JobRunner,
   JobStore,
   lockDataDir,
-  parseGpuRoles,
   readServerConfig,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
@@ -41,14 +40,7 @@ if (import.meta.main) {
     console.error((e as Error).message);
     Deno.exit(2);
   }
-  const { home } = config;
-  let roles;
-  try {
-    roles = parseGpuRoles(Deno.env.get("GPT2_GPU_ROLES"), config.gpus);
-  } catch (e) {
-    console.error((e as Error).message);
-    Deno.exit(2);
-  }
+  const { home, roles } = config;
   let store: JobStore, homeReal: string;
   try {
     for (const [dir, setting] of [[home, "GPT2_HOME"], [config.sources, "GPT2_SOURCES"]]) {
@@ -76,7 +68,7 @@ if (import.meta.main) {
   const host = new GpuHostClient({
     env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) },
     // The Deno that runs the GPU host; a path that does not work leaves the host "failed" in /health.
-    deno: Deno.env.get("GPT2_GPU_HOST_DENO") || undefined,
+    deno: config.hostDeno ?? undefined,
     denoFlags: hostPermissions([resolve(home), homeReal]),
   });
   const runner = new JobRunner(store, {

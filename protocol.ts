@@ -9,7 +9,6 @@
 
 import type { PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
 import type { ModelConfig } from "./model/config.ts";
-import type { CompileReport } from "./worker/compile_report.ts";
 
 /** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
 export const CANCEL_FLAG = 0;
@@ -190,3 +189,49 @@ export type FromHost =
   | { gpu: number; msg: FromWorker }
   /** The Worker thread of `gpu` died (uncaught error); the host starts a new one on the next `init`. */
   | { gpu: number; error: string };
+
+/** What the runner needs of a GPU's Worker (a local Worker thread, one inside the GPU host, or a test double). */
+export interface WorkerPort {
+  postMessage(msg: ToWorker): void;
+  onmessage: ((e: MessageEvent<FromWorker>) => void) | null;
+  onerror: ((e: ErrorEvent) => void) | null;
+  terminate(): void;
+}
+
+/** Creates the port that drives GPU `gpu`. */
+export type SpawnWorker = (gpu: number) => WorkerPort;
+
+/** What a Worker reports of one build's compilation (see `FromWorker` "compile"). */
+export interface CompileReport {
+  /** Pipelines compiled so far, of `total`. */
+  done: number;
+  total: number;
+  /** The kernel that first used the newest pipeline. */
+  label: string;
+  /** Compile time so far in ms (the pipelines' own times, summed). */
+  ms: number;
+  /** The adapter's name (e.g. "llvmpipe (LLVM 15.0.6, 256 bits)"). */
+  adapter: string;
+  /** No build of this kind completed on this adapter before (per the marker); null when unknown. */
+  first_run: boolean | null;
+  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE), so every run compiles in full. */
+  cache_disabled: boolean;
+}
+
+/**
+ * A log line for a compile report, after `who` when given: "job_x: compiling kernels 12/41 on
+ * llvmpipe (…), 8.3 s so far (first run on this adapter; cached afterwards)".
+ */
+export function compileLine(r: CompileReport, who?: string): string {
+  const cache = r.cache_disabled
+    ? "the driver's shader cache is disabled: MESA_SHADER_CACHE_DISABLE"
+    : r.first_run === true
+    ? "first run on this adapter; cached afterwards"
+    : r.first_run === false
+    ? "compiled before on this adapter: the driver's cache should make it quick"
+    : null;
+  const what = r.done >= r.total
+    ? `compiled ${r.total} kernel${r.total === 1 ? "" : "s"} on ${r.adapter} in ${(r.ms / 1000).toFixed(1)} s`
+    : `compiling kernels ${r.done}/${r.total} on ${r.adapter}, ${(r.ms / 1000).toFixed(1)} s so far`;
+  return `${who ? `${who}: ` : ""}${what}${cache ? ` (${cache})` : ""}`;
+}

@@ -29,19 +29,14 @@
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
  */
 
+import { spawnGpuWorker } from "../host/local_port.ts";
 import { presetConfig } from "../model/config.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { Generator, isCpuAdapter } from "../engine/generator.ts";
 import { initParams } from "../model/init.ts";
 import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
 import { writeSafetensors } from "../checkpoint/safetensors.ts";
-import {
-  GenerationManager,
-  JobRunner,
-  JobStore,
-  spawnGpuWorker,
-  type TrainRequest,
-} from "../server/jobs/mod.ts";
+import { GenerationManager, JobRunner, JobStore, type TrainRequest } from "../server/jobs/mod.ts";
 import { isBuiltinName } from "../data/mod.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { LIMIT_SETTINGS } from "../server/settings.ts";

@@ -7,7 +7,7 @@
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash]
  *
- * Memory: beside each run it prints the plan's estimate per category (model/estimate.ts, the same
+ * Memory: beside each run it prints the plan's estimate per category (model/memory_estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
  * (memory.used after the timed steps minus before the model was built) where nvidia-smi exists.
  * `--checkpoint N` recomputes activations in groups of N layers.
@@ -17,7 +17,7 @@
 
 import { presetConfig } from "../model/config.ts";
 import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
-import { type Estimate, estimateTraining } from "../model/estimate.ts";
+import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
 import { type OpTiming, Trainer } from "../engine/trainer.ts";
 

@@ -24,10 +24,11 @@ import {
   gpuMemoryUsedMiB,
   grownGpu,
   listNvidiaGpus,
-  parseSelectMode,
   type PciGpu,
   SELECT_VARS,
+  type SelectMode,
 } from "./gpu_select.ts";
+import { readHostSettings } from "./host_settings.ts";
 
 /** Bytes of the placement probe; its growth in nvidia-smi must stand out from other processes' noise. */
 const PROBE_BYTES = 1024 * 1024 * 1024;
@@ -48,11 +49,15 @@ class GpuHost {
   #ports = new Map<number, LocalGpuPort>();
   #closed = new Set<number>();
   #pci: PciGpu[] = [];
-  #mode = parseSelectMode(Deno.env.get("GPT2_GPU_SELECT"));
+  #mode: SelectMode;
   /** GPU index each Worker landed on (measured), by Worker. */
   #placed: (number | null)[] = [];
   /** Workers start strictly one after another: the pinning variables are process-wide. */
   #starting: Promise<void> = Promise.resolve();
+
+  constructor(mode: SelectMode) {
+    this.#mode = mode;
+  }
 
   async init(): Promise<void> {
     this.#pci = (await listNvidiaGpus()) ?? [];
@@ -179,7 +184,8 @@ class GpuHost {
 }
 
 if (import.meta.main) {
-  const host = new GpuHost();
+  const settings = readHostSettings(Deno.env);
+  const host = new GpuHost(settings.select);
   await host.init();
   let buffered = "";
   const decoder = new TextDecoder();
@@ -198,7 +204,7 @@ if (import.meta.main) {
     }
   }
   // stdin closed: the server is gone or done with us. Leave nothing running on the GPUs.
-  await host.shutdownAll(Number(Deno.env.get("GPT2_SHUTDOWN_S") ?? "30") * 1000);
+  await host.shutdownAll(settings.shutdownMs);
   // Exit with the Workers parked and their devices open: destroying them first is what crashes
   // NVIDIA's driver at exit (see worker/gpu_worker.ts).
   Deno.exit(0);

@@ -6,7 +6,12 @@
  */
 
 import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "./config.ts";
-import { DEFAULT_PLAN_LIMITS, type Estimate, estimateTraining, knownDeviceMemory } from "./estimate.ts";
+import {
+  DEFAULT_PLAN_LIMITS,
+  type Estimate,
+  estimateTraining,
+  knownDeviceMemory,
+} from "./memory_estimate.ts";
 import type { PlanLimits } from "./plan.ts";
 import { tensorParallelConfig } from "./shard.ts";
 import { InvalidJobError } from "./errors.ts";

@@ -1,7 +1,7 @@
 /**
  * The memory plan of a model on one GPU: every buffer the engine allocates, as {label, bytes,
  * dtype, category}. It is the single source of truth: `buildModel` allocates exactly this list
- * (by label, never computing a size itself), the estimator (model/estimate.ts) sums it, and the fit
+ * (by label, never computing a size itself), the estimator (model/memory_estimate.ts) sums it, and the fit
  * check at `POST /train` reads the estimate, so the three cannot drift apart.
  *
  * Pure: it needs the device's binding and buffer limits (for segments and LM head chunks), not a
@@ -9,11 +9,16 @@
  */
 
 import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
-import { planSegments, type SegmentRange } from "../engine/flat.ts";
+import { planSegments, type SegmentRange } from "./segments.ts";
 import { dropoutSite } from "./rng.ts";
-import { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES } from "../engine/kernels/adamw.ts";
 import { shardLayout, shardSpecs } from "./shard.ts";
-import { lnBiasPartialOffset, ROW_BLOCK } from "../engine/kernels/layernorm.ts";
+import {
+  CONTROL_BYTES,
+  lnBiasPartialOffset,
+  NORM_GROUPS,
+  OPT_UNIFORM_BYTES,
+  ROW_BLOCK,
+} from "./buffer_layout.ts";
 
 /** Element types of planned buffers. */
 export type DType = "f32" | "f16" | "u32";

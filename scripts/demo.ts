@@ -13,7 +13,7 @@
  */
 
 import { prepareDataset } from "../data/mod.ts";
-import { compileLine, type CompileReport } from "../worker/compile_report.ts";
+import { compileLine, type CompileReport } from "../protocol.ts";
 
 const home = Deno.env.get("GPT2_HOME") || "./.gpt2";
 const FLAGS = ["--keep", "--no-install"];

@@ -5,6 +5,7 @@
  * code cannot drift apart, and a refusal past a limit can name the setting that raises it.
  */
 
+import { type GpuRoles, parseGpuRoles } from "./gpus/roles.ts";
 import { join } from "node:path";
 import { makeConfig, paramLayout, presetConfig } from "../model/config.ts";
 import { parseRange } from "./addresses.ts";
@@ -100,6 +101,10 @@ export interface ServerConfig {
   limits: Limits;
   /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S, default 30). */
   shutdownSeconds: number;
+  /** What each GPU is for (GPT2_GPU_ROLES, default every GPU "any"). */
+  roles: GpuRoles;
+  /** The Deno that runs the GPU host (GPT2_GPU_HOST_DENO, default this one). */
+  hostDeno: string | null;
 }
 
 /** The names a loopback-bound server answers to. */
@@ -216,6 +221,8 @@ export function readServerConfig(
     allowPrivateUrls: allowPrivate === "1",
     trustedProxies,
     limits,
+    roles: parseGpuRoles(env.get("GPT2_GPU_ROLES"), gpus),
+    hostDeno: env.get("GPT2_GPU_HOST_DENO") || null,
   };
 }
 

@@ -4,9 +4,10 @@
  * its training losses, and the loss comparison the parallelism tests make.
  */
 
+import { spawnGpuWorker } from "../host/local_port.ts";
 import assert from "node:assert/strict";
 import { isBuiltinName, prepareDataset } from "../data/mod.ts";
-import { type Job, JobRunner, JobStore, spawnGpuWorker, type TrainRequest } from "../server/jobs/mod.ts";
+import { type Job, JobRunner, JobStore, type TrainRequest } from "../server/jobs/mod.ts";
 
 /** Runs `fn` with a started runner of `gpus` Workers over a fresh data directory, then tears both down. */
 export async function withWorkerRunner(

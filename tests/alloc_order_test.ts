@@ -6,7 +6,7 @@
 
 import assert from "node:assert/strict";
 import { presetConfig } from "../model/config.ts";
-import { DEFAULT_PLAN_LIMITS, estimateTraining } from "../model/estimate.ts";
+import { DEFAULT_PLAN_LIMITS, estimateTraining } from "../model/memory_estimate.ts";
 import {
   allocationOrder,
   ALLOCATOR_BLOCK_BYTES,

@@ -7,7 +7,8 @@
 
 import assert from "node:assert/strict";
 import type { JobEvent, TrainRequest } from "../server/jobs/mod.ts";
-import { type CompileReport, compileReporter, driverCacheDisabled } from "../worker/compile_report.ts";
+import type { CompileReport } from "../protocol.ts";
+import { compileReporter, driverCacheDisabled } from "../worker/compile_report.ts";
 import { noGpu } from "./_helpers.ts";
 import { withWorkerRunner } from "./_runner.ts";
 

@@ -20,7 +20,7 @@ import {
   knownDeviceMemory,
   megatronFlops,
   parametersPerGpu,
-} from "../model/estimate.ts";
+} from "../model/memory_estimate.ts";
 import {
   allocationOrder,
   allocatorWaste,

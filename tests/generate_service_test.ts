@@ -6,15 +6,12 @@
  * idle. Skipped without an adapter. The options' environment variables and their errors.
  */
 
+import { generationOptionsFromEnv } from "../worker/worker_settings.ts";
 import assert from "node:assert/strict";
 import { makeConfig } from "../model/config.ts";
 import { initParams } from "../model/init.ts";
 import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
-import {
-  generationOptionsFromEnv,
-  GenerationService,
-  type GenerationServiceOptions,
-} from "../worker/serving.ts";
+import { GenerationService, type GenerationServiceOptions } from "../worker/serving.ts";
 import type { FromWorker, WorkerGeneration } from "../protocol.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
 import { writeSafetensors } from "../checkpoint/safetensors.ts";

@@ -8,16 +8,10 @@
  * training job on the same GPU keeps running while generation is served. Skipped without an adapter.
  */
 
+import { spawnGpuWorker } from "../host/local_port.ts";
 import assert from "node:assert/strict";
 import { prepareDataset } from "../data/mod.ts";
-import {
-  GenerationManager,
-  type Job,
-  JobRunner,
-  JobStore,
-  loadCheckpoint,
-  spawnGpuWorker,
-} from "../server/jobs/mod.ts";
+import { GenerationManager, type Job, JobRunner, JobStore, loadCheckpoint } from "../server/jobs/mod.ts";
 import type { TrainRequest } from "../server/jobs/mod.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { presetConfig } from "../model/config.ts";

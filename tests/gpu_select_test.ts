@@ -3,6 +3,7 @@
  * placement probe's reading of nvidia-smi memory, and the refusal when two Workers share a GPU.
  */
 
+import { readHostSettings } from "../host/host_settings.ts";
 import assert from "node:assert/strict";
 import {
   checkPlacement,
@@ -58,4 +59,15 @@ Deno.test("checkPlacement() refuses two Workers on one GPU when each could have 
   });
   // More Workers than GPUs: sharing is intended.
   checkPlacement([0, 1, 0], 2);
+});
+
+Deno.test("readHostSettings() reads GPT2_GPU_SELECT and GPT2_SHUTDOWN_S, naming a bad value", () => {
+  const env = (o: Record<string, string>) => ({ get: (k: string) => o[k] });
+  assert.deepEqual(readHostSettings(env({})), { select: "auto", shutdownMs: 30_000 });
+  assert.deepEqual(readHostSettings(env({ GPT2_GPU_SELECT: "off", GPT2_SHUTDOWN_S: "5" })), {
+    select: "off",
+    shutdownMs: 5000,
+  });
+  assert.throws(() => readHostSettings(env({ GPT2_SHUTDOWN_S: "-1" })), /Invalid GPT2_SHUTDOWN_S "-1"/);
+  assert.throws(() => readHostSettings(env({ GPT2_GPU_SELECT: "sideways" })), /GPT2_GPU_SELECT/);
 });

@@ -1,6 +1,6 @@
 /**
  * Tests of engine/parallel/groups.ts (Megatron-style data- and tensor-parallel groups and their
- * errors) and setup.ts (the communicator buffers a GPU host hands each rank).
+ * errors) and host/comms.ts (the communicator buffers a GPU host hands each rank).
  */
 import assert from "node:assert/strict";
 import {
@@ -9,7 +9,10 @@ import {
   rankGroups,
   tensorParallelGroups,
 } from "../engine/parallel/groups.ts";
-import { createJobBuffers, RingComm } from "../engine/parallel/mod.ts";
+import { RingComm } from "../engine/parallel/mod.ts";
+import { jobComm, releaseJobComm } from "../host/comms.ts";
+import type { WorkerJob } from "../protocol.ts";
+import type { TrainConfig } from "../model/job.ts";
 
 Deno.test("parallelLayout() completes dp from worldSize / tp and names a bad field", () => {
   assert.deepEqual(parallelLayout(8, { tp: 2 }), { worldSize: 8, tp: 2, dp: 4 });
@@ -51,21 +54,40 @@ Deno.test("Every rank is in exactly one group of each kind, at the index rankGro
   }
 });
 
-Deno.test("createJobBuffers() gives the members of a group the same buffers and each its position", () => {
-  const layout = parallelLayout(4, { tp: 2 });
-  const bufs = createJobBuffers(layout, { capacity: 64, dtype: "bf16", lanes: 2 });
-  // DP groups {0, 2} and {1, 3}; TP groups {0, 1} and {2, 3}.
-  assert.equal(bufs[0].dataParallel.sabs, bufs[2].dataParallel.sabs);
-  assert.notEqual(bufs[0].dataParallel.sabs, bufs[1].dataParallel.sabs);
-  assert.deepEqual(bufs.map((b) => b.dataParallel.index), [0, 0, 1, 1]);
-  assert.deepEqual(bufs.map((b) => b.tensorParallel!.index), [0, 1, 0, 1]);
-  assert.equal(bufs[2].tensorParallel!.sabs[0], bufs[3].tensorParallel!.sabs[0]);
-  assert.equal(bufs[0].dataParallel.sabs.length, 2);
-  const comm = new RingComm(bufs[3].dataParallel.sabs[1], bufs[3].dataParallel.index);
-  assert.deepEqual([comm.size, comm.rank, comm.dtype, comm.capacity], [2, 1, "bf16", 64]);
-  assert.equal(createJobBuffers(parallelLayout(2), { capacity: 8, dtype: "f32" })[1].tensorParallel, null);
-  assert.throws(
-    () => createJobBuffers(layout, { capacity: 8, dtype: "f32", lanes: 0 }),
-    /lanes must be an integer/,
-  );
+Deno.test("jobComm() gives the members of a group the same lanes, and the last rank's release frees them", () => {
+  // dp 2 × tp 2: DP groups {0, 2} and {1, 3}; TP groups {0, 1} and {2, 3}.
+  const config = {
+    model: "gpt2-tiny",
+    seq_len: 32,
+    batch_size: 2,
+    data_parallel: 2,
+    tensor_parallel: 2,
+    allreduce_dtype: "bf16",
+    distributed_optimizer: true,
+  } as unknown as TrainConfig;
+  const job = (rank: number): WorkerJob => ({
+    id: "job_t",
+    config,
+    root: "/nonexistent",
+    checkpoint_dir: "/nonexistent",
+    resume_path: null,
+    parallel: { rank, size: 4, run: "run_a" },
+  });
+  const comms = [0, 1, 2, 3].map((r) => jobComm(job(r)));
+  for (const c of comms) assert.equal(c.control, comms[0].control);
+  assert.deepEqual(comms[0].grads, comms[2].grads);
+  assert.deepEqual(comms[1].grads, comms[3].grads);
+  assert.notEqual(comms[0].grads[0], comms[1].grads[0]);
+  assert.equal(comms[0].grads.length, 2);
+  assert.deepEqual(comms[0].weights, comms[2].weights);
+  assert.deepEqual(comms[0].tp, comms[1].tp);
+  assert.deepEqual(comms[2].tp, comms[3].tp);
+  assert.notEqual(comms[0].tp![0], comms[2].tp![0]);
+  // A data-parallel rank opens its lane at its index in the group, on the job's wire dtype.
+  const ring = new RingComm(comms[3].grads[1], 1);
+  assert.deepEqual([ring.size, ring.rank, ring.dtype], [2, 1, "bf16"]);
+  // Every rank released: a new run of the same id gets fresh buffers.
+  for (let r = 0; r < 4; r++) releaseJobComm("run_a");
+  assert.notEqual(jobComm(job(0)).control, comms[0].control);
+  releaseJobComm("run_a");
 });

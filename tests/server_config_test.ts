@@ -26,7 +26,22 @@ Deno.test("readServerConfig() defaults to 127.0.0.1:8080, ./.gpt2 and its source
     trustedProxies: [],
     limits: defaultLimits(),
     shutdownSeconds: 30,
+    roles: [new Set(["train", "generate"])],
+    hostDeno: null,
   });
+});
+
+Deno.test("readServerConfig() reads GPT2_GPU_ROLES and GPT2_GPU_HOST_DENO, naming a bad role", () => {
+  const c = readServerConfig(
+    env({ GPT2_GPUS: "2", GPT2_GPU_ROLES: "train,generate", GPT2_GPU_HOST_DENO: "/opt/deno" }),
+    noFile,
+  );
+  assert.deepEqual(c.roles, [new Set(["train"]), new Set(["generate"])]);
+  assert.equal(c.hostDeno, "/opt/deno");
+  assert.throws(
+    () => readServerConfig(env({ GPT2_GPU_ROLES: "sing" }), noFile),
+    /GPT2_GPU_ROLES entry "sing"/,
+  );
 });
 
 Deno.test("readServerConfig() reads GPT2_SHUTDOWN_S and refuses a value that is not positive", () => {

@@ -7,7 +7,7 @@
 
 import assert from "node:assert/strict";
 import { ConfigError, makeConfig, paramLayout, presetConfig } from "../model/config.ts";
-import { parametersPerGpu } from "../model/estimate.ts";
+import { parametersPerGpu } from "../model/memory_estimate.ts";
 import {
   checkTensorParallel,
   cutShard,

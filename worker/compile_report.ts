@@ -5,46 +5,12 @@
  * completed there, so a report can say whether this is a first run on the adapter: the driver's
  * own shader cache (Mesa's under ~/.cache/mesa_shader_cache) makes later runs compile much faster.
  * The marker is a hint, not a guarantee: the driver's cache may be cleared behind it, and is off
- * when `MESA_SHADER_CACHE_DISABLE` is set, which the reports then say instead. `compileLine`
- * words a report for the server's log and the demo (it imports nothing that runs WebGPU).
+ * when `MESA_SHADER_CACHE_DISABLE` is set, which the reports then say instead. The report's
+ * shape and `compileLine`, which words it for the server's log and the demo, live in protocol.ts.
  */
 
 import type { CompileListener, CompileProgress } from "../engine/ops.ts";
-
-/** What a Worker reports of one build's compilation (see `FromWorker` "compile"). */
-export interface CompileReport {
-  /** Pipelines compiled so far, of `total`. */
-  done: number;
-  total: number;
-  /** The kernel that first used the newest pipeline. */
-  label: string;
-  /** Compile time so far in ms (the pipelines' own times, summed). */
-  ms: number;
-  /** The adapter's name (e.g. "llvmpipe (LLVM 15.0.6, 256 bits)"). */
-  adapter: string;
-  /** No build of this kind completed on this adapter before (per the marker); null when unknown. */
-  first_run: boolean | null;
-  /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE), so every run compiles in full. */
-  cache_disabled: boolean;
-}
-
-/**
- * A log line for a compile report, after `who` when given: "job_x: compiling kernels 12/41 on
- * llvmpipe (…), 8.3 s so far (first run on this adapter; cached afterwards)".
- */
-export function compileLine(r: CompileReport, who?: string): string {
-  const cache = r.cache_disabled
-    ? "the driver's shader cache is disabled: MESA_SHADER_CACHE_DISABLE"
-    : r.first_run === true
-    ? "first run on this adapter; cached afterwards"
-    : r.first_run === false
-    ? "compiled before on this adapter: the driver's cache should make it quick"
-    : null;
-  const what = r.done >= r.total
-    ? `compiled ${r.total} kernel${r.total === 1 ? "" : "s"} on ${r.adapter} in ${(r.ms / 1000).toFixed(1)} s`
-    : `compiling kernels ${r.done}/${r.total} on ${r.adapter}, ${(r.ms / 1000).toFixed(1)} s so far`;
-  return `${who ? `${who}: ` : ""}${what}${cache ? ` (${cache})` : ""}`;
-}
+import type { CompileReport } from "../protocol.ts";
 
 /** Whether `env` disables Mesa's shader cache (its boolean spellings: 1, y, yes, t, true). */
 export function driverCacheDisabled(env: { get(key: string): string | undefined }): boolean {

@@ -19,10 +19,13 @@
 import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
 import { CANCEL_FLAG, type FromWorker, STOP_FLAG, type ToWorkerThread } from "../protocol.ts";
 import { runTraining } from "./train_loop.ts";
-import { generationOptionsFromEnv, GenerationService } from "./serving.ts";
+import { GenerationService } from "./serving.ts";
+import { readWorkerSettings } from "./worker_settings.ts";
+
+const settings = readWorkerSettings(Deno.env);
 
 // Inside the GPU host, stdout carries the host protocol: route console output to stderr.
-if (Deno.env.get("GPT2_GPU_HOST_CHILD") === "1") {
+if (settings.hostChild) {
   console.log = console.error;
   console.info = console.error;
   console.debug = console.error;
@@ -41,9 +44,8 @@ class GpuWorker {
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
-    const settings = generationOptionsFromEnv(Deno.env);
-    this.#cacheDisabled = settings.driverCacheDisabled ?? false;
-    this.#generation = new GenerationService(() => this.#open(), post, settings);
+    this.#cacheDisabled = settings.generation.driverCacheDisabled ?? false;
+    this.#generation = new GenerationService(() => this.#open(), post, settings.generation);
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */

@@ -15,8 +15,8 @@
 import { EOT_TOKEN } from "../model/config.ts";
 import { describeDevice, type GpuContext } from "../engine/device.ts";
 import { Generator, isCpuAdapter } from "../engine/generator.ts";
-import { createReadback, parseFastReadback, type Readback } from "../engine/readback.ts";
-import { compileReporter, driverCacheDisabled } from "./compile_report.ts";
+import { createReadback, type Readback } from "../engine/readback.ts";
+import { compileReporter } from "./compile_report.ts";
 import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "../protocol.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import { planStep, type SchedulerLimits } from "./batching.ts";
@@ -84,53 +84,6 @@ function nextTask(): Promise<void> {
     };
     port2.postMessage(null);
   });
-}
-
-/**
- * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
- * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
- * (only reported). Throws RangeError naming a variable that is out of range.
- */
-export function generationOptionsFromEnv(
-  env: { get(key: string): string | undefined },
-): GenerationServiceOptions {
-  const o = { ...DEFAULT_GENERATION_OPTIONS };
-  type NumericKey = Exclude<
-    keyof GenerationServiceOptions,
-    "runAhead" | "driverCacheDisabled" | "fastReadback"
-  >;
-  const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
-    const raw = env.get(name);
-    if (raw === undefined || raw === "") return;
-    const v = Number(raw);
-    if (!(v >= min && v <= max) || (int && !Number.isInteger(v))) {
-      throw new RangeError(
-        `${name} "${raw}" must be ${int ? "an integer" : "a number"} from ${min} to ${max}`,
-      );
-    }
-    o[key] = v;
-  };
-  read("GPT2_GEN_MAX_STREAMS", "maxStreams", 1, 1024);
-  read("GPT2_GEN_CHUNK", "chunk", 2, 256);
-  read("GPT2_GEN_FIRST_CHUNK", "firstChunk", 1, 256);
-  read("GPT2_GEN_PREFILL_TOKENS", "prefillTokens", 1, 1 << 20);
-  read("GPT2_GEN_STEP_BUDGET_MS", "stepBudgetMs", 1, 60_000, false);
-  read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
-  read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
-  read("GPT2_GEN_ADMIT_WINDOW_MS", "admitWindowMs", 0, 1000, false);
-  const ahead = env.get("GPT2_GEN_RUN_AHEAD");
-  if (ahead !== undefined && ahead !== "") {
-    if (ahead !== "0" && ahead !== "1") throw new RangeError(`GPT2_GEN_RUN_AHEAD "${ahead}" must be 0 or 1`);
-    o.runAhead = ahead === "1";
-  }
-  o.driverCacheDisabled = driverCacheDisabled(env);
-  try {
-    o.fastReadback = parseFastReadback(env.get("GPT2_FAST_READBACK"));
-  } catch (e) {
-    throw new RangeError((e as Error).message);
-  }
-  return o;
 }
 
 type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;

@@ -9,13 +9,13 @@
  * that AdamW reads and skips on. The counters come back with the loss at log steps.
  */
 
+import { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES } from "../../model/buffer_layout.ts";
+
+export { CONTROL_BYTES, NORM_GROUPS, OPT_UNIFORM_BYTES };
 import type { AdamWConfig, LrSchedule } from "../../model/schedule.ts";
 import { treeReduce } from "./common.ts";
 
 const WG = 256;
-/** Workgroups of the first norm stage (each sums a strided share of the gradient). */
-export const NORM_GROUPS = 1024;
-
 /** part[g] = Σ grad² over a grid-stride share. Grid (NORM_GROUPS). */
 export function gradNormPartialWgsl(n4: number): string {
   return `
@@ -67,9 +67,6 @@ export const OPT_STRUCT = `struct Opt {
   min_scale: f32, p0: u32, p1: u32, p2: u32,
 }`;
 
-/** Bytes of the optimizer uniform (hyperparameters, schedule, scaler settings, gradient multiplier). */
-export const OPT_UNIFORM_BYTES = 80;
-
 /**
  * Packs the optimizer uniform. `gradMul` multiplies the loss gradient: 1, or NaN to make a step's
  * gradient non-finite on purpose (tests of the guard). Without `scaler` the loss scale stays 1.
@@ -102,9 +99,6 @@ export const CONTROL_STRUCT = `struct Control {
   bc1: f32, bc2: f32, grad_coef: f32, p0: u32,
   p1: u32, p2: u32, p3: u32, p4: u32,
 }`;
-
-/** Bytes of the control buffer. */
-export const CONTROL_BYTES = 64;
 
 /** The step state as read back. */
 export interface ControlState {

@@ -6,6 +6,9 @@
  * (per-block partials, then `reduceRowsWgsl`), never with atomics.
  */
 
+import { lnBiasPartialOffset, ROW_BLOCK } from "../../model/buffer_layout.ts";
+
+export { lnBiasPartialOffset, ROW_BLOCK };
 import { type StorageDtype, treeReduce, withStorageDtypes } from "./common.ts";
 
 const WG = 64;
@@ -96,14 +99,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   }
 }
 `;
-}
-
-/** Rows summed per block by the partial-sum kernels. */
-export const ROW_BLOCK = 32;
-
-/** Float offset of the db partials in the partial buffer (256-byte aligned, after the dw partials). */
-export function lnBiasPartialOffset(C: number, rows: number): number {
-  return Math.ceil((Math.ceil(rows / ROW_BLOCK) * C) / 64) * 64;
 }
 
 /**

@@ -588,3 +588,16 @@ export class RingComm {
     }
   }
 }
+
+/** Floats one `RankControl` exchange can carry per rank. */
+export const CONTROL_WORDS = 16;
+
+/** Creates the buffer of a job's control communicator. */
+export function createControlBuffer(ranks: number): SharedArrayBuffer {
+  return createCommBuffer({ ranks, capacity: CONTROL_WORDS * ranks, dtype: "f32", algorithm: "direct" });
+}
+
+/** The comm dtype of an `allreduce_dtype` job setting. */
+export function wireDtype(setting: "fp32" | "fp16" | "bf16" | undefined): CommDtype {
+  return setting === "fp16" ? "f16" : setting === "bf16" ? "bf16" : "f32";
+}

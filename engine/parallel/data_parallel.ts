@@ -6,10 +6,11 @@
  * log steps, weight checksums, distributed evaluation sums.
  */
 
+import { CONTROL_WORDS, createControlBuffer, wireDtype } from "./allreduce.ts";
 import type { ParamLayout } from "../../model/config.ts";
 import type { GpuContext } from "../device.ts";
 import type { FlatBuffer } from "../flat.ts";
-import { type CommDtype, createCommBuffer, RingComm } from "./allreduce.ts";
+import { RingComm } from "./allreduce.ts";
 import { type Bucket, BucketExchange, type ReducePath } from "./exchange.ts";
 
 /** Options of {@link GradientReducer}. */
@@ -255,14 +256,6 @@ export class GradientReducer {
   }
 }
 
-/** Floats one `RankControl` exchange can carry per rank. */
-export const CONTROL_WORDS = 16;
-
-/** Creates the buffer of a job's control communicator. */
-export function createControlBuffer(ranks: number): SharedArrayBuffer {
-  return createCommBuffer({ ranks, capacity: CONTROL_WORDS * ranks, dtype: "f32", algorithm: "direct" });
-}
-
 /** Small collective decisions and numbers between the ranks of a job (fp32 sums, exact for small integers). */
 export class RankControl {
   readonly rank: number;
@@ -309,7 +302,4 @@ export function joinU32(hi: number, lo: number): number {
   return ((hi << 16) | lo) >>> 0;
 }
 
-/** The comm dtype of an `allreduce_dtype` job setting. */
-export function wireDtype(setting: "fp32" | "fp16" | "bf16" | undefined): CommDtype {
-  return setting === "fp16" ? "f16" : setting === "bf16" ? "bf16" : "f32";
-}
+export { CONTROL_WORDS, createControlBuffer, wireDtype };

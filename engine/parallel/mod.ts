@@ -1,9 +1,9 @@
 /**
  * Data and tensor parallelism between the Workers of one GPU host: rank groups (groups.ts), the
  * shared-memory allreduce, reduce-scatter and all-gather (allreduce.ts), and the GPU <-> host
- * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts), the buffers a GPU
- * host makes for a job's groups (setup.ts), and the tensor-parallel shard specs (shard.ts, pure). Knows WebGPU buffers
- * and SharedArrayBuffers, never HTTP or SQL.
+ * path of a gradient bucket (exchange.ts, kernels in exchange_kernels.ts), and the tensor-parallel
+ * shard specs (model/shard.ts, pure). The GPU host makes a job's buffers (host/comms.ts). Knows
+ * WebGPU buffers and SharedArrayBuffers, never HTTP or SQL.
  *
  * Import from here, not from the individual files, so internals can move freely.
  */
@@ -41,7 +41,6 @@ export {
   rankGroups,
   tensorParallelGroups,
 } from "./groups.ts";
-export { createJobBuffers, type GroupBuffers, type JobBufferOptions, type RankBuffers } from "./setup.ts";
 export {
   CONTROL_WORDS,
   createControlBuffer,

@@ -13,7 +13,7 @@
 
 import { fileURLToPath } from "node:url";
 import type { FromHost, FromWorker, ToHost, ToWorker } from "../../protocol.ts";
-import type { SpawnWorker, WorkerPort } from "../../host/local_port.ts";
+import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
 /** What `/health` shows of the host. */
 export interface HostStatus {

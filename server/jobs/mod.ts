@@ -8,15 +8,7 @@ export * from "../../model/errors.ts";
 export * from "../../protocol.ts";
 export { isFinished, type JobPatch, JobStore, MIGRATIONS, SCHEMA_VERSION } from "./job_store.ts";
 export * from "../settings.ts";
-export {
-  type GenerationReport,
-  type GpuState,
-  JobRunner,
-  type RunnerOptions,
-  spawnGpuWorker,
-  type SpawnWorker,
-  type WorkerPort,
-} from "./runner.ts";
+export { type GenerationReport, type GpuState, JobRunner, type RunnerOptions } from "./runner.ts";
 export * from "../../checkpoint/checkpoint.ts";
 export * from "../../checkpoint/safetensors.ts";
 export * from "../../model/job_config.ts";

@@ -16,11 +16,11 @@ import {
   JobNotFoundError,
 } from "../../model/errors.ts";
 import type { FromWorker, FromWorkerGeneration, ToWorker, WorkerJob } from "../../protocol.ts";
-import type { SpawnWorker, WorkerPort } from "../../host/local_port.ts";
+import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType } from "../../model/job.ts";
-import { compileLine } from "../../worker/compile_report.ts";
+import { compileLine } from "../../protocol.ts";
 import {
   completeConfig,
   type DeviceBudget,
@@ -28,8 +28,7 @@ import {
   type TrainRequest,
 } from "../../model/job_config.ts";
 
-export type { SpawnWorker, WorkerPort } from "../../host/local_port.ts";
-export { spawnGpuWorker } from "../../host/local_port.ts";
+export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
 /** A job whose Worker died this many times without getting further fails instead of resuming again. */
 const MAX_CRASHES_WITHOUT_PROGRESS = 3;

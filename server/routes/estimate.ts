@@ -2,8 +2,8 @@
  * `GET /estimate`: parameters, GPU bytes per category and FLOPs per step of a training config,
  * from the same memory plan the engine allocates. It plans for the GPU the query names (`gpu`, a
  * preset), else for the server's first GPU when that reports limits that hold the model, else for
- * the default preset (model/estimate.ts), and says which in `planned_for`. Validates the query and
- * delegates to model/job_config.ts and model/estimate.ts.
+ * the default preset (model/memory_estimate.ts), and says which in `planned_for`. Validates the query and
+ * delegates to model/job_config.ts and model/memory_estimate.ts.
  */
 
 import { Hono } from "hono";
@@ -14,7 +14,7 @@ import {
   GPU_PRESET_NAMES,
   type GpuDescription,
   knownDeviceMemory,
-} from "../../model/estimate.ts";
+} from "../../model/memory_estimate.ts";
 import { type DeviceBudget, estimateJob, type JobRunner } from "../jobs/mod.ts";
 import { queryParams } from "./api_errors.ts";
 import { ModelDimsSchema } from "./schemas.ts";

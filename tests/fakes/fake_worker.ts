@@ -5,7 +5,7 @@
  */
 
 import type { FromWorker, ToWorker, WorkerGeneration, WorkerJob } from "../../protocol.ts";
-import type { WorkerPort } from "../../host/local_port.ts";
+import type { WorkerPort } from "../../protocol.ts";
 
 /** A scripted stand-in for worker/gpu_worker.ts. */
 export class ScriptedWorker implements WorkerPort {
