@@ -27,16 +27,18 @@ import {
   chooseAttentionSplit,
   chooseAttentionTiles,
   chooseSplitAttentionTiles,
+  flashForwardCandidates,
+  flashForwardFits,
+  type FlashLimits,
+  type FlashTiles,
+} from "../engine/kernels/attention.ts";
+import {
   flashBackwardCandidates,
   flashBackwardFits,
   flashBackwardKVWgsl,
   flashBackwardQWgsl,
-  flashForwardCandidates,
-  flashForwardFits,
-  type FlashLimits,
   flashScratchBytes,
-  type FlashTiles,
-} from "../engine/kernels/attention.ts";
+} from "./experiments/flash_backward.ts";
 import { grid1d, type StorageDtype } from "../engine/kernels/common.ts";
 import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";

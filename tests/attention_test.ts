@@ -14,10 +14,12 @@ import {
   type AttentionSpec,
   chooseAttentionTiles,
   chooseSplitAttentionTiles,
+} from "../engine/kernels/attention.ts";
+import {
   flashBackwardKVWgsl,
   flashBackwardQWgsl,
   flashScratchBytes,
-} from "../engine/kernels/attention.ts";
+} from "../bench/experiments/flash_backward.ts";
 import { grid1d } from "../engine/kernels/common.ts";
 import { encodeOps, makeOp, type OpKind, PipelineCache } from "../engine/ops.ts";
 import { attention_backward, attention_forward } from "./reference/cpu_gpt2.ts";
