@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Runs the whole test suite on a fresh machine: installs the Vulkan CPU driver (lavapipe) and
-# Chromium when they are missing, so the GPU tests run on the CPU adapter and the dashboard test in
-# a real browser, then runs `deno task test` with Deno from npm.
+# Runs the whole test suite on a fresh machine: installs the Vulkan CPU driver (lavapipe),
+# Chromium and PostgreSQL when they are missing, so the GPU tests run on the CPU adapter, the
+# dashboard test in a real browser and the job store's tests on both engines, then runs
+# `deno task test` with Deno from npm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 missing=()
@@ -11,6 +12,10 @@ fi
 # tests/browser_test.ts drives Debian's Chromium headless (puppeteer-core).
 if ! command -v chromium >/dev/null 2>&1 && [ -z "${CHROMIUM_PATH:-}" ]; then
   missing+=(chromium)
+fi
+# tests/_postgres.ts starts a throwaway PostgreSQL cluster (initdb, pg_ctl) for the store's tests.
+if ! command -v initdb >/dev/null 2>&1 && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  missing+=(postgresql)
 fi
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"

@@ -1,0 +1,111 @@
+/**
+ * A throwaway PostgreSQL cluster for tests: `initdb` in a temp folder, `pg_ctl start` on a free
+ * loopback port (trust authentication, fsync off), a fresh database per test, `pg_ctl stop` and
+ * the folder removed at the end. Finds Debian's binaries (/usr/lib/postgresql/N/bin) when they
+ * are not on PATH; scripts/test.sh installs them on CI. initdb refuses to run as root, so as
+ * root the cluster runs as the `postgres` user (Debian's package creates it) through `runuser`.
+ *
+ * Tests that need it skip with `ignore: !POSTGRES_BIN` when no PostgreSQL is installed.
+ */
+
+import postgres from "postgres";
+
+function findBin(): string | null {
+  const dirs = (Deno.env.get("PATH") ?? "").split(":");
+  try {
+    const versions = [...Deno.readDirSync("/usr/lib/postgresql")].map((e) => e.name)
+      .sort((a, b) => Number(b) - Number(a));
+    dirs.push(...versions.map((v) => `/usr/lib/postgresql/${v}/bin`));
+  } catch {
+    // not Debian's layout
+  }
+  for (const d of dirs) {
+    try {
+      if (Deno.statSync(`${d}/initdb`).isFile && Deno.statSync(`${d}/pg_ctl`).isFile) {
+        return Deno.realPathSync(`${d}/initdb`).replace(/\/initdb$/, "");
+      }
+    } catch {
+      // not here
+    }
+  }
+  return null;
+}
+
+/** The folder with initdb and pg_ctl, or null when PostgreSQL is not installed. */
+export const POSTGRES_BIN: string | null = findBin();
+
+/** A running throwaway cluster. */
+export interface PgCluster {
+  /** URL of the `postgres` database (superuser, trust). */
+  url: string;
+  /** Creates an empty database and returns its URL. */
+  database(): Promise<string>;
+  /** Stops the server and removes its folder. */
+  stop(): Promise<void>;
+}
+
+async function run(cmd: string[], asUser: string | null): Promise<string> {
+  const argv = asUser ? ["runuser", "-u", asUser, "--", ...cmd] : cmd;
+  const out = await new Deno.Command(argv[0], { args: argv.slice(1), stdout: "piped", stderr: "piped" })
+    .output();
+  const text = new TextDecoder().decode(out.stdout) + new TextDecoder().decode(out.stderr);
+  if (!out.success) throw new Error(`Cannot run "${argv.join(" ")}" (exit ${out.code}): ${text.trim()}`);
+  return text;
+}
+
+function freePort(): number {
+  const l = Deno.listen({ hostname: "127.0.0.1", port: 0 });
+  const port = (l.addr as Deno.NetAddr).port;
+  l.close();
+  return port;
+}
+
+let databases = 0;
+
+/** Starts a cluster (about a second). Throws naming the step that failed. */
+export async function startPostgres(): Promise<PgCluster> {
+  if (!POSTGRES_BIN) throw new Error("Cannot start PostgreSQL: no initdb found (apt-get install postgresql)");
+  const root = Deno.uid() === 0;
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_pg_" });
+  const user = root ? "postgres" : null;
+  if (root) {
+    const uid = Number((await run(["id", "-u", "postgres"], null)).trim());
+    const gid = Number((await run(["id", "-g", "postgres"], null)).trim());
+    await Deno.chown(dir, uid, gid);
+  }
+  const data = `${dir}/data`;
+  const port = freePort();
+  await run([
+    `${POSTGRES_BIN}/initdb`,
+    "-D",
+    data,
+    "-A",
+    "trust",
+    "-U",
+    "postgres",
+    "--no-sync",
+    "-E",
+    "UTF8",
+  ], user);
+  const options =
+    `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off ` +
+    "-c full_page_writes=off -c max_connections=200";
+  await run([`${POSTGRES_BIN}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user);
+  const url = `postgres://postgres@127.0.0.1:${port}/postgres`;
+  const admin = postgres(url, { max: 1, onnotice: () => {} });
+  return {
+    url,
+    async database() {
+      const name = `t${Deno.pid}_${++databases}`;
+      await admin.unsafe(`create database ${name}`);
+      return `postgres://postgres@127.0.0.1:${port}/${name}`;
+    },
+    async stop() {
+      await admin.end({ timeout: 1 });
+      await run([`${POSTGRES_BIN}/pg_ctl`, "-D", data, "-m", "immediate", "-w", "stop"], user).catch(
+        () => {},
+      );
+      await Deno.remove(dir, { recursive: true });
+    },
+  };
+}
