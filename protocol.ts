@@ -7,7 +7,7 @@
  * steps, so they work even while the loop does not yield to the event loop.
  */
 
-import type { PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
+import type { EvalResult, PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
 import type { ModelConfig } from "./model/config.ts";
 
 /** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */
@@ -27,6 +27,11 @@ export interface WorkerJob {
   checkpoint_dir: string;
   /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
   resume_path: string | null;
+  /**
+   * The model whose weights a fine-tuning job starts from (`init_from`, used only when there is no
+   * `resume_path`), or the model an evaluation job measures.
+   */
+  init_source?: ModelSource;
   /**
    * Parallel jobs: this Worker's global rank of `size` (data_parallel × tensor_parallel, tensor
    * parallel fastest), and an id of this run of the job (fresh communicators per run).
@@ -161,6 +166,19 @@ export type FromWorker =
     perplexity: number;
     /** Tokens whose loss was averaged. */
     tokens: number;
+  }
+  /**
+   * An evaluation job's progress (`done` of `total` windows or examples, `tokens` scored so far),
+   * and once finished its `result`.
+   */
+  | {
+    type: "evaluation";
+    id: string;
+    done: number;
+    total: number;
+    tokens: number;
+    tokens_per_s: number;
+    result?: EvalResult;
   }
   | { type: "log"; id: string; level: "info" | "warn"; message: string }
   /**

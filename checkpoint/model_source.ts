@@ -7,7 +7,8 @@
  * Both store wte with the real 50257 rows; `importTensors` pads it back to the padded vocabulary.
  * A checkpoint written at tensor parallel size N > 1 (one shard file per rank) is served on one
  * GPU: its config is given the tp 1 vocabulary and its shards are merged in memory on load.
- * Resolving reads only small JSON files (HTTP thread); `loadWeights` reads the tensors (Worker).
+ * Resolving reads only small JSON files (HTTP thread); `loadWeights` reads the tensors (Worker),
+ * and `loadWeightsAt` one rank's shard of them for a fine-tuning job at any tensor-parallel size.
  */
 
 import { GPT2_VOCAB_SIZE, makeConfig, type ModelConfig } from "../model/config.ts";
@@ -21,6 +22,7 @@ import {
 import { InvalidJobError, ModelNotFoundError } from "../model/errors.ts";
 import type { ModelSource } from "../protocol.ts";
 import { readSafetensors } from "./safetensors.ts";
+import { splitParams } from "../model/shard.ts";
 
 /** A model as `GET /v1/models` lists it. */
 export interface ModelInfo {
@@ -146,4 +148,23 @@ export async function loadWeights(source: ModelSource): Promise<Float32Array> {
   if (source.kind === "checkpoint") return await loadCheckpointWeights(source.path, source.config);
   const file = await readSafetensors(`${source.path}/model.safetensors`);
   return importTensors(source.config, file.tensors, source.id);
+}
+
+/**
+ * A model's weights as rank `rank` of a job at tensor-parallel size `tp` trains them: `model` is
+ * that job's config (tensorParallelConfig for tp > 1, its padded vocabulary), the result is in
+ * shardLayout(model, tp) with padded wte rows zero, whatever size a checkpoint was written at.
+ */
+export async function loadWeightsAt(
+  source: ModelSource,
+  model: ModelConfig,
+  tp = 1,
+  rank = 0,
+): Promise<Float32Array> {
+  if (source.kind === "checkpoint") {
+    return await loadCheckpointWeights(source.path, model, { tensorParallel: tp, rank });
+  }
+  const file = await readSafetensors(`${source.path}/model.safetensors`);
+  const full = importTensors(model, file.tensors, source.id);
+  return tp > 1 ? splitParams(model, tp, full)[rank] : full;
 }

@@ -51,6 +51,14 @@ export interface TrainConfig {
   /** A checkpoint to start from: "<job id>" (its newest) or "<job id>/<checkpoint name>". */
   resume_from?: string;
   /**
+   * Fine-tuning: a model the server knows to take the weights from ("<job id>", "<job id>/iter_N",
+   * or a Hugging Face folder under models/). Weights only: fresh AdamW moments, iteration 0, this
+   * job's schedule and dataset (Megatron's --finetune with --load; nanoGPT's init_from).
+   */
+  init_from?: string;
+  /** Evaluation jobs (`POST /evaluate`): what to measure; absent on a training job. */
+  evaluate?: EvalConfig;
+  /**
    * "fp32" (absent: fp32) or "fp16": f16 weights and activations, fp32 master weights and AdamW,
    * dynamic loss scaling (Megatron's --fp16).
    */
@@ -83,6 +91,54 @@ export interface TrainConfig {
    * pass (Megatron's --overlap-grad-reduce; absent: true). Not with the distributed optimizer.
    */
   overlap_grad_reduce?: boolean;
+}
+
+/** What an evaluation job measures (`POST /evaluate`), with every default filled. */
+export interface EvalConfig {
+  /** "perplexity": sliding windows over a text stream; "cloze": LAMBADA-style last-word prediction. */
+  task: "perplexity" | "cloze";
+  /** The model evaluated, as the server knows it (see `init_from`). */
+  model: string;
+  /** Texts given in the request (perplexity: one stream, joined by <|endoftext|>; cloze: one line each). */
+  texts?: string[];
+  /** Or a dataset's split (perplexity only). */
+  dataset?: string;
+  split?: "train" | "valid" | "test";
+  /** Perplexity: tokens a window advances by (≤ seq_len; seq_len is the non-overlapping evaluation). */
+  stride: number;
+  /** Cloze: Megatron's --strict-lambada (the whole last word is the target, tokenized on its own). */
+  strict: boolean;
+  /** Perplexity: score at most this many tokens of the stream (absent: all of it). */
+  max_tokens?: number;
+}
+
+/** What an evaluation job found (stored in its metrics as `evaluation`). */
+export interface EvalResult {
+  task: "perplexity" | "cloze";
+  model: string;
+  /** Mean loss (nats per scored token; cloze: per last word) and its exponential. */
+  loss: number;
+  perplexity: number;
+  /** Tokens scored. */
+  tokens: number;
+  /** Perplexity: Megatron's word perplexity, the token perplexity adjusted by tokens per word. */
+  word_perplexity?: number;
+  words?: number;
+  /** Perplexity: lm-evaluation-harness's byte perplexity and bits per byte. */
+  byte_perplexity?: number;
+  bits_per_byte?: number;
+  bytes?: number;
+  /** Perplexity: windows run and the stride. */
+  windows?: number;
+  stride?: number;
+  seq_len: number;
+  /** Cloze: share of examples whose greedy continuation is the whole last word, and how many. */
+  accuracy?: number;
+  examples?: number;
+  correct?: number;
+  /** Scored tokens per second on the GPU (forward passes and readbacks). */
+  tokens_per_s: number;
+  elapsed_s: number;
 }
 
 /** Micro-batches each rank accumulates per optimizer step. */
@@ -156,6 +212,8 @@ export interface JobMetrics {
   /** Data-parallel jobs: the GPUs of its ranks (rank order) and each rank's latest timings. */
   gpus?: number[];
   ranks?: RankTimes[] | null;
+  /** Evaluation jobs: the result once finished. */
+  evaluation?: EvalResult | null;
 }
 
 /** A job as the API shows it. */
@@ -184,10 +242,11 @@ export interface Job {
 /**
  * Kinds of server-sent events. `compile`: kernel compilation before the first step (pipelines
  * done of total, the adapter, whether it is a first run there; see worker/compile_report.ts).
- * `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
+ * `evaluation`: an evaluation job's result (its progress comes as `progress` events of kind
+ * "evaluate"). `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
  * resumes when the server is back.
  */
-export type JobEventType = "progress" | "compile" | "log" | "checkpoint" | "done" | "shutdown";
+export type JobEventType = "progress" | "compile" | "log" | "checkpoint" | "evaluation" | "done" | "shutdown";
 
 /** One stored event; `id` increases across all jobs and is the SSE id. */
 export interface JobEvent {

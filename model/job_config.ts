@@ -15,10 +15,56 @@ import {
 import type { PlanLimits } from "./plan.ts";
 import { tensorParallelConfig } from "./shard.ts";
 import { InvalidJobError } from "./errors.ts";
-import type { TrainConfig } from "./job.ts";
+import type { EvalConfig, ModelDims, TrainConfig } from "./job.ts";
 
-/** A training request before defaults that depend on the model are filled in. */
-export type TrainRequest = Omit<TrainConfig, "seq_len"> & { seq_len?: number };
+/**
+ * A training request before defaults that depend on the model are filled in. `model` may be
+ * omitted: it is the `init_from` source's, or "gpt2-tiny" without one.
+ */
+export type TrainRequest = Omit<TrainConfig, "seq_len" | "model"> & {
+  seq_len?: number;
+  model?: TrainConfig["model"];
+};
+
+/** The model a fine-tuning job starts from, as the server resolved `init_from`. */
+export interface InitSource {
+  id: string;
+  config: ModelConfig;
+}
+
+/** Default model of a request that names none and starts from nothing. */
+export const DEFAULT_MODEL = "gpt2-tiny";
+
+/** The explicit dimensions of a model config. */
+export function modelDims(c: ModelConfig): ModelDims {
+  return { n_layer: c.n_layer, n_head: c.n_head, n_embd: c.n_embd, n_positions: c.n_positions };
+}
+
+/**
+ * The model of a fine-tuning request: the source's dimensions when `model` is omitted, else the
+ * request's, which must agree with the source's (a 400 naming "model" otherwise).
+ */
+export function initModel(asked: TrainConfig["model"] | undefined, source: InitSource): TrainConfig["model"] {
+  if (asked === undefined) return modelDims(source.config);
+  let want: ModelConfig;
+  try {
+    want = typeof asked === "string" ? presetConfig(asked) : makeConfig(asked);
+  } catch (e) {
+    if (e instanceof ConfigError) throw new InvalidJobError(e.field, e.message);
+    throw e;
+  }
+  const name = typeof asked === "string" ? `"${asked}"` : "the model given";
+  for (const k of ["n_layer", "n_head", "n_embd", "n_positions"] as const) {
+    if (want[k] !== source.config[k]) {
+      throw new InvalidJobError(
+        "model",
+        `Cannot fine-tune "model": ${name} has ${k} ${want[k]}, init_from "${source.id}" has ` +
+          `${source.config[k]} (omit "model" to take the source's dimensions)`,
+      );
+    }
+  }
+  return asked;
+}
 
 /** Default sequence length: the model's position table, capped at this. */
 export const DEFAULT_MAX_SEQ_LEN = 128;
@@ -129,11 +175,26 @@ const gib = (n: number) => `${(n / 2 ** 30).toFixed(2)} GiB`;
  * cannot be bound, or whose estimate exceeds the GPU's memory when that is known, is refused
  * naming the biggest part of the estimate.
  */
-export function completeConfig(req: TrainRequest, device: DeviceBudget | null = null): TrainConfig {
+export function completeConfig(
+  req: TrainRequest,
+  device: DeviceBudget | null = null,
+  source: InitSource | null = null,
+): TrainConfig {
+  if (req.init_from !== undefined && req.resume_from !== undefined) {
+    throw new InvalidJobError(
+      "init_from",
+      "Cannot use init_from with resume_from: init_from starts a new run from weights only, " +
+        "resume_from continues one with its optimizer and iteration",
+    );
+  }
+  if (req.init_from !== undefined && !source) {
+    throw new InvalidJobError("init_from", `Unknown model "${req.init_from}" in init_from`);
+  }
+  const model = source ? initModel(req.model, source) : req.model ?? DEFAULT_MODEL;
   let config: TrainConfig;
   try {
-    const dims = typeof req.model === "string" ? presetConfig(req.model) : makeConfig(req.model);
-    config = { ...req, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
+    const dims = typeof model === "string" ? presetConfig(model) : makeConfig(model);
+    config = { ...req, model, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
     const dp = config.data_parallel ?? 1;
     config.data_parallel = dp;
     config.global_batch_size ??= config.batch_size * dp;
@@ -202,4 +263,77 @@ function checkFitsDevice(config: TrainConfig, device: DeviceBudget): void {
     `Model does not fit the GPU: the estimate of ${gib(est.bytes_per_gpu.total)} exceeds the GPU's ` +
       `${gib(memory)}; the biggest part is ${category} (${gib(bytes)}): ${hint}`,
   );
+}
+
+/** A `POST /evaluate` request as the routes validated it. */
+export interface EvaluateRequest {
+  model: string;
+  task: EvalConfig["task"];
+  texts?: string[];
+  dataset?: string;
+  split: "train" | "valid" | "test";
+  seq_len?: number;
+  stride?: number;
+  batch_size: number;
+  strict: boolean;
+  max_tokens?: number;
+}
+
+/**
+ * The job config of an evaluation: the model's dimensions, the window (`seq_len`, default the
+ * model's context capped at 1024) and stride (default seq_len), and `evaluate` with what to
+ * measure. The training fields are inert (no steps, no dropout). Throws InvalidJobError naming
+ * seq_len or stride when they do not fit the model.
+ */
+export function completeEvalConfig(req: EvaluateRequest, source: InitSource): TrainConfig {
+  const seq_len = req.seq_len ?? Math.min(source.config.n_positions, 1024);
+  try {
+    validateSeqLen(source.config, seq_len);
+  } catch (e) {
+    if (e instanceof ConfigError) {
+      throw new InvalidJobError("seq_len", `Cannot evaluate "${source.id}": ${e.detail}`);
+    }
+    throw e;
+  }
+  const stride = req.stride ?? seq_len;
+  if (stride > seq_len) {
+    throw new InvalidJobError(
+      "stride",
+      `Cannot evaluate with stride ${stride} larger than seq_len ${seq_len}`,
+    );
+  }
+  const evaluate: EvalConfig = {
+    task: req.task,
+    model: source.id,
+    ...(req.texts ? { texts: req.texts } : { dataset: req.dataset, split: req.split }),
+    stride,
+    strict: req.strict,
+    ...(req.max_tokens !== undefined ? { max_tokens: req.max_tokens } : {}),
+  };
+  return {
+    model: modelDims(source.config),
+    dataset: req.dataset ?? "",
+    split: "949,50,1",
+    train_iters: 0,
+    batch_size: req.batch_size,
+    seq_len,
+    lr: 0,
+    min_lr: 0,
+    lr_decay_style: "constant",
+    warmup: 0,
+    weight_decay: 0,
+    clip_grad: 0,
+    attention_dropout: 0,
+    hidden_dropout: 0,
+    seed: 0,
+    log_interval: 1,
+    eval_interval: 0,
+    eval_iters: 1,
+    save_interval: 0,
+    keep_checkpoints: 1,
+    data_parallel: 1,
+    tensor_parallel: 1,
+    global_batch_size: req.batch_size,
+    evaluate,
+  };
 }

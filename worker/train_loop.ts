@@ -33,6 +33,8 @@ import {
 } from "../engine/parallel/mod.ts";
 import { checkpointLayers, trainingModel } from "../model/job_config.ts";
 import { compileReporter } from "./compile_report.ts";
+import { runEvaluationJob } from "./evaluation.ts";
+import { loadWeightsAt } from "../checkpoint/model_source.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
@@ -145,8 +147,12 @@ async function evaluate(
   return { loss: total / ranks.tp / e.batches.length, tokens: e.tokens };
 }
 
-/** Runs `job` to the end, cancellation or failure; never throws. */
+/**
+ * Runs `job` to the end, cancellation or failure; never throws. An evaluation job (config.evaluate)
+ * runs worker/evaluation.ts instead.
+ */
 export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
+  if (job.config.evaluate) return await runEvaluationJob(ctx, job, hooks);
   let trainer: Trainer | null = null;
   let iteration = 0;
   const c = job.config;
@@ -224,6 +230,11 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       state = ck.state;
       samplerState = ck.manifest.sampler;
       iteration = ck.state.step;
+    } else if (job.init_source) {
+      // Fine-tuning (init_from): weights only, resharded to this rank; fresh moments, iteration 0.
+      const params = await loadWeightsAt(job.init_source, model, tp, ranks.tpRank);
+      const zeros = new Float32Array(params.length);
+      state = { step: 0, params, m: zeros, v: zeros };
     }
     // Kernels depend on these: a marker per adapter records which ones compiled there before.
     const build = JSON.stringify({
@@ -273,7 +284,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         paramComms: ranks.weights,
         control: ranks.control!,
       });
-      if (state) ranks.zero.loadMoments(state.m, state.v);
+      if (state && job.resume_path) ranks.zero.loadMoments(state.m, state.v);
     } else if (dp > 1) {
       ranks.reducer = await GradientReducer.create(ctx, ranks.grads, {
         overlap: c.overlap_grad_reduce ?? true,

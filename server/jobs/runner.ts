@@ -14,8 +14,10 @@ import {
   InvalidJobError,
   JobConflictError,
   JobNotFoundError,
+  ModelNotFoundError,
 } from "../../model/errors.ts";
-import type { FromWorker, FromWorkerGeneration, ToWorker, WorkerJob } from "../../protocol.ts";
+import { resolveModelSource } from "../../checkpoint/model_source.ts";
+import type { FromWorker, FromWorkerGeneration, ModelSource, ToWorker, WorkerJob } from "../../protocol.ts";
 import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
@@ -23,8 +25,10 @@ import type { Job, JobEvent, JobEventType } from "../../model/job.ts";
 import { compileLine } from "../../protocol.ts";
 import {
   completeConfig,
+  completeEvalConfig,
   type DeviceBudget,
   estimateBytes,
+  type EvaluateRequest,
   type TrainRequest,
 } from "../../model/job_config.ts";
 
@@ -161,7 +165,8 @@ export class JobRunner {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
     const gpu = this.#pickGpu();
-    const config = completeConfig(req, this.device(gpu));
+    const source = req.init_from ? await this.modelSource(req.init_from, "init_from") : null;
+    const config = completeConfig(req, this.device(gpu), source);
     const dp = config.data_parallel ?? 1, tp = config.tensor_parallel ?? 1;
     const trainers = this.#trainSlots().length;
     if (dp * tp > trainers) {
@@ -194,6 +199,63 @@ export class JobRunner {
     this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return job; // as accepted: "queued", even if its GPU already took it
+  }
+
+  /**
+   * A model the server knows (see checkpoint/model_source.ts), for `field`: an unknown or unusable
+   * one is an InvalidJobError naming that field.
+   */
+  async modelSource(id: string, field: string): Promise<ModelSource> {
+    try {
+      return await resolveModelSource(this.#opts.root, id);
+    } catch (e) {
+      if (e instanceof ModelNotFoundError) {
+        throw new InvalidJobError(
+          field,
+          `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
+            "(see GET /v1/models)",
+        );
+      }
+      if (e instanceof InvalidJobError) throw new InvalidJobError(field, e.message);
+      throw e;
+    }
+  }
+
+  /**
+   * Queues an evaluation job (`POST /evaluate`) like a training job on one GPU. Throws
+   * InvalidJobError naming the field for an unknown model or dataset, or a window the model cannot take.
+   */
+  async submitEvaluation(req: EvaluateRequest): Promise<Job> {
+    if (this.#draining) {
+      throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
+    }
+    const source = await this.modelSource(req.model, "model");
+    const config = completeEvalConfig(req, source);
+    if (req.dataset !== undefined) {
+      if (!(await this.#opts.datasetExists(req.dataset))) {
+        throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);
+      }
+      const tokens = (await this.#opts.splitTokens?.(req.dataset))?.[req.split];
+      if (tokens !== undefined && tokens < 2) {
+        throw new InvalidJobError(
+          "split",
+          `The ${req.split} split of dataset "${req.dataset}" has ${tokens} tokens: nothing to evaluate`,
+        );
+      }
+    }
+    const gpu = this.#pickGpu();
+    const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
+    this.#store.createJob(id, gpu, config);
+    const job = this.#store.updateJob(id, {
+      metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)), evaluation: null },
+    });
+    this.#emit(id, "log", {
+      level: "info",
+      message: `Queued on GPU ${gpu}: ${req.task} of "${source.id}"`,
+      status: "queued",
+    });
+    this.#dispatch(gpu);
+    return job;
   }
 
   /** Cancels a job: at once when waiting, between steps when running. Idempotent; 409 once it finished otherwise. */
@@ -545,6 +607,10 @@ export class JobRunner {
     const own = (await listCheckpoints(dir)).at(-1);
     const resume_path = own?.path ??
       (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
+    // A fine-tuning job's source (until it has checkpoints of its own), or the evaluated model.
+    const c = job.config;
+    const init = c.evaluate?.model ?? (resume_path ? undefined : c.init_from);
+    const init_source = init ? await this.modelSource(init, c.evaluate ? "model" : "init_from") : undefined;
     if (this.#stopped) return; // shut down meanwhile: the job stays "running" and resumes on the next start
     const msg: WorkerJob = {
       id: job.id,
@@ -552,6 +618,7 @@ export class JobRunner {
       root: this.#opts.root,
       checkpoint_dir: dir,
       resume_path,
+      ...(init_source ? { init_source } : {}),
       ...(parallel ? { parallel } : {}),
     };
     if (!parallel || parallel.rank === 0) {
@@ -564,7 +631,11 @@ export class JobRunner {
         : `GPU ${slot.index}`;
       this.#emit(job.id, "log", {
         level: "info",
-        message: resume_path ? `Running on ${where} from checkpoint "${resume_path}"` : `Running on ${where}`,
+        message: resume_path
+          ? `Running on ${where} from checkpoint "${resume_path}"`
+          : init_source
+          ? `Running on ${where} from the weights of "${init_source.id}"`
+          : `Running on ${where}`,
         status: "running",
       });
     }
@@ -660,6 +731,18 @@ export class JobRunner {
           perplexity: msg.perplexity,
           tokens: msg.tokens,
         });
+        return;
+      }
+      case "evaluation": {
+        const { type: _, id, result, ...progress } = msg;
+        this.#emit(id, "progress", { kind: "evaluate", ...progress });
+        if (result) {
+          this.#store.updateJob(id, {
+            metrics: { evaluation: result, tokens_per_s: result.tokens_per_s, test_loss: result.loss },
+          });
+          this.#emit(id, "evaluation", { ...result });
+        }
+        this.#crashes.delete(id);
         return;
       }
       case "log":

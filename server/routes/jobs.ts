@@ -1,12 +1,22 @@
 /**
- * Training job routes: submit (`POST /train`), list (paged), inspect, follow (SSE), cancel,
+ * Training job routes: submit (`POST /train`, also fine-tuning with `init_from`; `POST /evaluate`
+ * from evaluate.ts queues evaluation jobs beside them), list (paged), inspect, follow (SSE), cancel,
  * delete, list checkpoints and download their files, and metrics history. Handlers validate and
  * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
  * stored. Paths in answers are relative to the data directory.
  */
 
 import { Hono } from "hono";
-import { admitTrainJob, type CheckpointInfo, type Job, type JobRunner, type Limits } from "../jobs/mod.ts";
+import {
+  admitTrainJob,
+  type CheckpointInfo,
+  DEFAULT_MODEL,
+  initModel,
+  type Job,
+  type JobRunner,
+  type Limits,
+} from "../jobs/mod.ts";
+import { evaluateRoutes } from "./evaluate.ts";
 import { ApiError, jsonBody, type PathAlias, queryParams, scrubPaths } from "./api_errors.ts";
 import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./schemas.ts";
 import { checkpointPath, streamJobEvents } from "./sse.ts";
@@ -28,10 +38,15 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
 
   app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
     const req = c.req.valid("json");
-    admitTrainJob(limits, runner.store.waitingCount(), req);
+    // A fine-tuning job's model is its source's unless given (and then it must agree).
+    const source = req.init_from ? await runner.modelSource(req.init_from, "init_from") : null;
+    const model = source ? initModel(req.model, source) : req.model ?? DEFAULT_MODEL;
+    admitTrainJob(limits, runner.store.waitingCount(), { ...req, model });
     const job = await runner.submit(req);
     return c.json({ id: job.id, status: job.status, job: shown(job) }, 202, { Location: `/jobs/${job.id}` });
   });
+
+  app.route("/", evaluateRoutes(runner, limits));
 
   app.get("/jobs", queryParams(JobListQuerySchema, "job list query"), (c) => {
     const { status, limit, after } = c.req.valid("query");

@@ -17,9 +17,9 @@ export const ModelDimsSchema = z.strictObject({
   n_positions: positiveInt.max(8192),
 });
 
-/** Body of `POST /train`. */
+/** Body of `POST /train`. `model` omitted: the init_from source's dimensions, else "gpt2-tiny". */
 export const TrainRequestSchema = z.strictObject({
-  model: z.union([z.string().min(1), ModelDimsSchema]).default("gpt2-tiny"),
+  model: z.union([z.string().min(1), ModelDimsSchema]).optional(),
   dataset: z.string().min(1).max(200).default("sotu"),
   split: z.string().regex(/^\d+(,\d+){0,2}$/, 'expected Megatron\'s form, e.g. "949,50,1"').default(
     DEFAULT_SPLIT.join(","),
@@ -42,6 +42,7 @@ export const TrainRequestSchema = z.strictObject({
   save_interval: z.number().int().min(0).default(100),
   keep_checkpoints: positiveInt.max(1000).default(3),
   resume_from: z.string().min(1).max(300).optional(),
+  init_from: z.string().min(1).max(300).optional(),
   precision: z.enum(["fp32", "fp16"]).default("fp32"),
   checkpoint_activations: z.boolean().default(false),
   checkpoint_num_layers: positiveInt.max(96).default(1),
@@ -70,6 +71,54 @@ export const TrainRequestSchema = z.strictObject({
       PRESET_NAMES.join(", ")
     } or {n_layer, n_head, n_embd, n_positions}`,
   });
+
+/** The words of a cloze line (LAMBADA's format: the last one is to be predicted). */
+const clozeWords = (text: string) => text.trim().split(/\s+/).filter((w) => w.length > 0);
+
+/**
+ * Body of `POST /evaluate`: a model the server knows, a task, and what to read (texts, or a
+ * dataset's split for perplexity). `seq_len` defaults to the model's context and `stride` to
+ * `seq_len` (the non-overlapping evaluation); both are checked against the model by the runner.
+ */
+export const EvaluateRequestSchema = z.strictObject({
+  model: z.string().min(1).max(300),
+  task: z.enum(["perplexity", "cloze"]).default("perplexity"),
+  texts: z.array(z.string().max(10_000_000)).min(1).max(100_000).optional(),
+  dataset: z.string().min(1).max(200).optional(),
+  split: z.enum(["train", "valid", "test"]).default("test"),
+  seq_len: positiveInt.max(8192).optional(),
+  stride: positiveInt.max(8192).optional(),
+  batch_size: positiveInt.max(1024).default(8),
+  strict: z.boolean().default(false),
+  max_tokens: positiveInt.max(1e12).optional(),
+}).superRefine((r, ctx) => {
+  const issue = (path: (string | number)[], message: string) =>
+    ctx.addIssue({ code: "custom", path, message });
+  if ((r.texts === undefined) === (r.dataset === undefined)) {
+    issue(["texts"], "Cannot evaluate: give exactly one of texts or dataset");
+    return;
+  }
+  if (r.task === "cloze" && r.dataset !== undefined) {
+    issue(["dataset"], 'Cannot evaluate a cloze task on a dataset: give texts (LAMBADA\'s {"text"} lines)');
+  }
+  if (r.stride !== undefined && r.seq_len !== undefined && r.stride > r.seq_len) {
+    issue(["stride"], `Cannot evaluate with stride ${r.stride} larger than seq_len ${r.seq_len}`);
+  }
+  for (const [i, text] of (r.texts ?? []).entries()) {
+    if (text.trim() === "") {
+      issue(["texts", i], `Cannot evaluate an empty text (texts[${i}])`);
+    } else if (r.task === "cloze" && clozeWords(text).length < 2) {
+      issue(
+        ["texts", i],
+        `Cannot evaluate cloze line ${i}: "${text.trim().slice(0, 40)}" has one word, ` +
+          "and a context before the last word is needed",
+      );
+    }
+  }
+});
+
+/** A validated `POST /evaluate` body. */
+export type EvaluateRequestBody = z.infer<typeof EvaluateRequestSchema>;
 
 /** Query of `GET /jobs`: a status filter and a page (`limit` newest after job `after`). */
 export const JobListQuerySchema = z.strictObject({

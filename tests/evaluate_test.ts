@@ -1,0 +1,200 @@
+/**
+ * Evaluation (issue 28): the sliding-window definition and its normalisations on the CPU; on the
+ * GPU (lavapipe on CI), stride == seq_len equals the training loop's non-overlapping evaluation,
+ * stride < seq_len matches a float64 CPU reference of the definition (each token scored once with
+ * the context its window gives it), and cloze accuracy on hand-built token cases whose greedy
+ * answers are known, a last word of several tokens included. GPU tests skip without an adapter.
+ */
+
+import assert from "node:assert/strict";
+import { EOT_TOKEN, presetConfig } from "../model/config.ts";
+import {
+  clozeExample,
+  countBytes,
+  countWords,
+  perplexityFigures,
+  slidingWindows,
+} from "../model/perplexity.ts";
+import { evalBatches } from "../data/mod.ts";
+import { clozeTokens, EvalModel, perplexity, textStream, tokenize } from "../worker/evaluation.ts";
+import { initParams, referenceForward } from "./reference/cpu_gpt2.ts";
+import { noGpu, testContext } from "./_helpers.ts";
+
+const tiny = presetConfig("gpt2-tiny");
+
+Deno.test("slidingWindows() scores every token after the first exactly once, with the longest context", () => {
+  for (const [n, T, stride] of [[2, 8, 8], [40, 8, 3], [41, 8, 8], [17, 8, 1], [9, 8, 5], [100, 16, 7]]) {
+    const windows = slidingWindows(n, T, stride);
+    const seen = new Array(n).fill(0);
+    for (const [w, { start, first, end }] of windows.entries()) {
+      assert.equal(start, w * stride);
+      assert.ok(first >= 0 && first < end && end <= T);
+      for (let k = first; k < end; k++) {
+        const j = start + k + 1; // the stream token target k is
+        seen[j]++;
+        // Context of token j: from its window's start; the longest a window of stride `stride` allows.
+        const want = j <= T ? 0 : Math.ceil((j - T) / stride) * stride;
+        assert.equal(start, want, `token ${j} of n=${n} T=${T} stride=${stride}`);
+      }
+    }
+    assert.deepEqual(seen, [0, ...new Array(n - 1).fill(1)], `n=${n} T=${T} stride=${stride}`);
+  }
+  // stride == seq_len: the non-overlapping windows of the training loop's evaluation.
+  assert.deepEqual(slidingWindows(25, 8, 8), [
+    { start: 0, first: 0, end: 8 },
+    { start: 8, first: 0, end: 8 },
+    { start: 16, first: 0, end: 8 },
+  ]);
+  assert.throws(() => slidingWindows(10, 8, 9), /stride must be an integer in \[1, seq_len 8\]/);
+  assert.throws(() => slidingWindows(1, 8, 8), /nothing to score/);
+});
+
+Deno.test("perplexityFigures() normalises per token, per word (Megatron) and per byte (lm-evaluation-harness)", () => {
+  const text = "héllo wörld, a  b";
+  assert.equal(countWords(text), 5); // Python's text.strip().split(" "): the double space makes an empty word
+  assert.equal(countBytes(text), 19); // é and ö take two bytes each
+  const f = perplexityFigures({ nll: 10, tokens: 8, streamTokens: 9, words: 5, bytes: 19 });
+  assert.equal(f.loss, 1.25);
+  assert.equal(f.perplexity, Math.exp(1.25));
+  assert.equal(f.token_ratio, 2); // (9 − 1) / (5 − 1)
+  assert.equal(f.word_perplexity, Math.exp(2.5));
+  assert.equal(f.byte_perplexity, Math.exp(10 / 19));
+  assert.equal(f.bits_per_byte, 10 / 19 / Math.LN2);
+  const s = textStream(["One two", "three"]);
+  assert.deepEqual([s.words, s.bytes], [3, 12]);
+  assert.deepEqual(Array.from(s.tokens), [...tokenize("One two"), EOT_TOKEN, ...tokenize("three")]);
+});
+
+Deno.test("clozeExample() splits a LAMBADA line as Megatron does, strict and not", () => {
+  const line = "he looked at the tiny marmoset";
+  const strict = clozeExample(line, true, tokenize);
+  assert.deepEqual(strict.context, tokenize("he looked at the tiny"));
+  assert.deepEqual(strict.target, tokenize(" marmoset"));
+  assert.ok(strict.target.length > 1, "a last word of several tokens");
+  const loose = clozeExample(line, false, tokenize);
+  const all = tokenize(line);
+  assert.deepEqual(loose, { context: all.slice(0, -1), target: all.slice(-1) });
+  assert.throws(() => clozeExample("  lonely ", true, tokenize), /has one word/);
+});
+
+const gpuTest = (name: string, fn: () => Promise<void>) =>
+  Deno.test({ name, ignore: noGpu, sanitizeResources: false, sanitizeOps: false, fn });
+
+/** A deterministic pseudo-random token stream. */
+function stream(n: number, seed: number): Uint32Array {
+  const out = new Uint32Array(n);
+  let x = seed >>> 0;
+  for (let i = 0; i < n; i++) {
+    x = (Math.imul(x, 1664525) + 1013904223) >>> 0;
+    out[i] = x % 5000;
+  }
+  return out;
+}
+
+gpuTest(
+  "perplexity() with stride == seq_len equals the training loop's non-overlapping evaluation",
+  async () => {
+    const ctx = (await testContext())!;
+    const B = 2, T = 16;
+    const model = await EvalModel.create(ctx, tiny, initParams(tiny, 7), B, T);
+    try {
+      const tokens = stream(4 * T + 1, 1); // four whole windows, two batches
+      const r = await perplexity(model, { tokens, words: 10, bytes: 100 }, T);
+      const e = evalBatches(Uint16Array.from(tokens), B, T, 100);
+      const today = await model.trainer.evalLoss(e.batches);
+      assert.equal(r.tokens, e.tokens);
+      assert.equal(r.windows, 4);
+      assert.ok(Math.abs(r.loss - today) / today < 1e-5, `${r.loss} vs ${today}`);
+    } finally {
+      model.destroy();
+    }
+  },
+);
+
+gpuTest(
+  "perplexity() with stride < seq_len matches a float64 CPU reference of the sliding windows",
+  async () => {
+    const ctx = (await testContext())!;
+    const B = 3, T = 8, stride = 3, n = 31;
+    const params = initParams(tiny, 11);
+    const model = await EvalModel.create(ctx, tiny, params, B, T);
+    const tokens = stream(n, 5);
+    let r;
+    try {
+      r = await perplexity(model, { tokens, words: 7, bytes: 50 }, stride);
+    } finally {
+      model.destroy();
+    }
+    // The definition, token by token: target j is predicted from tokens [c(j), j), c(j) the start of
+    // the latest window whose last target is at or past j. Tokens sharing a context start share a forward.
+    const p64 = Float64Array.from(params), V = tiny.vocab_size, Vp = tiny.padded_vocab_size;
+    let nll = 0;
+    const byStart = new Map<number, number[]>();
+    for (let j = 1; j < n; j++) {
+      const c = j <= T ? 0 : Math.ceil((j - T) / stride) * stride;
+      byStart.set(c, [...(byStart.get(c) ?? []), j]);
+    }
+    for (const [c, js] of byStart) {
+      const last = Math.max(...js), len = last - c; // inputs c … last−1
+      const window = Int32Array.from(tokens.subarray(c, last + 1));
+      const { logits } = referenceForward(tiny, p64, window, 1, len);
+      for (const j of js) {
+        const row = logits.subarray((j - 1 - c) * Vp, (j - 1 - c) * Vp + V);
+        let max = -Infinity, sum = 0;
+        for (const x of row) max = Math.max(max, x);
+        for (const x of row) sum += Math.exp(x - max);
+        nll += Math.log(sum) + max - row[tokens[j]];
+      }
+    }
+    assert.equal(r.tokens, n - 1);
+    const want = nll / (n - 1);
+    assert.ok(Math.abs(r.loss - want) / want < 1e-5, `GPU ${r.loss} vs CPU ${want}`);
+    assert.ok(Math.abs(r.word_perplexity! - Math.exp(nll / 6)) / Math.exp(nll / 6) < 1e-4);
+    assert.ok(Math.abs(r.bits_per_byte! - nll / 50 / Math.LN2) < 1e-5);
+  },
+);
+
+gpuTest("cloze() is right exactly when the greedy continuation is the whole last word", async () => {
+  const ctx = (await testContext())!;
+  const B = 2, T = 12;
+  const params = initParams(tiny, 21), p64 = Float64Array.from(params);
+  const V = tiny.vocab_size, Vp = tiny.padded_vocab_size;
+  /** The CPU's greedy next token after `ids`, and its margin over the runner-up. */
+  const greedy = (ids: number[]) => {
+    const { logits } = referenceForward(tiny, p64, Int32Array.from([...ids, 0]), 1, ids.length);
+    const row = logits.subarray((ids.length - 1) * Vp, (ids.length - 1) * Vp + V);
+    let a = 0, b = 1;
+    if (row[b] > row[a]) [a, b] = [b, a];
+    for (let v = 2; v < V; v++) {
+      if (row[v] > row[a]) [a, b] = [v, a];
+      else if (row[v] > row[b]) b = v;
+    }
+    return { id: a, margin: row[a] - row[b] };
+  };
+  // Contexts whose greedy continuations are clear (a margin far above float32 rounding).
+  const cases: { context: number[]; target: number[]; right: boolean }[] = [];
+  for (let seed = 1; cases.length < 6 && seed < 200; seed++) {
+    const context = Array.from(stream(5 + (seed % 4), seed));
+    const g1 = greedy(context);
+    const g2 = greedy([...context, g1.id]);
+    if (g1.margin < 1e-3 || g2.margin < 1e-3) continue;
+    const k = cases.length;
+    if (k === 0) cases.push({ context, target: [g1.id], right: true });
+    else if (k === 1) cases.push({ context, target: [g1.id, g2.id], right: true }); // two tokens
+    else if (k === 2) cases.push({ context, target: [g1.id, (g2.id + 1) % V], right: false }); // second wrong
+    else if (k === 3) cases.push({ context, target: [(g1.id + 1) % V, g2.id], right: false }); // first wrong
+    else if (k === 4) cases.push({ context, target: [(g1.id + 7) % V], right: false });
+    else cases.push({ context, target: [g1.id, g2.id], right: true });
+  }
+  assert.equal(cases.length, 6);
+  const model = await EvalModel.create(ctx, tiny, params, B, T);
+  try {
+    const r = await clozeTokens(model, cases);
+    assert.equal(r.examples, 6);
+    assert.equal(r.correct, 3);
+    assert.equal(r.accuracy, 0.5);
+    assert.equal(r.tokens, cases.reduce((a, c) => a + c.target.length, 0));
+  } finally {
+    model.destroy();
+  }
+});

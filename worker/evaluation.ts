@@ -1,0 +1,471 @@
+/**
+ * Evaluation jobs inside a GPU Worker (and `deno task eval`): a model's perplexity over sliding
+ * windows, and LAMBADA-style cloze accuracy. The windows are batched on the GPU: each batch is one
+ * submission (forward and per-token losses), its B·T losses are copied into a results buffer, and
+ * the buffer is read back once per group of batches (up to GROUP_BYTES), never once per window.
+ * Cloze additionally copies the logits rows of the last word's positions, to check that the
+ * greedy continuation is the whole word. The arithmetic (which targets each window scores, the
+ * normalisations) is model/perplexity.ts; summing is in float64 on the CPU.
+ */
+
+import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
+import type { GpuContext } from "../engine/device.ts";
+import { readBuffers } from "../engine/device.ts";
+import { encodeOps } from "../engine/ops.ts";
+import { Trainer } from "../engine/trainer.ts";
+import { EOT_TOKEN, type ModelConfig, validateSeqLen } from "../model/config.ts";
+import type { EvalConfig, EvalResult } from "../model/job.ts";
+import {
+  type ClozeExample,
+  clozeExample,
+  clozeFigures,
+  countBytes,
+  countWords,
+  perplexityFigures,
+  slidingWindows,
+} from "../model/perplexity.ts";
+import { getDataset, isBuiltinName, loadSplit, prepareDataset } from "../data/mod.ts";
+import { loadWeights } from "../checkpoint/model_source.ts";
+import type { FromWorker, ModelSource, WorkerJob } from "../protocol.ts";
+
+/** Bytes of results (losses, logits rows) gathered on the GPU between readbacks. */
+const GROUP_BYTES = 64 << 20;
+
+/** Progress of an evaluation: `done` of `total` windows or examples, tokens scored so far. */
+export interface EvalProgress {
+  done: number;
+  total: number;
+  tokens: number;
+  tokens_per_s: number;
+}
+
+/** How a running evaluation talks to the outside. */
+export interface EvalHooks {
+  progress?(p: EvalProgress): void;
+  /** Polled between groups of batches: stop with an Error("Cancelled"). */
+  cancelled?(): boolean;
+}
+
+/** One batch handed to the GPU: B rows of T+1 tokens, and the logits rows (b·T + position) to copy back. */
+interface GpuBatch {
+  tokens: Uint32Array;
+  logitRows?: number[];
+}
+
+/** What one batch gave back: its B·T per-token losses, and the argmax (real vocabulary) of each copied row. */
+interface BatchResult {
+  losses: Float32Array;
+  argmax: number[];
+}
+
+/** A model loaded for evaluation: an engine plan of `batch` rows of `seqLen`, no dropout, weights of `source`. */
+export class EvalModel {
+  readonly trainer: Trainer;
+  readonly batch: number;
+  readonly seqLen: number;
+  readonly config: ModelConfig;
+  #ctx: GpuContext;
+
+  private constructor(ctx: GpuContext, trainer: Trainer, config: ModelConfig, batch: number, seqLen: number) {
+    this.#ctx = ctx;
+    this.trainer = trainer;
+    this.config = config;
+    this.batch = batch;
+    this.seqLen = seqLen;
+  }
+
+  /** Loads `params` (flat layout of `config`, tensor-parallel size 1) into a plan of `batch` × `seqLen`. */
+  static async create(
+    ctx: GpuContext,
+    config: ModelConfig,
+    params: Float32Array,
+    batch: number,
+    seqLen: number,
+  ): Promise<EvalModel> {
+    validateSeqLen(config, seqLen);
+    const zeros = new Float32Array(params.length);
+    const trainer = await Trainer.create(ctx, {
+      config,
+      batchSize: batch,
+      seqLen,
+      schedule: { lr: 0, min_lr: 0, warmup_iters: 0, decay_iters: 1, style: "constant" },
+      adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0, clip_grad: 0 },
+      attnDropout: 0,
+      hiddenDropout: 0,
+      seed: 0,
+    }, { step: 0, params, m: zeros, v: zeros });
+    return new EvalModel(ctx, trainer, config, batch, seqLen);
+  }
+
+  /** Loads a model the server knows (checkpoint of any tensor-parallel size, or a Hugging Face folder). */
+  static async load(ctx: GpuContext, source: ModelSource, batch: number, seqLen: number): Promise<EvalModel> {
+    return await EvalModel.create(ctx, source.config, await loadWeights(source), batch, seqLen);
+  }
+
+  /** Whether logits of every row of a batch are kept (the LM head runs in one chunk). */
+  get holdsLogits(): boolean {
+    return this.trainer.model.headRows >= this.batch * this.seqLen;
+  }
+
+  /**
+   * Runs `batches` through the forward pass and the per-token loss: one submission each, results
+   * gathered on the GPU and read back per group. Calls `each(i, result)` in order.
+   */
+  async run(
+    batches: GpuBatch[],
+    each: (i: number, r: BatchResult) => void,
+    hooks: EvalHooks = {},
+  ): Promise<void> {
+    const { device } = this.#ctx, m = this.trainer.model;
+    // The plan's per-row loss buffer, found by its label (the Trainer has no accessor for it yet).
+    const lossBuf = m.buffers.find((b) => b.label === "losses");
+    if (!lossBuf) throw new Error('The engine plan has no "losses" buffer');
+    const B = this.batch, T = this.seqLen, Vp = this.config.padded_vocab_size, V = this.config.vocab_size;
+    const lossBytes = B * T * 4, rowBytes = Vp * 4;
+    if (batches.some((b) => b.logitRows?.length) && !this.holdsLogits) {
+      throw new RangeError(
+        `Cannot keep the logits of ${
+          B * T
+        } rows (the LM head runs in chunks of ${m.headRows}): lower batch_size`,
+      );
+    }
+    let i = 0;
+    while (i < batches.length) {
+      if (hooks.cancelled?.()) throw new Error("Cancelled");
+      // A group: as many batches as fit GROUP_BYTES (at least one).
+      let j = i, bytes = 0;
+      while (j < batches.length) {
+        const add = lossBytes + (batches[j].logitRows?.length ?? 0) * rowBytes;
+        if (j > i && bytes + add > GROUP_BYTES) break;
+        bytes += add;
+        j++;
+      }
+      const out = device.createBuffer({
+        size: bytes,
+        usage: GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST,
+      });
+      const at: number[] = [];
+      let offset = 0;
+      for (let k = i; k < j; k++) {
+        const b = batches[k];
+        if (b.tokens.length !== B * (T + 1)) {
+          throw new RangeError(`Batch has ${b.tokens.length} tokens, expected ${B * (T + 1)}`);
+        }
+        device.queue.writeBuffer(
+          m.tokens,
+          0,
+          b.tokens.buffer as ArrayBuffer,
+          b.tokens.byteOffset,
+          b.tokens.byteLength,
+        );
+        const enc = device.createCommandEncoder();
+        encodeOps(enc, [...m.forward, ...m.evalLoss]);
+        at.push(offset);
+        enc.copyBufferToBuffer(lossBuf, 0, out, offset, lossBytes);
+        offset += lossBytes;
+        for (const row of b.logitRows ?? []) {
+          enc.copyBufferToBuffer(m.logits, row * rowBytes, out, offset, rowBytes);
+          offset += rowBytes;
+        }
+        device.queue.submit([enc.finish()]);
+      }
+      const [raw] = await readBuffers(this.#ctx, [{ buffer: out, offset: 0, bytes }]);
+      out.destroy();
+      for (let k = i; k < j; k++) {
+        const losses = new Float32Array(raw, at[k - i], B * T);
+        const argmax: number[] = [];
+        let o = at[k - i] + lossBytes;
+        for (const _ of batches[k].logitRows ?? []) {
+          const row = new Float32Array(raw, o, V);
+          let best = 0;
+          for (let v = 1; v < V; v++) if (row[v] > row[best]) best = v;
+          argmax.push(best);
+          o += rowBytes;
+        }
+        each(k, { losses, argmax });
+      }
+      i = j;
+    }
+  }
+
+  /** Frees the GPU buffers. */
+  destroy(): void {
+    this.trainer.destroy();
+  }
+}
+
+/** Text (words, bytes) and tokens of a perplexity stream. */
+export interface EvalStream {
+  tokens: Uint32Array;
+  words: number;
+  bytes: number;
+}
+
+/** Tokenizes `text` as GPT-2 does, `<|endoftext|>` in the text included as an ordinary string. */
+export function tokenize(text: string): number[] {
+  return encode(text, { disallowedSpecial: new Set() });
+}
+
+/** The stream of `texts`: each tokenized, joined by <|endoftext|>; words and bytes summed over the texts. */
+export function textStream(texts: string[]): EvalStream {
+  const ids: number[] = [];
+  let words = 0, bytes = 0;
+  texts.forEach((t, i) => {
+    if (i > 0) ids.push(EOT_TOKEN);
+    for (const id of tokenize(t)) ids.push(id);
+    words += countWords(t);
+    bytes += countBytes(t);
+  });
+  return { tokens: Uint32Array.from(ids), words, bytes };
+}
+
+/** The stream of a token split: its words and bytes from its documents (between <|endoftext|>) decoded. */
+export function tokenStream(tokens: Uint16Array | Uint32Array): EvalStream {
+  let words = 0, bytes = 0, from = 0;
+  for (let i = 0; i <= tokens.length; i++) {
+    if (i < tokens.length && tokens[i] !== EOT_TOKEN) continue;
+    if (i > from) {
+      const text = decode(Array.from(tokens.subarray(from, i)));
+      words += countWords(text);
+      bytes += countBytes(text);
+    }
+    from = i + 1;
+  }
+  return { tokens: Uint32Array.from(tokens), words, bytes };
+}
+
+/**
+ * Perplexity of `stream` with sliding windows of `model.seqLen` targets advancing by `stride`.
+ * Each token after the first is scored once; figures as model/perplexity.ts defines them.
+ */
+export async function perplexity(
+  model: EvalModel,
+  stream: EvalStream,
+  stride: number,
+  hooks: EvalHooks = {},
+): Promise<Omit<EvalResult, "task" | "model">> {
+  const B = model.batch, T = model.seqLen, n = stream.tokens.length;
+  const windows = slidingWindows(n, T, stride);
+  const batches: GpuBatch[] = [];
+  for (let w = 0; w < windows.length; w += B) {
+    const tokens = new Uint32Array(B * (T + 1)).fill(EOT_TOKEN);
+    for (let r = 0; r < B && w + r < windows.length; r++) {
+      const s = windows[w + r].start;
+      tokens.set(stream.tokens.subarray(s, Math.min(n, s + T + 1)), r * (T + 1));
+    }
+    batches.push({ tokens });
+  }
+  let nll = 0, scored = 0;
+  const t0 = performance.now();
+  await model.run(batches, (i, { losses }) => {
+    for (let r = 0; r < B && i * B + r < windows.length; r++) {
+      const { first, end } = windows[i * B + r];
+      for (let k = first; k < end; k++) nll += losses[r * T + k];
+      scored += end - first;
+    }
+    const s = (performance.now() - t0) / 1000;
+    hooks.progress?.({
+      done: Math.min(windows.length, (i + 1) * B),
+      total: windows.length,
+      tokens: scored,
+      tokens_per_s: scored / Math.max(s, 1e-9),
+    });
+  }, hooks);
+  const elapsed_s = (performance.now() - t0) / 1000;
+  const f = perplexityFigures({
+    nll,
+    tokens: scored,
+    streamTokens: n,
+    words: stream.words,
+    bytes: stream.bytes,
+  });
+  return {
+    loss: f.loss,
+    perplexity: f.perplexity,
+    tokens: scored,
+    word_perplexity: f.word_perplexity,
+    words: stream.words,
+    byte_perplexity: f.byte_perplexity,
+    bits_per_byte: f.bits_per_byte,
+    bytes: stream.bytes,
+    windows: windows.length,
+    stride,
+    seq_len: T,
+    tokens_per_s: scored / Math.max(elapsed_s, 1e-9),
+    elapsed_s,
+  };
+}
+
+/** Cloze accuracy of LAMBADA `lines` (see clozeExample for `strict`); see `clozeTokens`. */
+export async function cloze(
+  model: EvalModel,
+  lines: string[],
+  strict: boolean,
+  hooks: EvalHooks = {},
+): Promise<Omit<EvalResult, "task" | "model">> {
+  const examples = lines.map((line, i) => {
+    try {
+      return clozeExample(line, strict, tokenize);
+    } catch (e) {
+      throw new RangeError(`Cloze line ${i}: ${(e as Error).message}`);
+    }
+  });
+  return await clozeTokens(model, examples, hooks);
+}
+
+/**
+ * Cloze accuracy of token examples: one is right when the greedy prediction at every position of
+ * the target is that target token; the loss is the mean NLL of the whole target. Contexts longer
+ * than the window keep their end.
+ */
+export async function clozeTokens(
+  model: EvalModel,
+  examples: ClozeExample[],
+  hooks: EvalHooks = {},
+): Promise<Omit<EvalResult, "task" | "model">> {
+  const B = model.batch, T = model.seqLen;
+  const rows = examples.map((ex, i) => {
+    const all = [...ex.context, ...ex.target].slice(-(T + 1));
+    if (all.length <= ex.target.length) {
+      throw new RangeError(
+        `Cloze example ${i}: its last word takes ${ex.target.length} tokens, seq_len is ${T}`,
+      );
+    }
+    // Input positions whose next token is one of the target's.
+    const from = all.length - ex.target.length - 1;
+    return { all, positions: ex.target.map((_, k) => from + k) };
+  });
+  const batches: GpuBatch[] = [];
+  for (let e = 0; e < rows.length; e += B) {
+    const tokens = new Uint32Array(B * (T + 1)).fill(EOT_TOKEN), logitRows: number[] = [];
+    for (let r = 0; r < B && e + r < rows.length; r++) {
+      tokens.set(rows[e + r].all, r * (T + 1));
+      for (const p of rows[e + r].positions) logitRows.push(r * T + p);
+    }
+    batches.push({ tokens, logitRows });
+  }
+  const nlls: number[] = [], correct: boolean[] = [];
+  let scored = 0;
+  const t0 = performance.now();
+  await model.run(batches, (i, { losses, argmax }) => {
+    let a = 0;
+    for (let r = 0; r < B && i * B + r < rows.length; r++) {
+      const { all, positions } = rows[i * B + r];
+      let nll = 0, right = true;
+      for (const p of positions) {
+        nll += losses[r * T + p];
+        if (argmax[a++] !== all[p + 1]) right = false;
+      }
+      nlls.push(nll);
+      correct.push(right);
+      scored += positions.length;
+    }
+    const s = (performance.now() - t0) / 1000;
+    hooks.progress?.({
+      done: nlls.length,
+      total: rows.length,
+      tokens: scored,
+      tokens_per_s: scored / Math.max(s, 1e-9),
+    });
+  }, hooks);
+  const elapsed_s = (performance.now() - t0) / 1000;
+  const f = clozeFigures(nlls, correct);
+  return {
+    loss: f.loss,
+    perplexity: f.perplexity,
+    tokens: scored,
+    seq_len: T,
+    accuracy: f.accuracy,
+    examples: rows.length,
+    correct: f.correct,
+    tokens_per_s: scored / Math.max(elapsed_s, 1e-9),
+    elapsed_s,
+  };
+}
+
+/** The stream an evaluation config reads: its texts, or its dataset's split (a builtin prepared on first use). */
+export async function evalStream(root: string, c: EvalConfig): Promise<EvalStream> {
+  let stream: EvalStream;
+  if (c.texts) stream = textStream(c.texts);
+  else {
+    let id = c.dataset!;
+    if (isBuiltinName(id)) id = (await prepareDataset(root, { builtin: id })).id;
+    else if (!(await getDataset(root, id))) throw new Error(`Unknown dataset "${id}"`);
+    stream = tokenStream(await loadSplit(root, id, c.split ?? "test"));
+  }
+  if (c.max_tokens !== undefined && stream.tokens.length > c.max_tokens + 1) {
+    // Words and bytes of the tokens kept, decoded.
+    stream = tokenStream(stream.tokens.subarray(0, c.max_tokens + 1));
+  }
+  return stream;
+}
+
+/** Runs an evaluation config on a loaded model. */
+export async function runEvalConfig(
+  model: EvalModel,
+  root: string,
+  c: EvalConfig,
+  hooks: EvalHooks = {},
+): Promise<EvalResult> {
+  const body = c.task === "cloze"
+    ? await cloze(model, c.texts ?? [], c.strict, hooks)
+    : await perplexity(model, await evalStream(root, c), c.stride, hooks);
+  return { task: c.task, model: c.model, ...body };
+}
+
+/**
+ * Runs an evaluation job (`job.config.evaluate`) on this Worker's GPU: loads `job.init_source`,
+ * posts progress after each group of batches and the result at the end; never throws.
+ */
+export async function runEvaluationJob(
+  ctx: GpuContext,
+  job: WorkerJob,
+  hooks: { post(msg: FromWorker): void; cancelled(): boolean },
+): Promise<Extract<FromWorker, { type: "done" }>> {
+  const c = job.config.evaluate!;
+  const done = (status: "succeeded" | "failed" | "cancelled", error: string | null) => ({
+    type: "done" as const,
+    id: job.id,
+    status,
+    iteration: 0,
+    error,
+  });
+  let model: EvalModel | null = null;
+  try {
+    if (!job.init_source) throw new Error(`Evaluation job "${job.id}" reached the Worker without its model`);
+    model = await EvalModel.load(ctx, job.init_source, job.config.batch_size, job.config.seq_len);
+    if (c.task === "cloze" && !model.holdsLogits) {
+      // The greedy check reads logits rows: use as many rows as one LM head chunk holds.
+      const rows = Math.max(1, Math.floor(model.trainer.model.headRows / job.config.seq_len));
+      model.destroy();
+      model = await EvalModel.load(ctx, job.init_source, rows, job.config.seq_len);
+    }
+    hooks.post({
+      type: "started",
+      id: job.id,
+      iteration: 0,
+      resumed_from: null,
+      gpu_memory_bytes: model.trainer.memoryBytes,
+    });
+    const result = await runEvalConfig(model, job.root, c, {
+      cancelled: hooks.cancelled,
+      progress: (p) => hooks.post({ type: "evaluation", id: job.id, ...p }),
+    });
+    hooks.post({
+      type: "evaluation",
+      id: job.id,
+      done: result.windows ?? result.examples ?? 0,
+      total: result.windows ?? result.examples ?? 0,
+      tokens: result.tokens,
+      tokens_per_s: result.tokens_per_s,
+      result,
+    });
+    return done("succeeded", null);
+  } catch (e) {
+    const message = (e as Error).message || String(e);
+    if (message === "Cancelled" && hooks.cancelled()) return done("cancelled", null);
+    return done("failed", message);
+  } finally {
+    model?.destroy();
+  }
+}
