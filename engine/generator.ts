@@ -25,7 +25,7 @@ import {
   readBuffers,
   stagingFor,
 } from "./device.ts";
-import { buildModel, destroyModel, type GpuModel } from "./graph.ts";
+import { buildModel, destroyModel, type GpuModel } from "./graph/mod.ts";
 import type { Readback } from "./readback.ts";
 import {
   type CompileListener,

@@ -29,7 +29,7 @@ import {
   STAT,
   type Step,
   type Sync,
-} from "./graph.ts";
+} from "./graph/mod.ts";
 import type { ChunkOptions, Precision } from "../model/plan.ts";
 import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";

@@ -15,7 +15,7 @@ import {
   validateSeqLen,
 } from "../model/config.ts";
 import type { GpuContext } from "../engine/device.ts";
-import { checkFits } from "../engine/graph.ts";
+import { checkFits } from "../engine/graph/mod.ts";
 
 function throwsField(fn: () => unknown, field: string, pattern: RegExp) {
   assert.throws(fn, (e: unknown) => {

@@ -12,7 +12,7 @@
  */
 
 import { type GpuContext, readBuffer } from "../device.ts";
-import type { Sync } from "../graph.ts";
+import type { Sync } from "../graph/mod.ts";
 import type { RingComm } from "./allreduce.ts";
 import { BucketExchange, type ReducePath } from "./exchange.ts";
 import { combineCeStats } from "./tensor_parallel_kernels.ts";
