@@ -268,3 +268,41 @@ export function admitTrainJob(
     );
   }
 }
+
+/** Settings of a server that shares its jobs with other hosts (README, "Several hosts"). */
+export interface ClusterConfig {
+  /** PostgreSQL URL (GPT2_DATABASE_URL); null: the embedded SQLite store, one host. */
+  databaseUrl: string | null;
+  /** Seconds a host's claim on a job lasts without a heartbeat (GPT2_LEASE_S, default 30). */
+  leaseSeconds: number;
+  /** Checkpoints and datasets on storage every host sees (GPT2_SHARED_DIR); null: GPT2_HOME. */
+  sharedDir: string | null;
+  /** This host's id (GPT2_HOST_ID, default "<hostname>:<port>"): stable across its restarts. */
+  hostId: string;
+}
+
+/**
+ * Reads GPT2_DATABASE_URL, GPT2_LEASE_S, GPT2_SHARED_DIR and GPT2_HOST_ID. Kept apart from
+ * {@link readServerConfig} so a one-host server's settings are what they always were.
+ */
+export function readClusterConfig(env: Env, hostname: () => string = Deno.hostname): ClusterConfig {
+  const url = env.get("GPT2_DATABASE_URL") || null;
+  if (url !== null && !/^postgres(ql)?:\/\//.test(url)) {
+    throw new Error(
+      `Invalid GPT2_DATABASE_URL "${url.replace(/:[^:@/]*@/, ":***@")}": ` +
+        `expected postgres://user:password@host:5432/database (unset: the embedded SQLite store)`,
+    );
+  }
+  const rawLease = env.get("GPT2_LEASE_S") ?? "30";
+  const leaseSeconds = Number(rawLease);
+  if (!(leaseSeconds >= 1) || !Number.isFinite(leaseSeconds)) {
+    throw new Error(`Invalid GPT2_LEASE_S "${rawLease}": expected seconds, at least 1`);
+  }
+  const hostId = env.get("GPT2_HOST_ID") || `${hostname()}:${env.get("PORT") ?? "8080"}`;
+  if (!/^[\x21-\x7e]{1,128}$/.test(hostId)) {
+    throw new Error(
+      `Invalid GPT2_HOST_ID "${hostId}": expected 1 to 128 printable ASCII characters, no spaces`,
+    );
+  }
+  return { databaseUrl: url, leaseSeconds, sharedDir: env.get("GPT2_SHARED_DIR") || null, hostId };
+}

@@ -1,0 +1,136 @@
+/**
+ * One host's side of the shared queue: registers the host, lets go of what it held before a
+ * restart, claims jobs it can place, renews their leases on a heartbeat, and tells the runner
+ * when a lease was lost (another host claimed the job after this one stopped renewing: stop it at
+ * once and write nothing more) or when a cancel for a job it runs came through another host.
+ *
+ * Every write the runner makes for a job it holds passes {@link LeaseKeeper.lease}: the store
+ * refuses it once another host's claim raised the job's epoch (LeaseLostError), so a host that
+ * was paused or cut off past its lease cannot write to the job again even before its next
+ * heartbeat tells it. The heartbeat runs every third of the lease, so two missed beats still
+ * leave the lease alive.
+ */
+
+import type { Job } from "../../model/job.ts";
+import type { Claim, HeartbeatResult, HostReport, JobStoreEngine, Lease } from "./job_store.ts";
+
+/** What the keeper needs from its host. */
+export interface LeaseKeeperOptions {
+  store: JobStoreEngine;
+  hostId: string;
+  /** How long a claim lasts without a heartbeat (GPT2_LEASE_S × 1000). */
+  leaseMs: number;
+  /** Between heartbeats; default a third of the lease. */
+  heartbeatMs?: number;
+  /** The host's GPUs, free Workers and state, as of now. */
+  report: () => Omit<HostReport, "id">;
+  /** Another host took `jobId`: stop it now and write nothing more to it. */
+  onLost: (jobId: string) => void;
+  /** A cancel for `jobId` was sent through another host (called once per job). */
+  onCancel: (jobId: string) => void;
+  /** A heartbeat failed (the database is unreachable); the leases may run out. */
+  onError?: (e: Error) => void;
+}
+
+/** Claims, renews and gives back one host's leases. */
+export class LeaseKeeper {
+  #opts: LeaseKeeperOptions;
+  #held = new Map<string, Lease>();
+  #cancelled = new Set<string>();
+  #timer: ReturnType<typeof setInterval> | null = null;
+  #beating: Promise<HeartbeatResult> | null = null;
+
+  constructor(opts: LeaseKeeperOptions) {
+    this.#opts = opts;
+  }
+
+  /** This host's id. */
+  get hostId(): string {
+    return this.#opts.hostId;
+  }
+
+  /**
+   * Registers the host, lets go of every job it held before (a `running` one becomes
+   * `interrupted`, claimable by any host at once; returned) and starts the heartbeat.
+   */
+  async start(): Promise<Job[]> {
+    await this.#opts.store.registerHost({ id: this.#opts.hostId, ...this.#opts.report() });
+    const released = await this.#opts.store.releaseHost(this.#opts.hostId);
+    const every = this.#opts.heartbeatMs ?? Math.max(100, Math.floor(this.#opts.leaseMs / 3));
+    this.#timer = setInterval(() => void this.beat().catch(() => {}), every);
+    return released;
+  }
+
+  /** Stops the heartbeat (the leases run out unless released). */
+  stop(): void {
+    if (this.#timer !== null) clearInterval(this.#timer);
+    this.#timer = null;
+  }
+
+  /** Claims the next job this host can place on `capacity` free Workers, or null. */
+  async claim(capacity: number): Promise<Claim | null> {
+    if (capacity < 1) return null;
+    const claim = await this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs);
+    if (claim) this.#held.set(claim.job.id, claim.lease);
+    return claim;
+  }
+
+  /** The lease this host holds on `jobId`, if it still believes it does. */
+  lease(jobId: string): Lease | undefined {
+    return this.#held.get(jobId);
+  }
+
+  /** Job ids this host holds. */
+  held(): string[] {
+    return [...this.#held.keys()];
+  }
+
+  /** Gives `jobId` back (it finished, or stopped here to resume elsewhere). */
+  async release(jobId: string): Promise<void> {
+    const lease = this.#held.get(jobId);
+    this.#held.delete(jobId);
+    this.#cancelled.delete(jobId);
+    if (lease) await this.#opts.store.release(lease);
+  }
+
+  /** Forgets `jobId` without a write (its lease was lost: the job is another host's now). */
+  forget(jobId: string): void {
+    this.#held.delete(jobId);
+    this.#cancelled.delete(jobId);
+  }
+
+  /** One heartbeat now: renews every lease, reports lost ones and cancels from elsewhere. */
+  beat(): Promise<HeartbeatResult> {
+    this.#beating ??= this.#beat().finally(() => this.#beating = null);
+    return this.#beating;
+  }
+
+  async #beat(): Promise<HeartbeatResult> {
+    const leases = [...this.#held.values()];
+    let result: HeartbeatResult;
+    try {
+      result = await this.#opts.store.heartbeat(
+        { id: this.#opts.hostId, ...this.#opts.report() },
+        leases,
+        this.#opts.leaseMs,
+      );
+    } catch (e) {
+      this.#opts.onError?.(e as Error);
+      throw e;
+    }
+    for (const id of result.lost) {
+      // Only if it is still the same lease (a release or a new claim may have raced the beat).
+      if (leases.some((l) => l.job_id === id && this.#held.get(id) === l)) {
+        this.forget(id);
+        this.#opts.onLost(id);
+      }
+    }
+    for (const k of result.kept) {
+      if (k.cancel_requested && this.#held.has(k.job_id) && !this.#cancelled.has(k.job_id)) {
+        this.#cancelled.add(k.job_id);
+        this.#opts.onCancel(k.job_id);
+      }
+    }
+    return result;
+  }
+}
