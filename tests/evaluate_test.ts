@@ -19,6 +19,19 @@ import { evalBatches } from "../data/mod.ts";
 import { clozeTokens, EvalModel, perplexity, textStream, tokenize } from "../worker/evaluation.ts";
 import { initParams, referenceForward } from "./reference/cpu_gpt2.ts";
 import { noGpu, testContext } from "./_helpers.ts";
+import {
+  exportTensors,
+  hfConfig,
+  isFinished,
+  JobRunner,
+  JobStore,
+  writeSafetensors,
+} from "../server/jobs/mod.ts";
+import { withWorkerRunner } from "./_runner.ts";
+import { ScriptedWorker } from "./fakes/fake_worker.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { apiError } from "./_api.ts";
+import { until } from "./_wait.ts";
 
 const tiny = presetConfig("gpt2-tiny");
 
@@ -197,4 +210,176 @@ gpuTest("cloze() is right exactly when the greedy continuation is the whole last
   } finally {
     model.destroy();
   }
+});
+
+/** A runner with a scripted Worker and the app over it; `models/hf_eval` is a gpt2-tiny folder. */
+async function routeSetup() {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_eval_routes_" });
+  await writeHfFolder(root, "hf_eval", initParams(tiny, 3));
+  const store = new JobStore(":memory:");
+  const workers: ScriptedWorker[] = [];
+  const runner = new JobRunner(store, {
+    root,
+    gpus: 1,
+    spawn: () => {
+      const w = new ScriptedWorker();
+      workers.push(w);
+      return w;
+    },
+    datasetExists: (id) => Promise.resolve(id === "sotu"),
+  });
+  runner.start();
+  const app = createApp({ runner, token: null, maxBodyBytes: 4096, maxUploadBytes: 1 << 20 });
+  const post = (body: unknown) =>
+    app.request("/evaluate", {
+      method: "POST",
+      body: JSON.stringify(body),
+      headers: { "Content-Type": "application/json" },
+    });
+  const cleanup = async () => {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  };
+  return { app, runner, workers, post, root, cleanup };
+}
+
+/** Writes a Hugging Face GPT-2 folder of gpt2-tiny under `root/models/name`. */
+async function writeHfFolder(root: string, name: string, params: Float32Array): Promise<void> {
+  const dir = `${root}/models/${name}`;
+  await Deno.mkdir(dir, { recursive: true });
+  await Deno.writeTextFile(
+    `${dir}/config.json`,
+    JSON.stringify(hfConfig(tiny, { attention_dropout: 0, hidden_dropout: 0 })),
+  );
+  await writeSafetensors(`${dir}/model.safetensors`, exportTensors(tiny, params));
+}
+
+Deno.test("POST /evaluate: bad input is a 400 naming the field", async () => {
+  const t = await routeSetup();
+  try {
+    await apiError(await t.post({ model: "hf_eval", texts: ["fine", "  "] }), 400, {
+      param: "texts.1",
+      message: /Cannot evaluate an empty text/,
+    });
+    await apiError(await t.post({ model: "hf_eval", texts: ["a b c"], seq_len: 8, stride: 9 }), 400, {
+      param: "stride",
+      message: /stride 9 larger than seq_len 8/,
+    });
+    // seq_len from the model (64): a stride past it is refused once the model is known.
+    await apiError(await t.post({ model: "hf_eval", texts: ["a b c"], stride: 65 }), 400, {
+      param: "stride",
+    });
+    await apiError(await t.post({ model: "hf_eval", texts: ["a b c"], seq_len: 65 }), 400, {
+      param: "seq_len",
+    });
+    await apiError(await t.post({ model: "hf_eval", task: "cloze", texts: ["two words", "single"] }), 400, {
+      param: "texts.1",
+      message: /Cannot evaluate cloze line 1: "single" has one word/,
+    });
+    await apiError(await t.post({ model: "no_such_model", texts: ["a b"] }), 400, {
+      param: "model",
+      message: /Unknown model "no_such_model" in model/,
+    });
+    await apiError(await t.post({ model: "hf_eval", dataset: "nope" }), 400, { param: "dataset" });
+    await apiError(await t.post({ model: "hf_eval" }), 400, { param: "texts" });
+    await apiError(await t.post({ model: "hf_eval", task: "cloze", dataset: "sotu" }), 400, {
+      param: "dataset",
+    });
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("POST /evaluate queues an evaluation job with the model resolved; its result is stored and streamed", async () => {
+  const t = await routeSetup();
+  try {
+    const res = await t.post({ model: "hf_eval", texts: ["The quick brown fox"], seq_len: 16, stride: 8 });
+    assert.equal(res.status, 202, await res.clone().text());
+    const body = await res.json();
+    assert.match(body.id, /^eval_[0-9a-f]{12}$/);
+    assert.equal(res.headers.get("Location"), `/jobs/${body.id}`);
+    await until(() => t.workers[0]?.jobs.length === 1, "the job on the worker");
+    const handed = t.workers[0].jobs[0];
+    assert.deepEqual(handed.config.evaluate, {
+      task: "perplexity",
+      model: "hf_eval",
+      texts: ["The quick brown fox"],
+      stride: 8,
+      strict: false,
+    });
+    assert.equal(handed.config.seq_len, 16);
+    assert.equal(handed.init_source?.id, "hf_eval");
+    const result = {
+      task: "perplexity" as const,
+      model: "hf_eval",
+      loss: 2,
+      perplexity: Math.exp(2),
+      tokens: 3,
+      seq_len: 16,
+      tokens_per_s: 10,
+      elapsed_s: 0.3,
+    };
+    t.workers[0].send({ type: "evaluation", id: body.id, done: 1, total: 1, tokens: 3, tokens_per_s: 10 });
+    t.workers[0].send({
+      type: "evaluation",
+      id: body.id,
+      done: 1,
+      total: 1,
+      tokens: 3,
+      tokens_per_s: 10,
+      result,
+    });
+    t.workers[0].send({ type: "done", id: body.id, status: "succeeded", iteration: 0, error: null });
+    await until(() => t.runner.get(body.id).status === "succeeded", "the job done");
+    const job = await (await t.app.request(`/jobs/${body.id}`)).json();
+    assert.deepEqual(job.metrics.evaluation, result);
+    const events = await t.runner.store.eventsAfter(body.id, 0);
+    assert.ok(events.some((e) => e.type === "progress" && e.data.kind === "evaluate" && e.data.done === 1));
+    assert.ok(events.some((e) => e.type === "evaluation" && e.data.perplexity === Math.exp(2)));
+  } finally {
+    await t.cleanup();
+  }
+});
+
+/** Submits an evaluation and waits for its end. */
+async function evaluation(runner: JobRunner, req: Parameters<JobRunner["submitEvaluation"]>[0]) {
+  const submitted = await runner.submitEvaluation(req);
+  await until(
+    async () => isFinished((await runner.get(submitted.id)).status),
+    "the evaluation done",
+    300_000,
+  );
+  return await runner.get(submitted.id);
+}
+
+Deno.test({
+  name: "evaluation jobs run on a GPU Worker: perplexity of texts and of a dataset split, cloze of lines",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: () =>
+    withWorkerRunner("gpt2_eval_jobs_", 1, async (runner, root) => {
+      await writeHfFolder(root, "hf_eval", initParams(tiny, 3));
+      const common = { model: "hf_eval", split: "test" as const, batch_size: 4, strict: false, seq_len: 16 };
+      const text = "It was the best of times, it was the worst of times, it was the age of wisdom.";
+      const a = await evaluation(runner, { ...common, task: "perplexity", texts: [text], stride: 8 });
+      assert.equal(a.status, "succeeded", a.error ?? "");
+      const r = a.metrics.evaluation!;
+      assert.equal(r.tokens, tokenize(text).length - 1);
+      assert.equal(r.words, 18);
+      assert.equal(r.bytes, text.length);
+      assert.ok(r.loss > 5 && r.loss < 20 && Math.abs(r.perplexity - Math.exp(r.loss)) < 1e-6 * r.perplexity);
+
+      const b = await evaluation(runner, { ...common, task: "perplexity", dataset: "sotu", max_tokens: 100 });
+      assert.equal(b.status, "succeeded", b.error ?? "");
+      assert.equal(b.metrics.evaluation!.tokens, 100);
+      assert.ok(b.metrics.evaluation!.bytes! > 100);
+
+      const lines = ["the cat sat on the mat", "once upon a time there was a princess"];
+      const c = await evaluation(runner, { ...common, task: "cloze", texts: lines, strict: true });
+      assert.equal(c.status, "succeeded", c.error ?? "");
+      assert.equal(c.metrics.evaluation!.examples, 2);
+      assert.equal(c.metrics.evaluation!.tokens, tokenize(" mat").length + tokenize(" princess").length);
+    }),
 });
