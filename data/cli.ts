@@ -9,7 +9,10 @@
  *
  * Options of prepare: --min-tokens N, --dedup-threshold X, --no-dedup, --split 949,50,1,
  * --seq-len N, --max-documents N, --id ID, --force, --workers N, --root DIR (default $GPT2_HOME
- * or ./.gpt2). Long work shows a progress bar on a terminal (a line every few seconds otherwise).
+ * or ./.gpt2), --max-file-ms N, --allow-partial, --shard-chars N, --progress-json. Long work shows
+ * a progress bar on a terminal (a line every few seconds otherwise), with rate and ETA; with
+ * --progress-json every progress event is one JSON line on stderr instead. A preparation that was
+ * killed resumes when the same command is run again.
  */
 import { parseArgs } from "node:util";
 import { resolve } from "node:path";
@@ -30,6 +33,7 @@ const USAGE = `Usage: deno task data <command> [options]
   prepare --builtin sotu|moby-dick | --path P | --texts-file F | --url-list F
           [--min-tokens 128] [--dedup-threshold 0.8] [--no-dedup] [--split 949,50,1] [--seq-len 1024]
           [--max-documents N] [--id ID] [--force] [--workers N] [--root DIR]
+          [--max-file-ms 60000] [--allow-partial] [--shard-chars N] [--progress-json]
   list [--root DIR]
   info ID [--root DIR]
   urls FILE [--out F]
@@ -54,9 +58,12 @@ function progressPrinter(): { update: (p: Progress) => void; end: () => void } {
     const amount = p.stage === "download"
       ? `${p.done}/${p.total ?? "?"} URLs`
       : `${(p.done / 1e6).toFixed(1)}${p.total ? `/${(p.total / 1e6).toFixed(1)}` : ""} MB`;
+    const rate = p.rate !== undefined && p.stage === "tokenize"
+      ? `, ${(p.rate / 1e6).toFixed(1)} MB/s${p.eta_s !== undefined ? `, ETA ${p.eta_s} s` : ""}`
+      : "";
     return `${bar}${p.stage} ${amount}, ${p.documents} docs, ${(p.tokens / 1e6).toFixed(2)}M tokens, ${
       secs.toFixed(1)
-    } s`;
+    } s${rate}`;
   };
   return {
     update(p) {
@@ -126,6 +133,10 @@ export async function main(args: string[]): Promise<number> {
       out: { type: "string" },
       concurrency: { type: "string" },
       "timeout-ms": { type: "string" },
+      "max-file-ms": { type: "string" },
+      "allow-partial": { type: "boolean" },
+      "shard-chars": { type: "string" },
+      "progress-json": { type: "boolean" },
       help: { type: "boolean", short: "h" },
     },
   });
@@ -168,10 +179,15 @@ export async function main(args: string[]): Promise<number> {
         ...(values["max-documents"] ? { max_documents: num("max-documents", values["max-documents"]) } : {}),
         ...(values.workers ? { workers: num("workers", values.workers) } : {}),
         ...(values.force ? { force: true } : {}),
+        ...(values["max-file-ms"] ? { max_file_ms: num("max-file-ms", values["max-file-ms"]) } : {}),
+        ...(values["allow-partial"] ? { allow_partial: true } : {}),
+        ...(values["shard-chars"] ? { shard_chars: num("shard-chars", values["shard-chars"]) } : {}),
         download: { allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1" },
       };
       await Deno.mkdir(root, { recursive: true });
-      const bar = progressPrinter();
+      const bar = values["progress-json"]
+        ? { update: (p: Progress) => console.error(JSON.stringify(p)), end: () => {} }
+        : progressPrinter();
       const t0 = performance.now();
       let info;
       try {
@@ -184,6 +200,8 @@ export async function main(args: string[]): Promise<number> {
         JSON.stringify({ id: info.id, documents: info.documents, tokens: info.tokens, splits: info.splits }),
       );
       console.error(`Dataset "${info.id}" ready in ${root}/datasets/${info.id} (${secs.toFixed(1)} s)`);
+      const cut = (info as { cut?: { file: string; reason: string }[] }).cut;
+      if (cut) console.error(`Partial dataset: ${cut.map((c) => `"${c.file}" ${c.reason}`).join("; ")}`);
       return 0;
     }
     case "list": {

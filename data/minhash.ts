@@ -78,17 +78,92 @@ export function minhashFromWords(
     }
   }
   // Optimal densification: an empty bin i takes the value of the first filled bin in the sequence
-  // hash(i, 1), hash(i, 2), ... (the same sequence for every document).
+  // hash(i, 1), hash(i, 2), ... (the same sequence for every document, so it is tabulated once).
+  // With few filled bins (short documents) the first filled one is found as the filled bin with
+  // the earliest place in the sequence; otherwise by walking the sequence.
+  let m = 0;
+  for (let i = 0; i < k; i++) if (filled[i]) m++;
+  if (m === k) return;
+  const { steps, first } = densifyTables(k, seed);
+  if (m <= DENSIFY_FEW) {
+    const bins: number[] = [];
+    for (let i = 0; i < k; i++) if (filled[i]) bins.push(i);
+    for (let i = 0; i < k; i++) {
+      if (filled[i]) continue;
+      let best = bins[0], bestAt = first[i * k + best];
+      for (let c = 1; c < bins.length; c++) {
+        const at = first[i * k + bins[c]];
+        if (at < bestAt) [best, bestAt] = [bins[c], at];
+      }
+      sig[i] = sig[best];
+    }
+    return;
+  }
   for (let i = 0; i < k; i++) {
     if (filled[i]) continue;
-    for (let attempt = 1;; attempt++) {
-      const j = (fmix32(Math.imul(i + 1, 0x9e3779b1) ^ Math.imul(attempt, 0x85ebca77) ^ seed) >>> 0) % k;
+    let attempt = 1;
+    for (const base = i * DENSIFY_STEPS; attempt <= DENSIFY_STEPS; attempt++) {
+      const j = steps[base + attempt - 1];
+      if (filled[j] === 1) {
+        sig[i] = sig[j];
+        break;
+      }
+    }
+    if (attempt <= DENSIFY_STEPS) continue;
+    for (;; attempt++) {
+      const j = densifyBin(i, attempt, k, seed);
       if (filled[j] === 1) {
         sig[i] = sig[j];
         break;
       }
     }
   }
+}
+
+/** Attempts of the densification sequence tabulated per bin (later ones are computed). */
+const DENSIFY_STEPS = 64;
+/** Up to this many filled bins, densification looks up each filled bin's place in the sequence. */
+const DENSIFY_FEW = 16;
+
+/** The `attempt`-th bin of bin `i`'s densification sequence. */
+function densifyBin(i: number, attempt: number, k: number, seed: number): number {
+  return (fmix32(Math.imul(i + 1, 0x9e3779b1) ^ Math.imul(attempt, 0x85ebca77) ^ seed) >>> 0) % k;
+}
+
+/** Densification tables of one signature length and seed. */
+interface DensifyTables {
+  /** `steps[i * DENSIFY_STEPS + a - 1]`: the a-th bin of bin i's sequence. */
+  steps: Uint16Array;
+  /** `first[i * k + j]`: the attempt at which bin j first appears in bin i's sequence. */
+  first: Uint32Array;
+}
+
+/** Tabulated densification sequences, per signature length and seed (computed once per worker). */
+const densifyCache = new Map<string, DensifyTables>();
+
+/** The densification tables for `k` bins and `seed`. */
+function densifyTables(k: number, seed: number): DensifyTables {
+  const key = `${k}:${seed}`;
+  let t = densifyCache.get(key);
+  if (!t) {
+    const steps = new Uint16Array(k * DENSIFY_STEPS), first = new Uint32Array(k * k);
+    for (let i = 0; i < k; i++) {
+      for (let a = 1; a <= DENSIFY_STEPS; a++) steps[i * DENSIFY_STEPS + a - 1] = densifyBin(i, a, k, seed);
+      // Every bin appears eventually (a coupon collector: about k ln k attempts); one that did not
+      // within 2^24 attempts (never seen) would rank last.
+      let left = k;
+      for (let a = 1; left > 0 && a < 1 << 24; a++) {
+        const j = densifyBin(i, a, k, seed);
+        if (first[i * k + j] === 0) {
+          first[i * k + j] = a;
+          left--;
+        }
+      }
+      for (let j = 0; left > 0 && j < k; j++) if (first[i * k + j] === 0) first[i * k + j] = 0xffffffff;
+    }
+    densifyCache.set(key, t = { steps, first });
+  }
+  return t;
 }
 
 /** Estimated Jaccard similarity of two signatures (fraction of equal entries). */
@@ -136,9 +211,9 @@ export function lshBands(threshold: number, numPerm: number): { bands: number; r
   return best ?? fallback;
 }
 
-/** Bits of a signature entry kept by {@link LshIndex} (b-bit MinHash, Li & König 2010). */
+/** Bits of a signature entry kept by {@link LshIndex} for verification (b-bit MinHash, Li & König 2010). */
 export const LSH_FINGERPRINT_BITS = 4;
-/** Documents per page of stored fingerprints (pages avoid copying on growth). */
+/** Documents per page of stored fingerprints and keys (pages avoid copying on growth). */
 const PAGE_DOCS = 1 << 16;
 /** Bits of a table slot holding the document id + 1; the rest hold a tag of the band key. */
 const ID_BITS = 25;
@@ -149,6 +224,8 @@ export const LSH_MAX_DOCUMENTS = ID_MASK - 1;
 const MAX_LOAD = 0.8;
 /** Smallest table (slots per band). */
 const MIN_SLOTS = 1 << 12;
+/** File names of a persisted index (see {@link LshIndexOptions.dir}). */
+const KEYS_FILE = "lsh-keys.u32", FINGERPRINTS_FILE = "lsh-fingerprints.u32";
 
 /** Non-zero nibbles of a 32-bit word (so 8 minus the equal 4-bit entries of two XORed words). */
 function nonZeroNibbles(x: number): number {
@@ -170,24 +247,78 @@ export function packSignature(sig: Uint32Array, numPerm: number, out: Uint32Arra
   }
 }
 
+/** Options of {@link LshIndex}. */
+export interface LshIndexOptions {
+  /**
+   * A folder where the index keeps its band keys (read back only when the tables double, so they
+   * cost disk, not memory) and a copy of its fingerprints, both appended in document order; what
+   * {@link LshIndex.flush} wrote there, {@link LshIndex.restore} reads back after a crash. Without
+   * it, band keys are kept in memory (72 more bytes per document at 18 bands).
+   */
+  dir?: string;
+}
+
+/** Append-only file of fixed-size records, written through a buffer, read back sequentially. */
+class RecordFile {
+  readonly file: Deno.FsFile;
+  readonly words: number;
+  #buf: Uint32Array;
+  #pending = 0;
+  /** Records on disk. */
+  written = 0;
+  constructor(path: string, words: number) {
+    this.file = Deno.openSync(path, { read: true, write: true, create: true });
+    this.words = words;
+    this.#buf = new Uint32Array(words * 16384);
+  }
+  append(src: Uint32Array, offset = 0): void {
+    this.#buf.set(src.subarray(offset, offset + this.words), this.#pending * this.words);
+    if (++this.#pending * this.words === this.#buf.length) this.flush();
+  }
+  flush(): void {
+    if (this.#pending === 0) return;
+    const bytes = new Uint8Array(this.#buf.buffer, 0, this.#pending * this.words * 4);
+    this.file.seekSync(this.written * this.words * 4, Deno.SeekMode.Start);
+    for (let off = 0; off < bytes.length;) off += this.file.writeSync(bytes.subarray(off));
+    this.written += this.#pending;
+    this.#pending = 0;
+  }
+  /** Call `each(records, count)` over the first `n` records on disk, in chunks. */
+  scan(n: number, each: (records: Uint32Array, count: number) => void): void {
+    const chunk = new Uint32Array(this.words * 16384), bytes = new Uint8Array(chunk.buffer);
+    this.file.seekSync(0, Deno.SeekMode.Start);
+    for (let done = 0; done < n;) {
+      const count = Math.min(16384, n - done), want = count * this.words * 4;
+      for (let off = 0; off < want;) {
+        const r = this.file.readSync(bytes.subarray(off, want));
+        if (r === null) throw new Error(`Cannot read the dedup index: a file ends after ${done} records`);
+        off += r;
+      }
+      each(chunk, count);
+      done += count;
+    }
+  }
+}
+
 /**
  * An LSH index over MinHash signatures. {@link LshIndex.addUnlessDuplicate} keeps the first of
  * each group of near-duplicates: documents are compared only with those already kept.
  *
  * Everything lives in typed arrays, outside the JS heap, in a fixed number of bytes per kept
  * document ({@link LshIndex.bytesPerDocument}):
+ * - each band has an open-addressing hash table (linear probing) of 32-bit slots, holding the
+ *   document id and 7 bits of the band key (a hash of the band's full 32-bit entries) as a tag; all
+ *   tables double together when the kept documents pass 80% of their slots, so a table costs
+ *   4 / load (5 to 10) bytes per document;
  * - each kept document's signature is stored as 4-bit fingerprints of its entries (b-bit
  *   MinHash): 64 bytes for 128 entries, in pages of 65,536 documents;
- * - each band has an open-addressing hash table (linear probing) of 32-bit slots, holding the
- *   document id and 7 bits of the band key as a tag; all tables double together when the kept
- *   documents pass 80% of their slots, so a table costs 4 / load (5 to 10) bytes per document.
+ * - the band keys (4 bytes per band) are needed only to rebuild the tables when they double: in a
+ *   file when `dir` is given (read back sequentially), in memory otherwise.
  *
- * Band keys hash the band's fingerprints (not the full 32-bit entries), so a doubling rehashes
- * from the stored fingerprints alone. Two documents agree on a 4-bit entry with probability
- * J + (1 − J) / 16 at Jaccard similarity J; candidates are confirmed with the unbiased estimate
- * (agree / numPerm − 1/16) / (15/16) ≥ threshold. Chance agreements make banding find a few more
- * candidates (a random pair shares a 7-entry band with probability 16⁻⁷), which only costs a
- * 64-byte comparison each. At most {@link LSH_MAX_DOCUMENTS} documents are kept.
+ * A candidate shares a whole band of full entries with the document; it is confirmed with the
+ * fingerprints: two documents agree on a 4-bit entry with probability J + (1 − J) / 16 at Jaccard
+ * similarity J, so the unbiased estimate (agree / numPerm − 1/16) / (15/16) ≥ threshold decides.
+ * At most {@link LSH_MAX_DOCUMENTS} documents are kept.
  */
 export class LshIndex {
   /** Jaccard threshold at or above which a document is a near-duplicate. */
@@ -205,13 +336,16 @@ export class LshIndex {
   #tables: Uint32Array[];
   #mask: number;
   #pages: Uint32Array[] = [];
+  #keyPages: Uint32Array[] = [];
+  #keyFile?: RecordFile;
+  #fpFile?: RecordFile;
   #count = 0;
   #packed: Uint32Array;
   #keys: Uint32Array;
   #checked: Int32Array;
 
   /** An empty index for signatures of `numPerm` entries and a Jaccard `threshold` in (0, 1]. */
-  constructor(numPerm: number, threshold: number) {
+  constructor(numPerm: number, threshold: number, options: LshIndexOptions = {}) {
     if (!(threshold > 0 && threshold <= 1)) {
       throw new RangeError(`Dedup threshold must be in (0, 1], got ${threshold}`);
     }
@@ -225,6 +359,10 @@ export class LshIndex {
     this.#packed = new Uint32Array(this.words);
     this.#keys = new Uint32Array(this.bands);
     this.#checked = new Int32Array(this.bands * 8);
+    if (options.dir !== undefined) {
+      this.#keyFile = new RecordFile(`${options.dir}/${KEYS_FILE}`, this.bands);
+      this.#fpFile = new RecordFile(`${options.dir}/${FINGERPRINTS_FILE}`, this.words);
+    }
   }
 
   /** Kept documents. */
@@ -237,49 +375,31 @@ export class LshIndex {
     return this.#pages.length * PAGE_DOCS * this.words * 4;
   }
 
-  /** Bytes held by the index: fingerprints and band tables. */
+  /** Bytes of memory held by the index: fingerprints, band tables and in-memory band keys. */
   get memoryBytes(): number {
-    return this.signatureBytes + this.bands * (this.#mask + 1) * 4;
+    return this.signatureBytes + this.bands * (this.#mask + 1) * 4 +
+      this.#keyPages.length * PAGE_DOCS * this.bands * 4;
   }
 
-  /** Bytes per kept document: fingerprints plus band-table slots at the lowest and highest load. */
-  get bytesPerDocument(): { signature: number; tablesMin: number; tablesMax: number } {
+  /**
+   * Bytes of memory per kept document: fingerprints, band-table slots at the lowest and highest
+   * load, and band keys (0 when they are kept in a file).
+   */
+  get bytesPerDocument(): { signature: number; tablesMin: number; tablesMax: number; keys: number } {
     return {
       signature: this.words * 4,
       tablesMin: Math.ceil((this.bands * 4) / MAX_LOAD),
       tablesMax: Math.ceil((this.bands * 4 * 2) / MAX_LOAD),
+      keys: this.#keyFile ? 0 : this.bands * 4,
     };
   }
 
-  /** The packed fingerprints of the last signature given to {@link addUnlessDuplicate} (words entries). */
-  get lastPacked(): Uint32Array {
-    return this.#packed;
-  }
-
-  /** Bits `[pos, pos + n)` (n ≤ 28) of the fingerprints at `words[off ..]`. */
-  #bits(words: Uint32Array, off: number, pos: number, n: number): number {
-    const w = off + (pos >>> 5), sh = pos & 31;
-    let v = words[w] >>> sh;
-    if (sh + n > 32) v |= words[w + 1] << (32 - sh);
-    return v & ((1 << n) - 1);
-  }
-
-  /** Key of band `band` of the fingerprints at `words[off ..]`: a hash of its bits, 28 at a time. */
-  #bandKey(words: Uint32Array, off: number, band: number): number {
+  /** Key of band `band` of a full signature. */
+  #bandKey(sig: Uint32Array, band: number): number {
     let h = 0x27d4eb2f ^ band;
-    for (let pos = band * this.rows * 4, end = pos + this.rows * 4; pos < end; pos += 28) {
-      h = fmix32(h ^ this.#bits(words, off, pos, Math.min(28, end - pos)));
-    }
-    return h >>> 0;
-  }
-
-  /** Whether band `band` of fingerprints `a[ao ..]` and `b[bo ..]` is equal. */
-  #sameBand(a: Uint32Array, ao: number, b: Uint32Array, bo: number, band: number): boolean {
-    for (let pos = band * this.rows * 4, end = pos + this.rows * 4; pos < end; pos += 28) {
-      const n = Math.min(28, end - pos);
-      if (this.#bits(a, ao, pos, n) !== this.#bits(b, bo, pos, n)) return false;
-    }
-    return true;
+    const start = band * this.rows;
+    for (let i = start; i < start + this.rows; i++) h = Math.imul(h ^ sig[i], 0x01000193) ^ (h >>> 13);
+    return fmix32(h) >>> 0;
   }
 
   /** Entries on which fingerprints `a[ao ..]` and `b[bo ..]` agree. */
@@ -289,47 +409,62 @@ export class LshIndex {
     return this.numPerm - differ;
   }
 
-  /** Insert document `id` with band keys `keys` into every table. */
-  #insert(id: number, keys: Uint32Array): void {
+  /** Insert document `id` with band keys `keys[ko ..]` into every table. */
+  #insert(id: number, keys: Uint32Array, ko = 0): void {
     const mask = this.#mask;
     for (let b = 0; b < this.bands; b++) {
-      const table = this.#tables[b], key = keys[b];
+      const table = this.#tables[b], key = keys[ko + b];
       let i = key & mask;
       while (table[i] !== 0) i = (i + 1) & mask;
       table[i] = (((key >>> ID_BITS) << ID_BITS) | (id + 1)) >>> 0;
     }
   }
 
-  /**
-   * Double every table, rebuilt from the stored fingerprints in document order (the old tables
-   * are dropped first, so a doubling never holds both).
-   */
-  #grow(): void {
-    const slots = (this.#mask + 1) * 2;
+  /** Make the tables large enough for `docs` documents, rebuilding them from the band keys. */
+  #reserve(docs: number): void {
+    let slots = this.#mask + 1;
+    while (docs > slots * MAX_LOAD) slots *= 2;
+    if (slots === this.#mask + 1) return;
+    // The old tables are dropped first, so a doubling never holds both.
     this.#tables = [];
     this.#tables = Array.from({ length: this.bands }, () => new Uint32Array(slots));
     this.#mask = slots - 1;
-    const keys = new Uint32Array(this.bands);
-    for (let id = 0; id < this.#count; id++) {
-      const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
-      for (let b = 0; b < this.bands; b++) keys[b] = this.#bandKey(page, off, b);
-      this.#insert(id, keys);
+    if (this.#keyFile) {
+      this.#keyFile.flush();
+      let id = 0;
+      this.#keyFile.scan(this.#count, (keys, count) => {
+        for (let i = 0; i < count; i++) this.#insert(id++, keys, i * this.bands);
+      });
+    } else {
+      for (let id = 0; id < this.#count; id++) {
+        this.#insert(id, this.#keyPages[Math.floor(id / PAGE_DOCS)], (id % PAGE_DOCS) * this.bands);
+      }
     }
   }
 
-  /** Store the packed fingerprints in `this.#packed` as a new document (growing first); returns its id. */
-  #store(): number {
+  /** Keep a new document: fingerprints `packed[po ..]`, band keys `keys[ko ..]`; returns its id. */
+  #keep(packed: Uint32Array, po: number, keys: Uint32Array, ko: number, persist: boolean): number {
     if (this.#count >= LSH_MAX_DOCUMENTS) {
       throw new RangeError(
         `Cannot keep document ${this.#count + 1} in the dedup index: over its cap of ${LSH_MAX_DOCUMENTS} ` +
           `kept documents; prepare the source in parts or turn dedup off`,
       );
     }
-    if (this.#count + 1 > (this.#mask + 1) * MAX_LOAD) this.#grow();
+    this.#reserve(this.#count + 1);
     const id = this.#count++;
     const p = Math.floor(id / PAGE_DOCS);
     if (p === this.#pages.length) this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
-    this.#pages[p].set(this.#packed, (id % PAGE_DOCS) * this.words);
+    this.#pages[p].set(packed.subarray(po, po + this.words), (id % PAGE_DOCS) * this.words);
+    if (this.#keyFile) {
+      if (persist) {
+        this.#keyFile.append(keys, ko);
+        this.#fpFile!.append(packed, po);
+      }
+    } else {
+      if (p === this.#keyPages.length) this.#keyPages.push(new Uint32Array(PAGE_DOCS * this.bands));
+      this.#keyPages[p].set(keys.subarray(ko, ko + this.bands), (id % PAGE_DOCS) * this.bands);
+    }
+    this.#insert(id, keys, ko);
     return id;
   }
 
@@ -342,14 +477,12 @@ export class LshIndex {
     packSignature(sig, this.numPerm, packed);
     let checked = 0;
     for (let b = 0; b < this.bands; b++) {
-      const key = keys[b] = this.#bandKey(packed, 0, b);
+      const key = keys[b] = this.#bandKey(sig, b);
       const table = this.#tables[b], tag = key >>> ID_BITS;
       for (let i = key & mask; table[i] !== 0; i = (i + 1) & mask) {
         const slot = table[i];
         if (slot >>> ID_BITS !== tag) continue;
         const id = (slot & ID_MASK) - 1;
-        const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
-        if (!this.#sameBand(packed, 0, page, off, b)) continue;
         let seen = false;
         for (let c = 0; c < checked && !seen; c++) seen = this.#checked[c] === id;
         if (seen) continue;
@@ -359,21 +492,57 @@ export class LshIndex {
           this.#checked = grown;
         }
         this.#checked[checked++] = id;
+        const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
         if (this.#agreements(packed, 0, page, off) >= this.agreeNeeded) return true;
       }
     }
-    this.#insert(this.#store(), keys); // band keys do not depend on the table size
+    this.#keep(packed, 0, keys, 0, true);
     return false;
   }
 
+  /** Write what is buffered to the index's folder (before a preparation commits a shard). */
+  flush(): void {
+    this.#keyFile?.flush();
+    this.#fpFile?.flush();
+  }
+
   /**
-   * Keep a document given its packed fingerprints (`words` entries, as {@link lastPacked} gave
-   * them) without checking for duplicates: how a resumed preparation rebuilds its index.
+   * Rebuild the index from the first `documents` documents persisted in its folder (what the
+   * last {@link flush} before an interruption wrote), dropping anything after them. The index
+   * must be new and have a folder.
    */
-  addPacked(packed: Uint32Array, offset = 0): void {
-    this.#packed.set(packed.subarray(offset, offset + this.words));
-    const id = this.#store();
-    for (let b = 0; b < this.bands; b++) this.#keys[b] = this.#bandKey(this.#packed, 0, b);
-    this.#insert(id, this.#keys);
+  restore(documents: number): void {
+    const keyFile = this.#keyFile, fpFile = this.#fpFile;
+    if (!keyFile || !fpFile || this.#count > 0) {
+      throw new Error("Cannot restore the dedup index: it needs a folder and must be empty");
+    }
+    for (const f of [keyFile, fpFile]) {
+      f.file.truncateSync(documents * f.words * 4);
+      f.written = documents;
+    }
+    this.#reserve(documents);
+    let id = 0;
+    fpFile.scan(documents, (packed, count) => {
+      for (let i = 0; i < count; i++) {
+        const p = Math.floor(id / PAGE_DOCS);
+        if (p === this.#pages.length) this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
+        this.#pages[p].set(
+          packed.subarray(i * this.words, (i + 1) * this.words),
+          (id % PAGE_DOCS) * this.words,
+        );
+        id++;
+      }
+    });
+    id = 0;
+    keyFile.scan(documents, (keys, count) => {
+      for (let i = 0; i < count; i++) this.#insert(id++, keys, i * this.bands);
+    });
+    this.#count = documents;
+  }
+
+  /** Close the index's files (the index is not usable afterwards). */
+  close(): void {
+    this.#keyFile?.file.close();
+    this.#fpFile?.file.close();
   }
 }

@@ -33,7 +33,9 @@ export {
   parseJsonLine,
   readDocuments,
   readLineBytes,
+  type ReadPosition,
   type SourceDocument,
+  startPosition,
   TEXT_EXTENSIONS,
 } from "./merge.ts";
 export {
@@ -45,6 +47,7 @@ export {
   LSH_RECALL_AT_THRESHOLD,
   lshBands,
   LshIndex,
+  minhashFromWords,
   type MinHashParams,
   minhashSignature,
   packSignature,
@@ -56,6 +59,7 @@ export {
   prepareDataset,
   type PrepareOptions,
   type Progress,
+  workDir,
 } from "./prepare.ts";
 export { Sampler, type SamplerOptions, type SamplerState } from "./sampler.ts";
 export { type EvalBatches, evalBatches, windowCount } from "./eval_windows.ts";

@@ -139,7 +139,7 @@ interface Stats {
     num_perm: number;
     shingle_size: number;
     /** Bytes of the index per kept document: fingerprints, and band tables at their lowest and highest load. */
-    bytes_per_document: { signature: number; tablesMin: number; tablesMax: number };
+    bytes_per_document: { signature: number; tablesMin: number; tablesMax: number; keys: number };
   };
 }
 
@@ -458,6 +458,7 @@ export async function prepareDataset(
     throw new Error(`Cannot prepare dataset "${id}": another preparation of it is running in "${work}"`);
   }
   let pool: ReturnType<typeof createTokenizePool> | undefined;
+  let lsh: LshIndex | undefined;
   try {
     const journalPath = join(work, "journal.json");
     let journal = await Deno.readTextFile(journalPath).then((t) => JSON.parse(t) as Journal).catch(() =>
@@ -555,7 +556,7 @@ export async function prepareDataset(
     const minhash: MinHashParams | null = opts.dedup
       ? { numPerm: opts.num_perm, shingleSize: opts.shingle_size, seed: DEFAULT_MINHASH.seed }
       : null;
-    const lsh = minhash ? new LshIndex(minhash.numPerm, opts.dedup_threshold) : undefined;
+    lsh = minhash ? new LshIndex(minhash.numPerm, opts.dedup_threshold, { dir: work }) : undefined;
     if (lsh) {
       stats.lsh = {
         bands: lsh.bands,
@@ -565,31 +566,13 @@ export async function prepareDataset(
         bytes_per_document: lsh.bytesPerDocument,
       };
     }
-    const words = lsh?.words ?? 0;
     const allPath = join(out, "all.bin"), lengthsPath = join(work, "lengths.u32");
-    const sigPath = join(work, "kept.sig");
-    if (lsh && state.documents > 0) {
-      // Resuming: rebuild the index from the committed fingerprints, in document order.
-      using f = await Deno.open(sigPath, { read: true });
-      const chunk = new Uint32Array(words * 65536);
-      const bytes = new Uint8Array(chunk.buffer);
-      for (let done = 0; done < state.documents;) {
-        const n = Math.min(65536, state.documents - done);
-        for (let off = 0; off < n * words * 4;) {
-          const r = await f.read(bytes.subarray(off, n * words * 4));
-          if (r === null) throw new Error(`Cannot resume dataset "${id}": "${sigPath}" ended early`);
-          off += r;
-        }
-        for (let i = 0; i < n; i++) lsh.addPacked(chunk, i * words);
-        done += n;
-      }
-    }
+    // Resuming: rebuild the index from the committed documents' fingerprints and band keys.
+    if (lsh && state.documents > 0) lsh.restore(state.documents);
     if (state.stage === "tokenize" && !state.read_done) {
       using allFile = await openAt(allPath, state.tokens * 2);
       using lengthsFile = await openAt(lengthsPath, state.documents * 4);
-      using sigFile = lsh ? await openAt(sigPath, state.documents * words * 4) : undefined;
       const tokenWriter = new Writer(allFile), lengthWriter = new Writer(lengthsFile);
-      const sigWriter = sigFile ? new Writer(sigFile) : undefined;
       let docCount = state.documents, tokenCount = state.tokens;
       const lengthBuf = new Uint32Array(1);
       const lengthBytes = new Uint8Array(lengthBuf.buffer);
@@ -598,7 +581,7 @@ export async function prepareDataset(
       const commitShard = async (snap: ReaderSnapshot) => {
         await tokenWriter.flush();
         await lengthWriter.flush();
-        await sigWriter?.flush();
+        lsh?.flush();
         Object.assign(state, {
           shards: state.shards + 1,
           position: snap.position,
@@ -631,10 +614,6 @@ export async function prepareDataset(
           if (lsh && lsh.addUnlessDuplicate(sig!)) {
             stats.near_duplicates++;
             continue;
-          }
-          if (lsh) {
-            const p = lsh.lastPacked;
-            await sigWriter!.write(new Uint8Array(p.buffer, p.byteOffset, words * 4));
           }
           docCount++;
           tokenCount += len;
@@ -698,6 +677,8 @@ export async function prepareDataset(
       state.read_done = true;
       await commitShard(snapshot());
     }
+    lsh?.close();
+    lsh = undefined;
     stats.documents_read = state.documents_read;
     const docCount = state.documents, tokenCount = state.tokens;
 
@@ -778,6 +759,7 @@ export async function prepareDataset(
     return info;
   } catch (e) {
     pool?.close();
+    lsh?.close();
     if (!diskFull(e)) await Deno.remove(work, { recursive: true }).catch(() => {});
     throw e;
   }

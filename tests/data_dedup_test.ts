@@ -6,8 +6,8 @@ import {
   estimateJaccard,
   lshBands,
   LshIndex,
+  minhashFromWords,
   minhashSignature,
-  packSignature,
 } from "../data/mod.ts";
 import { makeDocs, nearDuplicate, rng } from "./data_fixtures.ts";
 
@@ -160,14 +160,69 @@ Deno.test("LshIndex grows its typed-array tables: 300,000 distinct signatures ke
     for (let c = 0; c < 10; c++) copy[Math.floor(rand() * 128)] ^= 0x5a5a5a5a;
     assert.equal(index.addUnlessDuplicate(copy), true);
   }
-  const per = index.memoryBytes / n, { signature, tablesMax } = index.bytesPerDocument;
-  assert.ok(per <= signature + tablesMax + 8, `${per} bytes per document`);
-  // addPacked rebuilds an index from fingerprints: the rebuilt one finds the same copies.
-  const rebuilt = new LshIndex(128, 0.8), packed = new Uint32Array(16);
-  for (const k of kept) {
-    packSignature(k, 128, packed);
-    rebuilt.addPacked(packed);
+  // Bytes per document as stated (pages of 65,536 documents round the per-document part up).
+  const per = index.memoryBytes / n, { signature, tablesMax, keys } = index.bytesPerDocument;
+  const paged = (signature + keys) * Math.ceil(n / 65536) * 65536 / n;
+  assert.ok(per <= paged + tablesMax, `${per} bytes per document`);
+  // An index kept in a folder, flushed, is restored by a new one: it finds the same copies, and
+  // documents after the restored count are dropped.
+  const dir = Deno.makeTempDirSync({ prefix: "lsh-test-" });
+  try {
+    const saved = new LshIndex(128, 0.8, { dir });
+    for (const k of kept) saved.addUnlessDuplicate(k);
+    saved.flush();
+    saved.close();
+    const restored = new LshIndex(128, 0.8, { dir });
+    restored.restore(kept.length - 1);
+    assert.equal(restored.size, kept.length - 1);
+    for (const k of kept.slice(0, -1)) assert.equal(restored.addUnlessDuplicate(k), true);
+    assert.equal(restored.addUnlessDuplicate(kept.at(-1)!), false);
+    assert.equal(restored.bytesPerDocument.keys, 0);
+    restored.close();
+  } finally {
+    Deno.removeSync(dir, { recursive: true });
   }
-  assert.equal(rebuilt.size, kept.length);
-  for (const k of kept) assert.equal(rebuilt.addUnlessDuplicate(k), true);
+});
+
+Deno.test("minhashFromWords: the tabulated densification gives the signatures of the sequence walk", () => {
+  // The reference: each empty bin walks hash(i, 1), hash(i, 2), ... to the first filled bin.
+  const fmix = (h: number) => {
+    h ^= h >>> 16;
+    h = Math.imul(h, 0x85ebca6b);
+    h ^= h >>> 13;
+    h = Math.imul(h, 0xc2b2ae35);
+    return h ^ (h >>> 16);
+  };
+  const rand = rng(9);
+  for (const k of [16, 128, 200]) {
+    const params = { numPerm: k, shingleSize: 5, seed: 1 };
+    const seed = fmix(params.seed ^ 0x5bd1e995);
+    for (let trial = 0; trial < 60; trial++) {
+      const count = 1 + Math.floor(rand() * 60);
+      const words = Int32Array.from({ length: count }, () => (rand() * 2 ** 32) | 0);
+      const got = new Uint32Array(k);
+      minhashFromWords(words, count, params, got);
+      // Which bins the shingles fill, then the reference densification of the filled values.
+      const want = new Uint32Array(k).fill(0xffffffff), filled = new Uint8Array(k);
+      const size = Math.min(5, count);
+      for (let end = size; end <= count; end++) {
+        let s = seed;
+        for (let j = end - size; j < end; j++) s = Math.imul(s ^ words[j], 0x01000193) + j - end;
+        s = fmix(s);
+        const bin = (s >>> 0) % k, v = fmix(s ^ 0x27d4eb2f) >>> 0;
+        if (v <= want[bin]) [want[bin], filled[bin]] = [v, 1];
+      }
+      for (let i = 0; i < k; i++) {
+        if (filled[i]) continue;
+        for (let a = 1;; a++) {
+          const j = (fmix(Math.imul(i + 1, 0x9e3779b1) ^ Math.imul(a, 0x85ebca77) ^ seed) >>> 0) % k;
+          if (filled[j]) {
+            want[i] = want[j];
+            break;
+          }
+        }
+      }
+      assert.deepEqual(got, want, `k ${k}, ${count} words`);
+    }
+  }
 });
