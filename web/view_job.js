@@ -4,6 +4,8 @@
  * timing breakdown, GPU memory beside the estimate, checkpoints with downloads, its log and a
  * cancel button. The curves come from the job's event stream, replayed from the store on every
  * load (so they survive a reload) and followed live, resumed with Last-Event-ID after a break.
+ * An evaluation job (`POST /evaluate`) shows its progress and result figures instead; a training
+ * job lists the evaluations of its checkpoints beside them, with a button to start one.
  */
 
 import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
@@ -33,6 +35,29 @@ function downloadLink(href, label) {
   }, label);
 }
 
+/** The figures of an evaluation result, as [label, text] pairs. */
+export function evaluationFigures(r) {
+  if (!r) return [];
+  const out = [["loss", fmtNum(r.loss, 4)], ["perplexity", fmtNum(r.perplexity, 2)]];
+  if (r.task === "cloze") {
+    out.push(["accuracy", `${fmtNum(100 * r.accuracy, 2)}% (${fmtInt(r.correct)} / ${fmtInt(r.examples)})`]);
+  } else {
+    out.push(
+      ["word perplexity", fmtNum(r.word_perplexity, 2)],
+      ["byte perplexity", fmtNum(r.byte_perplexity, 4)],
+      ["bits per byte", fmtNum(r.bits_per_byte, 4)],
+    );
+  }
+  out.push(["tokens scored", fmtInt(r.tokens)], ["tokens/s", fmtInt(r.tokens_per_s)]);
+  return out;
+}
+
+/** What an evaluation job reads, in a few words. */
+function evalSource(e) {
+  if (e.texts) return `${fmtInt(e.texts.length)} text${e.texts.length === 1 ? "" : "s"}`;
+  return `${e.dataset} (${e.split})`;
+}
+
 /** Renders job `id` into `ctx.root` and follows it until the view is left. */
 export async function jobView(ctx, id) {
   let job = await getJson(`/jobs/${encodeURIComponent(id)}`, { signal: ctx.signal });
@@ -60,18 +85,25 @@ export async function jobView(ctx, id) {
   const ckpts = h("div", { id: "job-checkpoints" });
   const log = h("ol", { class: "log", id: "job-log" });
   const error = h("p", { class: "error", hidden: true });
+  const evals = h("div", { id: "job-evaluations" });
+  const isEval = Boolean(job.config.evaluate);
+  let evalProgress = null;
   setChildren(
     ctx.root,
     h("div", { class: "heading" }, title, status, h("span", { class: "spacer" }), conn, cancel),
     h("p", { class: "muted", id: "job-config" }),
     error,
     stats,
-    h("h2", {}, "Step time"),
-    timing,
-    h("h2", {}, "Curves"),
-    charts,
-    h("h2", {}, "Checkpoints"),
-    ckpts,
+    isEval ? null : [
+      h("h2", {}, "Step time"),
+      timing,
+      h("h2", {}, "Curves"),
+      charts,
+      h("h2", {}, "Checkpoints"),
+      ckpts,
+      h("h2", {}, "Evaluations"),
+      evals,
+    ],
     h("h2", {}, "Log"),
     log,
   );
@@ -117,18 +149,36 @@ export async function jobView(ctx, id) {
   const renderHead = () => {
     setChildren(status, badge(job.status));
     cancel.hidden = FINISHED.includes(job.status);
-    const c = job.config;
+    const c = job.config, e = c.evaluate;
     setChildren(
       document.getElementById("job-config"),
-      `${
-        modelName(c.model)
-      } · ${c.dataset} · batch ${c.batch_size} × ${c.seq_len} · lr ${c.lr} (${c.lr_decay_style})` +
-        `${c.precision ? ` · ${c.precision}` : ""} · seed ${c.seed} · GPU ${job.gpu}`,
+      e
+        ? `${e.task}${e.strict ? " (strict)" : ""} of "${e.model}" (${modelName(c.model)}) · ${
+          evalSource(e)
+        } · ` +
+          `windows of ${c.seq_len}${e.task === "perplexity" ? `, stride ${e.stride}` : ""} · batch ` +
+          `${c.batch_size} · GPU ${job.gpu}`
+        : `${modelName(c.model)}${
+          c.init_from ? ` fine-tuned from "${c.init_from}"` : ""
+        } · ${c.dataset} · batch ${c.batch_size} × ` +
+          `${c.seq_len} · lr ${c.lr} (${c.lr_decay_style})` +
+          `${c.precision ? ` · ${c.precision}` : ""} · seed ${c.seed} · GPU ${job.gpu}`,
     );
     error.hidden = !job.error;
     error.textContent = job.error ?? "";
   };
+  const renderEvalStats = () => {
+    const p = evalProgress;
+    setChildren(
+      stats,
+      p ? stat("progress", `${fmtInt(p.done)} / ${fmtInt(p.total)}`, { id: "stat-progress" }) : null,
+      p && !job.metrics.evaluation ? stat("tokens scored", fmtInt(p.tokens)) : null,
+      evaluationFigures(job.metrics.evaluation).map(([label, text]) => stat(label, text)),
+      stat("GPU memory", fmtBytes(job.metrics.gpu_memory_bytes), { id: "stat-memory" }),
+    );
+  };
   const renderStats = () => {
+    if (isEval) return renderEvalStats();
     const m = job.metrics;
     const p = series.latest ?? {};
     const mem = p.gpu_memory_bytes ?? m.gpu_memory_bytes;
@@ -227,6 +277,79 @@ export async function jobView(ctx, id) {
                   "td",
                   {},
                   h("a", { href: `#/playground?model=${encodeURIComponent(`${id}/${k.name}`)}` }, "Try it"),
+                  " ",
+                  h("button", {
+                    type: "button",
+                    title: `Perplexity of ${id}/${k.name} on the test split of ${job.config.dataset}, ` +
+                      "windows of seq_len with stride seq_len / 2",
+                    onclick: (e) => evaluateCheckpoint(e.target, `${id}/${k.name}`),
+                  }, "Evaluate"),
+                ),
+              )
+            ),
+          ),
+        ),
+      ),
+    );
+  };
+  const evaluateCheckpoint = async (button, model) => {
+    button.disabled = true;
+    const c = job.config;
+    try {
+      const { body } = await postJson("/evaluate", {
+        model,
+        task: "perplexity",
+        dataset: c.dataset,
+        split: "test",
+        seq_len: c.seq_len,
+        stride: Math.max(1, Math.floor(c.seq_len / 2)),
+        batch_size: c.batch_size,
+      });
+      location.hash = `#/jobs/${body.id}`;
+    } catch (e) {
+      alert(e.message);
+      button.disabled = false;
+    }
+  };
+  // Evaluation jobs of this job's checkpoints, beside them.
+  const refreshEvaluations = async () => {
+    const { jobs } = await getJson("/jobs?limit=1000", { signal: ctx.signal });
+    const mine = jobs.filter((j) => {
+      const m = j.config.evaluate?.model;
+      return m === id || m?.startsWith(`${id}/`);
+    });
+    if (mine.length === 0) {
+      setChildren(evals, h("p", { class: "muted" }, "None yet: evaluate a checkpoint above"));
+      return;
+    }
+    setChildren(
+      evals,
+      h(
+        "div",
+        { class: "table-wrap" },
+        h(
+          "table",
+          {},
+          h(
+            "thead",
+            {},
+            h("tr", {}, ["Job", "Model", "Task", "Status", "Figures"].map((c) => h("th", {}, c))),
+          ),
+          h(
+            "tbody",
+            {},
+            mine.map((j) =>
+              h(
+                "tr",
+                {},
+                h("td", {}, h("a", { href: `#/jobs/${j.id}` }, j.id)),
+                h("td", {}, j.config.evaluate.model),
+                h("td", {}, `${j.config.evaluate.task} · ${evalSource(j.config.evaluate)}`),
+                h("td", {}, badge(j.status)),
+                h(
+                  "td",
+                  {},
+                  evaluationFigures(j.metrics.evaluation).map(([l, t]) => `${l} ${t}`).join(" · ") || "–",
                 ),
               )
             ),
@@ -242,7 +365,10 @@ export async function jobView(ctx, id) {
 
   renderHead();
   renderStats();
-  refreshCheckpoints().catch(() => {});
+  if (!isEval) {
+    refreshCheckpoints().catch(() => {});
+    refreshEvaluations().catch(() => {});
+  }
   fetchEstimate(job.config, ctx.signal).then((bytes) => {
     estimate = bytes;
     renderStats();
@@ -254,6 +380,14 @@ export async function jobView(ctx, id) {
       onState: (s) => (conn.textContent = s),
       onEvent: (type, data) => {
         if (series.add(type, data)) redraw();
+        if (type === "progress" && data.kind === "evaluate") {
+          evalProgress = data;
+          renderStats();
+        } else if (type === "evaluation") {
+          job.metrics.evaluation = data;
+          addLog(evaluationFigures(data).map(([l, t]) => `${l} ${t}`).join(" · "));
+          renderStats();
+        }
         if (type === "progress" && data.kind === "eval") {
           const p = data.split === "test" ? "test" : "val";
           job.metrics[`${p}_loss`] = data.loss;
@@ -283,7 +417,10 @@ export async function jobView(ctx, id) {
           );
           conn.textContent = "finished";
           refreshJob().catch(() => {});
-          refreshCheckpoints().catch(() => {});
+          if (!isEval) {
+            refreshCheckpoints().catch(() => {});
+            refreshEvaluations().catch(() => {});
+          }
           return true;
         }
         return false;

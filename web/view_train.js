@@ -3,14 +3,15 @@
  * (served at /web/meta.json, generated from the server's zod schema), so new fields appear by
  * themselves; browser validation is off, so the API's own messages show beside each field. The
  * estimator's memory figure (`GET /estimate`, when the server has one) and the GPU it planned for
- * show before submitting.
+ * show before submitting. `init_from` (fine-tuning) offers the models the server knows
+ * (`GET /v1/models`); with it, `model` may stay empty and comes from that model.
  */
 
 import { ApiError, fetchEstimateAnswer, getJson, postJson } from "./api.js";
 import { h, setChildren } from "./dom.js";
 import { fmtBytes } from "./shapes.js";
 
-const PRIMARY = ["model", "dataset", "train_iters", "batch_size", "seq_len", "lr", "precision"];
+const PRIMARY = ["model", "init_from", "dataset", "train_iters", "batch_size", "seq_len", "lr", "precision"];
 
 /** What the user typed, as the API expects it; untouched fields are left out (server defaults). */
 function valueOf(input, prop) {
@@ -52,18 +53,33 @@ function control(name, prop, lists) {
     placeholder: hint,
     autocomplete: "off",
     inputmode: numeric ? (prop.type === "integer" ? "numeric" : "decimal") : null,
-    list: isModel ? "presets" : name === "dataset" ? "dataset-ids" : null,
+    list: isModel
+      ? "presets"
+      : name === "dataset"
+      ? "dataset-ids"
+      : name === "init_from"
+      ? "model-ids"
+      : null,
     "data-kind": isModel ? "model" : null,
     title: isModel
       ? `A preset (${lists.presets.join(", ")}) or {"n_layer":..,"n_head":..,"n_embd":..,"n_positions":..}`
+      : name === "init_from"
+      ? "Fine-tune: start from this model's weights (a job, a job's checkpoint, or a folder under models/)"
       : null,
   });
+}
+
+/** The dimensions of a model listed by `GET /v1/models`, as `model` takes them (null when unknown). */
+function sourceDims(models, id) {
+  const c = models.find((m) => m.id === id)?.config;
+  return c ? { n_layer: c.n_layer, n_head: c.n_head, n_embd: c.n_embd, n_positions: c.n_positions } : null;
 }
 
 /** Renders the training form into `ctx.root`. */
 export async function trainView(ctx) {
   const meta = await getJson("/web/meta.json", { signal: ctx.signal });
   const datasets = await getJson("/datasets", { signal: ctx.signal }).then((b) => b.datasets).catch(() => []);
+  const models = await getJson("/v1/models", { signal: ctx.signal }).then((b) => b.data).catch(() => []);
   const ids = [
     ...new Set([...meta.builtin_datasets, ...datasets.filter((d) => d.status === "ready").map((d) => d.id)]),
   ];
@@ -100,6 +116,7 @@ export async function trainView(ctx) {
     h("h1", {}, "Train"),
     h("datalist", { id: "presets" }, meta.presets.map((p) => h("option", { value: p }))),
     h("datalist", { id: "dataset-ids" }, ids.map((d) => h("option", { value: d }))),
+    h("datalist", { id: "model-ids" }, models.map((m) => h("option", { value: m.id }))),
     form,
   );
 
@@ -126,7 +143,8 @@ export async function trainView(ctx) {
       const b = body();
       const cfg = {
         ...b,
-        model: b.model ?? props.model.default,
+        model: b.model ??
+          (b.init_from ? sourceDims(models, b.init_from) : props.model.default ?? "gpt2-tiny"),
         batch_size: b.batch_size ?? props.batch_size.default,
       };
       const answer = await fetchEstimateAnswer(cfg, ctx.signal);
