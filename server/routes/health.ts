@@ -1,6 +1,7 @@
 /**
  * Probes and metrics, as vLLM and llama.cpp split them:
- * - `GET /health`: liveness. 200 whenever the server answers, with each GPU's state and job counts.
+ * - `GET /health`: liveness. 200 whenever the server answers, with each GPU's state, job counts and
+ *   the hosts sharing the job store (several hosts: GPUs, state, heartbeat age, jobs held).
  * - `GET /ready`: readiness. 200 once at least one GPU's device is open and the job store takes a
  *   write; until then, and while the GPU host is "failed" (it could not start; `/health` has
  *   `gpu_host.reason`), 503 with the reasons in the error message (a load balancer sends it no work).
@@ -16,7 +17,7 @@ import type { AppMetrics } from "./metrics.ts";
 export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppMetrics): Hono {
   const app = new Hono();
 
-  const readiness = () => {
+  const readiness = async () => {
     const gpus = runner.gpus();
     const reasons: string[] = [];
     if (!gpus.some((g) => g.state === "idle" || g.state === "busy")) {
@@ -25,25 +26,27 @@ export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppM
     }
     const host = runner.hostStatus();
     if (host?.state === "failed") reasons.push(host.reason ?? "GPU host failed");
-    const storeError = runner.store.writeError();
+    const storeError = await runner.store.writeError();
     if (storeError) reasons.push(`Job store is not writable: ${storeError}`);
     return { gpus, reasons };
   };
 
-  app.get("/health", (c) => {
-    const { gpus, reasons } = readiness();
+  app.get("/health", async (c) => {
+    const { gpus, reasons } = await readiness();
     return c.json({
       status: "ok",
       ready: reasons.length === 0,
       uptime_s: Math.round((Date.now() - startedAt) / 1000),
       gpus,
       gpu_host: runner.hostStatus(),
-      jobs: runner.store.countByStatus(),
+      jobs: await runner.store.countByStatus(),
+      // Hosts sharing the job store (several hosts, GPT2_DATABASE_URL): GPUs, state, lease age, jobs.
+      hosts: await runner.store.hosts(),
     });
   });
 
-  app.get("/ready", (c) => {
-    const { gpus, reasons } = readiness();
+  app.get("/ready", async (c) => {
+    const { gpus, reasons } = await readiness();
     if (reasons.length > 0) {
       throw new ApiError(503, `Not ready: ${reasons.join("; ")}`, { code: "not_ready" });
     }

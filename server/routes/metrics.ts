@@ -58,9 +58,10 @@ export function createMetrics(
 ): AppMetrics {
   const registry = new Registry();
   const registers = [registry];
-  const live = () => [
-    ...runner.store.listJobs({ status: "running" }),
-    ...runner.store.listJobs({ status: "interrupted" }),
+  // Any engine: SQLite answers at once, PostgreSQL (several hosts) with a promise; prom-client awaits collect().
+  const live = async () => [
+    ...await runner.store.listJobs({ status: "running" }),
+    ...await runner.store.listJobs({ status: "interrupted" }),
   ];
 
   new Gauge({
@@ -84,8 +85,18 @@ export function createMetrics(
     help: "Jobs by status",
     labelNames: ["status"],
     registers,
-    collect() {
-      for (const [status, n] of Object.entries(runner.store.countByStatus())) this.set({ status }, n);
+    async collect() {
+      for (const [status, n] of Object.entries(await runner.store.countByStatus())) this.set({ status }, n);
+    },
+  });
+  new Gauge({
+    name: "gpt2_host_heartbeat_age_seconds",
+    help: "Seconds since each host sharing the job store last renewed its leases (several hosts only)",
+    labelNames: ["host", "state"],
+    registers,
+    async collect() {
+      this.reset();
+      for (const h of await runner.store.hosts()) this.set({ host: h.id, state: h.state }, h.lease_age_s);
     },
   });
   const perGpu = (name: string, help: string, pick: (g: ReturnType<JobRunner["gpus"]>[number]) => number) =>
@@ -107,16 +118,16 @@ export function createMetrics(
   );
   perGpu("gpt2_gpu_queue_length", "Jobs waiting per GPU", (g) => g.queued);
 
-  type LiveJob = ReturnType<typeof live>[number];
+  type LiveJob = Awaited<ReturnType<typeof live>>[number];
   const perJob = (name: string, help: string, pick: (j: LiveJob) => number | null | undefined) =>
     new Gauge({
       name,
       help,
       labelNames: ["job_id", "gpu"],
       registers,
-      collect() {
+      async collect() {
         this.reset();
-        for (const j of live()) {
+        for (const j of await live()) {
           const v = pick(j);
           if (typeof v === "number") this.set({ job_id: j.id, gpu: j.gpu }, v);
         }
@@ -148,9 +159,9 @@ export function createMetrics(
     help: "Seconds per step in each phase, averaged over the last log interval",
     labelNames: ["job_id", "phase"],
     registers,
-    collect() {
+    async collect() {
       this.reset();
-      for (const j of live()) {
+      for (const j of await live()) {
         for (const p of PHASES) {
           const v = j.metrics.timings?.[p];
           if (typeof v === "number") this.set({ job_id: j.id, phase: p.slice(0, -3) }, v / 1000);

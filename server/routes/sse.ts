@@ -1,8 +1,11 @@
 /**
  * Server-sent events of one job: first the stored events after `Last-Event-ID` (so a client that
- * reconnects misses nothing), read from SQLite a page at a time so a long history never sits in
- * memory whole, then live ones as the runner records them, until `done`. Each event carries its
- * store id. A comment line every 15 s keeps proxies from closing idle streams.
+ * reconnects misses nothing), read from the job store a page at a time so a long history never
+ * sits in memory whole, then live ones until `done`. A new event (from this host's runner, or
+ * from any host through the store: several hosts share one PostgreSQL) only wakes the stream,
+ * which reads what follows its last id from the store, so events arrive in id order whichever
+ * host wrote them. Each event carries its store id. A comment line every 15 s keeps proxies from
+ * closing idle streams.
  *
  * Also the bound on open streams ({@link streamLimit}): per client and in all, since each one
  * holds a connection and, for generation, a GPU slot. A client is its API token when auth is on
@@ -59,41 +62,45 @@ export function streamJobEvents(
     const pending: JobEvent[] = [];
     let wake: (() => void) | null = null;
     let aborted = false;
-    const unsubscribe = runner.subscribe(id, (e) => {
+    const heard = (e: JobEvent) => {
+      if (e.job_id !== id) return;
       pending.push(e);
       wake?.();
-    });
+    };
+    const unsubscribe = runner.subscribe(id, heard);
+    const unsubscribeStore = runner.store.onEvent(heard);
     stream.onAbort(() => {
       aborted = true;
       wake?.();
     });
     let last = afterId;
-    const send = async (e: JobEvent) => {
-      last = e.id;
-      await stream.writeSSE({ id: String(e.id), event: e.type, data: publicData(e, aliases) });
+    /** Sends the stored events after `last`; true once `done` was sent. */
+    const catchUp = async (): Promise<boolean> => {
+      for (;;) {
+        const page = await runner.store.eventsAfter(id, last, REPLAY_PAGE);
+        for (const e of page) {
+          last = e.id;
+          await stream.writeSSE({ id: String(e.id), event: e.type, data: publicData(e, aliases) });
+          if (e.type === "done") return true;
+        }
+        if (page.length < REPLAY_PAGE || aborted) return false;
+      }
     };
     try {
-      // Subscribed before reading the backlog, so nothing falls between the two; ids dedupe.
-      for (;;) {
-        const page = runner.store.eventsAfter(id, last, REPLAY_PAGE);
-        for (const e of page) {
-          await send(e);
-          if (e.type === "done") return;
-        }
-        if (page.length < REPLAY_PAGE || aborted) break;
-      }
-      if (isFinished(runner.get(id).status)) return;
+      // Subscribed before reading the backlog, so nothing falls between the two.
+      if (await catchUp()) return;
+      if (isFinished((await runner.store.getJob(id))?.status ?? "cancelled")) return;
       while (!aborted) {
-        while (pending.length > 0) {
-          const e = pending.shift()!;
-          if (e.type === "shutdown") {
+        if (pending.length > 0) {
+          const shutdown = pending.find((e) => e.type === "shutdown");
+          pending.length = 0;
+          if (await catchUp()) return;
+          if (shutdown) {
             // Not stored: sent without an id, so a client's Last-Event-ID stays valid across the restart.
-            await stream.writeSSE({ event: e.type, data: JSON.stringify(e.data) });
+            await stream.writeSSE({ event: shutdown.type, data: JSON.stringify(shutdown.data) });
             return;
           }
-          if (e.id <= last) continue;
-          await send(e);
-          if (e.type === "done") return;
+          continue;
         }
         let timer: ReturnType<typeof setTimeout> | undefined;
         const woke = await new Promise<boolean>((resolve) => {
@@ -106,6 +113,7 @@ export function streamJobEvents(
       }
     } finally {
       unsubscribe();
+      unsubscribeStore();
     }
   });
 }
