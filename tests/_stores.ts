@@ -8,11 +8,14 @@
 import type { JobStoreEngine } from "../server/jobs/job_store.ts";
 import { SqliteJobStore } from "../server/jobs/sqlite_store.ts";
 import { PostgresJobStore } from "../server/jobs/postgres_store.ts";
+import { PostgresBridgeStore } from "../server/jobs/postgres_bridge.ts";
 import { POSTGRES_BIN, startPostgres } from "./_postgres.ts";
 
 /** One case's database: open it (again) as often as the case likes. */
 export interface FreshDb {
   engine: "sqlite" | "postgres";
+  /** The PostgreSQL engine through the bridge that answers at once (server/jobs/postgres_bridge.ts). */
+  bridge?: boolean;
   /** The SQLite file's path or the PostgreSQL URL. */
   location: string;
   open(): Promise<JobStoreEngine>;
@@ -21,8 +24,11 @@ export interface FreshDb {
 /** A named case of a suite. */
 export type StoreCase = [name: string, fn: (db: FreshDb) => Promise<void>];
 
-/** Registers `title (sqlite)` and `title (postgres)`, each running every case on a fresh database. */
-export function storeSuite(title: string, cases: StoreCase[]): void {
+/**
+ * Registers `title (sqlite)` and `title (postgres)`, each running every case on a fresh database;
+ * with `bridge`, the PostgreSQL test runs every case again through PostgresBridgeStore.
+ */
+export function storeSuite(title: string, cases: StoreCase[], opts: { bridge?: boolean } = {}): void {
   Deno.test(`${title} (sqlite)`, async (t) => {
     for (const [name, fn] of cases) {
       await t.step(name, async () => {
@@ -53,6 +59,16 @@ export function storeSuite(title: string, cases: StoreCase[]): void {
           await t.step(name, async () => {
             const location = await cluster.database();
             await fn({ engine: "postgres", location, open: () => PostgresJobStore.open(location) });
+          });
+          if (!opts.bridge) continue;
+          await t.step(`${name} (bridge)`, async () => {
+            const location = await cluster.database();
+            await fn({
+              engine: "postgres",
+              bridge: true,
+              location,
+              open: () => Promise.try(() => PostgresBridgeStore.open(location)),
+            });
           });
         }
       } finally {

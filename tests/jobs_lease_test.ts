@@ -151,4 +151,4 @@ storeSuite("Job leases", [
       for (const s of stores) await s.close();
     }
   }],
-]);
+], { bridge: true });

@@ -131,7 +131,7 @@ storeSuite("JobStore", [
     assert.deepEqual(heard, [a.id, b.id]);
     await store.close();
   }],
-]);
+], { bridge: true });
 
 Deno.test({
   name: "lockDataDir() lets one server hold a data directory and names the lock when taken",

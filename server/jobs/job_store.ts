@@ -4,9 +4,11 @@
  * PostgreSQL (server/jobs/postgres_store.ts, `GPT2_DATABASE_URL`) lets several hosts share jobs,
  * events and metrics. Both run the same migrations (server/jobs/store_schema.ts).
  *
- * Every method may answer at once (SQLite) or with a promise (PostgreSQL): callers that take any
- * engine `await` each answer; code that holds the SQLite engine itself (`JobStore`) may keep
- * using its answers directly.
+ * Every method of {@link JobStoreEngine} may answer at once (SQLite) or with a promise
+ * (PostgreSQL): callers that take any engine `await` each answer. {@link JobStore} is the same
+ * interface answering at once, which the runner uses: SQLite is that natively, and PostgreSQL
+ * through server/jobs/postgres_bridge.ts (the async engine on its own thread, each call waited
+ * for, as SQLite's own calls wait for the disk). `new JobStore(path)` opens SQLite.
  *
  * Several hosts: each has an id. A host claims a waiting job it can place ({@link
  * JobStoreEngine.claimNext}) under a lease it renews ({@link JobStoreEngine.heartbeat}); a claim
@@ -25,8 +27,8 @@ import type {
   TrainConfig,
 } from "../../model/job.ts";
 
-export { isFinished, MIGRATIONS, SCHEMA_VERSION } from "./store_schema.ts";
-export { SqliteJobStore as JobStore } from "./sqlite_store.ts";
+import { SqliteJobStore } from "./sqlite_store.ts";
+export { isFinished, LeaseLostError, MIGRATIONS, SCHEMA_VERSION } from "./store_schema.ts";
 
 /** An answer now (SQLite) or later (PostgreSQL). */
 export type Awaitable<T> = T | Promise<T>;
@@ -88,17 +90,6 @@ export interface HostRecord extends Required<HostReport> {
 export interface HeartbeatResult {
   kept: Array<{ job_id: string; cancel_requested: boolean }>;
   lost: string[];
-}
-
-/** A write refused because the writer's lease on the job is gone (another host claimed it). */
-export class LeaseLostError extends Error {
-  constructor(readonly lease: Lease) {
-    super(
-      `Job "${lease.job_id}" is no longer held by host "${lease.host_id}" (lease epoch ${lease.epoch}): ` +
-        `another host took it over, so this host stops it and writes nothing more to it`,
-    );
-    this.name = "LeaseLostError";
-  }
 }
 
 /** The job store, whichever engine holds it. */
@@ -167,3 +158,13 @@ export interface JobStoreEngine {
   /** Ends a lease early (the job finished or was interrupted here): another host may claim it now. */
   release(lease: Lease): Awaitable<void>;
 }
+
+/** The job store answering at once: what the runner calls (SQLite, or PostgreSQL through the bridge). */
+export type JobStore = {
+  [K in keyof JobStoreEngine]: JobStoreEngine[K] extends (...args: infer A) => infer R
+    ? (...args: A) => Exclude<R, Promise<unknown>>
+    : JobStoreEngine[K];
+};
+
+/** `new JobStore(path)`: the SQLite engine at `path` (":memory:" for tests). */
+export const JobStore: new (path: string) => SqliteJobStore = SqliteJobStore;

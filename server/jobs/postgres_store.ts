@@ -28,19 +28,19 @@ import {
   type MetricPoint,
   type TrainConfig,
 } from "../../model/job.ts";
-import {
-  type Claim,
-  type HeartbeatResult,
-  type HostRecord,
-  type HostReport,
-  type JobPatch,
-  type JobStoreEngine,
-  type Lease,
-  LeaseLostError,
+import type {
+  Claim,
+  HeartbeatResult,
+  HostRecord,
+  HostReport,
+  JobPatch,
+  JobStoreEngine,
+  Lease,
 } from "./job_store.ts";
 import { eventFromRow, toHost } from "./sqlite_store.ts";
 import {
   CLAIMABLE,
+  LeaseLostError,
   MIGRATIONS,
   PATCH_COLUMNS,
   postgresDialect,

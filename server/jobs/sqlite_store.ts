@@ -22,17 +22,24 @@ import {
   type MetricPoint,
   type TrainConfig,
 } from "../../model/job.ts";
-import {
-  type Claim,
-  type HeartbeatResult,
-  type HostRecord,
-  type HostReport,
-  type JobPatch,
-  type JobStoreEngine,
-  type Lease,
-  LeaseLostError,
+import type {
+  Claim,
+  HeartbeatResult,
+  HostRecord,
+  HostReport,
+  JobPatch,
+  JobStoreEngine,
+  Lease,
 } from "./job_store.ts";
-import { CLAIMABLE, MIGRATIONS, PATCH_COLUMNS, SCHEMA_VERSION, toJob, workersOf } from "./store_schema.ts";
+import {
+  CLAIMABLE,
+  LeaseLostError,
+  MIGRATIONS,
+  PATCH_COLUMNS,
+  SCHEMA_VERSION,
+  toJob,
+  workersOf,
+} from "./store_schema.ts";
 
 type Row = Record<string, unknown>;
 type Value = string | number | null;

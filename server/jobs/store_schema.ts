@@ -12,6 +12,7 @@
  */
 
 import { FINISHED_STATUSES, type Job, type JobStatus, type TrainConfig } from "../../model/job.ts";
+import type { Lease } from "./job_store.ts";
 
 const SCHEMA_V1 = `
 create table if not exists jobs (
@@ -112,6 +113,17 @@ export const PATCH_COLUMNS: ReadonlySet<string> = new Set([
 
 /** Statuses a host may claim a job in (an expired `running` one was its dead holder's). */
 export const CLAIMABLE = "('queued', 'interrupted', 'running')";
+
+/** A write refused because the writer's lease on the job is gone (another host claimed it). */
+export class LeaseLostError extends Error {
+  constructor(readonly lease: Lease) {
+    super(
+      `Job "${lease.job_id}" is no longer held by host "${lease.host_id}" (lease epoch ${lease.epoch}): ` +
+        `another host took it over, so this host stops it and writes nothing more to it`,
+    );
+    this.name = "LeaseLostError";
+  }
+}
 
 /** Whether a job can no longer change. */
 export function isFinished(status: JobStatus): boolean {

@@ -1,0 +1,65 @@
+/**
+ * The thread behind server/jobs/postgres_bridge.ts: holds the PostgreSQL engine (async,
+ * postgres.js) and answers the HTTP thread's calls one at a time, each answer posted on the call
+ * port and then signalled through a shared counter the HTTP thread waits on. Events announced by
+ * any host (NOTIFY) go out on the events port, which the HTTP thread reads as ordinary messages.
+ */
+
+import { type MessagePort, workerData } from "node:worker_threads";
+import { PostgresJobStore } from "./postgres_store.ts";
+
+/** What the HTTP thread hands this thread at start. */
+export interface BridgeData {
+  url: string;
+  calls: MessagePort;
+  events: MessagePort;
+  /** Answers posted so far; the HTTP thread waits for it to move. */
+  answered: Int32Array;
+}
+
+/** A call, and its answer (an error travels as its name, message and lease). */
+export interface BridgeCall {
+  id: number;
+  method: string;
+  args: unknown[];
+}
+
+/** The answer to call `id`. */
+export type BridgeAnswer =
+  & { id: number }
+  & ({ ok: true; value: unknown } | { ok: false; error: { name: string; message: string; lease?: unknown } });
+
+const { url, calls, events, answered } = workerData as BridgeData;
+let store: PostgresJobStore | null = null;
+let chain = Promise.resolve();
+
+async function answer(call: BridgeCall): Promise<BridgeAnswer> {
+  try {
+    if (call.method === "open") {
+      store = await PostgresJobStore.open(url);
+      store.onEvent((e) => events.postMessage(e));
+      return { id: call.id, ok: true, value: store.schemaVersion };
+    }
+    if (!store) throw new Error(`Cannot run "${call.method}": the PostgreSQL job store is not open`);
+    if (call.method === "close") {
+      await store.close();
+      store = null;
+      return { id: call.id, ok: true, value: undefined };
+    }
+    // deno-lint-ignore no-explicit-any
+    const fn = (store as any)[call.method];
+    if (typeof fn !== "function") throw new Error(`Cannot run "${call.method}": no such job store method`);
+    return { id: call.id, ok: true, value: await fn.apply(store, call.args) };
+  } catch (e) {
+    const err = e as Error & { lease?: unknown };
+    return { id: call.id, ok: false, error: { name: err.name, message: err.message, lease: err.lease } };
+  }
+}
+
+calls.on("message", (call: BridgeCall) => {
+  chain = chain.then(async () => {
+    calls.postMessage(await answer(call));
+    Atomics.add(answered, 0, 1);
+    Atomics.notify(answered, 0);
+  });
+});
