@@ -26,9 +26,14 @@ export type StoreCase = [name: string, fn: (db: FreshDb) => Promise<void>];
 
 /**
  * Registers `title (sqlite)` and `title (postgres)`, each running every case on a fresh database;
- * with `bridge`, the PostgreSQL test runs every case again through PostgresBridgeStore.
+ * with `bridge`, the PostgreSQL test runs every case again through PostgresBridgeStore (with
+ * `asyncPostgres: false`, only through it: for code that takes a store answering at once).
  */
-export function storeSuite(title: string, cases: StoreCase[], opts: { bridge?: boolean } = {}): void {
+export function storeSuite(
+  title: string,
+  cases: StoreCase[],
+  opts: { bridge?: boolean; asyncPostgres?: boolean } = {},
+): void {
   Deno.test(`${title} (sqlite)`, async (t) => {
     for (const [name, fn] of cases) {
       await t.step(name, async () => {
@@ -56,10 +61,12 @@ export function storeSuite(title: string, cases: StoreCase[], opts: { bridge?: b
       const cluster = await startPostgres();
       try {
         for (const [name, fn] of cases) {
-          await t.step(name, async () => {
-            const location = await cluster.database();
-            await fn({ engine: "postgres", location, open: () => PostgresJobStore.open(location) });
-          });
+          if (opts.asyncPostgres !== false) {
+            await t.step(name, async () => {
+              const location = await cluster.database();
+              await fn({ engine: "postgres", location, open: () => PostgresJobStore.open(location) });
+            });
+          }
           if (!opts.bridge) continue;
           await t.step(`${name} (bridge)`, async () => {
             const location = await cluster.database();

@@ -12,11 +12,12 @@
  */
 
 import type { Job } from "../../model/job.ts";
-import type { Claim, HeartbeatResult, HostReport, JobStoreEngine, Lease } from "./job_store.ts";
+import type { Claim, HeartbeatResult, HostReport, JobStore, Lease } from "./job_store.ts";
 
 /** What the keeper needs from its host. */
 export interface LeaseKeeperOptions {
-  store: JobStoreEngine;
+  /** A store answering at once (SQLite, or PostgreSQL through server/jobs/postgres_bridge.ts). */
+  store: JobStore;
   hostId: string;
   /** How long a claim lasts without a heartbeat (GPT2_LEASE_S × 1000). */
   leaseMs: number;
@@ -38,7 +39,6 @@ export class LeaseKeeper {
   #held = new Map<string, Lease>();
   #cancelled = new Set<string>();
   #timer: ReturnType<typeof setInterval> | null = null;
-  #beating: Promise<HeartbeatResult> | null = null;
 
   constructor(opts: LeaseKeeperOptions) {
     this.#opts = opts;
@@ -53,11 +53,17 @@ export class LeaseKeeper {
    * Registers the host, lets go of every job it held before (a `running` one becomes
    * `interrupted`, claimable by any host at once; returned) and starts the heartbeat.
    */
-  async start(): Promise<Job[]> {
-    await this.#opts.store.registerHost({ id: this.#opts.hostId, ...this.#opts.report() });
-    const released = await this.#opts.store.releaseHost(this.#opts.hostId);
+  start(): Job[] {
+    this.#opts.store.registerHost({ id: this.#opts.hostId, ...this.#opts.report() });
+    const released = this.#opts.store.releaseHost(this.#opts.hostId);
     const every = this.#opts.heartbeatMs ?? Math.max(100, Math.floor(this.#opts.leaseMs / 3));
-    this.#timer = setInterval(() => void this.beat().catch(() => {}), every);
+    this.#timer = setInterval(() => {
+      try {
+        this.beat();
+      } catch {
+        // reported through onError; the next beat tries again
+      }
+    }, every);
     return released;
   }
 
@@ -68,9 +74,9 @@ export class LeaseKeeper {
   }
 
   /** Claims the next job this host can place on `capacity` free Workers, or null. */
-  async claim(capacity: number): Promise<Claim | null> {
+  claim(capacity: number): Claim | null {
     if (capacity < 1) return null;
-    const claim = await this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs);
+    const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs);
     if (claim) this.#held.set(claim.job.id, claim.lease);
     return claim;
   }
@@ -86,11 +92,11 @@ export class LeaseKeeper {
   }
 
   /** Gives `jobId` back (it finished, or stopped here to resume elsewhere). */
-  async release(jobId: string): Promise<void> {
+  release(jobId: string): void {
     const lease = this.#held.get(jobId);
     this.#held.delete(jobId);
     this.#cancelled.delete(jobId);
-    if (lease) await this.#opts.store.release(lease);
+    if (lease) this.#opts.store.release(lease);
   }
 
   /** Forgets `jobId` without a write (its lease was lost: the job is another host's now). */
@@ -100,16 +106,11 @@ export class LeaseKeeper {
   }
 
   /** One heartbeat now: renews every lease, reports lost ones and cancels from elsewhere. */
-  beat(): Promise<HeartbeatResult> {
-    this.#beating ??= this.#beat().finally(() => this.#beating = null);
-    return this.#beating;
-  }
-
-  async #beat(): Promise<HeartbeatResult> {
+  beat(): HeartbeatResult {
     const leases = [...this.#held.values()];
     let result: HeartbeatResult;
     try {
-      result = await this.#opts.store.heartbeat(
+      result = this.#opts.store.heartbeat(
         { id: this.#opts.hostId, ...this.#opts.report() },
         leases,
         this.#opts.leaseMs,
