@@ -8,6 +8,10 @@
  * directory exits with a message, and a GPU host that cannot start is a state `/health` shows
  * while it is tried again (server/gpus/host_client.ts).
  *
+ * With GPT2_DATABASE_URL the job store is PostgreSQL (server/jobs/postgres_bridge.ts) and this
+ * host registers itself there and renews a heartbeat (server/jobs/leases.ts), so `/health` of
+ * any host lists it; GPT2_SHARED_DIR holds checkpoints and datasets instead of GPT2_HOME.
+ *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
  * running job saves a checkpoint at its current step, event streams end, the Workers let their
  * GPUs go idle, the host exits, the store closes, and the process exits 0. A second signal exits
@@ -17,11 +21,13 @@
 import { resolve } from "node:path";
 import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
 import {
+  type ClusterConfig,
   GenerationManager,
   GpuHostClient,
   JobRunner,
   JobStore,
   lockDataDir,
+  readClusterConfig,
   readServerConfig,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
@@ -29,37 +35,51 @@ import {
   trainingGpus,
 } from "./server/jobs/mod.ts";
 import { hostPermissions } from "./server/gpus/host_client.ts";
+import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
+import { LeaseKeeper } from "./server/jobs/leases.ts";
 import { createApp } from "./server/routes/mod.ts";
 import { datasetRoutes } from "./server/routes/datasets.ts";
 
 if (import.meta.main) {
-  let config: ServerConfig;
+  let config: ServerConfig, cluster: ClusterConfig;
   try {
     config = readServerConfig(Deno.env);
+    cluster = readClusterConfig(Deno.env);
   } catch (e) {
     console.error((e as Error).message);
     Deno.exit(2);
   }
   const { home, roles } = config;
-  let store: JobStore, homeReal: string;
+  // Checkpoints and datasets: on storage every host sees when GPT2_SHARED_DIR is set.
+  const data = cluster.sharedDir ?? home;
+  let store: JobStore, homeReal: string, dataReal: string;
   try {
-    for (const [dir, setting] of [[home, "GPT2_HOME"], [config.sources, "GPT2_SOURCES"]]) {
+    const dirs = [[home, "GPT2_HOME"], [config.sources, "GPT2_SOURCES"], [data, "GPT2_SHARED_DIR"]];
+    for (const [dir, setting] of dirs) {
       await Deno.mkdir(dir, { recursive: true }).catch((e) => {
         throw new Error(`Cannot create "${dir}" (${setting}): ${(e as Error).message}`);
       });
     }
     homeReal = await Deno.realPath(home);
+    dataReal = await Deno.realPath(data);
     await lockDataDir(home);
-    // No writer is running yet: whatever a killed process left half-written goes.
-    const stale = [
-      ...await removeStaleCheckpointTemporaries(home),
-      ...await removeStaleTemporaries(datasetsDir(home)),
-    ];
-    for (const name of stale) console.log(`Removed stale temporary "${name}"`);
-    try {
-      store = new JobStore(`${home}/jobs.sqlite`);
-    } catch (e) {
-      throw new Error(`Cannot open the job store "${home}/jobs.sqlite": ${(e as Error).message}`);
+    // No writer is running yet: whatever a killed process left half-written goes. Not in a shared
+    // folder, where another host may be writing right now.
+    if (cluster.sharedDir === null) {
+      const stale = [
+        ...await removeStaleCheckpointTemporaries(home),
+        ...await removeStaleTemporaries(datasetsDir(home)),
+      ];
+      for (const name of stale) console.log(`Removed stale temporary "${name}"`);
+    }
+    if (cluster.databaseUrl) {
+      store = PostgresBridgeStore.open(cluster.databaseUrl);
+    } else {
+      try {
+        store = new JobStore(`${home}/jobs.sqlite`);
+      } catch (e) {
+        throw new Error(`Cannot open the job store "${home}/jobs.sqlite": ${(e as Error).message}`);
+      }
     }
   } catch (e) {
     console.error((e as Error).message);
@@ -69,21 +89,21 @@ if (import.meta.main) {
     env: { GPT2_SHUTDOWN_S: String(config.shutdownSeconds) },
     // The Deno that runs the GPU host; a path that does not work leaves the host "failed" in /health.
     deno: config.hostDeno ?? undefined,
-    denoFlags: hostPermissions([resolve(home), homeReal]),
+    denoFlags: hostPermissions([...new Set([resolve(home), homeReal, resolve(data), dataReal])]),
   });
   const runner = new JobRunner(store, {
-    root: home,
+    root: data,
     gpus: config.gpus,
     spawn: host.spawn,
     host: () => host.status,
     trainGpus: trainingGpus(roles),
     datasetExists: async (id) =>
-      isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
+      isBuiltinName(id) || (await getDataset(data, id).catch(() => undefined)) !== undefined,
     splitTokens: async (id) =>
-      isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
+      isBuiltinName(id) ? null : (await getDataset(data, id).catch(() => undefined))?.splits ?? null,
   });
-  const generation = new GenerationManager(runner, home, { roles });
-  const datasets = datasetRoutes(home, {
+  const generation = new GenerationManager(runner, data, { roles });
+  const datasets = datasetRoutes(data, {
     sources: config.sources,
     limits: config.limits,
     allowPrivateUrls: config.allowPrivateUrls,
@@ -98,7 +118,7 @@ if (import.meta.main) {
     allowedHosts: config.allowedHosts,
     corsOrigins: config.corsOrigins,
     trustedProxies: config.trustedProxies,
-    home,
+    home: data,
     extra: [datasets],
     draining: { active: () => runner.draining, retryAfterSeconds: config.shutdownSeconds },
   });
@@ -120,6 +140,7 @@ if (import.meta.main) {
     Deno.exit(1);
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
+  const keeper = cluster.databaseUrl ? startHost(store, runner, cluster, config.gpus) : null;
   runner.start();
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {
@@ -134,6 +155,7 @@ if (import.meta.main) {
       `${signal}: stopping (jobs save a checkpoint at their current step; at most ${config.shutdownSeconds} s)`,
     );
     await runner.stop(left(2000));
+    keeper?.stop();
     const hostExit = await host.close(left(500));
     if (hostExit && !hostExit.success) {
       const how = hostExit.signal ? `signal ${hostExit.signal}` : `status ${hostExit.code}`;
@@ -153,4 +175,38 @@ if (import.meta.main) {
     });
   Deno.addSignalListener("SIGINT", () => stopOn("SIGINT"));
   Deno.addSignalListener("SIGTERM", () => stopOn("SIGTERM"));
+}
+
+/**
+ * Registers this host in the shared database and keeps its heartbeat (GPUs, free Workers, state).
+ * The runner does not claim jobs under leases yet (README, "Several hosts"), so two hosts would
+ * both take the same queue: a second live host on the database is refused, naming the first.
+ */
+function startHost(store: JobStore, runner: JobRunner, cluster: ClusterConfig, gpus: number): LeaseKeeper {
+  const leaseMs = cluster.leaseSeconds * 1000;
+  const other = store.hosts().find((h) => h.id !== cluster.hostId && h.lease_age_s * 1000 < leaseMs);
+  if (other) {
+    console.error(
+      `Host "${other.id}" is serving from this database (heartbeat ${other.lease_age_s.toFixed(1)} s ago): ` +
+        `this version runs one host per database; stop it or use another GPT2_DATABASE_URL`,
+    );
+    store.close();
+    Deno.exit(1);
+  }
+  const keeper = new LeaseKeeper({
+    store,
+    hostId: cluster.hostId,
+    leaseMs,
+    report: () => ({
+      gpus,
+      free: runner.gpus().filter((g) => g.state === "idle" && !g.job).length,
+      state: runner.draining ? "draining" : "ready",
+      info: { pid: Deno.pid },
+    }),
+    onLost: () => {},
+    onCancel: () => {},
+    onError: (e) => console.error(`Heartbeat to the job store failed: ${e.message}`),
+  });
+  keeper.start();
+  return keeper;
 }
