@@ -107,6 +107,13 @@ export interface GeneratorOptions {
    */
   cpuUniform?: boolean;
   /**
+   * CPU adapters: sample with the one-invocation kernel, which has no barriers (sampleDirectWgsl).
+   * Default: where the adapter has no subgroups, i.e. Mesa's OpenGL llvmpipe, which compiles the
+   * workgroup kernel's barriers for minutes (the direct one in about 20 s); Mesa's Vulkan lavapipe
+   * compiles the workgroup kernel in about a second.
+   */
+  directSampler?: boolean;
+  /**
    * Decode steps per queue submission within a step (default 4): the GPU starts on the first
    * steps while the rest are still being encoded.
    */
@@ -320,6 +327,7 @@ export class Generator {
       chunk: opts.chunk,
       prefillTokens: opts.prefillTokens ?? 2048,
       cpuUniform: opts.cpuUniform ?? true,
+      directSampler: opts.directSampler ?? !ctx.hasSubgroups,
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
@@ -1060,6 +1068,7 @@ export class Generator {
       rows: "prefill",
       maxPos: c.n_positions - 1,
       serialReductions: this.#cpu,
+      direct: this.#cpu && this.opts.directSampler,
     });
     ops.push(
       await this.#op("elementwise", "prefill.sample", sample, [
@@ -1309,6 +1318,7 @@ export class Generator {
       rows: "stream",
       maxPos: c.n_positions - 1,
       serialReductions: this.#cpu,
+      direct: this.#cpu && this.opts.directSampler,
     });
     ops.push(
       await op("elementwise", "dec.sample", sample, [

@@ -195,6 +195,33 @@ Deno.test({
   },
 });
 
+Deno.test({
+  name:
+    "Generator with the direct sampler (OpenGL's default) draws what the workgroup sampler draws: seeded top-k, top-p, logprobs",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const ctx = (await testContext())!;
+    const draws: number[][][] = [];
+    const lps: number[][] = [];
+    for (const directSampler of [false, true]) {
+      const gen = await Generator.create(ctx, config, params, { maxStreams: 3, chunk: 6, directSampler });
+      const hs = [
+        await gen.admit(prompts[0], { temperature: 0.8, top_k: 40, top_p: 1, seed: 11 }),
+        await gen.admit(prompts[1], { temperature: 1, top_k: 0, top_p: 0.9, seed: 12, logprobs: 2 }),
+        await gen.admit(prompts[2], { temperature: 1.2, top_k: 100, top_p: 0.8, seed: 13 }),
+      ];
+      const out = await gen.step(5);
+      draws.push(hs.map((h) => out.get(h)!.tokens));
+      lps.push(out.get(hs[1])!.logprobs!.map((l) => l.logprob));
+      gen.destroy();
+    }
+    assert.deepEqual(draws[1], draws[0]);
+    assert.ok(draws[0].every((t) => t.length === 6), JSON.stringify(draws[0]));
+    for (const [i, lp] of lps[1].entries()) assert.ok(Math.abs(lp - lps[0][i]) < 1e-4, `logprob ${i}`);
+  },
+});
+
 for (const fast of [false, true]) {
   Deno.test({
     name:

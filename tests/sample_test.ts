@@ -7,7 +7,8 @@
  * the compacted top-k path (k ≤ 256, few candidates), the fallback over the vocabulary (k > 256;
  * or more candidates than workgroup memory holds), top-p with and without top-k (peaked logits,
  * whose nucleus is bounded by the threads' maxima, and nearly flat ones), and greedy, with
- * the workgroup reductions of GPUs (a tree) and of CPU adapters (one invocation).
+ * the workgroup reductions of GPUs (a tree) and of CPU adapters (one invocation), and the direct
+ * kernel of CPU adapters (one invocation per row, no barriers).
  */
 
 import assert from "node:assert/strict";
@@ -65,12 +66,13 @@ async function gpuPicks(
   seeds: number[],
   pos: number[],
   serialReductions: boolean,
+  direct = false,
 ): Promise<number[]> {
   const ctx = (await testContext())!;
   const pipeline = await createPipeline(
     ctx,
     "sample test",
-    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20, serialReductions }),
+    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20, serialReductions, direct }),
   );
   const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
   const buf = (data: ArrayBufferView<ArrayBuffer>) => {
@@ -160,6 +162,15 @@ Deno.test({
       // The tree reductions (GPUs) and the serial ones (CPU adapters) pick the same.
       const serial = await gpuPicks(logits, Array(S).fill(p), seeds, pos, true);
       assert.deepEqual(serial, want, `${what}, serial reductions`);
+      // The one-invocation kernel of CPU adapters (no barriers) picks the same.
+      const direct = await gpuPicks(logits, Array(S).fill(p), seeds, pos, true, true);
+      if (JSON.stringify(direct) !== JSON.stringify(want)) {
+        console.log(
+          what,
+          direct.map((d, r) => d === want[r] ? "." : `${r}:${d}/${want[r]}`).join(" "),
+        );
+      }
+      assert.deepEqual(direct, want, `${what}, direct kernel`);
       const got = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false);
       assert.deepEqual(got, want, what);
       assert.ok(got.every((t) => t < V), `${what}: a padded id was picked`);

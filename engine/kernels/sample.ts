@@ -64,6 +64,12 @@ export interface SampleSpec {
    * above 64 then takes the passes over the vocabulary).
    */
   serialReductions?: boolean;
+  /**
+   * CPU adapters: one invocation per row, no workgroup memory and no barriers (sampleDirectWgsl).
+   * Mesa's OpenGL llvmpipe compiles the workgroup kernel's barriers as coroutines, for minutes;
+   * this one compiles in about a second. Same picks as the CPU twin.
+   */
+  direct?: boolean;
 }
 
 /** Values each pass over a stretch loads before using them on GPUs (loads in flight per thread). */
@@ -153,6 +159,7 @@ fn max_all(v: f32, tid: u32) -> f32 {
  * row asks for logprobs, lp[row, steps written] (LP_WORDS each). Grid (rows).
  */
 export function sampleWgsl(s: SampleSpec): string {
+  if (s.direct) return sampleDirectWgsl(s);
   const WG = s.serialReductions ? WG_CPU : WG_GPU;
   const per = Math.ceil(s.V / WG);
   const LG = (i: string) => `logits[base + ${i}]`, VAL = (i: string) => `val(${i}, compact, base)`;
@@ -441,6 +448,186 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     state[st + 3u] = n + 1u;
     state[st + 1u] = min(state[st + 1u] + 1u, ${s.maxPos}u);
   }
+}
+`;
+}
+
+/**
+ * Values each loop iteration of the direct kernel handles: the fewest (a power of two, code size
+ * is compile time) that keep its worst case (about 20 passes over the vocabulary, plus 4,300
+ * iterations of histogram work) under llvmpipe's 65,535 loop iterations. 32 for GPT-2's vocabulary.
+ */
+export function directUnroll(V: number): number {
+  let U = 4;
+  while (20 * Math.ceil(V / U) + 4300 > 60_000) U *= 2;
+  return U;
+}
+
+/**
+ * The sampling kernel as one invocation per row, with no workgroup memory and no barriers: the
+ * same definition as sampleWgsl (keep the top-k ids, ties included, then the nucleus, then draw in
+ * vocabulary order). The cuts are found exactly by radix selection on the logits' order-preserving
+ * bits (four passes of a 256-bin histogram each): top-k counts ids per bin, the nucleus sums their
+ * mass. Mesa's llvmpipe stops every loop of an invocation once it has run 65,535 iterations in all
+ * (a silent limit), so each pass walks directUnroll(V) values per iteration. One invocation adds thousands of masses (each at
+ * most 1) where the workgroup kernel adds short partials, and llvmpipe's float math defeats
+ * compensated sums, so masses are summed in 64-bit fixed point (two u32 words, 31 fraction bits):
+ * exact integer adds. Grid (rows), workgroup size 1.
+ */
+export function sampleDirectWgsl(s: SampleSpec): string {
+  const U = directUnroll(s.V);
+  const LG = (i: string) => `logits[base + ${i}]`;
+  const all = (body: string) => pass(U, "v", "0u", `${s.V}u`, LG, body);
+  const W = "exp((x - mx) * inv)";
+  /** Radix selection: the key whose rank (`count`) or running mass (`mass`) from the top first reaches the target. */
+  const radix = (what: "count" | "mass", keep: string) =>
+    `{
+      var prefix = 0u;
+      var mask = 0u;
+      var above = Fx(0u, 0u);
+      for (var shift = 24u; ; shift = shift - 8u) {
+        for (var i = 0u; i < 256u; i = i + 1u) { hh[i] = 0u; hl[i] = 0u; }
+        ${
+      all(
+        `if (${keep} && (key(x) & mask) == prefix) { let bin = (key(x) >> shift) & 255u; ${
+          what === "count"
+            ? "hh[bin] = hh[bin] + 1u;"
+            : `let f = fxAdd(Fx(hh[bin], hl[bin]), fxOf(${W})); hh[bin] = f.h; hl[bin] = f.l;`
+        } }`,
+      )
+    }
+        var bin = 255u;
+        for (; bin > 0u; bin = bin - 1u) {
+          let next = ${what === "count" ? "Fx(above.h + hh[bin], 0u)" : "fxAdd(above, Fx(hh[bin], hl[bin]))"};
+          if (fxGe(next, goal)) { break; }
+          above = next;
+        }
+        prefix = prefix | (bin << shift);
+        mask = mask | (255u << shift);
+        if (shift == 0u) { break; }
+      }
+      found = unkey(prefix);
+    }`;
+  return `
+@group(0) @binding(0) var<storage, read> logits: array<f32>;
+@group(0) @binding(1) var<storage, read_write> state: array<u32>;
+@group(0) @binding(2) var<storage, read> params: array<u32>;
+@group(0) @binding(3) var<storage, read_write> out: array<u32>;
+@group(0) @binding(4) var<storage, read_write> lp: array<f32>;
+${s.rows === "prefill" ? "@group(0) @binding(5) var<storage, read> rowSel: array<u32>;" : ""}
+${PCG_WGSL}
+
+/** Order-preserving bits of a float: larger floats give larger keys. */
+fn key(x: f32) -> u32 {
+  let b = bitcast<u32>(x);
+  return select(b | 0x80000000u, ~b, (b & 0x80000000u) != 0u);
+}
+
+fn unkey(k: u32) -> f32 {
+  return bitcast<f32>(select(~k, k & 0x7fffffffu, (k & 0x80000000u) != 0u));
+}
+
+/** A non-negative number h + l / 2^31 (l < 2^31): masses summed exactly. */
+struct Fx { h: u32, l: u32 }
+
+/** A mass in [0, 1] (or any non-negative f32 below 2^32) in fixed point. */
+fn fxOf(w: f32) -> Fx {
+  let h = floor(w);
+  return Fx(u32(h), u32((w - h) * 2147483648.0));
+}
+
+fn fxAdd(a: Fx, b: Fx) -> Fx {
+  let l = a.l + b.l;
+  return Fx(a.h + b.h + select(0u, 1u, l >= 0x80000000u), l & 0x7fffffffu);
+}
+
+/** a − b for a ≥ b. */
+fn fxSub(a: Fx, b: Fx) -> Fx {
+  let borrow = a.l < b.l;
+  return Fx(a.h - b.h - select(0u, 1u, borrow), select(a.l - b.l, a.l + 0x80000000u - b.l, borrow));
+}
+
+fn fxGe(a: Fx, b: Fx) -> bool {
+  return a.h > b.h || (a.h == b.h && a.l >= b.l);
+}
+
+fn fxF32(a: Fx) -> f32 {
+  return f32(a.h) + f32(a.l) * (1.0 / 2147483648.0);
+}
+
+@compute @workgroup_size(1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>) {
+  ${s.rows === "prefill" ? "let stream = rowSel[wg.x * 4u + 3u];" : "let stream = wg.x;"}
+  let base = wg.x * ${s.Vp}u;
+  let temp = bitcast<f32>(params[stream * ${PARAM_WORDS}u]);
+  let topk = params[stream * ${PARAM_WORDS}u + 1u];
+  let topp = bitcast<f32>(params[stream * ${PARAM_WORDS}u + 2u]);
+  var mx = -3.0e38;
+  var arg = 0u;
+  ${all("if (x > mx) { mx = x; arg = v; }")}
+  var choice = arg;
+  var hh: array<u32, 256>;
+  var hl: array<u32, 256>;
+  var found = 0.0;
+  if (temp > 0.0) {
+    let inv = 1.0 / temp;
+    var cut = -3.0e38;
+    if (topk > 0u && topk < ${s.V}u) {
+      // The k-th largest logit (ties counted): the key where the count from the top reaches k.
+      let goal = Fx(topk, 0u);
+      ${radix("count", "true")}
+      cut = found;
+    }
+    if (topp > 0.0 && topp < 1.0) {
+      var z = Fx(0u, 0u);
+      ${all(`if (x >= cut) { z = fxAdd(z, fxOf(${W})); }`)}
+      // The largest kept logit whose kept mass at or above it reaches top_p.
+      let goal = fxOf(topp * fxF32(z));
+      ${radix("mass", "x >= cut")}
+      cut = max(cut, found);
+    }
+    var total = Fx(0u, 0u);
+    ${all(`if (x >= cut) { total = fxAdd(total, fxOf(${W})); }`)}
+    let st = stream * ${STATE_WORDS}u;
+    let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
+    // The draw: u less the mass of the kept ids before; the pick is where that rest falls below a mass.
+    var rest = fxOf((f32(r >> 8u) + 0.5) / 16777216.0 * fxF32(total));
+    var pick = 0xffffffffu;
+    var last = arg;
+    ${
+    all(
+      `if (x >= cut && pick == 0xffffffffu) { last = v; let w = fxOf(${W}); if (fxGe(rest, w)) { rest = fxSub(rest, w); } else { pick = v; } }`,
+    )
+  }
+    choice = select(pick, last, pick == 0xffffffffu);
+  }
+  let nlp = params[stream * ${PARAM_WORDS}u + 3u];
+  let st = stream * ${STATE_WORDS}u;
+  let n = state[st + 3u];
+  if (nlp > 0u) {
+    var z1 = 0.0;
+    ${all("z1 = z1 + exp(x - mx);")}
+    let lse = mx + log(z1);
+    let o = (stream * ${s.chunk}u + min(n, ${s.chunk - 1}u)) * ${LP_WORDS}u;
+    var pv = 3.0e38;
+    var pi = 0u;
+    for (var i = 0u; i < min(nlp - 1u, ${LOGPROBS_MAX}u); i = i + 1u) {
+      var bv = -3.0e38;
+      var bi = 0xffffffffu;
+      ${all("if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
+      if (n < ${s.chunk}u) {
+        lp[o + 2u + 2u * i] = bitcast<f32>(bi);
+        lp[o + 3u + 2u * i] = bv - lse;
+      }
+      pv = bv;
+      pi = bi;
+    }
+    if (n < ${s.chunk}u) { lp[o] = logits[base + choice] - lse; }
+  }
+  state[st] = choice;
+  if (n < ${s.chunk}u) { out[stream * ${s.chunk}u + n] = choice; }
+  state[st + 3u] = n + 1u;
+  state[st + 1u] = min(state[st + 1u] + 1u, ${s.maxPos}u);
 }
 `;
 }
