@@ -1,6 +1,6 @@
 /**
  * Attention benchmark: the causal attention forward and backward of gpt2-124M and gpt2-345M
- * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (engine/graph.ts's
+ * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (engine/graph/'s
  * choice) against the flash kernels (every tiling the device fits), timed by timestamp queries
  * (median over ≥ 20 repetitions after warmup). Every flash result is compared on the GPU with
  * today's kernels on the same inputs (max |difference| / max |value| of y, lse and dqkv) and a
@@ -158,7 +158,7 @@ async function main(args: string[]): Promise<void> {
         dtype: half ? "f16" : "f32",
         gradDtype: half ? "f16" : "f32",
       };
-      // Today's choice, as engine/graph.ts makes it.
+      // Today's choice, as engine/graph/ makes it.
       const split = chooseAttentionSplit(p.D, ctx.hasSubgroups);
       const now: AttentionSpec = {
         ...base,

@@ -1,7 +1,7 @@
 /**
  * Matmul benchmark: every GPT-2 training matmul (forward, both backward layouts, the LM head's
  * chunk forward, dx and dw) of gpt2-124M and gpt2-345M at B·T = 8192, in fp32 and with fp16
- * storage (the dtypes and f16 math engine/graph.ts gives each binding), timed by timestamp queries
+ * storage (the dtypes and f16 math engine/graph/ gives each binding), timed by timestamp queries
  * (median and min over ≥ 20 repetitions after warmup; wall clock where the adapter has none).
  *
  *   deno task bench matmul                       chooseTile's pick for every shape
@@ -24,7 +24,7 @@
  * timing; `--emit-tiles` turns its best picks into the rule table chooseTile reads.
  *
  * Timing (bench/_gpu_bench.ts): batches of back-to-back dispatches per timestamped pass, the
- * median and min over batches of the per-dispatch time; "pick" is what engine/graph.ts runs today
+ * median and min over batches of the per-dispatch time; "pick" is what engine/graph/ runs today
  * (chooseTile on the spec before dtypes are added, without the device's workgroup limit).
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
@@ -52,7 +52,7 @@ import { makeOp, type Op, PipelineCache } from "../engine/ops.ts";
 import { headChunkRows } from "../model/plan.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
-/** One benchmarked matmul as engine/graph.ts builds it. */
+/** One benchmarked matmul as engine/graph/ builds it. */
 export interface BenchShape {
   /** e.g. "gpt2-345M fp32 fc.dw". */
   name: string;
@@ -68,7 +68,7 @@ type Views = Partial<Record<MatmulBinding, StorageDtype>>;
 type ViewSet = Record<string, { buffer: GPUBuffer; offset: number; size: number }>;
 
 /**
- * The training matmuls of one model at B·T rows, in the order engine/graph.ts runs them, with the
+ * The training matmuls of one model at B·T rows, in the order engine/graph/ runs them, with the
  * element types and math it gives them (fp16: f16 activations, weights and most gradients).
  */
 export function gpt2MatmulShapes(
@@ -640,7 +640,7 @@ async function main(args: string[]): Promise<void> {
   const todo = shapes.filter((s) => only.test(s.name));
   const bench = new MatmulBench(ctx);
   const maxInv = ctx.limits.maxComputeInvocationsPerWorkgroup;
-  // What engine/graph.ts runs today: chooseTile on the spec before dtypes and math are added.
+  // What engine/graph/ runs today: chooseTile on the spec before dtypes and math are added.
   const pickOf = (s: BenchShape) => {
     const { dtypes: _d, math: _m, ...bare } = s.spec;
     return chooseTile(bare, maxInv);

@@ -182,7 +182,7 @@ export function headChunkRows(
   return Math.ceil(rows / n / HEAD_ROW_MULTIPLE) * HEAD_ROW_MULTIPLE;
 }
 
-/** Names of one layer's activation buffers (see engine/graph.ts for what each holds). */
+/** Names of one layer's activation buffers (see engine/graph/ for what each holds). */
 export const LAYER_ACTS = ["ln1", "ln1s", "qkv", "atty", "lse", "res2", "ln2", "ln2s", "fch"] as const;
 export type LayerActName = typeof LAYER_ACTS[number];
 

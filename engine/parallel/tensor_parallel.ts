@@ -1,6 +1,6 @@
 /**
  * The exchanges of a tensor-parallel rank (the `Sync` steps of a GPU model's program, see
- * engine/graph.ts), over the fp32 communicators of its tensor-parallel group:
+ * engine/graph/), over the fp32 communicators of its tensor-parallel group:
  *  - "allreduce": activation partial sums (row-parallel outputs, the vocabulary-parallel
  *    embedding, the input gradients of column-parallel matmuls) read back, summed, written
  *    back on every rank, through a `BucketExchange`;
