@@ -7,7 +7,11 @@
  * and the process's peak RSS (VmHWM, workers included). The corpus is written by this process;
  * preparation runs in a fresh child so its peak RSS is the pipeline's alone, and running several
  * sizes shows how memory depends on input size. Usage:
- *   deno run -A bench/data_bench.ts [--sizes 25,100] [--heap-mb 128] [--cpu-prof DIR]
+ *   deno run -A bench/data_bench.ts [--sizes 25,100] [--heap-mb 128] [--cpu-prof DIR] [--workers N]
+ *   deno run -A bench/data_bench.ts --index 8000000
+ * `--index N` measures the dedup index alone (issue 27): N distinct random signatures added to an
+ * LshIndex kept in a temporary folder, in a fresh child; it prints the index's bytes, bytes per
+ * document, the child's peak RSS and the CPU time per document.
  * `--heap-mb N` runs the child with V8's old space capped at N MB and its young generation at
  * 2 MB per isolate (by default V8 grows the young generation of each of the three isolates with
  * the allocation rate). Environment: DATA_BENCH_TRACE=1 prints memory every second,
@@ -15,7 +19,7 @@
  */
 import process from "node:process";
 import { join } from "node:path";
-import { prepareDataset } from "../data/mod.ts";
+import { LshIndex, prepareDataset } from "../data/mod.ts";
 
 /** splitmix32 PRNG. */
 function rng(seed: number): () => number {
@@ -110,9 +114,11 @@ async function runPrepare(root: string, inputBytes: number, inputDocuments: numb
     : undefined;
   const cpu0 = process.cpuUsage();
   const t0 = performance.now();
+  const workers = Deno.env.get("DATA_BENCH_WORKERS");
   const info = await prepareDataset(root, { path: "corpus" }, {
     id: "bench",
     dedup: !Deno.env.get("DATA_BENCH_NO_DEDUP"),
+    ...(workers ? { workers: Number(workers) } : {}),
   });
   const seconds = (performance.now() - t0) / 1000;
   const cpu = process.cpuUsage(cpu0);
@@ -135,7 +141,41 @@ async function runPrepare(root: string, inputBytes: number, inputDocuments: numb
     tokens: info.tokens,
     peak_rss_mb: +(peakRss() / 2 ** 20).toFixed(0),
     cores: navigator.hardwareConcurrency,
+    workers: workers ? Number(workers) : navigator.hardwareConcurrency,
   }));
+}
+
+/** Add `n` distinct random signatures to an LshIndex (in this fresh process) and print its figures. */
+function runIndex(n: number): void {
+  const dir = Deno.makeTempDirSync({ prefix: "gpt2-lsh-bench-" });
+  try {
+    const index = new LshIndex(128, 0.8, { dir });
+    const sig = new Uint32Array(128), rand = rng(27);
+    const cpu0 = process.cpuUsage(), t0 = performance.now();
+    let dups = 0;
+    for (let d = 0; d < n; d++) {
+      for (let i = 0; i < 128; i++) sig[i] = (rand() * 2 ** 32) >>> 0;
+      if (index.addUnlessDuplicate(sig)) dups++;
+    }
+    index.flush();
+    const seconds = (performance.now() - t0) / 1000, cpu = process.cpuUsage(cpu0);
+    const m = Deno.memoryUsage();
+    console.log(JSON.stringify({
+      documents: n,
+      kept: index.size,
+      false_duplicates: dups,
+      index_mib: +(index.memoryBytes / 2 ** 20).toFixed(0),
+      bytes_per_document: +(index.memoryBytes / n).toFixed(1),
+      stated_bytes_per_document: index.bytesPerDocument,
+      peak_rss_mib: +(peakRss() / 2 ** 20).toFixed(0),
+      heap_used_mib: +(m.heapUsed / 2 ** 20).toFixed(1),
+      seconds: +seconds.toFixed(1),
+      cpu_us_per_document: +((cpu.user + cpu.system) / n).toFixed(2),
+    }));
+    index.close();
+  } finally {
+    Deno.removeSync(dir, { recursive: true });
+  }
 }
 
 if (import.meta.main) {
@@ -146,7 +186,16 @@ if (import.meta.main) {
   };
   const child = flag("--prepare");
   if (child) await runPrepare(child, Number(flag("--bytes")), Number(flag("--documents")));
-  else {
+  else if (flag("--index-child")) runIndex(Number(flag("--index-child")));
+  else if (flag("--index")) {
+    const out = await new Deno.Command(Deno.execPath(), {
+      args: ["run", "-A", new URL(import.meta.url).pathname, "--index-child", flag("--index")!],
+      stdout: "piped",
+      stderr: "inherit",
+    }).output();
+    if (!out.success) throw new Error(`Index benchmark failed (exit ${out.code})`);
+    console.log(new TextDecoder().decode(out.stdout).trim());
+  } else {
     const sizes = (flag("--sizes") ?? flag("--mb") ?? "25,100").split(",").map(Number);
     for (const mb of sizes) {
       const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-" });
@@ -171,6 +220,7 @@ if (import.meta.main) {
           ],
           stdout: "piped",
           stderr: "inherit",
+          env: flag("--workers") ? { DATA_BENCH_WORKERS: flag("--workers")! } : {},
         }).output();
         if (!out.success) throw new Error(`Benchmark of ${mb} MB failed (exit ${out.code})`);
         console.log(new TextDecoder().decode(out.stdout).trim());

@@ -64,7 +64,9 @@ export function minhashFromWords(
   const sig = out.subarray(offset, offset + k);
   sig.fill(0xffffffff);
   if (count === 0) return;
-  const filled = new Uint8Array(k);
+  if (filledScratch.length < k) filledScratch = new Uint8Array(k);
+  const filled = filledScratch;
+  filled.fill(0, 0, k);
   const size = Math.min(params.shingleSize, count);
   for (let end = size; end <= count; end++) {
     let s = seed;
@@ -86,14 +88,18 @@ export function minhashFromWords(
   if (m === k) return;
   const { steps, first } = densifyTables(k, seed);
   if (m <= DENSIFY_FEW) {
-    const bins: number[] = [];
-    for (let i = 0; i < k; i++) if (filled[i]) bins.push(i);
+    const bins = binsScratch;
+    for (let i = 0, c = 0; i < k; i++) if (filled[i]) bins[c++] = i;
     for (let i = 0; i < k; i++) {
       if (filled[i]) continue;
-      let best = bins[0], bestAt = first[i * k + best];
-      for (let c = 1; c < bins.length; c++) {
-        const at = first[i * k + bins[c]];
-        if (at < bestAt) [best, bestAt] = [bins[c], at];
+      const row = i * k;
+      let best = bins[0], bestAt = first[row + best];
+      for (let c = 1; c < m; c++) {
+        const at = first[row + bins[c]];
+        if (at < bestAt) {
+          best = bins[c];
+          bestAt = at;
+        }
       }
       sig[i] = sig[best];
     }
@@ -120,10 +126,14 @@ export function minhashFromWords(
   }
 }
 
+/** Scratch of minhashFromWords: which bins a document's shingles filled, and their list. */
+let filledScratch = new Uint8Array(128);
+const binsScratch = new Int32Array(16);
+
 /** Attempts of the densification sequence tabulated per bin (later ones are computed). */
 const DENSIFY_STEPS = 64;
 /** Up to this many filled bins, densification looks up each filled bin's place in the sequence. */
-const DENSIFY_FEW = 16;
+const DENSIFY_FEW = 16; // binsScratch holds this many
 
 /** The `attempt`-th bin of bin `i`'s densification sequence. */
 function densifyBin(i: number, attempt: number, k: number, seed: number): number {
@@ -140,9 +150,16 @@ interface DensifyTables {
 
 /** Tabulated densification sequences, per signature length and seed (computed once per worker). */
 const densifyCache = new Map<string, DensifyTables>();
+/** The tables used last (one signature length and seed is the usual case). */
+let lastDensify: { k: number; seed: number; tables: DensifyTables } = {
+  k: -1,
+  seed: 0,
+  tables: { steps: new Uint16Array(0), first: new Uint32Array(0) },
+};
 
 /** The densification tables for `k` bins and `seed`. */
 function densifyTables(k: number, seed: number): DensifyTables {
+  if (k === lastDensify.k && seed === lastDensify.seed) return lastDensify.tables;
   const key = `${k}:${seed}`;
   let t = densifyCache.get(key);
   if (!t) {
@@ -163,6 +180,7 @@ function densifyTables(k: number, seed: number): DensifyTables {
     }
     densifyCache.set(key, t = { steps, first });
   }
+  lastDensify = { k, seed, tables: t };
   return t;
 }
 
@@ -342,6 +360,8 @@ export class LshIndex {
   #count = 0;
   #packed: Uint32Array;
   #keys: Uint32Array;
+  #free: Int32Array;
+  #touched = 0;
   #checked: Int32Array;
 
   /** An empty index for signatures of `numPerm` entries and a Jaccard `threshold` in (0, 1]. */
@@ -358,6 +378,7 @@ export class LshIndex {
     this.#mask = MIN_SLOTS - 1;
     this.#packed = new Uint32Array(this.words);
     this.#keys = new Uint32Array(this.bands);
+    this.#free = new Int32Array(this.bands);
     this.#checked = new Int32Array(this.bands * 8);
     if (options.dir !== undefined) {
       this.#keyFile = new RecordFile(`${options.dir}/${KEYS_FILE}`, this.bands);
@@ -420,6 +441,23 @@ export class LshIndex {
     }
   }
 
+  /**
+   * Insert documents `first .. first + count` with band keys `keys` (`bands` per document), one
+   * table at a time: the writes of a pass stay in one table, which is kinder to caches and TLB.
+   */
+  #insertMany(first: number, keys: Uint32Array, count: number): void {
+    const mask = this.#mask, bands = this.bands;
+    for (let b = 0; b < bands; b++) {
+      const table = this.#tables[b];
+      for (let d = 0; d < count; d++) {
+        const key = keys[d * bands + b];
+        let i = key & mask;
+        while (table[i] !== 0) i = (i + 1) & mask;
+        table[i] = (((key >>> ID_BITS) << ID_BITS) | (first + d + 1)) >>> 0;
+      }
+    }
+  }
+
   /** Make the tables large enough for `docs` documents, rebuilding them from the band keys. */
   #reserve(docs: number): void {
     let slots = this.#mask + 1;
@@ -433,7 +471,8 @@ export class LshIndex {
       this.#keyFile.flush();
       let id = 0;
       this.#keyFile.scan(this.#count, (keys, count) => {
-        for (let i = 0; i < count; i++) this.#insert(id++, keys, i * this.bands);
+        this.#insertMany(id, keys, count);
+        id += count;
       });
     } else {
       for (let id = 0; id < this.#count; id++) {
@@ -443,13 +482,21 @@ export class LshIndex {
   }
 
   /** Keep a new document: fingerprints `packed[po ..]`, band keys `keys[ko ..]`; returns its id. */
-  #keep(packed: Uint32Array, po: number, keys: Uint32Array, ko: number, persist: boolean): number {
+  #keep(
+    packed: Uint32Array,
+    po: number,
+    keys: Uint32Array,
+    ko: number,
+    persist: boolean,
+    free?: Int32Array,
+  ): number {
     if (this.#count >= LSH_MAX_DOCUMENTS) {
       throw new RangeError(
         `Cannot keep document ${this.#count + 1} in the dedup index: over its cap of ${LSH_MAX_DOCUMENTS} ` +
           `kept documents; prepare the source in parts or turn dedup off`,
       );
     }
+    const mask = this.#mask;
     this.#reserve(this.#count + 1);
     const id = this.#count++;
     const p = Math.floor(id / PAGE_DOCS);
@@ -464,7 +511,11 @@ export class LshIndex {
       if (p === this.#keyPages.length) this.#keyPages.push(new Uint32Array(PAGE_DOCS * this.bands));
       this.#keyPages[p].set(keys.subarray(ko, ko + this.bands), (id % PAGE_DOCS) * this.bands);
     }
-    this.#insert(id, keys, ko);
+    if (free && mask === this.#mask) {
+      for (let b = 0; b < this.bands; b++) {
+        this.#tables[b][free[b]] = (((keys[ko + b] >>> ID_BITS) << ID_BITS) | (id + 1)) >>> 0;
+      }
+    } else this.#insert(id, keys, ko);
     return id;
   }
 
@@ -475,11 +526,17 @@ export class LshIndex {
   addUnlessDuplicate(sig: Uint32Array): boolean {
     const packed = this.#packed, keys = this.#keys, mask = this.#mask;
     packSignature(sig, this.numPerm, packed);
+    // Touch every band's home slot first: independent loads, so their cache misses overlap
+    // instead of being paid one after another in the probe loops below.
+    let touch = 0;
+    for (let b = 0; b < this.bands; b++) touch ^= this.#tables[b][(keys[b] = this.#bandKey(sig, b)) & mask];
+    this.#touched ^= touch;
     let checked = 0;
     for (let b = 0; b < this.bands; b++) {
-      const key = keys[b] = this.#bandKey(sig, b);
+      const key = keys[b];
       const table = this.#tables[b], tag = key >>> ID_BITS;
-      for (let i = key & mask; table[i] !== 0; i = (i + 1) & mask) {
+      let i = key & mask;
+      for (; table[i] !== 0; i = (i + 1) & mask) {
         const slot = table[i];
         if (slot >>> ID_BITS !== tag) continue;
         const id = (slot & ID_MASK) - 1;
@@ -495,8 +552,9 @@ export class LshIndex {
         const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
         if (this.#agreements(packed, 0, page, off) >= this.agreeNeeded) return true;
       }
+      this.#free[b] = i; // where the document goes in this band's table, unless the tables grow
     }
-    this.#keep(packed, 0, keys, 0, true);
+    this.#keep(packed, 0, keys, 0, true, this.#free);
     return false;
   }
 
@@ -535,7 +593,8 @@ export class LshIndex {
     });
     id = 0;
     keyFile.scan(documents, (keys, count) => {
-      for (let i = 0; i < count; i++) this.#insert(id++, keys, i * this.bands);
+      this.#insertMany(id, keys, count);
+      id += count;
     });
     this.#count = documents;
   }
