@@ -361,7 +361,6 @@ export class LshIndex {
   #packed: Uint32Array;
   #keys: Uint32Array;
   #free: Int32Array;
-  #touched = 0;
   #checked: Int32Array;
 
   /** An empty index for signatures of `numPerm` entries and a Jaccard `threshold` in (0, 1]. */
@@ -526,14 +525,9 @@ export class LshIndex {
   addUnlessDuplicate(sig: Uint32Array): boolean {
     const packed = this.#packed, keys = this.#keys, mask = this.#mask;
     packSignature(sig, this.numPerm, packed);
-    // Touch every band's home slot first: independent loads, so their cache misses overlap
-    // instead of being paid one after another in the probe loops below.
-    let touch = 0;
-    for (let b = 0; b < this.bands; b++) touch ^= this.#tables[b][(keys[b] = this.#bandKey(sig, b)) & mask];
-    this.#touched ^= touch;
     let checked = 0;
     for (let b = 0; b < this.bands; b++) {
-      const key = keys[b];
+      const key = keys[b] = this.#bandKey(sig, b);
       const table = this.#tables[b], tag = key >>> ID_BITS;
       let i = key & mask;
       for (; table[i] !== 0; i = (i + 1) & mask) {
