@@ -2,7 +2,8 @@
  * Evaluation jobs inside a GPU Worker (and `deno task eval`): a model's perplexity over sliding
  * windows, and LAMBADA-style cloze accuracy. The windows are batched on the GPU: each batch is one
  * submission (forward and per-token losses), its B·T losses are copied into a results buffer, and
- * the buffer is read back once per group of batches (up to GROUP_BYTES), never once per window.
+ * the buffer is read back once per group of batches (up to GROUP_BATCHES and GROUP_BYTES), never
+ * once per window.
  * Cloze additionally copies the logits rows of the last word's positions, to check that the
  * greedy continuation is the whole word. The arithmetic (which targets each window scores, the
  * normalisations) is model/perplexity.ts; summing is in float64 on the CPU.
@@ -28,8 +29,10 @@ import { getDataset, isBuiltinName, loadSplit, prepareDataset } from "../data/mo
 import { loadWeights } from "../checkpoint/model_source.ts";
 import type { FromWorker, ModelSource, WorkerJob } from "../protocol.ts";
 
-/** Bytes of results (losses, logits rows) gathered on the GPU between readbacks. */
+/** Bytes of results (losses, logits rows) gathered on the GPU between readbacks, at most. */
 const GROUP_BYTES = 64 << 20;
+/** Batches between readbacks, at most (progress and cancellation are checked per group). */
+const GROUP_BATCHES = 32;
 
 /** Progress of an evaluation: `done` of `total` windows or examples, tokens scored so far. */
 export interface EvalProgress {
@@ -136,7 +139,7 @@ export class EvalModel {
       let j = i, bytes = 0;
       while (j < batches.length) {
         const add = lossBytes + (batches[j].logitRows?.length ?? 0) * rowBytes;
-        if (j > i && bytes + add > GROUP_BYTES) break;
+        if (j > i && (bytes + add > GROUP_BYTES || j - i >= GROUP_BATCHES)) break;
         bytes += add;
         j++;
       }
