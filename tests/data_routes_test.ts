@@ -173,3 +173,40 @@ Deno.test("datasetRoutes refuses URL sources on loopback, private and link-local
     }
   });
 });
+
+Deno.test("datasetRoutes: a source file cut for time fails with 422 naming file and line, or is shown as partial when allowed", async () => {
+  await withRoot(async (root) => {
+    const sources = join(root, "sources");
+    await Deno.mkdir(sources);
+    // 30 ordinary lines, then 40 made slow to parse by 2 MB of padding each.
+    const pad = "x".repeat(1 << 21);
+    const lines = makeDocs(70, 60, 36).map((text, i) => JSON.stringify(i < 30 ? { text } : { text, pad }));
+    await Deno.writeTextFile(join(sources, "web.jsonl"), lines.join("\n"));
+    const app = datasetRoutes(root, { workers: 1, waitMs: 60_000 });
+    const failed = await post(app, { path: "web.jsonl", max_file_ms: 100, id: "cut", ...OPTS });
+    assert.equal(failed.status, 422);
+    assert.match(
+      (await failed.json()).error.message,
+      /source file "web\.jsonl" was cut at line \d+ \(timed out/,
+    );
+    assert.equal((await app.request("/datasets/cut")).status, 200); // the failed job, not a dataset
+    const res = await post(app, {
+      path: "web.jsonl",
+      max_file_ms: 100,
+      allow_partial: true,
+      id: "cut",
+      ...OPTS,
+    });
+    assert.equal(res.status, 201);
+    const partial = await (await app.request("/datasets/cut")).json();
+    assert.equal(partial.status, "ready");
+    assert.equal(partial.partial, true);
+    assert.equal(partial.cut[0].file, "web.jsonl");
+    assert.equal(partial.documents, partial.cut[0].cut.line - 1);
+    const ok = await post(app, { path: "web.jsonl", allow_partial: true, id: "whole", ...OPTS });
+    assert.equal(ok.status, 201);
+    const whole = await (await app.request("/datasets/whole")).json();
+    assert.equal(whole.partial, undefined);
+    assert.equal(whole.documents, 70);
+  });
+});

@@ -19,8 +19,12 @@ const SOURCES = {
 function row(d) {
   if (d.status !== "ready") {
     const p = d.progress;
+    const rate = p?.rate
+      ? ` · ${(p.rate / 1e6).toFixed(1)} MB/s${p.eta_s !== undefined ? ` · ETA ${p.eta_s} s` : ""}`
+      : "";
+    const saved = p?.shards ? ` · ${p.shards} shards saved${p.resumed_bytes ? " (resumed)" : ""}` : "";
     const what = d.error ??
-      (p ? `${p.stage} ${fmtInt(p.done)}${p.total ? ` / ${fmtInt(p.total)}` : ""}` : "");
+      (p ? `${p.stage} ${fmtInt(p.done)}${p.total ? ` / ${fmtInt(p.total)}` : ""}${rate}${saved}` : "");
     return h(
       "tr",
       { "data-dataset": d.id },
@@ -34,7 +38,11 @@ function row(d) {
     "tr",
     { "data-dataset": d.id },
     h("td", {}, d.id),
-    h("td", {}, badge("ready")),
+    h(
+      "td",
+      d.partial ? { title: `cut: ${(d.cut ?? []).map((x) => `${x.file}: ${x.reason}`).join("; ")}` } : {},
+      badge(d.partial ? "partial" : "ready"),
+    ),
     h("td", { class: "num" }, fmtInt(d.documents)),
     h("td", { class: "num" }, fmtInt(d.tokens)),
     h("td", { class: "num" }, fmtInt(d.splits?.train)),

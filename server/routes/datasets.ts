@@ -55,6 +55,8 @@ const optionsShape = {
   max_documents: z.number().int().min(1).optional(),
   force: z.boolean().optional(),
   blacklist: z.array(z.string().min(1).max(253)).max(10_000).optional(),
+  max_file_ms: z.number().min(0).max(86_400_000).optional(),
+  allow_partial: z.boolean().optional(),
 };
 
 /** The body of `POST /datasets`: exactly one source and options. */
