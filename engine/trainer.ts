@@ -173,6 +173,8 @@ export class Trainer {
   /** Whether the last submitted step was profiled and its timings are not yet read. */
   #profilePending = false;
   #lastProfile: OpTiming[] | null = null;
+  /** The plan's per-row loss buffer, once `encodeTokenLosses` looked it up. */
+  #losses: GPUBuffer | null | undefined;
 
   private constructor(ctx: GpuContext, opts: TrainerOptions, model: GpuModel, step: number) {
     this.#ctx = ctx;
@@ -568,6 +570,40 @@ export class Trainer {
     }
     const s = await readFloats(this.#ctx, this.#model.stats, 0, 4);
     return s[STAT.evalLoss] / list.length;
+  }
+
+  /**
+   * Per-token losses of a forward pass without dropout on `tokens` (B·(T+1)), copied on the GPU into
+   * `out` at byte `offset` (B·T floats, row b·T + t), followed by the logits rows `logitRows` (Vp
+   * floats each; only when the LM head runs in one chunk, see `headRows`). One submission, nothing
+   * read back: evaluation gathers many batches this way and reads them at once
+   * (worker/evaluation.ts). Returns the bytes written.
+   */
+  async encodeTokenLosses(
+    tokens: Batch,
+    out: GPUBuffer,
+    offset: number,
+    logitRows: readonly number[] = [],
+  ): Promise<number> {
+    const { batchSize: B, seqLen: T, config } = this.opts;
+    const m = this.#model, rowBytes = config.padded_vocab_size * 4, lossBytes = B * T * 4;
+    if (logitRows.length && m.headRows < B * T) {
+      throw new RangeError(`Logits of ${B * T} rows are computed in chunks of ${m.headRows}`);
+    }
+    // The plan's per-row losses (written by the evalLoss ops), found once by its label.
+    this.#losses ??= m.buffers.find((b) => b.label === "losses") ?? null;
+    if (!this.#losses) throw new GpuError("Cannot score tokens", 'the plan has no "losses" buffer');
+    this.#writeTokens(tokens);
+    this.#writeDropout(this.#step, false);
+    let enc = this.#ctx.device.createCommandEncoder();
+    if (this.#tp) enc = await this.#run([...m.program.forward, ...m.program.evalLoss], enc);
+    else encodeOps(enc, [...m.forward, ...m.evalLoss]);
+    enc.copyBufferToBuffer(this.#losses, 0, out, offset, lossBytes);
+    logitRows.forEach((row, i) => {
+      enc.copyBufferToBuffer(m.logits, row * rowBytes, out, offset + lossBytes + i * rowBytes, rowBytes);
+    });
+    this.#ctx.device.queue.submit([enc.finish()]);
+    return lossBytes + logitRows.length * rowBytes;
   }
 
   /**

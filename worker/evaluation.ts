@@ -1,18 +1,16 @@
 /**
  * Evaluation jobs inside a GPU Worker (and `deno task eval`): a model's perplexity over sliding
  * windows, and LAMBADA-style cloze accuracy. The windows are batched on the GPU: each batch is one
- * submission (forward and per-token losses), its B·T losses are copied into a results buffer, and
- * the buffer is read back once per group of batches (up to GROUP_BATCHES and GROUP_BYTES), never
- * once per window.
- * Cloze additionally copies the logits rows of the last word's positions, to check that the
- * greedy continuation is the whole word. The arithmetic (which targets each window scores, the
- * normalisations) is model/perplexity.ts; summing is in float64 on the CPU.
+ * submission (forward pass and per-token losses, `Trainer.encodeTokenLosses`) whose B·T losses are
+ * copied on the GPU into a results buffer, read back once per group of batches (up to
+ * GROUP_BATCHES and GROUP_BYTES), never once per window. Cloze also copies the logits rows of the
+ * last word's positions, to check that the greedy continuation is the whole word. The arithmetic
+ * (which targets each window scores, the normalisations) is model/perplexity.ts; sums are float64.
  */
 
 import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
 import type { GpuContext } from "../engine/device.ts";
 import { readBuffers } from "../engine/device.ts";
-import { encodeOps } from "../engine/ops.ts";
 import { Trainer } from "../engine/trainer.ts";
 import { EOT_TOKEN, type ModelConfig, validateSeqLen } from "../model/config.ts";
 import type { EvalConfig, EvalResult } from "../model/job.ts";
@@ -120,9 +118,6 @@ export class EvalModel {
     hooks: EvalHooks = {},
   ): Promise<void> {
     const { device } = this.#ctx, m = this.trainer.model;
-    // The plan's per-row loss buffer, found by its label (the Trainer has no accessor for it yet).
-    const lossBuf = m.buffers.find((b) => b.label === "losses");
-    if (!lossBuf) throw new Error('The engine plan has no "losses" buffer');
     const B = this.batch, T = this.seqLen, Vp = this.config.padded_vocab_size, V = this.config.vocab_size;
     const lossBytes = B * T * 4, rowBytes = Vp * 4;
     if (batches.some((b) => b.logitRows?.length) && !this.holdsLogits) {
@@ -135,7 +130,7 @@ export class EvalModel {
     let i = 0;
     while (i < batches.length) {
       if (hooks.cancelled?.()) throw new Error("Cancelled");
-      // A group: as many batches as fit GROUP_BYTES (at least one).
+      // A group: as many batches as fit GROUP_BYTES and GROUP_BATCHES (at least one).
       let j = i, bytes = 0;
       while (j < batches.length) {
         const add = lossBytes + (batches[j].logitRows?.length ?? 0) * rowBytes;
@@ -150,27 +145,8 @@ export class EvalModel {
       const at: number[] = [];
       let offset = 0;
       for (let k = i; k < j; k++) {
-        const b = batches[k];
-        if (b.tokens.length !== B * (T + 1)) {
-          throw new RangeError(`Batch has ${b.tokens.length} tokens, expected ${B * (T + 1)}`);
-        }
-        device.queue.writeBuffer(
-          m.tokens,
-          0,
-          b.tokens.buffer as ArrayBuffer,
-          b.tokens.byteOffset,
-          b.tokens.byteLength,
-        );
-        const enc = device.createCommandEncoder();
-        encodeOps(enc, [...m.forward, ...m.evalLoss]);
         at.push(offset);
-        enc.copyBufferToBuffer(lossBuf, 0, out, offset, lossBytes);
-        offset += lossBytes;
-        for (const row of b.logitRows ?? []) {
-          enc.copyBufferToBuffer(m.logits, row * rowBytes, out, offset, rowBytes);
-          offset += rowBytes;
-        }
-        device.queue.submit([enc.finish()]);
+        offset += await this.trainer.encodeTokenLosses(batches[k].tokens, out, offset, batches[k].logitRows);
       }
       const [raw] = await readBuffers(this.#ctx, [{ buffer: out, offset: 0, bytes }]);
       out.destroy();
