@@ -349,7 +349,10 @@ export async function jobView(ctx, id) {
                 h(
                   "td",
                   {},
-                  evaluationFigures(j.metrics.evaluation).map(([l, t]) => `${l} ${t}`).join(" · ") || "–",
+                  evaluationFigures(j.metrics.evaluation).slice(0, 3).map(([l, t]) => `${l} ${t}`).join(
+                    " · ",
+                  ) ||
+                    "–",
                 ),
               )
             ),
