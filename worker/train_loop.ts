@@ -1,14 +1,17 @@
 /**
- * One training job inside a GPU Worker: build the model from gpu/, pull batches from the data/
+ * One training job inside a GPU Worker: build the model with engine/, pull batches from the data/
  * sampler, run steps (one submission each, no readback between logs), evaluate, checkpoint,
  * and report through `hooks`. Kept apart from the Worker's message plumbing so a test can run a
- * job in-process and compare losses bit for bit.
+ * job in-process and compare losses bit for bit. `runTraining` reads as its phases: open the
+ * communicators, load the data and the starting state (a checkpoint, fine-tuning's source, or
+ * nothing), create the trainer, run the steps (each log step reading back and reporting), and
+ * finish with evaluations and a checkpoint. An evaluation job goes to worker/evaluation.ts.
  */
 
 import { describeDevice, type GpuContext } from "../engine/device.ts";
-import { ConfigError } from "../model/config.ts";
+import { ConfigError, type ModelConfig } from "../model/config.ts";
 import type { LrSchedule } from "../model/schedule.ts";
-import { Trainer, type TrainerState } from "../engine/trainer.ts";
+import { type StepStats, Trainer, type TrainerState } from "../engine/trainer.ts";
 import {
   DEFAULT_SPLIT,
   evalBatches,
@@ -26,7 +29,6 @@ import {
   GradientReducer,
   joinU32,
   RankControl,
-  type ReduceTiming,
   RingComm,
   splitU32,
   TensorParallelExchange,
@@ -147,16 +149,29 @@ async function evaluate(
   return { loss: total / ranks.tp / e.batches.length, tokens: e.tokens };
 }
 
-/**
- * Runs `job` to the end, cancellation or failure; never throws. An evaluation job (config.evaluate)
- * runs worker/evaluation.ts instead.
- */
-export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
-  if (job.config.evaluate) return await runEvaluationJob(ctx, job, hooks);
-  let trainer: Trainer | null = null;
-  let iteration = 0;
+/** What the phases of one running job share. */
+interface Run {
+  ctx: GpuContext;
+  job: WorkerJob;
+  c: TrainConfig;
+  hooks: TrainHooks;
+  ranks: Ranks;
+  dp: number;
+  tp: number;
+  world: number;
+  /** Data-parallel with the distributed optimizer. */
+  sharded: boolean;
+  /** Rank 0 speaks for a parallel job; the other ranks report only their outcome. */
+  lead: boolean;
+  post(msg: FromWorker): void;
+  trainer: Trainer | null;
+  iteration: number;
+}
+
+/** A run of `job` before anything is opened: its sizes and this Worker's ranks. */
+function newRun(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Run {
   const c = job.config;
-  const dp = c.data_parallel ?? 1, tp = c.tensor_parallel ?? 1, world = dp * tp;
+  const dp = c.data_parallel ?? 1, tp = c.tensor_parallel ?? 1;
   const globalRank = job.parallel?.rank ?? 0;
   const ranks: Ranks = {
     rank: Math.floor(globalRank / tp),
@@ -171,49 +186,398 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     zero: null,
     tpLanes: [],
   };
-  const sharded = dp > 1 && (c.distributed_optimizer ?? false);
+  const lead = globalRank === 0;
+  return {
+    ctx,
+    job,
+    c,
+    hooks,
+    ranks,
+    dp,
+    tp,
+    world: dp * tp,
+    sharded: dp > 1 && (c.distributed_optimizer ?? false),
+    lead,
+    post: (msg) => {
+      if (lead) hooks.post(msg);
+    },
+    trainer: null,
+    iteration: 0,
+  };
+}
+
+/** Opens the run's communicators: gradient and control lanes, weight lanes, the tensor-parallel exchange. */
+async function openComms(run: Run): Promise<void> {
+  const { job, hooks, ranks, world, tp } = run;
+  const globalRank = job.parallel?.rank ?? 0;
+  if (world > 1) {
+    if (!hooks.comm || job.parallel?.size !== world) {
+      throw new Error(`A ${world}-rank job reached a Worker without its ${world}-rank communicators`);
+    }
+    ranks.grads = hooks.comm.grads.map((sab) =>
+      new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+    );
+    ranks.control = new RankControl(hooks.comm.control, globalRank);
+    if (run.sharded) {
+      if (!hooks.comm.weights) {
+        throw new Error("A distributed_optimizer job reached a Worker without its weight lanes");
+      }
+      ranks.weights = hooks.comm.weights.map((sab) =>
+        new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
+      );
+    }
+  }
+  if (tp > 1) {
+    if (!hooks.comm?.tp) {
+      throw new Error("A tensor-parallel job reached a Worker without its group's lanes");
+    }
+    const lanes = hooks.comm.tp.map((sab) => new RingComm(sab, ranks.tpRank, { timeoutMs: GRAD_TIMEOUT_MS }));
+    ranks.tpLanes = lanes;
+    ranks.tpx = await TensorParallelExchange.create(run.ctx, lanes);
+  }
+}
+
+/**
+ * Where the run starts: a checkpoint (its own after a crash, or resume_from) with optimizer,
+ * sampler and iteration; or fine-tuning's source (init_from), weights only; or nothing.
+ */
+async function startingState(
+  run: Run,
+  model: ModelConfig,
+): Promise<{ state?: TrainerState; samplerState?: SamplerState }> {
+  const { job, tp, ranks } = run;
+  if (job.resume_path) {
+    // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
+    const ck = await loadCheckpoint(job.resume_path, model, { tensorParallel: tp, rank: ranks.tpRank });
+    run.iteration = ck.state.step;
+    return { state: ck.state, samplerState: ck.manifest.sampler };
+  }
+  if (job.init_source) {
+    // Fine-tuning (init_from): weights only, resharded to this rank; fresh moments, iteration 0.
+    const params = await loadWeightsAt(job.init_source, model, tp, ranks.tpRank);
+    const zeros = new Float32Array(params.length);
+    return { state: { step: 0, params, m: zeros, v: zeros } };
+  }
+  return {};
+}
+
+/** Builds the run's trainer (compile reports on the way) and its gradient reducer or distributed optimizer. */
+async function createTrainer(
+  run: Run,
+  model: ModelConfig,
+  state: TrainerState | undefined,
+): Promise<Trainer> {
+  const { ctx, job, c, hooks, ranks, dp, tp, sharded } = run;
+  const accumulation = accumulationSteps(c);
+  // Kernels depend on these: a marker per adapter records which ones compiled there before.
+  const build = JSON.stringify({
+    train: model,
+    batch: c.batch_size,
+    seq: c.seq_len,
+    precision: c.precision ?? "fp32",
+    micro: accumulation,
+    checkpoint: checkpointLayers(c),
+    dp,
+    tp,
+    sharded,
+  });
+  const onCompile = await compileReporter({
+    root: job.root,
+    adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
+    description: describeDevice(ctx),
+    build,
+    cacheDisabled: hooks.driverCacheDisabled ?? false,
+    send: (r) => run.post({ type: "compile", id: job.id, ...r }),
+  });
+  const trainer = run.trainer = await Trainer.create(ctx, {
+    config: model,
+    batchSize: c.batch_size,
+    seqLen: c.seq_len,
+    schedule: scheduleOf(c),
+    adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
+    attnDropout: c.attention_dropout,
+    hiddenDropout: c.hidden_dropout,
+    seed: c.seed,
+    // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
+    profile: ctx.hasTimestamps,
+    debugNonFiniteAt: hooks.nonFiniteAt,
+    checkpointLayers: checkpointLayers(c),
+    precision: c.precision ?? "fp32",
+    microBatches: accumulation,
+    dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
+    shardedOptimizer: sharded,
+    tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
+    onCompile,
+  }, state);
+  if (sharded) {
+    ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
+      rank: ranks.rank,
+      size: dp,
+      gradComms: ranks.grads,
+      paramComms: ranks.weights,
+      control: ranks.control!,
+    });
+    if (state && job.resume_path) ranks.zero.loadMoments(state.m, state.v);
+  } else if (dp > 1) {
+    ranks.reducer = await GradientReducer.create(ctx, ranks.grads, {
+      overlap: c.overlap_grad_reduce ?? true,
+    });
+  }
+  return trainer;
+}
+
+/** Latest figures a checkpoint's manifest records. */
+interface LastFigures {
+  loss: number | null;
+  val: number | null;
+  /** Iteration of the last checkpoint saved (-1: none). */
+  saved: number;
+}
+
+/** Saves a checkpoint of the run at the trainer's step (every rank takes part; rank 0 writes). */
+async function saveRun(run: Run, model: ModelConfig, sampler: Sampler, last: LastFigures): Promise<void> {
+  const { job, c, ranks, hooks } = run, trainer = run.trainer!;
+  // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
+  // Sharded moments are first assembled on rank 0, with every rank taking part.
+  const moments = ranks.zero ? await ranks.zero.exportMoments(trainer.model.layout.totalSize) : null;
+  // Tensor parallelism: the first replica's shards go to rank 0, which writes one file pair per shard.
+  let shards: TrainerState[] | null = null;
+  if (ranks.tpx && ranks.rank === 0) shards = await gatherShards(ranks.tpx, await trainer.exportState());
+  if (run.lead) {
+    const exported = shards ?? await trainer.exportState();
+    const { name, path } = await saveCheckpoint(
+      job.checkpoint_dir,
+      {
+        job_id: job.id,
+        model,
+        train: c,
+        sampler: { ...sampler.state },
+        metrics: { loss: last.loss, val_loss: last.val },
+      },
+      Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
+      c.keep_checkpoints,
+    );
+    hooks.post({ type: "checkpoint", id: job.id, iteration: trainer.step, name, path });
+  }
+  last.saved = trainer.step;
+}
+
+/** One log interval's wall time (to the step's readback), steps and batch time, and the job's constants. */
+interface LogWindow {
+  start: number;
+  elapsed: number;
+  steps: number;
+  batchMs: number;
+  dataLoaderMs: number;
+  memoryBytes: number;
+}
+
+/**
+ * Parallel jobs at a log step: every rank's loss, checksum and timings gathered; replicas of the
+ * same shard must hold the same weights. Returns the mean loss and each rank's times.
+ */
+async function gatherRanks(
+  run: Run,
+  stats: StepStats,
+  w: LogWindow,
+): Promise<{ loss: number; rankTimes: RankTimes[] }> {
+  const { ranks, dp, tp } = run;
+  const t = (ranks.zero ?? ranks.reducer)?.take() ?? { steps: 0, ms: 0, exposedMs: 0, bytes: 0 };
+  let tpTiming = [0, 0];
+  if (ranks.tpx) {
+    const x = ranks.tpx.take();
+    tpTiming = [(x.allreduceMs + x.otherMs) / Math.max(1, w.steps), x.allreduces / Math.max(1, w.steps)];
+  }
+  const rows = await ranks.control!.gather([
+    stats.loss,
+    ...splitU32(stats.checksum!),
+    w.elapsed / w.steps,
+    t.ms / Math.max(1, t.steps),
+    t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
+    t.exposedMs / Math.max(1, t.steps),
+    ...tpTiming,
+  ]);
+  // Replicas of the same shard (equal tensor-parallel rank) must hold the same weights.
+  const sums = rows.map((r) => joinU32(r[1], r[2]));
+  if (sums.some((x, r) => x !== sums[r % tp])) {
+    throw new Error(
+      `Weights differ between data-parallel ranks after iteration ${run.iteration}: checksums ` +
+        sums.map((x, r) => `rank ${r} ${x.toString(16).padStart(8, "0")}`).join(", "),
+    );
+  }
+  return {
+    loss: rows.reduce((a, r) => a + r[0], 0) / rows.length,
+    rankTimes: rows.map((r, rank) => ({
+      rank,
+      step_ms: r[3],
+      allreduce_ms: r[4],
+      allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
+      ...(dp > 1
+        ? { allreduce_exposed_ms: r[6], allreduce_hidden: r[4] > 0 ? clamp01(1 - r[6] / r[4]) : 0 }
+        : {}),
+      ...(tp > 1 ? { tp_exchange_ms: r[7], tp_allreduces: r[8] } : {}),
+    })),
+  };
+}
+
+/**
+ * A log step: reads the step's numbers back, warns of skipped steps (failing after too many in a
+ * row) and posts progress. Returns the finite loss, if any, and the skipped-step count.
+ */
+async function logProgress(
+  run: Run,
+  w: LogWindow,
+  skipped: number,
+): Promise<{ loss: number | null; skipped: number }> {
+  const { job, c, dp, world } = run, trainer = run.trainer!, iteration = run.iteration;
+  const stats = await trainer.lastStats({ checksum: world > 1 });
+  const phases = await trainer.phaseTimes();
+  w.elapsed = performance.now() - w.start; // the window ends once the GPU has finished its steps
+  const gathered = run.ranks.control ? await gatherRanks(run, stats, w) : null;
+  const loss = gathered?.loss ?? stats.loss, rankTimes = gathered?.rankTimes;
+  if (stats.skippedSteps > skipped) {
+    run.post({
+      type: "log",
+      id: job.id,
+      level: "warn",
+      message: `Skipped ${stats.skippedSteps - skipped} step(s) with a non-finite loss or gradient ` +
+        `by iteration ${iteration} (${stats.skippedSteps} in all)`,
+    });
+  }
+  if (stats.consecutiveSkipped >= MAX_CONSECUTIVE_SKIPS) {
+    throw new Error(
+      `Loss or gradient norm was non-finite for ${stats.consecutiveSkipped} consecutive steps, ` +
+        `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
+    );
+  }
+  const allreduceMs = rankTimes ? rankTimes.reduce((a, r) => a + r.allreduce_ms, 0) / rankTimes.length : 0;
+  run.post({
+    type: "progress",
+    id: job.id,
+    iteration,
+    // JSON has no NaN: a skipped step's numbers travel as null.
+    loss: Number.isFinite(loss) ? loss : null,
+    grad_norm: Number.isFinite(stats.gradNorm) ? stats.gradNorm : null,
+    lr: stats.lr,
+    tokens_per_s: (w.steps * accumulationSteps(c) * dp * c.batch_size * c.seq_len) / (w.elapsed / 1000),
+    timings: {
+      forward_ms: phases?.forward_ms ?? null,
+      backward_ms: phases?.backward_ms ?? null,
+      allreduce_ms: allreduceMs,
+      optimizer_ms: phases?.optimizer_ms ?? null,
+      batch_generator_ms: w.batchMs / w.steps,
+      data_loader_ms: w.dataLoaderMs,
+      step_ms: w.elapsed / w.steps,
+    },
+    gpu_memory_bytes: w.memoryBytes,
+    skipped_steps: stats.skippedSteps,
+    loss_scale: stats.lossScale,
+    ...(rankTimes ? { ranks: rankTimes } : {}),
+  });
+  return { loss: Number.isFinite(loss) ? loss : null, skipped: Math.max(skipped, stats.skippedSteps) };
+}
+
+/** Whether any rank raised cancel or stop: all ranks act on the same step. */
+async function flags(run: Run): Promise<{ cancel: boolean; stop: boolean }> {
+  let cancel = run.hooks.cancelled(), stop = run.hooks.stopRequested?.() ?? false;
+  if (run.ranks.control) {
+    const [nc, ns] = await run.ranks.control.sum([cancel ? 1 : 0, stop ? 1 : 0]);
+    cancel = nc > 0;
+    stop = ns > 0;
+  }
+  return { cancel, stop };
+}
+
+/** The step loop to train_iters, with its evaluations and checkpoints; ends at the last step or a flag. */
+async function trainSteps(
+  run: Run,
+  sampler: Sampler,
+  opts: {
+    evalSplit(split: "valid" | "test"): Promise<void>;
+    save(): Promise<void>;
+    last: LastFigures;
+    dataLoaderMs: number;
+    memoryBytes: number;
+  },
+): Promise<"done" | "cancelled" | "interrupted"> {
+  const { ctx, c, hooks, ranks } = run, trainer = run.trainer!, accumulation = accumulationSteps(c);
+  const reduce = ranks.zero?.step ?? ranks.reducer ?? undefined;
+  let windowStart = performance.now(), windowSteps = 0, batchMs = 0, skipped = 0;
+  while (trainer.step < c.train_iters) {
+    const { cancel, stop } = await flags(run);
+    if (cancel) return "cancelled";
+    if (stop) {
+      // Shutdown: keep every finished step. The checkpoint is at the step the GPU last finished.
+      if (opts.last.saved !== trainer.step) await opts.save();
+      return "interrupted";
+    }
+    const tb = performance.now();
+    const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
+    batchMs += performance.now() - tb;
+    const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
+    if (reduce || ranks.tpx) await trainer.trainStepReduced(tokens, reduce, logStep);
+    else trainer.trainStep(tokens, logStep);
+    const iteration = run.iteration = trainer.step;
+    windowSteps++;
+    const last = iteration === c.train_iters;
+    if (hooks.generation?.busy) {
+      const ts = performance.now();
+      await ctx.device.queue.onSubmittedWorkDone();
+      await hooks.generation.turn(performance.now() - ts);
+    } else if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) {
+      // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
+      await ctx.device.queue.onSubmittedWorkDone();
+    }
+    let restart = false;
+    if (logStep) {
+      const w: LogWindow = {
+        start: windowStart,
+        elapsed: 0,
+        steps: windowSteps,
+        batchMs,
+        dataLoaderMs: opts.dataLoaderMs,
+        memoryBytes: opts.memoryBytes,
+      };
+      const logged = await logProgress(run, w, skipped);
+      skipped = logged.skipped;
+      if (logged.loss !== null) opts.last.loss = logged.loss;
+      restart = true;
+    }
+    const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
+    const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
+    if (evalNow) await opts.evalSplit("valid");
+    if (saveNow) await opts.save();
+    if (evalNow || saveNow) {
+      // Throughput and step time measure training only: restart the window after the pause.
+      await ctx.device.queue.onSubmittedWorkDone();
+      restart = true;
+    }
+    if (restart) {
+      windowStart = performance.now();
+      windowSteps = 0;
+      batchMs = 0;
+    }
+  }
+  return "done";
+}
+
+/**
+ * Runs `job` to the end, cancellation or failure; never throws. An evaluation job (config.evaluate)
+ * runs worker/evaluation.ts instead.
+ */
+export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
+  if (job.config.evaluate) return await runEvaluationJob(ctx, job, hooks);
+  const run = newRun(ctx, job, hooks), c = run.c, ranks = run.ranks;
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
     type: "done",
     id: job.id,
     status,
-    iteration,
+    iteration: run.iteration,
     error,
   });
-  // Rank 0 speaks for a parallel job; the other ranks report only their outcome.
-  const lead = globalRank === 0;
-  const post = (msg: FromWorker) => {
-    if (lead) hooks.post(msg);
-  };
   try {
-    if (world > 1) {
-      if (!hooks.comm || job.parallel?.size !== world) {
-        throw new Error(`A ${world}-rank job reached a Worker without its ${world}-rank communicators`);
-      }
-      ranks.grads = hooks.comm.grads.map((sab) =>
-        new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
-      );
-      ranks.control = new RankControl(hooks.comm.control, globalRank);
-      if (sharded) {
-        if (!hooks.comm.weights) {
-          throw new Error("A distributed_optimizer job reached a Worker without its weight lanes");
-        }
-        ranks.weights = hooks.comm.weights.map((sab) =>
-          new RingComm(sab, ranks.rank, { timeoutMs: GRAD_TIMEOUT_MS })
-        );
-      }
-    }
+    await openComms(run);
     const model = trainingModel(c);
-    const accumulation = accumulationSteps(c);
-    if (tp > 1) {
-      if (!hooks.comm?.tp) {
-        throw new Error("A tensor-parallel job reached a Worker without its group's lanes");
-      }
-      const lanes = hooks.comm.tp.map((sab) =>
-        new RingComm(sab, ranks.tpRank, { timeoutMs: GRAD_TIMEOUT_MS })
-      );
-      ranks.tpLanes = lanes;
-      ranks.tpx = await TensorParallelExchange.create(ctx, lanes);
-    }
     const t0 = performance.now();
     const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
     const dataLoaderMs = performance.now() - t0;
@@ -221,273 +585,46 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     for (const split of ["valid", "test"] as const) {
       if (data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
     }
-
-    let state: TrainerState | undefined;
-    let samplerState: SamplerState | undefined;
-    if (job.resume_path) {
-      // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
-      const ck = await loadCheckpoint(job.resume_path, model, { tensorParallel: tp, rank: ranks.tpRank });
-      state = ck.state;
-      samplerState = ck.manifest.sampler;
-      iteration = ck.state.step;
-    } else if (job.init_source) {
-      // Fine-tuning (init_from): weights only, resharded to this rank; fresh moments, iteration 0.
-      const params = await loadWeightsAt(job.init_source, model, tp, ranks.tpRank);
-      const zeros = new Float32Array(params.length);
-      state = { step: 0, params, m: zeros, v: zeros };
-    }
-    // Kernels depend on these: a marker per adapter records which ones compiled there before.
-    const build = JSON.stringify({
-      train: model,
-      batch: c.batch_size,
-      seq: c.seq_len,
-      precision: c.precision ?? "fp32",
-      micro: accumulation,
-      checkpoint: checkpointLayers(c),
-      dp,
-      tp,
-      sharded,
-    });
-    const onCompile = await compileReporter({
-      root: job.root,
-      adapter: ctx.adapterInfo.description || ctx.adapterInfo.vendor,
-      description: describeDevice(ctx),
-      build,
-      cacheDisabled: hooks.driverCacheDisabled ?? false,
-      send: (r) => post({ type: "compile", id: job.id, ...r }),
-    });
-    trainer = await Trainer.create(ctx, {
-      config: model,
-      batchSize: c.batch_size,
-      seqLen: c.seq_len,
-      schedule: scheduleOf(c),
-      adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
-      attnDropout: c.attention_dropout,
-      hiddenDropout: c.hidden_dropout,
-      seed: c.seed,
-      // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
-      profile: ctx.hasTimestamps,
-      debugNonFiniteAt: hooks.nonFiniteAt,
-      checkpointLayers: checkpointLayers(c),
-      precision: c.precision ?? "fp32",
-      microBatches: accumulation,
-      dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
-      shardedOptimizer: sharded,
-      tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
-      onCompile,
-    }, state);
-    if (sharded) {
-      ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
-        rank: ranks.rank,
-        size: dp,
-        gradComms: ranks.grads,
-        paramComms: ranks.weights,
-        control: ranks.control!,
-      });
-      if (state && job.resume_path) ranks.zero.loadMoments(state.m, state.v);
-    } else if (dp > 1) {
-      ranks.reducer = await GradientReducer.create(ctx, ranks.grads, {
-        overlap: c.overlap_grad_reduce ?? true,
-      });
-    }
-    const reduce = ranks.zero?.step ?? ranks.reducer ?? undefined;
-    const noTiming: ReduceTiming = { steps: 0, ms: 0, exposedMs: 0, bytes: 0 };
-    const takeTiming = (): ReduceTiming => (ranks.zero ?? ranks.reducer)?.take() ?? noTiming;
+    const { state, samplerState } = await startingState(run, model);
+    const trainer = await createTrainer(run, model, state);
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
-    const sampler = new Sampler(
-      data.train,
-      {
-        seqLen: c.seq_len,
-        batchSize: c.batch_size,
-        seed: c.seed,
-        rank: ranks.rank,
-        worldSize: dp,
-        accumulation,
-      },
-      samplerState,
-    );
-    iteration = trainer.step;
-    post({
+    const sampler = new Sampler(data.train, {
+      seqLen: c.seq_len,
+      batchSize: c.batch_size,
+      seed: c.seed,
+      rank: ranks.rank,
+      worldSize: run.dp,
+      accumulation: accumulationSteps(c),
+    }, samplerState);
+    run.iteration = trainer.step;
+    run.post({
       type: "started",
       id: job.id,
-      iteration,
+      iteration: run.iteration,
       resumed_from: job.resume_path,
       gpu_memory_bytes: memoryBytes,
     });
-
-    let lastLoss: number | null = null, lastVal: number | null = null, lastSaved = -1;
-    const save = async () => {
-      // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
-      // Sharded moments are first assembled on rank 0, with every rank taking part.
-      const moments = ranks.zero ? await ranks.zero.exportMoments(trainer!.model.layout.totalSize) : null;
-      // Tensor parallelism: the first replica's shards go to rank 0, which writes one file pair per shard.
-      let shards: TrainerState[] | null = null;
-      if (ranks.tpx && ranks.rank === 0) shards = await gatherShards(ranks.tpx, await trainer!.exportState());
-      if (lead) {
-        const exported = shards ?? await trainer!.exportState();
-        const { name, path } = await saveCheckpoint(
-          job.checkpoint_dir,
-          {
-            job_id: job.id,
-            model,
-            train: c,
-            sampler: { ...sampler.state },
-            metrics: { loss: lastLoss, val_loss: lastVal },
-          },
-          Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
-          c.keep_checkpoints,
-        );
-        hooks.post({ type: "checkpoint", id: job.id, iteration: trainer!.step, name, path });
-      }
-      lastSaved = trainer!.step;
-    };
+    const last: LastFigures = { loss: null, val: null, saved: -1 };
+    const save = () => saveRun(run, model, sampler, last);
     const evalSplit = async (split: "valid" | "test") => {
       if (data[split].length === 0) return;
-      const { loss, tokens } = await evaluate(trainer!, data[split], c, split, ranks);
-      if (split === "valid") lastVal = loss;
-      post({ type: "eval", id: job.id, iteration, split, loss, perplexity: Math.exp(loss), tokens });
+      const { loss, tokens } = await evaluate(trainer, data[split], c, split, ranks);
+      if (split === "valid") last.val = loss;
+      run.post({
+        type: "eval",
+        id: job.id,
+        iteration: run.iteration,
+        split,
+        loss,
+        perplexity: Math.exp(loss),
+        tokens,
+      });
     };
-
-    /** Tensor-parallel exchange ms and allreduces per step since the last log. */
-    const tpTiming = (): number[] => {
-      if (!ranks.tpx) return [0, 0];
-      const t = ranks.tpx.take();
-      return [
-        (t.allreduceMs + t.otherMs) / Math.max(1, windowSteps),
-        t.allreduces / Math.max(1, windowSteps),
-      ];
-    };
-    let windowStart = performance.now(), windowSteps = 0, batchMs = 0;
-    let skipped = 0;
-    while (trainer.step < c.train_iters) {
-      let cancel = hooks.cancelled(), stop = hooks.stopRequested?.() ?? false;
-      if (ranks.control) {
-        // All ranks act on the same step: a flag raised on any of them counts for all.
-        const [nc, ns] = await ranks.control.sum([cancel ? 1 : 0, stop ? 1 : 0]);
-        cancel = nc > 0;
-        stop = ns > 0;
-      }
-      if (cancel) return done("cancelled", null);
-      if (stop) {
-        // Shutdown: keep every finished step. The checkpoint is at the step the GPU last finished.
-        if (lastSaved !== trainer.step) await save();
-        return done("interrupted", null);
-      }
-      const tb = performance.now();
-      const tokens = Array.from({ length: accumulation }, () => sampler.nextBatch());
-      batchMs += performance.now() - tb;
-      const logStep = (trainer.step + 1) % c.log_interval === 0 || trainer.step + 1 === c.train_iters;
-      if (reduce || ranks.tpx) await trainer.trainStepReduced(tokens, reduce, logStep);
-      else trainer.trainStep(tokens, logStep);
-      iteration = trainer.step;
-      windowSteps++;
-      const last = iteration === c.train_iters;
-      if (hooks.generation?.busy) {
-        const ts = performance.now();
-        await ctx.device.queue.onSubmittedWorkDone();
-        await hooks.generation.turn(performance.now() - ts);
-      } else if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) {
-        // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
-        await ctx.device.queue.onSubmittedWorkDone();
-      }
-      if (logStep) {
-        const stats = await trainer.lastStats({ checksum: world > 1 });
-        const phases = await trainer.phaseTimes();
-        const elapsed = performance.now() - windowStart;
-        let loss = stats.loss, rankTimes: RankTimes[] | undefined;
-        if (ranks.control) {
-          const t = takeTiming();
-          const rows = await ranks.control.gather([
-            stats.loss,
-            ...splitU32(stats.checksum!),
-            elapsed / windowSteps,
-            t.ms / Math.max(1, t.steps),
-            t.ms > 0 ? t.bytes / t.ms / 1e6 : -1,
-            t.exposedMs / Math.max(1, t.steps),
-            ...tpTiming(),
-          ]);
-          // Replicas of the same shard (equal tensor-parallel rank) must hold the same weights.
-          const sums = rows.map((r) => joinU32(r[1], r[2]));
-          if (sums.some((x, r) => x !== sums[r % tp])) {
-            throw new Error(
-              `Weights differ between data-parallel ranks after iteration ${iteration}: checksums ` +
-                sums.map((x, r) => `rank ${r} ${x.toString(16).padStart(8, "0")}`).join(", "),
-            );
-          }
-          loss = rows.reduce((a, r) => a + r[0], 0) / rows.length;
-          rankTimes = rows.map((r, rank) => ({
-            rank,
-            step_ms: r[3],
-            allreduce_ms: r[4],
-            allreduce_gb_per_s: r[5] >= 0 ? r[5] : null,
-            ...(dp > 1
-              ? { allreduce_exposed_ms: r[6], allreduce_hidden: r[4] > 0 ? clamp01(1 - r[6] / r[4]) : 0 }
-              : {}),
-            ...(tp > 1 ? { tp_exchange_ms: r[7], tp_allreduces: r[8] } : {}),
-          }));
-        }
-        if (stats.skippedSteps > skipped) {
-          post({
-            type: "log",
-            id: job.id,
-            level: "warn",
-            message: `Skipped ${stats.skippedSteps - skipped} step(s) with a non-finite loss or gradient ` +
-              `by iteration ${iteration} (${stats.skippedSteps} in all)`,
-          });
-          skipped = stats.skippedSteps;
-        }
-        if (stats.consecutiveSkipped >= MAX_CONSECUTIVE_SKIPS) {
-          throw new Error(
-            `Loss or gradient norm was non-finite for ${stats.consecutiveSkipped} consecutive steps, ` +
-              `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
-          );
-        }
-        if (Number.isFinite(loss)) lastLoss = loss;
-        const allreduceMs = rankTimes
-          ? rankTimes.reduce((a, r) => a + r.allreduce_ms, 0) / rankTimes.length
-          : 0;
-        post({
-          type: "progress",
-          id: job.id,
-          iteration,
-          // JSON has no NaN: a skipped step's numbers travel as null.
-          loss: Number.isFinite(loss) ? loss : null,
-          grad_norm: Number.isFinite(stats.gradNorm) ? stats.gradNorm : null,
-          lr: stats.lr,
-          tokens_per_s: (windowSteps * accumulation * dp * c.batch_size * c.seq_len) / (elapsed / 1000),
-          timings: {
-            forward_ms: phases?.forward_ms ?? null,
-            backward_ms: phases?.backward_ms ?? null,
-            allreduce_ms: allreduceMs,
-            optimizer_ms: phases?.optimizer_ms ?? null,
-            batch_generator_ms: batchMs / windowSteps,
-            data_loader_ms: dataLoaderMs,
-            step_ms: elapsed / windowSteps,
-          },
-          gpu_memory_bytes: memoryBytes,
-          skipped_steps: stats.skippedSteps,
-          loss_scale: stats.lossScale,
-          ...(rankTimes ? { ranks: rankTimes } : {}),
-        });
-        windowStart = performance.now();
-        windowSteps = 0;
-        batchMs = 0;
-      }
-      const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
-      const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
-      if (evalNow) await evalSplit("valid");
-      if (saveNow) await save();
-      if (evalNow || saveNow) {
-        // Throughput and step time measure training only: restart the window after the pause.
-        await ctx.device.queue.onSubmittedWorkDone();
-        windowStart = performance.now();
-        windowSteps = 0;
-        batchMs = 0;
-      }
-    }
+    const end = await trainSteps(run, sampler, { evalSplit, save, last, dataLoaderMs, memoryBytes });
+    if (end !== "done") return done(end, null);
     await evalSplit("valid");
     await evalSplit("test");
-    if (lastSaved !== trainer.step) await save();
+    if (last.saved !== trainer.step) await save();
     return done("succeeded", null);
   } catch (e) {
     const err = e as Error;
@@ -502,6 +639,6 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     ranks.reducer?.destroy();
     ranks.zero?.destroy();
     ranks.tpx?.destroy();
-    trainer?.destroy();
+    run.trainer?.destroy();
   }
 }
