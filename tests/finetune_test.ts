@@ -4,7 +4,8 @@
  * one starting from a Hugging Face-shaped folder the test writes loads that folder's tensors; the
  * weights load at another tensor-parallel size with padded vocabulary rows zero; over HTTP a
  * `model` that disagrees with the source, an unknown source, or init_from with resume_from is a
- * 400 naming the field, and an omitted `model` takes the source's dimensions. GPU tests run
+ * 400 naming the field, and an omitted `model` takes the source's dimensions; a job fine-tuned from
+ * a tensor_parallel 2 checkpoint trains alike at tensor_parallel 1 and 2. GPU tests run
  * in-process on the test adapter (lavapipe on CI) and skip without one.
  */
 
@@ -23,8 +24,10 @@ import {
   loadWeightsAt,
   resolveModelSource,
   type TrainConfig,
+  type TrainRequest,
   writeSafetensors,
 } from "../server/jobs/mod.ts";
+import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 import { splitParams } from "../model/shard.ts";
 import { runTraining, type TrainHooks } from "../worker/train_loop.ts";
 import type { ModelSource } from "../protocol.ts";
@@ -224,4 +227,50 @@ Deno.test("POST /train with init_from: model from the source, a disagreeing mode
     store.close();
     await Deno.remove(root, { recursive: true });
   }
+});
+
+Deno.test({
+  name:
+    "init_from a tensor_parallel 2 checkpoint fine-tunes at tensor_parallel 1 and 2 alike, from its weights",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: () =>
+    withWorkerRunner("gpt2_finetune_tp_", 2, async (runner) => {
+      const req: TrainRequest = {
+        model: { n_layer: 2, n_head: 2, n_embd: 32, n_positions: 32 },
+        dataset: "sotu",
+        split: "949,50,1",
+        train_iters: 3,
+        batch_size: 2,
+        seq_len: 16,
+        lr: 3e-3,
+        min_lr: 3e-3,
+        lr_decay_style: "constant",
+        warmup: 0,
+        weight_decay: 0.1,
+        clip_grad: 1,
+        attention_dropout: 0,
+        hidden_dropout: 0,
+        seed: 4,
+        log_interval: 1,
+        eval_interval: 0,
+        eval_iters: 1,
+        save_interval: 0,
+        keep_checkpoints: 1,
+      };
+      // The source is written as two shards.
+      const src = await trainJob(runner, { ...req, tensor_parallel: 2 });
+      assert.equal(src.job.status, "succeeded", src.job.error ?? "");
+      const ft = { ...req, model: undefined, init_from: src.job.id, seed: 5 };
+      const one = await trainJob(runner, ft);
+      const two = await trainJob(runner, { ...ft, tensor_parallel: 2 });
+      const fresh = await trainJob(runner, { ...req, seed: 5 });
+      for (const r of [one, two, fresh]) assert.equal(r.job.status, "succeeded", r.job.error ?? "");
+      assert.equal(one.job.resumed_from, null);
+      assertSameLosses(two.losses, one.losses, [1, 2, 3], "tp 2 vs tp 1 fine-tuning");
+      // The first step's loss is the source's weights on the new batch: not a fresh model's.
+      assert.ok(Math.abs(one.losses.get(1)! - fresh.losses.get(1)!) > 1e-3, "weights came from the source");
+      assert.ok(one.losses.get(1)! < src.losses.get(1)!, "the source had learned something");
+    }),
 });
