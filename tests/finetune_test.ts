@@ -4,7 +4,8 @@
  * one starting from a Hugging Face-shaped folder the test writes loads that folder's tensors; the
  * weights load at another tensor-parallel size with padded vocabulary rows zero; over HTTP a
  * `model` that disagrees with the source, an unknown source, or init_from with resume_from is a
- * 400 naming the field, and an omitted `model` takes the source's dimensions; a job fine-tuned from
+ * 400 naming the field, an omitted `model` takes the source's dimensions, and a fine-tuning job
+ * with a checkpoint of its own resumes from it after a crash; a job fine-tuned from
  * a tensor_parallel 2 checkpoint trains alike at tensor_parallel 1 and 2. GPU tests run
  * in-process on the test adapter (lavapipe on CI) and skip without one.
  */
@@ -23,6 +24,7 @@ import {
   loadCheckpoint,
   loadWeightsAt,
   resolveModelSource,
+  saveCheckpoint,
   type TrainConfig,
   type TrainRequest,
   writeSafetensors,
@@ -222,6 +224,27 @@ Deno.test("POST /train with init_from: model from the source, a disagreeing mode
     assert.equal(handed.init_source?.id, "hf_src");
     assert.equal(handed.init_source?.kind, "safetensors");
     assert.equal(handed.resume_path, null);
+
+    // Once it has a checkpoint of its own, a crash resumes it from there, not from the source.
+    const params = initParams(tiny, 2), zeros = new Float32Array(params.length);
+    await saveCheckpoint(
+      handed.checkpoint_dir,
+      {
+        job_id: handed.id,
+        model: tiny,
+        train: handed.config,
+        sampler: { epoch: 0, position: 0 },
+        metrics: { loss: null, val_loss: null },
+      },
+      { step: 2, params, m: zeros, v: zeros },
+      1,
+    );
+    workers[0].onerror!(new ErrorEvent("error", { message: "boom", cancelable: true }));
+    await until(() => workers[1]?.jobs.length === 1, "the job again on a fresh worker");
+    const again = workers[1].jobs[0];
+    assert.equal(again.id, handed.id);
+    assert.match(again.resume_path ?? "", /iter_0000002$/);
+    assert.equal(again.init_source, undefined);
   } finally {
     runner.shutdown();
     store.close();
