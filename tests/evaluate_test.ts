@@ -383,3 +383,33 @@ Deno.test({
       assert.equal(c.metrics.evaluation!.tokens, tokenize(" mat").length + tokenize(" princess").length);
     }),
 });
+
+Deno.test("deno task eval names the field of a bad option, as POST /evaluate does (exit 2)", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_eval_cli_" });
+  try {
+    await writeHfFolder(root, "hf_cli", initParams(tiny, 3));
+    const cli = async (...args: string[]) => {
+      const out = await new Deno.Command(Deno.execPath(), {
+        args: ["run", "-A", "scripts/eval.ts", "--home", root, ...args],
+        cwd: new URL("..", import.meta.url).pathname,
+        stdout: "piped",
+        stderr: "piped",
+      }).output();
+      return { code: out.code, err: new TextDecoder().decode(out.stderr) };
+    };
+    const stride = await cli("--model", "hf_cli", "--text", "a b c", "--seq-len", "8", "--stride", "9");
+    assert.equal(stride.code, 2);
+    assert.match(stride.err, /Invalid "stride": Cannot evaluate with stride 9 larger than seq_len 8/);
+    const model = await cli("--model", "nope", "--text", "a b c");
+    assert.equal(model.code, 2);
+    assert.match(model.err, /Invalid "model": unknown model "nope"/);
+    const cloze = await cli("--model", "hf_cli", "--task", "cloze", "--text", "lonely");
+    assert.equal(cloze.code, 2);
+    assert.match(cloze.err, /Invalid "texts\.0": Cannot evaluate cloze line 0/);
+    const long = await cli("--model", "hf_cli", "--text", "a b c", "--seq-len", "65");
+    assert.equal(long.code, 2);
+    assert.match(long.err, /Invalid "seq_len"/);
+  } finally {
+    await Deno.remove(root, { recursive: true });
+  }
+});
