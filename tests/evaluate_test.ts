@@ -262,6 +262,10 @@ Deno.test("POST /evaluate: bad input is a 400 naming the field", async () => {
       param: "texts.1",
       message: /Cannot evaluate an empty text/,
     });
+    await apiError(await t.post({ model: "hf_eval", texts: ["Hello"] }), 400, {
+      param: "texts.0",
+      message: /it is one token, and scoring needs two/,
+    });
     await apiError(await t.post({ model: "hf_eval", texts: ["a b c"], seq_len: 8, stride: 9 }), 400, {
       param: "stride",
       message: /stride 9 larger than seq_len 8/,

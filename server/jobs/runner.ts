@@ -17,6 +17,7 @@ import {
   ModelNotFoundError,
 } from "../../model/errors.ts";
 import { resolveModelSource } from "../../checkpoint/model_source.ts";
+import { encode } from "gpt-tokenizer/encoding/r50k_base";
 import type { FromWorker, FromWorkerGeneration, ModelSource, ToWorker, WorkerJob } from "../../protocol.ts";
 import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
@@ -231,6 +232,16 @@ export class JobRunner {
     }
     const source = await this.modelSource(req.model, "model");
     const config = completeEvalConfig(req, source);
+    // Texts join with <|endoftext|>, so only a lone short text can be under the two tokens scoring needs.
+    const [only] = req.texts ?? [];
+    if (req.task === "perplexity" && req.texts?.length === 1 && only.length < 64) {
+      if (encode(only, { disallowedSpecial: new Set() }).length < 2) {
+        throw new InvalidJobError(
+          "texts.0",
+          `Cannot evaluate the perplexity of "${only}": it is one token, and scoring needs two`,
+        );
+      }
+    }
     if (req.dataset !== undefined) {
       if (!(await this.#opts.datasetExists(req.dataset))) {
         throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);
