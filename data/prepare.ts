@@ -398,6 +398,29 @@ export function workDir(root: string, id: string, sourceKey: string): string {
   return join(datasetsDir(root), `.work-${id}-${sourceKey}`);
 }
 
+/**
+ * Remove the work folders of dataset `id` other than `keep` (left by an interrupted preparation of
+ * the same id with another source or options, which a preparation of `keep` would never resume),
+ * unless a running preparation holds their lock.
+ */
+async function removeStaleWork(root: string, id: string, keep: string): Promise<void> {
+  const prefix = `.work-${id}-`;
+  const entries = await Array.fromAsync(Deno.readDir(datasetsDir(root))).catch(() => []);
+  for (const e of entries) {
+    const dir = join(datasetsDir(root), e.name);
+    if (!e.isDirectory || !e.name.startsWith(prefix) || dir === keep) continue;
+    // The id is what follows ".work-" up to the 10-hex-digit key: another id sharing the prefix
+    // (id "a" and id "a-b") is not this one's.
+    if (!/^[0-9a-f]{10}$/.test(e.name.slice(prefix.length))) continue;
+    try {
+      using lock = await Deno.open(join(dir, "lock"), { write: true, create: true });
+      if (await lock.tryLock(true)) await Deno.remove(dir, { recursive: true });
+    } catch {
+      // Gone already, or not ours to remove: leave it.
+    }
+  }
+}
+
 /** Whether an error means the disk is full (the work is kept, to resume once there is room). */
 function diskFull(e: unknown): boolean {
   return (e as { code?: string })?.code === "ENOSPC" || /os error 28\b/.test(String((e as Error)?.message));
@@ -452,6 +475,7 @@ export async function prepareDataset(
   const progress: Progress = { id, stage: "tokenize", done: 0, documents_read: 0, documents: 0, tokens: 0 };
   const report = () => onProgress?.({ ...progress });
   const work = workDir(root, id, sourceKey), out = join(work, "out");
+  await removeStaleWork(root, id, work);
   await Deno.mkdir(out, { recursive: true });
   using lock = await Deno.open(join(work, "lock"), { write: true, create: true });
   if (!(await lock.tryLock(true))) {
@@ -627,7 +651,7 @@ export async function prepareDataset(
         const snap = pendingCommits.shift();
         if (snap) await commitShard(snap);
         const seconds = (performance.now() - runStart) / 1000;
-        if (seconds > 0.5) {
+        if (seconds > 0 && progress.done > runFrom) {
           progress.rate = Math.round((progress.done - runFrom) / seconds);
           if (totalBytes !== undefined && progress.rate > 0) {
             progress.eta_s = Math.round(Math.max(0, totalBytes - progress.done) / progress.rate);

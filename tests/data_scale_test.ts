@@ -194,6 +194,12 @@ Deno.test("a preparation killed with SIGKILL resumes from its last shard and pub
     const events = second.stderr.filter((l) => l.startsWith("{")).map((l) => JSON.parse(l));
     const resumed = events.find((p) => p.resumed_bytes !== undefined);
     assert.ok(resumed && resumed.resumed_bytes > 0 && resumed.shards >= killedAt, JSON.stringify(events[0]));
+    // Progress events carry bytes, documents, stage, rate and ETA.
+    const all = [...first.stderr, ...second.stderr].filter((l) => l.startsWith("{")).map((l) =>
+      JSON.parse(l)
+    );
+    const timed = all.find((p) => p.stage === "tokenize" && p.rate > 0 && p.eta_s !== undefined);
+    assert.ok(timed && timed.total > 0 && timed.done > 0 && timed.documents_read > 0, JSON.stringify(events));
     // An uninterrupted run for comparison.
     const whole = join(dir, "whole");
     const third = await runCli(args(whole));
@@ -266,5 +272,17 @@ Deno.test("3 million short distinct documents prepare under a 1 GiB V8 heap", as
     const m = JSON.parse(await Deno.readTextFile(join(root, "datasets", id, "manifest.json")));
     assert.equal(m.stats.documents_read, n);
     assert.equal(m.stats.near_duplicates, 0);
+  });
+});
+
+Deno.test("a preparation removes its id's work folders left with other options, and no one else's", async () => {
+  await withRoot(async (root) => {
+    const datasets = join(root, "datasets");
+    for (const name of [".work-stale-0123456789", ".work-stale-x-0123456789"]) {
+      await Deno.mkdir(join(datasets, name, "out"), { recursive: true });
+      await Deno.writeTextFile(join(datasets, name, "journal.json"), "{}");
+    }
+    const info = await prepareDataset(root, { texts: makeDocs(6, 100, 37) }, { ...SMALL, id: "stale" });
+    assert.deepEqual(await names(datasets), [".work-stale-x-0123456789", info.id]);
   });
 });
