@@ -762,7 +762,7 @@ export async function prepareDataset(
 
     // Publish atomically: rename the finished folder into place, moving any older one aside first.
     const final = datasetDir(root, id);
-    const old = `${work}.old`;
+    const old = join(datasetsDir(root), `.old-${id}-${sourceKey}`); // removed at server start if left
     let hadOld = false;
     try {
       await Deno.rename(final, old);
