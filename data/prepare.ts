@@ -453,7 +453,8 @@ async function openAt(path: string, bytes: number): Promise<Deno.FsFile> {
  * preparation killed at any point (crash, SIGKILL, out of memory, full disk) and started again
  * with the same source and options resumes from its last committed shard, rebuilding the dedup
  * index from the fingerprints, and publishes the same bytes as an uninterrupted run. A failure for
- * any other cause removes the work folder. A file lock keeps two preparations off one folder.
+ * any other cause removes the work folder. A file lock keeps two preparations off one folder: a
+ * second one waits for the first, then returns what it published.
  */
 export async function prepareDataset(
   root: string,
@@ -479,7 +480,11 @@ export async function prepareDataset(
   await Deno.mkdir(out, { recursive: true });
   using lock = await Deno.open(join(work, "lock"), { write: true, create: true });
   if (!(await lock.tryLock(true))) {
-    throw new Error(`Cannot prepare dataset "${id}": another preparation of it is running in "${work}"`);
+    // Another preparation of the same dataset is running (two jobs asking for a builtin dataset at
+    // once, say): wait for it, then take what it published, or carry on from its work if it failed.
+    await lock.lock(true);
+    await lock.unlock();
+    return await prepareDataset(root, source, options, onProgress);
   }
   let pool: ReturnType<typeof createTokenizePool> | undefined;
   let lsh: LshIndex | undefined;

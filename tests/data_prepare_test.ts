@@ -71,6 +71,19 @@ Deno.test("prepareDataset reuses a dataset with the same source and options, and
   });
 });
 
+Deno.test("prepareDataset called twice at once for one dataset: the second waits for the first and returns what it published", async () => {
+  await withRoot(async (root) => {
+    const texts = makeDocs(6, 100, 8);
+    const [a, b] = await Promise.all([
+      prepareDataset(root, { texts }, SMALL),
+      prepareDataset(root, { texts }, SMALL),
+    ]);
+    assert.equal(a.id, b.id);
+    assert.deepEqual(b, a);
+    assert.equal((await listDatasets(root)).filter((d) => d.id === a.id).length, 1);
+  });
+});
+
 Deno.test("prepareDataset on a path counts malformed lines and rejects paths outside the root", async () => {
   await withRoot(async (root) => {
     await Deno.mkdir(join(root, "web"));
