@@ -8,9 +8,10 @@
  * directory exits with a message, and a GPU host that cannot start is a state `/health` shows
  * while it is tried again (server/gpus/host_client.ts).
  *
- * With GPT2_DATABASE_URL the job store is PostgreSQL (server/jobs/postgres_bridge.ts) and this
- * host registers itself there and renews a heartbeat (server/jobs/leases.ts), so `/health` of
- * any host lists it; GPT2_SHARED_DIR holds checkpoints and datasets instead of GPT2_HOME.
+ * With GPT2_DATABASE_URL the job store is PostgreSQL (server/jobs/postgres_bridge.ts), shared
+ * with other hosts: this one registers there under GPT2_HOST_ID, claims the jobs it can place
+ * under leases it renews (server/jobs/leases.ts) and resumes those of a host that stopped
+ * renewing; GPT2_SHARED_DIR holds checkpoints and datasets instead of GPT2_HOME.
  *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
  * running job saves a checkpoint at its current step, event streams end, the Workers let their
@@ -91,7 +92,9 @@ if (import.meta.main) {
     deno: config.hostDeno ?? undefined,
     denoFlags: hostPermissions([...new Set([resolve(home), homeReal, resolve(data), dataReal])]),
   });
-  const runner = new JobRunner(store, {
+  const keeper = cluster.databaseUrl ? hostLeases(store, () => runner, cluster, config.gpus) : undefined;
+  const runner: JobRunner = new JobRunner(store, {
+    leases: keeper,
     root: data,
     gpus: config.gpus,
     spawn: host.spawn,
@@ -140,7 +143,6 @@ if (import.meta.main) {
     Deno.exit(1);
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
-  const keeper = cluster.databaseUrl ? startHost(store, runner, cluster, config.gpus) : null;
   runner.start();
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {
@@ -178,35 +180,27 @@ if (import.meta.main) {
 }
 
 /**
- * Registers this host in the shared database and keeps its heartbeat (GPUs, free Workers, state).
- * The runner does not claim jobs under leases yet (README, "Several hosts"), so two hosts would
- * both take the same queue: a second live host on the database is refused, naming the first.
+ * This host's leases on the shared queue: its heartbeat reports its GPUs, free Workers and state;
+ * a lease another host took stops that job here, and a cancel sent elsewhere reaches it.
  */
-function startHost(store: JobStore, runner: JobRunner, cluster: ClusterConfig, gpus: number): LeaseKeeper {
-  const leaseMs = cluster.leaseSeconds * 1000;
-  const other = store.hosts().find((h) => h.id !== cluster.hostId && h.lease_age_s * 1000 < leaseMs);
-  if (other) {
-    console.error(
-      `Host "${other.id}" is serving from this database (heartbeat ${other.lease_age_s.toFixed(1)} s ago): ` +
-        `this version runs one host per database; stop it or use another GPT2_DATABASE_URL`,
-    );
-    store.close();
-    Deno.exit(1);
-  }
-  const keeper = new LeaseKeeper({
+function hostLeases(
+  store: JobStore,
+  runner: () => JobRunner,
+  cluster: ClusterConfig,
+  gpus: number,
+): LeaseKeeper {
+  return new LeaseKeeper({
     store,
     hostId: cluster.hostId,
-    leaseMs,
+    leaseMs: cluster.leaseSeconds * 1000,
     report: () => ({
       gpus,
-      free: runner.gpus().filter((g) => g.state === "idle" && !g.job).length,
-      state: runner.draining ? "draining" : "ready",
+      free: runner().gpus().filter((g) => g.state === "idle" && !g.job).length,
+      state: runner().draining ? "draining" : "ready",
       info: { pid: Deno.pid },
     }),
-    onLost: () => {},
-    onCancel: () => {},
+    onLost: (id) => runner().leaseLost(id),
+    onCancel: (id) => runner().cancelFromElsewhere(id),
     onError: (e) => console.error(`Heartbeat to the job store failed: ${e.message}`),
   });
-  keeper.start();
-  return keeper;
 }

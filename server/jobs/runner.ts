@@ -6,9 +6,18 @@
  * SSE routes). Jobs whose Worker died, or that a dead server left running, are marked
  * interrupted; they go to the head of their queue and resume from their newest checkpoint. A
  * graceful `stop()` has every running job save a checkpoint at its current step first.
+ *
+ * Several hosts (`leases`, PostgreSQL): the queue is shared. A host claims the next waiting job
+ * it can place (server/jobs/leases.ts) whenever a training GPU frees up, a job is queued anywhere
+ * or once a second, and every write it makes for a job it holds is fenced on the lease. A write
+ * refused because another host took the job over (this one missed its lease), or a heartbeat
+ * that says so, stops the job here at once: its Worker is replaced, not asked to stop (that would
+ * save a checkpoint), and nothing more is written for it. A cancel sent through another host
+ * reaches this one at its next heartbeat. Finished and interrupted jobs give their lease back.
  */
 
-import { isFinished, type JobStore } from "./job_store.ts";
+import { isFinished, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
+import type { LeaseKeeper } from "./leases.ts";
 import {
   GpuUnavailableError,
   InvalidJobError,
@@ -22,7 +31,7 @@ import type { FromWorker, FromWorkerGeneration, ModelSource, ToWorker, WorkerJob
 import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
-import type { Job, JobEvent, JobEventType } from "../../model/job.ts";
+import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { compileLine } from "../../protocol.ts";
 import {
   completeConfig,
@@ -101,6 +110,10 @@ export interface RunnerOptions {
   host?: () => HostStatus;
   /** GPUs that take training jobs (GPT2_GPU_ROLES); default all. */
   trainGpus?: number[];
+  /** Several hosts on one database: claims and leases of the shared queue (default: one host). */
+  leases?: LeaseKeeper;
+  /** With `leases`: ms between looks at the shared queue (default 1000). */
+  pollMs?: number;
 }
 
 type Listener = (e: JobEvent) => void;
@@ -124,6 +137,10 @@ export class JobRunner {
   #gangs = new Map<string, Gang>();
   /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
   #compileLogged = new Map<string, { at: number; logged: boolean }>();
+  /** Jobs another host took over while they ran here: nothing more is written for them. */
+  #lost = new Set<string>();
+  #poll: ReturnType<typeof setInterval> | null = null;
+  #unlistenStore: (() => void) | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
@@ -137,9 +154,26 @@ export class JobRunner {
 
   /** Recovers interrupted jobs and starts one Worker per GPU. */
   start(): void {
-    // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
-    this.#store.requeueBeyond(this.#opts.gpus);
-    for (const job of this.#store.markInterrupted()) {
+    const leases = this.#opts.leases;
+    if (leases) {
+      // Only this host's own jobs are let go (any host may resume them); the others' stay theirs.
+      for (const job of leases.start()) this.#recovered(job);
+      const look = () => queueMicrotask(() => this.#claimWaiting());
+      this.#poll = setInterval(look, this.#opts.pollMs ?? 1000);
+      this.#unlistenStore = this.#store.onEvent((e) => {
+        if (e.type === "done" || e.data.status === "queued" || e.data.status === "interrupted") look();
+      });
+    } else {
+      // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
+      this.#store.requeueBeyond(this.#opts.gpus);
+      for (const job of this.#store.markInterrupted()) this.#recovered(job);
+    }
+    for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
+  }
+
+  /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
+  #recovered(job: Job): void {
+    {
       const cancelled = job.cancel_requested;
       this.#emit(job.id, "log", {
         level: "warn",
@@ -149,7 +183,19 @@ export class JobRunner {
       });
       if (cancelled) this.#finish(job.id, "cancelled", job.iteration, null);
     }
-    for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
+  }
+
+  /** A heartbeat found that another host took job `id` over: stop it here at once. */
+  leaseLost(id: string): void {
+    this.#leaseLost(id);
+  }
+
+  /** A cancel for job `id`, running here, was sent through another host. */
+  cancelFromElsewhere(id: string): void {
+    const running = this.#slots.filter((s) => s.job === id);
+    if (running.length === 0) return;
+    for (const slot of running) slot.worker.postMessage({ type: "cancel" });
+    this.#emit(id, "log", { level: "info", message: "Cancel requested through another host" });
   }
 
   /** Directory of a job's checkpoints. */
@@ -278,7 +324,7 @@ export class JobRunner {
     }
     if (job.status === "running") {
       for (const slot of this.#slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
-      this.#emit(id, "log", { level: "info", message: "Cancel requested" });
+      this.#emit(id, "log", { level: "info", message: "Cancel requested" }, false);
       return this.#store.updateJob(id, { cancel_requested: true });
     }
     const gang = this.#gangs.get(id);
@@ -293,7 +339,7 @@ export class JobRunner {
       cancel_requested: true,
       finished_at: new Date().toISOString(),
     });
-    this.#emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null });
+    this.#emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null }, false);
     return this.#store.getJob(id)!;
   }
 
@@ -417,6 +463,8 @@ export class JobRunner {
   shutdown(): void {
     this.#stopped = true;
     this.#draining = true;
+    if (this.#poll !== null) clearInterval(this.#poll);
+    this.#unlistenStore?.();
     for (const s of this.#slots) s.worker.terminate();
     this.#listeners.clear();
   }
@@ -486,7 +534,10 @@ export class JobRunner {
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
       // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
-      for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
+      // (With several hosts the queue is shared: another host may place those jobs.)
+      if (!this.#opts.leases) {
+        for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
+      }
       return;
     }
     if (slot.state !== "idle" || slot.reserved) return;
@@ -497,7 +548,7 @@ export class JobRunner {
       this.#startGang(waiting);
       return;
     }
-    const job = this.#store.nextQueued(gpu);
+    const job = this.#next(slot);
     if (!job) return;
     // A data- or tensor-parallel job needs a slot per rank.
     const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
@@ -531,7 +582,7 @@ export class JobRunner {
     slot.job = job.id;
     slot.state = "busy";
     const wasInterrupted = job.status === "interrupted";
-    this.#store.updateJob(job.id, {
+    this.#update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -543,6 +594,102 @@ export class JobRunner {
       this.#finish(job.id, "failed", job.iteration, (e as Error).message);
       this.#dispatch(gpu);
     });
+  }
+
+  /** The next job for `slot`: its GPU's queue, or with several hosts a claim on the shared queue. */
+  #next(slot: Slot): Job | null {
+    const leases = this.#opts.leases;
+    if (!leases) return this.#store.nextQueued(slot.index);
+    const train = this.#trainSlots();
+    if (!train.includes(slot)) return null;
+    const free = train.filter((s) => s.state === "idle" && !s.job && !s.reserved).length;
+    let claim;
+    try {
+      claim = leases.claim(free);
+    } catch (e) {
+      console.error(`Cannot claim a job from the shared queue: ${(e as Error).message}`);
+      return null;
+    }
+    if (!claim) return null;
+    const { job } = claim;
+    this.#lost.delete(job.id);
+    if (job.cancel_requested) {
+      this.#finish(job.id, "cancelled", job.iteration, null);
+      return this.#next(slot);
+    }
+    if (job.status !== "running") return job;
+    // Its host stopped renewing the lease (dead, paused or cut off): it resumes here.
+    this.#emit(job.id, "log", {
+      level: "warn",
+      message: `The host running job "${job.id}" stopped renewing its lease at iteration ${job.iteration}: ` +
+        `resuming on host "${leases.hostId}" from the newest checkpoint`,
+      status: "interrupted",
+    });
+    return { ...job, status: "interrupted" };
+  }
+
+  /** With several hosts: every idle training GPU looks at the shared queue. */
+  #claimWaiting(): void {
+    if (this.#stopped || this.#draining) return;
+    for (const s of this.#trainSlots()) this.#dispatch(s.index);
+  }
+
+  /**
+   * Another host took job `id` over: its Workers here are replaced at once (not asked to stop,
+   * which would save a checkpoint), its lease forgotten, and nothing more is written for it.
+   */
+  #leaseLost(id: string): void {
+    if (this.#lost.has(id)) return;
+    this.#lost.add(id);
+    this.#opts.leases?.forget(id);
+    this.#crashes.delete(id);
+    this.#gangs.delete(id);
+    for (const s of [...this.#slots]) {
+      if (s.reserved === id) s.reserved = null;
+      if (s.job !== id) continue;
+      s.job = null;
+      s.worker.terminate();
+      this.#slots[s.index] = this.#spawn(s.index);
+    }
+    console.error(
+      `Job "${id}" was taken over by another host after this one missed its lease: stopped here, ` +
+        `nothing more is written for it`,
+    );
+  }
+
+  /** Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. */
+  #release(id: string): void {
+    if (this.#lost.has(id)) return;
+    try {
+      this.#opts.leases?.release(id);
+    } catch (e) {
+      console.error(
+        `Cannot give back the lease of job "${id}": ${(e as Error).message} (it runs out by itself)`,
+      );
+    }
+  }
+
+  /** Fenced on this host's lease of `id` (several hosts); a lost lease stops the job here. */
+  #update(id: string, patch: JobPatch): Job | null {
+    if (this.#lost.has(id)) return null;
+    try {
+      return this.#store.updateJob(id, patch, this.#opts.leases?.lease(id));
+    } catch (e) {
+      if (!(e instanceof LeaseLostError)) throw e;
+      this.#leaseLost(id);
+      return null;
+    }
+  }
+
+  /** A metrics point, fenced as {@link #update}. */
+  #metric(id: string, p: Omit<MetricPoint, "at">): void {
+    if (this.#lost.has(id)) return;
+    try {
+      this.#store.addMetric(id, p, this.#opts.leases?.lease(id));
+    } catch (e) {
+      if (!(e instanceof LeaseLostError)) throw e;
+      this.#leaseLost(id);
+    }
   }
 
   /** Starts a data-parallel job once it holds a slot per rank. */
@@ -563,7 +710,7 @@ export class JobRunner {
       s.reserved = null;
     }
     const wasInterrupted = job.status === "interrupted";
-    this.#store.updateJob(job.id, {
+    this.#update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -623,6 +770,7 @@ export class JobRunner {
     const init = c.evaluate?.model ?? (resume_path ? undefined : c.init_from);
     const init_source = init ? await this.modelSource(init, c.evaluate ? "model" : "init_from") : undefined;
     if (this.#stopped) return; // shut down meanwhile: the job stays "running" and resumes on the next start
+    if (slot.job !== job.id) return; // taken over by another host meanwhile
     const msg: WorkerJob = {
       id: job.id,
       config: job.config,
@@ -634,12 +782,14 @@ export class JobRunner {
     };
     if (!parallel || parallel.rank === 0) {
       const gang = this.#gangs.get(job.id);
-      const where = gang
+      let where = gang
         ? `GPUs ${gang.slots.map((s) => s.index).join(", ")} (data_parallel ${
           job.config.data_parallel ?? 1
         }, ` +
           `tensor_parallel ${job.config.tensor_parallel ?? 1})`
         : `GPU ${slot.index}`;
+      const leases = this.#opts.leases;
+      if (leases) where += ` of host "${leases.hostId}"`;
       this.#emit(job.id, "log", {
         level: "info",
         message: resume_path
@@ -678,7 +828,7 @@ export class JobRunner {
         this.#dispatch(slot.index);
         return;
       case "started":
-        this.#store.updateJob(msg.id, {
+        this.#update(msg.id, {
           iteration: msg.iteration,
           resumed_from: msg.resumed_from,
           metrics: { gpu_memory_bytes: msg.gpu_memory_bytes },
@@ -694,7 +844,7 @@ export class JobRunner {
         return;
       case "progress": {
         const { id, type: _, ...rest } = msg;
-        this.#store.updateJob(id, {
+        this.#update(id, {
           iteration: msg.iteration,
           metrics: {
             ...(msg.loss !== null ? { loss: msg.loss, grad_norm: msg.grad_norm } : {}),
@@ -708,7 +858,7 @@ export class JobRunner {
           },
         });
         if (msg.loss !== null) {
-          this.#store.addMetric(id, {
+          this.#metric(id, {
             iteration: msg.iteration,
             split: "train",
             loss: msg.loss,
@@ -725,8 +875,8 @@ export class JobRunner {
         const metrics = msg.split === "valid"
           ? { val_loss: msg.loss, val_perplexity: msg.perplexity, val_tokens: msg.tokens }
           : { test_loss: msg.loss, test_perplexity: msg.perplexity, test_tokens: msg.tokens };
-        this.#store.updateJob(msg.id, { metrics });
-        this.#store.addMetric(msg.id, {
+        this.#update(msg.id, { metrics });
+        this.#metric(msg.id, {
           iteration: msg.iteration,
           split: msg.split,
           loss: msg.loss,
@@ -748,7 +898,7 @@ export class JobRunner {
         const { type: _, id, result, ...progress } = msg;
         this.#emit(id, "progress", { kind: "evaluate", ...progress });
         if (result) {
-          this.#store.updateJob(id, {
+          this.#update(id, {
             metrics: { evaluation: result, tokens_per_s: result.tokens_per_s, test_loss: result.loss },
           });
           this.#emit(id, "evaluation", { ...result });
@@ -778,7 +928,7 @@ export class JobRunner {
         return;
       }
       case "checkpoint":
-        this.#store.updateJob(msg.id, { last_checkpoint: msg.name });
+        this.#update(msg.id, { last_checkpoint: msg.name });
         this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
         return;
       case "done":
@@ -797,13 +947,14 @@ export class JobRunner {
 
   /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
   #interrupted(id: string, iteration: number): void {
-    this.#store.updateJob(id, { status: "interrupted", iteration });
+    this.#update(id, { status: "interrupted", iteration });
     this.#emit(id, "log", {
       level: "warn",
       message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
       status: "interrupted",
       iteration,
     });
+    this.#release(id);
   }
 
   #finish(
@@ -812,12 +963,13 @@ export class JobRunner {
     iteration: number,
     error: string | null,
   ): void {
-    const job = this.#store.updateJob(id, {
+    const job = this.#update(id, {
       status,
       iteration,
       error,
       finished_at: new Date().toISOString(),
     });
+    if (!job) return; // another host holds it now
     this.#emit(id, "done", {
       status,
       iteration,
@@ -826,6 +978,7 @@ export class JobRunner {
       val_loss: job.metrics.val_loss,
       test_loss: job.metrics.test_loss,
     });
+    this.#release(id);
   }
 
   /**
@@ -881,19 +1034,32 @@ export class JobRunner {
           `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
         );
       } else {
-        this.#store.updateJob(jobId, { status: "interrupted" });
+        this.#update(jobId, { status: "interrupted" });
         this.#emit(jobId, "log", {
           level: "warn",
           message:
             `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
           status: "interrupted",
         });
+        this.#release(jobId);
       }
     }
   }
 
-  #emit(id: string, type: JobEventType, data: Record<string, unknown>): void {
-    const event = this.#store.addEvent(id, type, data);
+  /**
+   * Stores and fans out an event. `fenced` (the runner's own events): on this host's lease of the
+   * job, none once another host took it over; a user's cancel is recorded from any host.
+   */
+  #emit(id: string, type: JobEventType, data: Record<string, unknown>, fenced = true): void {
+    if (fenced && this.#lost.has(id)) return;
+    let event: JobEvent;
+    try {
+      event = this.#store.addEvent(id, type, data, fenced ? this.#opts.leases?.lease(id) : undefined);
+    } catch (e) {
+      if (!(e instanceof LeaseLostError)) throw e;
+      this.#leaseLost(id);
+      return;
+    }
     for (const fn of this.#listeners.get(id) ?? []) fn(event);
   }
 }
