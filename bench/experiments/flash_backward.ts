@@ -15,8 +15,6 @@ import {
   type FlashTiles,
   ft,
   header,
-  laneReduce,
-  seen,
 } from "../../engine/kernels/attention.ts";
 
 /**

@@ -737,11 +737,11 @@ export function flashForwardError(s: AttentionSpec): string | null {
 }
 
 /** vec4<bool> of the 4 keys kb…kb+3 that query qi may see (causal, inside T). */
-export const seen = (kb: string, qi: string, T: number) =>
+const seen = (kb: string, qi: string, T: number) =>
   `(vec4<u32>(${kb}) + vec4<u32>(0u, 1u, 2u, 3u) <= vec4<u32>(${qi})) & (vec4<u32>(${kb}) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(${T}u))`;
 
 /** The lane-combining step of the flash kernels: `v` (vec4) becomes op over the `lanes` threads of its group. */
-export function laneReduce(
+function laneReduce(
   f: FlashOptions,
   v: string,
   op: "max" | "+",
