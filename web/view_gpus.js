@@ -1,7 +1,9 @@
 /**
  * GPUs: each one's adapter, state, role, current job, queue and memory in use, from
  * `GET /health` (refreshed every two seconds). Memory is the GPU's figure when the server
- * reports one, else what the running job allocated.
+ * reports one, else what the running job allocated. Below them, the hosts sharing the job store
+ * (several hosts on one PostgreSQL database): each one's GPUs, free Workers, state, the age of its
+ * last heartbeat and the jobs it holds a lease on.
  */
 
 import { getJson } from "./api.js";
@@ -11,7 +13,8 @@ import { fmtBytes, fmtInt } from "./shapes.js";
 /** Renders the GPU cards into `ctx.root`. */
 export function gpusView(ctx) {
   const cards = h("div", { class: "cards", id: "gpu-cards" });
-  setChildren(ctx.root, h("h1", {}, "GPUs"), cards);
+  const hosts = h("div", { id: "hosts" });
+  setChildren(ctx.root, h("h1", {}, "GPUs"), cards, hosts);
   ctx.every(2000, async () => {
     const health = await getJson("/health", { signal: ctx.signal });
     const jobs = new Map();
@@ -48,5 +51,40 @@ export function gpusView(ctx) {
         );
       }),
     );
+    setChildren(hosts, ...hostsTable(health.hosts ?? []));
   });
+}
+
+/** The hosts sharing the job store, as a heading and a table (nothing for a lone host). */
+export function hostsTable(list) {
+  if (list.length < 2) return [];
+  const row = (cells, tag = "td") => h("tr", {}, ...cells.map((c) => h(tag, {}, c)));
+  return [
+    h("h2", {}, "Hosts"),
+    h(
+      "div",
+      { class: "table-wrap" },
+      h(
+        "table",
+        { "data-hosts": String(list.length) },
+        h("thead", {}, row(["host", "state", "GPUs", "free", "heartbeat", "jobs"], "th")),
+        h(
+          "tbody",
+          {},
+          ...list.map((host) =>
+            row([
+              host.id,
+              badge(host.state),
+              fmtInt(host.gpus),
+              fmtInt(host.free),
+              `${Number(host.lease_age_s ?? 0).toFixed(1)} s ago`,
+              host.jobs?.length
+                ? h("span", {}, ...host.jobs.map((j) => h("a", { href: `#/jobs/${j}` }, `${j} `)))
+                : "none",
+            ])
+          ),
+        ),
+      ),
+    ),
+  ];
 }
