@@ -4,7 +4,8 @@
  * can place; interrupted and lease-expired jobs come before queued ones; a host whose lease was
  * taken (it stopped renewing past the lease) gets LeaseLostError on every write and learns it at
  * its next heartbeat, which also carries a cancel sent through another host; a restarted host
- * lets its jobs go; /health's host list. On PostgreSQL, hosts claiming at once never share a job.
+ * lets its jobs go; /health's host list; confirmLease (the fence on checkpoint files) answers
+ * from the database at that moment. On PostgreSQL, hosts claiming at once never share a job.
  */
 
 import assert from "node:assert/strict";
@@ -109,6 +110,32 @@ storeSuite("Job leases", [
       await b.close();
     }
   }],
+  [
+    "confirmLease reads the lease now: held and renewed while live, refused once expired or taken",
+    async (db) => {
+      const [a, b] = await both(db.open);
+      try {
+        await a.createJob("j1", 0, config);
+        const { lease } = (await a.claimNext("A", 1, 600))!;
+        assert.equal(await a.confirmLease(lease, 600), true);
+        await sleep(400);
+        assert.equal(await a.confirmLease(lease, 600), true); // renewed: live past the first 600 ms
+        await sleep(400);
+        assert.equal(await b.claimNext("B", 1, 60_000), null);
+        await sleep(500); // expired, not yet claimed: not held any more
+        assert.equal(await a.confirmLease(lease, 60_000), false);
+        const taken = (await b.claimNext("B", 1, 60_000))!;
+        assert.equal(await a.confirmLease(lease, 60_000), false); // another host's epoch
+        assert.equal(await b.confirmLease(taken.lease, 60_000), true);
+        assert.equal(await b.confirmLease({ ...taken.lease, host_id: "A" }, 60_000), false);
+        await b.release(taken.lease);
+        assert.equal(await b.confirmLease(taken.lease, 60_000), false); // given back
+      } finally {
+        await a.close();
+        await b.close();
+      }
+    },
+  ],
   ["a restarted host lets its jobs go at once, and a finished lease frees nothing else", async (db) => {
     const [a, b] = await both(db.open);
     try {

@@ -157,6 +157,13 @@ export interface JobStoreEngine {
   heartbeat(host: HostReport, leases: Lease[], leaseMs: number): Awaitable<HeartbeatResult>;
   /** Ends a lease early (the job finished or was interrupted here): another host may claim it now. */
   release(lease: Lease): Awaitable<void>;
+  /**
+   * Whether `lease` holds its job right now by the database: its host and epoch are still the
+   * job's and it has not expired (by the database's clock). When it holds it is renewed for
+   * `leaseMs` in the same statement, so no other host can claim the job for that long. Asked
+   * before a checkpoint is committed (the fence on the files).
+   */
+  confirmLease(lease: Lease, leaseMs: number): Awaitable<boolean>;
 }
 
 /** The job store answering at once: what the runner calls (SQLite, or PostgreSQL through the bridge). */

@@ -8,7 +8,8 @@
  * refuses it once another host's claim raised the job's epoch (LeaseLostError), so a host that
  * was paused or cut off past its lease cannot write to the job again even before its next
  * heartbeat tells it. The heartbeat runs every third of the lease, so two missed beats still
- * leave the lease alive.
+ * leave the lease alive. Before a checkpoint is committed the runner asks {@link LeaseKeeper.confirm}:
+ * the files are fenced on the same lease, read from the database at that moment.
  */
 
 import type { Job } from "../../model/job.ts";
@@ -84,6 +85,18 @@ export class LeaseKeeper {
   /** The lease this host holds on `jobId`, if it still believes it does. */
   lease(jobId: string): Lease | undefined {
     return this.#held.get(jobId);
+  }
+
+  /**
+   * Whether this host still holds `jobId` by the database now, not by this keeper's memory: the
+   * lease's epoch is still the job's and it has not expired (the database's clock). A lease that
+   * holds is renewed for a whole `leaseMs`. False when this host holds no lease on the job; a
+   * database that does not answer throws.
+   */
+  confirm(jobId: string): boolean {
+    const lease = this.#held.get(jobId);
+    if (!lease) return false;
+    return this.#opts.store.confirmLease(lease, this.#opts.leaseMs);
   }
 
   /** Job ids this host holds. */

@@ -171,6 +171,9 @@ export class PostgresBridgeStore implements JobStore {
   release(lease: Lease): void {
     this.#call("release", [lease]);
   }
+  confirmLease(lease: Lease, leaseMs: number): boolean {
+    return this.#call("confirmLease", [lease, leaseMs]) as boolean;
+  }
 
   /** Posts a call to the thread and waits for its answer. */
   #call(method: string, args: unknown[], timeoutMs = this.#timeoutMs): unknown {

@@ -473,6 +473,20 @@ export class PostgresJobStore implements JobStoreEngine {
     );
   }
 
+  /**
+   * Whether `lease` holds its job now: host and epoch still the job's, not expired by the
+   * database's clock; renewed for `leaseMs` in the same statement when it does.
+   */
+  async confirmLease(lease: Lease, leaseMs: number): Promise<boolean> {
+    const rows = await q(
+      this.#sql,
+      `update jobs set lease_until = ${NOW_MS} + ?
+       where id = ? and host_id = ? and lease_epoch = ? and lease_until > ${NOW_MS} returning id`,
+      [Math.round(leaseMs), lease.job_id, lease.host_id, lease.epoch],
+    );
+    return rows.length > 0;
+  }
+
   /** A NOTIFY of a new event: hand it to the listeners (read back when it was too large to carry). */
   async #announced(payload: string): Promise<void> {
     if (this.#listeners.size === 0) return;

@@ -384,6 +384,16 @@ export class SqliteJobStore implements JobStoreEngine {
       .run(lease.job_id, lease.host_id, lease.epoch);
   }
 
+  /** Whether `lease` holds its job now (epoch ours, not expired); renewed for `leaseMs` when it does. */
+  confirmLease(lease: Lease, leaseMs: number): boolean {
+    const now = Date.now();
+    const r = this.#db.prepare(
+      `update jobs set lease_until = ? where id = ? and host_id = ? and lease_epoch = ? and lease_until > ?
+       returning id`,
+    ).get(now + leaseMs, lease.job_id, lease.host_id, lease.epoch, now);
+    return r !== undefined;
+  }
+
   /** Throws LeaseLostError unless `lease` still holds its job (inside a transaction). */
   #fence(lease: Lease): void {
     const ok = this.#db.prepare("select 1 from jobs where id = ? and host_id = ? and lease_epoch = ?")
