@@ -21,7 +21,9 @@
  *
  * A checkpoint is written under a temporary name, every file and the directory fsynced, and then
  * renamed into place, so a crash or power loss never leaves a half-written directory that looks
- * complete: a checkpoint exists once its manifest does. Older ones are pruned only after the new
+ * complete: a checkpoint exists once its manifest does. The rename is the commit point: a caller's
+ * `beforeCommit` may refuse it there (a host that lost the job's lease), and the temporary
+ * folder is removed, as it is when writing fails. Older ones are pruned only after the new
  * one is durable, keeping the newest `keep`.
  */
 
@@ -246,6 +248,12 @@ export interface CheckpointMeta {
 export interface SaveOptions {
   /** Data-parallel size, recorded in the manifest (default 1); each state holds its TP rank's whole moments. */
   dataParallel?: number;
+  /**
+   * Asked once every file is written and durable, right before the commit (the rename into
+   * place, and the moving aside of a same-named older one): throwing refuses the commit, and the
+   * temporary folder is removed. Several hosts fence the files on the job's lease here.
+   */
+  beforeCommit?: (name: string, iteration: number) => Promise<void>;
 }
 
 /** The manifest fields that do not depend on how the tensors are laid out in files. */
@@ -393,26 +401,33 @@ export async function saveCheckpoint(
   const name = checkpointName(step);
   const tmp = `${jobDir}/.tmp-${name}-${crypto.randomUUID().slice(0, 8)}`;
   await Deno.mkdir(tmp);
-  await writeCheckpointFiles(
-    tmp,
-    {
-      format: CHECKPOINT_FORMAT,
-      version: CHECKPOINT_VERSION,
-      job_id: meta.job_id,
-      name,
-      iteration: step,
-      created_at: new Date().toISOString(),
-      model: meta.model,
-      train: meta.train,
-      rng: { seed: meta.train.seed, step },
-      sampler: meta.sampler,
-      metrics: meta.metrics,
-      ...(states[0].control ? { control: states[0].control } : {}),
-    },
-    states,
-    opts.dataParallel ?? 1,
-  );
-  await fsyncPath(tmp);
+  try {
+    await writeCheckpointFiles(
+      tmp,
+      {
+        format: CHECKPOINT_FORMAT,
+        version: CHECKPOINT_VERSION,
+        job_id: meta.job_id,
+        name,
+        iteration: step,
+        created_at: new Date().toISOString(),
+        model: meta.model,
+        train: meta.train,
+        rng: { seed: meta.train.seed, step },
+        sampler: meta.sampler,
+        metrics: meta.metrics,
+        ...(states[0].control ? { control: states[0].control } : {}),
+      },
+      states,
+      opts.dataParallel ?? 1,
+    );
+    await fsyncPath(tmp);
+    await opts.beforeCommit?.(name, step);
+  } catch (e) {
+    // Nothing was committed: leave no half-written or refused folder behind.
+    await Deno.remove(tmp, { recursive: true }).catch(() => {});
+    throw e;
+  }
   const path = `${jobDir}/${name}`;
   // A same-named checkpoint (a step saved again after a resume) is moved aside, not deleted, until
   // the new one is in place and durable.

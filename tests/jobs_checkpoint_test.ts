@@ -279,6 +279,49 @@ Deno.test("saveCheckpoint() replaces a same-named checkpoint and refuses non-fin
   }
 });
 
+Deno.test("saveCheckpoint() asks beforeCommit after writing: a refusal commits nothing, keeps the older same-named one and leaves no temporary", async () => {
+  const dir = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
+  try {
+    const model = presetConfig("gpt2-tiny");
+    const n = paramLayout(model).totalSize;
+    const meta = {
+      job_id: "job_a",
+      model,
+      train,
+      sampler: { epoch: 0, position: 0 },
+      metrics: { loss: null, val_loss: null },
+    };
+    const state = (step: number, value: number) => ({
+      step,
+      params: new Float32Array(n).fill(value),
+      m: new Float32Array(n),
+      v: new Float32Array(n),
+    });
+    const asked: string[] = [];
+    const ask = (held: boolean) => async (name: string, iteration: number) => {
+      // Asked once the files are complete, before anything is renamed into place.
+      const tmp = [...Deno.readDirSync(`${dir}/job_a`)].find((e) => e.name.startsWith(".tmp-"))!;
+      assert.ok(await Deno.stat(`${dir}/job_a/${tmp.name}/manifest.json`));
+      asked.push(`${name}@${iteration}`);
+      if (!held) throw new Error("lease lost");
+    };
+    await saveCheckpoint(`${dir}/job_a`, meta, state(10, 0.5), 3, { beforeCommit: ask(true) });
+    await assert.rejects(
+      saveCheckpoint(`${dir}/job_a`, meta, state(10, 0.25), 3, { beforeCommit: ask(false) }),
+      /lease lost/,
+    );
+    await assert.rejects(
+      saveCheckpoint(`${dir}/job_a`, meta, state(20, 0.25), 3, { beforeCommit: ask(false) }),
+      /lease lost/,
+    );
+    assert.deepEqual(asked, ["iter_0000010@10", "iter_0000010@10", "iter_0000020@20"]);
+    assert.deepEqual([...Deno.readDirSync(`${dir}/job_a`)].map((e) => e.name), ["iter_0000010"]);
+    assert.equal((await loadCheckpoint(`${dir}/job_a/iter_0000010`, model)).state.params[0], 0.5);
+  } finally {
+    await Deno.remove(dir, { recursive: true });
+  }
+});
+
 Deno.test("removeStaleCheckpointTemporaries() removes what a killed writer left and nothing else", async () => {
   const root = await Deno.makeTempDir({ prefix: "gpt2_ckpt_" });
   try {
