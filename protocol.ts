@@ -4,7 +4,9 @@
  * checkpoints and the outcome. Every message is plain JSON, since it may cross a process
  * boundary (HTTP process -> GPU host -> Worker thread). Cancel and stop reach a running job as
  * shared Int32 flags that the GPU host sets for the Worker and the training loop polls between
- * steps, so they work even while the loop does not yield to the event loop.
+ * steps, so they work even while the loop does not yield to the event loop. The one question the
+ * Worker asks is `commit_check`, before committing a checkpoint: it waits (awaiting, so its event
+ * loop runs) for `commit_answer`, which its host delivers at once rather than behind the job.
  */
 
 import type { EvalResult, PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
@@ -16,6 +18,11 @@ export const CANCEL_FLAG = 0;
 export const STOP_FLAG = 1;
 /** Int32 slots in the shared flags buffer. */
 export const FLAG_COUNT = 2;
+/**
+ * How long a Worker waits for the answer to a `commit_check` before it gives the checkpoint up
+ * (not committed, the job stopped): a host that cannot say it holds the lease does not write.
+ */
+export const COMMIT_CHECK_MS = 30_000;
 
 /** A job handed to a Worker. */
 export interface WorkerJob {
@@ -98,6 +105,11 @@ export type ToWorker =
   | { type: "train"; job: WorkerJob }
   | { type: "generate"; request: WorkerGeneration }
   | { type: "generate_cancel"; id: string }
+  /**
+   * The answer to the Worker's `commit_check` number `request`: whether the checkpoint of job
+   * `id` may be committed (this host still holds the job's lease), and if not, why.
+   */
+  | { type: "commit_answer"; id: string; request: number; held: boolean; reason: string | null }
   | { type: "cancel" }
   | { type: "stop" }
   | { type: "shutdown" };
@@ -187,6 +199,12 @@ export type FromWorker =
    */
   | ({ type: "compile"; id: string | null; model?: string } & CompileReport)
   | { type: "checkpoint"; id: string; iteration: number; name: string; path: string }
+  /**
+   * Before committing a checkpoint (the rename of its finished temporary folder into place), the
+   * Worker asks whether its host still holds job `id`'s lease; the runner answers `commit_answer`
+   * with the same `request` after reading the lease from the database. See {@link COMMIT_CHECK_MS}.
+   */
+  | { type: "commit_check"; id: string; request: number; iteration: number; name: string }
   | {
     type: "done";
     id: string;

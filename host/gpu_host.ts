@@ -102,8 +102,10 @@ class GpuHost {
         send({ gpu, msg: { type: "closed", gpu } });
       }
     };
-    // Flags and generation traffic go straight to a started Worker; the rest waits for its start.
-    const urgent = msg.type === "cancel" || msg.type === "stop" || msg.type.startsWith("generate");
+    // Flags, generation traffic and commit answers (a job waits on them) go straight to a started
+    // Worker; the rest waits for its start.
+    const urgent = msg.type === "cancel" || msg.type === "stop" || msg.type.startsWith("generate") ||
+      msg.type === "commit_answer";
     const lost = (error: string) =>
       console.error(`GPU host: cannot deliver "${msg.type}" to GPU ${gpu}: ${error}`);
     if (urgent && this.#ports.has(gpu)) deliver();

@@ -17,7 +17,14 @@
 /// <reference lib="deno.worker" />
 
 import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
-import { CANCEL_FLAG, type FromWorker, STOP_FLAG, type ToWorkerThread } from "../protocol.ts";
+import {
+  CANCEL_FLAG,
+  COMMIT_CHECK_MS,
+  type FromWorker,
+  STOP_FLAG,
+  type ToWorker,
+  type ToWorkerThread,
+} from "../protocol.ts";
 import { runTraining } from "./train_loop.ts";
 import { GenerationService } from "./serving.ts";
 import { readWorkerSettings } from "./worker_settings.ts";
@@ -41,6 +48,9 @@ class GpuWorker {
   #generation: GenerationService;
   /** Whether the driver's shader cache is off (said in compile reports). */
   #cacheDisabled: boolean;
+  /** Commit checks waiting for the runner's answer, by request number. */
+  #commits = new Map<number, (answer: { held: boolean; reason: string | null }) => void>();
+  #commitRequests = 0;
 
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
@@ -52,6 +62,35 @@ class GpuWorker {
   generation(msg: Extract<ToWorkerThread, { type: "generate" | "generate_cancel" }>): void {
     if (msg.type === "generate") this.#generation.generate(msg.request);
     else this.#generation.cancel(msg.id);
+  }
+
+  /**
+   * Asks the runner whether job `id`'s checkpoint `name` may be committed (its host still holds
+   * the lease). No answer within COMMIT_CHECK_MS counts as not held: nothing is committed.
+   */
+  #commitCheck(
+    id: string,
+    iteration: number,
+    name: string,
+  ): Promise<{ held: boolean; reason: string | null }> {
+    const request = ++this.#commitRequests;
+    const { promise, resolve } = Promise.withResolvers<{ held: boolean; reason: string | null }>();
+    const timer = setTimeout(() => {
+      this.#commits.delete(request);
+      resolve({ held: false, reason: `the server did not answer within ${COMMIT_CHECK_MS / 1000} s` });
+    }, COMMIT_CHECK_MS);
+    this.#commits.set(request, (answer) => {
+      clearTimeout(timer);
+      this.#commits.delete(request);
+      resolve(answer);
+    });
+    this.#post({ type: "commit_check", id, request, iteration, name });
+    return promise;
+  }
+
+  /** The runner's answer to a commit check (handled at once, while the job awaits it). */
+  commitAnswer(msg: Extract<ToWorker, { type: "commit_answer" }>): void {
+    this.#commits.get(msg.request)?.({ held: msg.held, reason: msg.reason });
   }
 
   /** The device, reopened if it was lost during an earlier job. */
@@ -118,6 +157,7 @@ class GpuWorker {
             generation: this.#generation,
             comm: msg.comm,
             driverCacheDisabled: this.#cacheDisabled,
+            commitCheck: (iteration, name) => this.#commitCheck(msg.job.id, iteration, name),
           }),
         );
         return;
@@ -138,5 +178,7 @@ let chain: Promise<void> = Promise.resolve();
 self.onmessage = (e: MessageEvent<ToWorkerThread>) => {
   const msg = e.data;
   if (msg.type === "generate" || msg.type === "generate_cancel") return worker.generation(msg);
+  // The running job waits for this answer before committing a checkpoint: never queued behind it.
+  if (msg.type === "commit_answer") return worker.commitAnswer(msg);
   chain = chain.then(() => worker.handle(msg));
 };

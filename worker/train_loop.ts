@@ -61,6 +61,24 @@ export interface TrainHooks {
   comm?: JobComm;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
   driverCacheDisabled?: boolean;
+  /**
+   * Asked right before a checkpoint is committed (see checkpoint.ts, `beforeCommit`): whether this
+   * host still holds the job, which the runner reads from the database (several hosts; one host
+   * always holds its jobs). Not held: the checkpoint is not committed, its temporary folder is
+   * removed, and the job stops at once. Without this hook every checkpoint commits.
+   */
+  commitCheck?(iteration: number, name: string): Promise<{ held: boolean; reason: string | null }>;
+}
+
+/** A checkpoint refused at its commit: this host no longer holds the job (another host resumed it). */
+export class CheckpointFencedError extends Error {
+  constructor(jobId: string, name: string, reason: string | null) {
+    super(
+      `Checkpoint "${name}" of job "${jobId}" was not committed: this host no longer holds the job` +
+        `${reason ? ` (${reason})` : ""}; stopping it here`,
+    );
+    this.name = "CheckpointFencedError";
+  }
 }
 
 /** How long a gradient exchange waits for a peer before the job fails (a peer may be evaluating). */
@@ -356,10 +374,17 @@ async function saveRun(run: Run, model: ModelConfig, sampler: Sampler, last: Las
       },
       Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
       c.keep_checkpoints,
+      { beforeCommit: hooks.commitCheck ? (name, iteration) => askCommit(run, name, iteration) : undefined },
     );
     hooks.post({ type: "checkpoint", id: job.id, iteration: trainer.step, name, path });
   }
   last.saved = trainer.step;
+}
+
+/** Throws CheckpointFencedError unless the host still holds the job (asked through `hooks.commitCheck`). */
+async function askCommit(run: Run, name: string, iteration: number): Promise<void> {
+  const answer = await run.hooks.commitCheck!(iteration, name);
+  if (!answer.held) throw new CheckpointFencedError(run.job.id, name, answer.reason);
 }
 
 /** One log interval's wall time (to the step's readback), steps and batch time, and the job's constants. */

@@ -14,6 +14,8 @@
  * that says so, stops the job here at once: its Worker is replaced, not asked to stop (that would
  * save a checkpoint), and nothing more is written for it. A cancel sent through another host
  * reaches this one at its next heartbeat. Finished and interrupted jobs give their lease back.
+ * Checkpoint files are fenced too: before committing one, the Worker asks (`commit_check`), and
+ * the runner answers from the lease as the database has it at that moment.
  */
 
 import { isFinished, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
@@ -32,7 +34,7 @@ import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
-import { compileLine } from "../../protocol.ts";
+import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -139,6 +141,8 @@ export class JobRunner {
   #compileLogged = new Map<string, { at: number; logged: boolean }>();
   /** Jobs another host took over while they ran here: nothing more is written for them. */
   #lost = new Set<string>();
+  /** Jobs whose checkpoint was refused at its commit: when their Workers are replaced if they have not ended. */
+  #fenceTimers = new Map<string, ReturnType<typeof setTimeout>>();
   #poll: ReturnType<typeof setInterval> | null = null;
   #unlistenStore: (() => void) | null = null;
 
@@ -464,6 +468,8 @@ export class JobRunner {
     this.#stopped = true;
     this.#draining = true;
     if (this.#poll !== null) clearInterval(this.#poll);
+    for (const timer of this.#fenceTimers.values()) clearTimeout(timer);
+    this.#fenceTimers.clear();
     this.#unlistenStore?.();
     for (const s of this.#slots) s.worker.terminate();
     this.#listeners.clear();
@@ -643,6 +649,86 @@ export class JobRunner {
     this.#lost.add(id);
     this.#opts.leases?.forget(id);
     this.#crashes.delete(id);
+    this.#replaceWorkers(id);
+    console.error(
+      `Job "${id}" was taken over by another host after this one missed its lease: stopped here, ` +
+        `nothing more is written for it`,
+    );
+  }
+
+  /**
+   * A Worker asks whether it may commit a checkpoint of job `msg.id` (the fence on the files).
+   * One host always may. With several, the lease is read from the database now, not from this
+   * host's memory: only while its epoch is still the job's and it has not expired (it is then
+   * renewed for a whole lease, so no other host can claim the job before the rename). Otherwise
+   * the answer is no: the Worker removes the checkpoint's temporary folder and ends the job, and
+   * nothing more is written for it here. A database that does not answer is a no as well.
+   */
+  #commitCheck(slot: Slot, msg: Extract<FromWorker, { type: "commit_check" }>): void {
+    const answer = (held: boolean, reason: string | null) =>
+      slot.worker.postMessage({ type: "commit_answer", id: msg.id, request: msg.request, held, reason });
+    const leases = this.#opts.leases;
+    if (!leases) return answer(true, null);
+    let reason: string | null = null;
+    if (this.#lost.has(msg.id)) {
+      reason = "another host took the job over";
+    } else {
+      try {
+        if (!leases.confirm(msg.id)) {
+          reason = `the database says host "${leases.hostId}" no longer holds its lease ` +
+            "(expired, or claimed by another host)";
+        }
+      } catch (e) {
+        reason = `its lease cannot be confirmed: ${(e as Error).message}`;
+      }
+    }
+    if (reason === null) return answer(true, null);
+    answer(false, reason);
+    this.#fenced(msg.id, msg.name, reason);
+  }
+
+  /**
+   * A checkpoint of job `id` was refused at its commit: the job is stopped here. Its Worker ends
+   * the job itself once it has removed the checkpoint's temporary folder (its outcome is not
+   * recorded: the job is another host's, or anyone's once its lease runs out); one that has not
+   * ended within the commit check's time is replaced.
+   */
+  #fenced(id: string, name: string, reason: string): void {
+    if (!this.#lost.has(id)) {
+      this.#lost.add(id);
+      this.#opts.leases?.forget(id);
+      this.#crashes.delete(id);
+      console.error(
+        `Job "${id}": checkpoint "${name}" not committed, ${reason}: stopped here, nothing more is written for it`,
+      );
+    }
+    if (this.#fenceTimers.has(id)) return;
+    const workers = new Set(this.#slots.filter((s) => s.job === id).map((s) => s.worker));
+    this.#fenceTimers.set(
+      id,
+      setTimeout(() => {
+        this.#fenceTimers.delete(id);
+        // Only the Workers of the fenced run, if they still run it (not a later claim of the job here).
+        for (const s of [...this.#slots]) {
+          if (s.job !== id || !workers.has(s.worker) || !this.#lost.has(id)) continue;
+          s.job = null;
+          s.worker.terminate();
+          this.#slots[s.index] = this.#spawn(s.index);
+        }
+      }, COMMIT_CHECK_MS),
+    );
+  }
+
+  /** A fenced job's Workers have all ended: no need to replace them. */
+  #fenceSettled(id: string): void {
+    const timer = this.#fenceTimers.get(id);
+    if (timer === undefined || this.#slots.some((s) => s.job === id)) return;
+    clearTimeout(timer);
+    this.#fenceTimers.delete(id);
+  }
+
+  /** Replaces the Workers running job `id` (terminated, not asked to stop) and frees its reserved slots. */
+  #replaceWorkers(id: string): void {
     this.#gangs.delete(id);
     for (const s of [...this.#slots]) {
       if (s.reserved === id) s.reserved = null;
@@ -651,10 +737,6 @@ export class JobRunner {
       s.worker.terminate();
       this.#slots[s.index] = this.#spawn(s.index);
     }
-    console.error(
-      `Job "${id}" was taken over by another host after this one missed its lease: stopped here, ` +
-        `nothing more is written for it`,
-    );
   }
 
   /** Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. */
@@ -927,14 +1009,22 @@ export class JobRunner {
         else this.#compileLogged.set(key, seen);
         return;
       }
+      case "commit_check":
+        this.#commitCheck(slot, msg);
+        return;
       case "checkpoint":
         this.#update(msg.id, { last_checkpoint: msg.name });
         this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
         return;
       case "done":
-        if (this.#gangs.has(msg.id)) return this.#onRankDone(slot, msg);
+        if (this.#gangs.has(msg.id)) {
+          this.#onRankDone(slot, msg);
+          this.#fenceSettled(msg.id);
+          return;
+        }
         slot.job = null;
         slot.state = "idle";
+        this.#fenceSettled(msg.id);
         if (msg.status === "interrupted") {
           this.#interrupted(msg.id, msg.iteration);
         } else {
