@@ -1,10 +1,10 @@
 /**
- * What a generation's first request waits for on a fresh engine: opens the device, creates a
- * Generator on random weights (`--model`, default gpt2-124M), warms the one-stream decode bucket
- * as the service does at load, then times the first request (a 12-token prompt: its prefill
- * shape compiled on demand, prefill, first chunk) and a second one at the same shape; then the
- * background warm-up of every bucket and prefill shape, and a request at a new shape after it.
- * Prints one line per figure and a `RESULT` JSON line.
+ * What compiling on first use costs a fresh engine: opens the device, creates a Generator on
+ * random weights (`--model`, default gpt2-124M), warms only the one-stream decode bucket (as the
+ * service did at load before it warmed everything: worker/serving.ts), then times the first
+ * request (a 12-token prompt: its prefill shape compiled on demand, prefill, first chunk) and a
+ * second one at the same shape; then the warm-up of every bucket and prefill shape, and a
+ * request at a new shape after it. Prints one line per figure and a `RESULT` JSON line.
  */
 import { openDevice } from "../engine/device.ts";
 import { presetConfig } from "../model/config.ts";
@@ -29,7 +29,7 @@ const gen = await Generator.create(ctx, config, initParams(config, 1), {
   },
 });
 const created = performance.now() - t0;
-const w1 = await gen.warm(1, false);
+const w1 = await gen.warm({ rows: 1, prefill: false });
 const loadPipes = pipelines;
 const sampling = { temperature: 0.8, top_k: 40, top_p: 1, seed: 1 };
 async function request(prompt: number[], streams = 1): Promise<number> {

@@ -25,7 +25,14 @@ import {
   readBuffers,
   stagingFor,
 } from "./device.ts";
-import { buildModel, destroyModel, type GpuModel } from "./graph/mod.ts";
+import {
+  type BufferPool,
+  buildModel,
+  createBufferPool,
+  destroyModel,
+  type GpuModel,
+  type GraphOptions,
+} from "./graph/mod.ts";
 import type { Readback } from "./readback.ts";
 import {
   type CompileListener,
@@ -157,8 +164,6 @@ export interface StreamOutput {
 const BUCKETS = [32, 64, 128, 256, 512, 1024, 2048, 4096];
 /** Prompts per prefill batch at most (the gathered LM head serves up to GEMV_MAX_ROWS rows). */
 const PREFILL_ROWS = GEMV_MAX_ROWS;
-/** Prefill plans kept (each holds activations for its B × T). */
-const PREFILL_PLANS = 4;
 
 interface Pending {
   slot: number;
@@ -186,10 +191,14 @@ interface Chunk {
 
 interface PrefillPlan {
   model: GpuModel;
-  /** The forward pass without the LM head (kept when the cache grows). */
+  /** The forward pass up to the final LayerNorm (kept when the cache grows). */
   forward: Op[];
-  /** KV writes, gathered LM head and sampling (bound to the cache: rebuilt when it grows). */
-  tail: Op[] | null;
+  /**
+   * The forward pass with each layer's KV write after its last op (the layers share one set of
+   * activation buffers), then the gathered LM head and the sampling: bound to the cache, so
+   * rebuilt when it grows.
+   */
+  ops: Op[] | null;
 }
 
 export { isCpuAdapter };
@@ -239,6 +248,8 @@ export class Generator {
   /** Where the last `step` spent its time. */
   timing: StepTiming = { encodeMs: 0, waitMs: 0, mapMs: 0, steps: 0 };
   #prefills = new Map<string, PrefillPlan>();
+  /** The buffers every prefill plan shares (they run one after another in queue order). */
+  #prefillPool: BufferPool | null = null;
   /** Row → slot of the streams being decoded. */
   #rows: number[] = [];
   #free: number[] = [];
@@ -408,29 +419,61 @@ export class Generator {
   }
 
   /**
-   * Compiles now the decode kernels of every batch bucket up to `maxRows` rows (1, 2, 4 …; all of
-   * them by default) and, with `prefill`, the kernels of every prefill shape a step can meet
-   * (prefillShapes), so the first request at a new concurrency or prompt length does not stall
-   * every stream while its kernels compile (about half a second per decode bucket on an H200).
-   * `between`, when given, is awaited before each plan is built: a warm-up in the background
-   * waits there while the engine serves, since pipeline creation blocks the thread (about 85 ms a
-   * pipeline on an H200 with an empty driver cache). Returns the ms it took.
+   * Gets ready for every request the engine can take, so none stalls later: compiles the decode
+   * kernels of every batch bucket up to `rows` rows (1, 2, 4 …; all by default) and, with
+   * `prefill` (default true), the kernels of every prefill shape a step can meet (prefillShapes).
+   * With `reserve`, the KV cache first grows to `rows` streams (halving while the device is out of
+   * memory), so a burst of streams later neither allocates and copies the cache nor rebinds the
+   * plans. With `rehearse`, every prefill shape and decode bucket then runs once on throwaway
+   * streams: a plan's first run pays for its staging buffers and the driver's first launch
+   * of each kernel. Pipeline creation blocks the thread (about 85 ms a pipeline on an H200 with
+   * an empty driver cache, 10 ms with a warm one), so this belongs at load. Returns the ms it took.
    */
-  async warm(maxRows = this.opts.maxStreams, prefill = true, between?: () => Promise<void>): Promise<number> {
-    const t0 = performance.now(), top = Math.min(maxRows, this.opts.maxStreams);
-    await between?.();
+  async warm(
+    opts: { rows?: number; prefill?: boolean; reserve?: boolean; rehearse?: boolean } = {},
+  ): Promise<number> {
+    const t0 = performance.now(), top = Math.min(opts.rows ?? this.opts.maxStreams, this.opts.maxStreams);
+    if (opts.reserve) await this.#reserve(top);
     await this.#remapOp();
     for (let b = 1;; b *= 2) {
-      await between?.();
       await this.#decodePlan(Math.min(b, top));
       if (b >= top) break;
     }
-    if (!prefill) return performance.now() - t0;
-    for (const [B, Tb] of this.prefillShapes()) {
-      await between?.();
-      await this.#prefillPlan(B, Tb);
-    }
+    const prefill = opts.prefill ?? true;
+    if (prefill) { for (const [B, Tb] of this.prefillShapes()) await this.#prefillPlan(B, Tb); }
+    if (opts.rehearse && this.streams === 0) await this.#rehearse(top, prefill);
     return performance.now() - t0;
+  }
+
+  /** Grows the KV cache to `streams` slots, or to the most (a power of 2) the device has memory for. */
+  async #reserve(streams: number): Promise<void> {
+    for (let cap = streams; cap > this.#cap; cap = Math.floor(cap / 2)) {
+      try {
+        await this.#grow(cap);
+        return;
+      } catch (e) {
+        // Out of memory (or past maxBufferSize): a smaller cache, or growth by need.
+        if (!(e instanceof GpuError)) throw e;
+      }
+    }
+  }
+
+  /** Runs each prefill shape (with `prefill`) and each decode bucket up to `top` rows once, on throwaway greedy streams. */
+  async #rehearse(top: number, prefill: boolean): Promise<void> {
+    const greedy: SamplingParams = { temperature: 0, top_k: 0, top_p: 1, seed: 0 };
+    const run = async (prompts: number, len: number, steps: number) => {
+      const hs: number[] = [];
+      const prompt = new Uint32Array(Math.min(len, this.config.n_positions - 1));
+      for (let i = 0; i < prompts; i++) hs.push(await this.admit(prompt, greedy, steps + 1));
+      await this.step(0);
+      if (steps > 0) await this.step(steps);
+      for (const h of hs) this.release(h);
+    };
+    if (prefill) { for (const [B, Tb] of this.prefillShapes()) await run(B, Tb, 0); }
+    for (let b = 1;; b *= 2) {
+      await run(Math.min(b, top), 1, 1);
+      if (b >= top) break;
+    }
   }
 
   /** The state remap that starts every chunk (see stateRemapWgsl), built once. */
@@ -485,9 +528,14 @@ export class Generator {
     if (cap <= this.#cap) return;
     const c = this.config, bytes = (cap + 1) * c.n_positions * c.n_embd * 4;
     const kc: GPUBuffer[] = [], vc: GPUBuffer[] = [];
-    for (let l = 0; l < c.n_layer; l++) {
-      kc.push(await createStorage(this.#ctx, `gen.k${l}`, bytes));
-      vc.push(await createStorage(this.#ctx, `gen.v${l}`, bytes));
+    try {
+      for (let l = 0; l < c.n_layer; l++) {
+        kc.push(await createStorage(this.#ctx, `gen.k${l}`, bytes));
+        vc.push(await createStorage(this.#ctx, `gen.v${l}`, bytes));
+      }
+    } catch (e) {
+      for (const b of [...kc, ...vc]) b.destroy();
+      throw e;
     }
     if (this.#kc.length) {
       // Slots are outermost in the layout: the old cache is a prefix of the new one.
@@ -506,7 +554,7 @@ export class Generator {
     this.#cap = cap;
     // Plans bind the cache: rebuild their bindings on next use (pipelines stay compiled).
     this.#decode.clear();
-    for (const p of this.#prefills.values()) p.tail = null;
+    for (const p of this.#prefills.values()) p.ops = null;
   }
 
   /**
@@ -826,6 +874,7 @@ export class Generator {
   destroy(): void {
     this.#dropAhead();
     for (const { model } of this.#prefills.values()) destroyModel(model);
+    this.#prefillPool?.destroy();
     for (const b of [...this.#buffers, ...this.#kc, ...this.#vc]) b.destroy();
   }
 
@@ -884,7 +933,7 @@ export class Generator {
     q.writeBuffer(plan.model.tokens, 0, tokens);
     q.writeBuffer(this.#sel, 0, sel);
     const enc = this.#ctx.device.createCommandEncoder();
-    encodeOps(enc, [...plan.forward, ...plan.tail!]);
+    encodeOps(enc, plan.ops!);
     q.submit([enc.finish()]);
   }
 
@@ -1004,53 +1053,59 @@ export class Generator {
     return ops;
   }
 
-  /** The prefill of B prompts of (bucketed) length Tb. */
+  /**
+   * The prefill of B prompts of (bucketed) length Tb. Every shape's plan is kept: their buffers
+   * come from one pool sized for the largest (#prefillPool), and the layers of a plan share one
+   * set of activations (checkpointLayers 1 without training: only the residual stream is kept
+   * per layer), so a plan costs its bind groups, not memory.
+   */
   async #prefillPlan(B: number, Tb: number): Promise<PrefillPlan> {
     const key = `${B}x${Tb}`;
     let plan = this.#prefills.get(key);
-    if (plan) {
-      // Most recently used last.
-      this.#prefills.delete(key);
-      this.#prefills.set(key, plan);
-    } else {
-      if (this.#prefills.size >= PREFILL_PLANS) {
-        const [oldKey, old] = this.#prefills.entries().next().value!;
-        this.#prefills.delete(oldKey);
-        destroyModel(old.model);
-      }
-      const model = await buildModel(
+    if (!plan) {
+      const opts: GraphOptions = {
+        train: false,
+        // Up to the final LayerNorm: #prefillTail runs a gathered LM head over the last rows.
+        hiddenOnly: true,
+        checkpointLayers: 1,
+        params: this.#params,
+        kernels: { cpuMatmul: false },
+        cache: this.#cache,
+        onCompile: this.opts.onCompile,
+      };
+      const shape = (B: number, T: number) => ({
+        config: this.config,
+        B,
+        T,
+        attnDropout: 0,
+        hiddenDropout: 0,
+      });
+      this.#prefillPool ??= await createBufferPool(
         this.#ctx,
-        { config: this.config, B, T: Tb, attnDropout: 0, hiddenDropout: 0 },
-        // The LM head is replaced below, so not the CPU adapters' matmul for it (one op, not compiled).
-        {
-          train: false,
-          params: this.#params,
-          kernels: { cpuMatmul: false },
-          cache: this.#cache,
-          onCompile: this.opts.onCompile,
-        },
+        this.prefillShapes().map(([b, t]) => shape(b, t)),
+        opts,
       );
-      const forward = model.forward.filter((o) => o.label !== "lm_head");
-      if (forward.length !== model.forward.length - 1) {
-        throw new Error("Prefill plan found no lm_head op to replace");
-      }
-      plan = { model, forward, tail: null };
+      const model = await buildModel(this.#ctx, shape(B, Tb), { ...opts, pool: this.#prefillPool });
+      plan = { model, forward: model.forward, ops: null };
       this.#prefills.set(key, plan);
     }
-    plan.tail ??= await this.#inBatch(() => this.#prefillTail(plan!.model, B, Tb));
+    if (!plan.ops) {
+      const { kv, rest } = await this.#inBatch(() => this.#prefillTail(plan!.model, B, Tb));
+      plan.ops = withLayerOps(plan.forward, kv).concat(rest);
+    }
     return plan;
   }
 
-  /** A prefill's KV writes into the cache, its gathered LM head and its sampling. */
-  async #prefillTail(model: GpuModel, B: number, Tb: number): Promise<Op[]> {
-    const c = this.config, ctx = this.#ctx, ops: Op[] = [];
+  /** A prefill's KV writes into the cache (one per layer), its gathered LM head and its sampling. */
+  async #prefillTail(model: GpuModel, B: number, Tb: number): Promise<{ kv: Op[]; rest: Op[] }> {
+    const c = this.config, ctx = this.#ctx, kv: Op[] = [], ops: Op[] = [];
     const spec: DecodeSpec = { S: B, H: c.n_head, D: c.n_embd / c.n_head, Tmax: c.n_positions };
     const kvGrid = grid1d(
       Math.ceil((B * Tb * c.n_embd) / 4 / 64),
       ctx.limits.maxComputeWorkgroupsPerDimension,
     );
     for (let l = 0; l < c.n_layer; l++) {
-      ops.push(
+      kv.push(
         await this.#op("attention_fwd", `prefill.l${l}.kv`, kvWriteWgsl(spec, { prefill: { B, Tb } }), [
           { buffer: this.#sel },
           { buffer: model.layers[l].qkv },
@@ -1080,7 +1135,7 @@ export class Generator {
         { buffer: this.#sel },
       ], [B]),
     );
-    return ops;
+    return { kv, rest: ops };
   }
 
   /**
@@ -1408,4 +1463,20 @@ async function uboLayerWeights(
     ln: m.ln ? { buffer, offset: m.lnAt * 4, size: 2 * m.K * 4 } : null,
   }]));
   return { buffer, byWeight };
+}
+
+/**
+ * A forward pass's ops with `perLayer[l]` right after the last op of layer l (labelled "l{l}."),
+ * while that layer's activations are still in the buffers the layers share.
+ */
+function withLayerOps(forward: Op[], perLayer: Op[]): Op[] {
+  const last = perLayer.map((_, l) => forward.findLastIndex((o) => o.label.startsWith(`l${l}.`)));
+  const missing = last.indexOf(-1);
+  if (missing >= 0) throw new Error(`Prefill plan has no op of layer ${missing}`);
+  const out: Op[] = [];
+  forward.forEach((o, i) => {
+    out.push(o);
+    last.forEach((at, l) => at === i && out.push(perLayer[l]));
+  });
+  return out;
 }

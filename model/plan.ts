@@ -92,6 +92,11 @@ export interface PlanOptions extends ChunkOptions {
    * padded vocabulary must divide by it (tensorParallelConfig). Default 1.
    */
   tensorParallel?: number;
+  /**
+   * A forward pass that stops at the final LayerNorm (generation's prefill, which runs its own
+   * gathered LM head): no logits or losses are planned. Needs `train: false`.
+   */
+  hiddenOnly?: boolean;
 }
 
 /** Training precisions. */
@@ -287,8 +292,8 @@ export function planModel(
   if (train) add("lnw", BT * C, act, "activations");
   add("lnf", BT * C, act, "activations");
   add("lnfs", BT * 2, "f32", "activations");
-  add("logits", headRows * Vl, "f32", "logits");
-  add("losses", BT, "f32", "logits");
+  add("logits", o.hiddenOnly ? 1 : headRows * Vl, "f32", "logits");
+  add("losses", o.hiddenOnly ? 1 : BT, "f32", "logits");
   if (train) {
     flat("grads", "gradients");
     if (o.optimizerState ?? true) {

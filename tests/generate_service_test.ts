@@ -139,7 +139,65 @@ Deno.test({
   },
 });
 
-Deno.test("generationOptionsFromEnv reads the run-ahead switch and the admission window, naming bad values", () => {
+Deno.test({
+  name:
+    "GenerationService warming at load: no pipeline is created for any concurrency or prompt length after the first request",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const { root, model } = await randomModel();
+    const { svc, msgs } = service({
+      maxStreams: 8,
+      chunk: 4,
+      firstChunk: 2,
+      prefillTokens: 128,
+      warmAtLoad: true,
+    });
+    const ctx = (await testContext())!;
+    const device = ctx.device, create = device.createComputePipeline;
+    const createAsync = device.createComputePipelineAsync;
+    let created = 0;
+    device.createComputePipeline = (d: GPUComputePipelineDescriptor) => {
+      created++;
+      return create.call(device, d);
+    };
+    device.createComputePipelineAsync = (d: GPUComputePipelineDescriptor) => {
+      created++;
+      return createAsync.call(device, d);
+    };
+    const done = () => msgs.filter((m) => m.type === "gen_done").length;
+    try {
+      await svc.generate(request(model, "load", { max_tokens: 1 }));
+      await until(() => done() === 1, "the load", 120_000);
+      const atLoad = created;
+      assert.ok(atLoad > 0, "the load compiled the kernels");
+      // Every concurrency up to the slots, with prompts of every length bucket, sent together.
+      let n = 1;
+      for (const streams of [1, 2, 3, 5, 8]) {
+        for (const len of [1, 33, config.n_positions - 1]) {
+          const before = done();
+          for (let i = 0; i < streams; i++) {
+            await svc.generate(
+              request(model, `r${n++}`, { prompt: Array.from({ length: len }, (_, j) => (j * 7 + i) % 500) }),
+            );
+          }
+          await until(() => done() === before + streams, `${streams} streams of ${len} tokens`, 120_000);
+        }
+      }
+      const errors = msgs.filter((m) => m.type === "gen_done" && m.reason !== "length");
+      assert.deepEqual(errors, [], "every request ran to its length");
+      assert.equal(created - atLoad, 0, "pipelines created after the load");
+    } finally {
+      device.createComputePipeline = create;
+      device.createComputePipelineAsync = createAsync;
+      await svc.destroy();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
+
+Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switches and the admission window, naming bad values", () => {
   const env = (o: Record<string, string>) => ({ get: (k: string) => o[k] });
   const d = generationOptionsFromEnv(env({}));
   assert.equal(d.runAhead, undefined, "unset: GPUs run ahead, CPU adapters do not");
@@ -147,6 +205,13 @@ Deno.test("generationOptionsFromEnv reads the run-ahead switch and the admission
   const o = generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "0", GPT2_GEN_ADMIT_WINDOW_MS: "0.5" }));
   assert.equal(o.runAhead, false);
   assert.equal(o.admitWindowMs, 0.5);
+  assert.equal(d.warmAtLoad, undefined, "unset: GPUs compile every kernel at load, CPU adapters on first use");
+  assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "0" })).warmAtLoad, false);
+  assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "1" })).warmAtLoad, true);
+  assert.throws(
+    () => generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "all" })),
+    /GPT2_GEN_WARM_AT_LOAD "all" must be 0 or 1/,
+  );
   assert.throws(
     () => generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "yes" })),
     /GPT2_GEN_RUN_AHEAD "yes" must be 0 or 1/,

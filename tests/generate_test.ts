@@ -318,7 +318,7 @@ Deno.test({
 
 Deno.test({
   name:
-    "Generator.warm() compiles every prefill shape: no pipeline is created for any batch of prompts after it",
+    "Generator.warm() compiles every prefill shape and reserves the cache: no pipeline is created for any batch of prompts after it, and its rehearsal changes no stream's tokens",
   ignore: noGpu,
   fn: async () => {
     const ctx = (await testContext())!;
@@ -327,7 +327,9 @@ Deno.test({
     const shapes = gen.prefillShapes();
     // Up to 8 prompts per batch, lengths bucketed to 32 or n_positions, B·T within 64 tokens.
     assert.deepEqual(shapes, [[1, 32], [1, 64], [2, 32]]);
-    await gen.warm();
+    await gen.warm({ reserve: true, rehearse: true });
+    assert.equal(gen.capacity, 4, "the KV cache reserved for every stream");
+    assert.equal(gen.streams, 0, "the rehearsal's streams are gone");
     const device = ctx.device, create = device.createComputePipeline;
     let created = 0;
     device.createComputePipeline = (d: GPUComputePipelineDescriptor) => {
@@ -347,6 +349,17 @@ Deno.test({
       device.createComputePipeline = create;
     }
     assert.equal(created, 0, "pipelines created after warm()");
+    // The rehearsal left nothing behind: the same greedy tokens as a generator never warmed.
+    const fresh = await Generator.create(ctx, config, params, { maxStreams: 4, chunk: 4, prefillTokens: 64 });
+    const tokensOf = async (g: Generator) => {
+      const hs = [await g.admit(prompts[0], greedy), await g.admit(prompts[1], greedy)];
+      const out = [await g.step(0), await g.step(3)];
+      const got = hs.map((h) => out.flatMap((o) => o.get(h)!.tokens));
+      for (const h of hs) g.release(h);
+      return got;
+    };
+    assert.deepEqual(await tokensOf(gen), await tokensOf(fresh));
+    fresh.destroy();
     gen.destroy();
   },
 });

@@ -49,6 +49,15 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    * GPT2_FAST_READBACK=0 turns it off.
    */
   fastReadback?: boolean;
+  /**
+   * Get ready for every request when the model loads (Generator.warm): compile the decode kernels
+   * of every batch size and every prefill shape, allocate the KV cache for `maxStreams` streams
+   * (as much of it as fits), and run each plan once, so the first request at any concurrency or
+   * prompt length finds nothing to compile, allocate or launch for the first time. Default: on
+   * GPUs (an H200 with an empty driver cache: about 85 ms a pipeline, one at a time); CPU adapters
+   * compile far slower, so there each kernel compiles on first use and the cache grows by need.
+   */
+  warmAtLoad?: boolean;
 }
 
 /**
@@ -67,9 +76,6 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   trainShare: 0.7,
   admitWindowMs: 2,
 };
-
-/** ms an engine stays idle before it compiles the rest of its plans in the background (#warmRest). */
-const WARM_AFTER_IDLE_MS = 2000;
 
 /**
  * Resolves in a later task (a message on a channel: unlike a timer, never clamped to 4 ms when
@@ -108,9 +114,6 @@ class Engine {
   #running = false;
   /** Reads the chunks back (engine/readback.ts), made with the generator. */
   #readback: Readback | null = null;
-  /** Whether the background warm-up of every batch size has started (#warmRest). */
-  #warmed = false;
-  #warmTimer: ReturnType<typeof setTimeout> | null = null;
   #dead = false;
   #onIdle: () => void;
   #onStep: (ms: number) => void;
@@ -161,11 +164,10 @@ class Engine {
         readback,
       });
     }).then(async (g) => {
-      // GPUs: the one-stream batch's kernels before the first request; the other batch sizes'
-      // once the engine is first idle (#run), so the first token does not wait for all of them
-      // (4.2 s for the demo's model on an H200) and a growing batch still finds them compiled.
-      // CPU adapters compile far slower: on first use.
-      if (!isCpuAdapter(ctx)) await g.warm(1, false);
+      // Every kernel before the first request (GenerationServiceOptions.warmAtLoad): pipeline
+      // creation blocks this thread, so compiling later, beside running streams, stalled them
+      // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
+      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) await g.warm({ reserve: true, rehearse: true });
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -201,7 +203,6 @@ class Engine {
 
   async destroy(): Promise<void> {
     this.#dead = true;
-    if (this.#warmTimer !== null) clearTimeout(this.#warmTimer);
     (await this.#gen.catch(() => null))?.destroy();
     this.#readback?.destroy();
   }
@@ -230,36 +231,8 @@ class Engine {
       for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
     } finally {
       this.#running = false;
-      this.#warmRest();
       this.#onIdle();
     }
-  }
-
-  /**
-   * GPUs: compiles the other batch sizes' decode kernels and every prefill shape's in the
-   * background, once, after the engine has been idle for WARM_AFTER_IDLE_MS, one plan at a time
-   * while it stays idle: pipeline creation blocks the thread (about 85 ms a pipeline on an H200
-   * with an empty driver cache), so compiling beside running streams slowed each of their steps
-   * (on the H200 the first requests after a load took 1.2-8 s to their first token). A request
-   * arriving meanwhile waits at most for the plan being compiled.
-   */
-  #warmRest(): void {
-    if (this.#warmed || this.#warmTimer !== null || !this.usable || isCpuAdapter(this.#ctx)) return;
-    this.#warmTimer = setTimeout(() => {
-      this.#warmTimer = null;
-      if (this.idle) this.#startWarm();
-    }, WARM_AFTER_IDLE_MS);
-  }
-
-  #startWarm(): void {
-    if (this.#warmed || !this.usable) return;
-    this.#warmed = true;
-    const idle = async () => {
-      while (!this.idle && !this.#dead) await new Promise((r) => setTimeout(r, 20));
-      if (this.#dead) throw new Error("Engine closed");
-    };
-    // Failures show again where the plan is next needed.
-    this.#gen.then((g) => this.#dead ? 0 : g.warm(undefined, true, idle)).catch(() => {});
   }
 
   #finish(gen: Generator, s: Active, reason: Done["reason"]): void {

@@ -27,7 +27,7 @@ export function readWorkerSettings(env: Env): WorkerSettings {
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD and GPT2_GEN_WARM_AT_LOAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
  * (only reported). Throws RangeError naming a variable that is out of range.
  */
 export function generationOptionsFromEnv(
@@ -36,7 +36,7 @@ export function generationOptionsFromEnv(
   const o = { ...DEFAULT_GENERATION_OPTIONS };
   type NumericKey = Exclude<
     keyof GenerationServiceOptions,
-    "runAhead" | "driverCacheDisabled" | "fastReadback"
+    "runAhead" | "driverCacheDisabled" | "fastReadback" | "warmAtLoad"
   >;
   const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
@@ -57,11 +57,15 @@ export function generationOptionsFromEnv(
   read("GPT2_GEN_MAX_MODELS", "maxModels", 1, 64);
   read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
   read("GPT2_GEN_ADMIT_WINDOW_MS", "admitWindowMs", 0, 1000, false);
-  const ahead = env.get("GPT2_GEN_RUN_AHEAD");
-  if (ahead !== undefined && ahead !== "") {
-    if (ahead !== "0" && ahead !== "1") throw new RangeError(`GPT2_GEN_RUN_AHEAD "${ahead}" must be 0 or 1`);
-    o.runAhead = ahead === "1";
-  }
+  const flag = (name: string): boolean | undefined => {
+    const raw = env.get(name);
+    if (raw === undefined || raw === "") return undefined;
+    if (raw !== "0" && raw !== "1") throw new RangeError(`${name} "${raw}" must be 0 or 1`);
+    return raw === "1";
+  };
+  const ahead = flag("GPT2_GEN_RUN_AHEAD"), warm = flag("GPT2_GEN_WARM_AT_LOAD");
+  if (ahead !== undefined) o.runAhead = ahead;
+  if (warm !== undefined) o.warmAtLoad = warm;
   o.driverCacheDisabled = driverCacheDisabled(env);
   try {
     o.fastReadback = parseFastReadback(env.get("GPT2_FAST_READBACK"));

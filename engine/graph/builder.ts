@@ -16,6 +16,7 @@ import {
   type LayerActName,
   type ModelPlan,
   planModel,
+  type PlannedBuffer,
   RECOMPUTED_ACTS,
   resLabel,
 } from "../../model/plan.ts";
@@ -32,7 +33,7 @@ import {
 } from "../kernels/attention.ts";
 import { ROW_BLOCK } from "../kernels/layernorm.ts";
 import { grid1d, type StorageDtype } from "../kernels/common.ts";
-import type { GraphOptions, LayerActs, ModelShape, Step, Sync } from "./program.ts";
+import type { BufferPool, GraphOptions, LayerActs, ModelShape, Step, Sync } from "./program.ts";
 
 /** Rows [r0, r0 + n) of the LM head's input, the i-th chunk the head and its loss run over. */
 export interface Chunk {
@@ -187,7 +188,10 @@ export async function createBuilder(
   // CPU adapters: every buffer can also be bound as a uniform buffer (see kernels/matmul_ubo.ts).
   const cpuUniform = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
   const cpuDirect = isCpuAdapter(ctx) && opts.kernels?.cpuDirect !== false;
-  const { buffers, byLabel, f16Buffers, memoryBytes } = await allocate(ctx, plan, cpuUniform);
+  if (opts.hiddenOnly && train) {
+    throw new RangeError("hiddenOnly plans a forward pass only: it needs train: false");
+  }
+  const { buffers, byLabel, f16Buffers, memoryBytes } = await allocate(ctx, plan, cpuUniform, opts.pool);
   const buf = (label: string): GPUBuffer => {
     const b = byLabel.get(label);
     if (!b) throw new Error(`Buffer "${label}" is not in the plan`);
@@ -314,9 +318,10 @@ function kernelChoices(
 
 /**
  * Every buffer of the plan, allocated up front in the order that packs the allocator's 256 MiB
- * blocks (allocationOrder); the blocks find them by label. Frees them all if one fails.
+ * blocks (allocationOrder); the blocks find them by label. Frees them all if one fails. A pool's
+ * buffer is used where it has the label and is large enough; it stays the pool's (not in `buffers`).
  */
-async function allocate(ctx: GpuContext, plan: ModelPlan, cpuUniform: boolean) {
+async function allocate(ctx: GpuContext, plan: ModelPlan, cpuUniform: boolean, pool?: BufferPool) {
   const buffers: GPUBuffer[] = [];
   const byLabel = new Map<string, GPUBuffer>();
   /** Buffers whose elements are f16 (everything else is f32 or u32). */
@@ -324,23 +329,75 @@ async function allocate(ctx: GpuContext, plan: ModelPlan, cpuUniform: boolean) {
   let memoryBytes = 0;
   try {
     for (const p of allocationOrder(plan.buffers).order) {
-      const b = p.usage === "uniform"
-        ? ctx.device.createBuffer({
-          label: p.label,
-          size: p.bytes,
-          usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
-        })
-        : await createStorage(ctx, p.label, p.bytes, cpuUniform ? GPUBufferUsage.UNIFORM : 0);
-      buffers.push(b);
+      const shared = pool?.byLabel.get(p.label);
+      const b = shared && shared.size >= p.bytes ? shared : await allocateOne(ctx, p, cpuUniform);
+      if (b !== shared) {
+        buffers.push(b);
+        memoryBytes += b.size;
+      }
       byLabel.set(p.label, b);
       if (p.dtype === "f16") f16Buffers.add(b);
-      memoryBytes += b.size;
     }
   } catch (e) {
     for (const b of buffers) b.destroy();
     throw e;
   }
   return { buffers, byLabel, f16Buffers, memoryBytes };
+}
+
+function allocateOne(ctx: GpuContext, p: PlannedBuffer, cpuUniform: boolean): Promise<GPUBuffer> | GPUBuffer {
+  return p.usage === "uniform"
+    ? ctx.device.createBuffer({
+      label: p.label,
+      size: p.bytes,
+      usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
+    })
+    : createStorage(ctx, p.label, p.bytes, cpuUniform ? GPUBufferUsage.UNIFORM : 0);
+}
+
+/**
+ * A pool for plans of several shapes that never run at the same time (generation's prefill
+ * shapes): one buffer per label, as large as the largest of that label's planned sizes, so every
+ * plan built with it (BuildOptions.pool) takes its buffers from it and allocates none of its own.
+ * `shapes` are planned with `opts` (whose `train` must be false). Frees what it made if one fails.
+ */
+export async function createBufferPool(
+  ctx: GpuContext,
+  shapes: ModelShape[],
+  opts: GraphOptions,
+): Promise<BufferPool> {
+  if (opts.train !== false) throw new RangeError("A buffer pool serves inference plans (train: false)");
+  const cpuUniform = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
+  const largest = new Map<string, PlannedBuffer>();
+  for (const s of shapes) {
+    checkFits(ctx, s);
+    const plan = planModel(ctx.limits, s, {
+      ...opts,
+      sharedParams: !!opts.params,
+      tensorParallel: opts.tensorParallel?.size ?? 1,
+    });
+    for (const p of plan.buffers) {
+      const have = largest.get(p.label);
+      if (!have || p.bytes > have.bytes) largest.set(p.label, p);
+    }
+  }
+  const byLabel = new Map<string, GPUBuffer>();
+  let bytes = 0;
+  const destroy = () => {
+    for (const b of byLabel.values()) b.destroy();
+    byLabel.clear();
+  };
+  try {
+    for (const p of allocationOrder([...largest.values()]).order) {
+      const b = await allocateOne(ctx, p, cpuUniform);
+      byLabel.set(p.label, b);
+      bytes += b.size;
+    }
+  } catch (e) {
+    destroy();
+    throw e;
+  }
+  return { byLabel, bytes, destroy };
 }
 
 /** The attention kernels' spec for this rank's heads (tiles for the device, without dropout). */

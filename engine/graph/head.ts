@@ -27,12 +27,15 @@ import { STAT, type Step } from "./program.ts";
 import { matmul, mm } from "./matmul_steps.ts";
 import { layernormBackward, layernormForward } from "./layernorm_steps.ts";
 
-/** The forward's end: the final LayerNorm, and the LM head when it runs in one chunk. */
-export function headForward(g: GraphBuilder): Step[] {
+/**
+ * The forward's end: the final LayerNorm, and the LM head when it runs in one chunk (unless
+ * `withHead` is false: a plan that stops at the hidden states).
+ */
+export function headForward(g: GraphBuilder, withHead = true): Step[] {
   const L = g.dims.L;
   return [
     layernormForward(g, "lnf", g.res[L], "ln_f", g.lnf, g.lnfs),
-    ...(g.nChunks === 1 ? lmHead(g, g.chunks[0]) : []),
+    ...(withHead && g.nChunks === 1 ? lmHead(g, g.chunks[0]) : []),
   ];
 }
 

@@ -24,8 +24,9 @@ import { layerBackward, layerForward } from "./layer.ts";
 import { evalLoss, headBackward, headForward, inferenceLoss } from "./head.ts";
 import { castWeights, checksumSteps, optimizerSteps } from "./optimizer.ts";
 
-export { checkFits, CPU_MATMUL_MIN_MACS } from "./builder.ts";
+export { checkFits, CPU_MATMUL_MIN_MACS, createBufferPool } from "./builder.ts";
 export {
+  type BufferPool,
   type BuildOptions,
   type GpuModel,
   type GraphOptions,
@@ -53,9 +54,10 @@ export async function buildModel(
     g.layerSteps.push(layerForward(g, l));
     forward.push(...g.layerSteps[l]);
   }
-  forward.push(...headForward(g));
-  let loss = g.train ? [] : inferenceLoss(g);
-  const evalSteps = evalLoss(g);
+  const hidden = opts.hiddenOnly === true;
+  forward.push(...headForward(g, !hidden));
+  let loss = g.train || hidden ? [] : inferenceLoss(g);
+  const evalSteps = hidden ? [] : evalLoss(g);
   const cast = castWeights(g);
   const backward: Step[] = [], backwardMarks: { layer: number; at: number }[] = [];
   let optimizer: Step[] = [], checksum: Op[] = [], t: Backprop | null = null;

@@ -35,6 +35,14 @@ export function opsOf(steps: Step[]): Op[] {
   return steps.filter((x): x is Op => !isSync(x));
 }
 
+/** Buffers shared by plans that never run at once, by label (see BuildOptions.pool and createBufferPool). */
+export interface BufferPool {
+  byLabel: Map<string, GPUBuffer>;
+  /** Bytes the pool holds. */
+  bytes: number;
+  destroy(): void;
+}
+
 /** Slots of the small stats buffer read back for logging. */
 export const STAT = { loss: 0, gradNorm: 1, evalLoss: 2 } as const;
 
@@ -101,6 +109,13 @@ export interface BuildOptions {
      */
     cpuDirect?: boolean;
   };
+  /**
+   * Where the plan's buffers come from: a pool shared by plans that never run at the same time
+   * (generation's prefill shapes, run one after another in queue order), each of its buffers at
+   * least as large as this plan's of the same label. Pooled buffers stay the pool's: destroying
+   * the model leaves them. Without it every buffer is allocated for this model.
+   */
+  pool?: BufferPool;
   /** Compile into this cache (shared with the caller's other builds) instead of a new one. */
   cache?: PipelineCache;
   /** Hears of each pipeline compiled, with the build's total (see OpBatch.compile). */
