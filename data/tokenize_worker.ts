@@ -10,7 +10,7 @@
  * first "config" message.
  */
 /// <reference lib="deno.worker" />
-import { createFastEncoder, fastEncode, type FastEncoder } from "./fast_encode.ts";
+import { createFastEncoder, encodeInto, type FastEncoder } from "./fast_encode.ts";
 import { minhashFromWords } from "./minhash.ts";
 import { createWordList, type WordList } from "./pretokenize.ts";
 import { cleanText } from "./text.ts";
@@ -36,7 +36,6 @@ function run(state: WorkerState, batch: WorkerBatch): WorkerResult {
   let tokens = new Uint16Array(1 << 16);
   let total = 0, short = 0, empty = 0, chars = 0, kept = 0;
   let tClean = 0, tEncode = 0, tSign = 0;
-  const ids: number[] = [];
   for (let i = 0; i < n; i++) {
     const t0 = performance.now();
     const text = cleanText(batch.texts[i]);
@@ -46,26 +45,26 @@ function run(state: WorkerState, batch: WorkerBatch): WorkerResult {
       empty++;
       continue;
     }
-    ids.length = 0;
-    words.count = 0;
-    fastEncode(encoder, text, ids, mh ? words : undefined);
-    const t2 = performance.now();
-    tEncode += t2 - t1;
-    if (ids.length < cfg.minTokens) {
-      short++;
-      continue;
-    }
-    if (total + ids.length + 1 > tokens.length) {
+    // Tokens go straight after the kept ones (at most one per UTF-8 byte, 3 per UTF-16 unit).
+    if (total + text.length * 3 + 1 > tokens.length) {
       let size = tokens.length * 2;
-      while (size < total + ids.length + 1) size *= 2;
+      while (size < total + text.length * 3 + 1) size *= 2;
       const grown = new Uint16Array(size);
       grown.set(tokens.subarray(0, total));
       tokens = grown;
     }
-    tokens.set(ids, total);
-    tokens[total + ids.length] = EOT;
-    total += ids.length + 1;
-    lengths[i] = ids.length + 1;
+    words.count = 0;
+    const end = encodeInto(encoder, text, tokens, total, mh ? words : undefined);
+    const count = end - total;
+    const t2 = performance.now();
+    tEncode += t2 - t1;
+    if (count < cfg.minTokens) {
+      short++;
+      continue;
+    }
+    tokens[end] = EOT;
+    total = end + 1;
+    lengths[i] = count + 1;
     chars += text.length;
     if (mh) minhashFromWords(words.hashes, words.count, mh, sigs, kept * mh.numPerm);
     kept++;
