@@ -68,12 +68,42 @@ export function minhashFromWords(
   const filled = filledScratch;
   filled.fill(0, 0, k);
   const size = Math.min(params.shingleSize, count);
-  for (let end = size; end <= count; end++) {
-    let s = seed;
-    for (let j = end - size; j < end; j++) s = Math.imul(s ^ words[j], 0x01000193) + j - end;
-    s = fmix32(s);
-    const bin = (s >>> 0) % k;
-    const v = fmix32(s ^ 0x27d4eb2f) >>> 0;
+  // Everything below stays in 32-bit integers (`| 0` wraps as the ToInt32 of each use would), and a
+  // power-of-two k picks the bin with a mask instead of a division; the values are unchanged.
+  const mask = (k & (k - 1)) === 0 ? k - 1 : -1;
+  const shingles = count - size + 1;
+  if (shingleScratch.length < shingles) shingleScratch = new Int32Array(shingles * 2);
+  const hs = shingleScratch;
+  // First every shingle's hash (independent iterations the CPU overlaps), then the bins.
+  if (size === 5) {
+    for (let end = 5; end <= count; end++) {
+      let s = (Math.imul(seed ^ words[end - 5], 0x01000193) - 5) | 0;
+      s = (Math.imul(s ^ words[end - 4], 0x01000193) - 4) | 0;
+      s = (Math.imul(s ^ words[end - 3], 0x01000193) - 3) | 0;
+      s = (Math.imul(s ^ words[end - 2], 0x01000193) - 2) | 0;
+      hs[end - 5] = (Math.imul(s ^ words[end - 1], 0x01000193) - 1) | 0;
+    }
+  } else {
+    for (let end = size; end <= count; end++) {
+      let s = seed;
+      for (let j = end - size; j < end; j++) s = (Math.imul(s ^ words[j], 0x01000193) + j - end) | 0;
+      hs[end - size] = s;
+    }
+  }
+  for (let x = 0; x < shingles; x++) {
+    let s = hs[x];
+    s ^= s >>> 16;
+    s = Math.imul(s, 0x85ebca6b);
+    s ^= s >>> 13;
+    s = Math.imul(s, 0xc2b2ae35);
+    s ^= s >>> 16;
+    const bin = mask >= 0 ? s & mask : (s >>> 0) % k;
+    let v = s ^ 0x27d4eb2f;
+    v ^= v >>> 16;
+    v = Math.imul(v, 0x85ebca6b);
+    v ^= v >>> 13;
+    v = Math.imul(v, 0xc2b2ae35);
+    v = (v ^ (v >>> 16)) >>> 0;
     if (v <= sig[bin]) {
       sig[bin] = v;
       filled[bin] = 1;
@@ -128,6 +158,8 @@ export function minhashFromWords(
 
 /** Scratch of minhashFromWords: which bins a document's shingles filled, and their list. */
 let filledScratch = new Uint8Array(128);
+/** Scratch of minhashFromWords: the shingle hashes of a document. */
+let shingleScratch = new Int32Array(4096);
 const binsScratch = new Int32Array(16);
 
 /** Attempts of the densification sequence tabulated per bin (later ones are computed). */
