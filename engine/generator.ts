@@ -774,9 +774,12 @@ export class Generator {
       { buffer: this.#out, bytes: R * chunk * 4 },
       ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
     ];
-    // One stream only: with more, the chunk run ahead of a mapAsync readback kept the GPU busier
-    // (H200, 124M, 16 streams over HTTP: 2,389 tokens/s read through the canvas, 7,338 before).
-    const fast = R === 1 && this.opts.readback?.pathFor(ranges.reduce((a, r) => a + r.bytes, 0)) === "canvas";
+    // Through the canvas: a lone stream's chunks, and the first tokens of prompts admitted with
+    // nothing else queued (a request waits on them). Otherwise mapAsync, whose chunk run ahead
+    // keeps the GPU busier (H200, 124M, 16 streams over HTTP: 2,389 tokens/s with every chunk
+    // read through the canvas, 7,338 with mapAsync).
+    const urgent = R === 1 || (pending.length > 0 && this.#inflight.length === 0);
+    const fast = urgent && this.opts.readback?.pathFor(ranges.reduce((a, r) => a + r.bytes, 0)) === "canvas";
     const staged = stagingFor(
       this.#ctx,
       ranges,

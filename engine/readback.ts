@@ -36,7 +36,7 @@
  * e.g. `createReadback(ctx, { canvas: parseFastReadback(Deno.env.get("GPT2_FAST_READBACK")) })`.
  */
 
-import { checkDevice, type GpuContext, readBuffers } from "./device.ts";
+import { checkDevice, type GpuContext, readBuffers, type ReadRange, stagingFor } from "./device.ts";
 
 /** Largest read served by the canvas path by default: on an H200 it is twice as fast at 1 MB, even at 2 MB. */
 export const CANVAS_MAX_BYTES = 1 << 20;
@@ -193,6 +193,43 @@ export class Readback {
       }
     }
     const [out] = await readBuffers(this.ctx, [{ buffer, offset, bytes }]);
+    this.#count("mapAsync");
+    return out;
+  }
+
+  /**
+   * Reads several buffer ranges after all work submitted so far, copied into one staging buffer
+   * and read at once: through the canvas path when their total serves, else through one mapAsync
+   * (engine/device.ts readBuffers). `before`, when given, records work into the same submission,
+   * ahead of the copies. Returns one ArrayBuffer per range, exactly its bytes.
+   */
+  async readRanges(ranges: ReadRange[], before?: (enc: GPUCommandEncoder) => void): Promise<ArrayBuffer[]> {
+    checkDevice(this.ctx);
+    await this.detect();
+    const total = ranges.reduce((a, r) => a + (r.bytes ?? r.buffer.size - (r.offset ?? 0)), 0);
+    const canvas = this.pathFor(total) === "canvas";
+    if (!canvas && !before) return this.#mapped(ranges);
+    if (!canvas) {
+      const enc = this.ctx.device.createCommandEncoder();
+      before!(enc);
+      this.ctx.device.queue.submit([enc.finish()]);
+      return this.#mapped(ranges);
+    }
+    const staged = stagingFor(this.ctx, ranges, GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST);
+    try {
+      const enc = this.ctx.device.createCommandEncoder();
+      before?.(enc);
+      staged.copy(enc);
+      this.ctx.device.queue.submit([enc.finish()]);
+      const all = await this.read(staged.buffer);
+      return staged.offsets.map((o, i) => all.slice(o, o + staged.bytes[i]));
+    } finally {
+      staged.buffer.destroy();
+    }
+  }
+
+  async #mapped(ranges: ReadRange[]): Promise<ArrayBuffer[]> {
+    const out = await readBuffers(this.ctx, ranges);
     this.#count("mapAsync");
     return out;
   }

@@ -10,15 +10,7 @@
  */
 
 import type { ModelConfig, ParamLayout } from "../model/config.ts";
-import {
-  checkDevice,
-  type GpuContext,
-  GpuError,
-  readBuffer,
-  readBuffers,
-  readFloats,
-  type ReadRange,
-} from "./device.ts";
+import { checkDevice, type GpuContext, GpuError, readBuffer, readFloats, type ReadRange } from "./device.ts";
 import { initParams } from "../model/init.ts";
 import {
   buildModel,
@@ -35,6 +27,7 @@ import { type FlatBuffer, readFlat, writeFlat } from "./flat.ts";
 import type { ZeroModel } from "./parallel/zero.ts";
 import type { StagedRun } from "./parallel/data_parallel.ts";
 import { type CompileListener, encodeOps, type Op } from "./ops.ts";
+import { createReadback, type Readback } from "./readback.ts";
 import { dropoutKey, dropoutSite, dropThreshold, pcg } from "../model/rng.ts";
 import { splitParams } from "../model/shard.ts";
 import { type AdamWConfig, type LrSchedule } from "../model/schedule.ts";
@@ -98,6 +91,12 @@ export interface TrainerOptions {
   tensorParallel?: { rank: number; size: number; exchange: (s: Sync) => Promise<void> };
   /** Kernel choices for benchmarks (see BuildOptions.kernels). */
   kernels?: BuildOptions["kernels"];
+  /**
+   * Read the per-step figures (loss, norm, loss scale: a few bytes a step waits on) through the
+   * canvas path (engine/readback.ts: under a millisecond on an H200 instead of mapAsync's 10 ms
+   * floor). Default true; false reads through mapAsync (GPT2_FAST_READBACK=0).
+   */
+  fastReadback?: boolean;
 }
 
 /** One batch of B·(T+1) tokens. */
@@ -176,8 +175,18 @@ export class Trainer {
   /** The plan's per-row loss buffer, once `encodeTokenLosses` looked it up. */
   #losses: GPUBuffer | null | undefined;
 
-  private constructor(ctx: GpuContext, opts: TrainerOptions, model: GpuModel, step: number) {
+  /** Reads the per-step figures back (TrainerOptions.fastReadback). */
+  #readback: Readback;
+
+  private constructor(
+    ctx: GpuContext,
+    opts: TrainerOptions,
+    model: GpuModel,
+    step: number,
+    readback: Readback,
+  ) {
     this.#ctx = ctx;
+    this.#readback = readback;
     this.opts = opts;
     this.#model = model;
     this.#step = step;
@@ -246,7 +255,8 @@ export class Trainer {
       encodeOps(enc, model.castWeights);
       q.submit([enc.finish()]);
     }
-    return new Trainer(ctx, opts, model, state?.step ?? 0);
+    const readback = await createReadback(ctx, { canvas: opts.fastReadback ?? true });
+    return new Trainer(ctx, opts, model, state?.step ?? 0, readback);
   }
 
   /** Iterations done so far. */
@@ -510,15 +520,11 @@ export class Trainer {
       { buffer: m.control, bytes: CONTROL_BYTES },
     ];
     const sum = opts.checksum && m.checksumParts;
-    if (sum) {
-      const enc = this.#ctx.device.createCommandEncoder();
-      encodeOps(enc, m.checksum);
-      this.#ctx.device.queue.submit([enc.finish()]);
-      ranges.push({ buffer: m.checksumParts!, bytes: m.checksum.length * NORM_GROUPS * 4 });
-    }
+    if (sum) ranges.push({ buffer: m.checksumParts!, bytes: m.checksum.length * NORM_GROUPS * 4 });
     const profiled = this.#profilePending && this.#queryBuf;
     if (profiled) ranges.push({ buffer: this.#queryBuf! });
-    const [stats, control, ...rest] = await readBuffers(this.#ctx, ranges);
+    const checksumOps = (enc: GPUCommandEncoder) => encodeOps(enc, m.checksum);
+    const [stats, control, ...rest] = await this.#readback.readRanges(ranges, sum ? checksumOps : undefined);
     let checksum: number | undefined;
     if (sum) {
       checksum = 0;
@@ -674,6 +680,7 @@ export class Trainer {
 
   /** Frees the GPU buffers. */
   destroy(): void {
+    this.#readback.destroy();
     destroyModel(this.#model);
     this.#querySet?.destroy();
     this.#queryBuf?.destroy();

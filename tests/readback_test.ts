@@ -264,3 +264,39 @@ Deno.test({
     rb.destroy();
   },
 });
+
+Deno.test({
+  name:
+    "Readback.readRanges() returns each range exactly, after work recorded before the copies, through the canvas path and through mapAsync",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    for (const canvas of [true, false]) {
+      const rb = await createReadback(ctx, { canvas });
+      // Ranges of several sizes, at offsets, from two buffers; the last one is written by `before`.
+      const a = randomBytes(4096 + 520, 11), b = randomBytes(300, 12), late = randomBytes(64, 13);
+      const bufA = await bufferWith(ctx, a), bufB = await bufferWith(ctx, b);
+      const src = await bufferWith(ctx, late), dst = await bufferWith(ctx, new Uint8Array(64));
+      const ranges = [
+        { buffer: bufA, offset: 260, bytes: 4096 },
+        { buffer: bufB, offset: 0, bytes: 300 },
+        { buffer: bufA, offset: 0, bytes: 4 },
+        { buffer: dst, offset: 0, bytes: 64 },
+      ];
+      const got = await rb.readRanges(ranges, (enc) => enc.copyBufferToBuffer(src, 0, dst, 0, 64));
+      const path = canvas && hasCanvas ? "canvas" : "mapAsync";
+      assert.equal(rb.lastPath, path, `path (${rb.fallbackReason})`);
+      assertBytes(got[0], a.subarray(260, 260 + 4096), `range 0 through ${path}`);
+      assertBytes(got[1], b, `range 1 through ${path}`);
+      assertBytes(got[2], a.subarray(0, 4), `range 2 through ${path}`);
+      assertBytes(got[3], late, `range 3, written by the work recorded before, through ${path}`);
+      // Past the canvas path's limit: mapAsync, still exact.
+      const big = randomBytes(PAST, 14), bufBig = await bufferWith(ctx, big);
+      const [g] = await rb.readRanges([{ buffer: bufBig, bytes: PAST }]);
+      assert.equal(rb.lastPath, "mapAsync");
+      assertBytes(g, big, "a read past CANVAS_MAX_BYTES");
+      for (const x of [bufA, bufB, src, dst, bufBig]) x.destroy();
+      rb.destroy();
+    }
+  },
+});
