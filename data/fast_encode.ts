@@ -16,8 +16,6 @@ import { CLASS_L, CLASS_N, CLASS_S, classAt, type ClassCache, type WordList } fr
 
 /** The rank tables, built once per thread from gpt-tokenizer's r50k_base ranks. */
 interface Ranks {
-  /** Whole-piece lookup, as gpt-tokenizer does first: a token's text → its rank. */
-  byString: Map<string, number>;
   /** Open-addressing table over byte sequences: entry index + 1, or 0 (length a power of two). */
   table: Int32Array;
   /** Per entry: start of its bytes in `bytes`, its length and its rank. */
@@ -25,6 +23,8 @@ interface Ranks {
   lengths: Int32Array;
   ranks: Int32Array;
   bytes: Uint8Array;
+  /** The token of each ASCII character alone. */
+  ascii: Uint16Array;
 }
 
 /** The rank tables of this thread. */
@@ -37,60 +37,118 @@ function hashBytes(b: Uint8Array, from: number, to: number): number {
   return (h ^ (h >>> 15)) | 0;
 }
 
+/** Set by {@link utf8Into} when the text it encoded held a lone surrogate. */
+let loneSurrogate = false;
+
+/**
+ * Write the UTF-8 bytes of `text[from, to)` to `out[at ..]` (room for 3 per unit) and return how
+ * many; a lone surrogate becomes EF BF BD, as `TextEncoder` writes it, and sets {@link loneSurrogate}.
+ */
+function utf8Into(text: string, from: number, to: number, out: Uint8Array, at: number): number {
+  const begin = at;
+  loneSurrogate = false;
+  for (let i = from; i < to; i++) {
+    const c = text.charCodeAt(i);
+    if (c < 0x80) out[at++] = c;
+    else if (c < 0x800) {
+      out[at++] = 0xc0 | (c >> 6);
+      out[at++] = 0x80 | (c & 63);
+    } else if (c >= 0xd800 && c <= 0xdfff) {
+      const d = i + 1 < to ? text.charCodeAt(i + 1) : 0;
+      if (c <= 0xdbff && d >= 0xdc00 && d <= 0xdfff) {
+        const cp = 0x10000 + ((c - 0xd800) << 10) + (d - 0xdc00);
+        out[at++] = 0xf0 | (cp >> 18);
+        out[at++] = 0x80 | ((cp >> 12) & 63);
+        out[at++] = 0x80 | ((cp >> 6) & 63);
+        out[at++] = 0x80 | (cp & 63);
+        i++;
+      } else {
+        out[at++] = 0xef;
+        out[at++] = 0xbf;
+        out[at++] = 0xbd;
+        loneSurrogate = true;
+      }
+    } else {
+      out[at++] = 0xe0 | (c >> 12);
+      out[at++] = 0x80 | ((c >> 6) & 63);
+      out[at++] = 0x80 | (c & 63);
+    }
+  }
+  return at - begin;
+}
+
+/** Whether bytes are valid UTF-8 (gpt-tokenizer's `isValidUTF8`: no overlongs, surrogates or code points past U+10FFFF). */
+function validUtf8(b: ArrayLike<number>): boolean {
+  for (let i = 0; i < b.length;) {
+    const b1 = b[i];
+    let n: number, cp: number;
+    if (b1 <= 0x7f) [n, cp] = [1, b1];
+    else if ((b1 & 0xe0) === 0xc0 && b1 > 0xc1) [n, cp] = [2, b1 & 0x1f];
+    else if ((b1 & 0xf0) === 0xe0) [n, cp] = [3, b1 & 0x0f];
+    else if ((b1 & 0xf8) === 0xf0 && b1 <= 0xf4) [n, cp] = [4, b1 & 0x07];
+    else return false;
+    if (i + n > b.length) return false;
+    for (let j = 1; j < n; j++) {
+      if ((b[i + j] & 0xc0) !== 0x80) return false;
+      cp = (cp << 6) | (b[i + j] & 0x3f);
+    }
+    if ((n === 2 && cp < 0x80) || (n === 3 && cp < 0x800) || (n === 4 && cp < 0x10000)) return false;
+    if ((cp >= 0xd800 && cp <= 0xdfff) || cp > 0x10ffff) return false;
+    i += n;
+  }
+  return true;
+}
+
 /**
  * Build the rank tables. A byte sequence gets the rank gpt-tokenizer's `getBpeRankFromBytes`
  * gives it: a token stored as text is found by its UTF-8 bytes (a later rank of the same text
  * wins, as its Map does), a token stored as bytes only when those bytes are not valid UTF-8
- * (valid ones are looked up as text there).
+ * (valid ones are looked up as text there). A token's text never holds a lone surrogate (checked).
  */
 function buildRanks(): Ranks {
-  const byString = new Map<string, number>();
-  const entries: { bytes: Uint8Array; rank: number }[] = [];
-  const utf8 = new TextEncoder(), strict = new TextDecoder("utf-8", { fatal: true });
-  const isUtf8 = (b: Uint8Array) => {
-    try {
-      strict.decode(b);
-      return true;
-    } catch {
-      return false;
-    }
-  };
-  (bpeRanks as (string | number[])[]).forEach((value, rank) => {
-    if (typeof value === "string") {
-      byString.set(value, rank);
-      entries.push({ bytes: utf8.encode(value), rank });
-    } else {
-      const bytes = new Uint8Array(value);
-      if (!isUtf8(bytes)) entries.push({ bytes, rank });
-    }
+  const values = bpeRanks as (string | number[])[];
+  let room = 0, entries = 0;
+  values.forEach((v) => {
+    room += typeof v === "string" ? v.length * 3 : v.length;
+    entries++;
   });
   let size = 16;
-  while (size < entries.length * 2) size *= 2;
-  const total = entries.reduce((s, e) => s + e.bytes.length, 0);
+  while (size < entries * 2) size *= 2;
   const r: Ranks = {
-    byString,
     table: new Int32Array(size),
-    starts: new Int32Array(entries.length),
-    lengths: new Int32Array(entries.length),
-    ranks: new Int32Array(entries.length),
-    bytes: new Uint8Array(total),
+    starts: new Int32Array(entries),
+    lengths: new Int32Array(entries),
+    ranks: new Int32Array(entries),
+    bytes: new Uint8Array(room + 1),
+    ascii: new Uint16Array(128),
   };
   let used = 0, count = 0;
-  for (const { bytes, rank } of entries) {
-    r.bytes.set(bytes, used);
-    const e = findBytes(r, r.bytes, used, used + bytes.length);
-    if (e >= 0) r.ranks[e] = rank; // the same bytes again: the later rank wins
-    else {
-      const h = hashBytes(r.bytes, used, used + bytes.length);
-      let slot = h & (size - 1);
-      while (r.table[slot] !== 0) slot = (slot + 1) & (size - 1);
-      r.table[slot] = count + 1;
-      r.starts[count] = used;
-      r.lengths[count] = bytes.length;
-      r.ranks[count] = rank;
-      count++;
-      used += bytes.length;
+  values.forEach((value, rank) => {
+    let len: number;
+    if (typeof value === "string") {
+      len = utf8Into(value, 0, value.length, r.bytes, used);
+      if (loneSurrogate) throw new Error(`Token ${rank} of r50k_base holds a lone surrogate`);
+    } else {
+      if (validUtf8(value)) return;
+      r.bytes.set(value, used);
+      len = value.length;
     }
+    const e = findBytes(r, r.bytes, used, used + len);
+    if (e >= 0) return void (r.ranks[e] = rank); // the same bytes again: the later rank wins
+    let slot = hashBytes(r.bytes, used, used + len) & (size - 1);
+    while (r.table[slot] !== 0) slot = (slot + 1) & (size - 1);
+    r.table[slot] = count + 1;
+    r.starts[count] = used;
+    r.lengths[count] = len;
+    r.ranks[count] = rank;
+    count++;
+    used += len;
+  });
+  for (let c = 0; c < 128; c++) {
+    r.bytes[used] = c;
+    const rank = rankOf(r, r.bytes, used, used + 1);
+    if (rank === NO_RANK) throw new Error(`r50k_base has no token for the byte ${c}`);
+    r.ascii[c] = rank;
   }
   return r;
 }
@@ -121,26 +179,33 @@ const NO_RANK = 0x7fffffff;
 let mergeBytes = new Uint8Array(1024);
 let mergeStarts = new Int32Array(1025);
 let mergeRanks = new Int32Array(1025);
-const utf8Encoder = new TextEncoder();
 
 /**
  * The tokens of a piece not in the cache, written to `out[at ..]`; returns their count. As
  * gpt-tokenizer: the whole piece if it is a token, else its UTF-8 bytes merged pair by pair,
  * lowest rank first (the leftmost of equal ranks).
  */
-function encodePiece(r: Ranks, piece: string, out: Uint16Array, at: number): number {
-  const whole = r.byString.get(piece);
-  if (whole !== undefined) {
+function encodePiece(
+  r: Ranks,
+  text: string,
+  start: number,
+  end: number,
+  out: Uint16Array,
+  at: number,
+): number {
+  if (mergeBytes.length < (end - start) * 3) {
+    mergeBytes = new Uint8Array((end - start) * 3);
+    mergeStarts = new Int32Array((end - start) * 3 + 1);
+    mergeRanks = new Int32Array((end - start) * 3 + 1);
+  }
+  const b = mergeBytes, starts = mergeStarts, ranks = mergeRanks;
+  const len = utf8Into(text, start, end, b, 0);
+  // gpt-tokenizer looks the piece itself up as text first (text with a lone surrogate is no token).
+  const whole = loneSurrogate ? NO_RANK : rankOf(r, b, 0, len);
+  if (whole !== NO_RANK) {
     out[at] = whole;
     return 1;
   }
-  if (mergeBytes.length < piece.length * 3) {
-    mergeBytes = new Uint8Array(piece.length * 3);
-    mergeStarts = new Int32Array(piece.length * 3 + 1);
-    mergeRanks = new Int32Array(piece.length * 3 + 1);
-  }
-  const b = mergeBytes, starts = mergeStarts, ranks = mergeRanks;
-  const len = utf8Encoder.encodeInto(piece, b).written;
   let parts = len + 1; // entries of `starts` (and of `ranks`)
   for (let i = 0; i <= len; i++) {
     starts[i] = i;
@@ -248,8 +313,17 @@ function emitPiece(
   out: Uint16Array,
   at: number,
 ): number {
+  const len = end - start;
+  if (len === 1) {
+    // One ASCII character (punctuation, a lone space or newline): its byte's token.
+    const c = text.charCodeAt(start);
+    if (c < 128) {
+      out[at] = enc.ranks.ascii[c];
+      return at + 1;
+    }
+  }
   h ^= h >>> 15;
-  const len = end - start, table = enc.table, entries = enc.entries;
+  const table = enc.table, entries = enc.entries;
   const mask = table.length - 1;
   let slot = h & mask;
   while (true) {
@@ -268,7 +342,7 @@ function emitPiece(
     }
     slot = (slot + 1) & mask;
   }
-  const n = encodePiece(enc.ranks, text.slice(start, end), out, at);
+  const n = encodePiece(enc.ranks, text, start, end, out, at);
   if (n > enc.pool.length || len > enc.chars.length) return at + n; // too long to cache
   if (
     enc.count >= enc.maxEntries || enc.poolUsed + n > enc.pool.length ||
