@@ -43,14 +43,14 @@ export interface DecodedText {
   invalid: boolean;
 }
 
+/** Decoders shared by {@link decodeUtf8} (a one-shot `decode` keeps no state between calls). */
+const STRICT = new TextDecoder("utf-8", { fatal: true, ignoreBOM: false }), LOSSY = new TextDecoder("utf-8");
+
 /** Decode UTF-8 strictly, falling back to a lossy decode that is reported, never thrown. */
 export function decodeUtf8(bytes: Uint8Array): DecodedText {
   try {
-    return {
-      text: new TextDecoder("utf-8", { fatal: true, ignoreBOM: false }).decode(bytes),
-      invalid: false,
-    };
+    return { text: STRICT.decode(bytes), invalid: false };
   } catch {
-    return { text: new TextDecoder("utf-8").decode(bytes), invalid: true };
+    return { text: LOSSY.decode(bytes), invalid: true };
   }
 }
