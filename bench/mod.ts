@@ -1,12 +1,13 @@
 /**
- * `deno task bench [train|data|matmul|attention|allreduce|runtime|generate|curve|dp|demo] [options]`:
+ * `deno task bench [train|data|matmul|attention|allreduce|runtime|generate|curve|dp|demo|hosts] [options]`:
  * the benchmarks. With no suite named it runs the training benchmark (bench/train_bench.ts); `data`
  * runs the data pipeline benchmark, `matmul` the matmul shapes and tile sweep (bench/matmul_bench.ts),
  * `attention` today's attention kernels against the flash ones (bench/attention_bench.ts), `allreduce`
  * the shared-memory allreduce and GPU host-path benchmark, `runtime` the start-train-SIGTERM cycles,
  * `generate` the generation scenarios (bench/generate_bench.ts), `curve` the fp16-against-fp32 loss
  * curves, `dp` data-parallel training through the server, and `demo` the newcomer's `deno task demo`
- * as a subprocess with a cold and a warm shader cache (bench/demo_bench.ts). Options pass through.
+ * as a subprocess with a cold and a warm shader cache (bench/demo_bench.ts), `hosts` short jobs on
+ * several servers sharing one PostgreSQL job store, against one (bench/hosts_bench.ts). Options pass through.
  */
 
 const suites: Record<string, string> = {
@@ -20,6 +21,7 @@ const suites: Record<string, string> = {
   curve: "./curve_bench.ts",
   dp: "./dp_bench.ts",
   demo: "./demo_bench.ts",
+  hosts: "./hosts_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

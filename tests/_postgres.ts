@@ -20,13 +20,7 @@ function findBin(): string | null {
     // not Debian's layout
   }
   for (const d of dirs) {
-    try {
-      if (Deno.statSync(`${d}/initdb`).isFile && Deno.statSync(`${d}/pg_ctl`).isFile) {
-        return Deno.realPathSync(`${d}/initdb`).replace(/\/initdb$/, "");
-      }
-    } catch {
-      // not here
-    }
+    if (isPostgresBin(d)) return Deno.realPathSync(`${d}/initdb`).replace(/\/initdb$/, "");
   }
   return null;
 }
@@ -44,9 +38,28 @@ export interface PgCluster {
   stop(): Promise<void>;
 }
 
-async function run(cmd: string[], asUser: string | null): Promise<string> {
+/** Where a cluster's binaries are, when not found by themselves (bench/hosts_bench.ts's `--pg-bin`). */
+export interface PostgresOptions {
+  /** Folder holding initdb, pg_ctl and postgres (default: {@link POSTGRES_BIN}). */
+  bin?: string;
+  /** Folder of shared libraries those binaries need, put first on their LD_LIBRARY_PATH. */
+  libDir?: string;
+}
+
+/** Whether `bin` holds initdb and pg_ctl. */
+export function isPostgresBin(bin: string): boolean {
+  try {
+    return Deno.statSync(`${bin}/initdb`).isFile && Deno.statSync(`${bin}/pg_ctl`).isFile;
+  } catch {
+    return false;
+  }
+}
+
+async function run(cmd: string[], asUser: string | null, libDir?: string): Promise<string> {
   const argv = asUser ? ["runuser", "-u", asUser, "--", ...cmd] : cmd;
-  const out = await new Deno.Command(argv[0], { args: argv.slice(1), stdout: "piped", stderr: "piped" })
+  const lib = Deno.env.get("LD_LIBRARY_PATH");
+  const env: Record<string, string> = libDir ? { LD_LIBRARY_PATH: lib ? `${libDir}:${lib}` : libDir } : {};
+  const out = await new Deno.Command(argv[0], { args: argv.slice(1), env, stdout: "piped", stderr: "piped" })
     .output();
   const text = new TextDecoder().decode(out.stdout) + new TextDecoder().decode(out.stderr);
   if (!out.success) throw new Error(`Cannot run "${argv.join(" ")}" (exit ${out.code}): ${text.trim()}`);
@@ -62,35 +75,46 @@ function freePort(): number {
 
 let databases = 0;
 
-/** Starts a cluster (about a second). Throws naming the step that failed. */
-export async function startPostgres(): Promise<PgCluster> {
-  if (!POSTGRES_BIN) throw new Error("Cannot start PostgreSQL: no initdb found (apt-get install postgresql)");
+/**
+ * Starts a cluster (about a second). Throws naming the step that failed. As root it runs as the
+ * `postgres` user, or `nobody` where there is none (then the binaries must be readable by all).
+ */
+export async function startPostgres(opts: PostgresOptions = {}): Promise<PgCluster> {
+  const bin = opts.bin ?? POSTGRES_BIN;
+  if (!bin) throw new Error("Cannot start PostgreSQL: no initdb found (apt-get install postgresql)");
+  if (!isPostgresBin(bin)) throw new Error(`Cannot start PostgreSQL: no initdb and pg_ctl in "${bin}"`);
+  const libDir = opts.libDir;
   const root = Deno.uid() === 0;
   const dir = await Deno.makeTempDir({ prefix: "gpt2_pg_" });
-  const user = root ? "postgres" : null;
+  let user: string | null = null;
   if (root) {
-    const uid = Number((await run(["id", "-u", "postgres"], null)).trim());
-    const gid = Number((await run(["id", "-g", "postgres"], null)).trim());
+    user = await run(["id", "-u", "postgres"], null).then(() => "postgres", () => "nobody");
+    const uid = Number((await run(["id", "-u", user], null)).trim());
+    const gid = Number((await run(["id", "-g", user], null)).trim());
     await Deno.chown(dir, uid, gid);
   }
   const data = `${dir}/data`;
   const port = freePort();
-  await run([
-    `${POSTGRES_BIN}/initdb`,
-    "-D",
-    data,
-    "-A",
-    "trust",
-    "-U",
-    "postgres",
-    "--no-sync",
-    "-E",
-    "UTF8",
-  ], user);
+  await run(
+    [
+      `${bin}/initdb`,
+      "-D",
+      data,
+      "-A",
+      "trust",
+      "-U",
+      "postgres",
+      "--no-sync",
+      "-E",
+      "UTF8",
+    ],
+    user,
+    libDir,
+  );
   const options =
     `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off ` +
     "-c full_page_writes=off -c max_connections=200";
-  await run([`${POSTGRES_BIN}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user);
+  await run([`${bin}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user, libDir);
   const url = `postgres://postgres@127.0.0.1:${port}/postgres`;
   const admin = postgres(url, { max: 1, onnotice: () => {} });
   return {
@@ -102,7 +126,7 @@ export async function startPostgres(): Promise<PgCluster> {
     },
     async stop() {
       await admin.end({ timeout: 1 });
-      await run([`${POSTGRES_BIN}/pg_ctl`, "-D", data, "-m", "immediate", "-w", "stop"], user).catch(
+      await run([`${bin}/pg_ctl`, "-D", data, "-m", "immediate", "-w", "stop"], user, libDir).catch(
         () => {},
       );
       await Deno.remove(dir, { recursive: true });
