@@ -145,6 +145,11 @@ export interface StepTiming {
   mapMs: number;
   /** Decode steps run. */
   steps: number;
+  /**
+   * Whether the readback waited for the GPU on this thread (the canvas path): the event loop did
+   * not run meanwhile, so messages from other threads have not been taken in.
+   */
+  blocked: boolean;
 }
 
 /** Log-probabilities of one generated token (natural log, the model's raw distribution). */
@@ -246,7 +251,7 @@ export class Generator {
   #buffers: GPUBuffer[] = [];
   #decode = new Map<number, Op[]>();
   /** Where the last `step` spent its time. */
-  timing: StepTiming = { encodeMs: 0, waitMs: 0, mapMs: 0, steps: 0 };
+  timing: StepTiming = { encodeMs: 0, waitMs: 0, mapMs: 0, steps: 0, blocked: false };
   #prefills = new Map<string, PrefillPlan>();
   /** The buffers every prefill plan shares (they run one after another in queue order). */
   #prefillPool: BufferPool | null = null;
@@ -699,6 +704,7 @@ export class Generator {
       waitMs: performance.now() - t3 + (t2 - t1),
       mapMs: t2 - t1,
       steps: chunks.reduce((a, c) => a + c.steps, 0),
+      blocked: chunks.some((c) => c.fast),
     };
     return res;
   }
@@ -732,6 +738,7 @@ export class Generator {
       waitMs: t2 - t1,
       mapMs: 0,
       steps: chunks.reduce((a, c) => a + c.steps, 0),
+      blocked: true,
     };
     return res;
   }
@@ -1139,6 +1146,42 @@ export class Generator {
       ], [B]),
     );
     return { kv, rest: ops };
+  }
+
+  /**
+   * For benchmarks: times the prefill of B prompts of bucketed length Tb (its plan built if need
+   * be) kernel by kernel, on prompts of zeros, and returns each kernel's GPU time in ms in order.
+   * Needs timestamp queries and no stream admitted (it writes the cache's first slots).
+   */
+  async profilePrefill(B: number, Tb: number): Promise<{ label: string; ms: number }[]> {
+    const dev = this.#ctx.device;
+    if (!this.#ctx.hasTimestamps) {
+      throw new GpuError("profilePrefill", "the adapter has no timestamp queries");
+    }
+    if (this.streams > 0) throw new RangeError("profilePrefill needs an idle generator");
+    this.#flush();
+    const plan = await this.#prefillPlan(B, Tb), ops = plan.ops!;
+    const sel = new Uint32Array(PREFILL_ROWS * SEL_WORDS);
+    for (let b = 0; b < B; b++) sel.set([b * Tb + Tb - 1, b, Tb, this.opts.maxStreams], b * SEL_WORDS);
+    dev.queue.writeBuffer(plan.model.tokens, 0, new Uint32Array(B * (Tb + 1)));
+    dev.queue.writeBuffer(this.#sel, 0, sel);
+    const qs = dev.createQuerySet({ type: "timestamp", count: 2 * ops.length });
+    const resolve = dev.createBuffer({
+      size: 16 * ops.length,
+      usage: GPUBufferUsage.QUERY_RESOLVE | GPUBufferUsage.COPY_SRC,
+    });
+    try {
+      const enc = dev.createCommandEncoder();
+      encodeOps(enc, ops, qs);
+      enc.resolveQuerySet(qs, 0, 2 * ops.length, resolve, 0);
+      dev.queue.submit([enc.finish()]);
+      const [buf] = await readBuffers(this.#ctx, [{ buffer: resolve, bytes: 16 * ops.length }]);
+      const t = new BigUint64Array(buf);
+      return ops.map((op, i) => ({ label: op.label, ms: Number(t[2 * i + 1] - t[2 * i]) / 1e6 }));
+    } finally {
+      qs.destroy();
+      resolve.destroy();
+    }
   }
 
   /**

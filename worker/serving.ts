@@ -39,8 +39,8 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   /**
    * Most ms an idle engine waits before its first step, so requests sent together (a burst of
    * users, or `n` choices) are prefilled together rather than one first and the rest a chunk
-   * later. It stops waiting as soon as no request has come for {@link ADMIT_QUIET_MS}: a lone
-   * request waits that long, not the window (a 2 ms timer cost a lone request 5 ms on an H200).
+   * later. It waits a millisecond at a time and stops as soon as none has come in one, so a lone
+   * request waits about a millisecond (a 2 ms timer had cost it 5 ms on an H200).
    */
   admitWindowMs: number;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
@@ -78,9 +78,6 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   trainShare: 0.7,
   admitWindowMs: 2,
 };
-
-/** A burst of requests is over when none has arrived for this long (GenerationServiceOptions.admitWindowMs). */
-export const ADMIT_QUIET_MS = 0.3;
 
 /**
  * Resolves in a later task (a message on a channel: unlike a timer, never clamped to 4 ms when
@@ -217,18 +214,15 @@ class Engine {
   }
 
   /**
-   * Waits while requests keep arriving: until none has come for ADMIT_QUIET_MS, or for
-   * admitWindowMs in all. Yields task by task (a timer sleeps a millisecond or more).
+   * Waits while requests keep arriving: a millisecond at a time, until one passes with no new
+   * request or admitWindowMs is over. Only a timer lets messages from the GPU host in: a
+   * MessageChannel round trip did not (H200: requests sent together were admitted 140 ms apart).
    */
   async #gather(): Promise<void> {
-    const start = performance.now(), end = start + this.#opts.admitWindowMs;
-    let seen = this.#waiting.length, last = start;
-    for (let now = start; now < end && now - last < ADMIT_QUIET_MS; now = performance.now()) {
-      await nextTask();
-      if (this.#waiting.length !== seen) {
-        seen = this.#waiting.length;
-        last = performance.now();
-      }
+    const end = performance.now() + this.#opts.admitWindowMs;
+    for (let seen = -1; seen !== this.#waiting.length && performance.now() < end;) {
+      seen = this.#waiting.length;
+      await new Promise((r) => setTimeout(r, Math.min(1, Math.max(0, end - performance.now()))));
     }
   }
 
@@ -238,10 +232,12 @@ class Engine {
       const gen = await this.#gen;
       while (this.#waiting.length > 0 || this.#active.length > 0) {
         if (this.#active.length === 0 && this.#opts.admitWindowMs > 0) await this.#gather();
-        await this.#step(gen);
-        // A step read through the canvas path may never leave the microtask queue: let messages
-        // (a cancel, a new request) and timers in between steps.
-        await nextTask();
+        // A step read through the canvas path waited on this thread and may never leave the
+        // microtask queue: let messages (a cancel, a new request) in before the next, through a
+        // timer (a MessageChannel round trip left them waiting until a lone stream had finished:
+        // H200, requests joining a lone stream waited 140 ms). Otherwise a cheaper yield for timers.
+        if (await this.#step(gen)) await new Promise((r) => setTimeout(r, 0));
+        else await nextTask();
       }
     } catch (e) {
       this.#dead = true;
@@ -260,8 +256,11 @@ class Engine {
     this.#done(s.req.id, reason, null, s.produced);
   }
 
-  /** Drops cancelled streams, admits what fits, runs one step, posts what each stream produced. */
-  async #step(gen: Generator): Promise<void> {
+  /**
+   * Drops cancelled streams, admits what fits, runs one step, posts what each stream produced.
+   * Returns whether its readback waited on this thread (StepTiming.blocked).
+   */
+  async #step(gen: Generator): Promise<boolean> {
     for (const s of [...this.#active]) if (s.cancelled) this.#finish(gen, s, "cancelled");
     const plan = planStep(
       this.#waiting.map((r) => ({ promptTokens: r.prompt.length, maxTokens: r.max_tokens })),
@@ -283,7 +282,7 @@ class Engine {
         this.#done(req.id, "error", (e as Error).message, 0);
       }
     }
-    if (this.#active.length === 0) return;
+    if (this.#active.length === 0) return false;
     const t0 = performance.now();
     const out = await gen.step(plan.steps, this.#runAhead ? plan.ahead : 0);
     const ms = performance.now() - t0, ran = gen.timing.steps;
@@ -313,6 +312,7 @@ class Engine {
       }
       if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
+    return gen.timing.blocked;
   }
 }
 
