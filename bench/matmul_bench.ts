@@ -11,6 +11,8 @@
  *                                 shapes F did not measure are kept unless --replace)
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
+ *          --rows 32,256,2048 (B·T of the shapes instead of 8192; forward ops of up to 2048 rows
+ *          form a class per row count: a prefill's matmuls, e.g. --only '(qkv|proj|fc)$')
  *          --flush-every 2,4 (f16 math: also the pick with k-tile sums flushed every 2, 4 tiles)
  *          --kpairs (f16 math: also time the k-pair and 128-thread tiles, f16Tiles)
  *          --budget SECONDS (sweep, default 220)  --reps N (minimum timed repetitions, default 20)
@@ -143,7 +145,7 @@ const layoutOf = (s: MatmulSpec) => `${s.transA ? "T" : "N"}${s.transB ? "T" : "
 const fewBlocks = (s: MatmulSpec) => Math.ceil(s.M / 128) * Math.ceil(s.N / 128) < 264;
 /** The class whose screened candidates a shape shares: layout, few or many blocks, math, storage. */
 const keyOf = (s: MatmulSpec) =>
-  `${layoutOf(s)}${s.transA && fewBlocks(s) ? "-small" : ""} ${s.math ?? "f32"}-math ${
+  `${s.M <= 2048 && !s.transA ? `M${s.M} ` : ""}${layoutOf(s)}${s.transA && fewBlocks(s) ? "-small" : ""} ${s.math ?? "f32"}-math ${
     s.dtypes?.A === "f16" || s.dtypes?.B === "f16" ? "f16" : "f32"
   }-storage`;
 
@@ -168,6 +170,18 @@ export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {
       t(128, 128, 8, 8, 8, { gen: 2, buffers: 2, warpN: 8, splitK });
       t(128, 64, 16, 8, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
     }
+  }
+  // Forward matmuls of few rows (generation's prefill): small blocks, and split-K so that a long K
+  // still fills the GPU (M = 32, N = 768, K = 3072 has 24 blocks of 32×32).
+  if (!spec.transA && spec.M <= 2048 && fewBlocks(spec)) {
+    for (const splitK of [4, 8, 16, 2]) {
+      t(32, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
+      t(32, 32, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
+      t(64, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8, splitK });
+    }
+    t(32, 32, 16, 4, 4);
+    t(32, 64, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8 });
+    t(32, 32, 16, 4, 4, { gen: 2, buffers: 2, warpN: 8 });
   }
   // Generation 1, the tiles measured before.
   t(128, 128, 16, 8, 8);
@@ -611,8 +625,10 @@ async function main(args: string[]): Promise<void> {
   const jsonPath = arg(args, "json", "");
   if (cpu && !tiny) console.log("CPU adapter: consider --tiny (full shapes take minutes each here)");
 
-  // Shapes: the chosen models at B·T = 8192 (tiny: two small configs at 128 rows), plus 4096³.
+  // Shapes: the chosen models at B·T = 8192 (tiny: two small configs at 128 rows), plus 4096³;
+  // `--rows 32,256` instead: those B·T, each its own class (a prefill's matmuls, with --only).
   const shapes: BenchShape[] = [];
+  const rowsList = arg(args, "rows", "").split(",").filter(Boolean).map(Number);
   const BT = tiny ? 128 : 8192;
   const models = tiny
     ? [
@@ -624,10 +640,15 @@ async function main(args: string[]): Promise<void> {
   for (const precision of precisions) {
     if (precision === "fp16" && !ctx.hasF16) continue;
     for (const [name, config] of models) {
-      shapes.push(...gpt2MatmulShapes(name, config, BT, headChunkRows(ctx.limits, config, BT), precision));
+      for (const rows of rowsList.length ? rowsList : [BT]) {
+        const model = rowsList.length ? `${name} M${rows}` : name;
+        shapes.push(
+          ...gpt2MatmulShapes(model, config, rows, headChunkRows(ctx.limits, config, rows), precision),
+        );
+      }
     }
   }
-  if (!tiny) {
+  if (!tiny && !rowsList.length) {
     shapes.push({
       name: "4096^3 fp32 NN",
       model: "-",

@@ -133,6 +133,11 @@ export interface GeneratorOptions {
    * floor); null or absent, or several streams: mapAsync.
    */
   readback?: Readback | null;
+  /**
+   * Kernel choices of the prefill plans (see BuildOptions.kernels), for tests and benchmarks:
+   * e.g. the GPUs' tiled kernels on a CPU adapter, or other matmul tile rules.
+   */
+  kernels?: { tileRules?: NonNullable<GraphOptions["kernels"]>["tileRules"]; cpuDirect?: boolean };
 }
 
 /** Where the last `step` spent its time (wall-clock ms on the JS thread). */
@@ -347,6 +352,7 @@ export class Generator {
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
+      kernels: opts.kernels ?? {},
     };
     const buffers: GPUBuffer[] = [];
     const alloc = async (label: string, bytes: number, extraUsage = 0) => {
@@ -1079,7 +1085,7 @@ export class Generator {
         hiddenOnly: true,
         checkpointLayers: 1,
         params: this.#params,
-        kernels: { cpuMatmul: false },
+        kernels: { ...this.opts.kernels, cpuMatmul: false },
         cache: this.#cache,
         onCompile: this.opts.onCompile,
       };

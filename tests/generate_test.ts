@@ -123,6 +123,35 @@ for (const cpuUniform of [true, false]) {
 
 Deno.test({
   name:
+    "Generator prefill with the GPUs' tiled kernels and split-K forward matmuls (as an H200 runs short prompts): greedy equals the reference",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const p64 = Float64Array.from(params);
+    const ctx = (await testContext())!;
+    // Every forward matmul of the prefill split in 3 slices of K (partial sums, then bias, gelu
+    // or the residual in the reduction), as the measured rules do for few rows on an H200.
+    const split = { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, splitK: 3 } as const;
+    const gen = await Generator.create(ctx, config, params, {
+      maxStreams: 4,
+      chunk: 6,
+      cpuUniform: false,
+      kernels: { cpuDirect: false, tileRules: [{ layout: "NN", tile: split }] },
+    });
+    const got: number[][] = [[], [], []];
+    const owner = new Map<number, number>();
+    for (const i of [0, 1, 2]) owner.set(await gen.admit(prompts[i + 3], greedy), i);
+    await collect(gen, owner, got, 5);
+    for (let i = 0; i < 3; i++) {
+      assert.equal(got[i].length, 6);
+      assert.deepEqual(got[i], referenceArgmaxes(p64, prompts[i + 3], got[i]), `stream ${i}`);
+    }
+    gen.destroy();
+  },
+});
+
+Deno.test({
+  name:
     "Generator seeded sampling gives the same tokens alone or batched; top_k 1 is greedy; real vocabulary only",
   ignore: noGpu,
   fn: async () => {

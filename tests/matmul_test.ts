@@ -279,6 +279,8 @@ Deno.test({
       { epilogue: "residual", bias: true, dropout: { site: 0, nSites: 1 } },
       { epilogue: "gelu", bias: true, transB: true },
       { epilogue: "gelu_grad", transA: true, prologueA: "gelu" },
+      // A prefill's MLP projection: gelu on A as it loads, bias and the residual in the reduction.
+      { epilogue: "residual", bias: true, prologueA: "gelu" },
     ];
     for (const c of cases) {
       // K = 196: slices of 80, 80 and 36, the last ragged against BK.

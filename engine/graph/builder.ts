@@ -297,7 +297,9 @@ function kernelChoices(
 ): Pick<GraphBuilder, "tileRules" | "attn" | "flashFwd"> {
   const ruleSet = opts.kernels?.tileRules ?? "all";
   return {
-    tileRules: ruleSet === "all"
+    tileRules: typeof ruleSet !== "string"
+      ? ruleSet
+      : ruleSet === "all"
       ? undefined
       : ruleSet === "none"
       ? []

@@ -61,11 +61,12 @@ export function matmul(
     return [op(g, phase, kind, label, kernel.code, kernel.bindings.map((n) => views[n]), kernel.grid, o)];
   }
   const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize, rules: g.tileRules };
-  // Split-K only in backward (a checkpointed recompute drops a layer's last forward op), and only
-  // where its partial sums fit the planned scratch.
+  // Split-K in backward, and in the forward of a plan without training (a checkpointed recompute
+  // in training drops a layer's last forward op, which split-K makes two), only where its partial
+  // sums fit the planned scratch (planned for training and for hiddenOnly plans).
   let tile = chooseTile(full, ctx.limits.maxComputeInvocationsPerWorkgroup, {
     ...limits,
-    splitK: phase === "backward" && !!g.matmulPart,
+    splitK: (phase === "backward" || !g.train) && !!g.matmulPart,
   });
   if (matmulScratchBytes(full, tile) > (g.matmulPart?.size ?? 0)) {
     tile = chooseTile(full, ctx.limits.maxComputeInvocationsPerWorkgroup, { ...limits, splitK: false });

@@ -9,6 +9,7 @@ import type { ModelConfig, ParamLayout } from "../../model/config.ts";
 import type { ModelPlan, PlanOptions } from "../../model/plan.ts";
 import type { FlatBuffer } from "../flat.ts";
 import type { CompileListener, Op, PipelineCache } from "../ops.ts";
+import type { TileRule } from "../kernels/matmul_tiles.ts";
 
 /**
  * A point of a tensor-parallel step where the ranks exchange data through the host: the ops
@@ -95,11 +96,12 @@ export interface BuildOptions {
   tensorParallel?: { rank: number; size: number };
   /**
    * Kernel choices, for benchmarks: which measured matmul tile rules to use ("all", default;
-   * "split-k": only the split-K weight-gradient ones; "none": the built-in rules alone), and
+   * "split-k": only the split-K weight-gradient ones; "none": the built-in rules alone; or a list
+   * of rules of one's own, for tests), and
    * whether to use the FlashAttention-2 style forward where it fits (default true).
    */
   kernels?: {
-    tileRules?: "all" | "split-k" | "none";
+    tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
     flashAttention?: boolean;
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
