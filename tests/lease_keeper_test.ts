@@ -39,6 +39,8 @@ storeSuite("LeaseKeeper", [
       await sa.createJob("j2", 0, config);
       const c1 = a.claim(1)!;
       assert.equal(c1.job.id, "j1");
+      assert.equal(a.confirm("j1"), true); // read from the database (the fence on checkpoint files)
+      assert.equal(a.confirm("j2"), false); // not claimed by A
       await sleep(700); // longer than the lease: A's heartbeat renews it
       assert.equal(b.claim(1)!.job.id, "j2");
       assert.equal(b.claim(1), null);
@@ -60,6 +62,8 @@ storeSuite("LeaseKeeper", [
       });
       a.beat(); // A resumes: told at once
       assert.deepEqual(events, ["B cancel j2", "A lost j1"]);
+      assert.equal(a.confirm("j1"), false);
+      assert.equal(b.confirm("j1"), true);
       assert.equal(a.lease("j1"), undefined);
       assert.deepEqual(b.held().sort(), ["j1", "j2"]);
       b.release("j2");
