@@ -151,7 +151,9 @@ async function startHost(id: string, home: string, env: Record<string, string>):
   const url = Promise.withResolvers<string>();
   const read = async (stream: ReadableStream<Uint8Array>) => {
     let buffered = "";
-    for await (const chunk of stream.pipeThrough(new TextDecoderStream())) {
+    const decoder = new TextDecoder();
+    for await (const bytes of stream) {
+      const chunk = decoder.decode(bytes, { stream: true });
       log.push(chunk);
       if (log.length > 400) log.splice(0, 200);
       buffered = (buffered + chunk).slice(-4096);
