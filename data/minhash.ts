@@ -270,6 +270,13 @@ const ID_BITS = 25;
 const ID_MASK = (1 << ID_BITS) - 1;
 /** Most documents an {@link LshIndex} keeps: ids + 1 must fit {@link ID_BITS} bits. */
 export const LSH_MAX_DOCUMENTS = ID_MASK - 1;
+/**
+ * Fingerprint pages kept in memory by an index with a folder, by default: the newest 16
+ * (1,048,576 documents, 64 MiB at 128 entries). Older documents' fingerprints are read back from
+ * the fingerprint file when a candidate needs them, which is rare (a shared band, or a 7-bit tag
+ * collision), so memory does not grow with them.
+ */
+export const LSH_RESIDENT_PAGES = 16;
 /** Tables grow (double) when kept documents exceed this fraction of their slots. */
 const MAX_LOAD = 0.8;
 /** Smallest table (slots per band). */
@@ -306,6 +313,11 @@ export interface LshIndexOptions {
    * it, band keys are kept in memory (72 more bytes per document at 18 bands).
    */
   dir?: string;
+  /**
+   * With `dir`: fingerprint pages (65,536 documents each) kept in memory, the newest ones; older
+   * fingerprints are read from the folder's file when needed (default {@link LSH_RESIDENT_PAGES}).
+   */
+  residentPages?: number;
 }
 
 /** Append-only file of fixed-size records, written through a buffer, read back sequentially. */
@@ -332,6 +344,21 @@ class RecordFile {
     for (let off = 0; off < bytes.length;) off += this.file.writeSync(bytes.subarray(off));
     this.written += this.#pending;
     this.#pending = 0;
+  }
+  /** Read record `index` into `into[0 .. words)`, from the buffer or the file. */
+  read(index: number, into: Uint32Array): void {
+    if (index >= this.written) {
+      const at = (index - this.written) * this.words;
+      into.set(this.#buf.subarray(at, at + this.words));
+      return;
+    }
+    const bytes = new Uint8Array(into.buffer, into.byteOffset, this.words * 4);
+    this.file.seekSync(index * this.words * 4, Deno.SeekMode.Start);
+    for (let off = 0; off < bytes.length;) {
+      const r = this.file.readSync(bytes.subarray(off));
+      if (r === null) throw new Error(`Cannot read the dedup index: record ${index} is past the file's end`);
+      off += r;
+    }
   }
   /** Call `each(records, count)` over the first `n` records on disk, in chunks. */
   scan(n: number, each: (records: Uint32Array, count: number) => void): void {
@@ -385,7 +412,10 @@ export class LshIndex {
   readonly agreeNeeded: number;
   #tables: Uint32Array[];
   #mask: number;
-  #pages: Uint32Array[] = [];
+  /** Fingerprint pages; with a folder, only the newest `residentPages` (older ones undefined). */
+  #pages: (Uint32Array | undefined)[] = [];
+  #fpScratch: Uint32Array;
+  #residentPages: number;
   #keyPages: Uint32Array[] = [];
   #keyFile?: RecordFile;
   #fpFile?: RecordFile;
@@ -408,6 +438,8 @@ export class LshIndex {
     this.#tables = Array.from({ length: this.bands }, () => new Uint32Array(MIN_SLOTS));
     this.#mask = MIN_SLOTS - 1;
     this.#packed = new Uint32Array(this.words);
+    this.#fpScratch = new Uint32Array(this.words);
+    this.#residentPages = Math.max(1, options.residentPages ?? LSH_RESIDENT_PAGES);
     this.#keys = new Uint32Array(this.bands);
     this.#free = new Int32Array(this.bands);
     this.#checked = new Int32Array(this.bands * 8);
@@ -424,7 +456,7 @@ export class LshIndex {
 
   /** Bytes held by stored fingerprints (for memory reports). */
   get signatureBytes(): number {
-    return this.#pages.length * PAGE_DOCS * this.words * 4;
+    return this.#pages.filter((p) => p !== undefined).length * PAGE_DOCS * this.words * 4;
   }
 
   /** Bytes of memory held by the index: fingerprints, band tables and in-memory band keys. */
@@ -434,8 +466,9 @@ export class LshIndex {
   }
 
   /**
-   * Bytes of memory per kept document: fingerprints, band-table slots at the lowest and highest
-   * load, and band keys (0 when they are kept in a file).
+   * Bytes of memory per kept document: fingerprints (with a folder, held only for the newest
+   * `residentPages` × 65,536 documents: a fixed 64 MiB by default, the rest on disk), band-table
+   * slots at the lowest and highest load, and band keys (0 when they are kept in a file).
    */
   get bytesPerDocument(): { signature: number; tablesMin: number; tablesMax: number; keys: number } {
     return {
@@ -494,7 +527,9 @@ export class LshIndex {
     let slots = this.#mask + 1;
     while (docs > slots * MAX_LOAD) slots *= 2;
     if (slots === this.#mask + 1) return;
-    // The old tables are dropped first, so a doubling never holds both.
+    // The old tables are freed first (detached now, not at some later GC), so a doubling never
+    // holds both.
+    for (const t of this.#tables) (t.buffer as ArrayBuffer).transfer(0);
     this.#tables = [];
     this.#tables = Array.from({ length: this.bands }, () => new Uint32Array(slots));
     this.#mask = slots - 1;
@@ -509,6 +544,19 @@ export class LshIndex {
       for (let id = 0; id < this.#count; id++) {
         this.#insert(id, this.#keyPages[Math.floor(id / PAGE_DOCS)], (id % PAGE_DOCS) * this.bands);
       }
+    }
+  }
+
+  /**
+   * Add a fingerprint page; with a folder, free the one that leaves the resident window (its
+   * records went to the fingerprint file long before: the file buffers 16,384).
+   */
+  #newPage(): void {
+    this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
+    const old = this.#pages.length - 1 - this.#residentPages;
+    if (this.#fpFile && old >= 0 && this.#pages[old]) {
+      (this.#pages[old]!.buffer as ArrayBuffer).transfer(0);
+      this.#pages[old] = undefined;
     }
   }
 
@@ -531,8 +579,8 @@ export class LshIndex {
     this.#reserve(this.#count + 1);
     const id = this.#count++;
     const p = Math.floor(id / PAGE_DOCS);
-    if (p === this.#pages.length) this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
-    this.#pages[p].set(packed.subarray(po, po + this.words), (id % PAGE_DOCS) * this.words);
+    if (p === this.#pages.length) this.#newPage();
+    this.#pages[p]!.set(packed.subarray(po, po + this.words), (id % PAGE_DOCS) * this.words);
     if (this.#keyFile) {
       if (persist) {
         this.#keyFile.append(keys, ko);
@@ -575,8 +623,14 @@ export class LshIndex {
           this.#checked = grown;
         }
         this.#checked[checked++] = id;
-        const page = this.#pages[Math.floor(id / PAGE_DOCS)], off = (id % PAGE_DOCS) * this.words;
-        if (this.#agreements(packed, 0, page, off) >= this.agreeNeeded) return true;
+        const page = this.#pages[Math.floor(id / PAGE_DOCS)];
+        let agree: number;
+        if (page) agree = this.#agreements(packed, 0, page, (id % PAGE_DOCS) * this.words);
+        else {
+          this.#fpFile!.read(id, this.#fpScratch);
+          agree = this.#agreements(packed, 0, this.#fpScratch, 0);
+        }
+        if (agree >= this.agreeNeeded) return true;
       }
       this.#free[b] = i; // where the document goes in this band's table, unless the tables grow
     }
@@ -609,8 +663,8 @@ export class LshIndex {
     fpFile.scan(documents, (packed, count) => {
       for (let i = 0; i < count; i++) {
         const p = Math.floor(id / PAGE_DOCS);
-        if (p === this.#pages.length) this.#pages.push(new Uint32Array(PAGE_DOCS * this.words));
-        this.#pages[p].set(
+        if (p === this.#pages.length) this.#newPage();
+        this.#pages[p]!.set(
           packed.subarray(i * this.words, (i + 1) * this.words),
           (id % PAGE_DOCS) * this.words,
         );
@@ -625,9 +679,17 @@ export class LshIndex {
     this.#count = documents;
   }
 
-  /** Close the index's files (the index is not usable afterwards). */
+  /** Close the index's files and free its memory (the index is not usable afterwards). */
   close(): void {
     this.#keyFile?.file.close();
     this.#fpFile?.file.close();
+    // Free the tables and fingerprints now (detached), not at some later GC: the stages after
+    // deduplication then run without the index's memory.
+    for (const a of [...this.#tables, ...this.#pages, ...this.#keyPages]) {
+      if (a) (a.buffer as ArrayBuffer).transfer(0);
+    }
+    this.#tables = [];
+    this.#pages = [];
+    this.#keyPages = [];
   }
 }

@@ -45,6 +45,7 @@ export {
   LSH_FINGERPRINT_BITS,
   LSH_MAX_DOCUMENTS,
   LSH_RECALL_AT_THRESHOLD,
+  LSH_RESIDENT_PAGES,
   lshBands,
   LshIndex,
   minhashFromWords,

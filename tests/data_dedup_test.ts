@@ -226,3 +226,36 @@ Deno.test("minhashFromWords: the tabulated densification gives the signatures of
     }
   }
 });
+
+Deno.test("an index with a folder keeps the newest fingerprint pages in memory and reads older ones from its file, deciding alike", () => {
+  const dir = Deno.makeTempDirSync({ prefix: "lsh-resident-" });
+  try {
+    // 1 resident page of 65,536 documents; 150,000 documents, so most fingerprints are on disk.
+    const paged = new LshIndex(128, 0.8, { dir, residentPages: 1 }), whole = new LshIndex(128, 0.8);
+    const rand = rng(41), n = 150_000, s = new Uint32Array(128), early: Uint32Array[] = [];
+    for (let d = 0; d < n; d++) {
+      for (let i = 0; i < 128; i++) s[i] = (rand() * 2 ** 32) >>> 0;
+      if (d % 5000 === 0) early.push(s.slice());
+      assert.equal(paged.addUnlessDuplicate(s), whole.addUnlessDuplicate(s));
+    }
+    assert.ok(paged.signatureBytes <= 2 * 65536 * 64, `${paged.signatureBytes} bytes of fingerprints`);
+    // Copies of early documents with 8 of 128 entries changed (Jaccard about 0.94) and with 60
+    // changed (about 0.5): found, and not, by both.
+    let found = 0;
+    for (const changes of [8, 60]) {
+      for (const k of early) {
+        const copy = k.slice();
+        for (let c = 0; c < changes; c++) copy[(c * 37 + changes) % 128] ^= 0x5a5a5a5a;
+        const dup = paged.addUnlessDuplicate(copy);
+        assert.equal(dup, whole.addUnlessDuplicate(copy));
+        if (changes === 8) found += dup ? 1 : 0;
+        else assert.equal(dup, false);
+      }
+    }
+    assert.equal(found, early.length);
+    paged.close();
+    whole.close();
+  } finally {
+    Deno.removeSync(dir, { recursive: true });
+  }
+});
