@@ -177,7 +177,9 @@ export const JSON_EXTENSIONS: ReadonlySet<string> = new Set([".jsonl", ".json", 
 /**
  * Stream the lines of a file as bytes, in bounded memory: lines over `maxBytes` are skipped and
  * reported through `onOversized`. With `at`, reading starts at byte `at.offset` and `at.offset`
- * is set, before each line is produced, to the offset just past it.
+ * is set, before each line is produced, to the offset just past it. With `views`, a line that
+ * lies within one read is a view into the read buffer, valid only until the next line is asked
+ * for (no copy: for a consumer that decodes each line at once); otherwise every line is a copy.
  */
 export async function* readLineBytes(
   path: string,
@@ -185,6 +187,7 @@ export async function* readLineBytes(
   onOversized: () => void,
   onBytes?: (n: number) => void,
   at?: { offset: number },
+  views = false,
 ): AsyncGenerator<Uint8Array> {
   using file = await Deno.open(path, { read: true });
   const buf = new Uint8Array(1 << 20);
@@ -210,7 +213,7 @@ export async function* readLineBytes(
           onOversized();
         } else if (nl >= 0 && partLen === 0) {
           if (at) at.offset = chunkBase + nl + 1;
-          yield chunk.slice(start, end);
+          yield views ? chunk.subarray(start, end) : chunk.slice(start, end);
         } else {
           parts.push(chunk.slice(start, end));
           partLen += end - start;
@@ -359,7 +362,8 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     problems.add(`over the ${f.max}-byte cap`, ++line);
   };
   const at = { offset: f.from?.offset ?? 0 };
-  for await (const bytes of readLineBytes(path, f.max, oversized, f.onBytes, at)) {
+  // Each line is decoded before the next is read: views into the read buffer, not copies.
+  for await (const bytes of readLineBytes(path, f.max, oversized, f.onBytes, at, true)) {
     line++;
     if (late()) {
       counts.timed_out++;
