@@ -8,7 +8,11 @@
  * preparation runs in a fresh child so its peak RSS is the pipeline's alone, and running several
  * sizes shows how memory depends on input size. Usage:
  *   deno run -A bench/data_bench.ts [--sizes 25,100] [--heap-mb 128] [--cpu-prof DIR] [--workers N]
+ *   deno run -A bench/data_bench.ts --short 8000000 [--dir /var/tmp] [--workers N]
  *   deno run -A bench/data_bench.ts --index 8000000
+ * `--short N` prepares N short distinct documents instead (8 words each, as the 3-million test
+ * in tests/data_scale_test.ts, with min_tokens 4): the whole pipeline's peak memory at a document
+ * count like OpenWebText's (issue 27). `--dir` is where the temporary corpus and root go.
  * `--index N` measures the dedup index alone (issue 27): N distinct random signatures added to an
  * LshIndex kept in a temporary folder, in a fresh child; it prints the index's bytes, bytes per
  * document, the child's peak RSS and the CPU time per document.
@@ -86,6 +90,37 @@ export async function writeCorpus(
   return { bytes, documents };
 }
 
+/**
+ * Write `n` short distinct documents (8 words from 4,096 made-up words each, as
+ * tests/data_scale_test.ts) as one `.jsonl` file under `dir`; returns bytes written.
+ */
+export async function writeShortCorpus(
+  dir: string,
+  n: number,
+): Promise<{ bytes: number; documents: number }> {
+  const syllables = "ka lo mi ne ru sa to vi ze po da fu gi he jo ku".split(" ");
+  const vocab = Array.from(
+    { length: 4096 },
+    (_, i) => syllables[i & 15] + syllables[(i >> 4) & 15] + syllables[(i >> 8) & 15],
+  );
+  const rand = rng(35), enc = new TextEncoder();
+  await Deno.mkdir(dir, { recursive: true });
+  using f = await Deno.open(join(dir, "short.jsonl"), { write: true, create: true });
+  let lines: string[] = [], bytes = 0;
+  for (let d = 0; d < n; d++) {
+    const w: string[] = [];
+    for (let i = 0; i < 8; i++) w.push(vocab[Math.floor(rand() * 4096)]);
+    lines.push(`{"text":"${w.join(" ")}"}\n`);
+    if (lines.length === 65536 || d === n - 1) {
+      const data = enc.encode(lines.join(""));
+      for (let off = 0; off < data.length;) off += await f.write(data.subarray(off));
+      bytes += data.length;
+      lines = [];
+    }
+  }
+  return { bytes, documents: n };
+}
+
 /** Peak resident set size of this process in bytes (Linux VmHWM), or NaN elsewhere. */
 function peakRss(): number {
   try {
@@ -112,17 +147,47 @@ async function runPrepare(root: string, inputBytes: number, inputDocuments: numb
       );
     }, 1000)
     : undefined;
+  // Per-thread CPU (Linux): the largest utime + stime seen per thread, sampled every 100 ms.
+  const threadCpu = new Map<string, { name: string; ticks: number }>();
+  const sampleThreads = () => {
+    try {
+      for (const e of Deno.readDirSync("/proc/self/task")) {
+        const stat = Deno.readTextFileSync(`/proc/self/task/${e.name}/stat`);
+        const close = stat.lastIndexOf(")");
+        const fields = stat.slice(close + 2).split(" ");
+        const name = stat.slice(stat.indexOf("(") + 1, close);
+        const ticks = Number(fields[11]) + Number(fields[12]);
+        const old = threadCpu.get(e.name);
+        if (!old || ticks > old.ticks) threadCpu.set(e.name, { name, ticks });
+      }
+    } catch {
+      // Not Linux.
+    }
+  };
+  const threads = Deno.env.get("DATA_BENCH_THREADS") ? setInterval(sampleThreads, 100) : undefined;
   const cpu0 = process.cpuUsage();
   const t0 = performance.now();
   const workers = Deno.env.get("DATA_BENCH_WORKERS");
   const info = await prepareDataset(root, { path: "corpus" }, {
     id: "bench",
     dedup: !Deno.env.get("DATA_BENCH_NO_DEDUP"),
+    ...(Deno.env.get("DATA_BENCH_MIN_TOKENS")
+      ? { min_tokens: Number(Deno.env.get("DATA_BENCH_MIN_TOKENS")) }
+      : {}),
     ...(workers ? { workers: Number(workers) } : {}),
   });
   const seconds = (performance.now() - t0) / 1000;
   const cpu = process.cpuUsage(cpu0);
   clearInterval(trace);
+  if (threads !== undefined) {
+    clearInterval(threads);
+    sampleThreads();
+    const byName = new Map<string, number>();
+    for (const { name, ticks } of threadCpu.values()) {
+      byName.set(name, (byName.get(name) ?? 0) + ticks / 100);
+    }
+    console.error(`thread CPU seconds: ${JSON.stringify(Object.fromEntries(byName))}`);
+  }
   if (Deno.env.get("DATA_BENCH_GC")) {
     (globalThis as unknown as { gc: () => void }).gc();
     console.error(`main heap after gc: ${(Deno.memoryUsage().heapUsed / 2 ** 20).toFixed(1)} MB`);
@@ -196,11 +261,16 @@ if (import.meta.main) {
     if (!out.success) throw new Error(`Index benchmark failed (exit ${out.code})`);
     console.log(new TextDecoder().decode(out.stdout).trim());
   } else {
-    const sizes = (flag("--sizes") ?? flag("--mb") ?? "25,100").split(",").map(Number);
+    const short = flag("--short");
+    const sizes = short
+      ? [Number(short)]
+      : (flag("--sizes") ?? flag("--mb") ?? "25,100").split(",").map(Number);
     for (const mb of sizes) {
-      const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-" });
+      const root = await Deno.makeTempDir({ prefix: "gpt2-data-bench-", dir: flag("--dir") });
       try {
-        const corpus = await writeCorpus(join(root, "corpus"), mb);
+        const corpus = short
+          ? await writeShortCorpus(join(root, "corpus"), Number(short))
+          : await writeCorpus(join(root, "corpus"), mb);
         const out = await new Deno.Command(Deno.execPath(), {
           args: [
             "run",
@@ -220,9 +290,16 @@ if (import.meta.main) {
           ],
           stdout: "piped",
           stderr: "inherit",
-          env: flag("--workers") ? { DATA_BENCH_WORKERS: flag("--workers")! } : {},
+          env: {
+            ...(flag("--workers") ? { DATA_BENCH_WORKERS: flag("--workers")! } : {}),
+            ...(short ? { DATA_BENCH_MIN_TOKENS: "4" } : {}),
+          },
         }).output();
-        if (!out.success) throw new Error(`Benchmark of ${mb} MB failed (exit ${out.code})`);
+        if (!out.success) {
+          throw new Error(
+            `Benchmark of ${short ? `${short} documents` : `${mb} MB`} failed (exit ${out.code})`,
+          );
+        }
         console.log(new TextDecoder().decode(out.stdout).trim());
       } finally {
         await Deno.remove(root, { recursive: true });
