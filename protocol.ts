@@ -16,8 +16,14 @@ import type { ModelConfig } from "./model/config.ts";
 export const CANCEL_FLAG = 0;
 /** Index in the shared flags: non-zero asks the running job to save a checkpoint at its current step and end "interrupted" (server shutdown). */
 export const STOP_FLAG = 1;
+/**
+ * Index in the shared flags: messages posted to the Worker thread since `init` (the port adds one
+ * before each). The Worker compares it with the messages it has taken in, to know whether one is
+ * on its way (serving waits for it, through a timer, only then: see worker/serving.ts).
+ */
+export const SENT_COUNT = 2;
 /** Int32 slots in the shared flags buffer. */
-export const FLAG_COUNT = 2;
+export const FLAG_COUNT = 3;
 /**
  * How long a Worker waits for the answer to a `commit_check` before it gives the checkpoint up
  * (not committed, the job stopped): a host that cannot say it holds the lease does not write.

@@ -682,13 +682,16 @@ export class Generator {
     }
     const t1 = performance.now();
     const chunks = this.#inflight.splice(0);
-    if (chunks.length > 0 && chunks.every((c) => c.fast)) return await this.#stepFast(chunks, ahead, t0, t1);
+    const admitted = pending.length > 0;
+    if (chunks.length > 0 && chunks.every((c) => c.fast)) {
+      return await this.#stepFast(chunks, ahead, t0, t1, admitted);
+    }
     // The first mapAsync blocks until the GPU has run everything queued; the rest find it done.
     const maps = chunks.map((c) => c.fast ? null : c.staging.mapAsync(GPUMapMode.READ));
     const t2 = performance.now();
     if (ahead > 0 && this.#rows.length > 0) {
       const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
-      if (n > 0) await this.#submitChunk([], n, true);
+      if (n > 0) await this.#submitChunk([], n, true, admitted);
     }
     const t3 = performance.now();
     const res = new Map<number, StreamOutput>();
@@ -725,6 +728,7 @@ export class Generator {
     ahead: number,
     t0: number,
     t1: number,
+    admitted: boolean,
   ): Promise<Map<number, StreamOutput>> {
     const res = new Map<number, StreamOutput>();
     const bufs: ArrayBuffer[] = [];
@@ -736,7 +740,7 @@ export class Generator {
     const t2 = performance.now();
     if (ahead > 0 && this.#rows.length > 0) {
       const n = Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
-      if (n > 0) await this.#submitChunk([], n, true);
+      if (n > 0) await this.#submitChunk([], n, true, admitted);
     }
     chunks.forEach((c, i) => this.#collect(c, bufs[i], res));
     this.timing = {
@@ -754,7 +758,7 @@ export class Generator {
    * reset), the pending prompts' prefill, `steps` decode steps, and the copy of what the chunk
    * produced into its own staging buffer for a later readback.
    */
-  async #submitChunk(pending: Pending[], steps: number, defer = false): Promise<void> {
+  async #submitChunk(pending: Pending[], steps: number, defer = false, afterAdmit = false): Promise<void> {
     const R = this.#rows.length, Rb = this.#bucket(R), chunk = this.opts.chunk;
     const N = this.opts.maxStreams + 1, dev = this.#ctx.device, q = dev.queue;
     const fresh = new Map(pending.map((p) => [p.slot, p.state]));
@@ -787,11 +791,12 @@ export class Generator {
       { buffer: this.#out, bytes: R * chunk * 4 },
       ...(wantLp ? [{ buffer: this.#lp, bytes: R * chunk * LP_WORDS * 4 }] : []),
     ];
-    // Through the canvas: a lone stream's chunks, and the first tokens of prompts admitted with
-    // nothing else queued (a request waits on them). Otherwise mapAsync, whose chunk run ahead
-    // keeps the GPU busier (H200, 124M, 16 streams over HTTP: 2,389 tokens/s with every chunk
-    // read through the canvas, 7,338 with mapAsync).
-    const urgent = R === 1 || (pending.length > 0 && this.#inflight.length === 0);
+    // Through the canvas: a lone stream's chunks, the chunk that carries admitted prompts' first
+    // tokens (requests wait on them) and the short one run ahead of it (so that requests arriving
+    // next are not held behind a mapAsync). Otherwise mapAsync, whose chunk run ahead keeps the GPU
+    // busier (H200, 124M, 16 streams over HTTP: 2,389 tokens/s with every chunk read through the
+    // canvas, 7,338 with mapAsync).
+    const urgent = R === 1 || pending.length > 0 || afterAdmit;
     const fast = urgent && this.opts.readback?.pathFor(ranges.reduce((a, r) => a + r.bytes, 0)) === "canvas";
     const staged = stagingFor(
       this.#ctx,

@@ -525,6 +525,10 @@ export class Trainer {
     if (profiled) ranges.push({ buffer: this.#queryBuf! });
     const checksumOps = (enc: GPUCommandEncoder) => encodeOps(enc, m.checksum);
     const [stats, control, ...rest] = await this.#readback.readRanges(ranges, sum ? checksumOps : undefined);
+    // The canvas path waited on this thread without a turn of the event loop: take one (a timer,
+    // about 2 ms in Deno, against mapAsync's 10 ms), or messages to a Worker that trains (a
+    // generation request beside training) would wait until the job ends.
+    if (this.#readback.lastPath === "canvas") await new Promise((r) => setTimeout(r, 0));
     let checksum: number | undefined;
     if (sum) {
       checksum = 0;

@@ -10,6 +10,7 @@ import {
   FLAG_COUNT,
   type FromWorker,
   type JobComm,
+  SENT_COUNT,
   type SpawnWorker,
   STOP_FLAG,
   type ToWorker,
@@ -77,17 +78,23 @@ export class LocalGpuPort implements WorkerPort {
           train.comm = jobComm(msg.job);
           this.#run = { id: msg.job.parallel.run, job: msg.job.id, comm: train.comm };
         }
-        this.#worker.postMessage(train);
+        this.#send(train);
         return;
       }
       default:
-        this.#worker.postMessage(msg);
+        this.#send(msg);
     }
+  }
+
+  /** Posts to the Worker thread, counted in the shared flags (SENT_COUNT) first. */
+  #send(msg: ToWorkerThread): void {
+    Atomics.add(this.#flags, SENT_COUNT, 1);
+    this.#worker.postMessage(msg);
   }
 
   /** Lets the Worker free its placement probe buffer. */
   probeDone(): void {
-    this.#worker.postMessage({ type: "probe_done" } satisfies ToWorkerThread);
+    this.#send({ type: "probe_done" });
   }
 
   terminate(): void {

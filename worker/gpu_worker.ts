@@ -21,6 +21,7 @@ import {
   CANCEL_FLAG,
   COMMIT_CHECK_MS,
   type FromWorker,
+  SENT_COUNT,
   STOP_FLAG,
   type ToWorker,
   type ToWorkerThread,
@@ -55,7 +56,18 @@ class GpuWorker {
   constructor(post: (msg: FromWorker) => void) {
     this.#post = post;
     this.#cacheDisabled = settings.generation.driverCacheDisabled ?? false;
-    this.#generation = new GenerationService(() => this.#open(), post, settings.generation);
+    this.#generation = new GenerationService(() => this.#open(), post, {
+      ...settings.generation,
+      inbox: () => this.inbox,
+    });
+  }
+
+  /** Messages taken in since `init` (each counted as it arrives, before it is handled). */
+  received = 0;
+
+  /** Messages posted to this thread and not taken in yet (0 before `init`). */
+  get inbox(): number {
+    return this.#flags === null ? 0 : Atomics.load(this.#flags, SENT_COUNT) - this.received;
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
@@ -177,6 +189,7 @@ let chain: Promise<void> = Promise.resolve();
 // Messages are handled strictly in order: a job runs to completion before the next starts.
 self.onmessage = (e: MessageEvent<ToWorkerThread>) => {
   const msg = e.data;
+  if (msg.type !== "init") worker.received++;
   if (msg.type === "generate" || msg.type === "generate_cancel") return worker.generation(msg);
   // The running job waits for this answer before committing a checkpoint: never queued behind it.
   if (msg.type === "commit_answer") return worker.commitAnswer(msg);

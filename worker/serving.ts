@@ -39,8 +39,8 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   /**
    * Most ms an idle engine waits before its first step, so requests sent together (a burst of
    * users, or `n` choices) are prefilled together rather than one first and the rest a chunk
-   * later. It waits a millisecond at a time and stops as soon as none has come in one, so a lone
-   * request waits about a millisecond (a 2 ms timer had cost it 5 ms on an H200).
+   * later. With `inbox` it waits only while requests are on their way to the thread, so a lone
+   * request does not wait; without, a millisecond at a time until one passes with none.
    */
   admitWindowMs: number;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
@@ -60,6 +60,13 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    * compile far slower, so there each kernel compiles on first use and the cache grows by need.
    */
   warmAtLoad?: boolean;
+  /**
+   * Messages posted to this thread and not taken in yet (worker/gpu_worker.ts counts them through
+   * the shared flags). With it, serving waits for the event loop (a timer, about 2 ms in Deno)
+   * only when one is on its way; without it, whenever a readback blocked the thread and to gather
+   * a burst.
+   */
+  inbox?: () => number;
 }
 
 /**
@@ -220,10 +227,22 @@ class Engine {
    */
   async #gather(): Promise<void> {
     const end = performance.now() + this.#opts.admitWindowMs;
+    const sleep = () => new Promise((r) => setTimeout(r, Math.min(1, Math.max(0, end - performance.now()))));
+    if (this.#inbox() !== null) {
+      // Requests already on their way to this thread (sent together): wait for them, not for more.
+      while ((this.#inbox() ?? 0) > 0 && performance.now() < end) await sleep();
+      return;
+    }
     for (let seen = -1; seen !== this.#waiting.length && performance.now() < end;) {
       seen = this.#waiting.length;
-      await new Promise((r) => setTimeout(r, Math.min(1, Math.max(0, end - performance.now()))));
+      await sleep();
     }
+  }
+
+  /** Messages on their way to this thread (GenerationServiceOptions.inbox), or null when nobody counts them. */
+  #inbox(): number | null {
+    const n = this.#opts.inbox?.();
+    return n === undefined || n < 0 ? null : n;
   }
 
   async #run(): Promise<void> {
@@ -235,8 +254,10 @@ class Engine {
         // A step read through the canvas path waited on this thread and may never leave the
         // microtask queue: let messages (a cancel, a new request) in before the next, through a
         // timer (a MessageChannel round trip left them waiting until a lone stream had finished:
-        // H200, requests joining a lone stream waited 140 ms). Otherwise a cheaper yield for timers.
-        if (await this.#step(gen)) await new Promise((r) => setTimeout(r, 0));
+        // H200, requests joining a lone stream waited 140 ms), when one is on its way (inbox) or
+        // none can tell. Otherwise a cheaper yield for timers.
+        const blocked = await this.#step(gen);
+        if (blocked && (this.#inbox() ?? 1) > 0) await new Promise((r) => setTimeout(r, 0));
         else await nextTask();
       }
     } catch (e) {

@@ -36,7 +36,7 @@ export function generationOptionsFromEnv(
   const o = { ...DEFAULT_GENERATION_OPTIONS };
   type NumericKey = Exclude<
     keyof GenerationServiceOptions,
-    "runAhead" | "driverCacheDisabled" | "fastReadback" | "warmAtLoad"
+    "runAhead" | "driverCacheDisabled" | "fastReadback" | "warmAtLoad" | "inbox"
   >;
   const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
