@@ -10,7 +10,8 @@
  *           task's flags, PORT=0, a new GPT2_HOME holding the model under models/<name>, every
  *           limit at its default), one client (127.0.0.1) sending S concurrent streaming
  *           `POST /v1/completions`. First a 1-token request loads the model (`load_ms`, and its
- *           first token `first_ever_ttft_ms`); then a cold round (the first at S on that server)
+ *           first token `first_ever_ttft_ms`); then a cold round (the first at S on that server,
+ *           after this client ran its own code for S streams against a stub server, warmClient)
  *           and a warm one (the same again). Per round: aggregate tokens/s (from the requests to
  *           the last token), time to first token p50 and max, the decode rate once every stream
  *           has begun, and the 429 answers (exits 1 if any); --torch adds the PyTorch CUDA-graph
@@ -447,6 +448,38 @@ function roundLine(model: string, S: number, round: string, r: Round): string {
     `${r.refused_429} answered 429`;
 }
 
+/**
+ * Runs this client's own code (fetch, the event-stream parsing of `stream`) for S concurrent
+ * streams of n chunks against a stub server in this process, so that the cold round measures a
+ * cold server, not a cold client: a user's client is its own process, not this one's first loop.
+ * The server under test sees none of it (no connection to it is opened or reused).
+ */
+async function warmClient(S: number, n: number): Promise<void> {
+  const enc = new TextEncoder();
+  const chunk = (d: unknown) => enc.encode(`data: ${JSON.stringify(d)}\n\n`);
+  const stub = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, () => {
+    const body = new ReadableStream<Uint8Array>({
+      async start(c) {
+        for (let i = 0; i < n; i++) {
+          c.enqueue(chunk({ choices: [{ index: 0, text: "x", finish_reason: null }] }));
+          if (i % 16 === 15) await new Promise((r) => setTimeout(r, 0));
+        }
+        c.enqueue(chunk({ choices: [{ index: 0, text: "", finish_reason: "length" }] }));
+        c.enqueue(chunk({ choices: [], usage: { completion_tokens: n } }));
+        c.enqueue(enc.encode("data: [DONE]\n\n"));
+        c.close();
+      },
+    });
+    return new Response(body, { headers: { "content-type": "text/event-stream" } });
+  });
+  try {
+    const url = `http://127.0.0.1:${stub.addr.port}`;
+    for (let i = 0; i < 3; i++) await concurrent(url, "stub", S, n, 0);
+  } finally {
+    await stub.shutdown();
+  }
+}
+
 async function http(): Promise<void> {
   const model = arg("model", "gpt2-124M"), n = +arg("new", "128");
   const streams = list(arg("streams", "1,4,16,64")).map(Number);
@@ -487,6 +520,7 @@ async function http(): Promise<void> {
             `the first request (1 token, loading the model) took ${fmt(loadMs)} ms, ` +
             `its first token ${fmt(first.ttft)} ms`,
         );
+        await warmClient(S, n);
         const cold = await concurrent(s.url, model, S, n, 0);
         const warm = await concurrent(s.url, model, S, n, S);
         for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
