@@ -388,7 +388,9 @@ class RecordFile {
  *   tables double together when the kept documents pass 80% of their slots, so a table costs
  *   4 / load (5 to 10) bytes per document;
  * - each kept document's signature is stored as 4-bit fingerprints of its entries (b-bit
- *   MinHash): 64 bytes for 128 entries, in pages of 65,536 documents;
+ *   MinHash): 64 bytes for 128 entries, in pages of 65,536 documents; when `dir` is given they
+ *   are also appended to a file there, and only the newest pages stay in memory (64 MiB by
+ *   default), so memory per document is the tables' alone;
  * - the band keys (4 bytes per band) are needed only to rebuild the tables when they double: in a
  *   file when `dir` is given (read back sequentially), in memory otherwise.
  *
