@@ -145,9 +145,9 @@ const layoutOf = (s: MatmulSpec) => `${s.transA ? "T" : "N"}${s.transB ? "T" : "
 const fewBlocks = (s: MatmulSpec) => Math.ceil(s.M / 128) * Math.ceil(s.N / 128) < 264;
 /** The class whose screened candidates a shape shares: layout, few or many blocks, math, storage. */
 const keyOf = (s: MatmulSpec) =>
-  `${s.M <= 2048 && !s.transA ? `M${s.M} ` : ""}${layoutOf(s)}${s.transA && fewBlocks(s) ? "-small" : ""} ${s.math ?? "f32"}-math ${
-    s.dtypes?.A === "f16" || s.dtypes?.B === "f16" ? "f16" : "f32"
-  }-storage`;
+  `${s.M <= 2048 && !s.transA ? `M${s.M} ` : ""}${layoutOf(s)}${s.transA && fewBlocks(s) ? "-small" : ""} ${
+    s.math ?? "f32"
+  }-math ${s.dtypes?.A === "f16" || s.dtypes?.B === "f16" ? "f16" : "f32"}-storage`;
 
 /** Every candidate tile for a spec (unfiltered; callers drop those the spec or device refuse). */
 export function candidateTiles(spec: MatmulSpec, tiny: boolean): MatmulTile[] {

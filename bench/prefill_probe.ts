@@ -22,7 +22,11 @@ const shapes = arg("shapes", "1x32,8x32,8x256,1x1024").split(",").map((s) => s.s
 const ctx = await openDevice();
 const config = presetConfig(model);
 const readback = await createReadback(ctx);
-const gen = await Generator.create(ctx, config, initParams(config, 1), { maxStreams: 64, chunk: 32, readback });
+const gen = await Generator.create(ctx, config, initParams(config, 1), {
+  maxStreams: 64,
+  chunk: 32,
+  readback,
+});
 const warmMs = await gen.warm({ reserve: true, rehearse: true });
 console.log(`${model}: warmed in ${warmMs.toFixed(0)} ms (${gen.kernels} kernels)`);
 const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];

@@ -205,7 +205,11 @@ Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switche
   const o = generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "0", GPT2_GEN_ADMIT_WINDOW_MS: "0.5" }));
   assert.equal(o.runAhead, false);
   assert.equal(o.admitWindowMs, 0.5);
-  assert.equal(d.warmAtLoad, undefined, "unset: GPUs compile every kernel at load, CPU adapters on first use");
+  assert.equal(
+    d.warmAtLoad,
+    undefined,
+    "unset: GPUs compile every kernel at load, CPU adapters on first use",
+  );
   assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "0" })).warmAtLoad, false);
   assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "1" })).warmAtLoad, true);
   assert.throws(
