@@ -38,7 +38,7 @@ import {
 import { hostPermissions } from "./server/gpus/host_client.ts";
 import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
 import { LeaseKeeper } from "./server/jobs/leases.ts";
-import { createApp } from "./server/routes/mod.ts";
+import { createApp, warmUp } from "./server/routes/mod.ts";
 import { datasetRoutes } from "./server/routes/datasets.ts";
 
 if (import.meta.main) {
@@ -144,6 +144,8 @@ if (import.meta.main) {
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
   runner.start();
+  // The request path compiled before the first users' burst (a few ms of 404s for no model).
+  warmUp(app, { host: config.host, port: config.port }).catch(() => {});
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {
     if (stopping) {

@@ -17,7 +17,7 @@ import {
 } from "../server/jobs/mod.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { Hono } from "hono";
-import { createApp } from "../server/routes/mod.ts";
+import { createApp, warmUp } from "../server/routes/mod.ts";
 import { onError } from "../server/routes/api_errors.ts";
 import { generateRoutes } from "../server/routes/generate.ts";
 import { until } from "./_wait.ts";
@@ -77,7 +77,7 @@ async function setup(opts: GenerationManagerOptions = {}) {
     store.close();
     await Deno.remove(root, { recursive: true });
   };
-  return { app, worker, manager, answer, cleanup, root };
+  return { app, worker, manager, runner, answer, cleanup, root };
 }
 
 const done = (reason: string, n: number) => ({ type: "gen_done", reason, error: null, completion_tokens: n });
@@ -520,6 +520,30 @@ Deno.test("GET /v1/models/{id}, POST /tokenize and /detokenize", async () => {
     const bad = await postJson(t.app, "/detokenize", { tokens: [60000] });
     assertEquals(bad.status, 400);
     assertEquals((await bad.json()).error.param, "tokens.0");
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("warmUp() runs the generation routes on 404s for no model: nothing reaches the Worker or /metrics, and the token check stays for everyone else", async () => {
+  const t = await setup();
+  try {
+    assert((await warmUp(t.app, {}, 5)) >= 0);
+    assertEquals(t.worker.generations.length, 0, "no generation reached the Worker");
+    const prom = await (await t.app.request("/metrics")).text();
+    assert(!/gpt2_http_requests_total\{[^}]*code="404"/.test(prom), prom);
+    assert(prom.includes("gpt2_generation_requests_total 0\n"), prom);
+    // With a token: the warm-up passes (its requests are this process's own), a request without it does not.
+    const secured = createApp({ runner: t.runner, generation: t.manager, token: "s3cret" });
+    assert((await warmUp(secured, {}, 2)) >= 0);
+    const res = await secured.request("/v1/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model: "tiny", prompt: "Hi", max_tokens: 2 }),
+    });
+    assertEquals(res.status, 401);
+    await res.body?.cancel();
+    assertEquals(t.worker.generations.length, 0);
   } finally {
     await t.cleanup();
   }

@@ -9,6 +9,7 @@ export {
   DEFAULT_MAX_BODY_BYTES,
   DEFAULT_MAX_UPLOAD_BYTES,
   parseHost,
+  warmUp,
 } from "./app.ts";
 export { jobRoutes } from "./jobs.ts";
 export { checkpointRoutes, ReshardRequestSchema } from "./checkpoints.ts";
