@@ -144,8 +144,9 @@ if (import.meta.main) {
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
   runner.start();
-  // The request path compiled before the first users' burst (a few ms of 404s for no model).
-  warmUp(app, { host: config.host, port: config.port }).catch(() => {});
+  // The request path compiled before the first users' burst (in-memory rehearsals, no GPU).
+  warmUp(app, { host: config.host, port: config.port })
+    .catch((e) => console.error(`Start-up warm-up of the request path failed: ${(e as Error).message}`));
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {
     if (stopping) {

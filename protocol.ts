@@ -93,6 +93,33 @@ export interface WorkerGeneration {
   logprobs?: number | null;
   /** Data directory: the Worker records there which kernels it compiled (worker/compile_report.ts). */
   root?: string;
+  /**
+   * Where the request's time to its first token goes (wall-clock ms since the epoch, `epochMs()`):
+   * when the HTTP process handed it to the GPU host, when the GPU host passed it to the Worker,
+   * and when the Worker's thread took it in. Each hop stamps its own; the Worker reports them
+   * back in `gen_started`.
+   */
+  sent_at?: number;
+  relayed_at?: number;
+  received_at?: number;
+}
+
+/** Wall-clock ms since the epoch with sub-millisecond precision, comparable between processes and threads. */
+export function epochMs(): number {
+  return performance.timeOrigin + performance.now();
+}
+
+/**
+ * A request's path to its first token, stamped by each hop (epochMs): `sent_at` by the HTTP
+ * process, `relayed_at` by the GPU host, `received_at` when the Worker's thread took it in,
+ * `admitted_at` when its prefill began, and `first_at` (in the first `gen_tokens`) when its first
+ * token was posted.
+ */
+export interface GenerationStamps {
+  sent_at?: number;
+  relayed_at?: number;
+  received_at?: number;
+  admitted_at?: number;
 }
 
 /** Log-probabilities of one generated token: its own and the top ones as [id, logprob], best first. */
@@ -131,8 +158,9 @@ export type ToWorkerThread =
 
 /** Worker → HTTP thread, for generations: accepted onto the GPU, new tokens, finished. */
 export type FromWorkerGeneration =
-  | { type: "gen_started"; id: string; load_ms: number }
-  | { type: "gen_tokens"; id: string; tokens: number[]; logprobs?: WorkerLogprobs[] }
+  | { type: "gen_started"; id: string; load_ms: number; stamps?: GenerationStamps }
+  /** `first_at`: on a request's first tokens, when the Worker posted them (epochMs). */
+  | { type: "gen_tokens"; id: string; tokens: number[]; logprobs?: WorkerLogprobs[]; first_at?: number }
   | {
     type: "gen_done";
     id: string;

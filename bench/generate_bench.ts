@@ -435,8 +435,49 @@ async function freshHome(tmp: string, src: string, model: string, tag: string): 
   return home;
 }
 
-/** One round's figures, as printed. */
-type Round = Awaited<ReturnType<typeof concurrent>>;
+/** One round's figures, as printed, with the server's mean stage times (ms) to each first token. */
+type Round = Awaited<ReturnType<typeof concurrent>> & { stages_ms?: Record<string, number> };
+
+/** The server's `gpt2_generation_stage_seconds` sums and counts, by stage (empty when /metrics lacks them). */
+async function stageTotals(url: string): Promise<Map<string, { sum: number; count: number }>> {
+  const out = new Map<string, { sum: number; count: number }>();
+  const res = await fetch(`${url}/metrics`).catch(() => null);
+  if (!res?.ok) {
+    await res?.body?.cancel();
+    return out;
+  }
+  for (const line of (await res.text()).split("\n")) {
+    const m = /^gpt2_generation_stage_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$/.exec(line);
+    if (!m) continue;
+    const t = out.get(m[2]) ?? { sum: 0, count: 0 };
+    t[m[1] as "sum" | "count"] = Number(m[3]);
+    out.set(m[2], t);
+  }
+  return out;
+}
+
+/** A round at `url` with the mean ms of each stage to its streams' first tokens, from /metrics around it. */
+async function measuredRound(
+  url: string,
+  model: string,
+  S: number,
+  n: number,
+  seed0: number,
+): Promise<Round> {
+  const before = await stageTotals(url);
+  const r = await concurrent(url, model, S, n, seed0);
+  const after = await stageTotals(url);
+  const stages_ms: Record<string, number> = {};
+  for (const [stage, a] of after) {
+    const b = before.get(stage) ?? { sum: 0, count: 0 };
+    if (a.count > b.count) stages_ms[stage] = ((a.sum - b.sum) / (a.count - b.count)) * 1000;
+  }
+  return { ...r, stages_ms };
+}
+
+/** "http 0.4, to_host 0.1, …" (mean ms per stage), or "" without stages. */
+const stageLine = (r: Round) =>
+  Object.entries(r.stages_ms ?? {}).map(([k, v]) => `${k} ${v.toFixed(2)}`).join(", ");
 
 const fmt = (x: number | null | undefined, digits = 0) =>
   x === null || x === undefined || !Number.isFinite(x) ? "-" : x.toFixed(digits);
@@ -521,11 +562,12 @@ async function http(): Promise<void> {
             `its first token ${fmt(first.ttft)} ms`,
         );
         await warmClient(S, n);
-        const cold = await concurrent(s.url, model, S, n, 0);
-        const warm = await concurrent(s.url, model, S, n, S);
+        const cold = await measuredRound(s.url, model, S, n, 0);
+        const warm = await measuredRound(s.url, model, S, n, S);
         for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
           console.log(JSON.stringify({ scenario: "http", round, model, streams: S, new_tokens: n, ...r }));
           console.log(roundLine(model, S, round, r));
+          if (r.stages_ms) console.log(`  server's mean ms to the first token, by stage: ${stageLine(r)}`);
         }
         rows.push({ S, cold, warm });
       } finally {

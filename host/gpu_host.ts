@@ -16,7 +16,7 @@
  * queue of later messages goes on.
  */
 
-import type { FromHost, FromWorker, ToHost, ToWorker } from "../protocol.ts";
+import { epochMs, type FromHost, type FromWorker, type ToHost, type ToWorker } from "../protocol.ts";
 import { LocalGpuPort } from "./local_port.ts";
 import {
   checkPlacement,
@@ -82,6 +82,7 @@ class GpuHost {
     }
     const deliver = () => {
       const port = this.#ports.get(gpu);
+      if (port && msg.type === "generate") msg.request.relayed_at = epochMs();
       if (port) return port.postMessage(msg);
       // No Worker (it died, or never started): answer what would otherwise wait forever.
       if (msg.type === "train") {
@@ -193,10 +194,10 @@ if (import.meta.main) {
   const decoder = new TextDecoder();
   for await (const chunk of Deno.stdin.readable) {
     buffered += decoder.decode(chunk, { stream: true });
-    let nl: number;
-    while ((nl = buffered.indexOf("\n")) >= 0) {
-      const line = buffered.slice(0, nl).trim();
-      buffered = buffered.slice(nl + 1);
+    let start = 0;
+    for (let nl = buffered.indexOf("\n"); nl >= 0; nl = buffered.indexOf("\n", start)) {
+      const line = buffered.slice(start, nl).trim();
+      start = nl + 1;
       if (!line) continue;
       try {
         host.handle(JSON.parse(line) as ToHost);
@@ -204,6 +205,7 @@ if (import.meta.main) {
         console.error(`GPU host: bad message ${JSON.stringify(line.slice(0, 200))}: ${(e as Error).message}`);
       }
     }
+    buffered = buffered.slice(start);
   }
   // stdin closed: the server is gone or done with us. Leave nothing running on the GPUs.
   await host.shutdownAll(settings.shutdownMs);

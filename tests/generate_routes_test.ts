@@ -21,6 +21,10 @@ import { createApp, warmUp } from "../server/routes/mod.ts";
 import { onError } from "../server/routes/api_errors.ts";
 import { generateRoutes } from "../server/routes/generate.ts";
 import { until } from "./_wait.ts";
+import { epochMs } from "../protocol.ts";
+
+const assertAlmostEquals = (a: number, b: number, tol: number) =>
+  assert(Math.abs(a - b) <= tol, `${a} is not within ${tol} of ${b}`);
 
 const tinyDims = { n_layer: 2, n_head: 4, n_embd: 64, n_positions: 64 };
 
@@ -525,14 +529,26 @@ Deno.test("GET /v1/models/{id}, POST /tokenize and /detokenize", async () => {
   }
 });
 
-Deno.test("warmUp() runs the generation routes on 404s for no model: nothing reaches the Worker or /metrics, and the token check stays for everyone else", async () => {
+Deno.test("warmUp() rehearses the generation routes in memory: streamed answers, nothing reaches the Worker or /metrics, outsiders cannot rehearse, and the token check stays for everyone else", async () => {
   const t = await setup();
   try {
-    assert((await warmUp(t.app, {}, 5)) >= 0);
+    assert((await warmUp(t.app, {}, 5)) >= 0); // throws unless every rehearsal streamed tokens
     assertEquals(t.worker.generations.length, 0, "no generation reached the Worker");
     const prom = await (await t.app.request("/metrics")).text();
-    assert(!/gpt2_http_requests_total\{[^}]*code="404"/.test(prom), prom);
+    assert(!/gpt2_http_requests_total\{/.test(prom), prom);
     assert(prom.includes("gpt2_generation_requests_total 0\n"), prom);
+    assert(prom.includes("vllm:time_to_first_token_seconds_count 0\n"), prom);
+    assert(prom.includes('gpt2_generation_stage_seconds_count{stage="http"} 0\n'), prom);
+    // A user's request naming the warm-up's model is an ordinary request for a model that does not exist.
+    const outsider = await postJson(t.app, "/v1/completions", {
+      model: "warm-up.rehearsal",
+      prompt: "Hi",
+      max_tokens: 2,
+      stream: true,
+    });
+    assertEquals(outsider.status, 404);
+    await outsider.body?.cancel();
+    assertEquals(t.worker.generations.length, 0);
     // With a token: the warm-up passes (its requests are this process's own), a request without it does not.
     const secured = createApp({ runner: t.runner, generation: t.manager, token: "s3cret" });
     assert((await warmUp(secured, {}, 2)) >= 0);
@@ -544,6 +560,53 @@ Deno.test("warmUp() runs the generation routes on 404s for no model: nothing rea
     assertEquals(res.status, 401);
     await res.body?.cancel();
     assertEquals(t.worker.generations.length, 0);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("/metrics splits the time to the first token into stages from the hops' stamps (gpt2_generation_stage_seconds)", async () => {
+  const t = await setup();
+  try {
+    const resP = postJson(t.app, "/v1/completions", {
+      model: "tiny",
+      prompt: "Hi",
+      max_tokens: 1,
+      stream: true,
+    });
+    await until(() => t.worker.generations.length === 1, "the generation request");
+    const req = t.worker.generations[0];
+    assert(
+      typeof req.sent_at === "number" && Math.abs(req.sent_at - epochMs()) < 60_000,
+      "stamped when sent",
+    );
+    // The GPU host, the Worker's thread and its admission, as their hops would stamp them.
+    const s = req.sent_at!;
+    t.worker.send({
+      type: "gen_started",
+      id: req.id,
+      load_ms: 0,
+      stamps: { sent_at: s, relayed_at: s + 2, received_at: s + 5, admitted_at: s + 9 },
+    });
+    t.worker.send({ type: "gen_tokens", id: req.id, tokens: [995], first_at: s + 25 });
+    t.worker.send({ id: req.id, ...done("length", 1) } as FromWorker);
+    assertEquals((await resP).status, 200);
+    await (await resP).text();
+    const prom = await (await t.app.request("/metrics")).text();
+    const sum = (stage: string) =>
+      Number(prom.match(new RegExp(`gpt2_generation_stage_seconds_sum\\{stage="${stage}"\\} (\\S+)`))?.[1]);
+    const count = (stage: string) =>
+      Number(prom.match(new RegExp(`gpt2_generation_stage_seconds_count\\{stage="${stage}"\\} (\\S+)`))?.[1]);
+    for (const stage of ["http", "to_host", "to_worker", "queue", "prefill", "back", "write"]) {
+      assertEquals(count(stage), 1, `${stage} counted once`);
+    }
+    assertAlmostEquals(sum("to_host"), 0.002, 1e-9);
+    assertAlmostEquals(sum("to_worker"), 0.003, 1e-9);
+    assertAlmostEquals(sum("queue"), 0.004, 1e-9);
+    assertAlmostEquals(sum("prefill"), 0.016, 1e-9);
+    assert(sum("http") >= 0 && sum("http") < 5, `http ${sum("http")}`);
+    assert(prom.includes("vllm:request_prefill_time_seconds_count 1\n"), prom);
+    assert(/vllm:request_queue_time_seconds_sum 0\.004\d*\n/.test(prom), prom);
   } finally {
     await t.cleanup();
   }

@@ -17,7 +17,13 @@ import { describeDevice, type GpuContext } from "../engine/device.ts";
 import { Generator, isCpuAdapter } from "../engine/generator.ts";
 import { createReadback, type Readback } from "../engine/readback.ts";
 import { compileReporter } from "./compile_report.ts";
-import type { FromWorker, FromWorkerGeneration, WorkerGeneration, WorkerLogprobs } from "../protocol.ts";
+import {
+  epochMs,
+  type FromWorker,
+  type FromWorkerGeneration,
+  type WorkerGeneration,
+  type WorkerLogprobs,
+} from "../protocol.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import { planStep, type SchedulerLimits } from "./batching.ts";
 
@@ -291,6 +297,7 @@ class Engine {
       this.#msPerStep,
     );
     for (const req of this.#waiting.splice(0, plan.admit)) {
+      const admitted_at = epochMs();
       try {
         const handle = await gen.admit(
           req.prompt,
@@ -298,7 +305,13 @@ class Engine {
           req.max_tokens,
         );
         this.#active.push({ req, handle, produced: 0, cancelled: false });
-        this.#post({ type: "gen_started", id: req.id, load_ms: this.#loadMs });
+        const { sent_at, relayed_at, received_at } = req;
+        this.#post({
+          type: "gen_started",
+          id: req.id,
+          load_ms: this.#loadMs,
+          stamps: { sent_at, relayed_at, received_at, admitted_at },
+        });
       } catch (e) {
         this.#done(req.id, "error", (e as Error).message, 0);
       }
@@ -329,7 +342,8 @@ class Engine {
           logprob: l.logprob,
           top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
         }));
-        this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}) });
+        const first = s.produced === tokens.length ? { first_at: epochMs() } : {};
+        this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}), ...first });
       }
       if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
@@ -406,6 +420,7 @@ export class GenerationService {
 
   /** Starts a request on its model's engine, loading the model first if needed. */
   async generate(req: WorkerGeneration): Promise<void> {
+    req.received_at = epochMs();
     const key = keyOf(req);
     let engine = this.#engines.get(key);
     if (engine && !engine.usable && engine.idle) {

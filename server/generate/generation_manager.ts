@@ -10,9 +10,16 @@
  * `stats()` keeps vLLM-style serving statistics for /metrics.
  */
 
-import { EOT_TOKEN } from "../../model/config.ts";
+import { EOT_TOKEN, presetConfig } from "../../model/config.ts";
 import { GpuUnavailableError, InvalidJobError } from "../../model/errors.ts";
-import type { FromWorkerGeneration, ModelSource, WorkerGeneration, WorkerLogprobs } from "../../protocol.ts";
+import {
+  epochMs,
+  type FromWorkerGeneration,
+  type GenerationStamps,
+  type ModelSource,
+  type WorkerGeneration,
+  type WorkerLogprobs,
+} from "../../protocol.ts";
 import { listModelSources, type ModelInfo, resolveModelSource } from "../../checkpoint/model_source.ts";
 import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
 import type { GenerationReport, JobRunner } from "../jobs/runner.ts";
@@ -39,6 +46,14 @@ export interface GenerateParams {
   ignore_eos: boolean;
   /** Log-probabilities per token: null or absent for none, else the count of top ones (0 … 5). */
   logprobs?: number | null;
+  /** When the request reached this process (performance.now()); default: when it is started. */
+  arrived?: number;
+  /**
+   * A rehearsal of the request path (the server's start-up warm-up, server/routes/app.ts warmUp):
+   * no model is looked up and no GPU is used; the generation answers a few tokens of its own
+   * prompt from this process, and nothing is counted in the statistics.
+   */
+  rehearsal?: boolean;
 }
 
 /** Why a generation ended. */
@@ -107,6 +122,10 @@ export class Generation {
   #cancel: () => void;
   #timer: ReturnType<typeof setTimeout> | null = null;
   #stats: StatsSink | null;
+  /** When the request was handed to the GPU host (epochMs), and the Worker's stamps. */
+  #sentAt = 0;
+  #stamps: GenerationStamps | null = null;
+  #written = false;
 
   constructor(
     init: {
@@ -121,6 +140,8 @@ export class Generation {
       index?: number;
       /** Ends the generation with "timeout" after this many ms. */
       timeout_ms?: number;
+      /** When the request reached this process (performance.now()). */
+      arrived?: number;
     },
     cancel: () => void,
     stats: StatsSink | null = null,
@@ -135,7 +156,7 @@ export class Generation {
     this.seed = init.seed;
     this.gpu = init.gpu;
     this.#text = new TextStream(init.stop);
-    this.#t0 = performance.now();
+    this.#t0 = init.arrived ?? performance.now();
     this.#cancel = cancel;
     this.#stats = stats;
     const limit = init.timeout_ms;
@@ -147,6 +168,11 @@ export class Generation {
         this.#end("timeout", `Generation exceeded the time limit of ${limit / 1000} s`);
       }, limit);
     }
+  }
+
+  /** Stamps the moment the request is handed to the GPU host; returns the stamp (epochMs). */
+  markSent(): number {
+    return (this.#sentAt = epochMs());
   }
 
   /** Whether the final event has been produced. */
@@ -196,12 +222,14 @@ export class Generation {
       case "gen_started":
         this.#loadMs = msg.load_ms;
         this.#started = true;
+        this.#stamps = msg.stamps ?? null;
         return;
       case "gen_tokens": {
         const now = performance.now();
         if (this.#first === null) {
           this.#first = now;
           this.#stats?.ttft((now - this.#t0) / 1000);
+          this.#stageTimes(now, msg.first_at);
         } else if (this.#last !== null && msg.tokens.length > 0) {
           this.#stats?.itl((now - this.#last) / 1000 / msg.tokens.length, msg.tokens.length);
         }
@@ -230,6 +258,38 @@ export class Generation {
         this.#end("error", msg.error);
         return;
     }
+  }
+
+  /**
+   * Reports where the time to the first token went, hop by hop (GenerationStamps), when every
+   * hop stamped the request: this process (arrival to the GPU host's pipe), the pipe to the GPU
+   * host, the host to the Worker's thread, waiting in the Worker (a slot, the model's load, the
+   * gathering of a burst), the prefill and first token, and the way back.
+   */
+  #stageTimes(now: number, firstAt: number | undefined): void {
+    const st = this.#stamps;
+    if (!this.#stats || !st || firstAt === undefined || this.#sentAt === 0) return;
+    const { relayed_at, received_at, admitted_at } = st;
+    if (relayed_at === undefined || received_at === undefined || admitted_at === undefined) return;
+    const back = performance.timeOrigin + now;
+    const ms: Record<Exclude<GenerationStage, "write">, number> = {
+      http: this.#sentAt - (performance.timeOrigin + this.#t0),
+      to_host: relayed_at - this.#sentAt,
+      to_worker: received_at - relayed_at,
+      queue: admitted_at - received_at,
+      prefill: firstAt - admitted_at,
+      back: back - firstAt,
+    };
+    for (const [stage, v] of Object.entries(ms)) {
+      this.#stats.stage(stage as GenerationStage, Math.max(0, v) / 1000);
+    }
+  }
+
+  /** The route wrote a token's event to the response: the first one ends the `write` stage. */
+  markWritten(): void {
+    if (this.#written || this.#first === null) return;
+    this.#written = true;
+    this.#stats?.stage("write", Math.max(0, performance.now() - this.#first) / 1000);
   }
 
   #push(e: GenerationEvent): void {
@@ -289,15 +349,40 @@ export interface GenerationStats {
   ttft: Histogram;
   /** Seconds between tokens (per token of each arriving chunk): `vllm:inter_token_latency_seconds`. */
   itl: Histogram;
+  /** Seconds of each stage on the way to the first token: `gpt2_generation_stage_seconds`. */
+  stages: Record<GenerationStage, Histogram>;
 }
+
+/**
+ * Where a request's time to its first token goes (Generation's stamps): `http` this process, from
+ * arrival to the GPU host's pipe (routing, validation, tokenizing, the model lookup); `to_host` the
+ * pipe to the GPU host process; `to_worker` from the host to the Worker's thread taking it in;
+ * `queue` waiting in the Worker for a stream slot, the model's load or a burst's gathering;
+ * `prefill` the prompt's prefill and first token, read back; `back` from the Worker's post to this
+ * process; `write` from there to the first token's event written to the response (the route's
+ * turn, text decoding, the event's encoding). Hops in different processes are timed by the wall
+ * clock (the same machine's).
+ */
+export const GENERATION_STAGES = [
+  "http",
+  "to_host",
+  "to_worker",
+  "queue",
+  "prefill",
+  "back",
+  "write",
+] as const;
+export type GenerationStage = (typeof GENERATION_STAGES)[number];
 
 /** Where a Generation reports its latencies. */
 interface StatsSink {
   ttft(seconds: number): void;
   itl(seconds: number, tokens: number): void;
+  stage(stage: GenerationStage, seconds: number): void;
 }
 
 const TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10];
+const STAGE_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 10];
 const ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1];
 
 function histogram(buckets: number[]): Histogram {
@@ -331,6 +416,48 @@ export interface GenerationManagerOptions {
   timeoutMs?: number;
 }
 
+/** What a rehearsal (GenerateParams.rehearsal) generates with: GPT-2 small's shape, no weights anywhere. */
+function rehearsalModel(id: string): ModelSource {
+  return { id, kind: "safetensors", path: "", version: "rehearsal", config: presetConfig("gpt2-124M") };
+}
+
+/**
+ * Answers a rehearsal from this process as a Worker would, a message at a time in later tasks:
+ * started, the prompt's first tokens back in two chunks (at most max_tokens), done.
+ */
+async function rehearse(gen: Generation, req: WorkerGeneration): Promise<void> {
+  const turn = () => new Promise<void>((r) => queueMicrotask(r));
+  await turn();
+  const now = epochMs();
+  gen.report({
+    type: "gen_started",
+    id: req.id,
+    load_ms: 0,
+    stamps: { sent_at: req.sent_at, relayed_at: now, received_at: now, admitted_at: now },
+  });
+  const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
+  const half = Math.ceil(tokens.length / 2);
+  for (const [i, chunk] of [tokens.slice(0, half), tokens.slice(half)].entries()) {
+    await turn();
+    if (chunk.length > 0) {
+      gen.report({
+        type: "gen_tokens",
+        id: req.id,
+        tokens: chunk,
+        ...(i === 0 ? { first_at: epochMs() } : {}),
+      });
+    }
+  }
+  await turn();
+  gen.report({
+    type: "gen_done",
+    id: req.id,
+    reason: "length",
+    error: null,
+    completion_tokens: tokens.length,
+  });
+}
+
 /** Starts generations on the runner's GPU Workers and routes their reports back. */
 /** How long a model lookup serves later requests for the same id (GenerationManager #resolve). */
 const MODEL_CACHE_MS = 250;
@@ -350,11 +477,18 @@ export class GenerationManager {
     prompt_tokens: 0,
     ttft: histogram(TTFT_BUCKETS),
     itl: histogram(ITL_BUCKETS),
+    stages: Object.fromEntries(GENERATION_STAGES.map((s) => [s, histogram(STAGE_BUCKETS)])) as Record<
+      GenerationStage,
+      Histogram
+    >,
   };
   #sink: StatsSink = {
     ttft: (s) => observe(this.#stats.ttft, s),
     itl: (s, n) => observe(this.#stats.itl, s, n),
+    stage: (stage, s) => observe(this.#stats.stages[stage], s),
   };
+  /** A rehearsal's statistics go nowhere (same shape as #sink, so the code warmed is the code used). */
+  #rehearsalSink: StatsSink = { ttft: () => {}, itl: () => {}, stage: () => {} };
   /** Where each loaded model (path@version) went last, to batch its requests on one GPU. */
   #placed = new Map<string, number>();
 
@@ -377,13 +511,19 @@ export class GenerationManager {
 
   /** Serving statistics (a copy). */
   get stats(): GenerationStats {
+    const { running, waiting } = this.#counts();
+    return { ...structuredClone(this.#stats), running, waiting };
+  }
+
+  /** Live generations decoding (given a slot) and waiting for one. */
+  #counts(): { running: number; waiting: number } {
     let running = 0, waiting = 0;
     for (const g of this.#live.values()) {
       if (g.finished) continue;
       if (g.started) running++;
       else waiting++;
     }
-    return { ...structuredClone(this.#stats), running, waiting };
+    return { running, waiting };
   }
 
   /** Models that can be loaded. */
@@ -431,7 +571,8 @@ export class GenerationManager {
    * to a GPU Worker. Throws GenerationOverloadedError when too many requests wait already.
    */
   async startChoices(p: GenerateParams, n: number): Promise<Generation[]> {
-    const model = await this.#resolve(p.model);
+    const rehearsal = p.rehearsal === true;
+    const model = rehearsal ? rehearsalModel(p.model) : await this.#resolve(p.model);
     const ctxLen = model.config.n_positions;
     const max_tokens = p.max_tokens ?? Math.min(64, Math.floor(ctxLen / 2));
     if (max_tokens > ctxLen - 1) {
@@ -447,11 +588,11 @@ export class GenerationManager {
     if (bad !== undefined) {
       throw new InvalidJobError("prompt", `Prompt token ${bad} is outside the vocabulary`);
     }
-    const waiting = this.stats.waiting;
+    const { waiting } = this.#counts();
     if (waiting + n > this.#opts.maxWaiting) {
       throw new GenerationOverloadedError(waiting, this.#opts.maxWaiting);
     }
-    const gpu = await this.#pickGpu(`${model.path}@${model.version}`);
+    const gpu = rehearsal ? 0 : await this.#pickGpu(`${model.path}@${model.version}`);
     const seed = p.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
     const base = `gen_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     const out: Generation[] = [];
@@ -483,19 +624,25 @@ export class GenerationManager {
           stop: p.stop,
           index: i,
           timeout_ms: this.#opts.timeoutMs,
+          arrived: p.arrived,
         },
-        () => {
+        rehearsal ? () => {} : () => {
           try {
             this.#runner.postGeneration(gpu, { type: "generate_cancel", id });
           } catch { /* worker gone */ }
         },
-        this.#sink,
+        rehearsal ? this.#rehearsalSink : this.#sink,
       );
+      request.sent_at = gen.markSent();
+      out.push(gen);
+      if (rehearsal) {
+        rehearse(gen, request);
+        continue;
+      }
       this.#live.set(id, gen);
       this.#runner.postGeneration(gpu, { type: "generate", request });
       this.#stats.started++;
       this.#stats.prompt_tokens += prompt.tokens.length;
-      out.push(gen);
     }
     return out;
   }
@@ -507,13 +654,18 @@ export class GenerationManager {
   async #pickGpu(key: string): Promise<number> {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
     for (const end = Date.now() + READY_TIMEOUT_MS;;) {
-      const gpus = this.#runner.gpus().filter((g) => !allowed || allowed.has(g.index));
+      const gpus = this.#runner.gpuStates().filter((g) => !allowed || allowed.has(g.index));
       const ready = gpus.filter((g) => g.state === "idle" || g.state === "busy");
+      if (ready.length === 1) {
+        this.#placed.set(key, ready[0].index);
+        return ready[0].index;
+      }
       if (ready.length > 0) {
         const placed = this.#placed.get(key);
-        const live = (i: number) => [...this.#live.values()].filter((g) => g.gpu === i).length;
+        const live = new Map<number, number>();
+        for (const g of this.#live.values()) live.set(g.gpu, (live.get(g.gpu) ?? 0) + 1);
         const score = (g: (typeof ready)[number]) =>
-          (g.state === "busy" ? 1e6 : 0) + (g.index === placed ? 0 : 1e3) + live(g.index);
+          (g.state === "busy" ? 1e6 : 0) + (g.index === placed ? 0 : 1e3) + (live.get(g.index) ?? 0);
         const best = ready.reduce((a, b) => (score(b) < score(a) ? b : a)).index;
         this.#placed.set(key, best);
         return best;

@@ -399,6 +399,14 @@ export class JobRunner {
     return this.#opts.host?.() ?? null;
   }
 
+  /**
+   * Each GPU slot's index, state and error alone, read from memory: what placing a generation
+   * needs, on every request (gpus() also asks the store for each queue's length).
+   */
+  gpuStates(): Pick<GpuState, "index" | "state" | "error">[] {
+    return this.#slots.map((s) => ({ index: s.index, state: s.state, error: s.error }));
+  }
+
   /** State of each GPU slot. */
   gpus(): GpuState[] {
     return this.#slots.map((s) => ({

@@ -23,7 +23,7 @@ import {
 import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
-import { generateRoutes } from "./generate.ts";
+import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
 import { createMetrics, type MetricsHook } from "./metrics.ts";
 import { clientKey, identifyByToken, type StreamCounter, streamLimit } from "./sse.ts";
 import { AddressRanges } from "../addresses.ts";
@@ -197,20 +197,19 @@ const requireJson: MiddlewareHandler = async (c, next) => {
 /** Builds the HTTP app. */
 /** Requests made by {@link warmUp} in this process: not counted in metrics, let past the token check. */
 const WARM_UPS = new WeakSet<Request>();
-/** Context key set on a warm-up request by the first middleware (later ones may see a wrapped Request). */
-const WARM_UP = "gpt2.warmUp";
-
-/** A model id that never names a model (job ids and model folders have no dots). */
-const NO_SUCH_MODEL = "warm-up.no-such-model";
+/** The model id of a warm-up request (job ids and model folders have no dots: it names no real model). */
+const WARM_UP_MODEL = "warm-up.rehearsal";
 
 /**
- * Runs the generation routes of `app` (made by createApp) `rounds` times on in-memory requests for
- * a model that cannot exist, so that V8 has compiled the request path (middleware, routing, body
- * parsing, validation, the model lookup, the error answer) before the first users' requests. Each
- * answers 404 and reaches no GPU or store; they are not counted in /metrics. Without it the first
- * burst a server met took its HTTP process 30-42 ms to hand 16 requests to the GPU host, against
- * 4-7 ms once warm (tests/fakes' Worker), and on an H200 the first 16 or 64 streams' first
- * tokens came 1.3-2.3× later than the next round's. Returns the ms it took.
+ * Runs the generation routes of `app` (made by createApp) `rounds` times on in-memory requests that
+ * rehearse the whole request path (GenerateParams.rehearsal): middleware, routing, body parsing,
+ * validation, tokenizing, the generation's events, text decoding and the streamed response, so
+ * that V8 has compiled it before the first users' requests. No model is looked up and no GPU or
+ * store is used: each generation answers a few tokens of its own prompt from this process, and
+ * nothing is counted in /metrics. Without it the first burst a server met took its HTTP process
+ * 30-42 ms to hand 16 requests to the GPU host, against 4-7 ms once warm (tests/fakes' Worker),
+ * and on an H200 the first 16 or 64 streams' first tokens came 1.3-2.3× later than the next
+ * round's. Returns the ms it took.
  */
 export async function warmUp(
   app: Hono,
@@ -227,12 +226,18 @@ export async function warmUp(
   const base = `http://${name}${opts.port ? `:${opts.port}` : ""}`;
   const send = async (req: Request) => {
     WARM_UPS.add(req);
-    await (await app.fetch(req)).arrayBuffer();
+    const res = await app.fetch(req);
+    const body = await res.text();
+    if (res.status !== 200 || !body.includes("data:")) {
+      throw new Error(
+        `The warm-up's ${req.method} ${new URL(req.url).pathname} answered ${res.status}: ${body}`,
+      );
+    }
   };
   for (let i = 0; i < rounds; i++) {
     const body = {
-      model: NO_SUCH_MODEL,
-      prompt: `warm-up ${i}`,
+      model: WARM_UP_MODEL,
+      prompt: `The server rehearses its request path before users arrive, round ${i}.`,
       max_tokens: 8,
       stream: true,
       top_k: 40,
@@ -246,7 +251,7 @@ export async function warmUp(
           body: JSON.stringify(body),
         }),
       ),
-      send(new Request(`${base}/generate?model=${NO_SUCH_MODEL}&prompt=warm-up&max_tokens=8&top_k=40`)),
+      send(new Request(`${base}/generate?model=${WARM_UP_MODEL}&prompt=Warm+up+${i}&max_tokens=8&top_k=40`)),
     ]);
   }
   return performance.now() - t0;
@@ -281,6 +286,7 @@ export function createApp(opts: AppOptions): Hono {
     });
   }
   app.use("*", async (c, next) => {
+    c.set(ARRIVED as never, performance.now() as never);
     const warm = WARM_UPS.has(c.req.raw);
     if (warm) c.set(WARM_UP as never, true as never);
     await next();

@@ -284,6 +284,28 @@ function modelObject(m: ModelInfo) {
   };
 }
 
+/**
+ * Context key: when the request reached the server (performance.now()), set by createApp's first
+ * middleware, so that time to first token and its stages count the middleware too.
+ */
+export const ARRIVED = "gpt2.arrived";
+
+/**
+ * Context key set (true) by createApp's first middleware on the server's own start-up warm-up
+ * requests (app.ts warmUp): they rehearse the request path without a model or GPU
+ * (GenerateParams.rehearsal).
+ */
+export const WARM_UP = "gpt2.warmUp";
+
+/** When request `c` reached the server (ARRIVED), if the app stamped it, and whether it is a rehearsal. */
+function origin(c: Context): { arrived: number | undefined; rehearsal: boolean } {
+  const t = c.get(ARRIVED as never) as unknown;
+  return {
+    arrived: typeof t === "number" ? t : undefined,
+    rehearsal: (c.get(WARM_UP as never) as unknown) === true,
+  };
+}
+
 /** Generation routes backed by `manager`. */
 export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesOptions = {}): Hono {
   const app = new Hono();
@@ -295,7 +317,9 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
     if (stops) raw.stop = stops;
     const parsed = GenerateQuerySchema.safeParse(raw);
     if (!parsed.success) invalid(parsed.error.issues);
-    const gen = await manager.start(parsed.data satisfies GenerateParams).catch(apiError);
+    const gen = await manager.start({ ...(parsed.data satisfies GenerateParams), ...origin(c) }).catch(
+      apiError,
+    );
     truncationHeader(c, gen);
     return streamSSE(c, async (stream) => {
       stream.onAbort(() => gen.cancel());
@@ -305,6 +329,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
           ka.touch();
           if (e.type === "token") {
             await stream.writeSSE({ event: "token", data: JSON.stringify({ id: e.id, text: e.text }) });
+            gen.markWritten();
           } else {
             await stream.writeSSE({ event: "done", data: JSON.stringify(doneData(gen, e)) });
           }
@@ -334,6 +359,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
       ignore_eos: r.ignore_eos,
       logprobs: r.logprobs ?? null,
+      ...origin(c),
     }, r.n).catch(apiError);
     const cancelAll = () => gens.forEach((g) => g.cancel());
     truncationHeader(c, gens[0]);
@@ -402,6 +428,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
             if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
             if (e.text || (wantLp && lps[i].tokens.length > 0)) {
               await chunk(i, e.text, null, wantLp ? lps[i].take() : null);
+              gens[i].markWritten();
             }
           } else {
             dones[i] = e;

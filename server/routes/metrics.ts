@@ -265,6 +265,23 @@ export function createMetrics(
       "Seconds between tokens",
       () => generation.stats.itl,
     ));
+    registry.registerMetric(bucketed(
+      "vllm:request_queue_time_seconds",
+      "Seconds a request waited in its GPU Worker before its prefill (a stream slot, the model's load)",
+      () => generation.stats.stages.queue,
+    ));
+    registry.registerMetric(bucketed(
+      "vllm:request_prefill_time_seconds",
+      "Seconds from a request's admission to its first token, read back, in its GPU Worker",
+      () => generation.stats.stages.prefill,
+    ));
+    registry.registerMetric(bucketed(
+      "gpt2_generation_stage_seconds",
+      "Seconds of each stage on a request's way to its first token: http (this process), to_host, " +
+        "to_worker, queue, prefill, back (from the Worker to this process)",
+      () => generation.stats.stages,
+      "stage",
+    ));
   }
 
   return {
@@ -274,22 +291,39 @@ export function createMetrics(
   };
 }
 
-/** A histogram whose buckets are counted elsewhere (the generation manager), exposed as prom-client expects. */
-function bucketed(name: string, help: string, read: () => BucketCounts) {
+/**
+ * A histogram whose buckets are counted elsewhere (the generation manager), exposed as prom-client
+ * expects; `read` gives one histogram, or one per value of `label`.
+ */
+function bucketed(
+  name: string,
+  help: string,
+  read: () => BucketCounts | Record<string, BucketCounts>,
+  label?: string,
+) {
   return {
     name,
     help,
     type: "histogram",
     aggregator: "sum",
     get() {
-      const h = read(); // counts are cumulative already, the last bucket +Inf
-      const values = h.buckets.map((le, i) => ({
-        metricName: `${name}_bucket`,
-        labels: { le: le === Infinity ? "+Inf" : le },
-        value: h.counts[i],
-      }));
-      values.push({ metricName: `${name}_sum`, labels: {} as { le: string | number }, value: h.sum });
-      values.push({ metricName: `${name}_count`, labels: {} as { le: string | number }, value: h.count });
+      const got = read();
+      const series: [Record<string, string>, BucketCounts][] = label
+        ? Object.entries(got as Record<string, BucketCounts>).map(([v, h]) => [{ [label]: v }, h])
+        : [[{}, got as BucketCounts]];
+      const values: { metricName: string; labels: Record<string, string | number>; value: number }[] = [];
+      for (const [labels, h] of series) {
+        // counts are cumulative already, the last bucket +Inf
+        h.buckets.forEach((le, i) =>
+          values.push({
+            metricName: `${name}_bucket`,
+            labels: { ...labels, le: le === Infinity ? "+Inf" : le },
+            value: h.counts[i],
+          })
+        );
+        values.push({ metricName: `${name}_sum`, labels, value: h.sum });
+        values.push({ metricName: `${name}_count`, labels, value: h.count });
+      }
       return { name, help, type: "histogram", aggregator: "sum", values };
     },
   } as unknown as Parameters<Registry["registerMetric"]>[0];
