@@ -145,7 +145,7 @@ if (import.meta.main) {
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
   runner.start();
   // The request path compiled before the first users' burst (in-memory rehearsals, no GPU).
-  warmUp(app, { host: config.host, port: config.port })
+  warmUp(app, { host: config.host, port: (server.addr as Deno.NetAddr).port })
     .catch((e) => console.error(`Start-up warm-up of the request path failed: ${(e as Error).message}`));
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {

@@ -611,3 +611,31 @@ Deno.test("/metrics splits the time to the first token into stages from the hops
     await t.cleanup();
   }
 });
+
+Deno.test("warmUp() over the server's own socket: fresh connections rehearse the streamed routes, past the token check by the process's secret, uncounted; a guessed secret is an ordinary request", async () => {
+  const t = await setup();
+  const secured = createApp({ runner: t.runner, generation: t.manager, token: "s3cret" });
+  const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, secured.fetch);
+  try {
+    assert(
+      (await warmUp(secured, { host: "127.0.0.1", port: server.addr.port, socketRounds: 2, burst: 8 }, 1)) >=
+        0,
+    );
+    assertEquals(t.worker.generations.length, 0, "no generation reached the Worker");
+    const base = `http://127.0.0.1:${server.addr.port}`;
+    const prom = await (await fetch(`${base}/metrics`, { headers: { Authorization: "Bearer s3cret" } }))
+      .text();
+    assert(!/gpt2_http_requests_total\{[^}]*code="200"[^}]*method="POST"/.test(prom), prom);
+    assert(prom.includes("gpt2_generation_requests_total 0\n"), prom);
+    const guess = await fetch(`${base}/v1/completions`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", "x-gpt2-warm-up": "0".repeat(48) },
+      body: JSON.stringify({ model: "warm-up.rehearsal", prompt: "Hi", max_tokens: 2, stream: true }),
+    });
+    assertEquals(guess.status, 401);
+    await guess.body?.cancel();
+  } finally {
+    await server.shutdown();
+    await t.cleanup();
+  }
+});
