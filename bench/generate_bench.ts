@@ -16,7 +16,9 @@
  *           the last token), time to first token p50 and max, the decode rate once every stream
  *           has begun, and the 429 answers (exits 1 if any); --torch adds the PyTorch CUDA-graph
  *           peer at batches S in the same call, after the servers, and ours/peer ratios; a table
- *           ends it. --log relays the servers' output.
+ *           ends it. --log relays the servers' output. --repeat N starts N fresh servers per
+ *           count (one after another) and the table gives the median of each figure over them
+ *           (run-to-run spread on an H200 is large: one server's cold/warm ratio is one sample).
  *   train   16 concurrent streams over HTTP, first alone, then (rounds for 20 s) while a gpt2-345M
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
@@ -24,7 +26,7 @@
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--calls (each step call's time)]
- *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log]
+ *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
@@ -530,13 +532,15 @@ async function http(): Promise<void> {
   for (const k of dropped) delete env[k];
   if (dropped.length) console.log(`Left out of the servers' environment: ${dropped.join(", ")}`);
   const tmp = await Deno.makeTempDir({ prefix: "gpt2_genbench_" });
-  const rows: { S: number; cold: Round; warm: Round }[] = [];
+  const rows: { S: number; cold: Round; warm: Round; ratio: number }[] = [];
+  const repeat = Math.max(1, +arg("repeat", "1"));
+  const samples: { S: number; cold: Round; warm: Round }[] = [];
   try {
     const src = `${tmp}/model`;
     await writeModel(src, model);
-    for (const S of streams) {
+    for (const S of streams.flatMap((S) => Array.from({ length: repeat }, () => S))) {
       // A fresh server per count: its own data directory, GPU host, Workers and compiled kernels.
-      const home = await freshHome(tmp, src, model, String(S));
+      const home = await freshHome(tmp, src, model, `${S}_${samples.length}`);
       const s = await serve(home, env, relay);
       try {
         // The model loads on first use: a 1-token prompt, 1 new token (the smallest shapes there are).
@@ -569,13 +573,35 @@ async function http(): Promise<void> {
           console.log(roundLine(model, S, round, r));
           if (r.stages_ms) console.log(`  server's mean ms to the first token, by stage: ${stageLine(r)}`);
         }
-        rows.push({ S, cold, warm });
+        samples.push({ S, cold, warm });
       } finally {
         await s.close();
       }
     }
   } finally {
     await Deno.remove(tmp, { recursive: true });
+  }
+  // One row per count: each figure's median over the servers (the sample itself when one).
+  for (const S of streams) {
+    const of = samples.filter((x) => x.S === S);
+    const med = (pick: (r: Round) => number) => median(of.map((x) => pick(x.cold))) as number;
+    const medW = (pick: (r: Round) => number) => median(of.map((x) => pick(x.warm))) as number;
+    const mid = (
+      pickRound: (x: (typeof of)[number]) => Round,
+      m: (pick: (r: Round) => number) => number,
+    ) => ({
+      ...pickRound(of[0]),
+      tokens_per_s: m((r) => r.tokens_per_s),
+      ttft_p50_ms: m((r) => r.ttft_p50_ms),
+      ttft_max_ms: m((r) => r.ttft_max_ms),
+      refused_429: of.reduce((a, x) => a + pickRound(x).refused_429, 0),
+    });
+    const ratio = median(of.map((x) => x.cold.ttft_p50_ms / x.warm.ttft_p50_ms));
+    rows.push({ S, cold: mid((x) => x.cold, med), warm: mid((x) => x.warm, medW), ratio });
+    if (repeat > 1) {
+      const ratios = of.map((x) => (x.cold.ttft_p50_ms / x.warm.ttft_p50_ms).toFixed(2)).join(", ");
+      console.log(`${model}, ${S} streams over ${of.length} fresh servers: cold/warm TTFT p50 ${ratios}`);
+    }
   }
 
   // The peer runs once every server has exited, so it has the GPU to itself.
@@ -617,7 +643,7 @@ async function http(): Promise<void> {
     "ratio",
     "429s",
   ];
-  const table = rows.map(({ S, cold, warm }) => {
+  const table = rows.map(({ S, cold, warm, ratio }) => {
     const p = peerOf(S);
     return [
       String(S),
@@ -625,7 +651,7 @@ async function http(): Promise<void> {
       `${fmt(cold.ttft_p50_ms)} ms`,
       fmt(warm.tokens_per_s),
       `${fmt(warm.ttft_p50_ms)} ms`,
-      `${fmt(cold.ttft_p50_ms / warm.ttft_p50_ms, 2)}×`,
+      `${fmt(ratio, 2)}×`,
       fmt(p?.tokens_per_s),
       p ? `${fmt(warm.tokens_per_s / p.tokens_per_s, 2)}×` : "-",
       String(cold.refused_429 + warm.refused_429),
@@ -633,7 +659,8 @@ async function http(): Promise<void> {
   });
   const widths = head.map((h, i) => Math.max(h.length, ...table.map((r) => r[i].length)));
   console.log(
-    `\n${model} over HTTP, one client at default limits, ${n} new tokens per stream (ratio: warm / peer)`,
+    `\n${model} over HTTP, one client at default limits, ${n} new tokens per stream (ratio: warm / peer)` +
+      (repeat > 1 ? `; medians over ${repeat} fresh servers per count` : ""),
   );
   for (const r of [head, widths.map((w) => "-".repeat(w)), ...table]) {
     console.log(`| ${r.map((c, i) => c.padStart(widths[i])).join(" | ")} |`);
