@@ -216,12 +216,6 @@ Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switche
     () => generationOptionsFromEnv(env({ GPT2_GEN_WARM_AT_LOAD: "all" })),
     /GPT2_GEN_WARM_AT_LOAD "all" must be 0 or 1/,
   );
-  assert.equal(d.rehearseAtLoad, undefined, "unset: rehearse whenever kernels are warmed at load");
-  assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_REHEARSE_AT_LOAD: "0" })).rehearseAtLoad, false);
-  assert.throws(
-    () => generationOptionsFromEnv(env({ GPT2_GEN_REHEARSE_AT_LOAD: "yes" })),
-    /GPT2_GEN_REHEARSE_AT_LOAD "yes" must be 0 or 1/,
-  );
   assert.throws(
     () => generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "yes" })),
     /GPT2_GEN_RUN_AHEAD "yes" must be 0 or 1/,

@@ -67,16 +67,6 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    */
   warmAtLoad?: boolean;
   /**
-   * After warming at load (only then), rehearse the serving path: bursts of 1, 4, 16 and
-   * `maxStreams` synthetic requests (short prompts, a few sampled tokens each), twice, run to their
-   * end through the engine's own step, so the JavaScript that admits, steps and posts a burst has
-   * run (and V8 compiled it) before the first real one (H200: the Worker's admission to first token
-   * of a first burst of 16 streams took 10.4 ms cold against 8.9 warm; the rehearsal adds about
-   * 155 ms to a load of gpt2-124M at 64 streams). Nothing of it is posted or counted; requests
-   * arriving meanwhile wait in order. Default: as warmAtLoad.
-   */
-  rehearseAtLoad?: boolean;
-  /**
    * Messages posted to this thread and not taken in yet (worker/gpu_worker.ts counts them through
    * the shared flags). With it, serving waits for the event loop (a timer, about 2 ms in Deno)
    * only when one is on its way; without it, whenever a readback blocked the thread and to gather
@@ -136,11 +126,6 @@ class Engine {
   #loadMs = 0;
   #waiting: WorkerGeneration[] = [];
   #active: Active[] = [];
-  /**
-   * While the serving path is rehearsed at load (#rehearse): the real requests, kept aside in
-   * order (#waiting and #active then hold only the rehearsal's). Null otherwise.
-   */
-  #held: WorkerGeneration[] | null = null;
   #running = false;
   /** Reads the chunks back (engine/readback.ts), made with the generator. */
   #readback: Readback | null = null;
@@ -197,10 +182,7 @@ class Engine {
       // Every kernel before the first request (GenerationServiceOptions.warmAtLoad): pipeline
       // creation blocks this thread, so compiling later, beside running streams, stalled them
       // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
-      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) {
-        await g.warm({ reserve: true, rehearse: true });
-        if (opts.rehearseAtLoad ?? true) await this.#rehearse(g, first.model);
-      }
+      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) await g.warm({ reserve: true, rehearse: true });
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -213,25 +195,22 @@ class Engine {
   }
 
   get idle(): boolean {
-    return !this.#running && (this.#held ?? this.#waiting).length === 0;
+    return !this.#running && this.#waiting.length === 0;
   }
 
   add(req: WorkerGeneration): void {
-    (this.#held ?? this.#waiting).push(req);
+    this.#waiting.push(req);
     if (!this.#running) this.#run();
   }
 
   /** Cancels request `id` if it is here; returns whether it was. */
   cancel(id: string): boolean {
-    const waiting = this.#held ?? this.#waiting;
-    const w = waiting.findIndex((r) => r.id === id);
+    const w = this.#waiting.findIndex((r) => r.id === id);
     if (w >= 0) {
-      waiting.splice(w, 1);
-      // Posted even while the rehearsal runs (#done's messages are then its own, and dropped).
-      this.#post({ type: "gen_done", id, reason: "cancelled", error: null, completion_tokens: 0 });
+      this.#waiting.splice(w, 1);
+      this.#done(id, "cancelled", null, 0);
       return true;
     }
-    if (this.#held) return false; // #active holds only the rehearsal's streams
     const a = this.#active.find((s) => s.req.id === id);
     if (a) a.cancelled = true;
     return a !== undefined;
@@ -244,12 +223,7 @@ class Engine {
   }
 
   #done(id: string, reason: Done["reason"], error: string | null, completion_tokens: number): void {
-    this.#emit({ type: "gen_done", id, reason, error, completion_tokens });
-  }
-
-  /** Posts what a step says of its streams, unless they are the rehearsal's (#held set). */
-  #emit(msg: FromWorkerGeneration): void {
-    if (this.#held === null) this.#post(msg);
+    this.#post({ type: "gen_done", id, reason, error, completion_tokens });
   }
 
   /**
@@ -332,7 +306,7 @@ class Engine {
         );
         this.#active.push({ req, handle, produced: 0, cancelled: false });
         const { sent_at, relayed_at, received_at } = req;
-        this.#emit({
+        this.#post({
           type: "gen_started",
           id: req.id,
           load_ms: this.#loadMs,
@@ -346,7 +320,7 @@ class Engine {
     const t0 = performance.now();
     const out = await gen.step(plan.steps, this.#runAhead ? plan.ahead : 0);
     const ms = performance.now() - t0, ran = gen.timing.steps;
-    if (this.#held === null) this.#onStep(ms); // the rehearsal takes no share of training's turn
+    this.#onStep(ms);
     if (ran > 0 && plan.admit === 0) {
       const per = ms / ran;
       this.#msPerStep = this.#msPerStep === undefined ? per : 0.7 * this.#msPerStep + 0.3 * per;
@@ -369,70 +343,11 @@ class Engine {
           top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
         }));
         const first = s.produced === tokens.length ? { first_at: epochMs() } : {};
-        this.#emit({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}), ...first });
+        this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}), ...first });
       }
       if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
     return gen.timing.blocked;
-  }
-
-  /**
-   * Rehearses the serving path once the generator is warm (GenerationServiceOptions.rehearseAtLoad):
-   * twice, bursts of 1, 4, 16 and maxStreams synthetic requests (8 to 40 prompt tokens, 2 to 4
-   * sampled tokens, top-k 40), each run to its end through #step, the code that serves. Every GPU
-   * plan has run at warm-up, but the JavaScript that admits and steps a burst (planStep, admit, the
-   * step, its readback and collection, the posting) had only run for the first request's shape, so
-   * V8 ran it unoptimised for the first bursts. Meanwhile the real requests wait aside in order
-   * (#held; cancels still find them); nothing of the rehearsal is posted, counted toward training's
-   * turn or kept in the measured step time, and every stream ends by its length, so the generator
-   * is left with all its slots free and nothing queued ahead. Errors are logged; serving goes on.
-   */
-  async #rehearse(gen: Generator, model: WorkerGeneration["model"]): Promise<void> {
-    const held = this.#waiting, msPerStep = this.#msPerStep;
-    this.#waiting = [];
-    this.#held = held;
-    const top = Math.min(this.#opts.maxStreams, gen.free);
-    const sizes = [...new Set([1, 4, 16, top])].filter((n) => n <= top);
-    const { n_positions, vocab_size } = gen.config;
-    let n = 0;
-    try {
-      for (let round = 0; round < 2; round++) {
-        for (const size of sizes) {
-          for (let i = 0; i < size; i++, n++) {
-            const max_tokens = 2 + n % 3;
-            // 8-32 tokens in the first round, 12-40 in the second (prefill buckets 32 and 64).
-            const want = round === 0 ? 8 + (i * 7) % 25 : 12 + (i * 11) % 29;
-            const len = Math.max(1, Math.min(want, n_positions - max_tokens - 1));
-            this.#waiting.push({
-              id: `rehearsal-${n}`,
-              model,
-              prompt: Array.from({ length: len }, (_, j) => (17 + n * 131 + j * 7919) % vocab_size),
-              max_tokens,
-              temperature: 0.8,
-              top_k: 40,
-              top_p: 1,
-              seed: n,
-              stop_at_eos: false,
-            });
-          }
-          for (let steps = 0; this.#waiting.length > 0 || this.#active.length > 0; steps++) {
-            if (this.#dead) return;
-            if (steps >= 32) throw new Error(`a burst of ${size} streams did not end in ${steps} steps`);
-            await this.#step(gen);
-            await nextTask();
-          }
-        }
-      }
-    } catch (e) {
-      console.error(
-        `Rehearsing the serving path of ${model.id} failed (serving goes on): ${(e as Error).message || e}`,
-      );
-    } finally {
-      for (const s of this.#active.splice(0)) gen.release(s.handle);
-      this.#waiting = held;
-      this.#held = null;
-      this.#msPerStep = msPerStep;
-    }
   }
 }
 

@@ -27,8 +27,7 @@ export function readWorkerSettings(env: Env): WorkerSettings {
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD, GPT2_GEN_WARM_AT_LOAD and
- * GPT2_GEN_REHEARSE_AT_LOAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_RUN_AHEAD and GPT2_GEN_WARM_AT_LOAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
  * (only reported). Throws RangeError naming a variable that is out of range.
  */
 export function generationOptionsFromEnv(
@@ -37,7 +36,7 @@ export function generationOptionsFromEnv(
   const o = { ...DEFAULT_GENERATION_OPTIONS };
   type NumericKey = Exclude<
     keyof GenerationServiceOptions,
-    "runAhead" | "driverCacheDisabled" | "fastReadback" | "warmAtLoad" | "rehearseAtLoad" | "inbox"
+    "runAhead" | "driverCacheDisabled" | "fastReadback" | "warmAtLoad" | "inbox"
   >;
   const read = (name: string, key: NumericKey, min: number, max: number, int = true) => {
     const raw = env.get(name);
@@ -65,10 +64,8 @@ export function generationOptionsFromEnv(
     return raw === "1";
   };
   const ahead = flag("GPT2_GEN_RUN_AHEAD"), warm = flag("GPT2_GEN_WARM_AT_LOAD");
-  const rehearse = flag("GPT2_GEN_REHEARSE_AT_LOAD");
   if (ahead !== undefined) o.runAhead = ahead;
   if (warm !== undefined) o.warmAtLoad = warm;
-  if (rehearse !== undefined) o.rehearseAtLoad = rehearse;
   o.driverCacheDisabled = driverCacheDisabled(env);
   try {
     o.fastReadback = parseFastReadback(env.get("GPT2_FAST_READBACK"));
