@@ -72,6 +72,33 @@ async function hfModelConfig(dir: string, id: string): Promise<ModelConfig> {
 }
 
 /**
+ * A cheap signature of what resolveModelSource(root, id) reads, from a few synchronous stats and no
+ * file reads: the job's checkpoint folder (a committed checkpoint is renamed into it, a pruned one
+ * removed, both change its modification time), the named checkpoint's folder, and the HF
+ * directory's weights and config. Equal signatures mean the lookup would answer the same; null
+ * for an id that names nothing resolvable.
+ */
+export function modelSourceStamp(root: string, id: string): string | null {
+  const [first, name, ...rest] = id.split("/");
+  if (!NAME.test(first) || rest.length > 0 || (name !== undefined && !/^iter_\d+$/.test(name))) return null;
+  const sig = (path: string) => {
+    try {
+      const st = Deno.statSync(path);
+      return `${st.ino ?? ""}:${st.size}:${st.mtime?.getTime() ?? ""}`;
+    } catch {
+      return "-";
+    }
+  };
+  const job = `${root}/checkpoints/${first}`, dir = `${root}/models/${first}`;
+  return [
+    sig(job),
+    name === undefined ? "" : sig(`${job}/${name}`),
+    sig(`${dir}/model.safetensors`),
+    sig(`${dir}/config.json`),
+  ].join("|");
+}
+
+/**
  * Resolves a model id under data directory `root`. Throws ModelNotFoundError for an unknown id
  * and InvalidJobError("model") for one that exists but cannot be used.
  */

@@ -22,6 +22,7 @@ import { onError } from "../server/routes/api_errors.ts";
 import { generateRoutes } from "../server/routes/generate.ts";
 import { until } from "./_wait.ts";
 import { epochMs } from "../protocol.ts";
+import { modelSourceStamp } from "../checkpoint/model_source.ts";
 
 const assertAlmostEquals = (a: number, b: number, tol: number) =>
   assert(Math.abs(a - b) <= tol, `${a} is not within ${tol} of ${b}`);
@@ -636,6 +637,47 @@ Deno.test("warmUp() over the server's own socket: fresh connections rehearse the
     await guess.body?.cancel();
   } finally {
     await server.shutdown();
+    await t.cleanup();
+  }
+});
+
+Deno.test("a model lookup is reused while its files' signature holds, and a checkpoint committed later is seen at once", async () => {
+  const t = await setup();
+  try {
+    const job = `${t.root}/checkpoints/job_0123456789ab`;
+    const ask = async (n: number) => {
+      const res = t.app.request("/generate?model=job_0123456789ab&prompt=Hi&max_tokens=1");
+      const req = await t.answer(n, [done("length", 0)]);
+      await (await res).text();
+      return req.model;
+    };
+    const first = await ask(1);
+    assertEquals([first.path, first.version], [`${job}/iter_0000005`, "2025-01-01T00:00:00.000Z"]);
+    // Past the short window, unchanged files: the lookup is reused (a manifest rewritten in place,
+    // which a committed checkpoint never is, shows that nothing was read again).
+    await new Promise((r) => setTimeout(r, 300));
+    const manifest = `${job}/iter_0000005/manifest.json`;
+    await Deno.writeTextFile(
+      manifest,
+      (await Deno.readTextFile(manifest)).replace("2025-01-01T00:00:00.000Z", "2025-02-02T00:00:00.000Z"),
+    );
+    assertEquals((await ask(2)).version, "2025-01-01T00:00:00.000Z");
+    // A new checkpoint is committed as checkpoints are (a folder renamed into the job's): seen at once.
+    await new Promise((r) => setTimeout(r, 300));
+    const tmp = `${job}/.tmp_iter_0000010`;
+    await Deno.mkdir(tmp);
+    await Deno.writeTextFile(
+      `${tmp}/manifest.json`,
+      (await Deno.readTextFile(manifest)).replace('"iter_0000005"', '"iter_0000010"').replace(
+        '"iteration":5',
+        '"iteration":10',
+      ),
+    );
+    await Deno.rename(tmp, `${job}/iter_0000010`);
+    assertEquals((await ask(3)).path, `${job}/iter_0000010`);
+    assertEquals(modelSourceStamp(t.root, "../etc"), null);
+    assertEquals(modelSourceStamp(t.root, "tiny"), modelSourceStamp(t.root, "tiny"));
+  } finally {
     await t.cleanup();
   }
 });

@@ -20,7 +20,12 @@ import {
   type WorkerGeneration,
   type WorkerLogprobs,
 } from "../../protocol.ts";
-import { listModelSources, type ModelInfo, resolveModelSource } from "../../checkpoint/model_source.ts";
+import {
+  listModelSources,
+  type ModelInfo,
+  modelSourceStamp,
+  resolveModelSource,
+} from "../../checkpoint/model_source.ts";
 import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
 import type { GenerationReport, JobRunner } from "../jobs/runner.ts";
 import { encodePrompt, fitPromptTokens, TextStream } from "./text_stream.ts";
@@ -461,6 +466,8 @@ async function rehearse(gen: Generation, req: WorkerGeneration): Promise<void> {
 /** Starts generations on the runner's GPU Workers and routes their reports back. */
 /** How long a model lookup serves later requests for the same id (GenerationManager #resolve). */
 const MODEL_CACHE_MS = 250;
+/** Past MODEL_CACHE_MS a lookup is reused while its files' signature holds (modelSourceStamp), up to this age. */
+const MODEL_STAMP_MS = 30_000;
 
 export class GenerationManager {
   #runner: JobRunner;
@@ -469,7 +476,10 @@ export class GenerationManager {
   /** Generations whose Worker has not reported them finished (cancelled ones included). */
   #live = new Map<string, Generation>();
   /** Model lookups of the last MODEL_CACHE_MS, by id (see #resolve). */
-  #resolved = new Map<string, { at: number; model: Promise<ModelSource> }>();
+  #resolved = new Map<
+    string,
+    { at: number; made: number; stamp: string | null; model: Promise<ModelSource> }
+  >();
   #stats: Omit<GenerationStats, "running" | "waiting"> = {
     started: 0,
     finished: { length: 0, eos: 0, cancelled: 0, error: 0 },
@@ -545,17 +555,29 @@ export class GenerationManager {
   }
 
   /**
-   * resolveModelSource, shared by the requests of the last MODEL_CACHE_MS: a burst of requests for
-   * one model reads its folder once instead of four file operations each (64 requests sent
-   * together waited for 256 of them before the first reached the GPU). A new checkpoint shows
-   * within that time; a failed lookup is not kept.
+   * resolveModelSource, shared: a burst of requests for one model reads its folder once instead of
+   * four file operations each (64 requests sent together waited for 256 of them before the first
+   * reached the GPU). Within MODEL_CACHE_MS of its last check a lookup is reused as it is; past
+   * that, while the signature of its files (modelSourceStamp: a few synchronous stats) is
+   * unchanged, for up to MODEL_STAMP_MS. The asynchronous lookup's file operations each wait a
+   * turn of the event loop behind the rest of a burst's requests: on an H200 the first burst of
+   * 16 after an idle spell took this process 8.6-11.4 ms per request against 1.4-3.0 with the
+   * lookup reused. A new checkpoint shows at once past MODEL_CACHE_MS, within it at the next
+   * check; a failed lookup is not kept.
    */
   #resolve(id: string): Promise<ModelSource> {
     const now = performance.now(), hit = this.#resolved.get(id);
     if (hit && now - hit.at < MODEL_CACHE_MS) return hit.model;
+    if (hit && hit.stamp !== null && now - hit.made < MODEL_STAMP_MS) {
+      if (modelSourceStamp(this.#root, id) === hit.stamp) {
+        hit.at = now;
+        return hit.model;
+      }
+    }
     if (this.#resolved.size > 256) this.#resolved.clear();
+    const stamp = modelSourceStamp(this.#root, id);
     const model = resolveModelSource(this.#root, id);
-    this.#resolved.set(id, { at: now, model });
+    this.#resolved.set(id, { at: now, made: now, stamp, model });
     model.catch(() => this.#resolved.get(id)?.model === model && this.#resolved.delete(id));
     return model;
   }
