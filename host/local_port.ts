@@ -90,6 +90,7 @@ export class LocalGpuPort implements WorkerPort {
   #send(msg: ToWorkerThread): void {
     Atomics.add(this.#flags, SENT_COUNT, 1);
     this.#worker.postMessage(msg);
+    Atomics.notify(this.#flags, SENT_COUNT); // a gathering Worker waits on it (GpuWorker.awaitPosted)
   }
 
   /** Lets the Worker free its placement probe buffer. */

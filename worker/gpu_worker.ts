@@ -59,6 +59,7 @@ class GpuWorker {
     this.#generation = new GenerationService(() => this.#open(), post, {
       ...settings.generation,
       inbox: () => this.inbox,
+      awaitPosted: (ms) => this.awaitPosted(ms),
     });
   }
 
@@ -68,6 +69,18 @@ class GpuWorker {
   /** Messages posted to this thread and not taken in yet (0 before `init`). */
   get inbox(): number {
     return this.#flags === null ? 0 : Atomics.load(this.#flags, SENT_COUNT) - this.received;
+  }
+
+  /**
+   * Blocks until a message is posted to this thread (the port counts it in SENT_COUNT and notifies)
+   * or `ms` pass; returns whether one is on its way.
+   */
+  awaitPosted(ms: number): boolean {
+    const f = this.#flags;
+    if (f === null) return false;
+    const sent = Atomics.load(f, SENT_COUNT);
+    if (sent - this.received > 0) return true;
+    return Atomics.wait(f, SENT_COUNT, sent, ms) !== "timed-out";
   }
 
   /** Generation messages, handled at once (not queued behind a training job). */
