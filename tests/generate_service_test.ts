@@ -197,6 +197,78 @@ Deno.test({
   },
 });
 
+Deno.test({
+  name:
+    "GenerationService: an idle engine waits admitQuietMs on the posted count for the rest of a burst, and a lone request only that long",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const { root, model } = await randomModel();
+    // The GPU host's side, scripted: `sent` counts posts to the Worker, `taken` what generate() took in.
+    let sent = 0, taken = 0;
+    const waits: number[] = [];
+    let next: WorkerGeneration | null = null;
+    const { svc, msgs } = service({
+      maxStreams: 4,
+      chunk: 4,
+      firstChunk: 2,
+      admitWindowMs: 1000,
+      admitQuietMs: 0.5,
+      runAhead: true,
+      inbox: () => sent - taken,
+      // The next request of the burst is "posted" while the engine waits for it, and delivered
+      // at the following turn of the event loop, as a message from the GPU host would be.
+      awaitPosted: (ms) => {
+        waits.push(ms);
+        if (next === null) return false;
+        const r = next;
+        next = null;
+        sent++;
+        setTimeout(() => {
+          taken++;
+          svc.generate(r);
+        }, 0);
+        return true;
+      },
+    });
+    const req = (id: string) => request(model, id, { temperature: 0 });
+    const deliver = (r: WorkerGeneration) => {
+      sent++;
+      taken++;
+      return svc.generate(r);
+    };
+    try {
+      await deliver(req("warm")); // loads the model
+      await until(() => msgs.some((m) => m.type === "gen_done"), "the warm-up", 60_000);
+      await until(() => !svc.busy, "the engine to go idle");
+      msgs.length = 0;
+      waits.length = 0;
+      next = req("b");
+      await deliver(req("a"));
+      await until(() => msgs.filter((m) => m.type === "gen_done").length === 2, "both", 60_000);
+      const firstTokens = msgs.findIndex((m) => m.type === "gen_tokens");
+      const started = msgs.flatMap((m, i) => m.type === "gen_started" && i < firstTokens ? [m.id] : []);
+      assert.deepEqual(
+        started.sort(),
+        ["a", "b"],
+        "the request posted during the quiet wait was prefilled with a",
+      );
+      assert.deepEqual(waits, [0.5, 0.5], "one wait that saw b posted, one that saw nothing more");
+      // A lone request: one quiet wait of 0.5 ms, then its step.
+      await until(() => !svc.busy, "the engine to go idle");
+      msgs.length = 0;
+      waits.length = 0;
+      await deliver(req("c"));
+      await until(() => msgs.some((m) => m.type === "gen_done"), "the lone request", 60_000);
+      assert.deepEqual(waits, [0.5]);
+    } finally {
+      await svc.destroy();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
+
 Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switches and the admission window, naming bad values", () => {
   const env = (o: Record<string, string>) => ({ get: (k: string) => o[k] });
   const d = generationOptionsFromEnv(env({}));
@@ -205,6 +277,8 @@ Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switche
   const o = generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "0", GPT2_GEN_ADMIT_WINDOW_MS: "0.5" }));
   assert.equal(o.runAhead, false);
   assert.equal(o.admitWindowMs, 0.5);
+  assert.equal(d.admitQuietMs, 0.5);
+  assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_ADMIT_QUIET_MS: "0" })).admitQuietMs, 0);
   assert.equal(
     d.warmAtLoad,
     undefined,
