@@ -263,8 +263,11 @@ async function stream(url: string, model: string, n: number, seed: number, promp
       stream_options: { include_usage: true },
     }),
   });
+  // The answer's headers: the server has taken the request in, handed it to the GPU host and begun
+  // its stream (what lies before the first token but the GPU's part and the way back).
+  const headers = performance.now() - t0;
   if (res.status === 429) {
-    return { status: 429, error: await res.text(), ttft: NaN, tokens: 0, times: [] as number[] };
+    return { status: 429, error: await res.text(), ttft: NaN, headers, tokens: 0, times: [] as number[] };
   }
   if (!res.ok) throw new Error(`HTTP ${res.status}: ${await res.text()}`);
   let tokens = 0, buf = "";
@@ -285,7 +288,7 @@ async function stream(url: string, model: string, n: number, seed: number, promp
       if (d.usage) tokens = d.usage.completion_tokens;
     }
   }
-  return { status: res.status, error: "", ttft: first - t0, tokens, times };
+  return { status: res.status, error: "", ttft: first - t0, headers, tokens, times };
 }
 
 /**
@@ -307,6 +310,7 @@ async function concurrent(url: string, model: string, S: number, n: number, seed
     decode_tokens_per_s: after / ((t0 + ms - begun) / 1000),
     ttft_p50_ms: median(ttfts),
     ttft_max_ms: Math.max(...ttfts),
+    headers_p50_ms: median(rs.map((r) => r.headers)),
     tokens,
     refused_429: all.length - rs.length,
   };
@@ -486,7 +490,9 @@ const fmt = (x: number | null | undefined, digits = 0) =>
 
 function roundLine(model: string, S: number, round: string, r: Round): string {
   return `${model} over HTTP, ${S} streams, ${round}: ${fmt(r.tokens_per_s)} tokens/s aggregate, ` +
-    `TTFT p50 ${fmt(r.ttft_p50_ms)} ms, max ${fmt(r.ttft_max_ms)} ms; ` +
+    `TTFT p50 ${fmt(r.ttft_p50_ms)} ms, max ${fmt(r.ttft_max_ms)} ms (headers p50 ${
+      fmt(r.headers_p50_ms, 1)
+    } ms); ` +
     `${fmt(r.decode_tokens_per_s)} tokens/s once every stream had its first token; ` +
     `${r.refused_429} answered 429`;
 }
@@ -594,6 +600,7 @@ async function http(): Promise<void> {
       tokens_per_s: m((r) => r.tokens_per_s),
       ttft_p50_ms: m((r) => r.ttft_p50_ms),
       ttft_max_ms: m((r) => r.ttft_max_ms),
+      headers_p50_ms: m((r) => r.headers_p50_ms),
       refused_429: of.reduce((a, x) => a + pickRound(x).refused_429, 0),
     });
     const ratio = median(of.map((x) => x.cold.ttft_p50_ms / x.warm.ttft_p50_ms));
