@@ -199,11 +199,26 @@ export class Generation {
 
   /** Events until (and including) the final one. */
   async *events(): AsyncGenerator<GenerationEvent> {
+    for await (const batch of this.batches()) yield* batch;
+  }
+
+  /**
+   * The same events, each time as all that have come since the last batch (the tokens of a chunk
+   * arrive together): a stream writes them at once instead of one write, and one turn of the
+   * streams behind it, per token. The last batch ends with the final event.
+   */
+  async *batches(): AsyncGenerator<GenerationEvent[]> {
     for (;;) {
-      while (this.#queue.length > 0) {
-        const e = this.#queue.shift()!;
-        yield e;
-        if (e.type === "done") return;
+      if (this.#queue.length > 0) {
+        const batch = this.#queue;
+        this.#queue = [];
+        const end = batch.findIndex((e) => e.type === "done");
+        if (end >= 0) {
+          yield batch.slice(0, end + 1);
+          return;
+        }
+        yield batch;
+        continue;
       }
       await new Promise<void>((r) => (this.#wake = r));
       this.#wake = null;

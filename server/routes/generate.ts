@@ -241,9 +241,9 @@ class LogprobsBuilder {
   }
 }
 
-/** Events of several generations merged as they come, each tagged with its index. */
-async function* merged(gens: Generation[]): AsyncGenerator<{ i: number; e: GenerationEvent }> {
-  const its = gens.map((g) => g.events());
+/** Batches of events (Generation.batches) of several generations merged as they come, each tagged with its index. */
+async function* mergedBatches(gens: Generation[]): AsyncGenerator<{ i: number; es: GenerationEvent[] }> {
+  const its = gens.map((g) => g.batches());
   const next = (i: number) => its[i].next().then((r) => ({ i, r }));
   const pending = new Map(gens.map((_, i) => [i, next(i)]));
   while (pending.size > 0) {
@@ -253,8 +253,18 @@ async function* merged(gens: Generation[]): AsyncGenerator<{ i: number; e: Gener
       continue;
     }
     pending.set(i, next(i));
-    yield { i, e: r.value };
+    yield { i, es: r.value };
   }
+}
+
+/** Events of several generations merged as they come, each tagged with its index. */
+async function* merged(gens: Generation[]): AsyncGenerator<{ i: number; e: GenerationEvent }> {
+  for await (const { i, es } of mergedBatches(gens)) for (const e of es) yield { i, e };
+}
+
+/** One server-sent event as Hono's writeSSE writes it (`data` holds no line break: JSON or a word). */
+function sseEvent(data: string, event?: string): string {
+  return `${event ? `event: ${event}\n` : ""}data: ${data}\n\n`;
 }
 
 /** Sends `: keepalive` comments while the stream is idle for `ms`; returns a stopper. */
@@ -325,14 +335,17 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       stream.onAbort(() => gen.cancel());
       const ka = keepalive(stream, keepaliveMs);
       try {
-        for await (const e of gen.events()) {
+        // The events that came together (a chunk's tokens) go out in one write.
+        for await (const batch of gen.batches()) {
           ka.touch();
-          if (e.type === "token") {
-            await stream.writeSSE({ event: "token", data: JSON.stringify({ id: e.id, text: e.text }) });
-            gen.markWritten();
-          } else {
-            await stream.writeSSE({ event: "done", data: JSON.stringify(doneData(gen, e)) });
+          let out = "";
+          for (const e of batch) {
+            out += e.type === "token"
+              ? sseEvent(JSON.stringify({ id: e.id, text: e.text }), "token")
+              : sseEvent(JSON.stringify(doneData(gen, e)), "done");
           }
+          await stream.write(out);
+          if (batch[0].type === "token") gen.markWritten();
         }
       } finally {
         ka.stop();
@@ -407,49 +420,52 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       stream.onAbort(cancelAll);
       const ka = keepalive(stream, keepaliveMs);
       const chunk = (i: number, text: string, finish_reason: string | null, logprobs: unknown = null) =>
-        stream.writeSSE({
-          data: JSON.stringify({
-            ...head,
-            choices: [{ text, index: i, logprobs, finish_reason }],
-            ...(includeUsage ? { usage: null } : {}),
-          }),
-        });
+        sseEvent(JSON.stringify({
+          ...head,
+          choices: [{ text, index: i, logprobs, finish_reason }],
+          ...(includeUsage ? { usage: null } : {}),
+        }));
       try {
         if (r.echo) {
+          let out = "";
           for (let i = 0; i < gens.length; i++) {
             echoLp(i);
-            await chunk(i, echoText, null, wantLp ? lps[i].take() : null);
+            out += chunk(i, echoText, null, wantLp ? lps[i].take() : null);
           }
+          await stream.write(out);
         }
         const dones: DoneEvent[] = [];
-        for await (const { i, e } of merged(gens)) {
+        // The events that came together (a chunk's tokens) go out in one write.
+        for await (const { i, es } of mergedBatches(gens)) {
           ka.touch();
-          if (e.type === "token") {
-            if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
-            if (e.text || (wantLp && lps[i].tokens.length > 0)) {
-              await chunk(i, e.text, null, wantLp ? lps[i].take() : null);
-              gens[i].markWritten();
-            }
-          } else {
-            dones[i] = e;
-            await stream.writeSSE({
-              data: JSON.stringify({
+          let out = "", wrote = false;
+          for (const e of es) {
+            if (e.type === "token") {
+              if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
+              if (e.text || (wantLp && lps[i].tokens.length > 0)) {
+                out += chunk(i, e.text, null, wantLp ? lps[i].take() : null);
+                wrote = true;
+              }
+            } else {
+              dones[i] = e;
+              out += sseEvent(JSON.stringify({
                 ...head,
                 choices: [{ text: "", index: i, logprobs: null, finish_reason: openaiReason(e) }],
                 ...(includeUsage ? { usage: null } : {}),
                 ...(e.error
                   ? { error: { message: e.error, type: "server_error", param: null, code: null } }
                   : {}),
-              }),
-            });
+              }));
+            }
           }
+          if (out) await stream.write(out);
+          if (wrote) gens[i].markWritten();
         }
+        let tail = "";
         if (includeUsage) {
-          await stream.writeSSE({
-            data: JSON.stringify({ ...head, choices: [], usage: usage(gens, dones) }),
-          });
+          tail += sseEvent(JSON.stringify({ ...head, choices: [], usage: usage(gens, dones) }));
         }
-        await stream.writeSSE({ data: "[DONE]" });
+        await stream.write(tail + sseEvent("[DONE]"));
       } finally {
         ka.stop();
         cancelAll();
