@@ -144,9 +144,20 @@ if (import.meta.main) {
   }
   // Only once the port is ours: recover interrupted jobs and start the GPU Workers.
   runner.start();
-  // The request path compiled before the first users' burst (in-memory rehearsals, no GPU).
-  warmUp(app, { host: config.host, port: (server.addr as Deno.NetAddr).port })
-    .catch((e) => console.error(`Start-up warm-up of the request path failed: ${(e as Error).message}`));
+  // The request path compiled before the first users' burst (rehearsals: no model, no GPU work).
+  // Its rounds over the socket wait (at most a minute) for a GPU's Worker, and then go through it.
+  warmUp(app, {
+    host: config.host,
+    port: (server.addr as Deno.NetAddr).port,
+    ready: () => generation.whenReady(60_000),
+  }).then((ms) => {
+    const { worker, here } = generation.rehearsed;
+    console.log(
+      `Request path warmed up in ${
+        Math.round(ms)
+      } ms: ${worker} rehearsals through a GPU's Worker, ${here} in this process`,
+    );
+  }).catch((e) => console.error(`Start-up warm-up of the request path failed: ${(e as Error).message}`));
   let stopping = false;
   const stop = async (signal: Deno.Signal) => {
     if (stopping) {

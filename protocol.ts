@@ -102,6 +102,11 @@ export interface WorkerGeneration {
   sent_at?: number;
   relayed_at?: number;
   received_at?: number;
+  /**
+   * A rehearsal of the request path (the server's start-up warm-up): the Worker answers it from
+   * the prompt, as a generation's messages would come, without a model or the GPU; nothing is counted.
+   */
+  rehearsal?: boolean;
 }
 
 /** Wall-clock ms since the epoch with sub-millisecond precision, comparable between processes and threads. */

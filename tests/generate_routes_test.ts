@@ -530,11 +530,15 @@ Deno.test("GET /v1/models/{id}, POST /tokenize and /detokenize", async () => {
   }
 });
 
-Deno.test("warmUp() rehearses the generation routes in memory: streamed answers, nothing reaches the Worker or /metrics, outsiders cannot rehearse, and the token check stays for everyone else", async () => {
+Deno.test("warmUp() rehearses the generation routes in memory through the ready Worker (which answers without a model): streamed answers, no generation for the Worker, nothing in /metrics, outsiders cannot rehearse, and the token check stays for everyone else", async () => {
   const t = await setup();
   try {
     assert((await warmUp(t.app, {}, 5)) >= 0); // throws unless every rehearsal streamed tokens
     assertEquals(t.worker.generations.length, 0, "no generation reached the Worker");
+    // Each round's two requests went the whole way: to the Worker and back, answered by its own code.
+    assertEquals(t.worker.rehearsals.length, 10);
+    assert(t.worker.rehearsals.every((r) => r.rehearsal === true && r.model.id === "warm-up.rehearsal"));
+    assertEquals(t.manager.active, 0, "no live generation left");
     const prom = await (await t.app.request("/metrics")).text();
     assert(!/gpt2_http_requests_total\{/.test(prom), prom);
     assert(prom.includes("gpt2_generation_requests_total 0\n"), prom);
@@ -563,6 +567,35 @@ Deno.test("warmUp() rehearses the generation routes in memory: streamed answers,
     assertEquals(t.worker.generations.length, 0);
   } finally {
     await t.cleanup();
+  }
+});
+
+Deno.test("warmUp() with no GPU ready answers its rehearsals in the HTTP process; whenReady() says false once no GPU is starting", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_genroutes_" });
+  const store = new JobStore(":memory:");
+  const workers: ScriptedWorker[] = [];
+  const runner = new JobRunner(store, {
+    root,
+    gpus: 1,
+    spawn: () => {
+      const w = new ScriptedWorker({ unavailable: "no adapter" });
+      workers.push(w);
+      return w;
+    },
+    datasetExists: () => Promise.resolve(true),
+  });
+  const manager = new GenerationManager(runner, root, {});
+  runner.start();
+  try {
+    assertEquals(await manager.whenReady(5_000), false);
+    const app = createApp({ runner, generation: manager, token: null });
+    assert((await warmUp(app, {}, 3)) >= 0); // throws unless every rehearsal streamed tokens
+    assertEquals(workers[0].rehearsals.length, 0, "nothing was sent to a Worker that is not ready");
+    assertEquals(manager.active, 0);
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
   }
 });
 
@@ -613,21 +646,64 @@ Deno.test("/metrics splits the time to the first token into stages from the hops
   }
 });
 
-Deno.test("warmUp() over the server's own socket: fresh connections rehearse the streamed routes, past the token check by the process's secret, uncounted; a guessed secret is an ordinary request", async () => {
+Deno.test("warmUp() over the server's own socket: fresh connections rehearse the streamed routes, past the token check by the process's secret, uncounted and outside the stream limits; a guessed secret is an ordinary request", async () => {
   const t = await setup();
-  const secured = createApp({ runner: t.runner, generation: t.manager, token: "s3cret" });
+  // Two streams in all: the warm-up's bursts of 8 from this address must neither be refused nor take them.
+  const secured = createApp({
+    runner: t.runner,
+    generation: t.manager,
+    token: "s3cret",
+    limits: { maxStreamsPerClient: 2, maxStreams: 2 },
+  });
   const server = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, secured.fetch);
+  const user = (prompt: string) =>
+    fetch(`http://127.0.0.1:${server.addr.port}/v1/completions`, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", Authorization: "Bearer s3cret" },
+      body: JSON.stringify({ model: "tiny", prompt, max_tokens: 1, stream: true }),
+    });
   try {
+    // A user's stream stays open through the warm-up (the test answers it only at the end).
+    const first = user("Hi");
+    await until(() => t.worker.generations.length === 1, "the user's generation");
+    let waited = 0;
+    const ready = () => {
+      waited++;
+      return t.manager.whenReady(5_000);
+    };
     assert(
-      (await warmUp(secured, { host: "127.0.0.1", port: server.addr.port, socketRounds: 2, burst: 8 }, 1)) >=
+      (await warmUp(
+        secured,
+        { host: "127.0.0.1", port: server.addr.port, socketRounds: 2, burst: 8, ready },
+        1,
+      )) >=
         0,
     );
-    assertEquals(t.worker.generations.length, 0, "no generation reached the Worker");
+    assertEquals(waited, 1, "the socket rounds waited for a ready GPU once");
+    assertEquals(t.worker.generations.length, 1, "no rehearsal reached the Worker as a generation");
+    assertEquals(t.worker.rehearsals.length, 2 + 2 * 8, "every rehearsal went through the Worker");
+    // The second of the two streams is still free for a user; a third is refused, naming the limit.
+    const second = user("Hello");
+    await until(() => t.worker.generations.length === 2, "the second user's generation");
+    const third = await user("Hey");
+    assertEquals(third.status, 429);
+    assertMatch(
+      await third.text(),
+      /Too many open streams from this client: 2 \(limit GPT2_MAX_STREAMS_PER_CLIENT=2\)/,
+    );
+    for (const [i, res] of [first, second].entries()) {
+      t.worker.send({ type: "gen_tokens", id: t.worker.generations[i].id, tokens: [995] });
+      t.worker.send({ id: t.worker.generations[i].id, ...done("length", 1) } as FromWorker);
+      const r = await res;
+      assertEquals(r.status, 200);
+      assertMatch(await r.text(), /data: \[DONE\]/);
+    }
     const base = `http://127.0.0.1:${server.addr.port}`;
     const prom = await (await fetch(`${base}/metrics`, { headers: { Authorization: "Bearer s3cret" } }))
       .text();
-    assert(!/gpt2_http_requests_total\{[^}]*code="200"[^}]*method="POST"/.test(prom), prom);
-    assert(prom.includes("gpt2_generation_requests_total 0\n"), prom);
+    // The users' requests only (the warm-up's 18 are not counted).
+    assert(prom.includes('gpt2_http_requests_total{method="POST",code="200"} 2\n'), prom);
+    assert(prom.includes("gpt2_generation_requests_total 2\n"), prom);
     const guess = await fetch(`${base}/v1/completions`, {
       method: "POST",
       headers: { "Content-Type": "application/json", "x-gpt2-warm-up": "0".repeat(48) },
@@ -636,6 +712,8 @@ Deno.test("warmUp() over the server's own socket: fresh connections rehearse the
     assertEquals(guess.status, 401);
     await guess.body?.cancel();
   } finally {
+    // Ends the users' streams whatever failed, so that the server can shut down.
+    for (const g of t.worker.generations) t.worker.send({ id: g.id, ...done("length", 0) } as FromWorker);
     await server.shutdown();
     await t.cleanup();
   }

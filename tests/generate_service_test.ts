@@ -299,3 +299,44 @@ Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switche
     /GPT2_GEN_ADMIT_WINDOW_MS/,
   );
 });
+
+Deno.test("GenerationService answers a rehearsal (the server's warm-up) from its prompt through the same port, with no model, engine or device, stamped like a generation", async () => {
+  const msgs: FromWorker[] = [];
+  let opened = 0;
+  const svc = new GenerationService(() => {
+    opened++;
+    return Promise.reject(new Error("no device for a rehearsal"));
+  }, (m) => msgs.push(m));
+  const model = {
+    id: "warm-up.rehearsal",
+    kind: "safetensors" as const,
+    path: "",
+    version: "rehearsal",
+    config,
+  };
+  const prompt = [464, 3290, 318, 257, 1332, 286, 262, 4382, 11, 290];
+  await svc.generate(
+    request(model, "r1", { prompt, max_tokens: 12, rehearsal: true, sent_at: 1, relayed_at: 2 }),
+  );
+  await svc.generate(request(model, "r2", { prompt, max_tokens: 3, rehearsal: true }));
+  await until(() => msgs.filter((m) => m.type === "gen_done").length === 2, "both rehearsals done");
+  assert.equal(opened, 0, "the device was never opened");
+  assert.equal(svc.busy, false, "no engine holds anything");
+  const of = (id: string) => msgs.filter((m) => "id" in m && m.id === id);
+  const [started, tokens, done] = of("r1");
+  assert.equal(started.type, "gen_started");
+  if (started.type !== "gen_started") return;
+  assert.equal(started.stamps?.sent_at, 1);
+  assert.equal(started.stamps?.relayed_at, 2);
+  assert.ok(started.stamps!.received_at! <= started.stamps!.admitted_at!, "received, then admitted");
+  assert.deepEqual(tokens, {
+    type: "gen_tokens",
+    id: "r1",
+    tokens: prompt.slice(0, 8),
+    first_at: (tokens as { first_at: number }).first_at,
+  });
+  assert.deepEqual(done, { type: "gen_done", id: "r1", reason: "length", error: null, completion_tokens: 8 });
+  // At most max_tokens.
+  assert.deepEqual(of("r2").map((m) => m.type), ["gen_started", "gen_tokens", "gen_done"]);
+  assert.deepEqual((of("r2")[1] as { tokens: number[] }).tokens, prompt.slice(0, 3));
+});

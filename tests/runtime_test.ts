@@ -3,7 +3,8 @@
  * SIGTERM during a job exits 0 within the limit and the restarted server resumes the job at the
  * step it stopped with the same losses as an uninterrupted run; SIGKILL of the GPU host alone
  * leaves the server answering while the host restarts and the job resumes; two Workers sharing
- * one adapter train two jobs at once. Skipped when no WebGPU adapter exists.
+ * one adapter train two jobs at once; a fresh server's start-up warm-up goes through the GPU host
+ * and a Worker and counts nothing. Skipped when no WebGPU adapter exists.
  */
 
 import assert from "node:assert/strict";
@@ -207,3 +208,27 @@ serverTest("two Workers sharing one adapter train two jobs at once", async (home
     assert.equal((await server.child.status).code, 0);
   }
 });
+
+serverTest(
+  "a fresh server rehearses its request path through the GPU host and a Worker before users come, and counts none of it",
+  async (home) => {
+    const server = await startServer(home);
+    try {
+      const said = () =>
+        server.output.join("").match(
+          /Request path warmed up in \d+ ms: (\d+) rehearsals through a GPU's Worker, (\d+) in this process/,
+        );
+      await until(() => said() !== null, "the warm-up's line", 120_000);
+      const [, worker, here] = said()!.map(Number);
+      // 24 in-memory rounds of 2, then 6 rounds of 64 over the socket once the Worker was ready.
+      assert.equal(worker + here, 24 * 2 + 6 * 64, server.output.join(""));
+      assert.ok(worker >= 6 * 64, `only ${worker} rehearsals went through the Worker`);
+      const prom = await (await fetch(`${server.url}/metrics`)).text();
+      assert.match(prom, /gpt2_generation_requests_total 0\n/);
+      assert.match(prom, /vllm:time_to_first_token_seconds_count 0\n/);
+    } finally {
+      server.child.kill("SIGTERM");
+      assert.equal((await server.child.status).code, 0);
+    }
+  },
+);

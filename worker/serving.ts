@@ -440,9 +440,38 @@ export class GenerationService {
     t?.resolve();
   }
 
+  /**
+   * Answers a rehearsal (WorkerGeneration.rehearsal: the server's start-up warm-up) as a
+   * generation's messages come, through the same port, with no model, engine or GPU: started (its
+   * hops' stamps), then in a later task the prompt's first tokens (at most max_tokens, 8) and done.
+   * It takes no slot and is not counted; its use is the code it runs in the GPU host and the HTTP
+   * process, which a burst of users' first requests would otherwise meet cold.
+   */
+  async #rehearse(req: WorkerGeneration): Promise<void> {
+    const { sent_at, relayed_at, received_at } = req;
+    const admitted_at = epochMs();
+    this.#post({
+      type: "gen_started",
+      id: req.id,
+      load_ms: 0,
+      stamps: { sent_at, relayed_at, received_at, admitted_at },
+    });
+    await nextTask();
+    const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
+    if (tokens.length > 0) this.#post({ type: "gen_tokens", id: req.id, tokens, first_at: epochMs() });
+    this.#post({
+      type: "gen_done",
+      id: req.id,
+      reason: "length",
+      error: null,
+      completion_tokens: tokens.length,
+    });
+  }
+
   /** Starts a request on its model's engine, loading the model first if needed. */
   async generate(req: WorkerGeneration): Promise<void> {
     req.received_at = epochMs();
+    if (req.rehearsal === true) return this.#rehearse(req);
     const key = keyOf(req);
     let engine = this.#engines.get(key);
     if (engine && !engine.usable && engine.idle) {

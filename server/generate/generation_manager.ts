@@ -479,6 +479,8 @@ async function rehearse(gen: Generation, req: WorkerGeneration): Promise<void> {
 }
 
 /** Starts generations on the runner's GPU Workers and routes their reports back. */
+/** A rehearsal handed to a Worker ends by then (answered or not: the warm-up never waits longer). */
+const REHEARSAL_TIMEOUT_MS = 10_000;
 /** How long a model lookup serves later requests for the same id (GenerationManager #resolve). */
 const MODEL_CACHE_MS = 250;
 /** Past MODEL_CACHE_MS a lookup is reused while its files' signature holds (modelSourceStamp), up to this age. */
@@ -490,6 +492,10 @@ export class GenerationManager {
   #opts: Required<Omit<GenerationManagerOptions, "roles">> & { roles: GpuRoles | null };
   /** Generations whose Worker has not reported them finished (cancelled ones included). */
   #live = new Map<string, Generation>();
+  /** Rehearsals handed to a Worker and not finished (never counted, see startChoices). */
+  #rehearsing = new Map<string, Generation>();
+  /** Rehearsals so far: answered by a GPU's Worker, and in this process (no GPU was ready). */
+  #rehearsed = { worker: 0, here: 0 };
   /** Model lookups of the last MODEL_CACHE_MS, by id (see #resolve). */
   #resolved = new Map<
     string,
@@ -532,6 +538,11 @@ export class GenerationManager {
   /** Generations still running on a GPU (a cancelled one until its Worker confirms). */
   get active(): number {
     return this.#live.size;
+  }
+
+  /** How many rehearsals (the start-up warm-up) went through a GPU's Worker, and how many were answered here. */
+  get rehearsed(): { worker: number; here: number } {
+    return { ...this.#rehearsed };
   }
 
   /** Serving statistics (a copy). */
@@ -629,7 +640,9 @@ export class GenerationManager {
     if (waiting + n > this.#opts.maxWaiting) {
       throw new GenerationOverloadedError(waiting, this.#opts.maxWaiting);
     }
-    const gpu = rehearsal ? 0 : await this.#pickGpu(`${model.path}@${model.version}`);
+    // A rehearsal goes the whole way through a ready GPU's Worker when there is one (which answers
+    // it without a model), else it is answered here.
+    const gpu = rehearsal ? this.#rehearsalGpu() : await this.#pickGpu(`${model.path}@${model.version}`);
     const seed = p.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
     const base = `gen_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     const out: Generation[] = [];
@@ -660,10 +673,10 @@ export class GenerationManager {
           gpu,
           stop: p.stop,
           index: i,
-          timeout_ms: this.#opts.timeoutMs,
+          timeout_ms: rehearsal ? Math.min(this.#opts.timeoutMs, REHEARSAL_TIMEOUT_MS) : this.#opts.timeoutMs,
           arrived: p.arrived,
         },
-        rehearsal ? () => {} : () => {
+        rehearsal && gpu < 0 ? () => {} : () => {
           try {
             this.#runner.postGeneration(gpu, { type: "generate_cancel", id });
           } catch { /* worker gone */ }
@@ -672,8 +685,16 @@ export class GenerationManager {
       );
       request.sent_at = gen.markSent();
       out.push(gen);
-      if (rehearsal) {
+      if (rehearsal && gpu < 0) {
+        this.#rehearsed.here++;
         rehearse(gen, request);
+        continue;
+      }
+      if (rehearsal) {
+        this.#rehearsed.worker++;
+        request.rehearsal = true;
+        this.#rehearsing.set(id, gen);
+        this.#runner.postGeneration(gpu, { type: "generate", request });
         continue;
       }
       this.#live.set(id, gen);
@@ -682,6 +703,29 @@ export class GenerationManager {
       this.#stats.prompt_tokens += prompt.tokens.length;
     }
     return out;
+  }
+
+  /** A GPU whose Worker is ready and idle (not training) and may generate, or -1: where a rehearsal goes. */
+  #rehearsalGpu(): number {
+    const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
+    const idle = this.#runner.gpuStates().find((g) =>
+      g.state === "idle" && (!allowed || allowed.has(g.index))
+    );
+    return idle?.index ?? -1;
+  }
+
+  /**
+   * Resolves true once a GPU that may generate is ready and idle (rehearsals then go through its
+   * Worker), false when none is still starting or `timeoutMs` passed.
+   */
+  async whenReady(timeoutMs: number): Promise<boolean> {
+    const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
+    for (const end = Date.now() + timeoutMs;;) {
+      if (this.#rehearsalGpu() >= 0) return true;
+      const gpus = this.#runner.gpuStates().filter((g) => !allowed || allowed.has(g.index));
+      if (!gpus.some((g) => g.state === "starting") || Date.now() > end) return false;
+      await new Promise((r) => setTimeout(r, 50));
+    }
   }
 
   /**
@@ -717,19 +761,22 @@ export class GenerationManager {
 
   #onReport(gpu: number, msg: GenerationReport): void {
     if (msg.type === "gen_crash") {
-      for (const [id, g] of this.#live) {
-        if (g.gpu !== gpu) continue;
-        this.#live.delete(id);
-        g.report(msg);
+      for (const live of [this.#live, this.#rehearsing]) {
+        for (const [id, g] of live) {
+          if (g.gpu !== gpu) continue;
+          live.delete(id);
+          g.report(msg);
+        }
       }
       for (const [key, i] of this.#placed) if (i === gpu) this.#placed.delete(key);
       return;
     }
-    const g = this.#live.get(msg.id);
+    // A rehearsal takes the same path as the generations it stands in for, uncounted.
+    const g = this.#live.get(msg.id) ?? this.#rehearsing.get(msg.id);
     if (!g) return;
     g.report(msg);
-    if (msg.type === "gen_done") {
-      this.#live.delete(msg.id);
+    if (msg.type === "gen_done" && !this.#live.delete(msg.id)) this.#rehearsing.delete(msg.id);
+    else if (msg.type === "gen_done") {
       this.#stats.finished[msg.reason]++;
       this.#stats.tokens += msg.completion_tokens;
     }

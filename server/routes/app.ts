@@ -222,8 +222,9 @@ function isWarmUp(req: Request): boolean {
  * rehearse the whole request path (GenerateParams.rehearsal): middleware, routing, body parsing,
  * validation, tokenizing, the generation's events, text decoding and the streamed response, so
  * that V8 has compiled it before the first users' requests. No model is looked up and no GPU or
- * store is used: each generation answers a few tokens of its own prompt from this process, and
- * nothing is counted in /metrics. Without it the first burst a server met took its HTTP process
+ * store is used: each generation answers a few tokens of its own prompt, from an idle GPU's Worker
+ * when one is ready (through the GPU host, as users' requests go; the Worker answers without a
+ * model, worker/serving.ts) and else from this process, and nothing is counted in /metrics. Without it the first burst a server met took its HTTP process
  * 30-42 ms to hand 16 requests to the GPU host, against 4-7 ms once warm (tests/fakes' Worker),
  * and on an H200 the first 16 or 64 streams' first tokens came 1.3-2.3× later than the next
  * round's. Returns the ms it took.
@@ -234,12 +235,18 @@ export async function warmUp(
     host?: string;
     port?: number;
     /**
-     * Rounds of `burst` concurrent rehearsals sent to the server itself over its socket on fresh
-     * connections, once it listens on `port`, so that the server's own handling of connections
-     * and streamed responses is compiled too (default 6; 0 for none).
+     * Rounds of `burst` (default 64) concurrent rehearsals sent to the server itself over its
+     * socket on fresh connections, once it listens on `port`, so that the server's own handling
+     * of connections and streamed responses is compiled too (default 6; 0 for none).
      */
     socketRounds?: number;
     burst?: number;
+    /**
+     * Resolves once a GPU's Worker can take rehearsals (GenerationManager.whenReady): the socket
+     * rounds wait for it, so that they run the whole way through the GPU host and a Worker, as
+     * users' requests do, not only this process's part.
+     */
+    ready?: () => Promise<unknown>;
   },
   rounds = 24,
 ): Promise<number> {
@@ -283,8 +290,13 @@ export async function warmUp(
   }
   // Then over the socket: on an H200, 64 streams' first tokens on a fresh server still came 16 ms
   // later than on the next burst, beyond every stage the server times; Deno's own request and
-  // response handling had not run for a burst of new connections.
-  const socketRounds = opts.port ? opts.socketRounds ?? 6 : 0, burst = opts.burst ?? 16;
+  // response handling had not run for a burst of new connections. Once a GPU's Worker is ready
+  // these go the whole way (GPU host, Worker, the reports back), in bursts of the engine's batch:
+  // 6 × 16 rehearsals answered in this process left a burst of 64 users' requests (this process
+  // over a scripted Worker, 2 cores) 25 ms to their headers against 14-18 ms for the next burst,
+  // and 50 ms to the end against 30-40; after 6 × 64 through the Worker, 18-20 and 27-40.
+  const socketRounds = opts.port ? opts.socketRounds ?? 6 : 0, burst = opts.burst ?? 64;
+  if (socketRounds > 0) await opts.ready?.();
   for (let i = 0; i < socketRounds; i++) {
     await Promise.all(Array.from({ length: burst }, async (_, j) => {
       const headers = {
@@ -388,7 +400,16 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/checkpoints/*", small);
   const streams: StreamCounter = { total: 0, perClient: new Map() };
   const trusted = new AddressRanges(opts.trustedProxies ?? []);
-  const bounded = streamLimit(limits, streams, (c) => clientKey(c, trusted));
+  const limited = streamLimit(limits, streams, (c) => clientKey(c, trusted));
+  // The warm-up's streams are counted apart and never refused: they take no user's slot (64 of
+  // them from the loopback address would otherwise fill a local proxy's or its own share).
+  const rehearsals = streamLimit(
+    { ...limits, maxStreamsPerClient: Infinity, maxStreams: Infinity },
+    { total: 0, perClient: new Map() },
+    (c) => clientKey(c, trusted),
+  );
+  const bounded: MiddlewareHandler = (c, next) =>
+    (c.get(WARM_UP as never) as unknown) === true ? rehearsals(c, next) : limited(c, next);
   app.use("/jobs/:id/events", bounded);
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);

@@ -1,11 +1,14 @@
 /**
  * A test double of the GPU Worker for route and runner tests that must not touch a GPU: it
  * answers `init` like a real Worker (ready, or unavailable), records the jobs it is handed, and
- * lets the test play back the messages a real Worker would send. It trains nothing.
+ * lets the test play back the messages a real Worker would send. It trains nothing. Rehearsals (the
+ * server's warm-up) it answers itself with the real Worker's code (worker/serving.ts), as a GPU's
+ * Worker does, and records them apart from the generations a test answers.
  */
 
 import type { FromWorker, ToWorker, WorkerGeneration, WorkerJob } from "../../protocol.ts";
 import type { WorkerPort } from "../../protocol.ts";
+import { GenerationService } from "../../worker/serving.ts";
 
 /** A scripted stand-in for worker/gpu_worker.ts. */
 export class ScriptedWorker implements WorkerPort {
@@ -15,6 +18,12 @@ export class ScriptedWorker implements WorkerPort {
   readonly jobs: WorkerJob[] = [];
   /** Generation requests received, in order; the test answers them with `send`. */
   readonly generations: WorkerGeneration[] = [];
+  /** Rehearsals received (answered by the real Worker's code, never by the test). */
+  readonly rehearsals: WorkerGeneration[] = [];
+  #serving = new GenerationService(
+    () => Promise.reject(new Error("a rehearsal opened the GPU")),
+    (m) => this.send(m),
+  );
   /** Ids of generations the runner asked to cancel. */
   readonly generationCancels: string[] = [];
   terminated = false;
@@ -55,6 +64,9 @@ export class ScriptedWorker implements WorkerPort {
     } else if (msg.type === "shutdown") {
       this.shutDown = true;
       queueMicrotask(() => this.send({ type: "closed", gpu: this.#gpu }));
+    } else if (msg.type === "generate" && msg.request.rehearsal) {
+      this.rehearsals.push(msg.request);
+      this.#serving.generate(msg.request);
     } else if (msg.type === "generate") {
       this.generations.push(msg.request);
     } else if (msg.type === "generate_cancel") {
