@@ -19,6 +19,7 @@
  *           ends it. --log relays the servers' output. --repeat N starts N fresh servers per
  *           count (one after another) and the table gives the median of each figure over them
  *           (run-to-run spread on an H200 is large: one server's cold/warm ratio is one sample).
+ *           --gap MS idles the server that long before each round, cold and warm alike.
  *   train   16 concurrent streams over HTTP, first alone, then (rounds for 20 s) while a gpt2-345M
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
@@ -26,7 +27,7 @@
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--calls (each step call's time)]
- *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1]
+ *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
  *                                  [--gpus 2 --roles train,generate]
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
@@ -481,6 +482,9 @@ async function measuredRound(
   return { ...r, stages_ms };
 }
 
+/** Waits `ms` with nothing sent: the server idles before a round as it would between users' bursts. */
+const idle = (ms: number) => ms > 0 ? new Promise((r) => setTimeout(r, ms)) : Promise.resolve();
+
 /** "http 0.4, to_host 0.1, …" (mean ms per stage), or "" without stages. */
 const stageLine = (r: Round) =>
   Object.entries(r.stages_ms ?? {}).map(([k, v]) => `${k} ${v.toFixed(2)}`).join(", ");
@@ -533,6 +537,7 @@ async function http(): Promise<void> {
   const model = arg("model", "gpt2-124M"), n = +arg("new", "128");
   const streams = list(arg("streams", "1,4,16,64")).map(Number);
   const relay = Deno.args.includes("--log");
+  const gap = +arg("gap", "0");
   const env = Deno.env.toObject();
   const dropped = NOT_DEFAULT.filter((k) => k in env);
   for (const k of dropped) delete env[k];
@@ -572,7 +577,9 @@ async function http(): Promise<void> {
             `its first token ${fmt(first.ttft)} ms`,
         );
         await warmClient(S, n);
+        await idle(gap);
         const cold = await measuredRound(s.url, model, S, n, 0);
+        await idle(gap);
         const warm = await measuredRound(s.url, model, S, n, S);
         for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
           console.log(JSON.stringify({ scenario: "http", round, model, streams: S, new_tokens: n, ...r }));
