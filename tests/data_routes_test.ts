@@ -178,12 +178,13 @@ Deno.test("datasetRoutes: a source file cut for time fails with 422 naming file 
   await withRoot(async (root) => {
     const sources = join(root, "sources");
     await Deno.mkdir(sources);
-    // 30 ordinary lines, then 40 made slow to parse by 2 MB of padding each.
+    // 30 ordinary lines, then 40 made slow to parse by 2 MB of padding each: at least 20 ms in all
+    // on any machine, against a limit of 5 (at 100 ms a fast machine parsed them all in time).
     const pad = "x".repeat(1 << 21);
     const lines = makeDocs(70, 60, 36).map((text, i) => JSON.stringify(i < 30 ? { text } : { text, pad }));
     await Deno.writeTextFile(join(sources, "web.jsonl"), lines.join("\n"));
     const app = datasetRoutes(root, { workers: 1, waitMs: 60_000 });
-    const failed = await post(app, { path: "web.jsonl", max_file_ms: 100, id: "cut", ...OPTS });
+    const failed = await post(app, { path: "web.jsonl", max_file_ms: 5, id: "cut", ...OPTS });
     assert.equal(failed.status, 422);
     assert.match(
       (await failed.json()).error.message,
@@ -192,7 +193,7 @@ Deno.test("datasetRoutes: a source file cut for time fails with 422 naming file 
     assert.equal((await app.request("/datasets/cut")).status, 200); // the failed job, not a dataset
     const res = await post(app, {
       path: "web.jsonl",
-      max_file_ms: 100,
+      max_file_ms: 5,
       allow_partial: true,
       id: "cut",
       ...OPTS,
