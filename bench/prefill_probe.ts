@@ -41,28 +41,69 @@ for (const [B, T] of shapes) {
     byKind.set(k, (byKind.get(k) ?? 0) + o.ms);
   }
   const top = [...byKind].sort((a, b) => b[1] - a[1]).slice(0, 10);
-  // A lone prompt of length T (B = 1 only): from step() to its first token, through the readback.
+  // A lone prompt of length T (B = 1 only): from step() to its first token, through the readback,
+  // as serving runs it (a first chunk of 4 steps run ahead, queued by runAhead after the tokens),
+  // with the prefill cut into 1, 3, 6 or 12 submissions (GeneratorOptions.prefillPieces).
   const waits: number[] = [];
+  const lines: string[] = [];
   if (B === 1) {
-    for (let i = 0; i < 7; i++) {
-      const h = await gen.admit(new Uint32Array(Math.min(T, config.n_positions - 1)).fill(464), {
-        temperature: 0,
-        top_k: 0,
-        top_p: 1,
-        seed: 0,
-      }, 1);
-      const t0 = performance.now();
-      await gen.step(0);
-      waits.push(performance.now() - t0);
-      gen.release(h);
+    for (const pieces of [1, 3, 6, 12]) {
+      gen.opts.prefillPieces = pieces;
+      const step: number[] = [], enc: number[] = [], wait: number[] = [], later: number[] = [];
+      for (let i = 0; i < 9; i++) {
+        const h = await gen.admit(new Uint32Array(Math.min(T, config.n_positions - 1)).fill(464), {
+          temperature: 0,
+          top_k: 0,
+          top_p: 1,
+          seed: 0,
+        }, 64);
+        const t0 = performance.now();
+        await gen.step(0, 4);
+        const t1 = performance.now();
+        await gen.runAhead();
+        later.push(performance.now() - t1);
+        step.push(t1 - t0);
+        enc.push(gen.timing.encodeMs);
+        wait.push(gen.timing.waitMs);
+        gen.release(h);
+        await ctx.device.queue.onSubmittedWorkDone();
+      }
+      if (pieces === 1) waits.push(...step);
+      lines.push(
+        `  prefill in ${pieces} piece(s): step to first token ${median(step).toFixed(2)} ms (encode ` +
+          `${median(enc).toFixed(2)}, wait ${median(wait).toFixed(2)}), then 4 steps run ahead queued in ` +
+          `${median(later).toFixed(2)} ms (medians of 9)`,
+      );
+      result[`${B}x${T}_pieces${pieces}`] = {
+        step_ms: median(step),
+        encode_ms: median(enc),
+        wait_ms: median(wait),
+      };
     }
+    gen.opts.prefillPieces = 1;
   }
   console.log(
     `${B}x${T}: ${ops.length} kernels, GPU ${total.toFixed(2)} ms` +
       (waits.length ? `; step to first token ${median(waits).toFixed(2)} ms (median of 7)` : "") +
       `\n  ` + top.map(([k, ms]) => `${k} ${ms.toFixed(2)}`).join(", "),
   );
+  for (const l of lines) console.log(l);
   result[`${B}x${T}`] = { kernels: ops.length, gpu_ms: total, step_ms: waits.length ? median(waits) : null };
+}
+// Encoding decode steps at batch 1 (JS time, the GPU's beside it).
+{
+  const h = await gen.admit(
+    new Uint32Array(32).fill(464),
+    { temperature: 0, top_k: 0, top_p: 1, seed: 0 },
+    1000,
+  );
+  await gen.step(0);
+  const c = await gen.profileChunk(4);
+  console.log(
+    `4 decode steps at batch 1: encoded in ${c.encodeMs.toFixed(2)} ms, GPU ${c.gpuMs.toFixed(2)} ms`,
+  );
+  result.decode4 = c;
+  gen.release(h);
 }
 console.log(`RESULT ${JSON.stringify(result)}`);
 gen.destroy();

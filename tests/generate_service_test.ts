@@ -273,11 +273,11 @@ Deno.test("generationOptionsFromEnv reads the run-ahead and warm-at-load switche
   const env = (o: Record<string, string>) => ({ get: (k: string) => o[k] });
   const d = generationOptionsFromEnv(env({}));
   assert.equal(d.runAhead, undefined, "unset: GPUs run ahead, CPU adapters do not");
-  assert.equal(d.admitWindowMs, 2);
+  assert.equal(d.admitWindowMs, 4);
   const o = generationOptionsFromEnv(env({ GPT2_GEN_RUN_AHEAD: "0", GPT2_GEN_ADMIT_WINDOW_MS: "0.5" }));
   assert.equal(o.runAhead, false);
   assert.equal(o.admitWindowMs, 0.5);
-  assert.equal(d.admitQuietMs, 0.5);
+  assert.equal(d.admitQuietMs, 1);
   assert.equal(generationOptionsFromEnv(env({ GPT2_GEN_ADMIT_QUIET_MS: "0" })).admitQuietMs, 0);
   assert.equal(
     d.warmAtLoad,

@@ -326,6 +326,59 @@ for (const fast of [false, true]) {
 
 Deno.test({
   name:
+    "Generator: a step read through the canvas path hands out its tokens before the chunk run ahead is queued; runAhead queues it, once; prefills in pieces give the same tokens",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const p64 = Float64Array.from(params);
+    const ctx = (await testContext())!;
+    const readback = await createReadback(ctx);
+    assert.ok(readback.canvas, `the canvas path: ${readback.fallbackReason}`);
+    const q = ctx.device.queue, submit = q.submit.bind(q);
+    let submits = 0;
+    q.submit = (buffers: GPUCommandBuffer[]) => {
+      submits++;
+      return submit(buffers);
+    };
+    try {
+      for (const prefillPieces of [1, 3]) {
+        const gen = await Generator.create(ctx, config, params, {
+          maxStreams: 4,
+          chunk: 8,
+          readback,
+          prefillPieces,
+        });
+        const h = await gen.admit(prompts[0], greedy);
+        const tokens = [...(await gen.step(0, 4)).get(h)!.tokens];
+        assert.equal(tokens.length, 1, "the prefill's first token");
+        const before = submits;
+        await gen.runAhead();
+        assert.ok(submits > before, "the chunk run ahead was left for runAhead, which queued it");
+        const after = submits;
+        await gen.runAhead();
+        assert.equal(submits, after, "a second runAhead queues nothing");
+        tokens.push(...(await gen.step(0, 0)).get(h)!.tokens);
+        assert.equal(tokens.length, 5, "the 4 steps run ahead, read by the next step");
+        assert.deepEqual(tokens, referenceArgmaxes(p64, prompts[0], tokens), `${prefillPieces} piece(s)`);
+        // Never called: the next step queues the chunk itself, and the tokens are the same.
+        const g = await gen.admit(prompts[1], greedy);
+        const more = [...(await gen.step(0, 4)).get(g)!.tokens];
+        more.push(...(await gen.step(0, 0)).get(g)!.tokens);
+        assert.equal(more.length, 5);
+        assert.deepEqual(more, referenceArgmaxes(p64, prompts[1], more));
+        gen.release(h);
+        gen.release(g);
+        gen.destroy();
+      }
+    } finally {
+      q.submit = submit;
+      readback.destroy();
+    }
+  },
+});
+
+Deno.test({
+  name:
     "Generator.warm() compiles every batch bucket's decode kernels: growing the batch compiles nothing more",
   ignore: noGpu,
   fn: async () => {

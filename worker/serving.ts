@@ -81,7 +81,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   awaitPosted?: (ms: number) => boolean;
   /**
    * How long an idle engine that has taken in a request waits for the next one of a burst before
-   * its first step (ms; default 0.5, 0 for none, GPT2_GEN_ADMIT_QUIET_MS): a lone request pays it
+   * its first step (ms; default 1, 0 for none, GPT2_GEN_ADMIT_QUIET_MS): a lone request pays it
    * once; requests of a burst arriving within it of each other are prefilled together, up to
    * admitWindowMs in all.
    */
@@ -91,8 +91,9 @@ export interface GenerationServiceOptions extends SchedulerLimits {
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
  * 10 ms on a real GPU, so fewer, longer steps; on GPUs each is queued while the one before is read back)
- * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering
- * requests for 2 ms, two models loaded, training keeps 70% of a shared GPU.
+ * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering a
+ * burst for up to 4 ms while its requests come within 1 ms of each other, two models loaded,
+ * training keeps 70% of a shared GPU.
  */
 export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   maxStreams: 64,
@@ -102,8 +103,8 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   stepBudgetMs: 250,
   maxModels: 2,
   trainShare: 0.7,
-  admitWindowMs: 2,
-  admitQuietMs: 0.5,
+  admitWindowMs: 4,
+  admitQuietMs: 1,
 };
 
 /**
@@ -369,6 +370,8 @@ class Engine {
       }
       if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
+    // The tokens are on their way: now the chunk the step runs ahead, when it left it for later.
+    await gen.runAhead();
     return gen.timing.blocked;
   }
 }
