@@ -3,7 +3,9 @@
  * gpt2-124M) with every plan warmed, then per prefill shape the GPU time of each kernel
  * (timestamp queries, the second of two runs), summed by kernel across layers, beside the time
  * from `step` to the first token for a lone prompt of that length read back through the canvas
- * path (what a request waits for inside the Worker). Prints one line per figure and a `RESULT` line.
+ * path (what a request waits for inside the Worker), with the prefill in 1-12 submissions; the
+ * time wgpu takes to record, finish and submit 4 decode steps; and a lone stream's decoding speed
+ * with its next chunk recorded ahead or not. Prints one line per figure and a `RESULT` line.
  *
  *   deno run -A bench/prefill_probe.ts [--model gpt2-124M] [--shapes 1x32,8x32,8x256,1x1024]
  */
@@ -90,7 +92,7 @@ for (const [B, T] of shapes) {
   for (const l of lines) console.log(l);
   result[`${B}x${T}`] = { kernels: ops.length, gpu_ms: total, step_ms: waits.length ? median(waits) : null };
 }
-// Encoding decode steps at batch 1 (JS time, the GPU's beside it).
+// Encoding decode steps at batch 1 (JS time: recording, finish, submit; the GPU's beside it).
 {
   const h = await gen.admit(
     new Uint32Array(32).fill(464),
@@ -98,12 +100,42 @@ for (const [B, T] of shapes) {
     1000,
   );
   await gen.step(0);
-  const c = await gen.profileChunk(4);
-  console.log(
-    `4 decode steps at batch 1: encoded in ${c.encodeMs.toFixed(2)} ms, GPU ${c.gpuMs.toFixed(2)} ms`,
-  );
-  result.decode4 = c;
+  for (let i = 0; i < 4; i++) {
+    const c = await gen.profileChunk(4);
+    console.log(
+      `4 decode steps at batch 1: recorded in ${c.encodeMs.toFixed(2)} ms, finished in ${
+        c.finishMs.toFixed(2)
+      }, ` +
+        `submitted in ${c.submitMs.toFixed(2)}; GPU ${c.gpuMs.toFixed(2)} ms`,
+    );
+    result.decode4 = c;
+  }
   gen.release(h);
+}
+// A lone stream decoding as serving drives it (step, then runAhead once the tokens are out), its
+// next chunk recorded while the GPU runs the last or not (GeneratorOptions.prerecord), alternating.
+for (const prerecord of [false, true, false, true]) {
+  gen.opts.prerecord = prerecord;
+  const sampling = { temperature: 0.8, top_k: 40, top_p: 1, seed: 1 };
+  const h = await gen.admit(new Uint32Array(32).fill(464), sampling, 1 + 4 + 32 * 9);
+  const run = async (ahead: number) => {
+    const n = (await gen.step(0, ahead)).get(h)?.tokens.length ?? 0;
+    await gen.runAhead();
+    return n;
+  };
+  await run(4);
+  await run(32);
+  const t0 = performance.now();
+  let n = 0;
+  for (let i = 0; i < 8; i++) n += await run(32);
+  const ms = performance.now() - t0;
+  gen.release(h);
+  await ctx.device.queue.onSubmittedWorkDone();
+  console.log(
+    `a lone stream, chunks of 32, next chunk ${prerecord ? "recorded ahead" : "encoded after the read"}: ` +
+      `${n} tokens in ${ms.toFixed(1)} ms, ${(n / ms * 1000).toFixed(0)} tokens/s`,
+  );
+  result[`lone_${prerecord ? "prerecorded" : "encoded"}_tok_s`] = n / ms * 1000;
 }
 console.log(`RESULT ${JSON.stringify(result)}`);
 gen.destroy();

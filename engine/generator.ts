@@ -132,6 +132,13 @@ export interface GeneratorOptions {
    * adapters (lavapipe runs each submission as it comes: 21 ms in one, 36 in 6).
    */
   prefillPieces?: number;
+  /**
+   * Record a lone stream's next chunk while the GPU still runs the one being read, and only submit
+   * it once the tokens are handed out (`runAhead`), so the GPU does not idle through its encoding:
+   * wgpu's `finish` of 4 decode steps took 1.2-2.3 ms of the H200 host's CPU, `submit` 0.1. Only
+   * when the chunk being read is at least as long (its GPU time covers the recording). Default true.
+   */
+  prerecord?: boolean;
   /** Hears of each kernel compiled, with the total of the plan being built (see OpBatch.compile). */
   onCompile?: CompileListener;
   /**
@@ -204,6 +211,23 @@ interface Chunk {
   steps: number;
   /** Read back through `GeneratorOptions.readback`'s canvas path (staging is a COPY_SRC buffer). */
   fast: boolean;
+}
+
+/** What a chunk reads back, and how (see #chunkOutput). */
+interface ChunkOutput {
+  staged: ReturnType<typeof stagingFor>;
+  nlp: number[];
+  wantLp: boolean;
+  fast: boolean;
+}
+
+/** A chunk of decode steps recorded ahead, to be submitted while the rows are as they were. */
+interface Recorded {
+  commands: GPUCommandBuffer;
+  rows: number[];
+  src: number[];
+  steps: number;
+  out: ChunkOutput;
 }
 
 interface PrefillPlan {
@@ -291,6 +315,8 @@ export class Generator {
    * else is queued or read.
    */
   #later: { ahead: number; admitted: boolean } | null = null;
+  /** That chunk, recorded while the GPU ran the one being read (GeneratorOptions.prerecord). */
+  #recorded: Recorded | null = null;
   #timer: ReturnType<typeof setTimeout> | null = null;
   /** The state remap at each chunk's start, its table, and the copy of the state it reads. */
   #remap: Op | null = null;
@@ -364,6 +390,7 @@ export class Generator {
       directSampler: opts.directSampler ?? !ctx.hasSubgroups,
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
       prefillPieces: Math.max(1, Math.floor(opts.prefillPieces ?? (isCpuAdapter(ctx) ? 1 : 6))),
+      prerecord: opts.prerecord ?? true,
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
       kernels: opts.kernels ?? {},
@@ -657,6 +684,8 @@ export class Generator {
    */
   #dropAhead(): void {
     this.#later = null;
+    this.#recorded?.out.staged.buffer.destroy();
+    this.#recorded = null;
     this.#takeRest();
     for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
@@ -748,6 +777,12 @@ export class Generator {
   ): Promise<Map<number, StreamOutput>> {
     const res = new Map<number, StreamOutput>();
     const bufs: ArrayBuffer[] = [];
+    // The next chunk of a lone stream, recorded while the GPU runs these (GeneratorOptions.prerecord).
+    const n = ahead > 0 && !admitted && this.#rows.length > 0 ? this.#aheadSteps(ahead) : 0;
+    if (this.opts.prerecord && n > 0 && chunks.reduce((a, c) => a + c.steps, 0) >= n) {
+      this.#recorded = this.#record(n);
+    }
+    const tr = performance.now();
     try {
       for (const c of chunks) bufs.push(await this.opts.readback!.read(c.staging));
     } finally {
@@ -758,8 +793,8 @@ export class Generator {
     if (ahead > 0 && this.#rows.length > 0) this.#later = { ahead, admitted };
     chunks.forEach((c, i) => this.#collect(c, bufs[i], res));
     this.timing = {
-      encodeMs: t1 - t0,
-      waitMs: t2 - t1,
+      encodeMs: t1 - t0 + (tr - t1),
+      waitMs: t2 - tr,
       mapMs: 0,
       steps: chunks.reduce((a, c) => a + c.steps, 0),
       blocked: true,
@@ -773,8 +808,42 @@ export class Generator {
    * produced into its own staging buffer for a later readback.
    */
   async #submitChunk(pending: Pending[], steps: number, defer = false, afterAdmit = false): Promise<void> {
-    const R = this.#rows.length, Rb = this.#bucket(R), chunk = this.opts.chunk;
-    const N = this.opts.maxStreams + 1, dev = this.#ctx.device, q = dev.queue;
+    const R = this.#rows.length, Rb = this.#bucket(R);
+    const dev = this.#ctx.device, q = dev.queue;
+    this.#writeRemap(pending);
+    const remap = await this.#remapOp();
+    const enc = dev.createCommandEncoder();
+    enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
+    encodeOps(enc, [remap]);
+    q.submit([enc.finish()]);
+    this.#src = this.#rows.map((_, r) => r);
+    for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
+    const ops = steps > 0 ? await this.#decodePlan(Rb) : [], every = this.opts.submitEvery;
+    const out = this.#chunkOutput(R === 1 || pending.length > 0 || afterAdmit);
+    let next = 0;
+    /** Queues the next `submitEvery` steps in one submission, or the copy once all are; true when done. */
+    const piece = (): boolean => {
+      const e = dev.createCommandEncoder();
+      const done = next >= steps;
+      if (done) out.staged.copy(e);
+      for (const end = Math.min(steps, next + every); next < end; next++) encodeOps(e, ops);
+      q.submit([e.finish()]);
+      return done;
+    };
+    if (defer) {
+      piece();
+      this.#rest = piece;
+      this.#schedule();
+    } else while (!piece());
+    this.#book(steps, pending, out);
+  }
+
+  /**
+   * Writes the state remap's table for the rows as they stand (each from its source row, or a new
+   * stream's state from `pending`; padding rows and the spare row reset) and the rows' sampling.
+   */
+  #writeRemap(pending: Pending[]): void {
+    const R = this.#rows.length, Rb = this.#bucket(R), N = this.opts.maxStreams + 1;
     const fresh = new Map(pending.map((p) => [p.slot, p.state]));
     const table = new Uint32Array(N * REMAP_WORDS);
     for (let j = 0; j < N; j++) {
@@ -788,16 +857,14 @@ export class Generator {
       else table[e] = j;
     }
     this.#paramsCpu.fill(0, R * PARAM_WORDS, Rb * PARAM_WORDS);
+    const q = this.#ctx.device.queue;
     q.writeBuffer(this.#table, 0, table);
     q.writeBuffer(this.#sampling, 0, this.#paramsCpu);
-    const remap = await this.#remapOp();
-    const enc = dev.createCommandEncoder();
-    enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
-    encodeOps(enc, [remap]);
-    q.submit([enc.finish()]);
-    this.#src = this.#rows.map((_, r) => r);
-    for (const batch of this.#batches(pending)) await this.#submitPrefill(batch);
-    const ops = steps > 0 ? await this.#decodePlan(Rb) : [], every = this.opts.submitEvery;
+  }
+
+  /** What a chunk over the rows as they stand reads back (their state, tokens, logprobs if any asked), and how. */
+  #chunkOutput(urgent: boolean): ChunkOutput {
+    const R = this.#rows.length, chunk = this.opts.chunk;
     const nlp = this.#rows.map((_, r) => this.#paramsCpu[r * PARAM_WORDS + 3]);
     const wantLp = nlp.some((n) => n > 0);
     const ranges = [
@@ -810,39 +877,44 @@ export class Generator {
     // next are not held behind a mapAsync). Otherwise mapAsync, whose chunk run ahead keeps the GPU
     // busier (H200, 124M, 16 streams over HTTP: 2,389 tokens/s with every chunk read through the
     // canvas, 7,338 with mapAsync).
-    const urgent = R === 1 || pending.length > 0 || afterAdmit;
     const fast = urgent && this.opts.readback?.pathFor(ranges.reduce((a, r) => a + r.bytes, 0)) === "canvas";
     const staged = stagingFor(
       this.#ctx,
       ranges,
       fast ? GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST : undefined,
     );
-    let next = 0;
-    /** Queues the next `submitEvery` steps in one submission, or the copy once all are; true when done. */
-    const piece = (): boolean => {
-      const e = dev.createCommandEncoder();
-      const done = next >= steps;
-      if (done) staged.copy(e);
-      for (const end = Math.min(steps, next + every); next < end; next++) encodeOps(e, ops);
-      q.submit([e.finish()]);
-      return done;
-    };
-    if (defer) {
-      piece();
-      this.#rest = piece;
-      this.#schedule();
-    } else while (!piece());
+    return { staged, nlp, wantLp, fast };
+  }
+
+  /** Books a chunk just queued: the tokens its rows may still be asked for, and the chunk to read. */
+  #book(steps: number, pending: Pending[], out: ChunkOutput): void {
     const isNew = new Set(pending.map((p) => p.slot));
     for (const slot of this.#rows) this.#left[slot] -= steps + (isNew.has(slot) ? 1 : 0);
     this.#inflight.push({
-      staging: staged.buffer,
-      offsets: staged.offsets,
+      staging: out.staged.buffer,
+      offsets: out.staged.offsets,
       rows: this.#rows.map((slot) => ({ slot, epoch: this.#epochs[slot] })),
-      nlp,
-      wantLp,
+      nlp: out.nlp,
+      wantLp: out.wantLp,
       steps,
-      fast,
+      fast: out.fast,
     });
+  }
+
+  /**
+   * Records (and finishes, without submitting) a chunk of `steps` decode steps for the rows as they
+   * stand, with its state remap and its copy for the readback; null when its plans are not built.
+   */
+  #record(steps: number): Recorded | null {
+    const R = this.#rows.length, ops = this.#decode.get(this.#bucket(R));
+    if (R === 0 || steps < 1 || !ops || !this.#remap) return null;
+    const out = this.#chunkOutput(R === 1);
+    const enc = this.#ctx.device.createCommandEncoder();
+    enc.copyBufferToBuffer(this.#state, 0, this.#prevState, 0, this.#state.size);
+    encodeOps(enc, [this.#remap]);
+    for (let i = 0; i < steps; i++) encodeOps(enc, ops);
+    out.staged.copy(enc);
+    return { commands: enc.finish(), rows: [...this.#rows], src: [...this.#src], steps, out };
   }
 
   /**
@@ -878,11 +950,30 @@ export class Generator {
 
   /** Queues the chunk the last step read through the canvas path is to run ahead, if any. */
   async #queueLater(): Promise<void> {
-    const later = this.#later;
+    const later = this.#later, rec = this.#recorded;
     this.#later = null;
-    if (!later || this.#rows.length === 0) return;
-    const n = Math.min(later.ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
+    this.#recorded = null;
+    if (!later || this.#rows.length === 0) {
+      rec?.out.staged.buffer.destroy();
+      return;
+    }
+    const n = this.#aheadSteps(later.ahead);
+    const same = (a: number[], b: number[]) => a.length === b.length && a.every((x, i) => x === b[i]);
+    if (rec && rec.steps === n && same(rec.rows, this.#rows) && same(rec.src, this.#src)) {
+      // Recorded while the GPU ran the last chunk: only its table and the submission are left.
+      this.#writeRemap([]);
+      this.#ctx.device.queue.submit([rec.commands]);
+      this.#src = this.#rows.map((_, r) => r);
+      this.#book(n, [], rec.out);
+      return;
+    }
+    rec?.out.staged.buffer.destroy();
     if (n > 0) await this.#submitChunk([], n, true, later.admitted);
+  }
+
+  /** Steps a chunk run ahead gets: `ahead`, but no further than any row may still be asked for. */
+  #aheadSteps(ahead: number): number {
+    return Math.min(ahead, Math.max(0, ...this.#rows.map((slot) => this.#left[slot])));
   }
 
   /**
@@ -1274,7 +1365,9 @@ export class Generator {
    * compute pass with a timestamp at its start and end (so the gaps between dispatches count),
    * and the JS time spent encoding them. Like profileDecode, the state is restored after it.
    */
-  async profileChunk(steps: number): Promise<{ gpuMs: number; encodeMs: number }> {
+  async profileChunk(
+    steps: number,
+  ): Promise<{ gpuMs: number; encodeMs: number; finishMs: number; submitMs: number }> {
     await this.#flush();
     const R = this.#rows.length, dev = this.#ctx.device;
     if (!this.#ctx.hasTimestamps) throw new GpuError("profileChunk", "the adapter has no timestamp queries");
@@ -1296,11 +1389,14 @@ export class Generator {
       pass.end();
       enc.copyBufferToBuffer(this.#prevState, 0, this.#state, 0, this.#state.size);
       enc.resolveQuerySet(qs, 0, 2, resolve, 0);
-      const encodeMs = performance.now() - t0;
-      dev.queue.submit([enc.finish()]);
+      const t1 = performance.now();
+      const cb = enc.finish();
+      const t2 = performance.now();
+      dev.queue.submit([cb]);
+      const t3 = performance.now();
       const [buf] = await readBuffers(this.#ctx, [{ buffer: resolve, bytes: 16 }]);
       const t = new BigUint64Array(buf);
-      return { gpuMs: Number(t[1] - t[0]) / 1e6, encodeMs };
+      return { gpuMs: Number(t[1] - t[0]) / 1e6, encodeMs: t1 - t0, finishMs: t2 - t1, submitMs: t3 - t2 };
     } finally {
       qs.destroy();
       resolve.destroy();

@@ -326,7 +326,7 @@ for (const fast of [false, true]) {
 
 Deno.test({
   name:
-    "Generator: a step read through the canvas path hands out its tokens before the chunk run ahead is queued; runAhead queues it, once; prefills in pieces give the same tokens",
+    "Generator: a step read through the canvas path hands out its tokens before the chunk run ahead is queued; runAhead queues it, once; prefills in pieces and chunks recorded ahead give the same tokens",
   ignore: noGpu,
   fn: async () => {
     const params = await trainedParams();
@@ -368,6 +368,35 @@ Deno.test({
         assert.deepEqual(more, referenceArgmaxes(p64, prompts[1], more));
         gen.release(h);
         gen.release(g);
+        gen.destroy();
+      }
+      // A lone stream's chunks of 8: from the second on, the next chunk is recorded while the GPU
+      // runs the one being read, and runAhead only submits it (one submission, against the remap's
+      // and the steps' own without); the tokens are greedy decoding's either way.
+      for (const prerecord of [true, false]) {
+        const gen = await Generator.create(ctx, config, params, {
+          maxStreams: 4,
+          chunk: 8,
+          readback,
+          prerecord,
+        });
+        const h = await gen.admit(prompts[2], greedy, 1 + 4 + 8 * 4);
+        const tokens: number[] = [], perRunAhead: number[] = [];
+        for (const ahead of [4, 8, 8, 8, 8, 8]) {
+          tokens.push(...((await gen.step(0, ahead)).get(h)?.tokens ?? []));
+          const before = submits;
+          await gen.runAhead();
+          perRunAhead.push(submits - before);
+        }
+        tokens.push(...((await gen.step(0, 0)).get(h)?.tokens ?? []));
+        assert.equal(tokens.length, 1 + 4 + 8 * 4);
+        assert.deepEqual(tokens, referenceArgmaxes(p64, prompts[2], tokens), `prerecord ${prerecord}`);
+        // Reading the prefill's token and the 4 steps after it: nothing recorded (too short to cover it).
+        assert.ok(perRunAhead[0] >= 2 && perRunAhead[1] >= 2, `${perRunAhead}`);
+        if (prerecord) assert.deepEqual(perRunAhead.slice(2, 5), [1, 1, 1], `${perRunAhead}`);
+        else assert.ok(perRunAhead.slice(2, 5).every((n) => n >= 2), `${perRunAhead}`);
+        assert.equal(perRunAhead[5], 0, "nothing left to run ahead past maxTokens");
+        gen.release(h);
         gen.destroy();
       }
     } finally {
