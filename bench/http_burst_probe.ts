@@ -10,7 +10,7 @@
  * token and [DONE]). `--servers` fresh servers one after another.
  *
  *   deno run -A bench/http_burst_probe.ts [--streams 64] [--rounds 4] [--servers 3]
- *                                         [--burst 64] [--socket-rounds 6] [--no-worker]
+ *                                         [--burst 64] [--socket-rounds 6] [--no-worker] [--prof DIR]
  *
  * `--burst` and `--socket-rounds` set the warm-up's socket rounds; `--no-worker` runs the warm-up
  * before the Worker starts, so that its rehearsals are answered in the HTTP process (as they all
@@ -28,6 +28,11 @@ const arg = (name: string, dflt: number) => {
 const S = arg("streams", 64), ROUNDS = arg("rounds", 4), SERVERS = arg("servers", 3);
 const BURST = arg("burst", 64), SOCKET_ROUNDS = arg("socket-rounds", 6);
 const NO_WORKER = Deno.args.includes("--no-worker");
+/** `--prof DIR`: each server writes a V8 CPU profile of its whole life (warm-up included) into DIR. */
+const PROF = (() => {
+  const i = Deno.args.indexOf("--prof");
+  return i >= 0 ? Deno.args[i + 1] : null;
+})();
 
 /** The server side: prints its port once warmed up and past its first request. */
 async function serve(): Promise<void> {
@@ -125,7 +130,14 @@ async function client(): Promise<void> {
   await stub.shutdown();
   for (let s = 0; s < SERVERS; s++) {
     const child = new Deno.Command(Deno.execPath(), {
-      args: ["run", "-A", new URL(import.meta.url).pathname, "--serve", ...Deno.args],
+      args: [
+        "run",
+        "-A",
+        ...(PROF ? ["--cpu-prof", `--cpu-prof-dir=${PROF}`, "--cpu-prof-interval=100"] : []),
+        new URL(import.meta.url).pathname,
+        "--serve",
+        ...Deno.args,
+      ],
       stdout: "piped",
       stderr: "inherit",
     }).spawn();
