@@ -15,8 +15,10 @@
  *
  * SIGTERM or SIGINT stops gracefully within GPT2_SHUTDOWN_S (30 s): new requests get 503, each
  * running job saves a checkpoint at its current step, event streams end, the Workers let their
- * GPUs go idle, the host exits, the store closes, and the process exits 0. A second signal exits
- * at once.
+ * GPUs go idle, the host exits, the store closes, and the process exits 0. The same signal
+ * forwarded by `deno task` or sent to the whole process group counts once
+ * (server/stop_signals.ts); a second one sent on purpose, a second later or more, exits at once.
+ * The GPU host never sees these signals (its own session), so it is alive to save the jobs.
  */
 
 import { resolve } from "node:path";
@@ -40,6 +42,7 @@ import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
 import { LeaseKeeper } from "./server/jobs/leases.ts";
 import { createApp, warmUp } from "./server/routes/mod.ts";
 import { datasetRoutes } from "./server/routes/datasets.ts";
+import { stoppingLine, StopSignals } from "./server/stop_signals.ts";
 
 if (import.meta.main) {
   let config: ServerConfig, cluster: ClusterConfig;
@@ -158,18 +161,11 @@ if (import.meta.main) {
       } ms: ${worker} rehearsals through a GPU's Worker, ${here} in this process`,
     );
   }).catch((e) => console.error(`Start-up warm-up of the request path failed: ${(e as Error).message}`));
-  let stopping = false;
+  const signals = new StopSignals();
   const stop = async (signal: Deno.Signal) => {
-    if (stopping) {
-      console.error(`Second ${signal}: exiting now; running jobs resume from their newest checkpoint`);
-      Deno.exit(signal === "SIGINT" ? 130 : 143);
-    }
-    stopping = true;
     const deadline = Date.now() + config.shutdownSeconds * 1000;
     const left = (reserveMs = 0) => Math.max(0, deadline - Date.now() - reserveMs);
-    console.log(
-      `${signal}: stopping (jobs save a checkpoint at their current step; at most ${config.shutdownSeconds} s)`,
-    );
+    console.log(stoppingLine(signal, config.shutdownSeconds));
     await runner.stop(left(2000));
     keeper?.stop();
     const hostExit = await host.close(left(500));
@@ -182,15 +178,22 @@ if (import.meta.main) {
     console.log("Stopped");
     Deno.exit(0);
   };
-  const stopOn = (signal: Deno.Signal) =>
+  const onSignal = (signal: Deno.Signal) => {
+    const action = signals.receive(performance.now());
+    if (action === "duplicate") return; // the same stop request, forwarded (deno task) or sent to the group
+    if (action === "exit") {
+      console.error(`Second ${signal}: exiting now; running jobs resume from their newest checkpoint`);
+      Deno.exit(signal === "SIGINT" ? 130 : 143);
+    }
     stop(signal).catch((e) => {
       console.error(
         `Stopping failed: ${(e as Error).message}; running jobs resume from their newest checkpoint`,
       );
       Deno.exit(1);
     });
-  Deno.addSignalListener("SIGINT", () => stopOn("SIGINT"));
-  Deno.addSignalListener("SIGTERM", () => stopOn("SIGTERM"));
+  };
+  Deno.addSignalListener("SIGINT", () => onSignal("SIGINT"));
+  Deno.addSignalListener("SIGTERM", () => onSignal("SIGTERM"));
 }
 
 /**

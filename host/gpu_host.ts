@@ -10,6 +10,11 @@
  * which GPU each landed on. When stdin closes (the server is done, or died), running jobs are
  * cancelled without saving and every Worker is shut down before the host exits.
  *
+ * The server alone stops it. It runs in its own session (spawned detached), so a terminal's Ctrl-C
+ * never reaches it, and it ignores SIGINT and SIGTERM that reach it anyway (systemd's default stop
+ * signals every process of the service's cgroup): a graceful stop needs its Workers alive to save
+ * their jobs' checkpoints when the server asks.
+ *
  * Run by server/gpus/host_client.ts as `deno run <hostPermissions()> host/gpu_host.ts`: it reads its code
  * and the data directory, writes the data directory, sets the device-select variables and runs
  * `nvidia-smi`. A Worker that cannot start reports its GPU unavailable with the reason; the
@@ -187,6 +192,14 @@ class GpuHost {
 }
 
 if (import.meta.main) {
+  for (const signal of ["SIGINT", "SIGTERM"] as const) {
+    let told = false;
+    Deno.addSignalListener(signal, () => {
+      if (told) return;
+      told = true;
+      console.error(`GPU host: ${signal} ignored; the server stops this host once its jobs have saved`);
+    });
+  }
   const settings = readHostSettings(Deno.env);
   const host = new GpuHost(settings.select);
   await host.init();

@@ -191,6 +191,10 @@ export class GpuHostClient {
         stdout: "piped",
         stderr: "piped",
         env: { ...this.#opts.env, GPT2_GPU_HOST_CHILD: "1" },
+        // Its own session and process group: Ctrl-C in the server's terminal, or a supervisor's
+        // signal to the server's group, never reaches it. The server stops it through the
+        // protocol (after its jobs saved), and its stdin's end stops it if the server dies.
+        detached: true,
       }).spawn();
     } catch (e) {
       const hint = e instanceof Deno.errors.NotCapable
