@@ -126,7 +126,11 @@ export interface StepStats {
   lr: number;
   /** Steps skipped since the start (non-finite loss or gradient). */
   skippedSteps: number;
-  /** Steps skipped in a row up to the last one (0 when the last step was applied). */
+  /**
+   * Steps skipped in a row up to the last one that count toward the failure limit (0 when the
+   * last step was applied): with the loss scale at its floor, or without dynamic scaling (fp32,
+   * static scale). Steps skipped while the dynamic scale backs off are in `skippedSteps` only.
+   */
   consecutiveSkipped: number;
   /** Optimizer steps applied. */
   optimizerStep: number;

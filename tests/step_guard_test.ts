@@ -144,7 +144,9 @@ Deno.test({
     }
     assert.deepEqual(seen.map((s) => s.lossScale), expected);
     assert.deepEqual(seen.map((s) => s.skippedSteps), pattern.map((_, i) => at.filter((j) => j <= i).length));
-    assert.deepEqual(seen.map((s) => s.consecutiveSkipped), [0, 0, 0, 1, 0, 1, 2, 3, 4, 5, 0, 0, 0, 0]);
+    // Only overflows at the floor (64) count toward the failure limit: those at 512, 256 and 128
+    // are the scaler backing off, hysteresis or not.
+    assert.deepEqual(seen.map((s) => s.consecutiveSkipped), [0, 0, 0, 0, 0, 0, 0, 0, 1, 2, 0, 0, 0, 0]);
     assert.equal(seen.at(-1)!.optimizerStep, pattern.filter((f) => !f).length);
     // The scale cancels out of the reported norm: clean steps report the unscaled gradient norm.
     const plain = await trainer();
@@ -154,5 +156,41 @@ Deno.test({
     assert.ok(rel < 1e-5, `scaled run's norm ${seen[0].gradNorm} vs ${ref.gradNorm}`);
     tr.destroy();
     plain.destroy();
+  },
+});
+
+Deno.test({
+  name: "Overflows count toward the failure limit only where the scaler cannot back off",
+  ignore: noGpu,
+  fn: async () => {
+    const at = [1, 2, 3];
+    const counts = async (lossScaler?: LossScalerConfig) => {
+      const tr = await trainer({ lossScaler, debugNonFiniteAt: at });
+      const seen: number[] = [];
+      for (let i = 0; i < 5; i++) {
+        tr.trainStep(batch(40 + i));
+        seen.push((await tr.lastStats()).consecutiveSkipped);
+      }
+      tr.destroy();
+      return seen;
+    };
+    const dynamic = {
+      initialScale: 8,
+      growthInterval: 100,
+      growthFactor: 2,
+      backoffFactor: 0.5,
+      hysteresis: 1,
+    };
+    // fp32 (no scaler) and a static scale (backoff 1) count every overflow.
+    assert.deepEqual(await counts(), [0, 1, 2, 3, 0]);
+    assert.deepEqual(await counts({ ...dynamic, backoffFactor: 1, growthFactor: 1, minScale: 1 }), [
+      0,
+      1,
+      2,
+      3,
+      0,
+    ]);
+    // Dynamic from 8 to a floor of 4: the overflow at 8 backs off, those at 4 count.
+    assert.deepEqual(await counts({ ...dynamic, minScale: 4 }), [0, 0, 1, 2, 0]);
   },
 });

@@ -40,7 +40,10 @@ import { loadWeightsAt } from "../checkpoint/model_source.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
 const MAX_STEPS_IN_FLIGHT = 4;
-/** Consecutive steps skipped for a non-finite loss or gradient after which the job fails. */
+/**
+ * Consecutive steps skipped for a non-finite loss or gradient after which the job fails; in fp16
+ * only steps with the loss scale at its floor count (those while it backs off are expected).
+ */
 export const MAX_CONSECUTIVE_SKIPS = 10;
 
 /** How a running job talks to the outside. */
@@ -469,10 +472,15 @@ async function logProgress(
         `by iteration ${iteration} (${stats.skippedSteps} in all)`,
     });
   }
+  // Counts only steps the loss scaler cannot answer by backing off (see stepControlWgsl): an fp16
+  // job's first steps from 2^32 overflow on purpose and are skipped without counting here.
   if (stats.consecutiveSkipped >= MAX_CONSECUTIVE_SKIPS) {
+    const where = (c.precision ?? "fp32") === "fp16"
+      ? `with the loss scale at its floor (${stats.lossScale})`
+      : "in fp32 (no loss scaling)";
     throw new Error(
       `Loss or gradient norm was non-finite for ${stats.consecutiveSkipped} consecutive steps, ` +
-        `up to iteration ${iteration}: stopping (no checkpoint of these steps is saved)`,
+        `up to iteration ${iteration}, ${where}: stopping (no checkpoint of these steps is saved)`,
     );
   }
   const allreduceMs = rankTimes ? rankTimes.reduce((a, r) => a + r.allreduce_ms, 0) / rankTimes.length : 0;

@@ -105,6 +105,10 @@ export interface ControlState {
   /** Optimizer steps taken (skipped steps excluded): the schedule's iteration. */
   optimizerStep: number;
   skippedSteps: number;
+  /**
+   * Steps skipped in a row that count toward the failure limit: those with the loss scale at its
+   * floor or without dynamic scaling; steps skipped while the scale backs off are not counted.
+   */
   consecutiveSkipped: number;
   /** Whether the last step was skipped. */
   foundInf: boolean;
@@ -147,8 +151,11 @@ export function packControl(s: Partial<ControlState>, scaler: LossScalerConfig |
  * One workgroup after backward: norm = sqrt(Σ part) / scale into stats[normSlot]; a step whose
  * loss (stats[lossSlot]) or norm is not finite is flagged and counted, and does not advance the
  * optimizer step; otherwise the learning rate, bias corrections and clipping coefficient of the
- * step are set. Then the loss scale is updated (found_inf: growth tracker reset, hysteresis spent,
- * then backoff; clean: growth after growth_interval steps, hysteresis restored).
+ * step are set. `consecutive` (the failure limit's count) counts only flagged steps that the
+ * scaler cannot answer by backing off: its scale already at the floor, or no dynamic scaling
+ * (fp32, or a static scale); a clean step resets it, a backoff step leaves it as it was. Then the
+ * loss scale is updated (found_inf: growth tracker reset, hysteresis spent, then backoff; clean:
+ * growth after growth_interval steps, hysteresis restored).
  */
 export function stepControlWgsl(parts: number, lossSlot: number, normSlot: number): string {
   return `
@@ -182,10 +189,13 @@ fn main(@builtin(local_invocation_index) tid: u32) {
   let found = !finite(stats[${lossSlot}]) || !finite(norm);
   let t = ctl.opt_step + 1u;
   ctl.lr = lr_at(f32(ctl.opt_step));
+  // An overflow while the dynamic scale can still back off (above its floor, whatever hysteresis
+  // says) is the scaler finding its level, as Megatron's: skipped, but not a failure.
+  let backing_off = hp.dynamic != 0u && hp.backoff < 1.0 && scale > hp.min_scale;
   if (found) {
     ctl.found_inf = 1u;
     ctl.skipped = ctl.skipped + 1u;
-    ctl.consecutive = ctl.consecutive + 1u;
+    if (!backing_off) { ctl.consecutive = ctl.consecutive + 1u; }
   } else {
     ctl.found_inf = 0u;
     ctl.consecutive = 0u;
