@@ -41,6 +41,12 @@ export interface WorkerJob {
   /** Checkpoint directory to start from (its own after a crash, or `resume_from`), or null. */
   resume_path: string | null;
   /**
+   * The job's own checkpoints, newest first (the first is `resume_path`), when it has several: one
+   * that fails to load or verify (truncated, corrupted) is passed over for the next older one,
+   * with a warning naming it and why; none usable fails the job. Absent: `resume_path` alone.
+   */
+  resume_candidates?: string[];
+  /**
    * The model whose weights a fine-tuning job starts from (`init_from`, used only when there is no
    * `resume_path`), or the model an evaluation job measures.
    */

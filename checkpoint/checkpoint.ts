@@ -24,7 +24,13 @@
  * complete: a checkpoint exists once its manifest does. The rename is the commit point: a caller's
  * `beforeCommit` may refuse it there (a host that lost the job's lease), and the temporary
  * folder is removed, as it is when writing fails. Older ones are pruned only after the new
- * one is durable, keeping the newest `keep`.
+ * one is durable, keeping the newest `keep`. A write that fails (a full disk: ENOSPC) is a
+ * CheckpointWriteError naming the checkpoint, its path and the file.
+ *
+ * The manifest records each file's size and SHA-256 (`checksums`, since this field was added;
+ * older checkpoints load without it): loading verifies them, so a truncated or corrupted file
+ * is refused naming it, never used. loadUsableCheckpoint() tries a job's checkpoints newest
+ * first and passes over the unusable ones, saying why.
  */
 
 import {
@@ -53,7 +59,17 @@ import {
   writeSlices,
 } from "../model/shard.ts";
 import type { TrainConfig } from "../model/job.ts";
-import { type NamedTensor, readSafetensors, writeSafetensors } from "./safetensors.ts";
+import {
+  decodeSafetensors,
+  type FileDigest,
+  type NamedTensor,
+  type OpenForWrite,
+  openForWrite,
+  type SafetensorsFile,
+  sha256Hex,
+  writeChunks,
+  writeSafetensors,
+} from "./safetensors.ts";
 
 /** Identifies our manifests. */
 export const CHECKPOINT_FORMAT = "gpt2-webgpu-checkpoint";
@@ -121,6 +137,11 @@ export interface CheckpointManifest {
   /** The optimizer's control state (see CheckpointState.control). */
   control?: ControlState;
   files: CheckpointFiles;
+  /**
+   * Size and SHA-256 of every file but the manifest, by file name; verified on loading. Absent
+   * in checkpoints written before it was added (they load unverified, as before).
+   */
+  checksums?: Record<string, FileDigest>;
   /** Set on a copy written by checkpoint/reshard.ts: what it was converted from. */
   resharded_from?: { checkpoint: string; tensor_parallel: number; created_at: string };
   /** Every parameter tensor's shards, in Hugging Face order. */
@@ -254,6 +275,50 @@ export interface SaveOptions {
    * temporary folder is removed. Several hosts fence the files on the job's lease here.
    */
   beforeCommit?: (name: string, iteration: number) => Promise<void>;
+  /**
+   * Tests only: opens each file for writing instead of Deno.open, to make writes fail part-way
+   * (a full disk) and check that nothing saved before is lost.
+   */
+  openFile?: OpenForWrite;
+}
+
+/** The reason of a failed write, ENOSPC and EDQUOT spelled out. */
+function ioReason(e: unknown): string {
+  const message = e instanceof Error ? e.message : String(e);
+  const code = (e as { code?: unknown } | null)?.code;
+  if (code === "ENOSPC" || /No space left on device|os error 28\b/.test(message)) {
+    return "no space left on device (ENOSPC)";
+  }
+  if (code === "EDQUOT" || /Disk quota exceeded|os error 122\b/.test(message)) {
+    return "disk quota exceeded (EDQUOT)";
+  }
+  return message;
+}
+
+/** A file of a checkpoint that could not be written (writeCheckpointFiles()); `cause` is the error. */
+export class FileWriteError extends Error {
+  constructor(readonly file: string, cause: unknown) {
+    super(`Cannot write "${file}": ${ioReason(cause)}`, { cause });
+    this.name = "FileWriteError";
+  }
+}
+
+/**
+ * A checkpoint that could not be written, e.g. on a full disk: `Cannot write checkpoint
+ * "iter_0000200" to "<dir>/iter_0000200" (model.safetensors): no space left on device (ENOSPC)`.
+ * Nothing of it was committed; the checkpoints saved before are untouched.
+ */
+export class CheckpointWriteError extends Error {
+  /** The error's code (e.g. "ENOSPC"), when it had one. */
+  readonly code: string | null;
+  constructor(name: string, path: string, file: string | null, cause: unknown) {
+    super(`Cannot write checkpoint "${name}" to "${path}"${file ? ` (${file})` : ""}: ${ioReason(cause)}`, {
+      cause,
+    });
+    this.name = "CheckpointWriteError";
+    const code = (cause as { code?: unknown } | null)?.code;
+    this.code = typeof code === "string" ? code : ioReason(cause).includes("(ENOSPC)") ? "ENOSPC" : null;
+  }
 }
 
 /** The manifest fields that do not depend on how the tensors are laid out in files. */
@@ -304,13 +369,15 @@ function refuseNonFinite(states: CheckpointState[]): void {
 /**
  * Writes a checkpoint's files into the new, empty directory `dir`, each fsynced, the manifest
  * last; `states[r]` is tensor-parallel rank r's state in shardLayout(base.model, states.length).
- * The caller fsyncs and renames `dir`. Returns the manifest written.
+ * The caller fsyncs and renames `dir`. Returns the manifest written. A failed write throws
+ * FileWriteError naming the file; files written so far stay in `dir` for the caller to remove.
  */
 export async function writeCheckpointFiles(
   dir: string,
   base: ManifestBase,
   states: CheckpointState[],
   dataParallel = 1,
+  open: OpenForWrite = openForWrite,
 ): Promise<CheckpointManifest> {
   const tp = states.length, model = base.model;
   checkTensorParallel(model, tp);
@@ -328,15 +395,35 @@ export async function writeCheckpointFiles(
     }
   }
   const step = String(states[0].step);
+  const checksums: Record<string, FileDigest> = {};
+  // Each file's size and hash go into the manifest; a failed write names its file.
+  const put = async (file: string, write: (path: string) => Promise<FileDigest>) => {
+    try {
+      checksums[file] = await write(`${dir}/${file}`);
+    } catch (e) {
+      throw new FileWriteError(file, e);
+    }
+  };
+  const putText = (file: string, text: string) =>
+    put(file, (path) => writeChunks(path, [new TextEncoder().encode(text)], open));
   let files: CheckpointFiles;
   if (tp === 1) {
     const [state] = states;
     files = { model: "model.safetensors", optimizer: "optimizer.safetensors", hf_config: "config.json" };
-    await writeSafetensors(`${dir}/model.safetensors`, exportTensors(model, state.params), { format: "pt" });
-    await writeSafetensors(`${dir}/optimizer.safetensors`, [
-      { name: "m", shape: [state.m.length], data: state.m },
-      { name: "v", shape: [state.v.length], data: state.v },
-    ], { format: "pt", layout: "flat", align: String(TENSOR_ALIGN), step });
+    await put(
+      files.model!,
+      (path) => writeSafetensors(path, exportTensors(model, state.params), { format: "pt" }, open),
+    );
+    await put(files.optimizer!, (path) =>
+      writeSafetensors(
+        path,
+        [
+          { name: "m", shape: [state.m.length], data: state.m },
+          { name: "v", shape: [state.v.length], data: state.v },
+        ],
+        { format: "pt", layout: "flat", align: String(TENSOR_ALIGN), step },
+        open,
+      ));
   } else {
     files = { hf_config: "config.json", shards: [] };
     const specs = shardSpecs(model, tp);
@@ -349,21 +436,18 @@ export async function writeCheckpointFiles(
           const t = layout.byName.get(name)!;
           return { name: prefix + name, shape: t.shape, data: flat.subarray(t.offset, t.offset + t.size) };
         });
-      await writeSafetensors(`${dir}/${names.model}`, named("", state.params), meta);
-      await writeSafetensors(
-        `${dir}/${names.optimizer}`,
-        [...named("m.", state.m), ...named("v.", state.v)],
-        {
-          ...meta,
-          layout: "tensors",
-          step,
-        },
-      );
+      await put(names.model, (path) => writeSafetensors(path, named("", state.params), meta, open));
+      await put(names.optimizer, (path) =>
+        writeSafetensors(
+          path,
+          [...named("m.", state.m), ...named("v.", state.v)],
+          { ...meta, layout: "tensors", step },
+          open,
+        ));
       files.shards!.push({ tp_rank: r, ...names });
     }
   }
-  await Deno.writeTextFile(`${dir}/config.json`, JSON.stringify(hfConfig(model, base.train), null, 2) + "\n");
-  await fsyncPath(`${dir}/config.json`);
+  await putText("config.json", JSON.stringify(hfConfig(model, base.train), null, 2) + "\n");
   const { control, resharded_from, ...head } = base;
   const manifest: CheckpointManifest = {
     ...head,
@@ -371,12 +455,12 @@ export async function writeCheckpointFiles(
     vocab: vocabSizes(model, tp),
     ...(control ? { control } : {}),
     files,
+    checksums: { ...checksums },
     ...(resharded_from ? { resharded_from } : {}),
     tensors: tensorRecords(model, tp),
   };
   // The manifest goes last: a directory with a manifest is complete.
-  await Deno.writeTextFile(`${dir}/manifest.json`, manifestText(manifest));
-  await fsyncPath(`${dir}/manifest.json`);
+  await putText("manifest.json", manifestText(manifest));
   return manifest;
 }
 
@@ -384,7 +468,8 @@ export async function writeCheckpointFiles(
  * Writes a checkpoint into `jobDir` under a temporary name, renames it into place, then keeps
  * only the newest `keep`. Returns its name and path. `state` is the whole model's state, or one
  * state per tensor-parallel rank (rank r's in shardLayout(meta.model, tp), tp = the array's
- * length), written as one pair of shard files per rank.
+ * length), written as one pair of shard files per rank. A failed write (ENOSPC...) throws
+ * CheckpointWriteError with the temporary folder removed and every older checkpoint in place.
  */
 export async function saveCheckpoint(
   jobDir: string,
@@ -397,10 +482,16 @@ export async function saveCheckpoint(
   if (states.length === 0) throw new Error("Cannot save checkpoint: no rank states");
   refuseNonFinite(states);
   const step = states[0].step;
-  await Deno.mkdir(jobDir, { recursive: true });
   const name = checkpointName(step);
+  const path = `${jobDir}/${name}`;
+  const failed = (file: string | null, e: unknown) => new CheckpointWriteError(name, path, file, e);
   const tmp = `${jobDir}/.tmp-${name}-${crypto.randomUUID().slice(0, 8)}`;
-  await Deno.mkdir(tmp);
+  try {
+    await Deno.mkdir(jobDir, { recursive: true });
+    await Deno.mkdir(tmp);
+  } catch (e) {
+    throw failed(null, e);
+  }
   try {
     await writeCheckpointFiles(
       tmp,
@@ -420,26 +511,41 @@ export async function saveCheckpoint(
       },
       states,
       opts.dataParallel ?? 1,
+      opts.openFile,
     );
-    await fsyncPath(tmp);
+    try {
+      await fsyncPath(tmp);
+    } catch (e) {
+      throw failed(null, e);
+    }
     await opts.beforeCommit?.(name, step);
   } catch (e) {
     // Nothing was committed: leave no half-written or refused folder behind.
     await Deno.remove(tmp, { recursive: true }).catch(() => {});
-    throw e;
+    throw e instanceof FileWriteError ? failed(e.file, e.cause) : e;
   }
-  const path = `${jobDir}/${name}`;
   // A same-named checkpoint (a step saved again after a resume) is moved aside, not deleted, until
-  // the new one is in place and durable.
+  // the new one is in place and durable; if the new one cannot be put in place, it goes back.
   let aside: string | null = `${jobDir}/.old-${name}-${crypto.randomUUID().slice(0, 8)}`;
   try {
-    await Deno.rename(path, aside);
+    try {
+      await Deno.rename(path, aside);
+    } catch (e) {
+      if (!(e instanceof Deno.errors.NotFound)) throw e;
+      aside = null;
+    }
+    await Deno.rename(tmp, path);
   } catch (e) {
-    if (!(e instanceof Deno.errors.NotFound)) throw e;
-    aside = null;
+    if (aside) await Deno.rename(aside, path).catch(() => {});
+    await Deno.remove(tmp, { recursive: true }).catch(() => {});
+    throw failed(null, e);
   }
-  await Deno.rename(tmp, path);
-  await fsyncPath(jobDir);
+  try {
+    await fsyncPath(jobDir);
+  } catch (e) {
+    throw failed(null, e);
+  }
+  // Pruning (and dropping the replaced one) only once the new checkpoint is durable.
   if (aside) await Deno.remove(aside, { recursive: true });
   await pruneCheckpoints(jobDir, keep);
   return { name, path };
@@ -651,6 +757,45 @@ export async function loadCheckpoint(
   return { manifest, state: states[0] };
 }
 
+/** A checkpoint loadUsableCheckpoint() passed over, and why. */
+export interface UnusableCheckpoint {
+  path: string;
+  reason: string;
+}
+
+/**
+ * Loads the first of `paths` (a job's checkpoints, newest first) that loads and verifies, as
+ * loadCheckpoint() does: a truncated or corrupted one (or one that fails to load for any other
+ * reason) is passed over for the next, and listed in `skipped` with the reason. Throws naming
+ * every one and its reason when none is usable: a job never starts over silently.
+ */
+export async function loadUsableCheckpoint(
+  paths: string[],
+  model: ModelConfig,
+  opts: LoadOptions = {},
+): Promise<
+  { path: string; manifest: CheckpointManifest; state: CheckpointState; skipped: UnusableCheckpoint[] }
+> {
+  if (paths.length === 0) throw new Error("Cannot resume: no checkpoint was given");
+  const skipped: UnusableCheckpoint[] = [];
+  for (const path of paths) {
+    try {
+      return { path, ...await loadCheckpoint(path, model, opts), skipped };
+    } catch (e) {
+      const reason = (e as Error).message || String(e);
+      skipped.push({
+        path,
+        reason: reason.includes(path) ? reason : `Cannot load checkpoint "${path}": ${reason}`,
+      });
+    }
+  }
+  throw new Error(
+    `Cannot resume: ${
+      paths.length === 1 ? "its checkpoint is" : `none of its ${paths.length} checkpoints is`
+    } usable: ${skipped.map((u) => u.reason).join("; ")}`,
+  );
+}
+
 /**
  * loadCheckpoint() for several ranks at once, reading the files once: `states[i]` is rank
  * `ranks[i]`'s (default every rank, in order).
@@ -705,11 +850,47 @@ export async function loadCheckpointWeights(
   const tp = opts.tensorParallel ?? 1, rank = opts.rank ?? 0;
   checkTensorParallel(model, tp);
   if (manifest.parallel.tensor_parallel === 1 && tp === 1) {
-    const weights = await readSafetensors(`${path}/${manifest.files.model}`);
+    const weights = await readCheckpointFile(path, manifest, manifest.files.model!);
     return importTensors(model, weights.tensors, path);
   }
   const globals = retarget(await readGlobals(path, manifest, saved, false), saved, model);
   return packRank(globals.params, shardSpecs(model, tp), shardLayout(model, tp), rank);
+}
+
+/**
+ * Reads one safetensors file of the checkpoint at `path`, verified against the size and SHA-256
+ * its manifest records (checkpoints from before `checksums` only decode, which refuses a file
+ * cut short of its tensors). Errors name the checkpoint and the file.
+ */
+async function readCheckpointFile(
+  path: string,
+  manifest: CheckpointManifest,
+  file: string,
+): Promise<SafetensorsFile> {
+  const fail = (what: string) => new Error(`Cannot load checkpoint "${path}": ${what}`);
+  let bytes: Uint8Array;
+  try {
+    bytes = await Deno.readFile(`${path}/${file}`);
+  } catch (e) {
+    throw fail(`cannot read "${file}": ${(e as Error).message}`);
+  }
+  const want = manifest.checksums?.[file];
+  if (want) {
+    if (bytes.length !== want.bytes) {
+      throw fail(
+        `"${file}" has ${bytes.length} bytes, its manifest records ${want.bytes} (truncated or overwritten)`,
+      );
+    }
+    const got = sha256Hex(bytes);
+    if (got !== want.sha256) {
+      throw fail(`"${file}" is corrupted: its SHA-256 is ${got}, its manifest records ${want.sha256}`);
+    }
+  }
+  try {
+    return decodeSafetensors(bytes, file);
+  } catch (e) {
+    throw fail((e as Error).message.replace(/^Cannot read /, "cannot read "));
+  }
 }
 
 /** A TP=1 checkpoint at its own layout, read exactly as before shards existed. */
@@ -718,9 +899,9 @@ async function loadWhole(
   manifest: CheckpointManifest,
   model: ModelConfig,
 ): Promise<CheckpointState> {
-  const weights = await readSafetensors(`${path}/${manifest.files.model}`);
+  const weights = await readCheckpointFile(path, manifest, manifest.files.model!);
   const params = importTensors(model, weights.tensors, path);
-  const opt = await readSafetensors(`${path}/${manifest.files.optimizer}`);
+  const opt = await readCheckpointFile(path, manifest, manifest.files.optimizer!);
   // Moments are stored in the engine's flat layout; checkpoints from before 128-element alignment
   // (no "align" in the metadata) used 64 and are moved tensor by tensor into today's layout.
   const align = Number(opt.metadata.align ?? LEGACY_TENSOR_ALIGN);
@@ -776,8 +957,8 @@ async function readGlobals(
     const files = tp === 1
       ? { model: manifest.files.model!, optimizer: manifest.files.optimizer! }
       : manifest.files.shards![r];
-    const weights = await readSafetensors(`${path}/${files.model}`);
-    const opt = sharded ? await readSafetensors(`${path}/${files.optimizer}`) : null;
+    const weights = await readCheckpointFile(path, manifest, files.model);
+    const opt = sharded ? await readCheckpointFile(path, manifest, files.optimizer) : null;
     for (const rec of records) {
       for (const shard of rec.shards) {
         if (shard.tp_rank !== r) continue;
@@ -820,7 +1001,7 @@ async function readGlobals(
     }
   }
   if (moments && tp === 1) {
-    const opt = await readSafetensors(`${path}/${manifest.files.optimizer}`);
+    const opt = await readCheckpointFile(path, manifest, manifest.files.optimizer!);
     const layout = paramLayout(saved, Number(opt.metadata.align ?? LEGACY_TENSOR_ALIGN));
     for (const which of ["m", "v"] as const) {
       const flat = opt.tensors.get(which)?.data;

@@ -5,6 +5,8 @@
  * Float32Array. Files are streamed tensor by tensor to keep peak memory near one model copy.
  */
 
+import { createHash } from "node:crypto";
+
 /** One float32 tensor. `data.length` must equal the product of `shape`. */
 export interface NamedTensor {
   name: string;
@@ -58,20 +60,66 @@ export function encodeSafetensors(tensors: NamedTensor[], metadata: Record<strin
   return out;
 }
 
-/** Writes tensors to `path`, streaming each tensor's bytes. */
+/** A file open for writing: the part of Deno.FsFile that checkpoint writers use. */
+export interface WritableFile extends Disposable {
+  write(bytes: Uint8Array): Promise<number>;
+  sync(): Promise<void>;
+}
+
+/**
+ * Opens a file for writing, created or truncated. Deno.open by default; a test passes one whose
+ * files fail part-way (a full disk: see SaveOptions.openFile in checkpoint.ts).
+ */
+export type OpenForWrite = (path: string) => Promise<WritableFile>;
+
+/** The default OpenForWrite: Deno.open. */
+export const openForWrite: OpenForWrite = (path) =>
+  Deno.open(path, { write: true, create: true, truncate: true });
+
+/** A written file's size and SHA-256 (hex), as a checkpoint manifest records them. */
+export interface FileDigest {
+  bytes: number;
+  sha256: string;
+}
+
+/** SHA-256 of `bytes` in hex (node:crypto: several times faster than crypto.subtle here, and incremental). */
+export function sha256Hex(bytes: Uint8Array): string {
+  return createHash("sha256").update(bytes).digest("hex");
+}
+
+/**
+ * Writes `chunks` to `path` in order and fsyncs it; returns its size and SHA-256, each chunk
+ * hashed while its write is in flight.
+ */
+export async function writeChunks(
+  path: string,
+  chunks: Iterable<Uint8Array>,
+  open: OpenForWrite = openForWrite,
+): Promise<FileDigest> {
+  using file = await open(path);
+  const hash = createHash("sha256");
+  let total = 0;
+  for (const bytes of chunks) {
+    const written = (async () => {
+      let done = 0;
+      while (done < bytes.length) done += await file.write(bytes.subarray(done));
+    })();
+    hash.update(bytes);
+    await written;
+    total += bytes.length;
+  }
+  await file.sync();
+  return { bytes: total, sha256: hash.digest("hex") };
+}
+
+/** Writes tensors to `path`, streaming each tensor's bytes; returns the file's size and SHA-256. */
 export async function writeSafetensors(
   path: string,
   tensors: NamedTensor[],
   metadata: Record<string, string> = {},
-): Promise<void> {
-  using file = await Deno.open(path, { write: true, create: true, truncate: true });
-  const writeAll = async (bytes: Uint8Array) => {
-    let done = 0;
-    while (done < bytes.length) done += await file.write(bytes.subarray(done));
-  };
-  await writeAll(encodeHeader(tensors, metadata));
-  for (const t of tensors) await writeAll(tensorBytes(t));
-  await file.sync();
+  open: OpenForWrite = openForWrite,
+): Promise<FileDigest> {
+  return await writeChunks(path, [encodeHeader(tensors, metadata), ...tensors.map(tensorBytes)], open);
 }
 
 /** Decoded safetensors contents: tensors by name (views into one buffer) and the metadata. */
@@ -119,10 +167,15 @@ export function decodeSafetensors(bytes: Uint8Array, what = "safetensors"): Safe
       `Cannot read "${what}": header length ${headerLen} runs past the file (${bytes.length} bytes)`,
     );
   }
-  const header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + headerLen))) as Record<
-    string,
-    unknown
-  >;
+  let header: Record<string, unknown>;
+  try {
+    header = JSON.parse(new TextDecoder().decode(bytes.subarray(8, 8 + headerLen)));
+  } catch (e) {
+    throw new Error(`Cannot read "${what}": its header is not valid JSON (${(e as Error).message})`);
+  }
+  if (header === null || typeof header !== "object" || Array.isArray(header)) {
+    throw new Error(`Cannot read "${what}": its header is not a JSON object`);
+  }
   const dataStart = 8 + headerLen;
   const tensors = new Map<string, { shape: number[]; data: Float32Array }>();
   let metadata: Record<string, string> = {};
@@ -132,6 +185,9 @@ export function decodeSafetensors(bytes: Uint8Array, what = "safetensors"): Safe
       continue;
     }
     const e = value as HeaderEntry;
+    if (!Array.isArray(e?.shape) || !Array.isArray(e.data_offsets)) {
+      throw new Error(`Cannot read "${what}": tensor "${name}" has no shape or data_offsets`);
+    }
     const size = DTYPE_BYTES[e.dtype];
     if (!size) {
       throw new Error(

@@ -368,6 +368,10 @@ Deno.test("loadCheckpoint() moves AdamW moments saved in the older 64-element la
       { name: "m", shape: [m.length], data: m },
       { name: "v", shape: [v.length], data: v },
     ], { format: "pt", layout: "flat", step: "3" });
+    // ...and its manifest as one from before file checksums were recorded.
+    const manifest = JSON.parse(await Deno.readTextFile(`${saved.path}/manifest.json`));
+    delete manifest.checksums;
+    await Deno.writeTextFile(`${saved.path}/manifest.json`, JSON.stringify(manifest));
     const { state } = await loadCheckpoint(saved.path, model);
     for (const t of now.tensors) {
       const src = old.byName.get(t.name)!;
@@ -430,6 +434,22 @@ Deno.test("saveCheckpoint() at TP=1 writes model.safetensors, optimizer.safetens
     );
     const manifest = await readManifest(path);
     assert.equal(manifest.version, 2);
+    // Each file's size and SHA-256, as loading verifies them (the manifest itself is not listed).
+    assert.deepEqual(Object.keys(manifest.checksums ?? {}).sort(), [
+      "config.json",
+      "model.safetensors",
+      "optimizer.safetensors",
+    ]);
+    for (const [file, digest] of Object.entries(manifest.checksums!)) {
+      assert.deepEqual(digest, {
+        bytes: (await Deno.stat(`${path}/${file}`)).size,
+        sha256: await sha256(`${path}/${file}`),
+      });
+    }
+    assert.equal(
+      manifest.checksums!["model.safetensors"].sha256,
+      "f9e058835583c3f6f9d57b791ad64cae209e8c112cda21a341bc08b80242ea77",
+    );
     assert.deepEqual(manifest.parallel, { tensor_parallel: 1, data_parallel: 1 });
     assert.deepEqual(manifest.vocab, {
       vocab_size: 50257,

@@ -21,7 +21,7 @@ import {
   prepareDataset,
   Sampler,
 } from "../data/mod.ts";
-import { loadCheckpoint, type SamplerState, saveCheckpoint } from "../checkpoint/checkpoint.ts";
+import { loadUsableCheckpoint, type SamplerState, saveCheckpoint } from "../checkpoint/checkpoint.ts";
 import type { FromWorker, JobComm, WorkerJob } from "../protocol.ts";
 import { accumulationSteps, type RankTimes, type TrainConfig } from "../model/job.ts";
 import {
@@ -260,18 +260,39 @@ async function openComms(run: Run): Promise<void> {
 
 /**
  * Where the run starts: a checkpoint (its own after a crash, or resume_from) with optimizer,
- * sampler and iteration; or fine-tuning's source (init_from), weights only; or nothing.
+ * sampler and iteration; or fine-tuning's source (init_from), weights only; or nothing. Of the
+ * job's own checkpoints the newest that loads and verifies is taken: each one passed over is
+ * warned of, with why; none usable fails the job. `resumedFrom` is the checkpoint taken.
  */
 async function startingState(
   run: Run,
   model: ModelConfig,
-): Promise<{ state?: TrainerState; samplerState?: SamplerState }> {
+): Promise<{ state?: TrainerState; samplerState?: SamplerState; resumedFrom?: string }> {
   const { job, tp, ranks } = run;
   if (job.resume_path) {
+    const candidates = [job.resume_path, ...(job.resume_candidates ?? []).filter((p) => p !== job.resume_path)];
     // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
-    const ck = await loadCheckpoint(job.resume_path, model, { tensorParallel: tp, rank: ranks.tpRank });
+    const ck = await loadUsableCheckpoint(candidates, model, { tensorParallel: tp, rank: ranks.tpRank });
+    for (const bad of ck.skipped) {
+      run.post({
+        type: "log",
+        id: job.id,
+        level: "warn",
+        message:
+          `Checkpoint "${bad.path}" is unusable, resuming from the older "${ck.path}" instead: ${bad.reason}`,
+      });
+    }
+    if (ranks.control) {
+      // Every rank read the same files; should one have taken another checkpoint, stop here.
+      const rows = await ranks.control.gather([ck.state.step]);
+      if (rows.some((r) => r[0] !== ck.state.step)) {
+        throw new Error(
+          `Ranks resumed from different checkpoints: iterations ${rows.map((r) => r[0]).join(", ")}`,
+        );
+      }
+    }
     run.iteration = ck.state.step;
-    return { state: ck.state, samplerState: ck.manifest.sampler };
+    return { state: ck.state, samplerState: ck.manifest.sampler, resumedFrom: ck.path };
   }
   if (job.init_source) {
     // Fine-tuning (init_from): weights only, resharded to this rank; fresh moments, iteration 0.
@@ -618,7 +639,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     for (const split of ["valid", "test"] as const) {
       if (data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
     }
-    const { state, samplerState } = await startingState(run, model);
+    const { state, samplerState, resumedFrom } = await startingState(run, model);
     const trainer = await createTrainer(run, model, state);
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
     const sampler = new Sampler(data.train, {
@@ -634,7 +655,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       type: "started",
       id: job.id,
       iteration: run.iteration,
-      resumed_from: job.resume_path,
+      resumed_from: resumedFrom ?? null,
       gpu_memory_bytes: memoryBytes,
     });
     const last: LastFigures = { loss: null, val: null, saved: -1 };

@@ -852,8 +852,9 @@ export class JobRunner {
 
   async #startOnWorker(slot: Slot, job: Job, parallel?: WorkerJob["parallel"]): Promise<void> {
     const dir = this.checkpointDir(job.id);
-    const own = (await listCheckpoints(dir)).at(-1);
-    const resume_path = own?.path ??
+    // Its own checkpoints newest first: the Worker passes over one that fails to load or verify.
+    const own = (await listCheckpoints(dir)).reverse().map((ck) => ck.path);
+    const resume_path = own[0] ??
       (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
     // A fine-tuning job's source (until it has checkpoints of its own), or the evaluated model.
     const c = job.config;
@@ -867,6 +868,7 @@ export class JobRunner {
       root: this.#opts.root,
       checkpoint_dir: dir,
       resume_path,
+      ...(own.length > 1 ? { resume_candidates: own } : {}),
       ...(init_source ? { init_source } : {}),
       ...(parallel ? { parallel } : {}),
     };
