@@ -270,7 +270,10 @@ async function startingState(
 ): Promise<{ state?: TrainerState; samplerState?: SamplerState; resumedFrom?: string }> {
   const { job, tp, ranks } = run;
   if (job.resume_path) {
-    const candidates = [job.resume_path, ...(job.resume_candidates ?? []).filter((p) => p !== job.resume_path)];
+    const candidates = [
+      job.resume_path,
+      ...(job.resume_candidates ?? []).filter((p) => p !== job.resume_path),
+    ];
     // Any checkpoint loads at this job's tensor-parallel size: this rank's shard, resharded in memory.
     const ck = await loadUsableCheckpoint(candidates, model, { tensorParallel: tp, rank: ranks.tpRank });
     for (const bad of ck.skipped) {
