@@ -49,8 +49,9 @@ function startTask(home: string): { child: Deno.ChildProcess; output: () => stri
   let text = "";
   const url = Promise.withResolvers<string>();
   const pump = async (stream: ReadableStream<Uint8Array>) => {
-    for await (const chunk of stream.pipeThrough(new TextDecoderStream())) {
-      text += chunk;
+    const decoder = new TextDecoder();
+    for await (const chunk of stream) {
+      text += decoder.decode(chunk, { stream: true });
       const m = text.match(/listening on (http:\/\/127\.0\.0\.1:\d+)\//);
       if (m) url.resolve(m[1]);
     }
