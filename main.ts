@@ -100,6 +100,7 @@ if (import.meta.main) {
     leases: keeper,
     root: data,
     gpus: config.gpus,
+    stallMs: config.stallSeconds * 1000,
     spawn: host.spawn,
     host: () => host.status,
     trainGpus: trainingGpus(roles),
@@ -218,6 +219,9 @@ function hostLeases(
     }),
     onLost: (id) => runner().leaseLost(id),
     onCancel: (id) => runner().cancelFromElsewhere(id),
-    onError: (e) => console.error(`Heartbeat to the job store failed: ${e.message}`),
+    // An unreachable store is the runner's state (logged once, shown by /health), not a line per beat.
+    onError: (e) => {
+      if (!runner().storeFailed(e)) console.error(`Heartbeat to the job store failed: ${e.message}`);
+    },
   });
 }

@@ -101,6 +101,11 @@ export interface ServerConfig {
   limits: Limits;
   /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S, default 30). */
   shutdownSeconds: number;
+  /**
+   * Seconds a running job's Worker may report nothing before the watchdog replaces it and the job
+   * resumes from its newest checkpoint (GPT2_STALL_S, default 600; 0 turns the watchdog off).
+   */
+  stallSeconds: number;
   /** What each GPU is for (GPT2_GPU_ROLES, default every GPU "any"). */
   roles: GpuRoles;
   /** The Deno that runs the GPU host (GPT2_GPU_HOST_DENO, default this one). */
@@ -208,11 +213,18 @@ export function readServerConfig(
   }
   const shutdownSeconds = Number(env.get("GPT2_SHUTDOWN_S") ?? "30");
   if (!(shutdownSeconds > 0)) throw new Error(`Invalid GPT2_SHUTDOWN_S "${env.get("GPT2_SHUTDOWN_S")}"`);
+  const stallSeconds = Number(env.get("GPT2_STALL_S") ?? "600");
+  if (!(stallSeconds >= 0) || !Number.isFinite(stallSeconds)) {
+    throw new Error(
+      `Invalid GPT2_STALL_S "${env.get("GPT2_STALL_S")}": expected seconds (0 turns the watchdog off)`,
+    );
+  }
   return {
     host,
     port,
     home,
     shutdownSeconds,
+    stallSeconds,
     sources: env.get("GPT2_SOURCES") || join(home, "sources"),
     token,
     gpus,

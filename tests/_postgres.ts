@@ -36,6 +36,10 @@ export interface PgCluster {
   database(): Promise<string>;
   /** Stops the server and removes its folder. */
   stop(): Promise<void>;
+  /** Stops the server as a crash or `pg_ctl stop -m immediate` does, keeping its data (an outage). */
+  halt(): Promise<void>;
+  /** Starts a halted server again on the same port and data. */
+  resume(): Promise<void>;
 }
 
 /** Where a cluster's binaries are, when not found by themselves (bench/hosts_bench.ts's `--pg-bin`). */
@@ -114,7 +118,9 @@ export async function startPostgres(opts: PostgresOptions = {}): Promise<PgClust
   const options =
     `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off ` +
     "-c full_page_writes=off -c max_connections=200";
-  await run([`${bin}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user, libDir);
+  const start = () =>
+    run([`${bin}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user, libDir);
+  await start();
   const url = `postgres://postgres@127.0.0.1:${port}/postgres`;
   const admin = postgres(url, { max: 1, onnotice: () => {} });
   return {
@@ -123,6 +129,12 @@ export async function startPostgres(opts: PostgresOptions = {}): Promise<PgClust
       const name = `t${Deno.pid}_${++databases}`;
       await admin.unsafe(`create database ${name}`);
       return `postgres://postgres@127.0.0.1:${port}/${name}`;
+    },
+    async halt() {
+      await run([`${bin}/pg_ctl`, "-D", data, "-m", "immediate", "-w", "stop"], user, libDir);
+    },
+    async resume() {
+      await start();
     },
     async stop() {
       await admin.end({ timeout: 1 });

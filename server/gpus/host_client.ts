@@ -251,8 +251,18 @@ export class GpuHostClient {
     this.#answered = true;
     const port = this.#ports.get(msg.gpu);
     if (!port || port.generation !== generation) return;
-    if ("error" in msg) port.fail(msg.error);
-    else port.deliver(msg.msg);
+    try {
+      if ("error" in msg) port.fail(msg.error);
+      else port.deliver(msg.msg);
+    } catch (e) {
+      // The relay must outlive whatever a receiver does wrong: stopping to read the host's stdout
+      // would block it on a full pipe, every GPU with it.
+      console.error(
+        `GPU host client: a receiver of GPU ${msg.gpu}'s "${
+          "error" in msg ? "error" : msg.msg.type
+        }" threw: ${(e as Error).stack ?? e}`,
+      );
+    }
   }
 
   #onExit(child: Deno.ChildProcess, generation: number, s: Deno.CommandStatus, stderr: string): void {

@@ -28,7 +28,14 @@ import type {
 } from "../../model/job.ts";
 
 import { SqliteJobStore } from "./sqlite_store.ts";
-export { isFinished, LeaseLostError, MIGRATIONS, SCHEMA_VERSION } from "./store_schema.ts";
+export {
+  isFinished,
+  isStoreUnavailable,
+  LeaseLostError,
+  MIGRATIONS,
+  SCHEMA_VERSION,
+  StoreUnavailableError,
+} from "./store_schema.ts";
 
 /** An answer now (SQLite) or later (PostgreSQL). */
 export type Awaitable<T> = T | Promise<T>;

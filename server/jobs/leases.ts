@@ -14,6 +14,7 @@
 
 import type { Job } from "../../model/job.ts";
 import type { Claim, HeartbeatResult, HostReport, JobStore, Lease } from "./job_store.ts";
+import { isStoreUnavailable } from "./store_schema.ts";
 
 /** What the keeper needs from its host. */
 export interface LeaseKeeperOptions {
@@ -38,6 +39,8 @@ export interface LeaseKeeperOptions {
 export class LeaseKeeper {
   #opts: LeaseKeeperOptions;
   #held = new Map<string, Lease>();
+  /** When each held lease was last claimed, renewed or confirmed (this process's clock, ms). */
+  #renewed = new Map<string, number>();
   #cancelled = new Set<string>();
   #timer: ReturnType<typeof setInterval> | null = null;
 
@@ -77,8 +80,12 @@ export class LeaseKeeper {
   /** Claims the next job this host can place on `capacity` free Workers, or null. */
   claim(capacity: number): Claim | null {
     if (capacity < 1) return null;
+    const at = Date.now();
     const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs);
-    if (claim) this.#held.set(claim.job.id, claim.lease);
+    if (claim) {
+      this.#held.set(claim.job.id, claim.lease);
+      this.#renewed.set(claim.job.id, at);
+    }
     return claim;
   }
 
@@ -96,7 +103,20 @@ export class LeaseKeeper {
   confirm(jobId: string): boolean {
     const lease = this.#held.get(jobId);
     if (!lease) return false;
-    return this.#opts.store.confirmLease(lease, this.#opts.leaseMs);
+    const at = Date.now();
+    const held = this.#opts.store.confirmLease(lease, this.#opts.leaseMs);
+    if (held && this.#held.get(jobId) === lease) this.#renewed.set(jobId, at);
+    return held;
+  }
+
+  /**
+   * When this host's lease on `jobId` runs out at the latest (ms, this process's clock), counted
+   * from the last claim, renewal or confirmation that was sent before the database answered; null
+   * when it holds none. Until then no other host can have claimed the job.
+   */
+  expiresAt(jobId: string): number | null {
+    const at = this.#renewed.get(jobId);
+    return at === undefined || !this.#held.has(jobId) ? null : at + this.#opts.leaseMs;
   }
 
   /** Job ids this host holds. */
@@ -107,20 +127,28 @@ export class LeaseKeeper {
   /** Gives `jobId` back (it finished, or stopped here to resume elsewhere). */
   release(jobId: string): void {
     const lease = this.#held.get(jobId);
-    this.#held.delete(jobId);
-    this.#cancelled.delete(jobId);
-    if (lease) this.#opts.store.release(lease);
+    if (!lease) return;
+    try {
+      this.#opts.store.release(lease);
+    } catch (e) {
+      // A database that is away: still held, so the release can be tried again once it is back.
+      if (!isStoreUnavailable(e)) this.forget(jobId);
+      throw e;
+    }
+    this.forget(jobId);
   }
 
   /** Forgets `jobId` without a write (its lease was lost: the job is another host's now). */
   forget(jobId: string): void {
     this.#held.delete(jobId);
+    this.#renewed.delete(jobId);
     this.#cancelled.delete(jobId);
   }
 
   /** One heartbeat now: renews every lease, reports lost ones and cancels from elsewhere. */
   beat(): HeartbeatResult {
     const leases = [...this.#held.values()];
+    const at = Date.now();
     let result: HeartbeatResult;
     try {
       result = this.#opts.store.heartbeat(
@@ -140,6 +168,9 @@ export class LeaseKeeper {
       }
     }
     for (const k of result.kept) {
+      if (leases.some((l) => l.job_id === k.job_id && this.#held.get(k.job_id) === l)) {
+        this.#renewed.set(k.job_id, at);
+      }
       if (k.cancel_requested && this.#held.has(k.job_id) && !this.#cancelled.has(k.job_id)) {
         this.#cancelled.add(k.job_id);
         this.#opts.onCancel(k.job_id);

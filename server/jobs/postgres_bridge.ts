@@ -26,9 +26,12 @@ import type {
   JobStore,
   Lease,
 } from "./job_store.ts";
-import { LeaseLostError } from "./store_schema.ts";
+import { LeaseLostError, StoreUnavailableError } from "./store_schema.ts";
 import type { BridgeAnswer, BridgeCall, BridgeData } from "./postgres_thread.ts";
 import { redact } from "./postgres_store.ts";
+
+/** Longest wait of the readiness probe ({@link PostgresBridgeStore.writeError}). */
+const PROBE_TIMEOUT_MS = 2000;
 
 /** The PostgreSQL job store, answering at once. Open with {@link PostgresBridgeStore.open}. */
 export class PostgresBridgeStore implements JobStore {
@@ -119,10 +122,14 @@ export class PostgresBridgeStore implements JobStore {
   waitingCount(): number {
     return this.#call("waitingCount", []) as number;
   }
-  /** Whether the database accepts a write now: null, or why not (a timeout included). */
+  /**
+   * Whether the database accepts a write now: null, or why not (a timeout included). Waits
+   * {@link PROBE_TIMEOUT_MS} at most: it is asked often while the database is away, on the thread
+   * that serves every request.
+   */
   writeError(): string | null {
     try {
-      return this.#call("writeError", []) as string | null;
+      return this.#call("writeError", [], Math.min(this.#timeoutMs, PROBE_TIMEOUT_MS)) as string | null;
     } catch (e) {
       return (e as Error).message;
     }
@@ -188,11 +195,14 @@ export class PostgresBridgeStore implements JobStore {
         if (a.id !== id) continue; // the late answer of a call that timed out
         if (a.ok) return a.value;
         if (a.error.name === "LeaseLostError") throw new LeaseLostError(a.error.lease as Lease);
+        if (a.error.name === "StoreUnavailableError") {
+          throw new StoreUnavailableError(`PostgreSQL is unreachable (${method}): ${a.error.message}`);
+        }
         throw new Error(a.error.message);
       }
       const left = deadline - performance.now();
       if (left <= 0) {
-        throw new Error(`PostgreSQL did not answer "${method}" within ${timeoutMs / 1000} s`);
+        throw new StoreUnavailableError(`PostgreSQL did not answer "${method}" within ${timeoutMs / 1000} s`);
       }
       Atomics.wait(this.#answered, 0, seen, left);
       seen = Atomics.load(this.#answered, 0);

@@ -7,6 +7,7 @@
 
 import { type MessagePort, workerData } from "node:worker_threads";
 import { PostgresJobStore } from "./postgres_store.ts";
+import { isStoreUnavailable } from "./store_schema.ts";
 
 /** What the HTTP thread hands this thread at start. */
 export interface BridgeData {
@@ -52,7 +53,9 @@ async function answer(call: BridgeCall): Promise<BridgeAnswer> {
     return { id: call.id, ok: true, value: await fn.apply(store, call.args) };
   } catch (e) {
     const err = e as Error & { lease?: unknown };
-    return { id: call.id, ok: false, error: { name: err.name, message: err.message, lease: err.lease } };
+    // A connection that is gone travels as such: the HTTP thread treats it as a passing state.
+    const name = isStoreUnavailable(err) ? "StoreUnavailableError" : err.name;
+    return { id: call.id, ok: false, error: { name, message: err.message, lease: err.lease } };
   }
 }
 

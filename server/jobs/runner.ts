@@ -18,7 +18,8 @@
  * the runner answers from the lease as the database has it at that moment.
  */
 
-import { isFinished, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
+import { isFinished, isStoreUnavailable, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
+import { StoreBacklog, type StoreState } from "./store_backlog.ts";
 import type { LeaseKeeper } from "./leases.ts";
 import {
   GpuUnavailableError,
@@ -48,6 +49,8 @@ export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
 /** A job whose Worker died this many times without getting further fails instead of resuming again. */
 const MAX_CRASHES_WITHOUT_PROGRESS = 3;
+/** Between two asks of an unreachable database whether a checkpoint may be committed, ms. */
+const COMMIT_RETRY_MS = 500;
 
 /** What one GPU slot is doing. */
 export interface GpuState {
@@ -116,7 +119,18 @@ export interface RunnerOptions {
   leases?: LeaseKeeper;
   /** With `leases`: ms between looks at the shared queue (default 1000). */
   pollMs?: number;
+  /**
+   * A running job whose Worker reports nothing (no step, log, evaluation or compile progress) for
+   * this long is stopped there and resumes from its newest checkpoint on a fresh Worker, or fails
+   * after repeated stalls (GPT2_STALL_S; default 600 s; 0 turns the watchdog off).
+   */
+  stallMs?: number;
+  /** First pause between tries of a job store that is away, ms (default 500). */
+  storeRetryMs?: number;
 }
+
+/** Default of {@link RunnerOptions.stallMs}. */
+export const DEFAULT_STALL_MS = 600_000;
 
 type Listener = (e: JobEvent) => void;
 
@@ -145,10 +159,40 @@ export class JobRunner {
   #fenceTimers = new Map<string, ReturnType<typeof setTimeout>>();
   #poll: ReturnType<typeof setInterval> | null = null;
   #unlistenStore: (() => void) | null = null;
+  /** Writes kept, in order, while the store is away. */
+  #backlog: StoreBacklog;
+  /** Each GPU's queue length when the store last answered (shown while it is away). */
+  #queued: number[] = [];
+  /** When each busy slot's Worker last reported on its job (the watchdog's clock), by slot index. */
+  #reported = new Map<number, number>();
+  #watchdog: ReturnType<typeof setInterval> | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
     this.#opts = opts;
+    this.#backlog = new StoreBacklog({
+      probe: () => store.writeError(),
+      retryMs: opts.storeRetryMs,
+      onLost: (error) =>
+        console.error(`Job store unreachable: ${error}; training goes on, its records wait in order`),
+      onRecovered: (ms) => {
+        console.log(`Job store reachable again after ${(ms / 1000).toFixed(1)} s; kept records written`);
+        if (!this.#stopped && !this.#draining) { for (const s of this.#slots) this.#dispatch(s.index); }
+      },
+    });
+  }
+
+  /** The store as the runner last found it: reachable, or away since when and why (`/health`). */
+  storeState(): StoreState {
+    return this.#backlog.state();
+  }
+
+  /**
+   * A call of a route found the store unreachable: the runner's state follows (and it tries the
+   * store until it answers). Returns whether `e` was such an error.
+   */
+  storeFailed(e: unknown): boolean {
+    return this.#backlog.failed(e);
   }
 
   /** The store the runner records into. */
@@ -173,6 +217,10 @@ export class JobRunner {
       for (const job of this.#store.markInterrupted()) this.#recovered(job);
     }
     for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
+    const stallMs = this.#opts.stallMs ?? DEFAULT_STALL_MS;
+    if (stallMs > 0) {
+      this.#watchdog = setInterval(() => this.#checkStalls(stallMs), Math.min(5000, stallMs / 4));
+    }
   }
 
   /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
@@ -415,10 +463,22 @@ export class JobRunner {
       adapter: s.adapter,
       error: s.error,
       job: s.job,
-      queued: this.#store.queueLength(s.index),
+      queued: this.#queueLength(s.index),
       max_buffer_bytes: s.maxBuffer,
       pci_bus: s.pciBus,
     }));
+  }
+
+  /** GPU `gpu`'s queue length, or the last one known while the store is away. */
+  #queueLength(gpu: number): number {
+    if (this.#backlog.reachable) {
+      try {
+        return this.#queued[gpu] = this.#store.queueLength(gpu);
+      } catch (e) {
+        if (!this.#backlog.failed(e)) throw e;
+      }
+    }
+    return this.#queued[gpu] ?? 0;
   }
 
   /** Posts a generation message to GPU `gpu`'s Worker (see server/generate/generation_manager.ts). */
@@ -468,6 +528,10 @@ export class JobRunner {
     }
     for (const s of this.#slots) s.worker.postMessage({ type: "shutdown" });
     await until(() => this.#slots.every((s) => s.closed || s.state === "unavailable"));
+    // Records kept while the store was away: one last try (what stays unwritten is logged).
+    if (this.#backlog.state().pending > 0) this.#backlog.flush();
+    const { pending } = this.#backlog.state();
+    if (pending > 0) console.error(`Job store still unreachable: ${pending} job record(s) not written`);
     this.shutdown();
   }
 
@@ -475,6 +539,8 @@ export class JobRunner {
   shutdown(): void {
     this.#stopped = true;
     this.#draining = true;
+    this.#backlog.stop();
+    if (this.#watchdog !== null) clearInterval(this.#watchdog);
     if (this.#poll !== null) clearInterval(this.#poll);
     for (const timer of this.#fenceTimers.values()) clearTimeout(timer);
     this.#fenceTimers.clear();
@@ -544,6 +610,16 @@ export class JobRunner {
    * once it has one per rank.
    */
   #dispatch(gpu: number): void {
+    // The store is away: nothing new starts (running jobs go on); every slot looks again once it is back.
+    if (!this.#backlog.reachable) return;
+    try {
+      this.#dispatchNow(gpu);
+    } catch (e) {
+      if (!this.#backlog.failed(e)) throw e;
+    }
+  }
+
+  #dispatchNow(gpu: number): void {
     const slot = this.#slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
@@ -621,7 +697,9 @@ export class JobRunner {
     try {
       claim = leases.claim(free);
     } catch (e) {
-      console.error(`Cannot claim a job from the shared queue: ${(e as Error).message}`);
+      if (!this.#backlog.failed(e)) {
+        console.error(`Cannot claim a job from the shared queue: ${(e as Error).message}`);
+      }
       return null;
     }
     if (!claim) return null;
@@ -644,7 +722,7 @@ export class JobRunner {
 
   /** With several hosts: every idle training GPU looks at the shared queue. */
   #claimWaiting(): void {
-    if (this.#stopped || this.#draining) return;
+    if (this.#stopped || this.#draining || !this.#backlog.reachable) return;
     for (const s of this.#trainSlots()) this.#dispatch(s.index);
   }
 
@@ -654,6 +732,15 @@ export class JobRunner {
    */
   #leaseLost(id: string): void {
     if (this.#lost.has(id)) return;
+    const iteration = this.#slots.find((s) => s.job === id) ? " while it ran here" : "";
+    // Recorded unfenced, as a user's cancel is: the job's other records are the new holder's now.
+    this.#emit(id, "log", {
+      level: "warn",
+      message:
+        `Host "${this.#opts.leases?.hostId}" lost its lease on the job${iteration} (it could not renew ` +
+        "it in time, e.g. while the job store was unreachable, and another host claimed it): stopped here " +
+        "without saving; the job resumes from its newest checkpoint",
+    }, false);
     this.#lost.add(id);
     this.#opts.leases?.forget(id);
     this.#crashes.delete(id);
@@ -672,11 +759,18 @@ export class JobRunner {
    * the answer is no: the Worker removes the checkpoint's temporary folder and ends the job, and
    * nothing more is written for it here. A database that does not answer is a no as well.
    */
-  #commitCheck(slot: Slot, msg: Extract<FromWorker, { type: "commit_check" }>): void {
+  #commitCheck(
+    slot: Slot,
+    msg: Extract<FromWorker, { type: "commit_check" }>,
+    askedAt?: number,
+  ): void {
+    const first = askedAt === undefined;
+    const asked = askedAt ?? Date.now();
     const answer = (held: boolean, reason: string | null) =>
       slot.worker.postMessage({ type: "commit_answer", id: msg.id, request: msg.request, held, reason });
     const leases = this.#opts.leases;
     if (!leases) return answer(true, null);
+    if (this.#stopped) return; // the Worker is gone with the host
     let reason: string | null = null;
     if (this.#lost.has(msg.id)) {
       reason = "another host took the job over";
@@ -687,6 +781,18 @@ export class JobRunner {
             "(expired, or claimed by another host)";
         }
       } catch (e) {
+        // A database that is away: ask again while the lease surely still holds and the Worker waits.
+        const until = Math.min(asked + COMMIT_CHECK_MS - 2000, (leases.expiresAt(msg.id) ?? 0) - 1000);
+        if (this.#backlog.failed(e) && Date.now() + COMMIT_RETRY_MS < until) {
+          if (first) {
+            const message = `Checkpoint "${msg.name}" waits for the job store to confirm this host's lease ` +
+              `(${(e as Error).message}); at most ${Math.round((until - asked) / 1000)} s`;
+            console.error(`Job "${msg.id}": ${message}`);
+            this.#emit(msg.id, "log", { level: "warn", message });
+          }
+          setTimeout(() => this.#commitCheck(slot, msg, asked), COMMIT_RETRY_MS);
+          return;
+        }
         reason = `its lease cannot be confirmed: ${(e as Error).message}`;
       }
     }
@@ -747,39 +853,62 @@ export class JobRunner {
     }
   }
 
-  /** Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. */
+  /**
+   * Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. After
+   * the job's records (kept in order while the store is away); a store that stays away lets the
+   * lease run out by itself.
+   */
   #release(id: string): void {
+    const leases = this.#opts.leases;
+    if (this.#lost.has(id) || !leases) return;
+    this.#backlog.write(() => {
+      if (this.#lost.has(id)) return;
+      try {
+        leases.release(id);
+      } catch (e) {
+        if (isStoreUnavailable(e)) throw e;
+        console.error(
+          `Cannot give back the lease of job "${id}": ${(e as Error).message} (it runs out by itself)`,
+        );
+      }
+    });
+  }
+
+  /**
+   * Applies `patch` to job `id`, now or in order once the store is back, then calls `then` with the
+   * job as stored. Fenced on the lease this host holds now (several hosts): a lost lease stops the
+   * job here.
+   */
+  #update(id: string, patch: JobPatch, then?: (job: Job) => void): void {
     if (this.#lost.has(id)) return;
-    try {
-      this.#opts.leases?.release(id);
-    } catch (e) {
-      console.error(
-        `Cannot give back the lease of job "${id}": ${(e as Error).message} (it runs out by itself)`,
-      );
-    }
+    const lease = this.#opts.leases?.lease(id);
+    this.#backlog.write(() => {
+      if (this.#lost.has(id)) return;
+      let job: Job;
+      try {
+        job = this.#store.updateJob(id, patch, lease);
+      } catch (e) {
+        if (!(e instanceof LeaseLostError)) throw e;
+        this.#leaseLost(id);
+        return;
+      }
+      then?.(job);
+    });
   }
 
-  /** Fenced on this host's lease of `id` (several hosts); a lost lease stops the job here. */
-  #update(id: string, patch: JobPatch): Job | null {
-    if (this.#lost.has(id)) return null;
-    try {
-      return this.#store.updateJob(id, patch, this.#opts.leases?.lease(id));
-    } catch (e) {
-      if (!(e instanceof LeaseLostError)) throw e;
-      this.#leaseLost(id);
-      return null;
-    }
-  }
-
-  /** A metrics point, fenced as {@link #update}. */
+  /** A metrics point, kept and fenced as {@link #update}. */
   #metric(id: string, p: Omit<MetricPoint, "at">): void {
     if (this.#lost.has(id)) return;
-    try {
-      this.#store.addMetric(id, p, this.#opts.leases?.lease(id));
-    } catch (e) {
-      if (!(e instanceof LeaseLostError)) throw e;
-      this.#leaseLost(id);
-    }
+    const lease = this.#opts.leases?.lease(id);
+    this.#backlog.write(() => {
+      if (this.#lost.has(id)) return;
+      try {
+        this.#store.addMetric(id, p, lease);
+      } catch (e) {
+        if (!(e instanceof LeaseLostError)) throw e;
+        this.#leaseLost(id);
+      }
+    }, "metric");
   }
 
   /** Starts a data-parallel job once it holds a slot per rank. */
@@ -895,8 +1024,25 @@ export class JobRunner {
     slot.worker.postMessage({ type: "train", job: msg });
   }
 
+  /**
+   * A Worker's message. Nothing it causes may escape to the port: an error there would stop the
+   * host's relay of every GPU's messages (and with it the host). It is logged instead, and an
+   * unreachable store becomes the runner's store state.
+   */
   #onMessage(slot: Slot, msg: FromWorker): void {
     if (this.#stopped) return;
+    if ("id" in msg && msg.id !== null && msg.id === slot.job) this.#reported.set(slot.index, Date.now());
+    try {
+      this.#handle(slot, msg);
+    } catch (e) {
+      if (this.#backlog.failed(e)) return;
+      console.error(
+        `Job runner: handling "${msg.type}" from GPU ${slot.index} failed: ${(e as Error).stack ?? e}`,
+      );
+    }
+  }
+
+  #handle(slot: Slot, msg: FromWorker): void {
     switch (msg.type) {
       case "gen_started":
       case "gen_tokens":
@@ -1045,6 +1191,35 @@ export class JobRunner {
     }
   }
 
+  /**
+   * The watchdog: a running job whose Worker reported nothing for `stallMs` is stopped there (the
+   * Worker replaced) and resumes from its newest checkpoint, or fails after repeated stalls, with
+   * the reason recorded either way.
+   */
+  #checkStalls(stallMs: number): void {
+    if (this.#stopped || this.#draining) return;
+    const now = Date.now();
+    for (const slot of [...this.#slots]) {
+      if (!slot.job || slot.state !== "busy") {
+        this.#reported.delete(slot.index);
+        continue;
+      }
+      const last = this.#reported.get(slot.index);
+      if (last === undefined) {
+        this.#reported.set(slot.index, now);
+        continue;
+      }
+      if (now - last < stallMs) continue;
+      this.#reported.delete(slot.index);
+      const message =
+        `its Worker on GPU ${slot.index} reported nothing for ${Math.round((now - last) / 1000)} s ` +
+        `(GPT2_STALL_S ${stallMs / 1000}): stalled, replaced`;
+      console.error(`Job "${slot.job}": ${message}`);
+      this.#emit(slot.job, "log", { level: "error", message });
+      this.#onCrash(slot, message);
+    }
+  }
+
   /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
   #interrupted(id: string, iteration: number): void {
     this.#update(id, { status: "interrupted", iteration });
@@ -1063,22 +1238,19 @@ export class JobRunner {
     iteration: number,
     error: string | null,
   ): void {
-    const job = this.#update(id, {
-      status,
-      iteration,
-      error,
-      finished_at: new Date().toISOString(),
+    const patch = { status, iteration, error, finished_at: new Date().toISOString() };
+    // Not called when another host holds the job now.
+    this.#update(id, patch, (job) => {
+      this.#emit(id, "done", {
+        status,
+        iteration,
+        error,
+        loss: job.metrics.loss,
+        val_loss: job.metrics.val_loss,
+        test_loss: job.metrics.test_loss,
+      });
+      this.#release(id);
     });
-    if (!job) return; // another host holds it now
-    this.#emit(id, "done", {
-      status,
-      iteration,
-      error,
-      loss: job.metrics.loss,
-      val_loss: job.metrics.val_loss,
-      test_loss: job.metrics.test_loss,
-    });
-    this.#release(id);
   }
 
   /**
@@ -1119,7 +1291,8 @@ export class JobRunner {
 
   /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
   #crashed(jobId: string, message: string): void {
-    {
+    // It reads the job's iteration as stored: in order with the job's other records.
+    this.#backlog.write(() => {
       const job = this.#store.getJob(jobId);
       const iteration = job?.iteration ?? 0;
       const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
@@ -1143,7 +1316,7 @@ export class JobRunner {
         });
         this.#release(jobId);
       }
-    }
+    });
   }
 
   /**
@@ -1152,14 +1325,19 @@ export class JobRunner {
    */
   #emit(id: string, type: JobEventType, data: Record<string, unknown>, fenced = true): void {
     if (fenced && this.#lost.has(id)) return;
-    let event: JobEvent;
-    try {
-      event = this.#store.addEvent(id, type, data, fenced ? this.#opts.leases?.lease(id) : undefined);
-    } catch (e) {
-      if (!(e instanceof LeaseLostError)) throw e;
-      this.#leaseLost(id);
-      return;
-    }
-    for (const fn of this.#listeners.get(id) ?? []) fn(event);
+    const lease = fenced ? this.#opts.leases?.lease(id) : undefined;
+    // While the store is away, events wait with the other records and reach live streams once written.
+    this.#backlog.write(() => {
+      if (fenced && this.#lost.has(id)) return;
+      let event: JobEvent;
+      try {
+        event = this.#store.addEvent(id, type, data, lease);
+      } catch (e) {
+        if (!(e instanceof LeaseLostError)) throw e;
+        this.#leaseLost(id);
+        return;
+      }
+      for (const fn of this.#listeners.get(id) ?? []) fn(event);
+    });
   }
 }

@@ -125,6 +125,40 @@ export class LeaseLostError extends Error {
   }
 }
 
+/**
+ * The job store cannot be reached now: PostgreSQL down, restarting or cut off, or SQLite's disk
+ * full, locked or failing. A state that passes, not a fault of the call: the runner buffers what
+ * may wait, routes answer 503, and `/health` shows it.
+ */
+export class StoreUnavailableError extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "StoreUnavailableError";
+  }
+}
+
+/**
+ * postgres.js connection errors (its own codes and the socket's), and SQLSTATEs of a server that
+ * is going away or not yet there: class 08 (connection exception), 57P01-57P03 (admin or crash
+ * shutdown, cannot connect now), 53300 (too many connections).
+ */
+const PG_UNREACHABLE = new RegExp(
+  "^(CONNECTION_(CLOSED|ENDED|DESTROYED)|CONNECT_TIMEOUT|E(CONNREFUSED|CONNRESET|PIPE|TIMEDOUT|HOSTUNREACH|NETUNREACH|AI_AGAIN)|ENOTFOUND|08...|57P0[123]|53300)$",
+);
+/** SQLite's primary result codes for a database it cannot use now: BUSY, LOCKED, IOERR, FULL, CANTOPEN. */
+const SQLITE_UNAVAILABLE = new Set([5, 6, 10, 13, 14]);
+
+/** Whether `e` says the job store is unreachable now (see {@link StoreUnavailableError}). */
+export function isStoreUnavailable(e: unknown): boolean {
+  if (e instanceof StoreUnavailableError) return true;
+  const err = e as { code?: unknown; errcode?: unknown } | null;
+  if (!err || typeof err !== "object") return false;
+  if (err.code === "ERR_SQLITE_ERROR" && typeof err.errcode === "number") {
+    return SQLITE_UNAVAILABLE.has(err.errcode & 0xff);
+  }
+  return typeof err.code === "string" && PG_UNREACHABLE.test(err.code);
+}
+
 /** Whether a job can no longer change. */
 export function isFinished(status: JobStatus): boolean {
   return FINISHED_STATUSES.includes(status);

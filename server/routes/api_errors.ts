@@ -20,6 +20,7 @@ import {
   LimitError,
   ModelNotFoundError,
 } from "../jobs/mod.ts";
+import { isStoreUnavailable } from "../jobs/job_store.ts";
 import { PathOutsideRootError } from "../../data/mod.ts";
 
 /** Options of an {@link ApiError}: OpenAI's `type` (default from the status), `param`, `code`, extra headers. */
@@ -176,6 +177,11 @@ function toApiError(err: Error): ApiError {
     });
   }
   if (err instanceof GpuUnavailableError) return new ApiError(503, err.message, { code: "gpu_unavailable" });
+  if (isStoreUnavailable(err)) {
+    return new ApiError(503, `The job store is unreachable, try again shortly: ${err.message}`, {
+      code: "store_unavailable",
+    });
+  }
   if (err instanceof JobConflictError) return new ApiError(409, err.message, { code: "conflict" });
   if (err instanceof InvalidJobError) {
     return new ApiError(400, err.message, { param: err.field, code: "invalid_value" });

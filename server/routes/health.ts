@@ -1,7 +1,9 @@
 /**
  * Probes and metrics, as vLLM and llama.cpp split them:
  * - `GET /health`: liveness. 200 whenever the server answers, with each GPU's state, job counts and
- *   the hosts sharing the job store (several hosts: GPUs, state, heartbeat age, jobs held).
+ *   the hosts sharing the job store (several hosts: GPUs, state, heartbeat age, jobs held); 503
+ *   while the job store is unreachable (`store`: since when, why, records waiting), when training
+ *   goes on but nothing new starts. Never a 500 for a store that is away.
  * - `GET /ready`: readiness. 200 once at least one GPU's device is open and the job store takes a
  *   write; until then, and while the GPU host is "failed" (it could not start; `/health` has
  *   `gpu_host.reason`), 503 with the reasons in the error message (a load balancer sends it no work).
@@ -10,6 +12,7 @@
 
 import { Hono } from "hono";
 import type { JobRunner } from "../jobs/mod.ts";
+import { StoreUnavailableError } from "../jobs/job_store.ts";
 import { ApiError } from "./api_errors.ts";
 import type { AppMetrics } from "./metrics.ts";
 
@@ -26,23 +29,43 @@ export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppM
     }
     const host = runner.hostStatus();
     if (host?.state === "failed") reasons.push(host.reason ?? "GPU host failed");
-    const storeError = await runner.store.writeError();
-    if (storeError) reasons.push(`Job store is not writable: ${storeError}`);
+    const known = runner.storeState();
+    if (known.state === "unreachable") {
+      reasons.push(`Job store is unreachable since ${known.since}: ${known.error}`);
+    } else {
+      const storeError = await runner.store.writeError();
+      if (storeError) {
+        runner.storeFailed(new StoreUnavailableError(storeError));
+        reasons.push(`Job store is not writable: ${storeError}`);
+      }
+    }
     return { gpus, reasons };
   };
 
   app.get("/health", async (c) => {
     const { gpus, reasons } = await readiness();
+    let jobs = null, hosts = null;
+    if (runner.storeState().state === "ok") {
+      try {
+        jobs = await runner.store.countByStatus();
+        // Hosts sharing the job store (several hosts, GPT2_DATABASE_URL): GPUs, state, lease age, jobs.
+        hosts = await runner.store.hosts();
+      } catch (e) {
+        if (!runner.storeFailed(e)) throw e;
+      }
+    }
+    const store = { engine: runner.store.engine, ...runner.storeState() };
+    const up = store.state === "ok";
     return c.json({
-      status: "ok",
-      ready: reasons.length === 0,
+      status: up ? "ok" : "degraded",
+      ready: reasons.length === 0 && up,
       uptime_s: Math.round((Date.now() - startedAt) / 1000),
       gpus,
       gpu_host: runner.hostStatus(),
-      jobs: await runner.store.countByStatus(),
-      // Hosts sharing the job store (several hosts, GPT2_DATABASE_URL): GPUs, state, lease age, jobs.
-      hosts: await runner.store.hosts(),
-    });
+      store,
+      jobs,
+      hosts,
+    }, up ? 200 : 503);
   });
 
   app.get("/ready", async (c) => {
