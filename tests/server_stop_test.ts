@@ -27,10 +27,36 @@ Deno.test("a signal's copies within the window are one stop request; a later one
   assert.ok(DUPLICATE_SIGNAL_MS >= 500 && DUPLICATE_SIGNAL_MS <= 2000);
 });
 
-/** `deno task serve` in its own session and process group, as a terminal or systemd starts it. */
-function startTask(home: string): { child: Deno.ChildProcess; output: () => string; url: Promise<string> } {
-  const child = new Deno.Command(Deno.execPath(), {
-    args: ["task", "serve"],
+/** How a user stops the server: what is signalled, and how the server was started. */
+const STOPS = {
+  "Ctrl-C (SIGINT to the terminal's process group)": { signal: "SIGINT", host: false, pid1: false },
+  "kill -TERM -PGID": { signal: "SIGTERM", host: false, pid1: false },
+  // KillMode=control-group: every process of the service's cgroup, the GPU host's session too.
+  "systemd's default stop (SIGTERM to every process of the service)": {
+    signal: "SIGTERM",
+    host: true,
+    pid1: false,
+  },
+  // `deno task serve` as PID 1 of its own PID namespace, the signal to it alone.
+  "docker stop (SIGTERM to PID 1)": { signal: "SIGTERM", host: false, pid1: true },
+} as const;
+
+/** Whether this machine can start a process in a PID namespace of its own (root, util-linux's unshare). */
+const canUnshare = await new Deno.Command("unshare", { args: ["--pid", "--fork", "--mount-proc", "true"] })
+  .output().then((o) => o.success, () => false);
+
+/**
+ * `deno task serve` in its own session and process group, as a terminal or systemd starts it; with
+ * `pid1`, as PID 1 of a PID namespace, as a container's entry point.
+ */
+function startTask(
+  home: string,
+  pid1: boolean,
+): { child: Deno.ChildProcess; output: () => string; url: Promise<string> } {
+  const task = [Deno.execPath(), "task", "serve"];
+  const argv = pid1 ? ["unshare", "--pid", "--fork", "--mount-proc", ...task] : task;
+  const child = new Deno.Command(argv[0], {
+    args: argv.slice(1),
     cwd: ROOT,
     env: {
       PORT: "0",
@@ -62,22 +88,21 @@ function startTask(home: string): { child: Deno.ChildProcess; output: () => stri
   return { child, output: () => text, url: url.promise };
 }
 
-/** Sends `signal` to every process of the group led by `pgid` (what Ctrl-C and systemd do). */
-async function signalGroup(pgid: number, signal: "SIGINT" | "SIGTERM"): Promise<void> {
-  const out = await new Deno.Command("kill", { args: [`-${signal.slice(3)}`, "--", `-${pgid}`] }).output();
+/** Sends `signal` to process `pid`, or with a negative `pid` to every process of group -pid. */
+async function kill(pid: number, signal: "SIGINT" | "SIGTERM"): Promise<void> {
+  const out = await new Deno.Command("kill", { args: [`-${signal.slice(3)}`, "--", `${pid}`] }).output();
   assert.ok(out.success, new TextDecoder().decode(out.stderr));
 }
 
-for (const signal of ["SIGINT", "SIGTERM"] as const) {
+for (const [how, { signal, host, pid1 }] of Object.entries(STOPS)) {
   Deno.test({
-    name:
-      `deno task serve: ${signal} to the process group saves the running job at its current step and exits 0`,
-    ignore: noGpu,
+    name: `deno task serve: ${how} saves the running job at its current step and exits 0`,
+    ignore: noGpu || (pid1 && !canUnshare),
     sanitizeResources: false,
     sanitizeOps: false,
     fn: async () => {
       const home = await Deno.makeTempDir({ prefix: `gpt2_stop_${signal}_` });
-      const { child, output, url: listening } = startTask(home);
+      const { child, output, url: listening } = startTask(home, pid1);
       let exited = false;
       child.status.then(() => exited = true);
       try {
@@ -109,7 +134,15 @@ for (const signal of ["SIGINT", "SIGTERM"] as const) {
           200,
         );
 
-        await signalGroup(child.pid, signal);
+        if (pid1) {
+          // The container's PID 1 is `deno task`, unshare's child.
+          const ps = await new Deno.Command("pgrep", { args: ["-P", String(child.pid)] }).output();
+          await kill(Number(new TextDecoder().decode(ps.stdout).trim().split("\n")[0]), signal);
+        } else {
+          const hostPid = host ? (await (await fetch(`${url}/health`)).json()).gpu_host.pid : null;
+          await kill(-child.pid, signal);
+          if (hostPid) await kill(hostPid, signal);
+        }
         const status = await child.status;
         const log = output();
         assert.equal(status.code, 0, `exit ${status.code} (signal ${status.signal}):\n${log}`);
