@@ -141,6 +141,49 @@ Deno.test({
 
 Deno.test({
   name:
+    "GenerationService: training's turn waits for a model loading for a waiting request, so the load's GPU rounds never queue behind training steps",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const { root, model } = await randomModel();
+    // Warming at load, as on GPUs: the load runs GPU rounds of its own.
+    const { svc, msgs } = service({
+      maxStreams: 4,
+      chunk: 4,
+      firstChunk: 2,
+      prefillTokens: 64,
+      warmAtLoad: true,
+    });
+    try {
+      const t0 = performance.now();
+      await svc.generate(request(model, "first", { max_tokens: 2 }));
+      // A training step that took 1 ms hands over: its share alone would be under a millisecond.
+      await svc.turn(1);
+      const turnMs = performance.now() - t0;
+      const started = msgs.find((m) => m.type === "gen_started") as
+        | Extract<FromWorker, { type: "gen_started" }>
+        | undefined;
+      assert.ok(started, `training went on after ${turnMs.toFixed(0)} ms while the model was still loading`);
+      assert.ok(
+        started.load_ms > 0 && started.load_ms <= turnMs + 1,
+        `load ${started.load_ms} ms, turn ${turnMs} ms`,
+      );
+      await until(() => msgs.some((m) => m.type === "gen_done"), "the request", 60_000);
+      // Loaded and idle: the turn is immediate again.
+      await until(() => !svc.busy, "the engine to go idle");
+      const t1 = performance.now();
+      await svc.turn(1);
+      assert.ok(performance.now() - t1 < 100);
+    } finally {
+      await svc.destroy();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
+
+Deno.test({
+  name:
     "GenerationService warming at load: no pipeline is created for any concurrency or prompt length after the first request",
   ignore: noGpu,
   sanitizeResources: false,

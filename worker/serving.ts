@@ -86,6 +86,13 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    * admitWindowMs in all.
    */
   admitQuietMs?: number;
+  /**
+   * Most ms training waits, after a step, for a model that is loading beside it (GPT2_GEN_LOAD_HOLD_MS,
+   * default 20 s): a load is one-off work of many short GPU rounds (the warm-up runs each plan
+   * once), and each would otherwise queue behind a whole training step (H200, 345M training: a
+   * 124M model's first token came 13 s after its request).
+   */
+  loadHoldMs?: number;
 }
 
 /**
@@ -105,6 +112,7 @@ export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   trainShare: 0.7,
   admitWindowMs: 4,
   admitQuietMs: 1,
+  loadHoldMs: 20_000,
 };
 
 /**
@@ -139,6 +147,8 @@ class Engine {
   #opts: GenerationServiceOptions;
   #gen: Promise<Generator>;
   #loadMs = 0;
+  /** Until the model is loaded (or its load failed). */
+  #loading = true;
   #waiting: WorkerGeneration[] = [];
   #active: Active[] = [];
   #running = false;
@@ -201,7 +211,16 @@ class Engine {
       this.#loadMs = performance.now() - t0;
       return g;
     });
-    this.#gen.catch(() => {}); // reported through the requests waiting on it
+    this.#gen.catch(() => {}).finally(() => this.#loading = false); // errors reach the requests waiting on it
+  }
+
+  /** Whether the model is still loading; `loaded` settles when it is done. */
+  get loading(): boolean {
+    return this.#loading;
+  }
+
+  get loaded(): Promise<unknown> {
+    return this.#gen.catch(() => {});
   }
 
   /** Whether this engine can take requests (its device alive, its load not failed). */
@@ -414,6 +433,21 @@ export class GenerationService {
    * its share (trainMs · (1 − trainShare) / trainShare, at most 2 s), or at once when idle.
    */
   turn(trainMs: number): Promise<void> {
+    if (!this.busy) return Promise.resolve();
+    const loads = [...this.#engines.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
+    if (loads.length > 0) {
+      // A model loading for a waiting request has the GPU to itself until it is ready (bounded), then the share.
+      let timer: ReturnType<typeof setTimeout> | undefined;
+      const hold = new Promise((r) => timer = setTimeout(r, this.#opts.loadHoldMs ?? 20_000));
+      return Promise.race([Promise.all(loads), hold]).then(() => {
+        clearTimeout(timer);
+        return this.#shareTurn(trainMs);
+      });
+    }
+    return this.#shareTurn(trainMs);
+  }
+
+  #shareTurn(trainMs: number): Promise<void> {
     if (!this.busy) return Promise.resolve();
     this.#turn?.resolve();
     const share = Math.min(0.95, Math.max(0.05, this.#opts.trainShare));

@@ -27,7 +27,7 @@ export function readWorkerSettings(env: Env): WorkerSettings {
 /**
  * Options from the environment, for tuning without a rebuild: GPT2_GEN_MAX_STREAMS,
  * GPT2_GEN_CHUNK, GPT2_GEN_FIRST_CHUNK, GPT2_GEN_PREFILL_TOKENS, GPT2_GEN_STEP_BUDGET_MS, GPT2_GEN_MAX_MODELS,
- * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_ADMIT_QUIET_MS, GPT2_GEN_RUN_AHEAD and GPT2_GEN_WARM_AT_LOAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
+ * GPT2_TRAIN_SHARE, GPT2_GEN_ADMIT_WINDOW_MS, GPT2_GEN_ADMIT_QUIET_MS, GPT2_GEN_LOAD_HOLD_MS, GPT2_GEN_RUN_AHEAD and GPT2_GEN_WARM_AT_LOAD (0 or 1), and MESA_SHADER_CACHE_DISABLE
  * (only reported). Throws RangeError naming a variable that is out of range.
  */
 export function generationOptionsFromEnv(
@@ -58,6 +58,7 @@ export function generationOptionsFromEnv(
   read("GPT2_TRAIN_SHARE", "trainShare", 0.05, 0.95, false);
   read("GPT2_GEN_ADMIT_WINDOW_MS", "admitWindowMs", 0, 1000, false);
   read("GPT2_GEN_ADMIT_QUIET_MS", "admitQuietMs", 0, 1000, false);
+  read("GPT2_GEN_LOAD_HOLD_MS", "loadHoldMs", 0, 600_000, false);
   const flag = (name: string): boolean | undefined => {
     const raw = env.get(name);
     if (raw === undefined || raw === "") return undefined;
