@@ -28,7 +28,8 @@
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--calls (each step call's time)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
- *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16]
+ *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16] [--cold-load]
+ *                                  [--train-batch 8] [--train-seq 1024]
  *                                  [--gpus 2 --roles train,generate]
  * Common: [--new 128]. Each prints one JSON line per measurement and a readable line.
  */
@@ -686,37 +687,94 @@ async function http(): Promise<void> {
   }
 }
 
+/** The training job the train scenario runs beside generation (batch 8 × 1024, as Megatron's 345M). */
+function trainingRequest(trainModel: string): TrainRequest {
+  return {
+    model: trainModel,
+    dataset: "sotu",
+    split: "949,50,1",
+    train_iters: 1_000_000,
+    batch_size: +arg("train-batch", "8"),
+    seq_len: +arg("train-seq", "1024"),
+    lr: 1.5e-4,
+    min_lr: 1e-5,
+    lr_decay_style: "cosine",
+    warmup: 0.01,
+    weight_decay: 0.01,
+    clip_grad: 1,
+    attention_dropout: 0,
+    hidden_dropout: 0,
+    seed: 1,
+    log_interval: 2,
+    eval_interval: 0,
+    eval_iters: 1,
+    save_interval: 0,
+    keep_checkpoints: 1,
+  };
+}
+
+/**
+ * `train --cold-load`: a model's first request while a job trains on the same GPU (the model not
+ * loaded yet: its load, compile and warm-up happen beside training), then lone requests once it is
+ * loaded, still beside training, and the same lone requests with the GPU idle: first-token times.
+ */
+async function coldLoad(
+  s: Awaited<ReturnType<typeof server>>,
+  model: string,
+  trainModel: string,
+  n: number,
+): Promise<void> {
+  const job = await s.runner.submit(trainingRequest(trainModel));
+  let progress = 0;
+  s.runner.subscribe(job.id, (e) => {
+    if (e.type === "progress") progress++;
+  });
+  const t0 = performance.now();
+  while (progress < 3) {
+    if (performance.now() - t0 > 240_000) {
+      throw new Error("Training did not report progress within 4 minutes");
+    }
+    await new Promise((r) => setTimeout(r, 200));
+  }
+  const first = await stream(s.url, model, n, 1);
+  const beside: number[] = [];
+  for (let i = 0; i < 5; i++) beside.push((await stream(s.url, model, n, 10 + i)).ttft);
+  s.runner.cancel(job.id);
+  while (s.runner.gpus().some((g) => g.job !== null)) await new Promise((r) => setTimeout(r, 100));
+  const idle: number[] = [];
+  for (let i = 0; i < 5; i++) idle.push((await stream(s.url, model, n, 20 + i)).ttft);
+  const res = {
+    scenario: "train-cold-load",
+    model,
+    train_model: trainModel,
+    first_token_cold_load_beside_training_ms: first.ttft,
+    ttft_loaded_beside_training_p50_ms: median(beside),
+    ttft_idle_p50_ms: median(idle),
+    loaded_beside_over_idle: median(beside) / median(idle),
+  };
+  console.log(JSON.stringify(res));
+  console.log(
+    `${model}'s first request beside ${trainModel} training (model not loaded): first token in ${
+      (first.ttft / 1000).toFixed(2)
+    } s; loaded, beside training: ${median(beside).toFixed(1)} ms p50; idle GPU: ${
+      median(idle).toFixed(1)
+    } ms ` +
+      `p50 (${res.loaded_beside_over_idle.toFixed(2)}×)`,
+  );
+}
+
 async function train(): Promise<void> {
   const model = arg("model", "gpt2-124M"), trainModel = arg("train-model", "gpt2-345M");
   const n = +arg("new", "128"), S = +arg("streams", "16");
   const s = await server(model);
+  if (Deno.args.includes("--cold-load")) {
+    return await coldLoad(s, model, trainModel, n).finally(() => s.close());
+  }
   try {
     await stream(s.url, model, 8, 999);
     await concurrent(s.url, model, S, 20);
     const alone = await concurrent(s.url, model, S, n);
-    const req: TrainRequest = {
-      model: trainModel,
-      dataset: "sotu",
-      split: "949,50,1",
-      train_iters: 1_000_000,
-      batch_size: 8,
-      seq_len: 1024,
-      lr: 1.5e-4,
-      min_lr: 1e-5,
-      lr_decay_style: "cosine",
-      warmup: 0.01,
-      weight_decay: 0.01,
-      clip_grad: 1,
-      attention_dropout: 0,
-      hidden_dropout: 0,
-      seed: 1,
-      log_interval: 2,
-      eval_interval: 0,
-      eval_iters: 1,
-      save_interval: 0,
-      keep_checkpoints: 1,
-    };
-    const job = await s.runner.submit(req);
+    const job = await s.runner.submit(trainingRequest(trainModel));
     const rates: { at: number; tps: number }[] = [];
     s.runner.subscribe(job.id, (e) => {
       if (e.type === "progress" && typeof e.data.tokens_per_s === "number") {
