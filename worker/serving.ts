@@ -422,6 +422,14 @@ export class GenerationService {
     this.#opts = { ...DEFAULT_GENERATION_OPTIONS, ...opts };
   }
 
+  /**
+   * Whether a model is loaded here (idle or not): requests may come at any moment, and each waits
+   * for the training steps queued before it on the GPU.
+   */
+  get resident(): boolean {
+    return this.#engines.size > 0;
+  }
+
   /** Whether any model has requests running or waiting. */
   get busy(): boolean {
     for (const e of this.#engines.values()) if (!e.idle) return true;

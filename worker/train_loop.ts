@@ -56,10 +56,11 @@ export interface TrainHooks {
   /** Test hook: make the gradient non-finite on the GPU at these steps (0-based, as Trainer's `debugNonFiniteAt`). */
   nonFiniteAt?: number[];
   /**
-   * Generation sharing this GPU: while it is busy, at most one training step is in flight, and
-   * after each step `turn(stepMs)` hands it the GPU for its share of time.
+   * Generation sharing this GPU: while a model is loaded (`resident`), at most one training step is
+   * in flight, so a request's first work waits behind one step at most, and while it is busy, after
+   * each step `turn(stepMs)` hands it the GPU for its share of time.
    */
-  generation?: { readonly busy: boolean; turn(trainMs: number): Promise<void> };
+  generation?: { readonly busy: boolean; readonly resident?: boolean; turn(trainMs: number): Promise<void> };
   /** Data-parallel jobs: the run's shared communicators (see `WorkerJob.parallel`). */
   comm?: JobComm;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
@@ -581,8 +582,9 @@ async function trainSteps(
       const ts = performance.now();
       await ctx.device.queue.onSubmittedWorkDone();
       await hooks.generation.turn(performance.now() - ts);
-    } else if (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0) {
-      // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel).
+    } else if (hooks.generation?.resident || (!logStep && iteration % MAX_STEPS_IN_FLIGHT === 0)) {
+      // Bound the steps queued on the GPU between loss readbacks (memory, and a prompt cancel); with
+      // a model loaded beside training, one: a request's first work waits behind every step queued.
       await ctx.device.queue.onSubmittedWorkDone();
     }
     let restart = false;
