@@ -815,7 +815,7 @@ const FAULTS: Fault[] = [
       if (!POSTGRES_BIN) {
         ctx.skip("no PostgreSQL server binaries (initdb, pg_ctl) on PATH or in /usr/lib/postgresql/N/bin");
       }
-      const pg = await startPostgres();
+      const pg = await startPostgres({ durable: true });
       ctx.cleanups.push(() => pg.stop().catch(() => {}));
       const db = await pg.database();
       const shared = `${ctx.dir}/shared`;

@@ -48,6 +48,11 @@ export interface PostgresOptions {
   bin?: string;
   /** Folder of shared libraries those binaries need, put first on their LD_LIBRARY_PATH. */
   libDir?: string;
+  /**
+   * Commit synchronously (default: off, for speed), so a server stopped with `halt()` (immediate,
+   * as a crash) loses no committed write, as a real database would not.
+   */
+  durable?: boolean;
 }
 
 /** Whether `bin` holds initdb and pg_ctl. */
@@ -115,9 +120,8 @@ export async function startPostgres(opts: PostgresOptions = {}): Promise<PgClust
     user,
     libDir,
   );
-  const options =
-    `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off ` +
-    "-c full_page_writes=off -c max_connections=200";
+  const options = `-p ${port} -k ${dir} -c listen_addresses=127.0.0.1 -c fsync=off ` +
+    `${opts.durable ? "" : "-c synchronous_commit=off "}-c full_page_writes=off -c max_connections=200`;
   const start = () =>
     run([`${bin}/pg_ctl`, "-D", data, "-o", options, "-l", `${dir}/log`, "-w", "start"], user, libDir);
   await start();

@@ -111,7 +111,7 @@ storeSuite("Job leases", [
     }
   }],
   [
-    "confirmLease reads the lease now: held and renewed while live, refused once expired or taken",
+    "confirmLease reads the lease now: held and renewed while live or expired unclaimed, refused once taken or given back",
     async (db) => {
       const [a, b] = await both(db.open);
       try {
@@ -122,8 +122,10 @@ storeSuite("Job leases", [
         assert.equal(await a.confirmLease(lease, 600), true); // renewed: live past the first 600 ms
         await sleep(400);
         assert.equal(await b.claimNext("B", 1, 60_000), null);
-        await sleep(500); // expired, not yet claimed: not held any more
-        assert.equal(await a.confirmLease(lease, 60_000), false);
+        await sleep(500); // expired, not yet claimed: still A's (no claim raised the epoch), renewed
+        assert.equal(await a.confirmLease(lease, 300), true);
+        assert.equal(await b.claimNext("B", 1, 60_000), null);
+        await sleep(500);
         const taken = (await b.claimNext("B", 1, 60_000))!;
         assert.equal(await a.confirmLease(lease, 60_000), false); // another host's epoch
         assert.equal(await b.confirmLease(taken.lease, 60_000), true);

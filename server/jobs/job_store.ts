@@ -157,18 +157,23 @@ export interface JobStoreEngine {
   releaseHost(hostId: string): Awaitable<Job[]>;
   /**
    * Claims the first waiting job (interrupted or lease-expired before queued, each FIFO) that
-   * needs at most `capacity` Workers and no live lease holds; the lease lasts `leaseMs`.
+   * needs at most `capacity` Workers and no live lease holds; the lease lasts `leaseMs`. With
+   * `takeover` false, a `running` job whose lease expired (its host may be renewing it any moment,
+   * e.g. just after the database came back) is not taken.
    */
-  claimNext(hostId: string, capacity: number, leaseMs: number): Awaitable<Claim | null>;
+  claimNext(hostId: string, capacity: number, leaseMs: number, takeover?: boolean): Awaitable<Claim | null>;
   /** Renews `leases` for `leaseMs` and the host's row; says which are kept and which were taken. */
   heartbeat(host: HostReport, leases: Lease[], leaseMs: number): Awaitable<HeartbeatResult>;
   /** Ends a lease early (the job finished or was interrupted here): another host may claim it now. */
   release(lease: Lease): Awaitable<void>;
   /**
    * Whether `lease` holds its job right now by the database: its host and epoch are still the
-   * job's and it has not expired (by the database's clock). When it holds it is renewed for
-   * `leaseMs` in the same statement, so no other host can claim the job for that long. Asked
-   * before a checkpoint is committed (the fence on the files).
+   * job's and it was not given back. A lease that expired without another host claiming it
+   * holds (a claim raises the epoch in the same statement that takes the job, so none came in
+   * between), as a heartbeat would renew it. When it holds it is renewed for `leaseMs` in the
+   * same statement, so no other host can claim the job for that long. Asked before a checkpoint
+   * is committed (the fence on the files); after a database outage longer than the lease it lets
+   * the host that kept training commit, unless another host took the job meanwhile.
    */
   confirmLease(lease: Lease, leaseMs: number): Awaitable<boolean>;
 }

@@ -39,10 +39,10 @@ export interface LeaseKeeperOptions {
 export class LeaseKeeper {
   #opts: LeaseKeeperOptions;
   #held = new Map<string, Lease>();
-  /** When each held lease was last claimed, renewed or confirmed (this process's clock, ms). */
-  #renewed = new Map<string, number>();
   #cancelled = new Set<string>();
   #timer: ReturnType<typeof setInterval> | null = null;
+  /** Before this time (ms), claims take no running job whose lease expired. */
+  #takeoversFrom = 0;
 
   constructor(opts: LeaseKeeperOptions) {
     this.#opts = opts;
@@ -71,21 +71,31 @@ export class LeaseKeeper {
     return released;
   }
 
+  /**
+   * The database is back after an outage: every host's leases ran out meanwhile, though the hosts
+   * may all be alive. For two heartbeats from now, claims leave expired running jobs to their hosts,
+   * which renew them at their next beat; a host that is really gone loses its jobs after that.
+   */
+  holdTakeovers(): void {
+    const every = this.#opts.heartbeatMs ?? Math.max(100, Math.floor(this.#opts.leaseMs / 3));
+    this.#takeoversFrom = Date.now() + 2 * every + 500;
+  }
+
   /** Stops the heartbeat (the leases run out unless released). */
   stop(): void {
     if (this.#timer !== null) clearInterval(this.#timer);
     this.#timer = null;
   }
 
-  /** Claims the next job this host can place on `capacity` free Workers, or null. */
+  /**
+   * Claims the next job this host can place on `capacity` free Workers, or null. Until
+   * {@link holdTakeovers}'s time, a running job whose lease ran out is left to its host.
+   */
   claim(capacity: number): Claim | null {
     if (capacity < 1) return null;
-    const at = Date.now();
-    const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs);
-    if (claim) {
-      this.#held.set(claim.job.id, claim.lease);
-      this.#renewed.set(claim.job.id, at);
-    }
+    const takeover = Date.now() >= this.#takeoversFrom;
+    const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs, takeover);
+    if (claim) this.#held.set(claim.job.id, claim.lease);
     return claim;
   }
 
@@ -96,27 +106,14 @@ export class LeaseKeeper {
 
   /**
    * Whether this host still holds `jobId` by the database now, not by this keeper's memory: the
-   * lease's epoch is still the job's and it has not expired (the database's clock). A lease that
-   * holds is renewed for a whole `leaseMs`. False when this host holds no lease on the job; a
+   * lease's epoch is still the job's and it was not given back (see JobStoreEngine.confirmLease).
+   * A lease that holds is renewed for a whole `leaseMs`. False when this host holds no lease on the job; a
    * database that does not answer throws.
    */
   confirm(jobId: string): boolean {
     const lease = this.#held.get(jobId);
     if (!lease) return false;
-    const at = Date.now();
-    const held = this.#opts.store.confirmLease(lease, this.#opts.leaseMs);
-    if (held && this.#held.get(jobId) === lease) this.#renewed.set(jobId, at);
-    return held;
-  }
-
-  /**
-   * When this host's lease on `jobId` runs out at the latest (ms, this process's clock), counted
-   * from the last claim, renewal or confirmation that was sent before the database answered; null
-   * when it holds none. Until then no other host can have claimed the job.
-   */
-  expiresAt(jobId: string): number | null {
-    const at = this.#renewed.get(jobId);
-    return at === undefined || !this.#held.has(jobId) ? null : at + this.#opts.leaseMs;
+    return this.#opts.store.confirmLease(lease, this.#opts.leaseMs);
   }
 
   /** Job ids this host holds. */
@@ -141,14 +138,12 @@ export class LeaseKeeper {
   /** Forgets `jobId` without a write (its lease was lost: the job is another host's now). */
   forget(jobId: string): void {
     this.#held.delete(jobId);
-    this.#renewed.delete(jobId);
     this.#cancelled.delete(jobId);
   }
 
   /** One heartbeat now: renews every lease, reports lost ones and cancels from elsewhere. */
   beat(): HeartbeatResult {
     const leases = [...this.#held.values()];
-    const at = Date.now();
     let result: HeartbeatResult;
     try {
       result = this.#opts.store.heartbeat(
@@ -168,9 +163,6 @@ export class LeaseKeeper {
       }
     }
     for (const k of result.kept) {
-      if (leases.some((l) => l.job_id === k.job_id && this.#held.get(k.job_id) === l)) {
-        this.#renewed.set(k.job_id, at);
-      }
       if (k.cancel_requested && this.#held.has(k.job_id) && !this.#cancelled.has(k.job_id)) {
         this.#cancelled.add(k.job_id);
         this.#opts.onCancel(k.job_id);

@@ -45,6 +45,11 @@ export class PostgresBridgeStore implements JobStore {
   #version = 0;
   #closed = false;
   #listeners = new Set<(e: JobEvent) => void>();
+  /** Since when the database has been found unreachable (ms), null while it answers. */
+  #downSince: number | null = null;
+  #downError = "";
+  /** The id of the probe in flight while the database is away (answered asynchronously). */
+  #probe: number | null = null;
 
   private constructor(url: string, timeoutMs: number) {
     this.#timeoutMs = timeoutMs;
@@ -59,6 +64,15 @@ export class PostgresBridgeStore implements JobStore {
     this.#events.on("message", (e: JobEvent) => {
       for (const fn of this.#listeners) fn(e);
     });
+    // Answers nobody waits for any more: the probes sent while the database is away.
+    this.#calls.on("message", (a: BridgeAnswer) => this.#onProbe(a));
+  }
+
+  /** A probe's answer: the database is back when it took the write. */
+  #onProbe(a: BridgeAnswer): void {
+    if (a.id !== this.#probe) return;
+    this.#probe = null;
+    if (a.ok && a.value === null) this.#downSince = null;
   }
 
   /**
@@ -169,8 +183,8 @@ export class PostgresBridgeStore implements JobStore {
   releaseHost(hostId: string): Job[] {
     return this.#call("releaseHost", [hostId]) as Job[];
   }
-  claimNext(hostId: string, capacity: number, leaseMs: number): Claim | null {
-    return this.#call("claimNext", [hostId, capacity, leaseMs]) as Claim | null;
+  claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Claim | null {
+    return this.#call("claimNext", [hostId, capacity, leaseMs, takeover]) as Claim | null;
   }
   heartbeat(host: HostReport, leases: Lease[], leaseMs: number): HeartbeatResult {
     return this.#call("heartbeat", [host, leases, leaseMs]) as HeartbeatResult;
@@ -182,17 +196,52 @@ export class PostgresBridgeStore implements JobStore {
     return this.#call("confirmLease", [lease, leaseMs]) as boolean;
   }
 
-  /** Posts a call to the thread and waits for its answer. */
+  /**
+   * Posts a call to the thread and waits for its answer. While the database is known to be away
+   * (the last call found it unreachable), calls fail at once instead of each waiting on it, and a
+   * probe is sent that nobody waits for; its answer (a write taken) lets calls through again.
+   */
   #call(method: string, args: unknown[], timeoutMs = this.#timeoutMs): unknown {
     if (this.#closed) throw new Error(`Cannot run "${method}": the PostgreSQL job store is closed`);
+    if (this.#downSince !== null && method !== "close") {
+      this.#sendProbe();
+      throw new StoreUnavailableError(
+        `PostgreSQL is unreachable since ${
+          new Date(this.#downSince).toISOString()
+        } (${method}): ${this.#downError}`,
+      );
+    }
+    try {
+      return this.#wait(method, args, timeoutMs);
+    } catch (e) {
+      if (e instanceof StoreUnavailableError) {
+        this.#downSince ??= Date.now();
+        this.#downError = e.message.replace(/^PostgreSQL is unreachable \([^)]*\): /, "");
+      }
+      throw e;
+    }
+  }
+
+  #sendProbe(): void {
+    if (this.#probe !== null) return;
+    const id = this.#probe = ++this.#next;
+    this.#calls.postMessage(
+      { id, method: "writeError", args: [], timeoutMs: PROBE_TIMEOUT_MS } satisfies BridgeCall,
+    );
+  }
+
+  #wait(method: string, args: unknown[], timeoutMs: number): unknown {
     const id = ++this.#next;
     const deadline = performance.now() + timeoutMs;
     let seen = Atomics.load(this.#answered, 0);
-    this.#calls.postMessage({ id, method, args } satisfies BridgeCall);
+    this.#calls.postMessage({ id, method, args, timeoutMs } satisfies BridgeCall);
     for (;;) {
       for (let m = receiveMessageOnPort(this.#calls); m; m = receiveMessageOnPort(this.#calls)) {
         const a = m.message as BridgeAnswer;
-        if (a.id !== id) continue; // the late answer of a call that timed out
+        if (a.id !== id) {
+          this.#onProbe(a); // a probe's answer, or the late answer of a call that timed out
+          continue;
+        }
         if (a.ok) return a.value;
         if (a.error.name === "LeaseLostError") throw new LeaseLostError(a.error.lease as Lease);
         if (a.error.name === "StoreUnavailableError") {

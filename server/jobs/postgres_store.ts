@@ -95,7 +95,7 @@ export class PostgresJobStore implements JobStoreEngine {
    */
   static async open(url: string, opts: { max?: number } = {}): Promise<PostgresJobStore> {
     const where = redact(url);
-    const sql = postgres(url, { max: opts.max ?? 8, onnotice: () => {}, connect_timeout: 10 });
+    const sql = postgres(url, { max: opts.max ?? 8, onnotice: () => {}, connect_timeout: 5 });
     try {
       const version = await migrate(sql, where);
       const store = new PostgresJobStore(sql, version);
@@ -419,17 +419,17 @@ export class PostgresJobStore implements JobStoreEngine {
    * Claims the first waiting job that fits `capacity` Workers and no live lease holds
    * (`FOR UPDATE SKIP LOCKED`: hosts claiming together each get a different job, none waits).
    */
-  async claimNext(hostId: string, capacity: number, leaseMs: number): Promise<Claim | null> {
+  async claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Promise<Claim | null> {
     const [row] = await q(
       this.#sql,
       `update jobs set host_id = ?, lease_epoch = lease_epoch + 1, lease_until = ${NOW_MS} + ?
        where seq = (
          select seq from jobs where status in ${CLAIMABLE} and workers <= ?
-           and (lease_until is null or lease_until < ${NOW_MS})
+           and (lease_until is null or lease_until < ${NOW_MS}) and (? = 1 or status <> 'running')
          order by case status when 'queued' then 1 else 0 end, seq
          limit 1 for update skip locked)
        returning *`,
-      [hostId, Math.round(leaseMs), capacity],
+      [hostId, Math.round(leaseMs), capacity, takeover ? 1 : 0],
     );
     if (!row) return null;
     return {
@@ -474,14 +474,15 @@ export class PostgresJobStore implements JobStoreEngine {
   }
 
   /**
-   * Whether `lease` holds its job now: host and epoch still the job's, not expired by the
-   * database's clock; renewed for `leaseMs` in the same statement when it does.
+   * Whether `lease` holds its job now: host and epoch still the job's and not given back (an
+   * expired lease no other host claimed still holds, as a heartbeat would renew it); renewed for
+   * `leaseMs` in the same statement when it does.
    */
   async confirmLease(lease: Lease, leaseMs: number): Promise<boolean> {
     const rows = await q(
       this.#sql,
       `update jobs set lease_until = ${NOW_MS} + ?
-       where id = ? and host_id = ? and lease_epoch = ? and lease_until > ${NOW_MS} returning id`,
+       where id = ? and host_id = ? and lease_epoch = ? and lease_until is not null returning id`,
       [Math.round(leaseMs), lease.job_id, lease.host_id, lease.epoch],
     );
     return rows.length > 0;

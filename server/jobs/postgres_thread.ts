@@ -23,6 +23,8 @@ export interface BridgeCall {
   id: number;
   method: string;
   args: unknown[];
+  /** How long the caller waits: past it the answer is an unreachable store, and the next call runs. */
+  timeoutMs?: number;
 }
 
 /** The answer to call `id`. */
@@ -59,9 +61,31 @@ async function answer(call: BridgeCall): Promise<BridgeAnswer> {
   }
 }
 
+/**
+ * The call's answer, or an unreachable store once the caller stopped waiting: a query postgres.js
+ * leaves hanging (seen after a transaction failed to connect) must not hold every call after it.
+ */
+async function answerWithin(call: BridgeCall): Promise<BridgeAnswer> {
+  if (!call.timeoutMs) return await answer(call);
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const late = new Promise<BridgeAnswer>((resolve) => {
+    timer = setTimeout(() =>
+      resolve({
+        id: call.id,
+        ok: false,
+        error: { name: "StoreUnavailableError", message: `no answer to "${call.method}" in time` },
+      }), call.timeoutMs);
+  });
+  try {
+    return await Promise.race([answer(call), late]);
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
 calls.on("message", (call: BridgeCall) => {
   chain = chain.then(async () => {
-    calls.postMessage(await answer(call));
+    calls.postMessage(await answerWithin(call));
     Atomics.add(answered, 0, 1);
     Atomics.notify(answered, 0);
   });

@@ -177,6 +177,14 @@ export class JobRunner {
         console.error(`Job store unreachable: ${error}; training goes on, its records wait in order`),
       onRecovered: (ms) => {
         console.log(`Job store reachable again after ${(ms / 1000).toFixed(1)} s; kept records written`);
+        // Other hosts' leases ran out too: let them renew before any is taken over; renew ours now.
+        const leases = this.#opts.leases;
+        if (leases) {
+          leases.holdTakeovers();
+          try {
+            leases.beat();
+          } catch { /* the next beat tries again */ }
+        }
         if (!this.#stopped && !this.#draining) { for (const s of this.#slots) this.#dispatch(s.index); }
       },
     });
@@ -781,8 +789,9 @@ export class JobRunner {
             "(expired, or claimed by another host)";
         }
       } catch (e) {
-        // A database that is away: ask again while the lease surely still holds and the Worker waits.
-        const until = Math.min(asked + COMMIT_CHECK_MS - 2000, (leases.expiresAt(msg.id) ?? 0) - 1000);
+        // A database that is away: ask again while the Worker waits. Once it answers, the lease holds
+        // unless another host claimed the job meanwhile (expired unclaimed, it is renewed).
+        const until = asked + COMMIT_CHECK_MS - 2000;
         if (this.#backlog.failed(e) && Date.now() + COMMIT_RETRY_MS < until) {
           if (first) {
             const message = `Checkpoint "${msg.name}" waits for the job store to confirm this host's lease ` +

@@ -341,14 +341,14 @@ export class SqliteJobStore implements JobStoreEngine {
   }
 
   /** Claims the first waiting job that fits `capacity` Workers and no live lease holds. */
-  claimNext(hostId: string, capacity: number, leaseMs: number): Claim | null {
+  claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Claim | null {
     return this.#transaction(() => {
       const now = Date.now();
       const row = this.#db.prepare(
         `select * from jobs where status in ${CLAIMABLE} and workers <= ?
-           and (lease_until is null or lease_until < ?)
+           and (lease_until is null or lease_until < ?) and (? = 1 or status <> 'running')
          order by case status when 'queued' then 1 else 0 end, seq limit 1`,
-      ).get(capacity, now) as Row | undefined;
+      ).get(capacity, now, takeover ? 1 : 0) as Row | undefined;
       if (!row) return null;
       const epoch = Number(row.lease_epoch) + 1;
       this.#db.prepare("update jobs set host_id = ?, lease_epoch = ?, lease_until = ? where id = ?")
@@ -385,12 +385,12 @@ export class SqliteJobStore implements JobStoreEngine {
   }
 
   /** Whether `lease` holds its job now (epoch ours, not expired); renewed for `leaseMs` when it does. */
+  /** See JobStoreEngine.confirmLease: epoch and host still the job's, not given back; renewed. */
   confirmLease(lease: Lease, leaseMs: number): boolean {
-    const now = Date.now();
     const r = this.#db.prepare(
-      `update jobs set lease_until = ? where id = ? and host_id = ? and lease_epoch = ? and lease_until > ?
+      `update jobs set lease_until = ? where id = ? and host_id = ? and lease_epoch = ? and lease_until is not null
        returning id`,
-    ).get(now + leaseMs, lease.job_id, lease.host_id, lease.epoch, now);
+    ).get(Date.now() + leaseMs, lease.job_id, lease.host_id, lease.epoch);
     return r !== undefined;
   }
 
