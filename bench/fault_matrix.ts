@@ -1318,6 +1318,10 @@ async function runFault(f: Fault, root: string): Promise<FaultResult> {
       for (const s of ctx.servers) ctx.log(`${s.label}'s last output:\n${tail(s.output(), 20)}`);
     }
   } finally {
+    // A finding is explained by what the servers said.
+    if (result.findings.length > 0 && !result.error) {
+      for (const s of ctx.servers) ctx.log(`${s.label}'s last output:\n${tail(s.output(), 40)}`);
+    }
     await cleanup(ctx);
     activeCtx = null;
   }

@@ -12,7 +12,10 @@
  *
  * A call that gets no answer within `timeoutMs` (10 s) fails naming the method, so an unreachable
  * database shows as errors and a failing readiness probe, never a hung server; its late answer is
- * recognised by its call id and dropped. Events from every host arrive as ordinary messages.
+ * recognised by its call id and dropped. Once a call has found the database unreachable, calls fail
+ * at once (StoreUnavailableError) instead of each waiting on it, while one probe at a time is sent
+ * without waiting; the first call after its answer came (the write taken) goes through again.
+ * Events from every host arrive as ordinary messages, on a port of their own.
  */
 
 import { MessageChannel, receiveMessageOnPort, Worker } from "node:worker_threads";
@@ -64,8 +67,6 @@ export class PostgresBridgeStore implements JobStore {
     this.#events.on("message", (e: JobEvent) => {
       for (const fn of this.#listeners) fn(e);
     });
-    // Answers nobody waits for any more: the probes sent while the database is away.
-    this.#calls.on("message", (a: BridgeAnswer) => this.#onProbe(a));
   }
 
   /** A probe's answer: the database is back when it took the write. */
@@ -203,6 +204,13 @@ export class PostgresBridgeStore implements JobStore {
    */
   #call(method: string, args: unknown[], timeoutMs = this.#timeoutMs): unknown {
     if (this.#closed) throw new Error(`Cannot run "${method}": the PostgreSQL job store is closed`);
+    if (this.#downSince !== null && method !== "close") {
+      // The probe's answer, if it came (read here, never through a listener on this port: one
+      // would take answers that a waiting call then never sees).
+      for (let m = receiveMessageOnPort(this.#calls); m; m = receiveMessageOnPort(this.#calls)) {
+        this.#onProbe(m.message as BridgeAnswer);
+      }
+    }
     if (this.#downSince !== null && method !== "close") {
       this.#sendProbe();
       throw new StoreUnavailableError(
