@@ -184,6 +184,68 @@ Deno.test({
 
 Deno.test({
   name:
+    "GenerationService beside training: the first request is served before the full warm-up, which runs once the engine is idle, training held meanwhile",
+  ignore: noGpu,
+  sanitizeResources: false,
+  sanitizeOps: false,
+  fn: async () => {
+    const { root, model } = await randomModel();
+    const { svc, msgs } = service({
+      maxStreams: 2,
+      chunk: 4,
+      firstChunk: 2,
+      prefillTokens: 32,
+      warmAtLoad: true,
+    });
+    const ctx = (await testContext())!;
+    const device = ctx.device, create = device.createComputePipeline;
+    let created = 0;
+    device.createComputePipeline = (d: GPUComputePipelineDescriptor) => {
+      created++;
+      return create.call(device, d);
+    };
+    const done = () => msgs.filter((m) => m.type === "gen_done").length;
+    try {
+      svc.trainingStep(); // a job trains on this GPU
+      await svc.generate(request(model, "first", { max_tokens: 2 }));
+      await until(() => done() === 1, "the first request", 120_000);
+      const atFirst = created;
+      assert.ok(svc.busy, "the deferred warm-up runs once the first request is done");
+      // Training's turn waits for it, as for a load.
+      const t0 = performance.now();
+      await svc.turn(1);
+      assert.ok(!svc.busy, `training went on after ${(performance.now() - t0).toFixed(0)} ms, mid warm-up`);
+      const atWarm = created;
+      assert.ok(
+        atWarm > atFirst,
+        `the warm-up compiled nothing after the first request (${atFirst} pipelines)`,
+      );
+      // Everything is built now: no concurrency or prompt length compiles anything.
+      let n = 0;
+      for (const streams of [1, 2]) {
+        for (const len of [1, 40]) {
+          const before = done();
+          for (let i = 0; i < streams; i++) {
+            await svc.generate(
+              request(model, `r${n++}`, { prompt: Array.from({ length: len }, (_, j) => j + i) }),
+            );
+          }
+          await until(() => done() === before + streams, `${streams} streams of ${len} tokens`, 120_000);
+        }
+      }
+      assert.equal(created - atWarm, 0, "pipelines created after the deferred warm-up");
+      const errors = msgs.filter((m) => m.type === "gen_done" && m.reason !== "length");
+      assert.deepEqual(errors, []);
+    } finally {
+      device.createComputePipeline = create;
+      await svc.destroy();
+      await Deno.remove(root, { recursive: true });
+    }
+  },
+});
+
+Deno.test({
+  name:
     "GenerationService warming at load: no pipeline is created for any concurrency or prompt length after the first request",
   ignore: noGpu,
   sanitizeResources: false,

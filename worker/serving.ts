@@ -102,6 +102,9 @@ export interface GenerationServiceOptions extends SchedulerLimits {
  * burst for up to 4 ms while its requests come within 1 ms of each other, two models loaded,
  * training keeps 70% of a shared GPU.
  */
+/** A training step this recent means a job trains on this GPU (see GenerationService.trainingStep). */
+const TRAINING_RECENT_MS = 10_000;
+
 export const DEFAULT_GENERATION_OPTIONS: GenerationServiceOptions = {
   maxStreams: 64,
   chunk: 32,
@@ -147,8 +150,15 @@ class Engine {
   #opts: GenerationServiceOptions;
   #gen: Promise<Generator>;
   #loadMs = 0;
-  /** Until the model is loaded (or its load failed). */
+  /** Until the model is loaded (or its load failed), and again while a deferred warm-up runs. */
   #loading = true;
+  /** Settles when the load (or the deferred warm-up) is done. */
+  #ready: Promise<unknown>;
+  /**
+   * The full warm-up, deferred at a load beside training until the engine is first idle; until it
+   * is done the engine counts as loading (training's turn waits for it, bounded).
+   */
+  #warmLater: PromiseWithResolvers<void> | null = null;
   #waiting: WorkerGeneration[] = [];
   #active: Active[] = [];
   #running = false;
@@ -167,7 +177,7 @@ class Engine {
     first: WorkerGeneration,
     post: (msg: FromWorker) => void,
     opts: GenerationServiceOptions,
-    hooks: { idle: () => void; step: (ms: number) => void },
+    hooks: { idle: () => void; step: (ms: number) => void; training: () => boolean },
   ) {
     this.key = keyOf(first);
     this.#ctx = ctx;
@@ -207,20 +217,46 @@ class Engine {
       // Every kernel before the first request (GenerationServiceOptions.warmAtLoad): pipeline
       // creation blocks this thread, so compiling later, beside running streams, stalled them
       // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
-      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) await g.warm({ reserve: true, rehearse: true });
+      // Beside training, the first request comes first: only the single-stream decode is built
+      // now (its prompt's prefill on admission), and everything else once the engine is first
+      // idle, with training held as during a load (a 124M load's warm-up takes 2.3-4.6 s on an
+      // H200 with the driver's cache full, 11-16 s without).
+      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) {
+        if (hooks.training()) {
+          await g.warm({ rows: 1, prefill: false });
+          this.#warmLater = Promise.withResolvers<void>();
+        } else {
+          await g.warm({ reserve: true, rehearse: true });
+        }
+      }
       this.#loadMs = performance.now() - t0;
       return g;
     });
-    this.#gen.catch(() => {}).finally(() => this.#loading = false); // errors reach the requests waiting on it
+    // Errors reach the requests waiting on the load.
+    this.#ready = this.#gen.catch(() => {}).then(() => {
+      this.#loading = false;
+      return this.#warmLater?.promise;
+    });
   }
 
-  /** Whether the model is still loading; `loaded` settles when it is done. */
+  /** Whether the model is still loading (or finishing a deferred warm-up); `loaded` settles when it is done. */
   get loading(): boolean {
-    return this.#loading;
+    return this.#loading || this.#warmLater !== null;
   }
 
   get loaded(): Promise<unknown> {
-    return this.#gen.catch(() => {});
+    return this.#ready;
+  }
+
+  /** The deferred warm-up, with the engine idle: requests arriving meanwhile wait for it, as at a load. */
+  async #warmDeferred(gen: Generator): Promise<void> {
+    const later = this.#warmLater!;
+    try {
+      await gen.warm({ reserve: true, rehearse: true });
+    } finally {
+      this.#warmLater = null;
+      later.resolve();
+    }
   }
 
   /** Whether this engine can take requests (its device alive, its load not failed). */
@@ -297,7 +333,12 @@ class Engine {
     this.#running = true;
     try {
       const gen = await this.#gen;
-      while (this.#waiting.length > 0 || this.#active.length > 0) {
+      for (;;) {
+        if (this.#waiting.length === 0 && this.#active.length === 0) {
+          if (!this.#warmLater) break;
+          await this.#warmDeferred(gen);
+          continue;
+        }
         if (this.#active.length === 0 && this.#opts.admitWindowMs > 0) await this.#gather();
         // A step read through the canvas path waited on this thread and may never leave the
         // microtask queue: let messages (a cancel, a new request) in before the next, through a
@@ -410,6 +451,8 @@ export class GenerationService {
   #early = new Set<string>();
   /** Generation time owed to training's turn, and who waits for it. */
   #turn: { left: number; resolve: () => void } | null = null;
+  /** When training last handed over a turn (a job trains on this GPU if that was recent). */
+  #trainedAt = -Infinity;
 
   /** `open` returns the Worker's device (opening it again if lost); `post` sends to the HTTP thread. */
   constructor(
@@ -440,6 +483,11 @@ export class GenerationService {
    * Training's hand-over after a step that took `trainMs`: resolves once generation has run for
    * its share (trainMs · (1 − trainShare) / trainShare, at most 2 s), or at once when idle.
    */
+  /** Training took a step on this GPU: a model that loads while it does is loaded beside training. */
+  trainingStep(): void {
+    this.#trainedAt = performance.now();
+  }
+
   turn(trainMs: number): Promise<void> {
     if (!this.busy) return Promise.resolve();
     const loads = [...this.#engines.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
@@ -545,6 +593,7 @@ export class GenerationService {
           this.#evict(this.#opts.maxModels);
         },
         step: (ms) => this.#stepped(ms),
+        training: () => performance.now() - this.#trainedAt < TRAINING_RECENT_MS,
       });
     }
     // Most recently used last.

@@ -60,7 +60,12 @@ export interface TrainHooks {
    * in flight, so a request's first work waits behind one step at most, and while it is busy, after
    * each step `turn(stepMs)` hands it the GPU for its share of time.
    */
-  generation?: { readonly busy: boolean; readonly resident?: boolean; turn(trainMs: number): Promise<void> };
+  generation?: {
+    readonly busy: boolean;
+    readonly resident?: boolean;
+    trainingStep?(): void;
+    turn(trainMs: number): Promise<void>;
+  };
   /** Data-parallel jobs: the run's shared communicators (see `WorkerJob.parallel`). */
   comm?: JobComm;
   /** The driver's shader cache is disabled (MESA_SHADER_CACHE_DISABLE): said in compile reports. */
@@ -576,6 +581,7 @@ async function trainSteps(
     if (reduce || ranks.tpx) await trainer.trainStepReduced(tokens, reduce, logStep);
     else trainer.trainStep(tokens, logStep);
     const iteration = run.iteration = trainer.step;
+    hooks.generation?.trainingStep?.();
     windowSteps++;
     const last = iteration === c.train_iters;
     if (hooks.generation?.busy) {
