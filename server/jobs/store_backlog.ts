@@ -3,7 +3,7 @@
  * full disk must not stop training or freeze the runner: a write that finds the store unreachable
  * ({@link isStoreUnavailable}) is kept, with every write after it, in order, and they are applied
  * once the store answers again. While it is away the store is tried with a growing pause (0.5 s
- * doubling to 2 s) through its readiness probe, so no request thread waits on it more than once
+ * doubling to 1 s) through its readiness probe, so no request thread waits on it more than once
  * per try; {@link StoreBacklog.state} is what `/health` shows.
  *
  * A write is a function: it may read and write the store, and writes it makes in turn run inside
@@ -32,7 +32,7 @@ export interface StoreBacklogOptions {
   probe: () => string | null;
   /** First pause between tries while the store is away, ms (default 500); doubles up to `maxRetryMs`. */
   retryMs?: number;
-  /** Longest pause between tries, ms (default 2000). */
+  /** Longest pause between tries, ms (default 1000). */
   maxRetryMs?: number;
   /** Most writes kept (default 100,000); past it the oldest metric points are dropped. */
   limit?: number;
@@ -182,7 +182,7 @@ export class StoreBacklog {
   #schedule(): void {
     if (this.#timer !== null || this.#stopped) return;
     const pause = this.#pauseMs;
-    this.#pauseMs = Math.min(this.#opts.maxRetryMs ?? 2000, pause * 2);
+    this.#pauseMs = Math.min(this.#opts.maxRetryMs ?? 1000, pause * 2);
     this.#timer = setTimeout(() => this.flush(), pause);
   }
 }
