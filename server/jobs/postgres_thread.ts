@@ -35,15 +35,48 @@ export type BridgeAnswer =
 const { url, calls, events, answered } = workerData as BridgeData;
 let store: PostgresJobStore | null = null;
 let chain = Promise.resolve();
+/**
+ * Set when postgres.js threw outside any call (seen during a database's immediate shutdown: a write
+ * on a socket it had already dropped): its connections are not trusted any more, and the next call
+ * opens a fresh pool first. Without this catch the exception ended the thread, and the HTTP thread
+ * waited on calls nobody would answer.
+ */
+let broken: string | null = null;
+
+function strayError(e: unknown): void {
+  broken = (e as Error)?.message ?? String(e);
+  console.error(`Job store thread: postgres.js failed outside a call (${broken}); reconnecting`);
+}
+globalThis.addEventListener("error", (e) => {
+  e.preventDefault();
+  strayError(e.error ?? e.message);
+});
+globalThis.addEventListener("unhandledrejection", (e) => {
+  e.preventDefault();
+  strayError(e.reason);
+});
+
+async function openStore(): Promise<PostgresJobStore> {
+  const fresh = await PostgresJobStore.open(url);
+  fresh.onEvent((e) => events.postMessage(e));
+  return fresh;
+}
 
 async function answer(call: BridgeCall): Promise<BridgeAnswer> {
   try {
     if (call.method === "open") {
-      store = await PostgresJobStore.open(url);
-      store.onEvent((e) => events.postMessage(e));
+      store = await openStore();
       return { id: call.id, ok: true, value: store.schemaVersion };
     }
     if (!store) throw new Error(`Cannot run "${call.method}": the PostgreSQL job store is not open`);
+    if (broken !== null && call.method !== "close") {
+      // A fresh pool (failing as an unreachable database while it cannot connect); the old one is
+      // ended in the background.
+      const old = store;
+      store = await openStore();
+      broken = null;
+      old.close().catch(() => {});
+    }
     if (call.method === "close") {
       await store.close();
       store = null;
