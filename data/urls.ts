@@ -6,6 +6,8 @@
  * error that carries the counts, so the cause (all blacklisted? all invalid?) is visible.
  */
 
+import { parseIpv4, parseIpv6 } from "./ip.ts";
+
 /** Domains dropped by default: media hosts, social networks and link shorteners (as OpenWebText's filter). */
 export const DEFAULT_BLACKLIST: readonly string[] = [
   "youtube.com",
@@ -222,34 +224,6 @@ export function filterUrls(
 // Public addresses only: URL sources are fetched by the server, so a URL (or a redirect) naming
 // loopback, a private network or the cloud metadata address would turn the server into a proxy
 // into its own network (server-side request forgery).
-
-/** The 8 16-bit groups of an IPv6 address, or null if `ip` is not one. */
-function parseIpv6(ip: string): number[] | null {
-  let s = ip.toLowerCase();
-  const v4 = /(\d+\.\d+\.\d+\.\d+)$/.exec(s);
-  if (v4) {
-    const b = parseIpv4(v4[1]);
-    if (!b) return null;
-    s = s.slice(0, -v4[1].length) +
-      `${((b[0] << 8) | b[1]).toString(16)}:${((b[2] << 8) | b[3]).toString(16)}`;
-  }
-  const halves = s.split("::");
-  if (halves.length > 2) return null;
-  const part = (h: string) => (h === "" ? [] : h.split(":"));
-  const head = part(halves[0]), tail = halves.length === 2 ? part(halves[1]) : [];
-  const fill = 8 - head.length - tail.length;
-  if ((halves.length === 1 && fill !== 0) || fill < 0) return null;
-  const groups = [...head, ...Array(halves.length === 2 ? fill : 0).fill("0"), ...tail];
-  if (groups.length !== 8 || groups.some((g) => !/^[0-9a-f]{1,4}$/.test(g))) return null;
-  return groups.map((g) => parseInt(g, 16));
-}
-
-/** The 4 bytes of a dotted-decimal IPv4 address, or null. */
-function parseIpv4(ip: string): number[] | null {
-  const parts = ip.split(".");
-  if (parts.length !== 4 || parts.some((p) => !/^\d{1,3}$/.test(p) || Number(p) > 255)) return null;
-  return parts.map(Number);
-}
 
 function ipv4Range(b: number[]): string | null {
   const [a, c] = [b[0], b[1]];

@@ -7,6 +7,8 @@
  * a client can write anything to the left of what its first proxy appends, never to the right.
  */
 
+import { parseIpv4, parseIpv6 } from "../data/ip.ts";
+
 /** An address as 16 bytes (IPv4 mapped into IPv6). */
 export type Address = Uint8Array;
 
@@ -17,42 +19,16 @@ export interface AddressRange {
   bits: number;
 }
 
-function ipv4(text: string): number[] | null {
-  const parts = text.split(".");
-  if (parts.length !== 4 || parts.some((p) => !/^\d{1,3}$/.test(p) || Number(p) > 255)) return null;
-  return parts.map(Number);
-}
-
-function ipv6(text: string): number[] | null {
-  let s = text.toLowerCase();
-  const tail = /(\d+\.\d+\.\d+\.\d+)$/.exec(s);
-  if (tail) {
-    const b = ipv4(tail[1]);
-    if (!b) return null;
-    s = s.slice(0, -tail[1].length) +
-      `${((b[0] << 8) | b[1]).toString(16)}:${((b[2] << 8) | b[3]).toString(16)}`;
-  }
-  const halves = s.split("::");
-  if (halves.length > 2) return null;
-  const part = (h: string) => (h === "" ? [] : h.split(":"));
-  const head = part(halves[0]), rest = halves.length === 2 ? part(halves[1]) : [];
-  const fill = 8 - head.length - rest.length;
-  if ((halves.length === 1 && fill !== 0) || (halves.length === 2 && fill < 1)) return null;
-  const groups = [...head, ...Array(halves.length === 2 ? fill : 0).fill("0"), ...rest];
-  if (groups.some((g) => !/^[0-9a-f]{1,4}$/.test(g))) return null;
-  return groups.map((g) => parseInt(g, 16));
-}
-
 /** The 16 bytes of an IPv4 or IPv6 address (brackets and a zone such as `%eth0` allowed), or null. */
 export function parseAddress(text: string): Address | null {
   const bare = text.trim().replace(/^\[(.*)\]$/, "$1").replace(/%[^%]*$/, "");
   const out = new Uint8Array(16);
-  const v4 = ipv4(bare);
+  const v4 = parseIpv4(bare);
   if (v4) {
     out.set([0xff, 0xff, ...v4], 10);
     return out;
   }
-  const g = ipv6(bare);
+  const g = parseIpv6(bare);
   if (!g) return null;
   g.forEach((x, i) => out.set([x >> 8, x & 255], 2 * i));
   return out;
@@ -72,7 +48,7 @@ export function parseRange(entry: string): AddressRange | null {
   if (!m) return null;
   const bytes = parseAddress(m[1]);
   if (!bytes) return null;
-  const v4 = ipv4(m[1].trim()) !== null;
+  const v4 = parseIpv4(m[1].trim()) !== null;
   const bits = m[2] === undefined ? 128 : Number(m[2]) + (v4 ? 96 : 0);
   return bits <= 128 && (!v4 || bits >= 96) ? { bytes, bits } : null;
 }
