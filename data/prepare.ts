@@ -61,7 +61,7 @@ export interface PrepareOptions {
   shingle_size?: number;
   /** Split weights train, valid, test (default "949,50,1"; "98,1,1" for the small built-in moby-dick). */
   split?: string | number[];
-  /** Every split with positive weight must hold one window of seq_len + 1 tokens (default 1024). */
+  /** Every split with positive weight must hold one window of seq_len + 1 tokens (default DEFAULT_PREPARE_SEQ_LEN, 1024). */
   seq_len?: number;
   /** Read at most this many source documents (a quick subset, e.g. for tests). */
   max_documents?: number;
@@ -147,6 +147,15 @@ interface Stats {
 const BATCH_CHARS = 1 << 19;
 /** Source characters per committed shard (the unit of resumption). */
 const SHARD_CHARS = 1 << 26;
+/**
+ * The window a prepared split must hold at least one of by default (seq_len + 1 tokens): GPT-2's
+ * context, so a dataset prepared with defaults serves training and evaluation at any sequence
+ * length a GPT-2 model takes. A check on the data, not a training or evaluation default (those are
+ * in model/job_config.ts); part of every dataset's options, so changing it renames and re-prepares
+ * datasets (a built-in keeps its plain name only with default options).
+ */
+export const DEFAULT_PREPARE_SEQ_LEN = 1024;
+
 /** Bytes buffered before a write to disk. */
 const WRITE_BUFFER = 1 << 22;
 
@@ -165,7 +174,7 @@ function resolveOptions(o: PrepareOptions, defaultSplit: readonly number[] = DEF
   if (!(dedup_threshold > 0 && dedup_threshold <= 1)) {
     throw new RangeError(`dedup_threshold must be in (0, 1], got ${dedup_threshold}`);
   }
-  const seq_len = o.seq_len ?? 1024;
+  const seq_len = o.seq_len ?? DEFAULT_PREPARE_SEQ_LEN;
   if (!Number.isInteger(seq_len) || seq_len < 1) {
     throw new RangeError(`seq_len must be a positive integer, got ${seq_len}`);
   }

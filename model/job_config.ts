@@ -66,8 +66,29 @@ export function initModel(asked: TrainConfig["model"] | undefined, source: InitS
   return asked;
 }
 
-/** Default sequence length: the model's position table, capped at this. */
-export const DEFAULT_MAX_SEQ_LEN = 128;
+/**
+ * A training job's (and `GET /estimate`'s) default sequence length: the model's position table,
+ * capped at this. The user-facing default of `seq_len` (README, the /train schema); small, so a
+ * first job on any model fits and runs quickly. Not the evaluation window: see DEFAULT_EVAL_MAX_SEQ_LEN.
+ */
+export const DEFAULT_TRAIN_MAX_SEQ_LEN = 128;
+
+/** The sequence length of a training request that gives none (`DEFAULT_TRAIN_MAX_SEQ_LEN` at most). */
+export function defaultTrainSeqLen(model: Pick<ModelConfig, "n_positions">): number {
+  return Math.min(model.n_positions, DEFAULT_TRAIN_MAX_SEQ_LEN);
+}
+
+/**
+ * An evaluation's default window (`POST /evaluate`'s `seq_len`, README "Evaluation"): the model's
+ * whole context, capped at GPT-2's 1024. Not training's default on purpose: perplexity is measured
+ * over the context the model was built for, however short the runs that trained it.
+ */
+export const DEFAULT_EVAL_MAX_SEQ_LEN = 1024;
+
+/** The window of an evaluation request that gives none (`DEFAULT_EVAL_MAX_SEQ_LEN` at most). */
+export function defaultEvalSeqLen(model: Pick<ModelConfig, "n_positions">): number {
+  return Math.min(model.n_positions, DEFAULT_EVAL_MAX_SEQ_LEN);
+}
 
 /** What a GPU reported about itself (see the Worker's "ready" message). */
 export interface DeviceBudget {
@@ -128,7 +149,7 @@ export function estimateJob(
 ): Estimate & { seq_len: number; gpu_memory_bytes: number | null; fits: boolean | null } {
   try {
     const config = typeof q.model === "string" ? presetConfig(q.model) : makeConfig(q.model);
-    const seq_len = q.seq_len ?? Math.min(config.n_positions, DEFAULT_MAX_SEQ_LEN);
+    const seq_len = q.seq_len ?? defaultTrainSeqLen(config);
     validateSeqLen(config, seq_len);
     const est = estimateTraining({
       config,
@@ -194,7 +215,7 @@ export function completeConfig(
   let config: TrainConfig;
   try {
     const dims = typeof model === "string" ? presetConfig(model) : makeConfig(model);
-    config = { ...req, model, seq_len: req.seq_len ?? Math.min(dims.n_positions, DEFAULT_MAX_SEQ_LEN) };
+    config = { ...req, model, seq_len: req.seq_len ?? defaultTrainSeqLen(dims) };
     const dp = config.data_parallel ?? 1;
     config.data_parallel = dp;
     config.global_batch_size ??= config.batch_size * dp;
@@ -280,13 +301,13 @@ export interface EvaluateRequest {
 }
 
 /**
- * The job config of an evaluation: the model's dimensions, the window (`seq_len`, default the
- * model's context capped at 1024) and stride (default seq_len), and `evaluate` with what to
- * measure. The training fields are inert (no steps, no dropout). Throws InvalidJobError naming
- * seq_len or stride when they do not fit the model.
+ * The job config of an evaluation: the model's dimensions, the window (`seq_len`, default
+ * defaultEvalSeqLen: the model's context capped at 1024) and stride (default seq_len), and
+ * `evaluate` with what to measure. The training fields are inert (no steps, no dropout). Throws
+ * InvalidJobError naming seq_len or stride when they do not fit the model.
  */
 export function completeEvalConfig(req: EvaluateRequest, source: InitSource): TrainConfig {
-  const seq_len = req.seq_len ?? Math.min(source.config.n_positions, 1024);
+  const seq_len = req.seq_len ?? defaultEvalSeqLen(source.config);
   try {
     validateSeqLen(source.config, seq_len);
   } catch (e) {

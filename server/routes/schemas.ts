@@ -26,6 +26,7 @@ export const TrainRequestSchema = z.strictObject({
   ),
   train_iters: positiveInt.max(10_000_000).default(1000),
   batch_size: positiveInt.max(4096).default(4),
+  // Filled by completeConfig: the model's context capped at DEFAULT_TRAIN_MAX_SEQ_LEN (model/job_config.ts).
   seq_len: positiveInt.max(8192).optional(),
   lr: z.number().positive().max(1).default(6e-4),
   min_lr: z.number().min(0).max(1).default(6e-5),
@@ -77,8 +78,9 @@ const clozeWords = (text: string) => text.trim().split(/\s+/).filter((w) => w.le
 
 /**
  * Body of `POST /evaluate`: a model the server knows, a task, and what to read (texts, or a
- * dataset's split for perplexity). `seq_len` defaults to the model's context and `stride` to
- * `seq_len` (the non-overlapping evaluation); both are checked against the model by the runner.
+ * dataset's split for perplexity). `seq_len` defaults to the model's context capped at
+ * DEFAULT_EVAL_MAX_SEQ_LEN (model/job_config.ts) and `stride` to `seq_len` (the non-overlapping
+ * evaluation); both are filled and checked against the model by the runner.
  */
 export const EvaluateRequestSchema = z.strictObject({
   model: z.string().min(1).max(300),
