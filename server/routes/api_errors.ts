@@ -5,14 +5,16 @@
  * issue's path), keeping the headers a thrown exception carries (`WWW-Authenticate` on a 401).
  * Anything else is a logged 500 whose message is still shown, since the message is what a user
  * of this local tool needs; the data and sources folders are cut from messages ("$GPT2_HOME").
+ * The OpenAI-compatible generation routes word bad requests their own way ({@link ErrorStyle}).
  */
 
-import type { Context } from "hono";
+import type { Context, MiddlewareHandler } from "hono";
 import { HTTPException } from "hono/http-exception";
 import type { ContentfulStatusCode } from "hono/utils/http-status";
 import { zValidator } from "@hono/zod-validator";
 import type { z } from "zod";
 import {
+  GenerationOverloadedError,
   GpuUnavailableError,
   InvalidJobError,
   JobConflictError,
@@ -74,6 +76,48 @@ export function issueParam(issue: Issue): string | null {
   return path || null;
 }
 
+/**
+ * How a route words its errors, in the one shape either way:
+ * - "detailed" (the default): a validation error is `Invalid <what>: a: problem; b: problem` with
+ *   `code` the first zod issue's; a body that is not JSON is Hono's "Malformed JSON in request
+ *   body"; an InvalidJobError has code "invalid_value".
+ * - "openai": the OpenAI-compatible generation routes' (generate.ts: `/v1/completions`, ...):
+ *   `Invalid parameters: a, b` naming each parameter once (the first as `param`), a body that is
+ *   not JSON is "Invalid JSON body" (param "body"), and these and an InvalidJobError have code null.
+ */
+export type ErrorStyle = "detailed" | "openai";
+
+/** Context key of a route's {@link ErrorStyle}. */
+const ERROR_STYLE = "gpt2.errorStyle";
+
+/** Middleware putting a route's errors in `style`: list it before the route's validators. */
+export function errorStyle(style: ErrorStyle): MiddlewareHandler {
+  return async (c, next) => {
+    c.set(ERROR_STYLE as never, style as never);
+    await next();
+  };
+}
+
+function styleOf(c: Context): ErrorStyle {
+  return (c.get(ERROR_STYLE as never) as unknown) === "openai" ? "openai" : "detailed";
+}
+
+/** The parameter an issue names in OpenAI's wording: its path, the unknown keys, or "body". */
+function parameterName(issue: Issue): string {
+  if (issue.code === "unrecognized_keys") return issue.keys.join(", ");
+  return issue.path.join(".") || "body";
+}
+
+/** An ApiError 400 in OpenAI's wording: `Invalid parameters: a, b`, param the first, code null. */
+export function parametersError(issues: readonly Issue[]): ApiError {
+  const names = [...new Set(issues.map(parameterName))];
+  return new ApiError(400, `Invalid parameters: ${names.join(", ")}`, { param: names[0] ?? null });
+}
+
+function validationError(c: Context, what: string, issues: readonly Issue[]): ApiError {
+  return styleOf(c) === "openai" ? parametersError(issues) : zodError(what, issues);
+}
+
 /** An ApiError 400 describing zod's issues: `Invalid <what>: a: problem; b: problem`, param of the first. */
 export function zodError(what: string, issues: readonly Issue[]): ApiError {
   const parts = issues.slice(0, 10).map((i) => {
@@ -89,18 +133,31 @@ export function zodError(what: string, issues: readonly Issue[]): ApiError {
 
 /**
  * Validates a JSON body against `schema` (the route's `c.req.valid("json")` is then typed); a
- * failure is a 400 naming the fields. The content type itself is checked in app.ts (415).
+ * failure is a 400 naming the fields, worded in the route's {@link ErrorStyle}. The content type
+ * itself is checked in app.ts (415).
  */
 export function jsonBody<T extends z.ZodType>(schema: T, what: string) {
-  return zValidator("json", schema, (result) => {
-    if (!result.success) throw zodError(what, result.error.issues);
+  const check = zValidator("json", schema, (result, c) => {
+    if (!result.success) throw validationError(c, what, result.error.issues);
   });
+  const run: typeof check = async (c, next) => {
+    if (styleOf(c) === "openai") {
+      // Parsed here to word the failure; the validator reads the request's cached result.
+      try {
+        await c.req.json();
+      } catch {
+        throw new ApiError(400, "Invalid JSON body", { param: "body" });
+      }
+    }
+    return await check(c, next);
+  };
+  return run;
 }
 
 /** Validates a query string against `schema`, as {@link jsonBody} does a body. */
 export function queryParams<T extends z.ZodType>(schema: T, what: string) {
-  return zValidator("query", schema, (result) => {
-    if (!result.success) throw zodError(what, result.error.issues);
+  return zValidator("query", schema, (result, c) => {
+    if (!result.success) throw validationError(c, what, result.error.issues);
   });
 }
 
@@ -130,7 +187,7 @@ export function scrubPaths(message: string, aliases: readonly PathAlias[]): stri
 /** Renders a thrown error as the one error shape; `aliases` are cut from messages. */
 export function errorHandler(aliases: readonly PathAlias[] = []): (err: Error, c: Context) => Response {
   return (err, c) => {
-    const r = toApiError(err);
+    const r = toApiError(err, styleOf(c));
     const body: ErrorBody = {
       error: { message: scrubPaths(r.message, aliases), type: r.type, param: r.param, code: r.code },
     };
@@ -152,7 +209,8 @@ function headersOf(r: ApiError, err: Error): Record<string, string> {
   return out;
 }
 
-function toApiError(err: Error): ApiError {
+/** The ApiError a thrown error is answered with, worded in `style`. */
+export function toApiError(err: Error, style: ErrorStyle = "detailed"): ApiError {
   if (err instanceof ApiError) return err;
   if (err instanceof HTTPException) {
     const status = err.status as ContentfulStatusCode;
@@ -184,7 +242,17 @@ function toApiError(err: Error): ApiError {
   }
   if (err instanceof JobConflictError) return new ApiError(409, err.message, { code: "conflict" });
   if (err instanceof InvalidJobError) {
-    return new ApiError(400, err.message, { param: err.field, code: "invalid_value" });
+    return new ApiError(400, err.message, {
+      param: err.field,
+      code: style === "openai" ? null : "invalid_value",
+    });
+  }
+  if (err instanceof GenerationOverloadedError) {
+    return new ApiError(429, err.message, {
+      type: "server_error",
+      code: "too_many_requests",
+      headers: { "Retry-After": String(err.retryAfter) },
+    });
   }
   if (err instanceof LimitError) {
     return new ApiError(err.status, err.message, { param: err.param, code: "limit_exceeded" });

@@ -8,13 +8,13 @@
  *   unknown fields are refused (400), never dropped.
  * - `GET /v1/models`, `GET /v1/models/{id}`: the checkpoints and model directories that can be loaded.
  * - `POST /tokenize`, `POST /detokenize`: GPT-2 tokens of a text and back (vLLM's shapes).
- * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`; too many
- * waiting requests is 429 with Retry-After. Streams send a keepalive comment while no token
+ * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`, in the
+ * "openai" ErrorStyle of api_errors.ts (`Invalid parameters: a, b`, code null); too many waiting
+ * requests is 429 with Retry-After. Streams send a keepalive comment while no token
  * comes; a client that disconnects cancels its generation through `onAbort`.
  */
 
 import { type Context, Hono } from "hono";
-import { HTTPException } from "hono/http-exception";
 import { type SSEStreamingApi, streamSSE } from "hono/streaming";
 import { z } from "zod";
 import {
@@ -25,15 +25,11 @@ import {
   type Generation,
   type GenerationEvent,
   type GenerationManager,
-  GenerationOverloadedError,
-  GpuUnavailableError,
-  InvalidJobError,
   type ModelInfo,
-  ModelNotFoundError,
   tokenBytes,
   type TokenEvent,
 } from "../jobs/mod.ts";
-import { ApiError } from "./api_errors.ts";
+import { ApiError, errorStyle, jsonBody, queryParams } from "./api_errors.ts";
 
 const MAX_PROMPT_CHARS = 1_000_000;
 /** Token ids accepted in a prompt (GPT-2's real vocabulary). */
@@ -51,18 +47,34 @@ const samplingShape = {
   ignore_eos: z.boolean().default(false),
 };
 
+/**
+ * A query as Hono's validator gives it (a repeated key as an array), as `GET /generate` reads it:
+ * every `stop` given, the first value of any other key.
+ */
+function firstValues(query: unknown): unknown {
+  if (typeof query !== "object" || query === null) return query;
+  return Object.fromEntries(
+    Object.entries(query).map(([k, v]) => [k, k === "stop" ? [v].flat() : Array.isArray(v) ? v[0] : v]),
+  );
+}
+
 /** Query of `GET /generate` (strings coerced). */
-export const GenerateQuerySchema = z.strictObject({
-  model: z.string().min(1).max(300),
-  prompt: z.string().max(MAX_PROMPT_CHARS).default(""),
-  max_tokens: z.coerce.number().int().min(1).max(8192).optional(),
-  temperature: z.coerce.number().min(0).max(10).default(1),
-  top_k: z.coerce.number().int().min(0).max(50257).default(0),
-  top_p: z.coerce.number().gt(0).max(1).default(1),
-  seed: z.coerce.number().int().min(0).max(2 ** 32 - 1).optional(),
-  stop: stopList.default([]),
-  ignore_eos: z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1").default(false),
-});
+export const GenerateQuerySchema = z.preprocess(
+  firstValues,
+  z.strictObject({
+    model: z.string().min(1).max(300),
+    prompt: z.string().max(MAX_PROMPT_CHARS).default(""),
+    max_tokens: z.coerce.number().int().min(1).max(8192).optional(),
+    temperature: z.coerce.number().min(0).max(10).default(1),
+    top_k: z.coerce.number().int().min(0).max(50257).default(0),
+    top_p: z.coerce.number().gt(0).max(1).default(1),
+    seed: z.coerce.number().int().min(0).max(2 ** 32 - 1).optional(),
+    stop: stopList.default([]),
+    ignore_eos: z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1").default(
+      false,
+    ),
+  }),
+);
 
 /** A field OpenAI defines that we accept only at its neutral value (so nothing is silently ignored). */
 const neutral = <T extends z.ZodType>(t: T, ok: (v: z.infer<T>) => boolean, what: string) =>
@@ -116,48 +128,6 @@ const DetokenizeSchema = z.strictObject({
 export interface GenerateRoutesOptions {
   /** Milliseconds without an event before a stream sends a `: keepalive` comment (default 15 s). */
   keepaliveMs?: number;
-}
-
-/** A 400 naming every parameter zod rejected (the first one as `param`). */
-function invalid(issues: z.core.$ZodIssue[]): never {
-  const names = [...new Set(issues.map(pathOf))];
-  throw new ApiError(400, `Invalid parameters: ${names.join(", ")}`, { param: names[0] ?? null });
-}
-
-function pathOf(i: z.core.$ZodIssue): string {
-  if (i.code === "unrecognized_keys") return i.keys.join(", ");
-  return i.path.join(".") || "body";
-}
-
-/** The job layer's caller errors as OpenAI errors. */
-function apiError(e: unknown): never {
-  if (e instanceof ApiError) throw e;
-  if (e instanceof ModelNotFoundError) {
-    throw new ApiError(404, e.message, {
-      type: "invalid_request_error",
-      param: "model",
-      code: "model_not_found",
-    });
-  }
-  if (e instanceof InvalidJobError) throw new ApiError(400, e.message, { param: e.field });
-  if (e instanceof GenerationOverloadedError) {
-    throw new ApiError(429, e.message, {
-      type: "server_error",
-      code: "too_many_requests",
-      headers: { "Retry-After": String(e.retryAfter) },
-    });
-  }
-  if (e instanceof GpuUnavailableError) throw new ApiError(503, e.message, { code: "gpu_unavailable" });
-  if (e instanceof HTTPException) throw new ApiError(e.status, e.message);
-  throw e;
-}
-
-async function jsonBody(c: Context): Promise<unknown> {
-  try {
-    return await c.req.json();
-  } catch {
-    throw new ApiError(400, "Invalid JSON body", { param: "body" });
-  }
 }
 
 function truncationHeader(c: Context, gen: Generation): void {
@@ -320,16 +290,12 @@ function origin(c: Context): { arrived: number | undefined; rehearsal: boolean }
 export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesOptions = {}): Hono {
   const app = new Hono();
   const keepaliveMs = opts.keepaliveMs ?? 15_000;
+  // Every route words its errors, its parameters' included, in the "openai" ErrorStyle.
+  const openai = errorStyle("openai");
 
-  app.get("/generate", async (c) => {
-    const raw: Record<string, unknown> = { ...c.req.query() };
-    const stops = c.req.queries("stop");
-    if (stops) raw.stop = stops;
-    const parsed = GenerateQuerySchema.safeParse(raw);
-    if (!parsed.success) invalid(parsed.error.issues);
-    const gen = await manager.start({ ...(parsed.data satisfies GenerateParams), ...origin(c) }).catch(
-      apiError,
-    );
+  app.get("/generate", openai, queryParams(GenerateQuerySchema, "generation query"), async (c) => {
+    const q = c.req.valid("query");
+    const gen = await manager.start({ ...(q satisfies GenerateParams), ...origin(c) });
     truncationHeader(c, gen);
     return streamSSE(c, async (stream) => {
       stream.onAbort(() => gen.cancel());
@@ -354,10 +320,8 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
     });
   });
 
-  app.post("/v1/completions", async (c) => {
-    const parsed = CompletionRequestSchema.safeParse(await jsonBody(c));
-    if (!parsed.success) invalid(parsed.error.issues);
-    const r = parsed.data;
+  app.post("/v1/completions", openai, jsonBody(CompletionRequestSchema, "completion request"), async (c) => {
+    const r = c.req.valid("json");
     const prompt: string | number[] = Array.isArray(r.prompt)
       ? (typeof r.prompt[0] === "string" || Array.isArray(r.prompt[0]) ? r.prompt[0] : r.prompt as number[])
       : r.prompt;
@@ -373,7 +337,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       ignore_eos: r.ignore_eos,
       logprobs: r.logprobs ?? null,
       ...origin(c),
-    }, r.n).catch(apiError);
+    }, r.n);
     const cancelAll = () => gens.forEach((g) => g.cancel());
     truncationHeader(c, gens[0]);
     const head = {
@@ -473,29 +437,27 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
     });
   });
 
-  app.get("/v1/models", async (c) => {
+  app.get("/v1/models", openai, async (c) => {
     const models = await manager.models();
     return c.json({ object: "list", data: models.map(modelObject) });
   });
 
-  app.get("/v1/models/:id{.+}", async (c) => {
-    const m = await manager.model(c.req.param("id")).catch(apiError);
+  app.get("/v1/models/:id{.+}", openai, async (c) => {
+    const m = await manager.model(c.req.param("id"));
     return c.json(modelObject(m));
   });
 
-  app.post("/tokenize", async (c) => {
-    const parsed = TokenizeSchema.safeParse(await jsonBody(c));
-    if (!parsed.success) invalid(parsed.error.issues);
-    const ctx = parsed.data.model ? await manager.contextOf(parsed.data.model).catch(apiError) : 1024;
-    const tokens = parsed.data.prompt === "" ? [] : encodePrompt(parsed.data.prompt, Infinity).tokens;
+  app.post("/tokenize", openai, jsonBody(TokenizeSchema, "tokenize request"), async (c) => {
+    const r = c.req.valid("json");
+    const ctx = r.model ? await manager.contextOf(r.model) : 1024;
+    const tokens = r.prompt === "" ? [] : encodePrompt(r.prompt, Infinity).tokens;
     return c.json({ count: tokens.length, max_model_len: ctx, tokens });
   });
 
-  app.post("/detokenize", async (c) => {
-    const parsed = DetokenizeSchema.safeParse(await jsonBody(c));
-    if (!parsed.success) invalid(parsed.error.issues);
-    if (parsed.data.model) await manager.contextOf(parsed.data.model).catch(apiError);
-    return c.json({ prompt: decodeTokens(parsed.data.tokens) });
+  app.post("/detokenize", openai, jsonBody(DetokenizeSchema, "detokenize request"), async (c) => {
+    const r = c.req.valid("json");
+    if (r.model) await manager.contextOf(r.model);
+    return c.json({ prompt: decodeTokens(r.tokens) });
   });
 
   return app;
