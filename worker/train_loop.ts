@@ -138,11 +138,12 @@ export function scheduleOf(c: TrainConfig): LrSchedule {
  * Loads the three splits of a job's dataset. A builtin (e.g. "sotu") is prepared on first use;
  * a split other than the data pipeline's default prepares it under its own derived id.
  */
-export async function loadSplits(root: string, dataset: string, split: string, seqLen = 1024) {
+export async function loadSplits(root: string, dataset: string, split: string, seqLen: number) {
   let id = dataset;
   if (isBuiltinName(dataset)) {
     const isDefault = split.replaceAll(" ", "") === DEFAULT_SPLIT.join(",");
-    // Another split is checked against the job's sequence length rather than the default 1024.
+    // Another split is checked against the job's sequence length rather than the data pipeline's
+    // default (DEFAULT_PREPARE_SEQ_LEN).
     id = (await prepareDataset(root, { builtin: dataset }, isDefault ? {} : { split, seq_len: seqLen })).id;
   } else if (!(await getDataset(root, dataset))) {
     throw new Error(`Unknown dataset "${dataset}"`);
