@@ -26,6 +26,7 @@ Deno.test("readServerConfig() defaults to 127.0.0.1:8080, ./.gpt2 and its source
     trustedProxies: [],
     limits: defaultLimits(),
     shutdownSeconds: 30,
+    stallSeconds: 600,
     roles: [new Set(["train", "generate"])],
     hostDeno: null,
   });
@@ -49,6 +50,14 @@ Deno.test("readServerConfig() reads GPT2_SHUTDOWN_S and refuses a value that is 
   assert.throws(() => readServerConfig(env({ GPT2_SHUTDOWN_S: "0" }), noFile), {
     message: 'Invalid GPT2_SHUTDOWN_S "0"',
   });
+});
+
+Deno.test("readServerConfig() reads GPT2_STALL_S (0 turns the watchdog off) and refuses a bad value", () => {
+  assert.equal(readServerConfig(env({ GPT2_STALL_S: "90" }), noFile).stallSeconds, 90);
+  assert.equal(readServerConfig(env({ GPT2_STALL_S: "0" }), noFile).stallSeconds, 0);
+  for (const bad of ["-1", "soon", "Infinity"]) {
+    assert.throws(() => readServerConfig(env({ GPT2_STALL_S: bad }), noFile), /Invalid GPT2_STALL_S/);
+  }
 });
 
 Deno.test("readServerConfig() reads PORT, HOST, GPT2_HOME, GPT2_SOURCES, GPT2_API_TOKEN, GPT2_GPUS and limits", () => {
