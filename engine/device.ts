@@ -269,12 +269,3 @@ export async function readFloats(
   const n = count ?? src.size / 4 - offset;
   return new Float32Array(await readBuffer(ctx, src, offset * 4, n * 4));
 }
-
-/** Checks that no validation error was raised by the work recorded between push and pop. */
-export async function checkErrors<T>(ctx: GpuContext, what: string, fn: () => T): Promise<T> {
-  ctx.device.pushErrorScope("validation");
-  const r = fn();
-  const err = await ctx.device.popErrorScope();
-  if (err) throw new GpuError(what, err.message);
-  return r;
-}

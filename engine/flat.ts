@@ -47,11 +47,6 @@ export function writeFlat(q: GPUQueue, f: FlatBuffer, data: Float32Array): void 
   }
 }
 
-/** Bytes of all segments. */
-export function flatBytes(f: FlatBuffer): number {
-  return f.totalSize * f.bytesPerElement;
-}
-
 /** Reads a whole flat f32 array back, one segment at a time. */
 export async function readFlat(ctx: GpuContext, f: FlatBuffer): Promise<Float32Array> {
   const out = new Float32Array(f.totalSize);

@@ -79,21 +79,6 @@ export function datasetCounts(d) {
   };
 }
 
-/** Columns a job's curves are drawn from, in one row per iteration. */
-export const SERIES_KEYS = [
-  "loss",
-  "val_loss",
-  "test_loss",
-  "train_ppl",
-  "val_ppl",
-  "test_ppl",
-  "lr",
-  "grad_norm",
-  "tokens_per_s",
-  "loss_scale",
-  "skipped_steps",
-];
-
 /**
  * A job's curves, built from its events (`progress` of kind train or eval). One row per
  * iteration, so events replayed after a reconnect or a resumed run overwrite, never duplicate.

@@ -72,11 +72,6 @@ export interface AppOptions {
   metrics?: MetricsHook[];
 }
 
-/** The default request body limit: 64 KiB is plenty for a training config. */
-export const DEFAULT_MAX_BODY_BYTES = defaultLimits().maxBodyBytes;
-/** The default limit for other routes, such as dataset uploads. */
-export const DEFAULT_MAX_UPLOAD_BYTES = defaultLimits().maxUploadBytes;
-
 const WILDCARD_HOSTS = new Set(["0.0.0.0", "::", ""]);
 const JSON_TYPE = /^application\/([\w.-]+\+)?json$/i;
 const AUTH_CHALLENGE = 'Bearer realm="gpt2-webgpu"';

@@ -3,14 +3,7 @@
  * events over the job layer. Re-exports only.
  */
 
-export {
-  type AppOptions,
-  createApp,
-  DEFAULT_MAX_BODY_BYTES,
-  DEFAULT_MAX_UPLOAD_BYTES,
-  parseHost,
-  warmUp,
-} from "./app.ts";
+export { type AppOptions, createApp, parseHost, warmUp } from "./app.ts";
 export { jobRoutes } from "./jobs.ts";
 export { checkpointRoutes, ReshardRequestSchema } from "./checkpoints.ts";
 export { generateRoutes } from "./generate.ts";
