@@ -10,7 +10,7 @@
  * causal half, backward 5 (QKᵀ, dO·Vᵀ, dV, dK, dQ), whatever a kernel recomputes.
  *
  *   deno task bench attention [--tiny] [--json F] [--models gpt2-124M,gpt2-345M] [--precision fp32,fp16]
- *                             [--reps N]
+ *                             [--reps N] [--no-flash-bwd]
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -24,8 +24,12 @@ import {
   attentionFlops,
   attentionForwardWgsl,
   type AttentionSpec,
+  backwardKVSpec,
+  backwardQSpec,
+  type BackwardTiling,
   chooseAttentionSplit,
   chooseAttentionTiles,
+  chooseBackwardTilings,
   chooseSplitAttentionTiles,
   flashForwardCandidates,
   flashForwardFits,
@@ -280,7 +284,87 @@ async function main(args: string[]): Promise<void> {
       const dqNow = await op("dq.now", attentionBackwardQWgsl(now), [...bviews, bufs.dqkv], fwdGrid(now));
       const tbNow = await timer.timeAdaptive([delta, dkvNow, dqNow], policy);
       print(row("backward", `now: delta + dK/dV + dQ (${fwdLabel})`, tbNow, 2.5 * flops, null, true));
-      for (const kv of cands.kv) {
+      // Each split backward kernel on tilings of its own (BackwardTiling), timed alone against
+      // today's (TF/s of the work it executes, recomputed products included, as the engine's profile), checked as delta + the candidate + today's other kernel; then chooseBackwardTilings's
+      // pick as a whole.
+      const dkvAlone = await timer.timeAdaptive([dkvNow], policy);
+      const dqAlone = await timer.timeAdaptive([dqNow], policy);
+      console.log(
+        `  now alone: dK/dV ${dkvAlone.median_ms.toFixed(3)} ms, dQ ${dqAlone.median_ms.toFixed(3)} ms`,
+      );
+      const tilings: BackwardTiling[] = [];
+      for (const split of [4, 8] as const) {
+        for (const BQ of [16, 32, 64, 128]) {
+          for (const BKV of [16, 32, 64, 128]) {
+            for (const rows of [1, 2, 4] as const) tilings.push({ split, BQ, BKV, rows });
+          }
+        }
+      }
+      const tname = (t: BackwardTiling) => `S${t.split} ${t.BQ}x${t.BKV} r${t.rows}`;
+      for (const which of ["dK/dV", "dQ"] as const) {
+        const kv = which === "dK/dV";
+        for (const t of tilings) {
+          const one = chooseBackwardTilings(p, { ...lim, subgroupMinSize: lim.subgroupMinSize ?? 0 }, {
+            kv: kv ? [t] : [],
+            q: kv ? [] : [t],
+          });
+          if (kv ? !one.bwdKV : !one.bwdQ) continue;
+          if (kv ? t.BQ > 64 : t.BKV > 64) continue; // the looped-over tile: larger never won
+          const label = `${which} ${tname(t)}`;
+          try {
+            const sr: AttentionSpec = { ...now, ...one };
+            const o = kv
+              ? await op(label, attentionBackwardKVWgsl(sr), [...bviews, bufs.dqkv2], [
+                Math.ceil(p.T / t.BKV),
+                p.H,
+                p.B,
+              ])
+              : await op(label, attentionBackwardQWgsl(sr), [...bviews, bufs.dqkv2], [
+                Math.ceil(p.T / t.BQ),
+                p.H,
+                p.B,
+              ]);
+            const other = kv
+              ? await op("dq.now2", attentionBackwardQWgsl(now), [...bviews, bufs.dqkv2], fwdGrid(now))
+              : await op("dkv.now2", attentionBackwardKVWgsl(now), [...bviews, bufs.dqkv2], [
+                Math.ceil(p.T / now.BKV),
+                p.H,
+                p.B,
+              ]);
+            await timer.timeAdaptive([delta, o, other], { ...policy, minReps: 2, maxReps: 2 });
+            const rel = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            const tm = await timer.timeAdaptive([o], policy);
+            const alone = kv ? dkvAlone : dqAlone;
+            print(
+              row("backward", label, tm, (kv ? 2 : 1.5) * flops, rel, rel.dqkv <= tol),
+              alone.median_ms,
+            );
+          } catch (e) {
+            print(failed("backward", label, e));
+          }
+        }
+      }
+      {
+        const pick = chooseBackwardTilings(p, { ...lim, subgroupMinSize: lim.subgroupMinSize ?? 0 });
+        const sp: AttentionSpec = { ...now, ...pick };
+        const okv = await op("dkv.pick", attentionBackwardKVWgsl(sp), [...bviews, bufs.dqkv2], [
+          Math.ceil(p.T / backwardKVSpec(sp).BKV),
+          p.H,
+          p.B,
+        ]);
+        const oq = await op("dq.pick", attentionBackwardQWgsl(sp), [...bviews, bufs.dqkv2], [
+          Math.ceil(p.T / backwardQSpec(sp).BQ),
+          p.H,
+          p.B,
+        ]);
+        const tm = await timer.timeAdaptive([delta, okv, oq], policy);
+        const rel = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+        const label = `pick: delta + dK/dV ${pick.bwdKV ? tname(pick.bwdKV) : "shared"} + dQ ${
+          pick.bwdQ ? tname(pick.bwdQ) : "shared"
+        }`;
+        print(row("backward", label, tm, 2.5 * flops, rel, rel.dqkv <= tol), tbNow.median_ms);
+      }
+      for (const kv of args.includes("--no-flash-bwd") ? [] : cands.kv) {
         for (const q of cands.q) {
           if (!flashBackwardFits(p, kv, q, blim)) continue;
           const label = `flash kv ${flashName(kv)} | q ${flashName(q)}`;

@@ -5,7 +5,7 @@
  *
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
- *                   [--tile-rules all|split-k|none] [--no-flash]
+ *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
  *
  * Memory: beside each run it prints the plan's estimate per category (model/memory_estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
@@ -31,7 +31,11 @@ export interface TrainBenchOptions {
   /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
   f16Math?: boolean;
   /** Kernel choices (see BuildOptions.kernels). */
-  kernels?: { tileRules?: "all" | "split-k" | "none"; flashAttention?: boolean };
+  kernels?: {
+    tileRules?: "all" | "split-k" | "none";
+    flashAttention?: boolean;
+    attentionBackwardTiles?: boolean;
+  };
 }
 
 /** One model's measured figures. */
@@ -264,6 +268,7 @@ if (import.meta.main) {
         | "split-k"
         | "none",
       flashAttention: !args.includes("--no-flash"),
+      attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
     },
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");

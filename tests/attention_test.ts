@@ -12,7 +12,12 @@ import {
   attentionDeltaWgsl,
   attentionForwardWgsl,
   type AttentionSpec,
+  BACKWARD_KV_TILINGS,
+  BACKWARD_Q_TILINGS,
+  backwardKVSpec,
+  backwardQSpec,
   chooseAttentionTiles,
+  chooseBackwardTilings,
   chooseSplitAttentionTiles,
 } from "../engine/kernels/attention.ts";
 import {
@@ -40,9 +45,13 @@ interface RunOptions {
   flashBwd?: Pick<AttentionSpec, "BQ" | "BKV" | "flash">;
   /** The CPU adapters' kernels without workgroup memory (AttentionSpec.direct). */
   direct?: boolean;
+  /** Rows per thread group of both split backward kernels (AttentionSpec.kvRows, qRows). */
+  rows?: 1 | 2 | 4;
+  /** Tilings of the split backward kernels' own (AttentionSpec.bwdKV, bwdQ). */
+  own?: Pick<AttentionSpec, "bwdKV" | "bwdQ">;
 }
 
-async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
+async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
   const ctx = (await testContext())!;
   const D = o.D ?? 64, C = H * D;
   const wg = ctx.limits.maxComputeWorkgroupStorageSize;
@@ -57,6 +66,8 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
     dropout: p > 0 ? { site: 0, nSites: 1 } : undefined,
     ...(o.half ? { dtype: "f16", gradDtype: "f16" } : {}),
     ...(o.direct ? { direct: true } : {}),
+    ...(o.rows ? { kvRows: o.rows, qRows: o.rows } : {}),
+    ...o.own,
   };
   const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
@@ -117,8 +128,16 @@ async function run(split: 1 | 2 | 4, p: number, tiles?: { BQ: number; BKV: numbe
       ]),
     ]
     : [
-      await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [Math.ceil(T / s.BKV), H, B]),
-      await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [Math.ceil(T / s.BQ), H, B]),
+      await mk("dkv", "attention_bwd", attentionBackwardKVWgsl(s), av, [
+        Math.ceil(T / backwardKVSpec(s).BKV),
+        H,
+        B,
+      ]),
+      await mk("dq", "attention_bwd", attentionBackwardQWgsl(s), av, [
+        Math.ceil(T / backwardQSpec(s).BQ),
+        H,
+        B,
+      ]),
     ];
   const ops = [
     await mk("fwd", "attention_fwd", attentionForwardWgsl(sf), [bufs.qkv, bufs.y, bufs.lse], [
@@ -171,6 +190,67 @@ for (const [split, p, tiles] of cases) {
     },
   });
 }
+
+/**
+ * The split backward kernels with several keys (dK/dV) and queries (dQ) per thread group: rows
+ * that straddle the causal diagonal and T's ragged end in one group, with dropout, and 8 threads
+ * per row where the subgroups are that wide.
+ */
+const rowCases: Array<[4 | 8, 2 | 4, number]> = [[4, 2, 0], [4, 4, 0.2], [8, 2, 0.2]];
+for (const [split, rows, p] of rowCases) {
+  Deno.test({
+    name:
+      `attention's split backward with ${rows} rows per group (split=${split}, dropout=${p}) matches float64`,
+    ignore: noGpu,
+    async fn() {
+      const ctx = (await testContext())!;
+      if (!ctx.hasSubgroups || ctx.subgroupMinSize < split) return;
+      const e = await run(split, p, undefined, { rows });
+      assert.ok(e.y < 1e-5, `forward rel err ${e.y}`);
+      assert.ok(e.dqkv < 1e-5, `dqkv rel err ${e.dqkv}`);
+    },
+  });
+}
+
+Deno.test({
+  name:
+    "attention's split backward on tilings of their own per kernel (chooseBackwardTilings's, dropout) matches float64",
+  ignore: noGpu,
+  async fn() {
+    const ctx = (await testContext())!;
+    if (!ctx.hasSubgroups) return;
+    const lim = {
+      maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize,
+      maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+      subgroupMinSize: ctx.subgroupMinSize,
+    };
+    // The H200's picks where they fit, and tiles that differ between the kernels and from the forward's.
+    const picks = [
+      chooseBackwardTilings({ T, D: 64 }, lim),
+      chooseBackwardTilings({ T, D: 64 }, lim, {
+        kv: [{ split: 4, BQ: 16, BKV: 32, rows: 2 }],
+        q: [{ split: 4, BQ: 32, BKV: 16, rows: 1 }],
+      }),
+    ];
+    for (const own of picks) {
+      assert.ok(own.bwdKV && own.bwdQ, `no tiling fits ${JSON.stringify(lim)}`);
+      const e = await run(4, 0.2, { BQ: 32, BKV: 32 }, { own });
+      assert.ok(e.dqkv < 1e-5, `${JSON.stringify(own)}: dqkv rel err ${e.dqkv}`);
+    }
+  },
+});
+
+Deno.test("chooseBackwardTilings() keeps to the device's subgroup size, threads and workgroup memory", () => {
+  const big = { maxWorkgroupBytes: 49152, maxThreads: 1024, subgroupMinSize: 32 };
+  const h200 = chooseBackwardTilings({ T: 1024, D: 64 }, big);
+  assert.deepEqual(h200.bwdKV, BACKWARD_KV_TILINGS[0]);
+  assert.deepEqual(h200.bwdQ, BACKWARD_Q_TILINGS[0]);
+  assert.deepEqual(chooseBackwardTilings({ T: 1024, D: 64 }, { ...big, subgroupMinSize: 0 }), {});
+  const small = chooseBackwardTilings({ T: 1024, D: 64 }, { ...big, subgroupMinSize: 4, maxThreads: 64 });
+  for (const t of [small.bwdKV, small.bwdQ]) if (t) assert.ok(t.split <= 4);
+  assert.ok(!small.bwdKV || (small.bwdKV.BKV / small.bwdKV.rows) * small.bwdKV.split <= 64);
+  assert.ok(!small.bwdQ || (small.bwdQ.BQ / small.bwdQ.rows) * small.bwdQ.split <= 64);
+});
 
 for (const p of [0, 0.2]) {
   Deno.test({

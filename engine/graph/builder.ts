@@ -27,6 +27,7 @@ import {
   type AttentionSpec,
   chooseAttentionSplit,
   chooseAttentionTiles,
+  chooseBackwardTilings,
   chooseFlashForward,
   chooseSplitAttentionTiles,
   type FlashTiles,
@@ -304,7 +305,14 @@ function kernelChoices(
       : ruleSet === "none"
       ? []
       : MATMUL_TILE_RULES.filter((r) => (r.tile.splitK ?? 1) > 1),
-    attn: attentionSpec(ctx, dims, plan.precision === "fp16", plan, cpuDirect),
+    attn: attentionSpec(
+      ctx,
+      dims,
+      plan.precision === "fp16",
+      plan,
+      cpuDirect,
+      opts.kernels?.attentionBackwardTiles !== false,
+    ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
     // its fused backward measured slower, so the backward keeps today's kernels).
     flashFwd: opts.kernels?.flashAttention === false || cpuDirect
@@ -409,6 +417,7 @@ function attentionSpec(
   fp16: boolean,
   plan: ModelPlan,
   cpuDirect: boolean,
+  ownBackwardTiles: boolean,
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -422,6 +431,13 @@ function attentionSpec(
     dtype: fp16 ? "f16" : "f32",
     gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     direct: cpuDirect,
+    ...(split > 1 && !cpuDirect && ownBackwardTiles
+      ? chooseBackwardTilings({ T, D }, {
+        maxWorkgroupBytes: wgBytes,
+        maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+        subgroupMinSize: ctx.subgroupMinSize,
+      })
+      : {}),
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)
       : chooseAttentionTiles({ T, D }, wgBytes)),

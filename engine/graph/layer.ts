@@ -15,6 +15,8 @@ import {
   attentionDeltaWgsl,
   attentionFlops,
   attentionForwardWgsl,
+  backwardKVSpec,
+  backwardQSpec,
 } from "../kernels/attention.ts";
 import { dropoutMaskWgsl, grid1d } from "../kernels/common.ts";
 import { allreduce, type Backprop, drop, elemGrid, type GraphBuilder, op, whole } from "./builder.ts";
@@ -155,12 +157,12 @@ function attentionBackward(g: GraphBuilder, t: Backprop, l: number): Op[] {
       whole(t.delta),
     ], grid1d(Math.ceil((BT * Hl) / 64), g.ctx.limits.maxComputeWorkgroupsPerDimension)),
     op(g, "backward", "attention_bwd", `l${l}.attention.dkv`, attentionBackwardKVWgsl(as), av, [
-      Math.ceil(T / as.BKV),
+      Math.ceil(T / backwardKVSpec(as).BKV),
       Hl,
       B,
     ], { ...u, flops: 2 * attentionFlops(as) }),
     op(g, "backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
-      Math.ceil(T / as.BQ),
+      Math.ceil(T / backwardQSpec(as).BQ),
       Hl,
       B,
     ], { ...u, flops: 1.5 * attentionFlops(as) }),

@@ -103,6 +103,11 @@ export interface BuildOptions {
   kernels?: {
     tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
     flashAttention?: boolean;
+    /**
+     * The split attention backward kernels with tilings of their own (chooseBackwardTilings;
+     * default true), or false: both on the forward's shared tiling.
+     */
+    attentionBackwardTiles?: boolean;
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
     /**

@@ -35,7 +35,19 @@ export interface AttentionSpec {
    * dQ), where S adjacent threads split a row's head dimension (needs the "subgroups" feature,
    * a subgroup size ≥ S, and D/4 divisible by S).
    */
-  split?: 1 | 2 | 4;
+  split?: 1 | 2 | 4 | 8;
+  /**
+   * Split backward kernels: keys per group of S threads in the dK/dV kernel (default 1). R keys
+   * share each query row read from workgroup memory, so a thread does R times the multiply-adds
+   * per load; its registers grow by the same factor.
+   */
+  kvRows?: 1 | 2 | 4;
+  /** Split backward kernels: queries per group of S threads in the dQ kernel (default 1), as kvRows. */
+  qRows?: 1 | 2 | 4;
+  /** The dK/dV kernel's own tiling, replacing split, BQ, BKV and kvRows for it (see backwardKVSpec). */
+  bwdKV?: BackwardTiling;
+  /** The dQ kernel's own tiling, replacing split, BQ, BKV and qRows for it (see backwardQSpec). */
+  bwdQ?: BackwardTiling;
   /** Element type of qkv and of the output y in memory (arithmetic is f32); default f32. */
   dtype?: StorageDtype;
   /** Element type of the gradients dy and dqkv in memory; default f32. */
@@ -52,6 +64,29 @@ export interface AttentionSpec {
    * arithmetic as the plain kernels; `split` and `flash` are then unused.
    */
   direct?: boolean;
+}
+
+/**
+ * A split backward kernel's tiling: S threads per row, the BQ-query and BKV-key tiles, and rows per
+ * thread group (keys in dK/dV, queries in dQ).
+ */
+export interface BackwardTiling {
+  split: 1 | 2 | 4 | 8;
+  BQ: number;
+  BKV: number;
+  rows: 1 | 2 | 4;
+}
+
+/** The spec the dK/dV kernel runs: `s` with its own tiling applied (its grid is ceil(T/BKV), H, B). */
+export function backwardKVSpec(s: AttentionSpec): AttentionSpec {
+  const t = s.bwdKV;
+  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, kvRows: t.rows } : s;
+}
+
+/** The spec the dQ kernel runs: `s` with its own tiling applied (its grid is ceil(T/BQ), H, B). */
+export function backwardQSpec(s: AttentionSpec): AttentionSpec {
+  const t = s.bwdQ;
+  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, qRows: t.rows } : s;
 }
 
 /**
@@ -87,6 +122,41 @@ export function chooseAttentionSplit(D: number, hasSubgroups: boolean): 1 | 2 | 
   if (!hasSubgroups) return 1;
   return (D / 4) % 4 === 0 ? 4 : (D / 4) % 2 === 0 ? 2 : 1;
 }
+
+/**
+ * The split backward kernels' own tilings, where the device fits them: candidates in order of
+ * their speed measured on an H200 (bench/attention_bench.ts, GPT-2 124M and 345M at T = 1024; see
+ * bench/RESULTS.md), the first that fits each kernel. Smaller tiles of the rows a workgroup loops
+ * over (queries for dK/dV, keys for dQ) leave room for more workgroups per SM, and several rows per
+ * thread group share each row read. Null for a kernel where none fits (the shared tiling stays).
+ */
+export function chooseBackwardTilings(
+  dims: Pick<AttentionSpec, "T" | "D">,
+  lim: { maxWorkgroupBytes: number; maxThreads: number; subgroupMinSize: number },
+  candidates: { kv: readonly BackwardTiling[]; q: readonly BackwardTiling[] } = {
+    kv: BACKWARD_KV_TILINGS,
+    q: BACKWARD_Q_TILINGS,
+  },
+): { bwdKV?: BackwardTiling; bwdQ?: BackwardTiling } {
+  const fits = (t: BackwardTiling, kv: boolean) =>
+    lim.subgroupMinSize >= t.split && (dims.D / 4) % t.split === 0 &&
+    (kv ? t.BKV : t.BQ) % t.rows === 0 && ((kv ? t.BKV : t.BQ) / t.rows) * t.split <= lim.maxThreads &&
+    (kv ? splitKVBytes(t.BQ, dims.D) : splitQBytes(t.BKV, dims.D)) <= lim.maxWorkgroupBytes;
+  const kv = candidates.kv.find((t) => fits(t, true));
+  const q = candidates.q.find((t) => fits(t, false));
+  return { ...(kv ? { bwdKV: kv } : {}), ...(q ? { bwdQ: q } : {}) };
+}
+
+/** dK/dV tilings, fastest first (see chooseBackwardTilings). */
+export const BACKWARD_KV_TILINGS: readonly BackwardTiling[] = [
+  { split: 8, BQ: 32, BKV: 64, rows: 4 },
+  { split: 4, BQ: 32, BKV: 64, rows: 2 },
+];
+
+/** dQ tilings, fastest first (see chooseBackwardTilings). */
+export const BACKWARD_Q_TILINGS: readonly BackwardTiling[] = [
+  { split: 4, BQ: 64, BKV: 32, rows: 2 },
+];
 
 /**
  * Tiles for the split (subgroup) backward kernels: the dK/dV kernel runs BKV·S threads and keeps
@@ -155,7 +225,7 @@ export function attentionDeltaWgsl(s: AttentionSpec): string {
 
 /** dK and dV. Grid (ceil(T/BKV), H, B). */
 export function attentionBackwardKVWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionBackwardKVPlainWgsl(s), {
+  return withStorageDtypes(attentionBackwardKVPlainWgsl(backwardKVSpec(s)), {
     qkv: s.dtype,
     dy: s.gradDtype,
     dqkv: s.gradDtype,
@@ -164,7 +234,7 @@ export function attentionBackwardKVWgsl(s: AttentionSpec): string {
 
 /** dQ. Grid (ceil(T/BQ), H, B). */
 export function attentionBackwardQWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionBackwardQPlainWgsl(s), {
+  return withStorageDtypes(attentionBackwardQPlainWgsl(backwardQSpec(s)), {
     qkv: s.dtype,
     dy: s.gradDtype,
     dqkv: s.gradDtype,
@@ -577,17 +647,56 @@ function rowSum(v: string, S: number): string {
 }
 
 /**
- * dK and dV, split variant: S adjacent threads per key, thread `part` holding vec4 columns
- * c·S + part (c < D/4/S) of k, v, dk, dv in registers; scores and dP dots are combined with
- * subgroup shuffles. The query loop bounds are uniform per workgroup and the causal mask is a
+ * Declarations that hold scalar expressions `vals` in vec4 (and a last vec2 or scalar) variables
+ * named `${name}0`, `${name}1`…, each summed over the S threads of a row, and the accessor of
+ * value j. Must run in uniform control flow (see rowSum).
+ */
+function packedRowSums(name: string, vals: string[], S: number): { code: string; at: (j: number) => string } {
+  const out: string[] = [];
+  for (let g = 0; g * 4 < vals.length; g++) {
+    const part = vals.slice(g * 4, g * 4 + 4);
+    const ty = part.length === 1 ? "f32" : `vec${part.length}<f32>`;
+    out.push(`var ${name}${g} = ${ty}(${part.join(", ")});`, rowSum(`${name}${g}`, S));
+  }
+  const one = vals.length % 4 === 1 ? Math.floor(vals.length / 4) : -1;
+  return {
+    code: out.filter((l) => l).join("\n      "),
+    at: (j) => {
+      const g = Math.floor(j / 4);
+      return g === one ? `${name}${g}` : `${name}${g}.${"xyzw"[j % 4]}`;
+    },
+  };
+}
+
+/** Rows per thread group of the split backward kernels, checked against the tile. */
+function splitRows(R: number, tile: number, what: string): number {
+  if (![1, 2, 4].includes(R) || tile % R) {
+    throw new Error(`rows ${R} must be 1, 2 or 4 and divide ${what} ${tile}`);
+  }
+  return R;
+}
+
+/**
+ * dK and dV, split variant: S adjacent threads per group of R keys (keys g, g + BKV/R, …), thread
+ * `part` holding vec4 columns c·S + part (c < D/4/S) of k, v, dk, dv for each of them in registers;
+ * scores and dP dots are combined with subgroup shuffles. Each query row read from workgroup memory
+ * serves all R keys. The query loop bounds are uniform per workgroup and the causal mask is a
  * select(), so all threads of a subgroup shuffle together. Grid (ceil(T/BKV), H, B).
  */
 function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
-  const S = s.split!, N = D4 / S, NT = s.BKV * S;
+  const S = s.split!, N = D4 / S, R = splitRows(s.kvRows ?? 1, s.BKV, "BKV"), G = s.BKV / R, NT = G * S;
   if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
   const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
+  const each = (f: (r: number) => string, sep = "\n  ") => range(R).map(f).join(sep);
+  const eachRC = (f: (r: number, c: number) => string, sep = "\n  ") =>
+    range(R).flatMap((r) => range(N).map((c) => f(r, c))).join(sep);
+  const sums = packedRowSums("sd", [
+    ...range(R).map((r) => dotExpr((c) => `q${c}`, (c) => `k${r}_${c}`, N)),
+    ...range(R).map((r) => dotExpr((c) => `o${c}`, (c) => `v${r}_${c}`, N)),
+  ], S);
+  const idx = (r: number) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}`;
   return `
 ${backwardBindings(s)}
 var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
@@ -601,13 +710,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let b = wg.z;
   let part = tid % ${S}u;
   let kFirst = wg.x * ${s.BKV}u;
-  let kj = kFirst + tid / ${S}u;
-  let kok = kj < ${s.T}u;
-  let krow = (b * ${s.T}u + min(kj, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
-  ${range(N).map((c) => `let k${c} = qkv[krow + ${C4}u + ${col(c)}];`).join("\n  ")}
-  ${range(N).map((c) => `let v${c} = qkv[krow + ${2 * C4}u + ${col(c)}];`).join("\n  ")}
-  ${range(N).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
-  ${range(N).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${each((r) => `let kj${r} = kFirst + ${r * G}u + tid / ${S}u;`)}
+  ${each((r) => `let krow${r} = (b * ${s.T}u + min(kj${r}, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;`)}
+  ${eachRC((r, c) => `let k${r}_${c} = qkv[krow${r} + ${C4}u + ${col(c)}];`)}
+  ${eachRC((r, c) => `let v${r}_${c} = qkv[krow${r} + ${2 * C4}u + ${col(c)}];`)}
+  ${eachRC((r, c) => `var dk${r}_${c} = vec4<f32>(0.0);`)}
+  ${eachRC((r, c) => `var dv${r}_${c} = vec4<f32>(0.0);`)}
   let lhbase = (b * ${s.H}u + h) * ${s.T}u;
   for (var qt = (kFirst / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
     workgroupBarrier();
@@ -626,41 +734,58 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let i1 = min(${s.BQ}u, ${s.T}u - qt);
     for (var i = i0; i < i1; i = i + 1u) {
       let qb = i * ${D4}u + part;
-      var sd = vec2<f32>(${dotExpr((c) => `Qs[qb + ${c * S}u]`, (c) => `k${c}`, N)}, ${
-    dotExpr((c) => `dOs[qb + ${c * S}u]`, (c) => `v${c}`, N)
-  });
-      ${rowSum("sd", S)}
+      ${range(N).map((c) => `let q${c} = Qs[qb + ${c * S}u];`).join(" ")}
+      ${range(N).map((c) => `let o${c} = dOs[qb + ${c * S}u];`).join(" ")}
+      ${sums.code}
       let qi = qt + i;
-      let p = select(0.0, exp(sd.x - Ls[i]), qi >= kj);
+      let li = Ls[i];
+      let di = Ds[i];
       ${
-    s.dropout
-      ? `let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; let dp = sd.y * kp;`
-      : "let pd = p; let dp = sd.y;"
+    each((r) => {
+      const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
+      const rest = s.dropout
+        ? `let kp${r} = keep(${idx(r)}, ${s.dropout.site}u); let pd${r} = p${r} * kp${r}; ` +
+          `let ds${r} = p${r} * (${sums.at(R + r)} * kp${r} - di);`
+        : `let pd${r} = p${r}; let ds${r} = p${r} * (${sums.at(R + r)} - di);`;
+      return `${p} ${rest}`;
+    }, "\n      ")
   }
-      let ds = p * (dp - Ds[i]);
-      ${range(N).map((c) => `dv${c} = fma(vec4<f32>(pd), dOs[qb + ${c * S}u], dv${c});`).join("\n      ")}
-      ${range(N).map((c) => `dk${c} = fma(vec4<f32>(ds), Qs[qb + ${c * S}u], dk${c});`).join("\n      ")}
+      ${eachRC((r, c) => `dv${r}_${c} = fma(vec4<f32>(pd${r}), o${c}, dv${r}_${c});`, "\n      ")}
+      ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}
     }
   }
-  if (kok) {
-    ${range(N).map((c) => `dqkv[krow + ${C4}u + ${col(c)}] = dk${c};`).join("\n    ")}
-    ${range(N).map((c) => `dqkv[krow + ${2 * C4}u + ${col(c)}] = dv${c};`).join("\n    ")}
+  ${
+    each((r) =>
+      `if (kj${r} < ${s.T}u) {
+    ${range(N).map((c) => `dqkv[krow${r} + ${C4}u + ${col(c)}] = dk${r}_${c};`).join("\n    ")}
+    ${range(N).map((c) => `dqkv[krow${r} + ${2 * C4}u + ${col(c)}] = dv${r}_${c};`).join("\n    ")}
+  }`
+    )
   }
 }
 `;
 }
 
 /**
- * dQ, split variant: S adjacent threads per query, each holding D/S columns of q, dO and dq in
- * registers; K/V tiles in workgroup memory. Uniform key bounds, causal mask by select().
+ * dQ, split variant: S adjacent threads per group of R queries (queries g, g + BQ/R, …), each
+ * thread holding D/S columns of q, dO and dq for each of them in registers; K/V tiles in workgroup
+ * memory, each key row read serving all R queries. Uniform key bounds, causal mask by select().
  * Grid (ceil(T/BQ), H, B).
  */
 function attentionBackwardQSplitWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
-  const S = s.split!, N = D4 / S, NT = s.BQ * S;
+  const S = s.split!, N = D4 / S, R = splitRows(s.qRows ?? 1, s.BQ, "BQ"), G = s.BQ / R, NT = G * S;
   if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
   const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
+  const each = (f: (r: number) => string, sep = "\n  ") => range(R).map(f).join(sep);
+  const eachRC = (f: (r: number, c: number) => string, sep = "\n  ") =>
+    range(R).flatMap((r) => range(N).map((c) => f(r, c))).join(sep);
+  const sums = packedRowSums("sd", [
+    ...range(R).map((r) => dotExpr((c) => `q${r}_${c}`, (c) => `k${c}`, N)),
+    ...range(R).map((r) => dotExpr((c) => `o${r}_${c}`, (c) => `v${c}`, N)),
+  ], S);
+  const idx = (r: number) => `((b * ${s.H}u + h) * ${s.T}u + qi${r}) * ${s.T}u + kj`;
   return `
 ${backwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
@@ -671,16 +796,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let h = wg.y;
   let b = wg.z;
   let part = tid % ${S}u;
-  let qi = wg.x * ${s.BQ}u + tid / ${S}u;
-  let qok = qi < ${s.T}u;
-  let qc = min(qi, ${s.T - 1}u);
-  let qrow = (b * ${s.T}u + qc) * ${R4}u + h * ${D4}u;
-  let orow = (b * ${s.T}u + qc) * ${C4}u + h * ${D4}u;
-  ${range(N).map((c) => `let q${c} = qkv[qrow + ${col(c)}] * ${scale};`).join("\n  ")}
-  ${range(N).map((c) => `let o${c} = dy[orow + ${col(c)}];`).join("\n  ")}
-  ${range(N).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
-  let li = lse[(b * ${s.H}u + h) * ${s.T}u + qc];
-  let di = delta[(b * ${s.H}u + h) * ${s.T}u + qc];
+  ${each((r) => `let qi${r} = wg.x * ${s.BQ}u + ${r * G}u + tid / ${S}u;`)}
+  ${each((r) => `let qc${r} = min(qi${r}, ${s.T - 1}u);`)}
+  ${each((r) => `let qrow${r} = (b * ${s.T}u + qc${r}) * ${R4}u + h * ${D4}u;`)}
+  ${each((r) => `let orow${r} = (b * ${s.T}u + qc${r}) * ${C4}u + h * ${D4}u;`)}
+  ${eachRC((r, c) => `let q${r}_${c} = qkv[qrow${r} + ${col(c)}] * ${scale};`)}
+  ${eachRC((r, c) => `let o${r}_${c} = dy[orow${r} + ${col(c)}];`)}
+  ${eachRC((r, c) => `var dq${r}_${c} = vec4<f32>(0.0);`)}
+  ${each((r) => `let li${r} = lse[(b * ${s.H}u + h) * ${s.T}u + qc${r}];`)}
+  ${each((r) => `let di${r} = delta[(b * ${s.H}u + h) * ${s.T}u + qc${r}];`)}
   let qLast = min(wg.x * ${s.BQ}u + ${s.BQ - 1}u, ${s.T - 1}u);
   for (var kt = 0u; kt <= qLast; kt = kt + ${s.BKV}u) {
     workgroupBarrier();
@@ -694,19 +818,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let jn = min(qLast + 1u - kt, ${s.BKV}u);
     for (var j = 0u; j < jn; j = j + 1u) {
       let kb = j * ${D4}u + part;
-      var sd = vec2<f32>(${dotExpr((c) => `q${c}`, (c) => `Ks[kb + ${c * S}u]`, N)}, ${
-    dotExpr((c) => `o${c}`, (c) => `Vs[kb + ${c * S}u]`, N)
-  });
-      ${rowSum("sd", S)}
+      ${range(N).map((c) => `let k${c} = Ks[kb + ${c * S}u];`).join(" ")}
+      ${range(N).map((c) => `let v${c} = Vs[kb + ${c * S}u];`).join(" ")}
+      ${sums.code}
       let kj = kt + j;
-      let p = select(0.0, exp(sd.x - li), kj <= qi);
-      ${s.dropout ? `let dp = sd.y * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let dp = sd.y;"}
-      let ds = p * (dp - di);
-      ${range(N).map((c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c * S}u], dq${c});`).join("\n      ")}
+      ${
+    each((r) => {
+      const dp = s.dropout ? `${sums.at(R + r)} * keep(${idx(r)}, ${s.dropout.site}u)` : sums.at(R + r);
+      return `let ds${r} = select(0.0, exp(${sums.at(r)} - li${r}), kj <= qi${r}) * (${dp} - di${r});`;
+    }, "\n      ")
+  }
+      ${eachRC((r, c) => `dq${r}_${c} = fma(vec4<f32>(ds${r}), k${c}, dq${r}_${c});`, "\n      ")}
     }
   }
-  if (qok) {
-    ${range(N).map((c) => `dqkv[qrow + ${col(c)}] = dq${c} * ${scale};`).join("\n    ")}
+  ${
+    each((r) =>
+      `if (qi${r} < ${s.T}u) {
+    ${range(N).map((c) => `dqkv[qrow${r} + ${col(c)}] = dq${r}_${c} * ${scale};`).join("\n    ")}
+  }`
+    )
   }
 }
 `;
