@@ -6,6 +6,7 @@
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
+ *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *
  * Memory: beside each run it prints the plan's estimate per category (model/memory_estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
@@ -20,6 +21,7 @@ import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts
 import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
 import { type OpTiming, Trainer } from "../engine/trainer.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul_tiles.ts";
 
 /** How one benchmark run trains. */
 export interface TrainBenchOptions {
@@ -28,11 +30,13 @@ export interface TrainBenchOptions {
   checkpointLayers: number;
   /** Time each kernel in one extra profiled step. */
   profile: boolean;
+  /** With profile: also the matmuls by shape. */
+  ops?: boolean;
   /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
   f16Math?: boolean;
   /** Kernel choices (see BuildOptions.kernels). */
   kernels?: {
-    tileRules?: "all" | "split-k" | "none";
+    tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
     flashAttention?: boolean;
     attentionBackwardTiles?: boolean;
   };
@@ -52,6 +56,8 @@ export interface TrainBenchResult {
   loss_scale: number;
   skipped_steps: number;
   kernels: Array<{ kind: string; ms: number; share: number; tflops: number }>;
+  /** The matmuls by shape (op labels without their layer), with `--ops`. */
+  ops?: Array<{ kind: string; ms: number; share: number; tflops: number }>;
   phases: Record<string, number>;
   /** The plan's estimate (bytes per category) for this run. */
   estimate: Estimate["bytes_per_gpu"];
@@ -140,6 +146,14 @@ export async function benchTraining(
     tr.trainStep(tokens, true);
     const prof = (await tr.profile())!;
     result.kernels = aggregate(prof);
+    if (o.ops) {
+      result.ops = aggregate(
+        prof.filter((p) => p.kind.startsWith("matmul")).map((p) => ({
+          ...p,
+          kind: p.label.replace(/^l\d+\./, "").replace(/(\.(part|sum|[a-z]\d+))+$/, ""),
+        })),
+      );
+    }
     for (const p of prof) result.phases[p.phase] = (result.phases[p.phase] ?? 0) + p.ms;
   }
   tr.destroy();
@@ -237,7 +251,13 @@ export function printResult(r: TrainBenchResult): void {
       }`,
     );
     console.log("  kernel           ms      share   TFLOP/s");
-    for (const k of r.kernels) {
+    for (
+      const k of [
+        ...r.kernels,
+        ...(r.ops ? [{ kind: "(matmuls)", ms: 0, share: 0, tflops: 0 }] : []),
+        ...r.ops ?? [],
+      ]
+    ) {
       console.log(
         `  ${k.kind.padEnd(15)} ${f(k.ms).padStart(7)}  ${(f(k.share * 100) + "%").padStart(6)}  ${
           k.tflops > 0 ? f(k.tflops, 2).padStart(7) : "      -"
@@ -261,12 +281,18 @@ if (import.meta.main) {
     precision,
     checkpointLayers: +arg(args, "checkpoint", "0"),
     profile: !args.includes("--no-profile"),
+    ops: args.includes("--ops"),
     f16Math: !args.includes("--no-f16-math"),
     kernels: {
-      tileRules: (args.includes("--tile-rules") ? args[args.indexOf("--tile-rules") + 1] : "all") as
-        | "all"
-        | "split-k"
-        | "none",
+      tileRules: args.includes("--tile-rules-json")
+        ? [
+          ...JSON.parse(Deno.readTextFileSync(arg(args, "tile-rules-json", ""))) as TileRule[],
+          ...MATMUL_TILE_RULES,
+        ]
+        : (args.includes("--tile-rules") ? args[args.indexOf("--tile-rules") + 1] : "all") as
+          | "all"
+          | "split-k"
+          | "none",
       flashAttention: !args.includes("--no-flash"),
       attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
     },

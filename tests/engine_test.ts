@@ -28,9 +28,10 @@ function batch(seed: number): Uint16Array {
   return out;
 }
 
-async function trainer(dropout: number, seed = 7): Promise<Trainer> {
+async function trainer(dropout: number, seed = 7, kernels?: TrainerOptions["kernels"]): Promise<Trainer> {
   const ctx = (await testContext())!;
   const opts: TrainerOptions = {
+    kernels,
     config,
     batchSize: B,
     seqLen: T,
@@ -64,12 +65,17 @@ Deno.test({
   },
 });
 
-for (const dropout of [0, 0.1]) {
+// The GPUs' kernels too (tiled matmuls, GELU staged for the MLP's weight gradient, the split
+// attention backward on its own tilings), which a CPU adapter otherwise replaces.
+const gpuKernels = { cpuDirect: false, cpuMatmul: false } as const;
+for (const [dropout, kernels] of [[0], [0.1], [0.1, gpuKernels]] as const) {
   Deno.test({
-    name: `Trainer.trainStep() gradients of every tensor match the CPU reference (dropout ${dropout})`,
+    name: `Trainer.trainStep() gradients of every tensor match the CPU reference (dropout ${dropout}${
+      kernels ? ", the GPUs' kernels" : ""
+    })`,
     ignore: noGpu,
     fn: async () => {
-      const tr = await trainer(dropout);
+      const tr = await trainer(dropout, 7, kernels);
       const tokens = batch(2);
       const params = Float64Array.from(initParams(config, 7));
       const ref = referenceLossAndGrads(config, params, tokens, B, T, {

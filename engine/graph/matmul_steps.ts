@@ -16,7 +16,7 @@ import {
 import { uboMatmulPlan } from "../kernels/matmul_ubo.ts";
 import { matmulDirectError, matmulDirectKernel } from "../kernels/matmul_direct.ts";
 import { colsumPartialWgsl, reduceRowsWgsl } from "../kernels/layernorm.ts";
-import { UNIFORM_BINDING_BYTES } from "../kernels/common.ts";
+import { geluWgsl, UNIFORM_BINDING_BYTES } from "../kernels/common.ts";
 import { biasDropResidualWgsl } from "../parallel/tensor_parallel_kernels.ts";
 import {
   allreduce,
@@ -226,12 +226,23 @@ export function linearBackward(
   { x, dy, dx, K, N, gelu }: LinearGrads,
 ): Op[] {
   const BT = g.dims.BT, w = name + ".weight";
+  // The tiled weight gradient runs at about half its rate when it applies GELU to A on every load
+  // (each element of x is loaded N/BN times; measured on an H200, bench/RESULTS.md issue 38), so
+  // gelu(x) is written once into dx, which the dx matmul overwrites after. The CPU adapters'
+  // kernels keep the prologue (one pipeline fewer to compile).
+  const stage = gelu && !g.cpuDirect && !g.cpuUniform && dtypeOf(g, dx) === dtypeOf(g, x);
   return [
+    ...(stage
+      ? [op(g, "backward", "elementwise", `${label}.gelu`, geluWgsl((BT * K) / 4, dtypeOf(g, x)), [
+        whole(x),
+        whole(dx),
+      ], elemGrid(g, (BT * K) / 4))]
+      : []),
     ...matmul(g, "backward", `${label}.dw`, {
       ...mm(K, N, BT, true, false),
       epilogue: t.dwEpilogue,
-      ...(gelu ? { prologueA: "gelu" as const } : {}),
-    }, { A: whole(x), B: whole(dy), out: gradView(g, t, w) }),
+      ...(gelu && !stage ? { prologueA: "gelu" as const } : {}),
+    }, { A: whole(stage ? dx : x), B: whole(dy), out: gradView(g, t, w) }),
     ...colsum(g, t, `${label}.db`, dy, N, gradView(g, t, name + ".bias")),
     ...matmul(
       g,

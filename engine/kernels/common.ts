@@ -60,6 +60,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 `;
 }
 
+/** out = gelu(src), elementwise over n4 vec4s (element types per {@link withStorageDtypes}). Grid1d(n4 / 64). */
+export function geluWgsl(n4: number, dtype: StorageDtype = "f32"): string {
+  return withStorageDtypes(
+    `
+@group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;
+${GELU_WGSL}
+@compute @workgroup_size(64)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let g = (wg.x + wg.y * nwg.x) * 64u + tid;
+  if (g >= ${n4}u) { return; }
+  out[g] = gelu4(src[g]);
+}
+`,
+    { src: dtype, out: dtype },
+  );
+}
+
 /**
  * WGSL that tree-reduces workgroup array `arr[0..size)` into `arr[0]` with `op`, ending on a
  * barrier. Every invocation (`tid`) of the workgroup must run it, after storing its value.

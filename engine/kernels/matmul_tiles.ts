@@ -30,6 +30,72 @@ export const MATMUL_TILES_DEVICE =
 
 /** The measured rules. */
 export const MATMUL_TILE_RULES: readonly TileRule[] = [
+  // Measured inside the training step rather than alone (gpt2-124M, batch 8 × 1024, H200:
+  // `deno task bench train --ops --tile-rules-json F`, bench/RESULTS.md issue 38), where the
+  // weight gradients' best split differs from the sweep's.
+  {
+    "M": 768,
+    "N": 3072,
+    "K": 8192,
+    "layout": "TN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+      "splitK": 4,
+    },
+    "tflops": 36.0,
+  },
+  {
+    "M": 768,
+    "N": 2304,
+    "K": 8192,
+    "layout": "TN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+      "splitK": 8,
+    },
+    "tflops": 38.1,
+  },
+  {
+    "M": 768,
+    "N": 768,
+    "K": 8192,
+    "layout": "TN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+      "splitK": 8,
+    },
+    "tflops": 28.4,
+  },
   {
     "M": 8192,
     "N": 3072,
