@@ -30,9 +30,71 @@ export const MATMUL_TILES_DEVICE =
 
 /** The measured rules. */
 export const MATMUL_TILE_RULES: readonly TileRule[] = [
-  // Measured inside the training step rather than alone (gpt2-124M, batch 8 × 1024, H200:
+  // Measured inside the training step rather than alone (gpt2-124M and 345M, batch 8 × 1024, H200:
   // `deno task bench train --ops --tile-rules-json F`, bench/RESULTS.md issue 38), where the
-  // weight gradients' best split differs from the sweep's.
+  // weight gradients' and the LM head's dx best split differs from the sweep's.
+  {
+    "M": 2048,
+    "N": 768,
+    "K": 50304,
+    "layout": "NN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+      "splitK": 4,
+    },
+    "tflops": 32.6,
+  },
+  {
+    "M": 3072,
+    "N": 768,
+    "K": 8192,
+    "layout": "TN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+      "splitK": 4,
+    },
+    "tflops": 35.95,
+  },
+  {
+    "M": 4096,
+    "N": 1024,
+    "K": 8192,
+    "layout": "TN",
+    "math": "f32",
+    "storage": "f32",
+    "tile": {
+      "BM": 128,
+      "BN": 128,
+      "BK": 8,
+      "TM": 8,
+      "TN": 8,
+      "gen": 2,
+      "buffers": 2,
+      "warpN": 8,
+      "transposeLoad": "mn",
+    },
+    "tflops": 42.07,
+  },
   {
     "M": 768,
     "N": 3072,
