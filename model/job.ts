@@ -6,6 +6,7 @@
  */
 
 import type { LrDecayStyle } from "./schedule.ts";
+import type { ChoiceExample, ChoiceScoring } from "./multiple_choice.ts";
 
 /** Explicit model dimensions (the vocabulary is always GPT-2's, padded to 128). */
 export interface ModelDims {
@@ -95,8 +96,11 @@ export interface TrainConfig {
 
 /** What an evaluation job measures (`POST /evaluate`), with every default filled. */
 export interface EvalConfig {
-  /** "perplexity": sliding windows over a text stream; "cloze": LAMBADA-style last-word prediction. */
-  task: "perplexity" | "cloze";
+  /**
+   * "perplexity": sliding windows over a text stream; "cloze": LAMBADA-style last-word prediction;
+   * "multiple_choice": the best-scored of several endings (HellaSwag, PIQA, ARC).
+   */
+  task: EvalTask;
   /** The model evaluated, as the server knows it (see `init_from`). */
   model: string;
   /** Texts given in the request (perplexity: one stream, joined by <|endoftext|>; cloze: one line each). */
@@ -110,11 +114,18 @@ export interface EvalConfig {
   strict: boolean;
   /** Perplexity: score at most this many tokens of the stream (absent: all of it). */
   max_tokens?: number;
+  /** Multiple choice: the examples. */
+  examples?: ChoiceExample[];
+  /** Multiple choice: how `accuracy` ranks endings (absent: "sum"). */
+  scoring?: ChoiceScoring;
 }
+
+/** The evaluation tasks. */
+export type EvalTask = "perplexity" | "cloze" | "multiple_choice";
 
 /** What an evaluation job found (stored in its metrics as `evaluation`). */
 export interface EvalResult {
-  task: "perplexity" | "cloze";
+  task: EvalTask;
   model: string;
   /** Mean loss (nats per scored token; cloze: per last word) and its exponential. */
   loss: number;
@@ -132,12 +143,23 @@ export interface EvalResult {
   windows?: number;
   stride?: number;
   seq_len: number;
-  /** Cloze: share of examples whose greedy continuation is the whole last word, and how many. */
+  /**
+   * Cloze: share of examples whose greedy continuation is the whole last word, and how many.
+   * Multiple choice: share of examples whose right ending scores best (see model/multiple_choice.ts).
+   */
   accuracy?: number;
   examples?: number;
   correct?: number;
+  /** Multiple choice: accuracy with each ending's log-probability per byte (lm-evaluation-harness's acc_norm). */
+  accuracy_norm?: number;
+  correct_norm?: number;
+  /** Multiple choice: endings scored, and how `accuracy` ranked them. */
+  endings?: number;
+  scoring?: ChoiceScoring;
   /** Scored tokens per second on the GPU (forward passes and readbacks). */
   tokens_per_s: number;
+  /** Multiple choice: endings scored per second. */
+  endings_per_s?: number;
   elapsed_s: number;
 }
 

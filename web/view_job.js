@@ -41,6 +41,12 @@ export function evaluationFigures(r) {
   const out = [["loss", fmtNum(r.loss, 4)], ["perplexity", fmtNum(r.perplexity, 2)]];
   if (r.task === "cloze") {
     out.push(["accuracy", `${fmtNum(100 * r.accuracy, 2)}% (${fmtInt(r.correct)} / ${fmtInt(r.examples)})`]);
+  } else if (r.task === "multiple_choice") {
+    out.unshift(
+      ["accuracy", `${fmtNum(100 * r.accuracy, 2)}% (${fmtInt(r.correct)} / ${fmtInt(r.examples)})`],
+      ["accuracy_norm", `${fmtNum(100 * r.accuracy_norm, 2)}% (${fmtInt(r.correct_norm)})`],
+    );
+    out.push(["endings/s", fmtInt(r.endings_per_s)]);
   } else {
     out.push(
       ["word perplexity", fmtNum(r.word_perplexity, 2)],
@@ -55,6 +61,7 @@ export function evaluationFigures(r) {
 /** What an evaluation job reads, in a few words. */
 function evalSource(e) {
   if (e.texts) return `${fmtInt(e.texts.length)} text${e.texts.length === 1 ? "" : "s"}`;
+  if (e.examples) return `${fmtInt(e.examples.length)} multiple-choice examples (${e.scoring ?? "sum"})`;
   return `${e.dataset} (${e.split})`;
 }
 

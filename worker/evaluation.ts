@@ -1,11 +1,13 @@
 /**
  * Evaluation jobs inside a GPU Worker (and `deno task eval`): a model's perplexity over sliding
- * windows, and LAMBADA-style cloze accuracy. The windows are batched on the GPU: each batch is one
+ * windows, LAMBADA-style cloze accuracy, and multiple-choice accuracy (every ending of an example
+ * in the same batch). The windows are batched on the GPU: each batch is one
  * submission (forward pass and per-token losses, `Trainer.encodeTokenLosses`) whose B·T losses are
  * copied on the GPU into a results buffer, read back once per group of batches (up to
  * GROUP_BATCHES and GROUP_BYTES), never once per window. Cloze also copies the logits rows of the
  * last word's positions, to check that the greedy continuation is the whole word. The arithmetic
- * (which targets each window scores, the normalisations) is model/perplexity.ts; sums are float64.
+ * (which targets each window scores, the normalisations) is model/perplexity.ts and
+ * model/multiple_choice.ts; sums are float64.
  */
 
 import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
@@ -26,6 +28,16 @@ import {
 import { getDataset, isBuiltinName, loadSplit, prepareDataset } from "../data/mod.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import type { FromWorker, ModelSource, WorkerJob } from "../protocol.ts";
+import {
+  type ChoiceExample,
+  choiceFigures,
+  choiceProblem,
+  choiceRow,
+  type ChoiceScores,
+  type ChoiceScoring,
+  type ChoiceTokens,
+  choiceTokens,
+} from "../model/multiple_choice.ts";
 
 /** Bytes of results (losses, logits rows) gathered on the GPU between readbacks, at most. */
 const GROUP_BYTES = 64 << 20;
@@ -362,6 +374,119 @@ export async function clozeTokens(
   };
 }
 
+/** Tokenizes multiple-choice examples (see choiceTokens); a bad one is a RangeError naming it. */
+export function tokenizeChoices(examples: ChoiceExample[]): ChoiceTokens[] {
+  return examples.map((ex, i) => {
+    const problem = choiceProblem(ex, i);
+    if (problem) throw new RangeError(problem.message);
+    return choiceTokens(ex, tokenize);
+  });
+}
+
+/**
+ * The window multiple choice needs: the longest row (context and ending) less one, rounded up to
+ * a multiple of 32, at most `seqLen`. Rows are causal and padding follows them, so a shorter window
+ * scores the same as `seqLen` with less work.
+ */
+export function choiceWindow(examples: ChoiceTokens[], seqLen: number): number {
+  let longest = 1;
+  for (const ex of examples) {
+    for (const e of ex.endings) longest = Math.max(longest, ex.context.length + e.length - 1);
+  }
+  return Math.min(seqLen, Math.ceil(longest / 32) * 32);
+}
+
+/**
+ * Each ending's summed log-probability given its context (cut from the left to the window).
+ * Examples are packed whole into batches of `model.batch` rows (one ending a row), so all endings
+ * of an example run in one forward pass; one with more endings than rows spills into the next.
+ */
+export async function scoreChoices(
+  model: EvalModel,
+  examples: ChoiceTokens[],
+  hooks: EvalHooks = {},
+): Promise<ChoiceScores[]> {
+  const B = model.batch, T = model.seqLen;
+  /** The batches' rows: example e's ending k in batch `batch`, row `row`. */
+  const placed: { e: number; k: number; row: number; batch: number; first: number; count: number }[] = [];
+  const batches: GpuBatch[] = [];
+  let tokens: Uint32Array | null = null, used = B;
+  for (const [e, ex] of examples.entries()) {
+    const k0 = ex.endings.length;
+    if (used + Math.min(k0, B) > B) used = B; // the example fits a batch: start one rather than split it
+    for (const [k, ending] of ex.endings.entries()) {
+      if (used === B) {
+        tokens = new Uint32Array(B * (T + 1)).fill(EOT_TOKEN);
+        batches.push({ tokens });
+        used = 0;
+      }
+      const row = choiceRow(ex.context, ending, T, `example ${e} ending ${k}`);
+      tokens!.set(row.tokens, used * (T + 1));
+      placed.push({ e, k, row: used, batch: batches.length - 1, first: row.first, count: row.count });
+      used++;
+    }
+  }
+  const scores: ChoiceScores[] = examples.map((ex) => ({
+    logprobs: new Array(ex.endings.length).fill(0),
+    tokens: ex.endings.map((e) => e.length),
+    bytes: ex.bytes,
+    label: ex.label,
+  }));
+  let p = 0, scored = 0;
+  const t0 = performance.now();
+  await model.run(batches, (i, { losses }) => {
+    for (; p < placed.length && placed[p].batch === i; p++) {
+      const { e, k, row, first, count } = placed[p];
+      let nll = 0;
+      for (let t = first; t < first + count; t++) nll += losses[row * T + t];
+      scores[e].logprobs[k] = -nll;
+      scored += count;
+    }
+    const s = (performance.now() - t0) / 1000;
+    hooks.progress?.({
+      done: p < placed.length ? placed[p].e : examples.length,
+      total: examples.length,
+      tokens: scored,
+      tokens_per_s: scored / Math.max(s, 1e-9),
+    });
+  }, hooks);
+  return scores;
+}
+
+/** Multiple-choice accuracy of `examples` (figures as model/multiple_choice.ts defines them). */
+export async function multipleChoice(
+  model: EvalModel,
+  examples: ChoiceTokens[],
+  scoring: ChoiceScoring,
+  hooks: EvalHooks = {},
+): Promise<Omit<EvalResult, "task" | "model">> {
+  const t0 = performance.now();
+  const scores = await scoreChoices(model, examples, hooks);
+  const elapsed_s = (performance.now() - t0) / 1000;
+  const f = choiceFigures(scores, scoring);
+  let tokens = 0, endings = 0;
+  for (const s of scores) {
+    endings += s.tokens.length;
+    for (const n of s.tokens) tokens += n;
+  }
+  return {
+    loss: f.loss,
+    perplexity: f.perplexity,
+    tokens,
+    seq_len: model.seqLen,
+    accuracy: f.accuracy,
+    correct: f.correct,
+    accuracy_norm: f.accuracy_norm,
+    correct_norm: f.correct_norm,
+    examples: scores.length,
+    endings,
+    scoring,
+    tokens_per_s: tokens / Math.max(elapsed_s, 1e-9),
+    endings_per_s: endings / Math.max(elapsed_s, 1e-9),
+    elapsed_s,
+  };
+}
+
 /** The stream an evaluation config reads: its texts, or its dataset's split (a builtin prepared on first use). */
 export async function evalStream(root: string, c: EvalConfig): Promise<EvalStream> {
   let stream: EvalStream;
@@ -388,8 +513,32 @@ export async function runEvalConfig(
 ): Promise<EvalResult> {
   const body = c.task === "cloze"
     ? await cloze(model, c.texts ?? [], c.strict, hooks)
+    : c.task === "multiple_choice"
+    ? await multipleChoice(model, tokenizeChoices(c.examples ?? []), c.scoring ?? "sum", hooks)
     : await perplexity(model, await evalStream(root, c), c.stride, hooks);
   return { task: c.task, model: c.model, ...body };
+}
+
+/**
+ * Loads the model an evaluation config runs on: `batch` rows of `seqLen`, except that cloze keeps
+ * the rows one LM head chunk holds (it reads logits rows), and multiple choice takes the window
+ * its longest example needs (choiceWindow).
+ */
+export async function loadEvalModel(
+  ctx: GpuContext,
+  source: ModelSource,
+  c: EvalConfig,
+  batch: number,
+  seqLen: number,
+): Promise<EvalModel> {
+  if (c.task === "multiple_choice") {
+    return await EvalModel.load(ctx, source, batch, choiceWindow(tokenizeChoices(c.examples ?? []), seqLen));
+  }
+  const model = await EvalModel.load(ctx, source, batch, seqLen);
+  if (c.task !== "cloze" || model.holdsLogits) return model;
+  const rows = Math.max(1, Math.floor(model.trainer.model.headRows / seqLen));
+  model.destroy();
+  return await EvalModel.load(ctx, source, rows, seqLen);
 }
 
 /**
@@ -412,13 +561,7 @@ export async function runEvaluationJob(
   let model: EvalModel | null = null;
   try {
     if (!job.init_source) throw new Error(`Evaluation job "${job.id}" reached the Worker without its model`);
-    model = await EvalModel.load(ctx, job.init_source, job.config.batch_size, job.config.seq_len);
-    if (c.task === "cloze" && !model.holdsLogits) {
-      // The greedy check reads logits rows: use as many rows as one LM head chunk holds.
-      const rows = Math.max(1, Math.floor(model.trainer.model.headRows / job.config.seq_len));
-      model.destroy();
-      model = await EvalModel.load(ctx, job.init_source, rows, job.config.seq_len);
-    }
+    model = await loadEvalModel(ctx, job.init_source, c, job.config.batch_size, job.config.seq_len);
     hooks.post({
       type: "started",
       id: job.id,

@@ -6,6 +6,7 @@
 import { z } from "zod";
 import { PRESET_NAMES } from "../../model/config.ts";
 import { DEFAULT_SPLIT } from "../../data/mod.ts";
+import { choiceProblem } from "../../model/multiple_choice.ts";
 
 const positiveInt = z.number().int().positive();
 
@@ -76,16 +77,25 @@ export const TrainRequestSchema = z.strictObject({
 /** The words of a cloze line (LAMBADA's format: the last one is to be predicted). */
 const clozeWords = (text: string) => text.trim().split(/\s+/).filter((w) => w.length > 0);
 
+/** A multiple-choice example: `{context, endings, label}` (checked further by choiceProblem). */
+const ChoiceExampleSchema = z.strictObject({
+  context: z.string().max(1_000_000),
+  endings: z.array(z.string().max(1_000_000)).max(64),
+  label: z.number().int(),
+});
+
 /**
  * Body of `POST /evaluate`: a model the server knows, a task, and what to read (texts, or a
- * dataset's split for perplexity). `seq_len` defaults to the model's context capped at
+ * dataset's split for perplexity; examples for multiple choice). `seq_len` defaults to the model's context capped at
  * DEFAULT_EVAL_MAX_SEQ_LEN (model/job_config.ts) and `stride` to `seq_len` (the non-overlapping
  * evaluation); both are filled and checked against the model by the runner.
  */
 export const EvaluateRequestSchema = z.strictObject({
   model: z.string().min(1).max(300),
-  task: z.enum(["perplexity", "cloze"]).default("perplexity"),
+  task: z.enum(["perplexity", "cloze", "multiple_choice"]).default("perplexity"),
   texts: z.array(z.string().max(10_000_000)).min(1).max(100_000).optional(),
+  examples: z.array(ChoiceExampleSchema).min(1).max(1_000_000).optional(),
+  scoring: z.enum(["sum", "mean_token"]).default("sum"),
   dataset: z.string().min(1).max(200).optional(),
   split: z.enum(["train", "valid", "test"]).default("test"),
   seq_len: positiveInt.max(8192).optional(),
@@ -96,6 +106,29 @@ export const EvaluateRequestSchema = z.strictObject({
 }).superRefine((r, ctx) => {
   const issue = (path: (string | number)[], message: string) =>
     ctx.addIssue({ code: "custom", path, message });
+  if (r.task === "multiple_choice") {
+    if (r.examples === undefined || r.texts !== undefined || r.dataset !== undefined) {
+      issue(
+        [r.examples === undefined ? "examples" : r.texts !== undefined ? "texts" : "dataset"],
+        'Cannot evaluate multiple choice: give examples ({"context", "endings", "label"}) and no texts or dataset',
+      );
+      return;
+    }
+    for (const [i, ex] of r.examples.entries()) {
+      const problem = choiceProblem(ex, i);
+      if (problem) {
+        issue(
+          ["examples", i, ...problem.field.split(".").map((k) => /^\d+$/.test(k) ? +k : k)],
+          problem.message,
+        );
+      }
+    }
+    return;
+  }
+  if (r.examples !== undefined) {
+    issue(["examples"], `Cannot evaluate ${r.task} on examples: they are for task "multiple_choice"`);
+    return;
+  }
   if ((r.texts === undefined) === (r.dataset === undefined)) {
     issue(["texts"], "Cannot evaluate: give exactly one of texts or dataset");
     return;
