@@ -59,6 +59,8 @@ export interface TrainConfig {
   init_from?: string;
   /** Evaluation jobs (`POST /evaluate`): what to measure; absent on a training job. */
   evaluate?: EvalConfig;
+  /** Training jobs: evaluations run on the current weights at every `eval_interval` (and at the end). */
+  eval_tasks?: EvalTaskConfig[];
   /**
    * "fp32" (absent: fp32) or "fp16": f16 weights and activations, fp32 master weights and AdamW,
    * dynamic loss scaling (Megatron's --fp16).
@@ -119,6 +121,12 @@ export interface EvalConfig {
   /** Multiple choice: how `accuracy` ranks endings (absent: "sum"). */
   scoring?: ChoiceScoring;
 }
+
+/**
+ * An evaluation during training (`eval_tasks` of `POST /train`): a name (unique in the job), the
+ * task and its data as `POST /evaluate` takes them, run in the training plan's window and batch.
+ */
+export type EvalTaskConfig = Omit<EvalConfig, "model" | "stride"> & { name: string; stride?: number };
 
 /** The evaluation tasks. */
 export type EvalTask = "perplexity" | "cloze" | "multiple_choice";
@@ -265,10 +273,19 @@ export interface Job {
  * Kinds of server-sent events. `compile`: kernel compilation before the first step (pipelines
  * done of total, the adapter, whether it is a first run there; see worker/compile_report.ts).
  * `evaluation`: an evaluation job's result (its progress comes as `progress` events of kind
- * "evaluate"). `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
+ * "evaluate"). `eval_task`: one of a training job's `eval_tasks` at an iteration (its name, task,
+ * figures, or the error that stopped it). `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
  * resumes when the server is back.
  */
-export type JobEventType = "progress" | "compile" | "log" | "checkpoint" | "evaluation" | "done" | "shutdown";
+export type JobEventType =
+  | "progress"
+  | "compile"
+  | "log"
+  | "checkpoint"
+  | "evaluation"
+  | "eval_task"
+  | "done"
+  | "shutdown";
 
 /** One stored event; `id` increases across all jobs and is the SSE id. */
 export interface JobEvent {
@@ -282,8 +299,8 @@ export interface JobEvent {
 /** One row of the metrics history. */
 export interface MetricPoint {
   iteration: number;
-  /** "train" for training loss, "valid" or "test" for evaluations. */
-  split: "train" | "valid" | "test";
+  /** "train" for training loss, "valid" or "test" for evaluations, `eval:<name>` for an eval task's loss. */
+  split: "train" | "valid" | "test" | `eval:${string}`;
   loss: number;
   perplexity: number | null;
   lr: number | null;
