@@ -231,6 +231,20 @@ export function completeConfig(
         );
       }
     }
+    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
+      if (tp > 1) {
+        throw new InvalidJobError(
+          "eval_tasks",
+          "Cannot run eval_tasks with tensor_parallel > 1 yet: evaluate the checkpoints with POST /evaluate",
+        );
+      }
+      if (t.stride !== undefined && t.stride > config.seq_len) {
+        throw new InvalidJobError(
+          `eval_tasks.${i}.stride`,
+          `Cannot evaluate with stride ${t.stride} larger than seq_len ${config.seq_len}`,
+        );
+      }
+    }
     if (config.global_batch_size % (config.batch_size * dp) !== 0) {
       throw new InvalidJobError(
         "global_batch_size",

@@ -78,6 +78,7 @@ export class EvalModel {
   readonly seqLen: number;
   readonly config: ModelConfig;
   #ctx: GpuContext;
+  #owned = true;
 
   private constructor(ctx: GpuContext, trainer: Trainer, config: ModelConfig, batch: number, seqLen: number) {
     this.#ctx = ctx;
@@ -108,6 +109,17 @@ export class EvalModel {
       seed: 0,
     }, { step: 0, params, m: zeros, v: zeros });
     return new EvalModel(ctx, trainer, config, batch, seqLen);
+  }
+
+  /**
+   * Evaluates with a training job's own trainer (its plan's batch and window, its current weights;
+   * evaluations during training). `destroy()` leaves the trainer to its owner.
+   */
+  static over(ctx: GpuContext, trainer: Trainer): EvalModel {
+    const { config, batchSize, seqLen } = trainer.opts;
+    const model = new EvalModel(ctx, trainer, config, batchSize, seqLen);
+    model.#owned = false;
+    return model;
   }
 
   /** Loads a model the server knows (checkpoint of any tensor-parallel size, or a Hugging Face folder). */
@@ -179,9 +191,9 @@ export class EvalModel {
     }
   }
 
-  /** Frees the GPU buffers. */
+  /** Frees the GPU buffers (not those of a trainer it evaluates `over`). */
   destroy(): void {
-    this.trainer.destroy();
+    if (this.#owned) this.trainer.destroy();
   }
 }
 

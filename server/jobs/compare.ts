@@ -7,7 +7,7 @@
  * store returns.
  */
 
-import type { Job, JobEvent, MetricPoint, TrainConfig } from "../../model/job.ts";
+import type { EvalResult, Job, JobEvent, MetricPoint, TrainConfig } from "../../model/job.ts";
 
 /** One evaluation during training, as its `eval_task` event carries it. */
 export interface EvalTaskPoint {
@@ -20,6 +20,31 @@ export interface EvalTaskPoint {
   accuracy_norm?: number;
   error?: string;
   at: string;
+}
+
+/** The figures an `eval_task` event keeps of a result (none for a failed evaluation). */
+export function evalTaskFigures(r: EvalResult | undefined): Record<string, number | string> {
+  if (!r) return {};
+  const keep = [
+    "loss",
+    "perplexity",
+    "accuracy",
+    "accuracy_norm",
+    "correct",
+    "correct_norm",
+    "examples",
+    "endings",
+    "tokens",
+    "word_perplexity",
+    "bits_per_byte",
+    "seq_len",
+    "tokens_per_s",
+    "elapsed_s",
+    "scoring",
+  ] as const;
+  const out: Record<string, number | string> = {};
+  for (const k of keep) if (r[k] !== undefined) out[k] = r[k]!;
+  return out;
 }
 
 /** The evaluations during training of a job's events, in order. */

@@ -36,6 +36,7 @@ import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
+import { evalTaskFigures } from "./compare.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -1150,6 +1151,28 @@ export class JobRunner {
           });
           this.#emit(id, "evaluation", { ...result });
         }
+        this.#crashes.delete(id);
+        return;
+      }
+      case "eval_task": {
+        const { id, iteration, name, task, result, error } = msg;
+        if (result) {
+          this.#metric(id, {
+            iteration,
+            split: `eval:${name}`,
+            loss: result.loss,
+            perplexity: result.perplexity,
+            lr: null,
+            tokens_per_s: result.tokens_per_s,
+          });
+        }
+        this.#emit(id, "eval_task", {
+          iteration,
+          name,
+          task,
+          ...evalTaskFigures(result),
+          ...error ? { error } : {},
+        });
         this.#crashes.delete(id);
         return;
       }
