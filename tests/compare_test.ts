@@ -2,7 +2,8 @@
  * Runs side by side (issue 41): `GET /jobs/compare` aligns the metric series of jobs of different
  * lengths on one iteration axis, with their final figures, evaluations during training and the
  * fields where their configs differ; `GET /jobs/:id/metrics?format=csv` exports one run. Jobs and
- * histories are written to the store directly; nothing here needs a GPU.
+ * histories are written to the store directly; nothing here needs a GPU. The dashboard's pure
+ * readers of the answer (web/shapes.js) draw it by iteration, tokens or time.
  */
 
 import assert from "node:assert/strict";
@@ -11,6 +12,7 @@ import { TrainRequestSchema } from "../server/routes/schemas.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { apiError } from "./_api.ts";
+import { compareEvalNames, evalTaskKey, JobSeries, overlayColumns } from "../web/shapes.js";
 
 /** A store holding jobs a (30 iterations, lr 6e-4) and b (50 iterations, lr 3e-4, an eval task). */
 async function setup() {
@@ -173,6 +175,34 @@ Deno.test("GET /jobs/:id/metrics?format=csv exports a run with its evaluations d
     assert.equal(json.metrics.length, 7);
     assert.deepEqual(json.evaluations.map((e: { iteration: number }) => e.iteration), [25, 40, 50]);
     await apiError(await t.app.request("/jobs/job_b/metrics?format=xml"), 400, { param: "format" });
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("overlayColumns() draws a comparison by iteration, tokens or time; JobSeries takes eval_task events", async () => {
+  const t = await setup();
+  try {
+    const c = await (await t.app.request("/jobs/compare?ids=job_a,job_b")).json();
+    // By iteration: the answer's own alignment, points only where a job has one.
+    assert.deepEqual(overlayColumns(c, "val_loss", "iteration"), [[20, 40], [9, null], [9, 7]]);
+    // By tokens: each job's iterations × its tokens per iteration (both 128 here), merged.
+    assert.deepEqual(overlayColumns(c, "val_loss", "tokens"), [[2560, 5120], [9, null], [9, 7]]);
+    // By time: each job's own seconds (the points here were written within milliseconds), merged ascending.
+    const byTime = overlayColumns(c, "train_loss", "time");
+    const times = byTime[0] as number[];
+    assert.equal(byTime.length, 3);
+    assert.deepEqual(times, [...new Set(times)].sort((x, y) => x - y));
+    assert.ok(times.every((x) => x >= 0 && x < 60));
+    assert.deepEqual(compareEvalNames(c), ["mc"]);
+    assert.deepEqual(overlayColumns(c, "eval:mc:accuracy"), [[25, 50], [null, null], [0.25, 0.75]]);
+    assert.deepEqual(overlayColumns(c, "no_such_series"), [[], [], []]);
+
+    const s = new JobSeries();
+    assert.ok(s.add("eval_task", { iteration: 4, name: "mc", accuracy: 0.5, loss: 2 }));
+    assert.ok(s.add("eval_task", { iteration: 4, name: "ppl", loss: 3.5 }));
+    assert.ok(s.add("eval_task", { iteration: 8, name: "mc", error: "Cannot evaluate" }));
+    assert.deepEqual(s.columns([evalTaskKey("mc"), evalTaskKey("ppl")]), [[4, 8], [0.5, null], [3.5, null]]);
   } finally {
     await t.cleanup();
   }
