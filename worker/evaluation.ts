@@ -534,7 +534,8 @@ export async function runEvalConfig(
 /**
  * Loads the model an evaluation config runs on: `batch` rows of `seqLen`, except that cloze keeps
  * the rows one LM head chunk holds (it reads logits rows), and multiple choice takes the window
- * its longest example needs (choiceWindow).
+ * its longest example needs (choiceWindow) with as many more rows as keep `batch` × `seqLen`
+ * tokens per forward pass (the memory the request asked for, used by short rows).
  */
 export async function loadEvalModel(
   ctx: GpuContext,
@@ -544,7 +545,8 @@ export async function loadEvalModel(
   seqLen: number,
 ): Promise<EvalModel> {
   if (c.task === "multiple_choice") {
-    return await EvalModel.load(ctx, source, batch, choiceWindow(tokenizeChoices(c.examples ?? []), seqLen));
+    const window = choiceWindow(tokenizeChoices(c.examples ?? []), seqLen);
+    return await EvalModel.load(ctx, source, Math.max(batch, Math.floor(batch * seqLen / window)), window);
   }
   const model = await EvalModel.load(ctx, source, batch, seqLen);
   if (c.task !== "cloze" || model.holdsLogits) return model;
