@@ -3,7 +3,8 @@
  * `POST /evaluate` bodies (400s naming `eval_tasks.N.field`); on a real GPU Worker a training job
  * records each task at every eval_interval and at the end (an `eval_task` event and a metrics row
  * each), a task that fails is recorded at each interval while the training succeeds, and the last
- * multiple-choice figures equal an evaluation job's on the final checkpoint.
+ * multiple-choice figures (scored in a forward-only plan of the examples' window over the training
+ * weights) equal an evaluation job's on the final checkpoint.
  */
 
 import assert from "node:assert/strict";
@@ -115,6 +116,8 @@ Deno.test({
       assert.deepEqual(of("mc").map((d) => d.iteration), [4, 8, 12]);
       for (const d of of("mc")) {
         assert.equal(d.task, "multiple_choice");
+        // The examples need 32 tokens, half the training window: a forward-only plan of 32 shares the weights.
+        assert.equal(d.seq_len, 32);
         assert.equal(d.examples, EXAMPLES.length);
         assert.ok((d.accuracy as number) >= 0 && (d.accuracy as number) <= 1);
         assert.ok(Number.isFinite(d.loss) && Number.isFinite(d.accuracy_norm));

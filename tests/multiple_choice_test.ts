@@ -1,7 +1,8 @@
 /**
  * Multiple-choice evaluation (issue 41): tokenization, rows and figures on the CPU; on the GPU
  * (lavapipe on CI), every ending's summed log-probability of a generated set of 50 examples against
- * the float64 CPU reference model, and the same accuracies; `POST /evaluate` 400s naming
+ * the float64 CPU reference model, and the same accuracies; a forward-only plan sharing a trainer's
+ * weights scores as the trainer's own plan; `POST /evaluate` 400s naming
  * `examples.N.field`; an evaluation job on a real GPU Worker over the shipped example file; and
  * `deno task eval --task multiple_choice`. GPU tests skip without an adapter.
  */
@@ -170,6 +171,31 @@ gpuTest(
     assert.equal(result.endings, examples.reduce((a, e) => a + e.endings.length, 0));
     assert.ok(Math.abs(result.loss - want.loss) < 1e-5 * want.loss);
     assert.equal(choiceWindow(examples, 1024), 32); // the longest row is 24 + 5 tokens
+  },
+);
+
+gpuTest(
+  "EvalModel.sharing() scores in a forward-only plan over a trainer's weights as the trainer does",
+  async () => {
+    const ctx = (await testContext())!;
+    const examples = generatedExamples().slice(0, 12);
+    const full = await EvalModel.create(ctx, tiny, initParams(tiny, 5), 4, 64);
+    const short = await EvalModel.sharing(ctx, full.trainer, 9, 32);
+    try {
+      assert.ok(short, "one fp32 weight buffer: shared");
+      const a = await scoreChoices(full, examples), b = await scoreChoices(short, examples);
+      for (const [e, s] of a.entries()) {
+        for (const [k, lp] of s.logprobs.entries()) {
+          assert.ok(
+            Math.abs(lp - b[e].logprobs[k]) <= 1e-5 * Math.max(1, Math.abs(lp)),
+            `${e}/${k}: ${lp} vs ${b[e].logprobs[k]}`,
+          );
+        }
+      }
+    } finally {
+      short?.destroy();
+      full.destroy();
+    }
   },
 );
 

@@ -1,9 +1,12 @@
 /**
  * Evaluations during training (`eval_tasks` of `POST /train`, llm.c's HellaSwag every N steps):
  * at every `eval_interval` and at the end, between steps, each task runs on the trainer's current
- * weights in its own plan (batch_size rows of seq_len; no second copy of the model), as
- * worker/evaluation.ts runs an evaluation job. Inputs are read and tokenized once per job run, at
- * their first use. A task that fails is reported with its error and the training goes on.
+ * weights (no second copy of them), as worker/evaluation.ts runs an evaluation job. Perplexity
+ * and cloze run in the training plan (batch_size rows of seq_len); multiple choice, whose rows are
+ * usually far shorter, in a forward-only plan of its window sharing the weights (engine/scorer.ts)
+ * with as many rows as keep batch_size × seq_len tokens, built once per job run (the training plan
+ * when that fails or saves little). Inputs are read and tokenized once per job run, at their first
+ * use. A task that fails is reported with its error and the training goes on.
  */
 
 import type { GpuContext } from "../engine/device.ts";
@@ -13,6 +16,7 @@ import type { FromWorker } from "../protocol.ts";
 import { type ClozeExample, clozeExample } from "../model/perplexity.ts";
 import type { ChoiceTokens } from "../model/multiple_choice.ts";
 import {
+  choiceWindow,
   clozeTokens,
   EvalModel,
   type EvalStream,
@@ -35,7 +39,9 @@ export class EvalTasks {
   #root: string;
   #tasks: EvalTaskConfig[];
   #prepared = new Map<string, Prepared>();
+  /** The training plan, and forward-only plans by window (null: could not be built). */
   #model: EvalModel | null = null;
+  #sharing = new Map<number, EvalModel | null>();
 
   constructor(ctx: GpuContext, root: string, tasks: EvalTaskConfig[]) {
     this.#ctx = ctx;
@@ -64,7 +70,12 @@ export class EvalTasks {
       if (cancelled()) return;
       const base = { type: "eval_task" as const, id: jobId, iteration, name: t.name, task: t.task };
       try {
-        const result = await this.#runOne(t, { cancelled });
+        const result = await this.#runOne(
+          t,
+          trainer,
+          { cancelled },
+          (message) => post({ type: "log", id: jobId, level: "warn", message }),
+        );
         post({ ...base, result });
       } catch (e) {
         if ((e as Error).message === "Cancelled" && cancelled()) return;
@@ -73,16 +84,61 @@ export class EvalTasks {
     }
   }
 
-  async #runOne(t: EvalTaskConfig, hooks: { cancelled(): boolean }): Promise<EvalResult> {
+  async #runOne(
+    t: EvalTaskConfig,
+    trainer: Trainer,
+    hooks: { cancelled(): boolean },
+    warn: (message: string) => void,
+  ): Promise<EvalResult> {
     const model = this.#model!;
     const p = this.#prepared.get(t.name) ?? await this.#prepare(t);
     this.#prepared.set(t.name, p);
     const body = p.task === "multiple_choice"
-      ? await multipleChoice(model, p.examples, t.scoring ?? "sum", hooks)
+      ? await multipleChoice(
+        await this.#choiceModel(trainer, p.examples, warn),
+        p.examples,
+        t.scoring ?? "sum",
+        hooks,
+      )
       : p.task === "cloze"
       ? await clozeTokens(model, p.examples, hooks)
       : await perplexity(model, p.stream, t.stride ?? model.seqLen, hooks);
     return { task: t.task, model: "(training)", ...body };
+  }
+
+  /**
+   * The plan multiple choice runs in: a forward-only one of the examples' window sharing the
+   * weights when that window is at most half the training one, else (or when it cannot be built)
+   * the training plan.
+   */
+  async #choiceModel(
+    trainer: Trainer,
+    examples: ChoiceTokens[],
+    warn: (m: string) => void,
+  ): Promise<EvalModel> {
+    const over = this.#model!, T = over.seqLen, B = over.batch;
+    const window = choiceWindow(examples, T);
+    if (window * 2 > T) return over;
+    if (!this.#sharing.has(window)) {
+      const rows = Math.max(B, Math.floor(B * T / window));
+      let model: EvalModel | null = null;
+      try {
+        model = await EvalModel.sharing(this.#ctx, trainer, rows, window);
+      } catch (e) {
+        warn(
+          `Cannot plan ${rows} rows of ${window} tokens for multiple choice (${(e as Error).message}): ` +
+            `scoring in the training plan's ${B} rows of ${T}`,
+        );
+      }
+      this.#sharing.set(window, model);
+    }
+    return this.#sharing.get(window) ?? over;
+  }
+
+  /** Frees the forward-only plans (the trainer stays its owner's). */
+  destroy(): void {
+    for (const m of this.#sharing.values()) m?.destroy();
+    this.#sharing.clear();
   }
 
   async #prepare(t: EvalTaskConfig): Promise<Prepared> {

@@ -14,6 +14,7 @@ import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
 import type { GpuContext } from "../engine/device.ts";
 import { readBuffers } from "../engine/device.ts";
 import { Trainer } from "../engine/trainer.ts";
+import { TokenScorer } from "../engine/scorer.ts";
 import { EOT_TOKEN, type ModelConfig, validateSeqLen } from "../model/config.ts";
 import type { EvalConfig, EvalResult } from "../model/job.ts";
 import {
@@ -71,6 +72,9 @@ interface BatchResult {
   argmax: number[];
 }
 
+/** What scores a batch: a trainer's plan, or a forward-only plan sharing its weights (engine/scorer.ts). */
+type Scoring = Pick<Trainer | TokenScorer, "encodeTokenLosses">;
+
 /** A model loaded for evaluation: an engine plan of `batch` rows of `seqLen`, no dropout, weights of `source`. */
 export class EvalModel {
   readonly trainer: Trainer;
@@ -79,6 +83,8 @@ export class EvalModel {
   readonly config: ModelConfig;
   #ctx: GpuContext;
   #owned = true;
+  /** A forward-only plan of its own over the trainer's weights (`sharing`), or null: the trainer's plan. */
+  #scorer: TokenScorer | null = null;
 
   private constructor(ctx: GpuContext, trainer: Trainer, config: ModelConfig, batch: number, seqLen: number) {
     this.#ctx = ctx;
@@ -86,6 +92,35 @@ export class EvalModel {
     this.config = config;
     this.batch = batch;
     this.seqLen = seqLen;
+  }
+
+  /**
+   * Evaluates with a training job's current weights in a forward-only plan of its own, `batch`
+   * rows of `seqLen` (shorter rows than training's cost less). Null when the trainer's weights
+   * are not one fp32 buffer (tensor-parallel shards, or a layout cut in segments). `destroy()`
+   * frees only the forward plan.
+   */
+  static async sharing(
+    ctx: GpuContext,
+    trainer: Trainer,
+    batch: number,
+    seqLen: number,
+  ): Promise<EvalModel | null> {
+    const { params } = trainer.model;
+    if (trainer.opts.tensorParallel || params.segments.length !== 1 || params.bytesPerElement !== 4) {
+      return null;
+    }
+    const scorer = await TokenScorer.create(
+      ctx,
+      trainer.opts.config,
+      params.segments[0].buffer,
+      batch,
+      seqLen,
+    );
+    const model = new EvalModel(ctx, trainer, trainer.opts.config, batch, seqLen);
+    model.#owned = false;
+    model.#scorer = scorer;
+    return model;
   }
 
   /** Loads `params` (flat layout of `config`, tensor-parallel size 1) into a plan of `batch` × `seqLen`. */
@@ -127,9 +162,14 @@ export class EvalModel {
     return await EvalModel.create(ctx, source.config, await loadWeights(source), batch, seqLen);
   }
 
+  /** Rows of one LM head chunk of the plan that scores. */
+  get headRows(): number {
+    return this.#scorer?.headRows ?? this.trainer.model.headRows;
+  }
+
   /** Whether logits of every row of a batch are kept (the LM head runs in one chunk). */
   get holdsLogits(): boolean {
-    return this.trainer.model.headRows >= this.batch * this.seqLen;
+    return this.headRows >= this.batch * this.seqLen;
   }
 
   /**
@@ -141,14 +181,14 @@ export class EvalModel {
     each: (i: number, r: BatchResult) => void,
     hooks: EvalHooks = {},
   ): Promise<void> {
-    const { device } = this.#ctx, m = this.trainer.model;
+    const { device } = this.#ctx, scoring: Scoring = this.#scorer ?? this.trainer;
     const B = this.batch, T = this.seqLen, Vp = this.config.padded_vocab_size, V = this.config.vocab_size;
     const lossBytes = B * T * 4, rowBytes = Vp * 4;
     if (batches.some((b) => b.logitRows?.length) && !this.holdsLogits) {
       throw new RangeError(
         `Cannot keep the logits of ${
           B * T
-        } rows (the LM head runs in chunks of ${m.headRows}): lower batch_size`,
+        } rows (the LM head runs in chunks of ${this.headRows}): lower batch_size`,
       );
     }
     let i = 0;
@@ -170,7 +210,7 @@ export class EvalModel {
       let offset = 0;
       for (let k = i; k < j; k++) {
         at.push(offset);
-        offset += await this.trainer.encodeTokenLosses(batches[k].tokens, out, offset, batches[k].logitRows);
+        offset += await scoring.encodeTokenLosses(batches[k].tokens, out, offset, batches[k].logitRows);
       }
       const [raw] = await readBuffers(this.#ctx, [{ buffer: out, offset: 0, bytes }]);
       out.destroy();
@@ -191,8 +231,9 @@ export class EvalModel {
     }
   }
 
-  /** Frees the GPU buffers (not those of a trainer it evaluates `over`). */
+  /** Frees the GPU buffers (not those of a trainer it evaluates `over` or `sharing` its weights). */
   destroy(): void {
+    this.#scorer?.destroy();
     if (this.#owned) this.trainer.destroy();
   }
 }

@@ -641,6 +641,7 @@ async function trainSteps(
 export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
   if (job.config.evaluate) return await runEvaluationJob(ctx, job, hooks);
   const run = newRun(ctx, job, hooks), c = run.c, ranks = run.ranks;
+  let tasks: EvalTasks | null = null;
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
     type: "done",
     id: job.id,
@@ -694,7 +695,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
       });
     };
     // Evaluations during training run on the lead rank (tensor_parallel 1); the others wait at the next exchange.
-    const tasks = run.lead && c.eval_tasks?.length ? new EvalTasks(ctx, job.root, c.eval_tasks) : null;
+    tasks = run.lead && c.eval_tasks?.length ? new EvalTasks(ctx, job.root, c.eval_tasks) : null;
     const evalTasks = async () => {
       await tasks?.run(trainer, run.iteration, job.id, run.post, hooks.cancelled);
     };
@@ -725,6 +726,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     ranks.reducer?.destroy();
     ranks.zero?.destroy();
     ranks.tpx?.destroy();
+    tasks?.destroy();
     run.trainer?.destroy();
   }
 }
