@@ -116,8 +116,9 @@ export interface EvalConfig {
   strict: boolean;
   /** Perplexity: score at most this many tokens of the stream (absent: all of it). */
   max_tokens?: number;
-  /** Multiple choice: the examples. */
+  /** Multiple choice: the examples, or the name of a JSONL file of them (data/tasks.ts). */
   examples?: ChoiceExample[];
+  examples_file?: string;
   /** Multiple choice: how `accuracy` ranks endings (absent: "sum"). */
   scoring?: ChoiceScoring;
 }

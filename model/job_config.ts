@@ -314,6 +314,7 @@ export interface EvaluateRequest {
   strict: boolean;
   max_tokens?: number;
   examples?: ChoiceExample[];
+  examples_file?: string;
   scoring?: ChoiceScoring;
 }
 
@@ -354,9 +355,10 @@ export function completeEvalConfig(req: EvaluateRequest, source: InitSource): Tr
     delete evaluate.texts;
     delete evaluate.dataset;
     delete evaluate.split;
-    evaluate.examples = req.examples ?? [];
+    if (req.examples_file !== undefined) evaluate.examples_file = req.examples_file;
+    else evaluate.examples = req.examples ?? [];
     evaluate.scoring = req.scoring ?? "sum";
-    for (const ex of evaluate.examples) batch_size = Math.max(batch_size, ex.endings.length);
+    for (const ex of evaluate.examples ?? []) batch_size = Math.max(batch_size, ex.endings.length);
   }
   return {
     model: modelDims(source.config),

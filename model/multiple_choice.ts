@@ -46,24 +46,29 @@ export function choiceTokens(ex: ChoiceExample, encode: (s: string) => number[])
 
 /**
  * The problem with example `i` (message and field), or null: no endings, an empty context or
- * ending, a label that is not an index of the endings. The routes' 400s and the CLI name the same field.
+ * ending, a label that is not an index of the endings. The routes' 400s and the CLI name the same
+ * field; `where` names the example in the message (default "example i").
  */
-export function choiceProblem(ex: ChoiceExample, i: number): { field: string; message: string } | null {
+export function choiceProblem(
+  ex: ChoiceExample,
+  i: number,
+  where = `example ${i}`,
+): { field: string; message: string } | null {
   if (ex.context.trim() === "") {
-    return { field: "context", message: `Cannot evaluate example ${i}: its context is empty` };
+    return { field: "context", message: `Cannot evaluate ${where}: its context is empty` };
   }
   if (ex.endings.length === 0) {
-    return { field: "endings", message: `Cannot evaluate example ${i}: it has no endings` };
+    return { field: "endings", message: `Cannot evaluate ${where}: it has no endings` };
   }
   const empty = ex.endings.findIndex((e) => e.trim() === "");
   if (empty >= 0) {
-    return { field: `endings.${empty}`, message: `Cannot evaluate example ${i}: ending ${empty} is empty` };
+    return { field: `endings.${empty}`, message: `Cannot evaluate ${where}: ending ${empty} is empty` };
   }
   if (!Number.isInteger(ex.label) || ex.label < 0 || ex.label >= ex.endings.length) {
     return {
       field: "label",
       message:
-        `Cannot evaluate example ${i}: label ${ex.label} is not an index of its ${ex.endings.length} endings`,
+        `Cannot evaluate ${where}: label ${ex.label} is not an index of its ${ex.endings.length} endings`,
     };
   }
   return null;
@@ -138,6 +143,25 @@ export function choiceFigures(scores: ChoiceScores[], scoring: ChoiceScoring): C
     loss,
     perplexity: Math.exp(loss),
   };
+}
+
+/**
+ * Reads and checks a JSONL file of examples (see parseChoiceJsonl), none of them bad (see
+ * choiceProblem). Throws RangeError naming the file and the line.
+ */
+export function checkedChoiceJsonl(text: string, name: string): ChoiceExample[] {
+  const examples = parseChoiceJsonl(text, name), lines = choiceLines(text);
+  for (const [i, ex] of examples.entries()) {
+    const problem = choiceProblem(ex, i, `"${name}" line ${lines[i]}`);
+    if (problem) throw new RangeError(problem.message);
+  }
+  if (examples.length === 0) throw new RangeError(`Cannot evaluate "${name}": it has no examples`);
+  return examples;
+}
+
+/** The 1-based line number of each example (non-blank line) of a JSONL text. */
+function choiceLines(text: string): number[] {
+  return text.split("\n").flatMap((line, i) => line.trim() === "" ? [] : [i + 1]);
 }
 
 /**

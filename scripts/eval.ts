@@ -20,13 +20,13 @@ import { completeEvalConfig, type EvaluateRequest } from "../model/job_config.ts
 import { InvalidJobError, ModelNotFoundError } from "../model/errors.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
-import { loadEvalModel, runEvalConfig } from "../worker/evaluation.ts";
+import { loadEvalModel, runEvalConfig, withChoiceExamples } from "../worker/evaluation.ts";
 import { type ChoiceExample, parseChoiceJsonl } from "../model/multiple_choice.ts";
 
 const USAGE = `Usage: deno task eval --model ID [--task perplexity|cloze|multiple_choice]
   (--text STR ... | --text-file FILE ... | --jsonl FILE | --dataset ID [--split test])
   [--seq-len N] [--stride N] [--batch-size N] [--strict] [--max-tokens N]
-  [--scoring sum|mean_token] [--home DIR] [--json]
+  [--scoring sum|mean_token] [--examples-file NAME] [--home DIR] [--json]
   multiple_choice reads --jsonl lines {"context": "...", "endings": ["...", ...], "label": k}`;
 
 function usage(problem: string): never {
@@ -70,6 +70,7 @@ async function requestOf(values: Record<string, string | string[] | boolean | un
     task: values.task,
     ...(texts.length ? { texts } : {}),
     examples,
+    examples_file: values["examples-file"],
     scoring: values.scoring,
     dataset: values.dataset,
     split: values.split,
@@ -100,6 +101,7 @@ if (import.meta.main) {
         strict: { type: "boolean" },
         "max-tokens": { type: "string" },
         scoring: { type: "string" },
+        "examples-file": { type: "string" },
         home: { type: "string" },
         json: { type: "boolean" },
         help: { type: "boolean" },
@@ -126,9 +128,10 @@ if (import.meta.main) {
     const config = completeEvalConfig(req, source);
     const ctx = await openDevice();
     console.error(`Evaluating "${source.id}" (${req.task}) on ${describeDevice(ctx)}`);
-    const model = await loadEvalModel(ctx, source, config.evaluate!, config.batch_size, config.seq_len);
+    const evaluate = await withChoiceExamples(home, config.evaluate!);
+    const model = await loadEvalModel(ctx, source, evaluate, config.batch_size, config.seq_len);
     let last = 0;
-    const result = await runEvalConfig(model, home, config.evaluate!, {
+    const result = await runEvalConfig(model, home, evaluate, {
       progress: (p) => {
         if (performance.now() - last < 2000 && p.done < p.total) return;
         last = performance.now();

@@ -68,9 +68,25 @@ Deno.test("POST /train: eval_tasks are checked as POST /evaluate bodies, naming 
       },
     );
     await apiError(await post({ tensor_parallel: 2, eval_tasks: [mc] }), 400, { param: "eval_tasks" });
+    await apiError(await post({ eval_tasks: [{ task: "perplexity", dataset: "nope" }] }), 400, {
+      param: "eval_tasks.0.dataset",
+      message: 'Unknown dataset "nope"',
+    });
+    await apiError(
+      await post({ eval_tasks: [mc, { name: "f", task: "multiple_choice", examples_file: "nope" }] }),
+      400,
+      {
+        param: "eval_tasks.1.examples_file",
+        message: /Unknown task file "nope": expected \$GPT2_HOME\/tasks\/nope.jsonl/,
+      },
+    );
 
     const res = await post({
-      eval_tasks: [mc, { name: "ppl", task: "perplexity", texts: ["Hello there, world"] }],
+      eval_tasks: [
+        mc,
+        { name: "ppl", task: "perplexity", texts: ["Hello there, world"] },
+        { name: "file", task: "multiple_choice", examples_file: "example_choice" },
+      ],
     });
     assert.equal(res.status, 202, await res.clone().text());
     await until(() => workers.some((w) => w.jobs.length === 1), "the job on a worker");
@@ -78,7 +94,9 @@ Deno.test("POST /train: eval_tasks are checked as POST /evaluate bodies, naming 
     assert.deepEqual(handed.config.eval_tasks!.map((t) => [t.name, t.task, t.scoring, t.split]), [
       ["multiple_choice", "multiple_choice", "sum", "test"],
       ["ppl", "perplexity", "sum", "test"],
+      ["file", "multiple_choice", "sum", "test"],
     ]);
+    assert.equal(handed.config.eval_tasks![2].examples_file, "example_choice");
   } finally {
     runner.shutdown();
     store.close();
@@ -104,8 +122,10 @@ Deno.test({
         eval_iters: 1,
         save_interval: 0,
         eval_tasks: [
-          { name: "mc", task: "multiple_choice", examples: EXAMPLES },
-          { name: "broken", task: "perplexity", dataset: "no_such_dataset" },
+          // The shipped file, read by the Worker (data/tasks.ts).
+          { name: "mc", task: "multiple_choice", examples_file: "example_choice" },
+          // One token: nothing to score, which only running it finds.
+          { name: "broken", task: "perplexity", texts: ["Hello"] },
         ],
       });
       const { job } = await trainJob(runner, req);
@@ -123,7 +143,9 @@ Deno.test({
         assert.ok(Number.isFinite(d.loss) && Number.isFinite(d.accuracy_norm));
       }
       assert.deepEqual(of("broken").map((d) => d.iteration), [4, 8, 12]);
-      for (const d of of("broken")) assert.match(d.error as string, /Unknown dataset "no_such_dataset"/);
+      for (const d of of("broken")) {
+        assert.match(d.error as string, /A stream of 1 token\(s\) has nothing to score/);
+      }
       const rows = runner.store.metrics(job.id).filter((p) => p.split === "eval:mc");
       assert.deepEqual(rows.map((p) => p.iteration), [4, 8, 12]);
 

@@ -11,6 +11,7 @@ import assert from "node:assert/strict";
 import { presetConfig } from "../model/config.ts";
 import {
   argmax,
+  checkedChoiceJsonl,
   choiceFigures,
   choiceRow,
   type ChoiceScores,
@@ -70,6 +71,21 @@ Deno.test("choiceFigures(): accuracy by the sum (or the mean per token), accurac
   const mean = choiceFigures(scores, "mean_token");
   assert.deepEqual([mean.correct, mean.correct_norm], [2, 2]);
   assert.equal(argmax([1, 3, 3]), 1);
+});
+
+Deno.test("checkedChoiceJsonl() names the file and line of a bad example", () => {
+  const line = (o: unknown) => JSON.stringify(o);
+  const text = [
+    line({ context: "a", endings: ["b"], label: 0 }),
+    "",
+    line({ context: "", endings: ["b"], label: 0 }),
+  ]
+    .join("\n");
+  assert.throws(
+    () => checkedChoiceJsonl(text, "t.jsonl"),
+    /^RangeError: Cannot evaluate "t.jsonl" line 3: its context is empty$/,
+  );
+  assert.throws(() => checkedChoiceJsonl("\n", "e.jsonl"), /Cannot evaluate "e.jsonl": it has no examples/);
 });
 
 Deno.test("parseChoiceJsonl() reads the shipped example file and names a bad line", async () => {
@@ -256,11 +272,41 @@ Deno.test("POST /evaluate multiple_choice: a bad example is a 400 naming example
     await apiError(await post({ task: "cloze", examples: [good] }), 400, { param: "examples" });
     await apiError(await post({ examples: [good], scoring: "max" }), 400, { param: "scoring" });
 
+    // A task file: unknown, with a bad line (named), given with examples.
+    await apiError(await post({ examples_file: "nope" }), 400, {
+      param: "examples_file",
+      message: /Unknown task file "nope"/,
+    });
+    await apiError(await post({ examples_file: "../etc" }), 400, { param: "examples_file" });
+    await Deno.mkdir(`${root}/tasks`);
+    await Deno.writeTextFile(
+      `${root}/tasks/mine.jsonl`,
+      JSON.stringify(good) + "\n\n" + JSON.stringify({ ...good, label: 5 }) + "\n",
+    );
+    await apiError(await post({ examples_file: "mine" }), 400, {
+      param: "examples_file",
+      message: 'Cannot evaluate "mine.jsonl" line 3: label 5 is not an index of its 2 endings',
+    });
+    await apiError(await post({ examples: [good], examples_file: "example_choice" }), 400, {
+      param: "examples_file",
+    });
+    const file = await post({ examples_file: "example_choice" });
+    assert.equal(file.status, 202, await file.clone().text());
+
     const five = { context: "Pick", endings: ["a", "b", "c", "d", "e"], label: 4 };
     const res = await post({ examples: [good, five], scoring: "mean_token", batch_size: 2 });
     assert.equal(res.status, 202, await res.clone().text());
     await until(() => workers[0]?.jobs.length === 1, "the job on the worker");
-    const handed = workers[0].jobs[0];
+    assert.deepEqual(workers[0].jobs[0].config.evaluate!.examples_file, "example_choice");
+    workers[0].send({
+      type: "done",
+      id: workers[0].jobs[0].id,
+      status: "succeeded",
+      iteration: 0,
+      error: null,
+    });
+    await until(() => workers[0]?.jobs.length === 2, "the second job on the worker");
+    const handed = workers[0].jobs[1];
     assert.deepEqual(handed.config.evaluate, {
       task: "multiple_choice",
       model: "hf_choice",

@@ -25,6 +25,7 @@ import {
   perplexity,
   tokenize,
   tokenizeChoices,
+  withChoiceExamples,
 } from "./evaluation.ts";
 
 /** A task's inputs, tokenized. */
@@ -142,7 +143,12 @@ export class EvalTasks {
   }
 
   async #prepare(t: EvalTaskConfig): Promise<Prepared> {
-    if (t.task === "multiple_choice") return { task: t.task, examples: tokenizeChoices(t.examples ?? []) };
+    if (t.task === "multiple_choice") {
+      return {
+        task: t.task,
+        examples: tokenizeChoices((await withChoiceExamples(this.#root, t)).examples ?? []),
+      };
+    }
     if (t.task === "cloze") {
       const examples = (t.texts ?? []).map((line, i) => {
         try {

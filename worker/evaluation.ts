@@ -26,10 +26,11 @@ import {
   perplexityFigures,
   slidingWindows,
 } from "../model/perplexity.ts";
-import { getDataset, isBuiltinName, loadSplit, prepareDataset } from "../data/mod.ts";
+import { getDataset, isBuiltinName, loadSplit, prepareDataset, readTaskFile } from "../data/mod.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import type { FromWorker, ModelSource, WorkerJob } from "../protocol.ts";
 import {
+  checkedChoiceJsonl,
   type ChoiceExample,
   choiceFigures,
   choiceProblem,
@@ -427,6 +428,19 @@ export async function clozeTokens(
   };
 }
 
+/**
+ * A multiple-choice config with its examples at hand: given, or read from its task file
+ * (data/tasks.ts) and checked. Other configs as they are.
+ */
+export async function withChoiceExamples<T extends Pick<EvalConfig, "examples" | "examples_file">>(
+  root: string,
+  c: T,
+): Promise<T> {
+  if (c.examples_file === undefined || c.examples !== undefined) return c;
+  const examples = checkedChoiceJsonl(await readTaskFile(root, c.examples_file), `${c.examples_file}.jsonl`);
+  return { ...c, examples };
+}
+
 /** Tokenizes multiple-choice examples (see choiceTokens); a bad one is a RangeError naming it. */
 export function tokenizeChoices(examples: ChoiceExample[]): ChoiceTokens[] {
   return examples.map((ex, i) => {
@@ -586,8 +600,10 @@ export async function loadEvalModel(
   seqLen: number,
 ): Promise<EvalModel> {
   if (c.task === "multiple_choice") {
-    const window = choiceWindow(tokenizeChoices(c.examples ?? []), seqLen);
-    return await EvalModel.load(ctx, source, Math.max(batch, Math.floor(batch * seqLen / window)), window);
+    const examples = tokenizeChoices(c.examples ?? []), window = choiceWindow(examples, seqLen);
+    const endings = Math.max(1, ...examples.map((e) => e.endings.length));
+    const rows = Math.max(batch, endings, Math.floor(batch * seqLen / window));
+    return await EvalModel.load(ctx, source, rows, window);
   }
   const model = await EvalModel.load(ctx, source, batch, seqLen);
   if (c.task !== "cloze" || model.holdsLogits) return model;
@@ -605,7 +621,7 @@ export async function runEvaluationJob(
   job: WorkerJob,
   hooks: { post(msg: FromWorker): void; cancelled(): boolean },
 ): Promise<Extract<FromWorker, { type: "done" }>> {
-  const c = job.config.evaluate!;
+  let c = job.config.evaluate!;
   const done = (status: "succeeded" | "failed" | "cancelled", error: string | null) => ({
     type: "done" as const,
     id: job.id,
@@ -616,6 +632,7 @@ export async function runEvaluationJob(
   let model: EvalModel | null = null;
   try {
     if (!job.init_source) throw new Error(`Evaluation job "${job.id}" reached the Worker without its model`);
+    c = await withChoiceExamples(job.root, c);
     model = await loadEvalModel(ctx, job.init_source, c, job.config.batch_size, job.config.seq_len);
     hooks.post({
       type: "started",

@@ -37,6 +37,7 @@ import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoin
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
 import { evalTaskFigures } from "./compare.ts";
+import { checkEvalData } from "./task_files.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -298,6 +299,9 @@ export class JobRunner {
           `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
       );
     }
+    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
+      await checkEvalData(this.#opts.root, t, `eval_tasks.${i}.`, this.#opts.datasetExists);
+    }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config);
@@ -349,6 +353,7 @@ export class JobRunner {
         );
       }
     }
+    await checkEvalData(this.#opts.root, { examples_file: req.examples_file }, "", this.#opts.datasetExists);
     if (req.dataset !== undefined) {
       if (!(await this.#opts.datasetExists(req.dataset))) {
         throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);

@@ -5,7 +5,7 @@
 
 import { z } from "zod";
 import { PRESET_NAMES } from "../../model/config.ts";
-import { DEFAULT_SPLIT } from "../../data/mod.ts";
+import { DEFAULT_SPLIT, TASK_FILE_RE } from "../../data/mod.ts";
 import { choiceProblem } from "../../model/multiple_choice.ts";
 
 const positiveInt = z.number().int().positive();
@@ -33,6 +33,8 @@ const evalDataFields = {
   task: z.enum(["perplexity", "cloze", "multiple_choice"]).default("perplexity"),
   texts: z.array(z.string().max(10_000_000)).min(1).max(100_000).optional(),
   examples: z.array(ChoiceExampleSchema).min(1).max(1_000_000).optional(),
+  examples_file: z.string().regex(TASK_FILE_RE, "expected a task file name: $GPT2_HOME/tasks/<name>.jsonl")
+    .optional(),
   scoring: z.enum(["sum", "mean_token"]).default("sum"),
   dataset: z.string().min(1).max(200).optional(),
   split: z.enum(["train", "valid", "test"]).default("test"),
@@ -46,6 +48,7 @@ type EvalData = {
   task: "perplexity" | "cloze" | "multiple_choice";
   texts?: string[];
   examples?: { context: string; endings: string[]; label: number }[];
+  examples_file?: string;
   dataset?: string;
   stride?: number;
   seq_len?: number;
@@ -54,14 +57,24 @@ type EvalData = {
 /** Reports what is wrong with an evaluation's data through `issue` (paths relative to it). */
 function evalDataIssues(r: EvalData, issue: (path: (string | number)[], message: string) => void): void {
   if (r.task === "multiple_choice") {
-    if (r.examples === undefined || r.texts !== undefined || r.dataset !== undefined) {
+    const given = (r.examples !== undefined ? 1 : 0) + (r.examples_file !== undefined ? 1 : 0);
+    if (given !== 1 || r.texts !== undefined || r.dataset !== undefined) {
       issue(
-        [r.examples === undefined ? "examples" : r.texts !== undefined ? "texts" : "dataset"],
-        'Cannot evaluate multiple choice: give examples ({"context", "endings", "label"}) and no texts or dataset',
+        [
+          given === 0
+            ? "examples"
+            : given === 2
+            ? "examples_file"
+            : r.texts !== undefined
+            ? "texts"
+            : "dataset",
+        ],
+        'Cannot evaluate multiple choice: give examples ({"context", "endings", "label"}) or examples_file, ' +
+          "one of them, and no texts or dataset",
       );
       return;
     }
-    for (const [i, ex] of r.examples.entries()) {
+    for (const [i, ex] of (r.examples ?? []).entries()) {
       const problem = choiceProblem(ex, i);
       if (problem) {
         issue(
@@ -72,8 +85,11 @@ function evalDataIssues(r: EvalData, issue: (path: (string | number)[], message:
     }
     return;
   }
-  if (r.examples !== undefined) {
-    issue(["examples"], `Cannot evaluate ${r.task} on examples: they are for task "multiple_choice"`);
+  if (r.examples !== undefined || r.examples_file !== undefined) {
+    issue(
+      [r.examples !== undefined ? "examples" : "examples_file"],
+      `Cannot evaluate ${r.task} on examples: they are for task "multiple_choice"`,
+    );
     return;
   }
   if ((r.texts === undefined) === (r.dataset === undefined)) {
