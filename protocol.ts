@@ -239,7 +239,7 @@ export type FromWorker =
   }
   /**
    * One of a training job's `eval_tasks` at `iteration`: its result, or the error that stopped it
-   * (the training goes on).
+   * (the training goes on); with neither, a sign of life while it runs (`done` of `total`).
    */
   | {
     type: "eval_task";
@@ -249,6 +249,8 @@ export type FromWorker =
     task: EvalResult["task"];
     result?: EvalResult;
     error?: string;
+    done?: number;
+    total?: number;
   }
   | { type: "log"; id: string; level: "info" | "warn"; message: string }
   /**

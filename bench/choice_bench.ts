@@ -144,7 +144,7 @@ if (values.part === "all" || values.part === "train") {
       scoring: "sum",
     }],
   });
-  const evals = withTasks.messages.filter((m) => m.type === "eval_task");
+  const evals = withTasks.messages.filter((m) => m.type === "eval_task" && (m.result || m.error));
   const failed = evals.filter((m) => m.type === "eval_task" && m.error);
   const scoring = evals.reduce((a, m) => a + (m.type === "eval_task" ? m.result?.elapsed_s ?? 0 : 0), 0);
   console.log(JSON.stringify({

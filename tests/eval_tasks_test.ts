@@ -97,6 +97,49 @@ Deno.test("POST /train: eval_tasks are checked as POST /evaluate bodies, naming 
       ["file", "multiple_choice", "sum", "test"],
     ]);
     assert.equal(handed.config.eval_tasks![2].examples_file, "example_choice");
+
+    // The runner records a result as an event and an eval:<name> metrics row, an error as an event;
+    // a sign of life (done of total) is neither.
+    const w = workers.find((w) => w.jobs.length === 1)!, id = handed.id;
+    const base = { type: "eval_task" as const, id, iteration: 5, name: "ppl", task: "perplexity" as const };
+    w.send({ ...base, done: 1, total: 2 });
+    w.send({
+      ...base,
+      result: {
+        task: "perplexity",
+        model: "(training)",
+        loss: 3,
+        perplexity: Math.exp(3),
+        tokens: 4,
+        seq_len: 64,
+        tokens_per_s: 9,
+        elapsed_s: 0.5,
+      },
+    });
+    w.send({ ...base, name: "file", task: "multiple_choice", error: "Cannot evaluate: oops" });
+    await until(
+      () => store.eventsAfter(id, 0).filter((e) => e.type === "eval_task").length === 2,
+      "two eval_task events",
+    );
+    const events = store.eventsAfter(id, 0).filter((e) => e.type === "eval_task").map((e) => e.data);
+    assert.deepEqual(events[0], {
+      iteration: 5,
+      name: "ppl",
+      task: "perplexity",
+      loss: 3,
+      perplexity: Math.exp(3),
+      tokens: 4,
+      seq_len: 64,
+      tokens_per_s: 9,
+      elapsed_s: 0.5,
+    });
+    assert.deepEqual(events[1], {
+      iteration: 5,
+      name: "file",
+      task: "multiple_choice",
+      error: "Cannot evaluate: oops",
+    });
+    assert.deepEqual(store.metrics(id).map((p) => [p.iteration, p.split, p.loss]), [[5, "eval:ppl", 3]]);
   } finally {
     runner.shutdown();
     store.close();

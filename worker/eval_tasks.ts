@@ -18,6 +18,7 @@ import type { ChoiceTokens } from "../model/multiple_choice.ts";
 import {
   choiceWindow,
   clozeTokens,
+  type EvalHooks,
   EvalModel,
   type EvalStream,
   evalStream,
@@ -27,6 +28,9 @@ import {
   tokenizeChoices,
   withChoiceExamples,
 } from "./evaluation.ts";
+
+/** Milliseconds between signs of life while a task runs. */
+const PROGRESS_MS = 30_000;
 
 /** A task's inputs, tokenized. */
 type Prepared =
@@ -50,11 +54,6 @@ export class EvalTasks {
     this.#tasks = tasks;
   }
 
-  /** Whether there is anything to run. */
-  get any(): boolean {
-    return this.#tasks.length > 0;
-  }
-
   /**
    * Runs every task on `trainer`'s weights at `iteration`, posting an `eval_task` message for each
    * (its result or its error). Stops early, posting nothing more, once `cancelled()` holds.
@@ -70,11 +69,18 @@ export class EvalTasks {
     for (const t of this.#tasks) {
       if (cancelled()) return;
       const base = { type: "eval_task" as const, id: jobId, iteration, name: t.name, task: t.task };
+      // A sign of life now and then, so a long evaluation is not taken for a stalled Worker.
+      let said = performance.now();
+      const progress = ({ done, total }: { done: number; total: number }) => {
+        if (performance.now() - said < PROGRESS_MS) return;
+        said = performance.now();
+        post({ ...base, done, total });
+      };
       try {
         const result = await this.#runOne(
           t,
           trainer,
-          { cancelled },
+          { cancelled, progress },
           (message) => post({ type: "log", id: jobId, level: "warn", message }),
         );
         post({ ...base, result });
@@ -88,7 +94,7 @@ export class EvalTasks {
   async #runOne(
     t: EvalTaskConfig,
     trainer: Trainer,
-    hooks: { cancelled(): boolean },
+    hooks: EvalHooks,
     warn: (message: string) => void,
   ): Promise<EvalResult> {
     const model = this.#model!;

@@ -1161,6 +1161,8 @@ export class JobRunner {
       }
       case "eval_task": {
         const { id, iteration, name, task, result, error } = msg;
+        this.#crashes.delete(id);
+        if (!result && error === undefined) return; // progress: the watchdog has heard from the job
         if (result) {
           this.#metric(id, {
             iteration,
@@ -1178,7 +1180,6 @@ export class JobRunner {
           ...evalTaskFigures(result),
           ...error ? { error } : {},
         });
-        this.#crashes.delete(id);
         return;
       }
       case "log":
