@@ -126,9 +126,11 @@ if (import.meta.main) {
   try {
     const source = await resolveModelSource(home, req.model);
     const config = completeEvalConfig(req, source);
+    const evaluate = await withChoiceExamples(home, config.evaluate!).catch((e) =>
+      usage(`Invalid "examples_file": ${(e as Error).message}`)
+    );
     const ctx = await openDevice();
     console.error(`Evaluating "${source.id}" (${req.task}) on ${describeDevice(ctx)}`);
-    const evaluate = await withChoiceExamples(home, config.evaluate!);
     const model = await loadEvalModel(ctx, source, evaluate, config.batch_size, config.seq_len);
     let last = 0;
     const result = await runEvalConfig(model, home, evaluate, {

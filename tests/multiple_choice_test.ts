@@ -383,6 +383,9 @@ Deno.test({
       const label = await cli("--task", "multiple_choice", "--jsonl", bad);
       assert.equal(label.code, 2);
       assert.match(label.err, /Invalid "examples\.1\.label": Cannot evaluate example 1: label 2/);
+      const file = await cli("--task", "multiple_choice", "--examples-file", "nope");
+      assert.equal(file.code, 2);
+      assert.match(file.err, /Invalid "examples_file": Unknown task file "nope"/);
       const ok = await cli("--task", "multiple_choice", "--jsonl", EXAMPLE_FILE, "--json");
       assert.equal(ok.code, 0, ok.err);
       const r = JSON.parse(ok.out);
