@@ -64,6 +64,7 @@ export function evaluationFigures(r) {
 function evalSource(e) {
   if (e.texts) return `${fmtInt(e.texts.length)} text${e.texts.length === 1 ? "" : "s"}`;
   if (e.examples) return `${fmtInt(e.examples.length)} multiple-choice examples (${e.scoring ?? "sum"})`;
+  if (e.examples_file) return `task file "${e.examples_file}" (${e.scoring ?? "sum"})`;
   return `${e.dataset} (${e.split})`;
 }
 
