@@ -7,7 +7,8 @@
  * GROUP_BATCHES and GROUP_BYTES), never once per window. Cloze also copies the logits rows of the
  * last word's positions, to check that the greedy continuation is the whole word. The arithmetic
  * (which targets each window scores, the normalisations) is model/perplexity.ts and
- * model/multiple_choice.ts; sums are float64.
+ * model/multiple_choice.ts; sums are float64. Evaluations during training (worker/eval_tasks.ts)
+ * score with the trainer itself, or in a forward-only plan sharing its weights (engine/scorer.ts).
  */
 
 import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
