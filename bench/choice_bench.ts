@@ -36,7 +36,7 @@ const { values } = parseArgs({
     interval: { type: "string", default: "250" },
     "train-batch": { type: "string", default: "8" },
     "task-examples": { type: "string", default: "1000" },
-    home: { type: "string", default: "./.gpt2-choice-bench" },
+    home: { type: "string", default: "./.gpt2/choice-bench" },
   },
 });
 const num = (k: string) => Number(values[k as keyof typeof values]);
