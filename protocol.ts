@@ -237,6 +237,21 @@ export type FromWorker =
     tokens_per_s: number;
     result?: EvalResult;
   }
+  /**
+   * One of a training job's `eval_tasks` at `iteration`: its result, or the error that stopped it
+   * (the training goes on); with neither, a sign of life while it runs (`done` of `total`).
+   */
+  | {
+    type: "eval_task";
+    id: string;
+    iteration: number;
+    name: string;
+    task: EvalResult["task"];
+    result?: EvalResult;
+    error?: string;
+    done?: number;
+    total?: number;
+  }
   | { type: "log"; id: string; level: "info" | "warn"; message: string }
   /**
    * Kernel compilation of a training job (`id`), or of a generation model (`id` null, `model` its

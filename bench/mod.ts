@@ -1,5 +1,5 @@
 /**
- * `deno task bench [train|data|matmul|attention|allreduce|runtime|generate|curve|dp|demo|hosts|faults] [options]`:
+ * `deno task bench [train|data|matmul|attention|allreduce|runtime|generate|curve|dp|demo|hosts|faults|choice] [options]`:
  * the benchmarks. With no suite named it runs the training benchmark (bench/train_bench.ts); `data`
  * runs the data pipeline benchmark, `matmul` the matmul shapes and tile sweep (bench/matmul_bench.ts),
  * `attention` today's attention kernels against the flash ones (bench/attention_bench.ts), `allreduce`
@@ -7,9 +7,11 @@
  * `generate` the generation scenarios (bench/generate_bench.ts), `curve` the fp16-against-fp32 loss
  * curves, `dp` data-parallel training through the server, and `demo` the newcomer's `deno task demo`
  * as a subprocess with a cold and a warm shader cache (bench/demo_bench.ts), `hosts` short jobs on
- * several servers sharing one PostgreSQL job store, against one (bench/hosts_bench.ts), and `faults` the fault
+ * several servers sharing one PostgreSQL job store, against one (bench/hosts_bench.ts), `faults` the fault
  * matrix of issue 37: stops, crashes, a database restart, a full disk and a corrupted checkpoint against
- * `deno task serve`, with what happened to each job (bench/fault_matrix.ts). Options pass through.
+ * `deno task serve`, with what happened to each job (bench/fault_matrix.ts), and `choice` issue 41's
+ * multiple-choice throughput and the cost of evaluations during training (bench/choice_bench.ts).
+ * Options pass through.
  */
 
 const suites: Record<string, string> = {
@@ -25,6 +27,7 @@ const suites: Record<string, string> = {
   demo: "./demo_bench.ts",
   hosts: "./hosts_bench.ts",
   faults: "./fault_matrix.ts",
+  choice: "./choice_bench.ts",
 };
 const [first, ...rest] = Deno.args;
 const name = first && first in suites ? first : "train";

@@ -96,3 +96,4 @@ export {
   type UrlFilterOptions,
   UrlRefusedError,
 } from "./urls.ts";
+export { readTaskFile, TASK_FILE_RE, TaskFileNotFoundError, tasksDir } from "./tasks.ts";

@@ -6,6 +6,7 @@
  */
 
 import type { LrDecayStyle } from "./schedule.ts";
+import type { ChoiceExample, ChoiceScoring } from "./multiple_choice.ts";
 
 /** Explicit model dimensions (the vocabulary is always GPT-2's, padded to 128). */
 export interface ModelDims {
@@ -58,6 +59,8 @@ export interface TrainConfig {
   init_from?: string;
   /** Evaluation jobs (`POST /evaluate`): what to measure; absent on a training job. */
   evaluate?: EvalConfig;
+  /** Training jobs: evaluations run on the current weights at every `eval_interval` (and at the end). */
+  eval_tasks?: EvalTaskConfig[];
   /**
    * "fp32" (absent: fp32) or "fp16": f16 weights and activations, fp32 master weights and AdamW,
    * dynamic loss scaling (Megatron's --fp16).
@@ -95,8 +98,11 @@ export interface TrainConfig {
 
 /** What an evaluation job measures (`POST /evaluate`), with every default filled. */
 export interface EvalConfig {
-  /** "perplexity": sliding windows over a text stream; "cloze": LAMBADA-style last-word prediction. */
-  task: "perplexity" | "cloze";
+  /**
+   * "perplexity": sliding windows over a text stream; "cloze": LAMBADA-style last-word prediction;
+   * "multiple_choice": the best-scored of several endings (HellaSwag, PIQA, ARC).
+   */
+  task: EvalTask;
   /** The model evaluated, as the server knows it (see `init_from`). */
   model: string;
   /** Texts given in the request (perplexity: one stream, joined by <|endoftext|>; cloze: one line each). */
@@ -110,11 +116,25 @@ export interface EvalConfig {
   strict: boolean;
   /** Perplexity: score at most this many tokens of the stream (absent: all of it). */
   max_tokens?: number;
+  /** Multiple choice: the examples, or the name of a JSONL file of them (data/tasks.ts). */
+  examples?: ChoiceExample[];
+  examples_file?: string;
+  /** Multiple choice: how `accuracy` ranks endings (absent: "sum"). */
+  scoring?: ChoiceScoring;
 }
+
+/**
+ * An evaluation during training (`eval_tasks` of `POST /train`): a name (unique in the job), the
+ * task and its data as `POST /evaluate` takes them, run in the training plan's window and batch.
+ */
+export type EvalTaskConfig = Omit<EvalConfig, "model" | "stride"> & { name: string; stride?: number };
+
+/** The evaluation tasks. */
+export type EvalTask = "perplexity" | "cloze" | "multiple_choice";
 
 /** What an evaluation job found (stored in its metrics as `evaluation`). */
 export interface EvalResult {
-  task: "perplexity" | "cloze";
+  task: EvalTask;
   model: string;
   /** Mean loss (nats per scored token; cloze: per last word) and its exponential. */
   loss: number;
@@ -132,12 +152,23 @@ export interface EvalResult {
   windows?: number;
   stride?: number;
   seq_len: number;
-  /** Cloze: share of examples whose greedy continuation is the whole last word, and how many. */
+  /**
+   * Cloze: share of examples whose greedy continuation is the whole last word, and how many.
+   * Multiple choice: share of examples whose right ending scores best (see model/multiple_choice.ts).
+   */
   accuracy?: number;
   examples?: number;
   correct?: number;
+  /** Multiple choice: accuracy with each ending's log-probability per byte (lm-evaluation-harness's acc_norm). */
+  accuracy_norm?: number;
+  correct_norm?: number;
+  /** Multiple choice: endings scored, and how `accuracy` ranked them. */
+  endings?: number;
+  scoring?: ChoiceScoring;
   /** Scored tokens per second on the GPU (forward passes and readbacks). */
   tokens_per_s: number;
+  /** Multiple choice: endings scored per second. */
+  endings_per_s?: number;
   elapsed_s: number;
 }
 
@@ -243,10 +274,19 @@ export interface Job {
  * Kinds of server-sent events. `compile`: kernel compilation before the first step (pipelines
  * done of total, the adapter, whether it is a first run there; see worker/compile_report.ts).
  * `evaluation`: an evaluation job's result (its progress comes as `progress` events of kind
- * "evaluate"). `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
+ * "evaluate"). `eval_task`: one of a training job's `eval_tasks` at an iteration (its name, task,
+ * figures, or the error that stopped it). `shutdown` is live only (never stored): the server is stopping, and the stream ends; the job
  * resumes when the server is back.
  */
-export type JobEventType = "progress" | "compile" | "log" | "checkpoint" | "evaluation" | "done" | "shutdown";
+export type JobEventType =
+  | "progress"
+  | "compile"
+  | "log"
+  | "checkpoint"
+  | "evaluation"
+  | "eval_task"
+  | "done"
+  | "shutdown";
 
 /** One stored event; `id` increases across all jobs and is the SSE id. */
 export interface JobEvent {
@@ -260,8 +300,8 @@ export interface JobEvent {
 /** One row of the metrics history. */
 export interface MetricPoint {
   iteration: number;
-  /** "train" for training loss, "valid" or "test" for evaluations. */
-  split: "train" | "valid" | "test";
+  /** "train" for training loss, "valid" or "test" for evaluations, `eval:<name>` for an eval task's loss. */
+  split: "train" | "valid" | "test" | `eval:${string}`;
   loss: number;
   perplexity: number | null;
   lr: number | null;

@@ -16,6 +16,7 @@ import type { PlanLimits } from "./plan.ts";
 import { tensorParallelConfig } from "./shard.ts";
 import { InvalidJobError } from "./errors.ts";
 import type { EvalConfig, ModelDims, TrainConfig } from "./job.ts";
+import type { ChoiceExample, ChoiceScoring } from "./multiple_choice.ts";
 
 /**
  * A training request before defaults that depend on the model are filled in. `model` may be
@@ -230,6 +231,20 @@ export function completeConfig(
         );
       }
     }
+    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
+      if (tp > 1) {
+        throw new InvalidJobError(
+          "eval_tasks",
+          "Cannot run eval_tasks with tensor_parallel > 1 yet: evaluate the checkpoints with POST /evaluate",
+        );
+      }
+      if (t.stride !== undefined && t.stride > config.seq_len) {
+        throw new InvalidJobError(
+          `eval_tasks.${i}.stride`,
+          `Cannot evaluate with stride ${t.stride} larger than seq_len ${config.seq_len}`,
+        );
+      }
+    }
     if (config.global_batch_size % (config.batch_size * dp) !== 0) {
       throw new InvalidJobError(
         "global_batch_size",
@@ -298,13 +313,17 @@ export interface EvaluateRequest {
   batch_size: number;
   strict: boolean;
   max_tokens?: number;
+  examples?: ChoiceExample[];
+  examples_file?: string;
+  scoring?: ChoiceScoring;
 }
 
 /**
  * The job config of an evaluation: the model's dimensions, the window (`seq_len`, default
  * defaultEvalSeqLen: the model's context capped at 1024) and stride (default seq_len), and
- * `evaluate` with what to measure. The training fields are inert (no steps, no dropout). Throws
- * InvalidJobError naming seq_len or stride when they do not fit the model.
+ * `evaluate` with what to measure. The training fields are inert (no steps, no dropout). A
+ * multiple-choice batch holds every ending of an example: `batch_size` rises to the most endings
+ * an example has. Throws InvalidJobError naming seq_len or stride when they do not fit the model.
  */
 export function completeEvalConfig(req: EvaluateRequest, source: InitSource): TrainConfig {
   const seq_len = req.seq_len ?? defaultEvalSeqLen(source.config);
@@ -331,12 +350,22 @@ export function completeEvalConfig(req: EvaluateRequest, source: InitSource): Tr
     strict: req.strict,
     ...(req.max_tokens !== undefined ? { max_tokens: req.max_tokens } : {}),
   };
+  let batch_size = req.batch_size;
+  if (req.task === "multiple_choice") {
+    delete evaluate.texts;
+    delete evaluate.dataset;
+    delete evaluate.split;
+    if (req.examples_file !== undefined) evaluate.examples_file = req.examples_file;
+    else evaluate.examples = req.examples ?? [];
+    evaluate.scoring = req.scoring ?? "sum";
+    for (const ex of evaluate.examples ?? []) batch_size = Math.max(batch_size, ex.endings.length);
+  }
   return {
     model: modelDims(source.config),
     dataset: req.dataset ?? "",
     split: "949,50,1",
     train_iters: 0,
-    batch_size: req.batch_size,
+    batch_size,
     seq_len,
     lr: 0,
     min_lr: 0,
@@ -354,7 +383,7 @@ export function completeEvalConfig(req: EvaluateRequest, source: InitSource): Tr
     keep_checkpoints: 1,
     data_parallel: 1,
     tensor_parallel: 1,
-    global_batch_size: req.batch_size,
+    global_batch_size: batch_size,
     evaluate,
   };
 }

@@ -7,6 +7,7 @@
  *   deno task eval --model gpt2 --dataset sotu --split test --seq-len 1024 --stride 512
  *   deno task eval --model job_x --text-file wiki.test.raw --stride 256
  *   deno task eval --model gpt2 --task cloze --jsonl lambada_test.jsonl --strict
+ *   deno task eval --model gpt2 --task multiple_choice --jsonl data/tasks/example_choice.jsonl
  *
  * `--model` is any model the server knows under `--home` (default $GPT2_HOME or ./.gpt2): a job id,
  * "<job id>/iter_N", or a Hugging Face folder under models/. Exit status: 0 done, 1 the
@@ -19,11 +20,14 @@ import { completeEvalConfig, type EvaluateRequest } from "../model/job_config.ts
 import { InvalidJobError, ModelNotFoundError } from "../model/errors.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
-import { EvalModel, runEvalConfig } from "../worker/evaluation.ts";
+import { loadEvalModel, runEvalConfig, withChoiceExamples } from "../worker/evaluation.ts";
+import { type ChoiceExample, parseChoiceJsonl } from "../model/multiple_choice.ts";
 
-const USAGE = `Usage: deno task eval --model ID [--task perplexity|cloze]
+const USAGE = `Usage: deno task eval --model ID [--task perplexity|cloze|multiple_choice]
   (--text STR ... | --text-file FILE ... | --jsonl FILE | --dataset ID [--split test])
-  [--seq-len N] [--stride N] [--batch-size N] [--strict] [--max-tokens N] [--home DIR] [--json]`;
+  [--seq-len N] [--stride N] [--batch-size N] [--strict] [--max-tokens N]
+  [--scoring sum|mean_token] [--examples-file NAME] [--home DIR] [--json]
+  multiple_choice reads --jsonl lines {"context": "...", "endings": ["...", ...], "label": k}`;
 
 function usage(problem: string): never {
   console.error(`${problem}\n${USAGE}`);
@@ -40,7 +44,14 @@ const int = (name: string, v: string | undefined): number | undefined => {
 async function requestOf(values: Record<string, string | string[] | boolean | undefined>) {
   const texts: string[] = [...(values.text as string[] ?? [])];
   for (const f of values["text-file"] as string[] ?? []) texts.push(await Deno.readTextFile(f));
-  if (typeof values.jsonl === "string") {
+  let examples: ChoiceExample[] | undefined;
+  if (typeof values.jsonl === "string" && values.task === "multiple_choice") {
+    try {
+      examples = parseChoiceJsonl(await Deno.readTextFile(values.jsonl), values.jsonl);
+    } catch (e) {
+      usage((e as Error).message);
+    }
+  } else if (typeof values.jsonl === "string") {
     const lines = (await Deno.readTextFile(values.jsonl)).split("\n");
     for (const [i, line] of lines.entries()) {
       if (line.trim() === "") continue;
@@ -58,6 +69,9 @@ async function requestOf(values: Record<string, string | string[] | boolean | un
     model: values.model,
     task: values.task,
     ...(texts.length ? { texts } : {}),
+    examples,
+    examples_file: values["examples-file"],
+    scoring: values.scoring,
     dataset: values.dataset,
     split: values.split,
     seq_len: int("seq-len", values["seq-len"] as string | undefined),
@@ -86,6 +100,8 @@ if (import.meta.main) {
         "batch-size": { type: "string" },
         strict: { type: "boolean" },
         "max-tokens": { type: "string" },
+        scoring: { type: "string" },
+        "examples-file": { type: "string" },
         home: { type: "string" },
         json: { type: "boolean" },
         help: { type: "boolean" },
@@ -110,16 +126,14 @@ if (import.meta.main) {
   try {
     const source = await resolveModelSource(home, req.model);
     const config = completeEvalConfig(req, source);
+    const evaluate = await withChoiceExamples(home, config.evaluate!).catch((e) =>
+      usage(`Invalid "examples_file": ${(e as Error).message}`)
+    );
     const ctx = await openDevice();
     console.error(`Evaluating "${source.id}" (${req.task}) on ${describeDevice(ctx)}`);
-    let model = await EvalModel.load(ctx, source, config.batch_size, config.seq_len);
-    if (req.task === "cloze" && !model.holdsLogits) {
-      const rows = Math.max(1, Math.floor(model.trainer.model.headRows / config.seq_len));
-      model.destroy();
-      model = await EvalModel.load(ctx, source, rows, config.seq_len);
-    }
+    const model = await loadEvalModel(ctx, source, evaluate, config.batch_size, config.seq_len);
     let last = 0;
-    const result = await runEvalConfig(model, home, config.evaluate!, {
+    const result = await runEvalConfig(model, home, evaluate, {
       progress: (p) => {
         if (performance.now() - last < 2000 && p.done < p.total) return;
         last = performance.now();

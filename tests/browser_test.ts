@@ -5,7 +5,9 @@
  * types the token, gets the API's validation message beside a bad field of the training form,
  * starts a gpt2-tiny job, watches the loss curve gain points while it trains, reloads and finds
  * the curve again, sees the job finish with checkpoints to download, streams a generation in the
- * playground, and saves screenshots (wide and narrow) under its temporary folder
+ * playground, trains a second job with an evaluation during training (its curve drawn), compares
+ * the two (loss and accuracy overlaid by iteration and by tokens, their config differences), and
+ * saves screenshots (wide and narrow) under its temporary folder
  * (`DASHBOARD_SCREENSHOTS=<dir>` keeps them there instead). Skipped without a Chromium binary
  * (scripts/test.sh installs one) or a WebGPU adapter.
  */
@@ -216,6 +218,73 @@ Deno.test({
         await page.$eval(`tr[data-job="${jobId}"]`, (el) => el.textContent!),
         /succeeded.*gpt2-tiny.*12 \/ 12/,
       );
+      // A second job with an evaluation during training: its curve on its page, then both compared.
+      const secondId = await page.evaluate(async (token) => {
+        const examples = [
+          { context: "The sky is", endings: ["blue.", "a fish."], label: 0 },
+          { context: "Water is", endings: ["dry.", "wet.", "made of sand."], label: 1 },
+          { context: "A cat says", endings: ["meow.", "moo."], label: 0 },
+        ];
+        const res = await fetch("/train", {
+          method: "POST",
+          headers: { "Content-Type": "application/json", Authorization: `Bearer ${token}` },
+          body: JSON.stringify({
+            model: "gpt2-tiny",
+            train_iters: 8,
+            batch_size: 2,
+            seq_len: 16,
+            lr: 0.001,
+            log_interval: 2,
+            eval_interval: 4,
+            eval_iters: 1,
+            save_interval: 0,
+            eval_tasks: [{ name: "mc", task: "multiple_choice", examples }],
+          }),
+        });
+        return (await res.json()).id as string;
+      }, TOKEN);
+      await page.goto(`${server.url}/#/jobs/${secondId}`);
+      await page.waitForFunction(() => document.querySelector("#job-status")?.textContent === "succeeded", {
+        timeout: 120_000,
+      });
+      await page.waitForFunction(
+        () => /mc at iteration 8: accuracy/.test(document.querySelector("#job-log")?.textContent ?? ""),
+        { timeout: 10_000 },
+      );
+      assert.match(await page.$eval("#job-log", (el) => el.textContent!), /mc at iteration 4: accuracy/);
+      // The chart's rows are the job's logged iterations (2, 4, 6, 8); the task has points at 4 and 8.
+      assert.equal(
+        await page.$eval('[data-chart="eval_tasks"]', (el) => (el as HTMLElement).dataset.points),
+        "4",
+      );
+      await page.goto(`${server.url}/#/jobs`);
+      await page.waitForSelector(`.compare-pick[data-job="${secondId}"]`);
+      assert.equal(await page.$eval("#compare-selected", (el) => el.getAttribute("aria-disabled")), "true");
+      await page.click(`.compare-pick[data-job="${jobId}"]`);
+      await page.click(`.compare-pick[data-job="${secondId}"]`);
+      await page.click("#compare-selected");
+      await page.waitForFunction(() => location.hash.startsWith("#/compare?ids="), { timeout: 10_000 });
+      const comparePoints = (name: string) =>
+        page.$eval(`[data-chart="${name}"]`, (el) => Number((el as HTMLElement).dataset.points));
+      await page.waitForSelector('[data-chart="compare-train"]', { timeout: 10_000 });
+      assert.equal(await comparePoints("compare-train"), 6); // iterations 2 … 12 of either job
+      assert.equal(await comparePoints("compare-eval-mc"), 2);
+      const diff = await page.$eval('#compare-config tr[data-field="train_iters"]', (el) => el.textContent!);
+      assert.match(diff, /train_iters.*12.*8/);
+      assert.equal(await page.$$eval("#compare-final tbody tr", (rows) => rows.length), 2);
+      await page.select("#compare-x", "tokens");
+      await page.waitForFunction(
+        () => document.querySelector('[data-chart="compare-train"]')?.textContent?.includes("tokens seen"),
+        { timeout: 10_000 },
+      );
+      assert.ok((await comparePoints("compare-train")) >= 6);
+      await page.screenshot({ path: `${shots}/compare.png`, fullPage: true });
+      await page.setViewport({ width: 390, height: 844, isMobile: true });
+      await new Promise((r) => setTimeout(r, 300));
+      const compareOverflow = await page.evaluate(() => document.documentElement.scrollWidth - innerWidth);
+      assert.ok(compareOverflow <= 0, `the compare page is ${compareOverflow}px wider than a narrow screen`);
+      await page.setViewport({ width: 1280, height: 900 });
+
       await page.goto(`${server.url}/#/datasets`);
       await page.waitForSelector('tr[data-dataset="sotu"]');
       // Prepare a dataset from the form: a bad field first, then a good one.

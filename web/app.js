@@ -1,6 +1,6 @@
 /**
- * The dashboard's entry: a hash router over the views (jobs, one job, train form, datasets,
- * playground, GPUs), the token bar, and the clean-up of a view's timers and streams when the
+ * The dashboard's entry: a hash router over the views (jobs, one job, jobs compared, train form,
+ * datasets, playground, GPUs), the token bar, and the clean-up of a view's timers and streams when the
  * user leaves it.
  */
 
@@ -8,6 +8,7 @@ import { getToken, onUnauthorized, setToken } from "./api.js";
 import { h, setChildren } from "./dom.js";
 import { jobsView } from "./view_jobs.js";
 import { jobView } from "./view_job.js";
+import { compareView } from "./view_compare.js";
 import { trainView } from "./view_train.js";
 import { datasetsView } from "./view_datasets.js";
 import { playgroundView } from "./view_playground.js";
@@ -16,6 +17,7 @@ import { gpusView } from "./view_gpus.js";
 const routes = [
   [/^\/jobs\/([^/]+)$/, "jobs", (m, ctx) => jobView(ctx, decodeURIComponent(m[1]))],
   [/^\/(jobs)?$/, "jobs", (_m, ctx) => jobsView(ctx)],
+  [/^\/compare$/, "jobs", (_m, ctx) => compareView(ctx)],
   [/^\/train$/, "train", (_m, ctx) => trainView(ctx)],
   [/^\/datasets$/, "datasets", (_m, ctx) => datasetsView(ctx)],
   [/^\/playground$/, "playground", (_m, ctx) => playgroundView(ctx)],

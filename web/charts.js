@@ -8,7 +8,16 @@ import { h } from "./dom.js";
 import { fmtNum, fmtTick } from "./shapes.js";
 
 /** Series colours: train, validation, test, then others. */
-export const COLORS = ["#2563eb", "#ea580c", "#16a34a", "#9333ea", "#db2777", "#0891b2"];
+export const COLORS = [
+  "#2563eb",
+  "#ea580c",
+  "#16a34a",
+  "#9333ea",
+  "#db2777",
+  "#0891b2",
+  "#65a30d",
+  "#64748b",
+];
 
 /** Tick steps of the iteration axis: whole numbers only. */
 const ITERATION_STEPS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6].map((p) => m * p))
@@ -16,9 +25,10 @@ const ITERATION_STEPS = [1, 2, 5].flatMap((m) => [1, 10, 100, 1e3, 1e4, 1e5, 1e6
 
 /**
  * A line chart in `parent`: `series` is [{label, key, color?, points?, scale?}]; `scales` adds
- * y scales (e.g. a log scale or a second axis). `update(columns)` redraws with uPlot's data.
+ * y scales (e.g. a log scale or a second axis); `xLabel` names the x axis (iteration by default).
+ * `update(columns)` redraws with uPlot's data.
  */
-export function lineChart(parent, { title, series, scales = {}, axes = null, name }) {
+export function lineChart(parent, { title, series, scales = {}, axes = null, name, xLabel = "iteration" }) {
   const box = h("div", { class: "chart", "data-chart": name, "data-points": "0" });
   parent.append(box);
   const width = () => Math.max(240, box.clientWidth || parent.clientWidth || 320);
@@ -31,7 +41,7 @@ export function lineChart(parent, { title, series, scales = {}, axes = null, nam
     legend: { live: true },
     cursor: { drag: { x: true, y: false } },
     series: [
-      { label: "iteration" },
+      { label: xLabel },
       ...series.map((s, i) => ({
         label: s.label,
         scale: s.scale ?? "y",

@@ -1,7 +1,8 @@
 /**
  * Pure readers of the API's answers, kept apart from the DOM so Deno tests can check them:
  * error bodies in both shapes the API has used, the estimator's memory figure and GPU, a dataset's
- * pipeline counts, the curves of a job built from its event stream, and number formats.
+ * pipeline counts, the curves of a job built from its event stream, a comparison's series drawn
+ * by iteration, tokens or time, and number formats.
  */
 
 /**
@@ -97,6 +98,12 @@ export class JobSeries {
 
   /** Takes one event; returns whether a curve changed. */
   add(type, data) {
+    if (type === "eval_task" && typeof data?.iteration === "number" && typeof data.name === "string") {
+      let row = this.#rows.get(data.iteration);
+      if (!row) this.#rows.set(data.iteration, row = { iteration: data.iteration });
+      row[evalTaskKey(data.name)] = evalTaskValue(data);
+      return true;
+    }
     if (type !== "progress" || typeof data?.iteration !== "number") return false;
     let row = this.#rows.get(data.iteration);
     if (!row) this.#rows.set(data.iteration, row = { iteration: data.iteration });
@@ -122,6 +129,62 @@ export class JobSeries {
     const rows = [...this.#rows.values()].sort((a, b) => a.iteration - b.iteration);
     return [rows.map((r) => r.iteration), ...keys.map((k) => rows.map((r) => r[k] ?? null))];
   }
+}
+
+/** The series key of an eval task's curve on a job's page. */
+export function evalTaskKey(name) {
+  return `eval:${name}`;
+}
+
+/** What an eval task's curve draws: its accuracy (multiple choice, cloze), else its loss; null when it failed. */
+export function evalTaskValue(data) {
+  if (typeof data?.accuracy === "number") return data.accuracy;
+  return typeof data?.loss === "number" ? data.loss : null;
+}
+
+/** The x axes the compare view offers: iteration, tokens seen, seconds since the job's first point. */
+export const COMPARE_AXES = ["iteration", "tokens", "time"];
+
+/**
+ * uPlot's data for one series of a `GET /jobs/compare` answer drawn against `x` (one of
+ * COMPARE_AXES): the union of the jobs' x values ascending, then one column per job (in `ids`
+ * order), null where that job has no point. By iteration the answer is already aligned; by tokens
+ * or time each job's x values are its own, so they are merged here.
+ */
+export function overlayColumns(c, name, x = "iteration") {
+  const s = c?.series?.[name] ?? {};
+  const pairs = (c?.ids ?? []).map((id, j) => {
+    const ys = s[id] ?? [];
+    const perIt = c.jobs?.[j]?.tokens_per_iteration ?? 0;
+    const out = [];
+    c.iterations.forEach((it, k) => {
+      const y = ys[k];
+      if (typeof y !== "number") return;
+      const xv = x === "tokens" ? it * perIt : x === "time" ? c.series.time_s?.[id]?.[k] : it;
+      if (typeof xv === "number") out.push([xv, y]);
+    });
+    return out;
+  });
+  const xs = [...new Set(pairs.flat().map(([xv]) => xv))].sort((a, b) => a - b);
+  const at = new Map(xs.map((v, i) => [v, i]));
+  return [
+    xs,
+    ...pairs.map((p) => {
+      const col = new Array(xs.length).fill(null);
+      for (const [xv, y] of p) col[at.get(xv)] = y;
+      return col;
+    }),
+  ];
+}
+
+/** The eval task names of a `GET /jobs/compare` answer (from its `eval:<name>:<figure>` series). */
+export function compareEvalNames(c) {
+  const names = new Set();
+  for (const key of Object.keys(c?.series ?? {})) {
+    const m = key.match(/^eval:(.+):accuracy$/);
+    if (m) names.add(m[1]);
+  }
+  return [...names].sort();
 }
 
 /** Bytes as B, KiB, MiB or GiB with three significant digits. */

@@ -5,14 +5,16 @@
  * cancel button. The curves come from the job's event stream, replayed from the store on every
  * load (so they survive a reload) and followed live, resumed with Last-Event-ID after a break.
  * An evaluation job (`POST /evaluate`) shows its progress and result figures instead; a training
- * job lists the evaluations of its checkpoints beside them, with a button to start one.
+ * job lists the evaluations of its checkpoints beside them, with a button to start one, and draws
+ * its evaluations during training (`eval_tasks`: accuracy, or loss for perplexity) as a curve.
  */
 
 import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
 import { lineChart, timingBar } from "./charts.js";
 import { badge, h, setChildren, stat } from "./dom.js";
-import { fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
+import { evalTaskKey, fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
 import { modelName } from "./view_jobs.js";
+import { csvLink } from "./view_compare.js";
 
 const FINISHED = ["succeeded", "failed", "cancelled"];
 
@@ -41,6 +43,12 @@ export function evaluationFigures(r) {
   const out = [["loss", fmtNum(r.loss, 4)], ["perplexity", fmtNum(r.perplexity, 2)]];
   if (r.task === "cloze") {
     out.push(["accuracy", `${fmtNum(100 * r.accuracy, 2)}% (${fmtInt(r.correct)} / ${fmtInt(r.examples)})`]);
+  } else if (r.task === "multiple_choice") {
+    out.unshift(
+      ["accuracy", `${fmtNum(100 * r.accuracy, 2)}% (${fmtInt(r.correct)} / ${fmtInt(r.examples)})`],
+      ["accuracy_norm", `${fmtNum(100 * r.accuracy_norm, 2)}% (${fmtInt(r.correct_norm)})`],
+    );
+    out.push(["endings/s", fmtInt(r.endings_per_s)]);
   } else {
     out.push(
       ["word perplexity", fmtNum(r.word_perplexity, 2)],
@@ -55,6 +63,8 @@ export function evaluationFigures(r) {
 /** What an evaluation job reads, in a few words. */
 function evalSource(e) {
   if (e.texts) return `${fmtInt(e.texts.length)} text${e.texts.length === 1 ? "" : "s"}`;
+  if (e.examples) return `${fmtInt(e.examples.length)} multiple-choice examples (${e.scoring ?? "sum"})`;
+  if (e.examples_file) return `task file "${e.examples_file}" (${e.scoring ?? "sum"})`;
   return `${e.dataset} (${e.split})`;
 }
 
@@ -97,7 +107,7 @@ export async function jobView(ctx, id) {
     isEval ? null : [
       h("h2", {}, "Step time"),
       timing,
-      h("h2", {}, "Curves"),
+      h("h2", {}, "Curves ", h("small", {}, csvLink(id))),
       charts,
       h("h2", {}, "Checkpoints"),
       ckpts,
@@ -143,6 +153,14 @@ export async function jobView(ctx, id) {
     title: "Tokens/s",
     series: [{ label: "tokens/s", key: "tokens_per_s", color: "#0891b2" }],
   });
+  const tasks = job.config.eval_tasks ?? [];
+  if (tasks.length > 0) {
+    chart({
+      name: "eval_tasks",
+      title: "Evaluations during training (accuracy; perplexity tasks: loss)",
+      series: tasks.map((t) => ({ label: t.name, key: evalTaskKey(t.name), points: true })),
+    });
+  }
   ctx.signal.addEventListener("abort", () => drawn.forEach((d) => d.chart.destroy()));
 
   let estimate = null;
@@ -406,6 +424,19 @@ export async function jobView(ctx, id) {
             data.done >= data.total
               ? `Compiled ${data.total} kernels on ${data.adapter} in ${(data.ms / 1000).toFixed(1)} s`
               : `Compiling ${data.total} kernels on ${data.adapter}${cache}`,
+          );
+        } else if (type === "eval_task") {
+          addLog(
+            data.error
+              ? `${data.name} at iteration ${data.iteration} failed: ${data.error}`
+              : `${data.name} at iteration ${data.iteration}: ` +
+                (typeof data.accuracy === "number"
+                  ? `accuracy ${fmtNum(100 * data.accuracy, 2)}%` +
+                    (typeof data.accuracy_norm === "number"
+                      ? `, accuracy_norm ${fmtNum(100 * data.accuracy_norm, 2)}%`
+                      : "")
+                  : `loss ${fmtNum(data.loss, 4)}, perplexity ${fmtNum(data.perplexity, 2)}`),
+            data.error ? "warn" : "info",
           );
         } else if (type === "log") {
           addLog(data.message, data.level);

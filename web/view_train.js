@@ -17,6 +17,13 @@ const PRIMARY = ["model", "init_from", "dataset", "train_iters", "batch_size", "
 function valueOf(input, prop) {
   const raw = input.value.trim();
   if (raw === "") return undefined;
+  if (input.dataset.kind === "json") {
+    try {
+      return JSON.parse(raw);
+    } catch {
+      return raw; // the API names the field and says why
+    }
+  }
   if (input.dataset.kind === "model") {
     if (!raw.startsWith("{")) return raw;
     try {
@@ -60,9 +67,11 @@ function control(name, prop, lists) {
       : name === "init_from"
       ? "model-ids"
       : null,
-    "data-kind": isModel ? "model" : null,
+    "data-kind": isModel ? "model" : prop.type === "array" ? "json" : null,
     title: isModel
       ? `A preset (${lists.presets.join(", ")}) or {"n_layer":..,"n_head":..,"n_embd":..,"n_positions":..}`
+      : name === "eval_tasks"
+      ? 'JSON: [{"name": "mc", "task": "multiple_choice", "examples": [{"context": .., "endings": [..], "label": 0}]}]'
       : name === "init_from"
       ? "Fine-tune: start from this model's weights (a job, a job's checkpoint, or a folder under models/)"
       : null,

@@ -1,17 +1,21 @@
 /**
  * Evaluation jobs inside a GPU Worker (and `deno task eval`): a model's perplexity over sliding
- * windows, and LAMBADA-style cloze accuracy. The windows are batched on the GPU: each batch is one
+ * windows, LAMBADA-style cloze accuracy, and multiple-choice accuracy (every ending of an example
+ * in the same batch). The windows are batched on the GPU: each batch is one
  * submission (forward pass and per-token losses, `Trainer.encodeTokenLosses`) whose B·T losses are
  * copied on the GPU into a results buffer, read back once per group of batches (up to
  * GROUP_BATCHES and GROUP_BYTES), never once per window. Cloze also copies the logits rows of the
  * last word's positions, to check that the greedy continuation is the whole word. The arithmetic
- * (which targets each window scores, the normalisations) is model/perplexity.ts; sums are float64.
+ * (which targets each window scores, the normalisations) is model/perplexity.ts and
+ * model/multiple_choice.ts; sums are float64. Evaluations during training (worker/eval_tasks.ts)
+ * score with the trainer itself, or in a forward-only plan sharing its weights (engine/scorer.ts).
  */
 
 import { decode, encode } from "gpt-tokenizer/encoding/r50k_base";
 import type { GpuContext } from "../engine/device.ts";
 import { readBuffers } from "../engine/device.ts";
 import { Trainer } from "../engine/trainer.ts";
+import { TokenScorer } from "../engine/scorer.ts";
 import { EOT_TOKEN, type ModelConfig, validateSeqLen } from "../model/config.ts";
 import type { EvalConfig, EvalResult } from "../model/job.ts";
 import {
@@ -23,9 +27,20 @@ import {
   perplexityFigures,
   slidingWindows,
 } from "../model/perplexity.ts";
-import { getDataset, isBuiltinName, loadSplit, prepareDataset } from "../data/mod.ts";
+import { getDataset, isBuiltinName, loadSplit, prepareDataset, readTaskFile } from "../data/mod.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import type { FromWorker, ModelSource, WorkerJob } from "../protocol.ts";
+import {
+  checkedChoiceJsonl,
+  type ChoiceExample,
+  choiceFigures,
+  choiceProblem,
+  choiceRow,
+  type ChoiceScores,
+  type ChoiceScoring,
+  type ChoiceTokens,
+  choiceTokens,
+} from "../model/multiple_choice.ts";
 
 /** Bytes of results (losses, logits rows) gathered on the GPU between readbacks, at most. */
 const GROUP_BYTES = 64 << 20;
@@ -59,6 +74,9 @@ interface BatchResult {
   argmax: number[];
 }
 
+/** What scores a batch: a trainer's plan, or a forward-only plan sharing its weights (engine/scorer.ts). */
+type Scoring = Pick<Trainer | TokenScorer, "encodeTokenLosses">;
+
 /** A model loaded for evaluation: an engine plan of `batch` rows of `seqLen`, no dropout, weights of `source`. */
 export class EvalModel {
   readonly trainer: Trainer;
@@ -66,6 +84,9 @@ export class EvalModel {
   readonly seqLen: number;
   readonly config: ModelConfig;
   #ctx: GpuContext;
+  #owned = true;
+  /** A forward-only plan of its own over the trainer's weights (`sharing`), or null: the trainer's plan. */
+  #scorer: TokenScorer | null = null;
 
   private constructor(ctx: GpuContext, trainer: Trainer, config: ModelConfig, batch: number, seqLen: number) {
     this.#ctx = ctx;
@@ -73,6 +94,35 @@ export class EvalModel {
     this.config = config;
     this.batch = batch;
     this.seqLen = seqLen;
+  }
+
+  /**
+   * Evaluates with a training job's current weights in a forward-only plan of its own, `batch`
+   * rows of `seqLen` (shorter rows than training's cost less). Null when the trainer's weights
+   * are not one fp32 buffer (tensor-parallel shards, or a layout cut in segments). `destroy()`
+   * frees only the forward plan.
+   */
+  static async sharing(
+    ctx: GpuContext,
+    trainer: Trainer,
+    batch: number,
+    seqLen: number,
+  ): Promise<EvalModel | null> {
+    const { params } = trainer.model;
+    if (trainer.opts.tensorParallel || params.segments.length !== 1 || params.bytesPerElement !== 4) {
+      return null;
+    }
+    const scorer = await TokenScorer.create(
+      ctx,
+      trainer.opts.config,
+      params.segments[0].buffer,
+      batch,
+      seqLen,
+    );
+    const model = new EvalModel(ctx, trainer, trainer.opts.config, batch, seqLen);
+    model.#owned = false;
+    model.#scorer = scorer;
+    return model;
   }
 
   /** Loads `params` (flat layout of `config`, tensor-parallel size 1) into a plan of `batch` × `seqLen`. */
@@ -98,14 +148,30 @@ export class EvalModel {
     return new EvalModel(ctx, trainer, config, batch, seqLen);
   }
 
+  /**
+   * Evaluates with a training job's own trainer (its plan's batch and window, its current weights;
+   * evaluations during training). `destroy()` leaves the trainer to its owner.
+   */
+  static over(ctx: GpuContext, trainer: Trainer): EvalModel {
+    const { config, batchSize, seqLen } = trainer.opts;
+    const model = new EvalModel(ctx, trainer, config, batchSize, seqLen);
+    model.#owned = false;
+    return model;
+  }
+
   /** Loads a model the server knows (checkpoint of any tensor-parallel size, or a Hugging Face folder). */
   static async load(ctx: GpuContext, source: ModelSource, batch: number, seqLen: number): Promise<EvalModel> {
     return await EvalModel.create(ctx, source.config, await loadWeights(source), batch, seqLen);
   }
 
+  /** Rows of one LM head chunk of the plan that scores. */
+  get headRows(): number {
+    return this.#scorer?.headRows ?? this.trainer.model.headRows;
+  }
+
   /** Whether logits of every row of a batch are kept (the LM head runs in one chunk). */
   get holdsLogits(): boolean {
-    return this.trainer.model.headRows >= this.batch * this.seqLen;
+    return this.headRows >= this.batch * this.seqLen;
   }
 
   /**
@@ -117,14 +183,14 @@ export class EvalModel {
     each: (i: number, r: BatchResult) => void,
     hooks: EvalHooks = {},
   ): Promise<void> {
-    const { device } = this.#ctx, m = this.trainer.model;
+    const { device } = this.#ctx, scoring: Scoring = this.#scorer ?? this.trainer;
     const B = this.batch, T = this.seqLen, Vp = this.config.padded_vocab_size, V = this.config.vocab_size;
     const lossBytes = B * T * 4, rowBytes = Vp * 4;
     if (batches.some((b) => b.logitRows?.length) && !this.holdsLogits) {
       throw new RangeError(
         `Cannot keep the logits of ${
           B * T
-        } rows (the LM head runs in chunks of ${m.headRows}): lower batch_size`,
+        } rows (the LM head runs in chunks of ${this.headRows}): lower batch_size`,
       );
     }
     let i = 0;
@@ -146,7 +212,7 @@ export class EvalModel {
       let offset = 0;
       for (let k = i; k < j; k++) {
         at.push(offset);
-        offset += await this.trainer.encodeTokenLosses(batches[k].tokens, out, offset, batches[k].logitRows);
+        offset += await scoring.encodeTokenLosses(batches[k].tokens, out, offset, batches[k].logitRows);
       }
       const [raw] = await readBuffers(this.#ctx, [{ buffer: out, offset: 0, bytes }]);
       out.destroy();
@@ -167,9 +233,10 @@ export class EvalModel {
     }
   }
 
-  /** Frees the GPU buffers. */
+  /** Frees the GPU buffers (not those of a trainer it evaluates `over` or `sharing` its weights). */
   destroy(): void {
-    this.trainer.destroy();
+    this.#scorer?.destroy();
+    if (this.#owned) this.trainer.destroy();
   }
 }
 
@@ -362,6 +429,132 @@ export async function clozeTokens(
   };
 }
 
+/**
+ * A multiple-choice config with its examples at hand: given, or read from its task file
+ * (data/tasks.ts) and checked. Other configs as they are.
+ */
+export async function withChoiceExamples<T extends Pick<EvalConfig, "examples" | "examples_file">>(
+  root: string,
+  c: T,
+): Promise<T> {
+  if (c.examples_file === undefined || c.examples !== undefined) return c;
+  const examples = checkedChoiceJsonl(await readTaskFile(root, c.examples_file), `${c.examples_file}.jsonl`);
+  return { ...c, examples };
+}
+
+/** Tokenizes multiple-choice examples (see choiceTokens); a bad one is a RangeError naming it. */
+export function tokenizeChoices(examples: ChoiceExample[]): ChoiceTokens[] {
+  return examples.map((ex, i) => {
+    const problem = choiceProblem(ex, i);
+    if (problem) throw new RangeError(problem.message);
+    return choiceTokens(ex, tokenize);
+  });
+}
+
+/**
+ * The window multiple choice needs: the longest row (context and ending) less one, rounded up to
+ * a multiple of 32, at most `seqLen`. Rows are causal and padding follows them, so a shorter window
+ * scores the same as `seqLen` with less work.
+ */
+export function choiceWindow(examples: ChoiceTokens[], seqLen: number): number {
+  let longest = 1;
+  for (const ex of examples) {
+    for (const e of ex.endings) longest = Math.max(longest, ex.context.length + e.length - 1);
+  }
+  return Math.min(seqLen, Math.ceil(longest / 32) * 32);
+}
+
+/**
+ * Each ending's summed log-probability given its context (cut from the left to the window).
+ * Examples are packed whole into batches of `model.batch` rows (one ending a row), so all endings
+ * of an example run in one forward pass; one with more endings than rows spills into the next.
+ */
+export async function scoreChoices(
+  model: EvalModel,
+  examples: ChoiceTokens[],
+  hooks: EvalHooks = {},
+): Promise<ChoiceScores[]> {
+  const B = model.batch, T = model.seqLen;
+  /** The batches' rows: example e's ending k in batch `batch`, row `row`. */
+  const placed: { e: number; k: number; row: number; batch: number; first: number; count: number }[] = [];
+  const batches: GpuBatch[] = [];
+  let tokens: Uint32Array | null = null, used = B;
+  for (const [e, ex] of examples.entries()) {
+    const k0 = ex.endings.length;
+    if (used + Math.min(k0, B) > B) used = B; // the example fits a batch: start one rather than split it
+    for (const [k, ending] of ex.endings.entries()) {
+      if (used === B) {
+        tokens = new Uint32Array(B * (T + 1)).fill(EOT_TOKEN);
+        batches.push({ tokens });
+        used = 0;
+      }
+      const row = choiceRow(ex.context, ending, T, `example ${e} ending ${k}`);
+      tokens!.set(row.tokens, used * (T + 1));
+      placed.push({ e, k, row: used, batch: batches.length - 1, first: row.first, count: row.count });
+      used++;
+    }
+  }
+  const scores: ChoiceScores[] = examples.map((ex) => ({
+    logprobs: new Array(ex.endings.length).fill(0),
+    tokens: ex.endings.map((e) => e.length),
+    bytes: ex.bytes,
+    label: ex.label,
+  }));
+  let p = 0, scored = 0;
+  const t0 = performance.now();
+  await model.run(batches, (i, { losses }) => {
+    for (; p < placed.length && placed[p].batch === i; p++) {
+      const { e, k, row, first, count } = placed[p];
+      let nll = 0;
+      for (let t = first; t < first + count; t++) nll += losses[row * T + t];
+      scores[e].logprobs[k] = -nll;
+      scored += count;
+    }
+    const s = (performance.now() - t0) / 1000;
+    hooks.progress?.({
+      done: p < placed.length ? placed[p].e : examples.length,
+      total: examples.length,
+      tokens: scored,
+      tokens_per_s: scored / Math.max(s, 1e-9),
+    });
+  }, hooks);
+  return scores;
+}
+
+/** Multiple-choice accuracy of `examples` (figures as model/multiple_choice.ts defines them). */
+export async function multipleChoice(
+  model: EvalModel,
+  examples: ChoiceTokens[],
+  scoring: ChoiceScoring,
+  hooks: EvalHooks = {},
+): Promise<Omit<EvalResult, "task" | "model">> {
+  const t0 = performance.now();
+  const scores = await scoreChoices(model, examples, hooks);
+  const elapsed_s = (performance.now() - t0) / 1000;
+  const f = choiceFigures(scores, scoring);
+  let tokens = 0, endings = 0;
+  for (const s of scores) {
+    endings += s.tokens.length;
+    for (const n of s.tokens) tokens += n;
+  }
+  return {
+    loss: f.loss,
+    perplexity: f.perplexity,
+    tokens,
+    seq_len: model.seqLen,
+    accuracy: f.accuracy,
+    correct: f.correct,
+    accuracy_norm: f.accuracy_norm,
+    correct_norm: f.correct_norm,
+    examples: scores.length,
+    endings,
+    scoring,
+    tokens_per_s: tokens / Math.max(elapsed_s, 1e-9),
+    endings_per_s: endings / Math.max(elapsed_s, 1e-9),
+    elapsed_s,
+  };
+}
+
 /** The stream an evaluation config reads: its texts, or its dataset's split (a builtin prepared on first use). */
 export async function evalStream(root: string, c: EvalConfig): Promise<EvalStream> {
   let stream: EvalStream;
@@ -388,8 +581,36 @@ export async function runEvalConfig(
 ): Promise<EvalResult> {
   const body = c.task === "cloze"
     ? await cloze(model, c.texts ?? [], c.strict, hooks)
+    : c.task === "multiple_choice"
+    ? await multipleChoice(model, tokenizeChoices(c.examples ?? []), c.scoring ?? "sum", hooks)
     : await perplexity(model, await evalStream(root, c), c.stride, hooks);
   return { task: c.task, model: c.model, ...body };
+}
+
+/**
+ * Loads the model an evaluation config runs on: `batch` rows of `seqLen`, except that cloze keeps
+ * the rows one LM head chunk holds (it reads logits rows), and multiple choice takes the window
+ * its longest example needs (choiceWindow) with as many more rows as keep `batch` × `seqLen`
+ * tokens per forward pass (the memory the request asked for, used by short rows).
+ */
+export async function loadEvalModel(
+  ctx: GpuContext,
+  source: ModelSource,
+  c: EvalConfig,
+  batch: number,
+  seqLen: number,
+): Promise<EvalModel> {
+  if (c.task === "multiple_choice") {
+    const examples = tokenizeChoices(c.examples ?? []), window = choiceWindow(examples, seqLen);
+    const endings = Math.max(1, ...examples.map((e) => e.endings.length));
+    const rows = Math.max(batch, endings, Math.floor(batch * seqLen / window));
+    return await EvalModel.load(ctx, source, rows, window);
+  }
+  const model = await EvalModel.load(ctx, source, batch, seqLen);
+  if (c.task !== "cloze" || model.holdsLogits) return model;
+  const rows = Math.max(1, Math.floor(model.trainer.model.headRows / seqLen));
+  model.destroy();
+  return await EvalModel.load(ctx, source, rows, seqLen);
 }
 
 /**
@@ -401,7 +622,7 @@ export async function runEvaluationJob(
   job: WorkerJob,
   hooks: { post(msg: FromWorker): void; cancelled(): boolean },
 ): Promise<Extract<FromWorker, { type: "done" }>> {
-  const c = job.config.evaluate!;
+  let c = job.config.evaluate!;
   const done = (status: "succeeded" | "failed" | "cancelled", error: string | null) => ({
     type: "done" as const,
     id: job.id,
@@ -412,13 +633,8 @@ export async function runEvaluationJob(
   let model: EvalModel | null = null;
   try {
     if (!job.init_source) throw new Error(`Evaluation job "${job.id}" reached the Worker without its model`);
-    model = await EvalModel.load(ctx, job.init_source, job.config.batch_size, job.config.seq_len);
-    if (c.task === "cloze" && !model.holdsLogits) {
-      // The greedy check reads logits rows: use as many rows as one LM head chunk holds.
-      const rows = Math.max(1, Math.floor(model.trainer.model.headRows / job.config.seq_len));
-      model.destroy();
-      model = await EvalModel.load(ctx, job.init_source, rows, job.config.seq_len);
-    }
+    c = await withChoiceExamples(job.root, c);
+    model = await loadEvalModel(ctx, job.init_source, c, job.config.batch_size, job.config.seq_len);
     hooks.post({
       type: "started",
       id: job.id,

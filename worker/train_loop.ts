@@ -4,8 +4,9 @@
  * and report through `hooks`. Kept apart from the Worker's message plumbing so a test can run a
  * job in-process and compare losses bit for bit. `runTraining` reads as its phases: open the
  * communicators, load the data and the starting state (a checkpoint, fine-tuning's source, or
- * nothing), create the trainer, run the steps (each log step reading back and reporting), and
- * finish with evaluations and a checkpoint. An evaluation job goes to worker/evaluation.ts.
+ * nothing), create the trainer, run the steps (each log step reading back and reporting; every
+ * eval_interval the validation loss and the job's eval_tasks, worker/eval_tasks.ts), and finish
+ * with evaluations and a checkpoint. An evaluation job goes to worker/evaluation.ts.
  */
 
 import { describeDevice, type GpuContext } from "../engine/device.ts";
@@ -36,6 +37,7 @@ import {
 import { checkpointLayers, trainingModel } from "../model/job_config.ts";
 import { compileReporter } from "./compile_report.ts";
 import { runEvaluationJob } from "./evaluation.ts";
+import { EvalTasks } from "./eval_tasks.ts";
 import { loadWeightsAt } from "../checkpoint/model_source.ts";
 
 /** Steps submitted without waiting for the GPU, at most. */
@@ -558,6 +560,8 @@ async function trainSteps(
   sampler: Sampler,
   opts: {
     evalSplit(split: "valid" | "test"): Promise<void>;
+    /** The job's eval_tasks on the current weights. */
+    evalTasks(): Promise<void>;
     save(): Promise<void>;
     last: LastFigures;
     dataLoaderMs: number;
@@ -611,7 +615,10 @@ async function trainSteps(
     }
     const evalNow = !last && c.eval_interval > 0 && iteration % c.eval_interval === 0;
     const saveNow = !last && c.save_interval > 0 && iteration % c.save_interval === 0;
-    if (evalNow) await opts.evalSplit("valid");
+    if (evalNow) {
+      await opts.evalSplit("valid");
+      await opts.evalTasks();
+    }
     if (saveNow) await opts.save();
     if (evalNow || saveNow) {
       // Throughput and step time measure training only: restart the window after the pause.
@@ -634,6 +641,7 @@ async function trainSteps(
 export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainHooks): Promise<DoneMessage> {
   if (job.config.evaluate) return await runEvaluationJob(ctx, job, hooks);
   const run = newRun(ctx, job, hooks), c = run.c, ranks = run.ranks;
+  let tasks: EvalTasks | null = null;
   const done = (status: DoneMessage["status"], error: string | null): DoneMessage => ({
     type: "done",
     id: job.id,
@@ -686,10 +694,23 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
         tokens,
       });
     };
-    const end = await trainSteps(run, sampler, { evalSplit, save, last, dataLoaderMs, memoryBytes });
+    // Evaluations during training run on the lead rank (tensor_parallel 1); the others wait at the next exchange.
+    tasks = run.lead && c.eval_tasks?.length ? new EvalTasks(ctx, job.root, c.eval_tasks) : null;
+    const evalTasks = async () => {
+      await tasks?.run(trainer, run.iteration, job.id, run.post, hooks.cancelled);
+    };
+    const end = await trainSteps(run, sampler, {
+      evalSplit,
+      evalTasks,
+      save,
+      last,
+      dataLoaderMs,
+      memoryBytes,
+    });
     if (end !== "done") return done(end, null);
     await evalSplit("valid");
     await evalSplit("test");
+    await evalTasks();
     if (last.saved !== trainer.step) await save();
     return done("succeeded", null);
   } catch (e) {
@@ -705,6 +726,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     ranks.reducer?.destroy();
     ranks.zero?.destroy();
     ranks.tpx?.destroy();
+    tasks?.destroy();
     run.trainer?.destroy();
   }
 }

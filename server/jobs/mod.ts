@@ -18,3 +18,4 @@ export * from "../../checkpoint/model_source.ts";
 export * from "../generate/text_stream.ts";
 export * from "../generate/generation_manager.ts";
 export * from "../gpus/roles.ts";
+export { compareJobs, type Comparison, evalTaskPoints, metricsCsv } from "./compare.ts";

@@ -36,6 +36,8 @@ import type { HostStatus } from "../gpus/host_client.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
+import { evalTaskFigures } from "./compare.ts";
+import { checkEvalData } from "./task_files.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -297,6 +299,9 @@ export class JobRunner {
           `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
       );
     }
+    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
+      await checkEvalData(this.#opts.root, t, `eval_tasks.${i}.`, this.#opts.datasetExists);
+    }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config);
@@ -348,6 +353,7 @@ export class JobRunner {
         );
       }
     }
+    await checkEvalData(this.#opts.root, { examples_file: req.examples_file }, "", this.#opts.datasetExists);
     if (req.dataset !== undefined) {
       if (!(await this.#opts.datasetExists(req.dataset))) {
         throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);
@@ -1151,6 +1157,29 @@ export class JobRunner {
           this.#emit(id, "evaluation", { ...result });
         }
         this.#crashes.delete(id);
+        return;
+      }
+      case "eval_task": {
+        const { id, iteration, name, task, result, error } = msg;
+        this.#crashes.delete(id);
+        if (!result && error === undefined) return; // progress: the watchdog has heard from the job
+        if (result) {
+          this.#metric(id, {
+            iteration,
+            split: `eval:${name}`,
+            loss: result.loss,
+            perplexity: result.perplexity,
+            lr: null,
+            tokens_per_s: result.tokens_per_s,
+          });
+        }
+        this.#emit(id, "eval_task", {
+          iteration,
+          name,
+          task,
+          ...evalTaskFigures(result),
+          ...error ? { error } : {},
+        });
         return;
       }
       case "log":

@@ -1,7 +1,8 @@
 /**
  * Training job routes: submit (`POST /train`, also fine-tuning with `init_from`; `POST /evaluate`
  * from evaluate.ts queues evaluation jobs beside them), list (paged), inspect, follow (SSE), cancel,
- * delete, list checkpoints and download their files, and metrics history. Handlers validate and
+ * delete, list checkpoints and download their files, metrics history (JSON or CSV), and several
+ * jobs compared (server/jobs/compare.ts). Handlers validate and
  * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
  * stored. Paths in answers are relative to the data directory.
  */
@@ -10,15 +11,24 @@ import { Hono } from "hono";
 import {
   admitTrainJob,
   type CheckpointInfo,
+  compareJobs,
   DEFAULT_MODEL,
+  evalTaskPoints,
   initModel,
   type Job,
   type JobRunner,
   type Limits,
+  metricsCsv,
 } from "../jobs/mod.ts";
 import { evaluateRoutes } from "./evaluate.ts";
 import { ApiError, jsonBody, type PathAlias, queryParams, scrubPaths } from "./api_errors.ts";
-import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./schemas.ts";
+import {
+  CompareQuerySchema,
+  EventsQuerySchema,
+  JobListQuerySchema,
+  MetricsQuerySchema,
+  TrainRequestSchema,
+} from "./schemas.ts";
 import { checkpointPath, streamJobEvents } from "./sse.ts";
 
 /** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
@@ -66,6 +76,16 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
     });
   });
 
+  // Ahead of /jobs/:id, which would take "compare" for an id.
+  app.get("/jobs/compare", queryParams(CompareQuerySchema, "compare query"), (c) => {
+    const histories = c.req.valid("query").ids.map((id) => ({
+      job: shown(runner.get(id)),
+      metrics: runner.store.metrics(id),
+      evals: evalTaskPoints(runner.store.eventsAfter(id, 0)),
+    }));
+    return c.json(compareJobs(histories));
+  });
+
   app.get("/jobs/:id", (c) => c.json(shown(runner.get(c.req.param("id")))));
 
   app.delete("/jobs/:id", async (c) => {
@@ -74,10 +94,18 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
     return c.json({ id, deleted: true });
   });
 
-  app.get("/jobs/:id/metrics", (c) => {
+  app.get("/jobs/:id/metrics", queryParams(MetricsQuerySchema, "metrics query"), (c) => {
     const id = c.req.param("id");
     runner.get(id);
-    return c.json({ id, metrics: runner.store.metrics(id) });
+    const metrics = runner.store.metrics(id);
+    const evaluations = evalTaskPoints(runner.store.eventsAfter(id, 0));
+    if (c.req.valid("query").format === "csv") {
+      return c.body(metricsCsv(metrics, evaluations), 200, {
+        "Content-Type": "text/csv; charset=utf-8",
+        "Content-Disposition": `attachment; filename="${id}_metrics.csv"`,
+      });
+    }
+    return c.json({ id, metrics, evaluations });
   });
 
   app.get("/jobs/:id/events", queryParams(EventsQuerySchema, "event stream query"), (c) => {
