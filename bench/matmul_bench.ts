@@ -7,7 +7,7 @@
  *   deno task bench matmul                       chooseTile's pick for every shape
  *   deno task bench matmul --sweep [--json F]    every kernel variant × tile on every shape, in a time budget
  *   deno task bench matmul --tiny                tiny shapes (a CPU adapter runs it in under a minute)
- *   deno task bench matmul --from-json F --emit-tiles engine/kernels/matmul_tiles.ts   (no GPU; rules of
+ *   deno task bench matmul --from-json F --emit-tiles engine/kernels/matmul_tiles.json   (no GPU; rules of
  *                                 shapes F did not measure are kept unless --replace)
  *
  * Options: --models gpt2-124M,gpt2-345M  --precision fp32,fp16  --only REGEX (shape names)
@@ -37,6 +37,7 @@ import { createStorage, describeDevice, type GpuContext, openDevice } from "../e
 import type { StorageDtype } from "../engine/kernels/common.ts";
 import {
   chooseTile,
+  MATMUL_TILE_RULES,
   type MatmulBinding,
   matmulFlops,
   matmulKernels,
@@ -47,9 +48,9 @@ import {
   matmulWorkgroupBytes,
   splitSlices,
   tileName,
+  type TileRule,
   tileThreads,
 } from "../engine/kernels/matmul.ts";
-import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul_tiles.ts";
 import { makeOp, type Op, PipelineCache } from "../engine/ops.ts";
 import { headChunkRows } from "../model/plan.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
@@ -524,13 +525,14 @@ function printRow(shape: string, r: VariantResult, pickMs?: number): void {
 }
 
 /**
- * TypeScript source of matmul_tiles.ts from a sweep's JSON: one exact-shape rule per measured shape,
- * after the rules of `keep` (the current table) for shapes the report did not measure.
+ * The tile table (engine/kernels/matmul_tiles.json) from a sweep's JSON: one exact-shape rule per
+ * measured shape, after the rules of `keep` (the current table) for shapes the report did not
+ * measure, which keep their place and notes.
  */
-export function tileTableSource(
+export function tileTable(
   report: { device: string; date: string; shapes: ShapeResult[] },
   keep: readonly TileRule[] = [],
-): string {
+): { about: string; device: string; rules: TileRule[] } {
   const shapeKey = (r: TileRule) => JSON.stringify([r.M, r.N, r.K, r.layout, r.math, r.storage]);
   const measured = new Set(
     report.shapes.map((s) => JSON.stringify([s.M, s.N, s.K, s.layout, s.math, s.storage])),
@@ -555,41 +557,16 @@ export function tileTableSource(
       seen.add(key);
     }
   }
-  const lines = rules.map((r) => `  ${JSON.stringify(r)},`);
-  return `/**
- * Measured matmul tile choices, consulted first by \`chooseTile\` (engine/kernels/matmul.ts).
- *
- * Written by \`deno task bench matmul --from-json … --emit-tiles …\` from a sweep on ${report.device}
- * (${report.date}). Rules are tried in order; the first whose given fields all match the spec, and
- * whose tile fits the device and the caller, wins (see TileRule).
- */
-
-import type { MatmulTile } from "./matmul.ts";
-
-/** One measured choice: the fields present must match the matmul; absent fields match anything. */
-export interface TileRule {
-  M?: number;
-  N?: number;
-  K?: number;
-  /** "NN", "NT", "TN" or "TT" (transA, transB). */
-  layout?: string;
-  /** "f16" when the spec multiplies in f16 (default "f32"). */
-  math?: "f32" | "f16";
-  /** "f16" when A or B is f16 in memory (default "f32"). */
-  storage?: "f32" | "f16";
-  tile: MatmulTile;
-  /** The measured rate, for the record (not used to choose). */
-  tflops?: number;
-}
-
-/** The adapter the rules were measured on. */
-export const MATMUL_TILES_DEVICE = ${JSON.stringify(report.device)};
-
-/** The measured rules. */
-export const MATMUL_TILE_RULES: readonly TileRule[] = [
-${lines.join("\n")}
-];
-`;
+  return {
+    about:
+      "Measured matmul tile choices, consulted first by chooseTile (engine/kernels/matmul.ts). Rules are " +
+      "tried in order; the first whose given fields (M, N, K, layout, math, storage) all match the spec, and " +
+      "whose tile fits the device and the caller, wins. Written by `deno task bench matmul --from-json F " +
+      `--emit-tiles engine/kernels/matmul_tiles.json\` from a sweep (${report.date}); a rule's note says where ` +
+      "it came from when not from that sweep.",
+    device: report.device,
+    rules,
+  };
 }
 
 async function main(args: string[]): Promise<void> {
@@ -598,11 +575,12 @@ async function main(args: string[]): Promise<void> {
     const report = JSON.parse(await Deno.readTextFile(fromJson));
     const dest = arg(args, "emit-tiles", "");
     // Shapes the report did not measure keep their current rules (a partial sweep, e.g. fp16 only).
-    const src = tileTableSource(report, args.includes("--replace") ? [] : MATMUL_TILE_RULES);
+    const table = tileTable(report, args.includes("--replace") ? [] : MATMUL_TILE_RULES);
+    const text = JSON.stringify(table, null, 2) + "\n";
     if (dest) {
-      await Deno.writeTextFile(dest, src);
+      await Deno.writeTextFile(dest, text);
       console.log(`Wrote ${dest} (run deno fmt on it)`);
-    } else console.log(src);
+    } else console.log(text);
     return;
   }
   const started = performance.now();

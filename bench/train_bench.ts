@@ -21,7 +21,7 @@ import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts
 import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
 import { type OpTiming, Trainer } from "../engine/trainer.ts";
-import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul_tiles.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul.ts";
 
 /** How one benchmark run trains. */
 export interface TrainBenchOptions {

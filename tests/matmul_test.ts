@@ -16,7 +16,7 @@ import {
   matmulWgsl,
   tileName,
 } from "../engine/kernels/matmul.ts";
-import type { TileRule } from "../engine/kernels/matmul_tiles.ts";
+import type { TileRule } from "../engine/kernels/matmul.ts";
 import { dropKeep, dropThreshold } from "../model/rng.ts";
 import { encodeOps, makeOp, PipelineCache } from "../engine/ops.ts";
 import { gemvPartialWgsl, gemvReduceBindings, gemvReduceWgsl } from "../engine/kernels/gemv.ts";

@@ -22,7 +22,6 @@ import {
 } from "../../model/plan.ts";
 import { dropoutSite } from "../../model/rng.ts";
 import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type View } from "../ops.ts";
-import { MATMUL_TILE_RULES, type TileRule } from "../kernels/matmul_tiles.ts";
 import {
   type AttentionSpec,
   chooseAttentionSplit,
@@ -33,6 +32,7 @@ import {
   type FlashTiles,
 } from "../kernels/attention.ts";
 import { ROW_BLOCK } from "../kernels/layernorm.ts";
+import { MATMUL_TILE_RULES, type TileRule } from "../kernels/matmul.ts";
 import { grid1d, type StorageDtype } from "../kernels/common.ts";
 import type { BufferPool, GraphOptions, LayerActs, ModelShape, Step, Sync } from "./program.ts";
 

@@ -9,7 +9,7 @@ import type { ModelConfig, ParamLayout } from "../../model/config.ts";
 import type { ModelPlan, PlanOptions } from "../../model/plan.ts";
 import type { FlatBuffer } from "../flat.ts";
 import type { CompileListener, Op, PipelineCache } from "../ops.ts";
-import type { TileRule } from "../kernels/matmul_tiles.ts";
+import type { TileRule } from "../kernels/matmul.ts";
 
 /**
  * A point of a tensor-parallel step where the ranks exchange data through the host: the ops

@@ -18,7 +18,7 @@
  *         (`warpN`: a warp covers (32/warpN)×warpN threads, so it reads fewer distinct vectors),
  *         and split-K (`splitK`: slices of K in grid z write partial sums to a scratch buffer that
  *         a second kernel adds up, applying the epilogue; see matmulKernels).
- * `chooseTile` is the one place that picks a tile: measured rules first (matmul_tiles.ts), then
+ * `chooseTile` is the one place that picks a tile: measured rules first (matmul_tiles.json), then
  * built-in ones.
  *
  * Element types: any binding may be f16 in memory (`dtypes`, converted on load and store). With
@@ -38,7 +38,7 @@
  */
 
 import { dropWgsl, GELU_WGSL, grid1d, LINEAR_WG, type StorageDtype, withStorageDtypes } from "./common.ts";
-import { MATMUL_TILE_RULES, type TileRule } from "./matmul_tiles.ts";
+import TILE_TABLE from "./matmul_tiles.json" with { type: "json" };
 
 /** Fused work after the multiply. */
 export type MatmulEpilogue = "store" | "accumulate" | "residual" | "gelu" | "gelu_grad";
@@ -115,6 +115,29 @@ export interface MatmulKernel {
   /** Binds the dropout uniform at group 1. */
   uniform: boolean;
 }
+
+/** One measured choice: the fields present must match the matmul; absent fields match anything. */
+export interface TileRule {
+  M?: number;
+  N?: number;
+  K?: number;
+  /** "NN", "NT", "TN" or "TT" (transA, transB). */
+  layout?: string;
+  /** "f16" when the spec multiplies in f16 (default "f32"). */
+  math?: "f32" | "f16";
+  /** "f16" when A or B is f16 in memory (default "f32"). */
+  storage?: "f32" | "f16";
+  tile: MatmulTile;
+  /** The measured rate, for the record (not used to choose). */
+  tflops?: number;
+  /** Where the rule comes from, when not the sweep the table was written from. */
+  note?: string;
+}
+
+/** The measured rules (matmul_tiles.json, written by bench/matmul_bench.ts), tried in order. */
+export const MATMUL_TILE_RULES: readonly TileRule[] = TILE_TABLE.rules as TileRule[];
+/** The adapter the rules were measured on. */
+export const MATMUL_TILES_DEVICE: string = TILE_TABLE.device;
 
 /** A short name of a tile, e.g. "128x128x16/8x8" or "g2 128x128x16/8x8 b2 w8 mn s4". */
 export function tileName(t: MatmulTile): string {
@@ -235,7 +258,7 @@ export interface ChooseTileOptions {
 }
 
 /**
- * Picks a tiling: the first measured rule (matmul_tiles.ts) that matches the spec and fits the
+ * Picks a tiling: the first measured rule (matmul_tiles.json) that matches the spec and fits the
  * device and caller, else large blocks when they still fill the GPU and smaller ones otherwise.
  * `spec` may carry layout, dtypes and math; rules that name them match only when they agree.
  */
