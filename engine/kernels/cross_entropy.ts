@@ -42,6 +42,33 @@ export function rowMaxSumWgsl(n: number): string {
   }`;
 }
 
+/** WGSL expression of the target token of global row `grow` (rows of T inputs in rows of T + 1 tokens). */
+export function targetWgsl(T: number): string {
+  return `tokens[(grow / ${T}u) * ${T + 1}u + grow % ${T}u + 1u]`;
+}
+
+/** The optimizer uniform (group 1) and the control buffer at `binding`, for the loss scale. */
+export function lossScaleBindings(binding: number): string {
+  return `${OPT_STRUCT}
+${CONTROL_STRUCT}
+@group(0) @binding(${binding}) var<storage, read> ctl: Control;
+@group(1) @binding(0) var<uniform> hp: Opt;`;
+}
+
+/**
+ * WGSL statements writing dloss/dlogits × loss scale over columns [0, cols) of the row at `base`
+ * in place: (softmax − onehot(tgt)) / totalRows for the first `real` columns (whose vocabulary id
+ * is the WGSL expression `id` of the column `v`), 0 for the rest. Needs `lse`, `tgt`, `ctl`, `hp`.
+ */
+export function softmaxGradWgsl(totalRows: number, cols: number, real: number, id: string): string {
+  return `let inv = (1.0 / ${totalRows}.0) * ctl.scale * hp.grad_mul;
+  for (var v = tid; v < ${cols}u; v = v + ${WG}u) {
+    var d = 0.0;
+    if (v < ${real}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, ${id} == tgt)) * inv; }
+    logits[base + v] = d;
+  }`;
+}
+
 /** Sizes of the loss kernels. */
 export interface CrossEntropySpec {
   /** Rows of this chunk of logits. */
@@ -66,14 +93,7 @@ export function crossEntropyWgsl(s: CrossEntropySpec): string {
 @group(0) @binding(0) var<storage, read_write> logits: array<f32>;
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
 @group(0) @binding(2) var<storage, read_write> losses: array<f32>;
-${
-    s.grad
-      ? `${OPT_STRUCT}
-${CONTROL_STRUCT}
-@group(0) @binding(3) var<storage, read> ctl: Control;
-@group(1) @binding(0) var<uniform> hp: Opt;`
-      : ""
-  }
+${s.grad ? lossScaleBindings(3) : ""}
 ${ROW_STATS_DECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -85,17 +105,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   ${rowMaxSumWgsl(s.V)}
   let mx = ms[0];
   let lse = mx + log(ss[0]);
-  let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];
+  let tgt = ${targetWgsl(s.T)};
   if (tid == 0u) { losses[grow] = lse - logits[base + tgt]; }
   ${
     s.grad
       ? `workgroupBarrier();
-  let inv = (1.0 / ${s.totalRows}.0) * ctl.scale * hp.grad_mul;
-  for (var v = tid; v < ${s.Vp}u; v = v + ${WG}u) {
-    var d = 0.0;
-    if (v < ${s.V}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, v == tgt)) * inv; }
-    logits[base + v] = d;
-  }`
+  ${softmaxGradWgsl(s.totalRows, s.Vp, s.V, "v")}`
       : ""
   }
 }

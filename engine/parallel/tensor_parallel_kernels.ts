@@ -11,8 +11,14 @@
  */
 
 import { dropWgsl } from "../kernels/common.ts";
-import { CONTROL_STRUCT, OPT_STRUCT } from "../kernels/adamw.ts";
-import { ROW_STATS_DECL, rowMaxSumWgsl, WG } from "../kernels/cross_entropy.ts";
+import {
+  lossScaleBindings,
+  ROW_STATS_DECL,
+  rowMaxSumWgsl,
+  softmaxGradWgsl,
+  targetWgsl,
+  WG,
+} from "../kernels/cross_entropy.ts";
 
 /** out = res + dropout(x + bias) over (rows, C), x the allreduced partial sums. Grid1d(rows·C/4 / 64). */
 export function biasDropResidualWgsl(
@@ -86,7 +92,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let grow = row + ${s.rowBase}u;
   ${rowMaxSumWgsl(n)}
   if (tid == 0u) {
-    let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];
+    let tgt = ${targetWgsl(s.T)};
     let here = tgt >= ${s.lo}u && tgt < ${s.lo + n}u;
     var t = 0.0;
     if (here) { t = logits[base + tgt - ${s.lo}u]; }
@@ -108,14 +114,7 @@ export function ceFromStatsWgsl(s: VocabParallelSpec, grad: boolean): string {
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
 @group(0) @binding(2) var<storage, read_write> losses: array<f32>;
 @group(0) @binding(3) var<storage, read> stats: array<vec4<f32>>;
-${
-    grad
-      ? `${OPT_STRUCT}
-${CONTROL_STRUCT}
-@group(0) @binding(4) var<storage, read> ctl: Control;
-@group(1) @binding(0) var<uniform> hp: Opt;`
-      : ""
-  }
+${grad ? lossScaleBindings(4) : ""}
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
@@ -131,13 +130,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   ${
     grad
       ? `let base = row * ${s.Vl}u;
-  let tgt = tokens[(grow / ${s.T}u) * ${s.T + 1}u + grow % ${s.T}u + 1u];
-  let inv = (1.0 / ${s.totalRows}.0) * ctl.scale * hp.grad_mul;
-  for (var v = tid; v < ${s.Vl}u; v = v + ${WG}u) {
-    var d = 0.0;
-    if (v < ${n}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, v + ${s.lo}u == tgt)) * inv; }
-    logits[base + v] = d;
-  }`
+  let tgt = ${targetWgsl(s.T)};
+  ${softmaxGradWgsl(s.totalRows, s.Vl, n, `v + ${s.lo}u`)}`
       : ""
   }
 }
