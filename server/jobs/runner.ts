@@ -127,6 +127,8 @@ export interface RunnerOptions {
   stallMs?: number;
   /** First pause between tries of a job store that is away, ms (default 500). */
   storeRetryMs?: number;
+  /** Users at their running-jobs quota (server/auth/quotas.ts): their waiting jobs wait (default none). */
+  skipOwners?: () => string[];
 }
 
 /** Default of {@link RunnerOptions.stallMs}. */
@@ -263,11 +265,20 @@ export class JobRunner {
     return `${this.#opts.root}/checkpoints/${id}`;
   }
 
+  /** The error naming `id` unknown in `field`, as {@link modelSource} words it: the same for a model that is another user's. */
+  unknownModel(id: string, field: string): InvalidJobError {
+    return new InvalidJobError(
+      field,
+      `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
+        "(see GET /v1/models)",
+    );
+  }
+
   /**
    * Queues a training job on the GPU with the shortest queue. Throws InvalidJobError naming the
    * field for an unknown model or dataset, a model that cannot fit, or a bad resume_from.
    */
-  async submit(req: TrainRequest): Promise<Job> {
+  async submit(req: TrainRequest, owner: string | null = null): Promise<Job> {
     if (this.#draining) {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
@@ -299,7 +310,7 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
     });
@@ -316,13 +327,7 @@ export class JobRunner {
     try {
       return await resolveModelSource(this.#opts.root, id);
     } catch (e) {
-      if (e instanceof ModelNotFoundError) {
-        throw new InvalidJobError(
-          field,
-          `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
-            "(see GET /v1/models)",
-        );
-      }
+      if (e instanceof ModelNotFoundError) throw this.unknownModel(id, field);
       if (e instanceof InvalidJobError) throw new InvalidJobError(field, e.message);
       throw e;
     }
@@ -332,7 +337,7 @@ export class JobRunner {
    * Queues an evaluation job (`POST /evaluate`) like a training job on one GPU. Throws
    * InvalidJobError naming the field for an unknown model or dataset, or a window the model cannot take.
    */
-  async submitEvaluation(req: EvaluateRequest): Promise<Job> {
+  async submitEvaluation(req: EvaluateRequest, owner: string | null = null): Promise<Job> {
     if (this.#draining) {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
@@ -362,7 +367,7 @@ export class JobRunner {
     }
     const gpu = this.#pickGpu();
     const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)), evaluation: null },
     });
@@ -697,13 +702,14 @@ export class JobRunner {
   /** The next job for `slot`: its GPU's queue, or with several hosts a claim on the shared queue. */
   #next(slot: Slot): Job | null {
     const leases = this.#opts.leases;
-    if (!leases) return this.#store.nextQueued(slot.index);
+    const skip = this.#opts.skipOwners?.() ?? [];
+    if (!leases) return this.#store.nextQueued(slot.index, skip);
     const train = this.#trainSlots();
     if (!train.includes(slot)) return null;
     const free = train.filter((s) => s.state === "idle" && !s.job && !s.reserved).length;
     let claim;
     try {
-      claim = leases.claim(free);
+      claim = leases.claim(free, skip);
     } catch (e) {
       if (!this.#backlog.failed(e)) {
         console.error(`Cannot claim a job from the shared queue: ${(e as Error).message}`);
