@@ -161,6 +161,18 @@ storeSuite("Users and tokens in the JobStore", [
         assert.equal(await store.nextQueued(0, ["bob", "carol", "alice"]), null);
         const claim = await store.claimNext("H", 1, 60_000, true, ["bob"]);
         assert.equal(claim!.job.id, "job_c1");
+        // At a tie, the user whose last job started longest ago (or never) goes first.
+        await store.updateJob("job_a1", { status: "succeeded", started_at: "2026-01-01T00:00:00.000Z" });
+        await store.updateJob("job_c1", { status: "succeeded", started_at: "2026-01-02T00:00:00.000Z" });
+        assert.deepEqual((await store.queue(0)).map((j) => j.id), ["job_b1", "job_a2", "job_b2", "job_a3"]);
+        await store.createJob("job_c2", 0, config, "carol");
+        assert.deepEqual((await store.queue(0)).map((j) => j.id), [
+          "job_b1",
+          "job_a2",
+          "job_c2",
+          "job_b2",
+          "job_a3",
+        ]);
       });
     },
   ],

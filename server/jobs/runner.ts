@@ -1201,7 +1201,9 @@ export class JobRunner {
         } else {
           this.#finish(msg.id, msg.status, msg.iteration, msg.error);
         }
-        this.#dispatch(slot.index);
+        // A user's running quota may have freed: a job of theirs left waiting on another GPU may go.
+        if (this.#opts.skipOwners) { for (const s of this.#slots) this.#dispatch(s.index); }
+        else this.#dispatch(slot.index);
         return;
     }
   }

@@ -151,14 +151,17 @@ export const PATCH_COLUMNS: ReadonlySet<string> = new Set([
 ]);
 
 /**
- * Fair share, as an `order by` term over `jobs`: a waiting job's place among its owner's, plus the
+ * Fair share, as `order by` terms over `jobs`: a waiting job's place among its owner's, plus the
  * jobs its owner has running, so the queue takes users in turn (A1, B1, A2, B2, …) and a user
- * with a job running goes after one with none. Jobs with no owner keep their FIFO place.
+ * with a job running goes after one with none; at a tie, the user whose last job started longest
+ * ago (or never) first. Jobs with no owner keep their FIFO place.
  */
 export const FAIR_SHARE = "case when owner is null then 0 else " +
   "(select count(*) from jobs r where r.owner = jobs.owner and r.status = 'running') + " +
   "(select count(*) from jobs w where w.owner = jobs.owner and w.status in ('interrupted', 'queued') " +
-  "and w.seq < jobs.seq) end";
+  "and w.seq < jobs.seq) end, " +
+  "case when owner is null then '' else " +
+  "coalesce((select max(s.started_at) from jobs s where s.owner = jobs.owner), '') end";
 
 /**
  * A `where` term leaving out the waiting jobs of `n` owners (at their running quota), `?` each;

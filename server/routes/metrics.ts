@@ -20,6 +20,8 @@ export interface AppMetrics {
   register(hook: MetricsHook): void;
   /** Counts an answered request. */
   countRequest(method: string, status: number): void;
+  /** Counts a request of user `user` (none: the bootstrap token or no token) to a route of class `cls`. */
+  countUse(user: string | null, cls: string): void;
 }
 
 /** Upper bounds of the step-time histogram, in seconds. */
@@ -284,10 +286,19 @@ export function createMetrics(
     ));
   }
 
+  const uses = new Counter({
+    name: "gpt2_user_requests_total",
+    help:
+      "Requests that passed the token check, by user (empty: the bootstrap token or none) and route class",
+    labelNames: ["user", "class"],
+    registers,
+  });
+
   return {
     registry,
     register: (hook) => hook(registry),
     countRequest: (method, status) => requests.inc({ method, code: String(status) }),
+    countUse: (user, cls) => uses.inc({ user: user ?? "", class: cls }),
   };
 }
 
