@@ -41,7 +41,10 @@ export async function fakeCheckpoint(root: string, id: string): Promise<void> {
 /** The server of a test. */
 export type AuthServer = Awaited<ReturnType<typeof authServer>>;
 
-/** Starts the server over `store` (default a fresh SQLite one); `gpus` scripted Workers. */
+/**
+ * Starts the server over `store` (default a fresh SQLite one); `gpus` scripted Workers; with
+ * `refreshMs`, the tokens are reloaded from the store that often (a host's heartbeat).
+ */
 export async function authServer(
   opts: {
     store?: JobStore;
@@ -76,6 +79,7 @@ export async function authServer(
   await new Promise((r) => setTimeout(r, 0));
   const generation = new GenerationManager(runner, root);
   const tokens = new TokenAuth(store, { bootstrap: [BOOT], refreshMs: opts.refreshMs ?? 60_000 });
+  if (opts.refreshMs !== undefined) tokens.start();
   const access = new Access(store, (id) => runner.checkpointDir(id));
   const failures = new FailureLimiter();
   const app = createApp({

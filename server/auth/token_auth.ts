@@ -3,7 +3,8 @@
  * (GPT2_API_TOKEN, an admin with no user) and the users' tokens in the job store, in constant
  * time. The store's tokens are held in memory by id and reloaded every `refreshMs` (one
  * heartbeat), so a check costs a hash and a comparison, never a database call, and a token
- * revoked on any host stops working here within one reload (at once when revoked here). When a
+ * revoked on any host stops working here within one reload (at once when revoked here); one made
+ * on another host works here at once (an unknown id reloads, at most every 250 ms). When a
  * token was last used is kept in memory and written at the next reload, not per request.
  */
 
@@ -43,6 +44,9 @@ interface Cached {
   principal: Principal;
 }
 
+/** Least time between reloads caused by tokens of unknown ids (ms). */
+const MISS_RELOAD_MS = 250;
+
 const sha = (s: string) => createHash("sha256").update(s).digest();
 /** Compared against when a token names no known id, so a miss costs what a hit does. */
 const DUMMY = sha("no such token");
@@ -60,6 +64,8 @@ export class TokenAuth {
   #refreshMs: number;
   #now: () => number;
   #onError: (e: Error) => void;
+  /** When a token of an id not held here last made the tokens reload (performance.now() ms). */
+  #missReload = -Infinity;
 
   constructor(
     store: JobStore,
@@ -158,7 +164,8 @@ export class TokenAuth {
     for (const b of this.#bootstrap) if (timingSafeEqual(digest, b)) bootstrap = true;
     if (bootstrap) return LOCAL_ADMIN;
     const id = tokenIdOf(presented);
-    const hit = id === null ? undefined : this.#byId.get(id);
+    let hit = id === null ? undefined : this.#byId.get(id);
+    if (id !== null && !hit && this.#reloadOnMiss()) hit = this.#byId.get(id);
     const same = timingSafeEqual(digest, hit?.hash ?? DUMMY);
     if (!hit || !same) return "invalid";
     if (hit.record.revoked_at !== null) return "revoked";
@@ -166,6 +173,24 @@ export class TokenAuth {
     if (hit.record.expires_at !== null && Date.parse(hit.record.expires_at) <= now) return "expired";
     this.#used.set(hit.record.id, new Date(now).toISOString());
     return hit.principal;
+  }
+
+  /**
+   * A token of the right form whose id is not held here may have been made on another host since
+   * the last reload: reload now, at most once per {@link MISS_RELOAD_MS} (wrong tokens are limited
+   * per address besides, server/routes/auth.ts). Returns whether it reloaded.
+   */
+  #reloadOnMiss(): boolean {
+    const now = performance.now();
+    if (now - this.#missReload < MISS_RELOAD_MS) return false;
+    this.#missReload = now;
+    try {
+      this.refresh();
+      return true;
+    } catch (e) {
+      this.#onError(e as Error);
+      return false;
+    }
   }
 
   /** Makes a token for `user` (made if new); returns the token, shown only now, and its record. */
