@@ -592,10 +592,16 @@ export class JobRunner {
 
   #pickGpu(): number {
     const candidates = this.#trainSlots();
+    // Jobs held by their owner's running quota do not load a GPU: another user's job goes past them.
+    const held = this.#opts.skipOwners?.() ?? [];
+    const waiting = (gpu: number) =>
+      held.length === 0
+        ? this.#store.queueLength(gpu)
+        : this.#store.queue(gpu).filter((j) => j.owner === undefined || !held.includes(j.owner)).length;
     let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
     for (const s of candidates) {
       if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
-      const load = this.#store.queueLength(s.index) + (s.job ? 1 : 0);
+      const load = waiting(s.index) + (s.job ? 1 : 0);
       if (load < bestLoad) [best, bestLoad] = [s.index, load];
     }
     return best;
