@@ -10,6 +10,7 @@
 import assert from "node:assert/strict";
 import { authServer, BOOT, fakeCheckpoint } from "./_auth.ts";
 import { apiError } from "./_api.ts";
+import { until } from "./_wait.ts";
 import { mintToken, TokenAuth } from "../server/auth/mod.ts";
 import { JobStore } from "../server/jobs/mod.ts";
 
@@ -137,6 +138,12 @@ Deno.test("every route answers another user's job, checkpoint, model and dataset
     assert.ok(!JSON.stringify(bobDatasets).includes("alice-notes"));
     assert.ok(JSON.stringify(await (await t.call(alice, "GET", "/datasets")).json()).includes("alice-notes"));
     assert.equal((await t.call(BOOT, "GET", `/jobs/${id}`)).status, 200, "the admin sees every job");
+    const health = async (token: string) =>
+      JSON.stringify(await (await t.call(token, "GET", "/health")).json());
+    await until(() => t.runner.gpus()[0].job === id, "alice's job on the GPU");
+    assert.ok((await health(alice)).includes(id));
+    assert.ok((await health(BOOT)).includes(id));
+    assert.ok(!(await health(bob)).includes(id), "/health names another user's running job");
 
     const before = snapshot(t.store);
     let tried = 0, leaked = 0;

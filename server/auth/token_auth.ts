@@ -64,6 +64,8 @@ export class TokenAuth {
   #refreshMs: number;
   #now: () => number;
   #onError: (e: Error) => void;
+  /** Since a reload failed (logged once), null while reloads succeed. */
+  #failing: string | null = null;
   /** When a token of an id not held here last made the tokens reload (performance.now() ms). */
   #missReload = -Infinity;
 
@@ -83,7 +85,11 @@ export class TokenAuth {
     this.#bootstrap = (opts.bootstrap ?? []).filter((t) => t !== "").map(sha);
     this.#refreshMs = opts.refreshMs ?? 1000;
     this.#now = opts.now ?? Date.now;
-    this.#onError = opts.onError ?? ((e) => console.error(`Cannot reload the API tokens: ${e.message}`));
+    this.#onError = opts.onError ??
+      ((e) =>
+        console.error(
+          `Cannot reload the API tokens: ${e.message}; the tokens last read stay in force until it can`,
+        ));
     try {
       this.refresh();
     } catch (e) {
@@ -104,8 +110,12 @@ export class TokenAuth {
     this.#timer ??= setInterval(() => {
       try {
         this.refresh();
+        if (this.#failing !== null) console.log(`API tokens reloaded again (failing since ${this.#failing})`);
+        this.#failing = null;
       } catch (e) {
-        this.#onError(e as Error);
+        // Once per outage, not once per heartbeat.
+        if (this.#failing === null) this.#onError(e as Error);
+        this.#failing ??= new Date(this.#now()).toISOString();
       }
     }, this.#refreshMs);
     return this;
