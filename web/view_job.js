@@ -8,10 +8,19 @@
  * job lists the evaluations of its checkpoints beside them, with a button to start one.
  */
 
-import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
+import {
+  ApiError,
+  apiFetch,
+  fetchEstimate,
+  followEvents,
+  getJson,
+  getToken,
+  knownMe,
+  postJson,
+} from "./api.js";
 import { lineChart, timingBar } from "./charts.js";
 import { badge, h, setChildren, stat } from "./dom.js";
-import { fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
+import { fmtBytes, fmtInt, fmtNum, JobSeries, mayUse } from "./shapes.js";
 import { modelName } from "./view_jobs.js";
 
 const FINISHED = ["succeeded", "failed", "cancelled"];
@@ -148,7 +157,7 @@ export async function jobView(ctx, id) {
   let estimate = null;
   const renderHead = () => {
     setChildren(status, badge(job.status));
-    cancel.hidden = FINISHED.includes(job.status);
+    cancel.hidden = FINISHED.includes(job.status) || !mayUse(knownMe(), "train");
     const c = job.config, e = c.evaluate;
     setChildren(
       document.getElementById("job-config"),
