@@ -6,7 +6,7 @@
  */
 
 import assert from "node:assert/strict";
-import { authServer, BOOT } from "./_auth.ts";
+import { authServer, BOOT, fakeCheckpoint } from "./_auth.ts";
 import { apiError } from "./_api.ts";
 import { until } from "./_wait.ts";
 import type { FromWorker } from "../protocol.ts";
@@ -212,6 +212,55 @@ Deno.test("with no token configured nothing is asked (loopback default) until a 
     const { token } = await made.json();
     await apiError(await app.request("/jobs"), 401, { code: "missing_api_key" });
     assert.equal((await app.request("/jobs", { headers: { Authorization: `Bearer ${token}` } })).status, 200);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("token use by route class becomes token.use audit events; /metrics has per-user usage and quota gauges", async () => {
+  const t = await authServer();
+  try {
+    const alice = await t.mint("alice", ["read", "train"]);
+    await t.train(alice.token);
+    for (let i = 0; i < 3; i++) await (await t.call(alice.token, "GET", "/jobs")).body?.cancel();
+    const prom = await (await t.call(BOOT, "GET", "/metrics")).text();
+    assert.ok(prom.includes('gpt2_user_usage{user="alice",quota="running_jobs"} 1\n'), prom);
+    assert.ok(prom.includes('gpt2_user_quota{user="alice",quota="queued_jobs"} 20\n'), prom);
+    assert.ok(prom.includes('gpt2_user_requests_total{user="alice",class="read"} 3\n'), prom);
+    assert.ok(prom.includes('gpt2_user_requests_total{user="alice",class="train"} 1\n'), prom);
+    t.tokens.stop(); // writes what is pending (a minute's worth, by default)
+    const uses = t.store.audit().filter((e) => e.action === "token.use");
+    assert.equal(uses.length, 1);
+    assert.deepEqual([uses[0].user, uses[0].target, uses[0].detail.requests], ["alice", alice.id, {
+      train: 1,
+      read: 3,
+    }]);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("what an admin shares every user may use (a checkpoint and its models); the job itself stays its owner's", async () => {
+  const t = await authServer();
+  try {
+    const alice = (await t.mint("alice", ["read", "train", "generate"])).token;
+    const bob = (await t.mint("bob", ["read", "generate"])).token;
+    const id = await t.train(alice);
+    await fakeCheckpoint(t.root, id);
+    assert.equal((await t.call(bob, "GET", `/v1/models/${id}`)).status, 404);
+    await apiError(await t.call(bob, "POST", "/admin/shares", { kind: "checkpoint", id }), 403);
+    const shared = await t.call(BOOT, "POST", "/admin/shares", { kind: "checkpoint", id });
+    assert.equal(shared.status, 201);
+    const models = (await (await t.call(bob, "GET", "/v1/models")).json()).data.map((m: { id: string }) =>
+      m.id
+    );
+    assert.deepEqual(models.sort(), [id, `${id}/iter_0000005`, "tiny"].sort());
+    assert.equal((await t.call(bob, "GET", `/v1/models/${id}/iter_0000005`)).status, 200);
+    assert.equal((await t.call(bob, "GET", `/jobs/${id}`)).status, 404, "the job itself stays alice's");
+    assert.deepEqual(t.store.audit({ limit: 1 }).map((e) => [e.action, e.target]), [[
+      "share",
+      `checkpoint/${id}`,
+    ]]);
   } finally {
     await t.cleanup();
   }

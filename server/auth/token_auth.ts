@@ -5,7 +5,8 @@
  * heartbeat), so a check costs a hash and a comparison, never a database call, and a token
  * revoked on any host stops working here within one reload (at once when revoked here); one made
  * on another host works here at once (an unknown id reloads, at most every 250 ms). When a
- * token was last used is kept in memory and written at the next reload, not per request.
+ * token was last used is kept in memory and written at the next reload, not per request, and its
+ * requests per route class become one "token.use" audit event a minute.
  */
 
 import { Buffer } from "node:buffer";
@@ -64,6 +65,10 @@ export class TokenAuth {
   #refreshMs: number;
   #now: () => number;
   #onError: (e: Error) => void;
+  /** Requests per token and route class since the last "token.use" audit events. */
+  #uses = new Map<string, { user: string | null; classes: Map<string, number> }>();
+  #usesSince: number;
+  #useAuditMs: number;
   /** Since a reload failed (logged once), null while reloads succeed. */
   #failing: string | null = null;
   /** When a token of an id not held here last made the tokens reload (performance.now() ms). */
@@ -79,12 +84,16 @@ export class TokenAuth {
       now?: () => number;
       /** A reload failed (the store is away): the tokens last read stay in force. */
       onError?: (e: Error) => void;
+      /** How often each token's requests per route class become a "token.use" audit event (default 60 s). */
+      useAuditMs?: number;
     } = {},
   ) {
     this.#store = store;
     this.#bootstrap = (opts.bootstrap ?? []).filter((t) => t !== "").map(sha);
     this.#refreshMs = opts.refreshMs ?? 1000;
     this.#now = opts.now ?? Date.now;
+    this.#useAuditMs = opts.useAuditMs ?? 60_000;
+    this.#usesSince = this.#now();
     this.#onError = opts.onError ??
       ((e) =>
         console.error(
@@ -121,13 +130,21 @@ export class TokenAuth {
     return this;
   }
 
-  /** Stops reloading and writes the pending last-used times. */
+  /** Stops reloading and writes the pending last-used times and use counts. */
   stop(): void {
     if (this.#timer !== null) clearInterval(this.#timer);
     this.#timer = null;
     try {
-      this.#flush();
+      this.#flush(true);
     } catch { /* the store is away or closed: those times are lost, nothing else */ }
+  }
+
+  /** Counts a request of `p`'s token to a route of class `cls` (the "token.use" audit events). */
+  noteUse(p: Principal, cls: string): void {
+    if (p.tokenId === null) return;
+    let u = this.#uses.get(p.tokenId);
+    if (!u) this.#uses.set(p.tokenId, u = { user: p.user, classes: new Map() });
+    u.classes.set(cls, (u.classes.get(cls) ?? 0) + 1);
   }
 
   /** Writes the pending last-used times and reloads every token from the store. */
@@ -156,11 +173,26 @@ export class TokenAuth {
     this.#loaded = true;
   }
 
-  #flush(): void {
-    if (this.#used.size === 0) return;
-    const uses = [...this.#used].map(([id, at]) => ({ id, at }));
-    this.#used.clear();
-    this.#store.touchTokens(uses);
+  #flush(all = false): void {
+    if (this.#used.size > 0) {
+      const uses = [...this.#used].map(([id, at]) => ({ id, at }));
+      this.#used.clear();
+      this.#store.touchTokens(uses);
+    }
+    const now = this.#now();
+    if (this.#uses.size === 0 || (!all && now - this.#usesSince < this.#useAuditMs)) return;
+    const since = new Date(this.#usesSince).toISOString();
+    const uses = [...this.#uses];
+    this.#uses.clear();
+    this.#usesSince = now;
+    for (const [id, u] of uses) {
+      this.#store.addAudit({
+        user: u.user,
+        action: "token.use",
+        target: id,
+        detail: { since, requests: Object.fromEntries(u.classes) },
+      });
+    }
   }
 
   /**

@@ -24,7 +24,7 @@ import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
-import { createMetrics, type MetricsHook } from "./metrics.ts";
+import { createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
 import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
 import { authGuard, FailureLimiter } from "./auth.ts";
 import { adminRoutes, type Auth } from "./admin.ts";
@@ -364,6 +364,7 @@ export function createApp(opts: AppOptions): Hono {
     quotas: opts.auth?.quotas ?? new QuotaBook(store, defaultQuotas()),
     failures: opts.auth?.failures ?? new FailureLimiter(),
   };
+  metrics.register(userMetrics(store, auth.quotas));
   const trusted = new AddressRanges(opts.trustedProxies ?? []);
   app.use(
     "*",
@@ -371,7 +372,10 @@ export function createApp(opts: AppOptions): Hono {
       trusted,
       failures: auth.failures,
       skip: (c) => (c.get(WARM_UP as never) as unknown) === true,
-      onUse: (p, cls) => metrics.countUse(p.user, cls),
+      onUse: (p, cls) => {
+        metrics.countUse(p.user, cls);
+        auth.tokens.noteUse(p, cls);
+      },
     }),
   );
   app.use("*", requireJson);
