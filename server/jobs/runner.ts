@@ -275,7 +275,8 @@ export class JobRunner {
   }
 
   /**
-   * Queues a training job on the GPU with the shortest queue. Throws InvalidJobError naming the
+   * Queues a training job, owned by `owner` (null: no user), on the GPU with the shortest queue
+   * (jobs held by their owner's running quota not counted). Throws InvalidJobError naming the
    * field for an unknown model or dataset, a model that cannot fit, or a bad resume_from.
    */
   async submit(req: TrainRequest, owner: string | null = null): Promise<Job> {
@@ -334,7 +335,7 @@ export class JobRunner {
   }
 
   /**
-   * Queues an evaluation job (`POST /evaluate`) like a training job on one GPU. Throws
+   * Queues an evaluation job (`POST /evaluate`), owned by `owner`, like a training job on one GPU. Throws
    * InvalidJobError naming the field for an unknown model or dataset, or a window the model cannot take.
    */
   async submitEvaluation(req: EvaluateRequest, owner: string | null = null): Promise<Job> {

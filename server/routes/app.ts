@@ -1,11 +1,12 @@
 /**
  * Builds the Hono app and its guards, in order: request counting, the Host check (against DNS
  * rebinding), the Origin and Sec-Fetch-Site checks (against cross-site requests from any page a
- * user visits), CORS for an explicit allow-list, the bearer token (constant-time, any printable
- * token, one or several), `application/json` on state-changing methods, body-size limits and the
- * bound on open streams (per client: its token when auth is on, else its address, taken from
- * `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job, health, estimate,
- * checkpoint, generation and extra route groups, and the one error handler.
+ * user visits), CORS for an explicit allow-list, the token check (server/routes/auth.ts: users'
+ * tokens and the bootstrap GPT2_API_TOKEN, constant-time, scopes per route class, wrong tokens
+ * limited per address, none in a query string), `application/json` on state-changing methods,
+ * body-size limits and the bound on open streams (per client: its token when auth is on, else its
+ * address, taken from `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job,
+ * health, admin, estimate, checkpoint, generation and extra route groups, and the one error handler.
  * No state of its own beyond per-app counters: everything comes from the arguments.
  */
 
