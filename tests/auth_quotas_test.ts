@@ -194,7 +194,7 @@ Deno.test("GET /admin/audit lists who created, cancelled and deleted what, and t
   }
 });
 
-Deno.test("with no token configured nothing is asked (loopback default) until a user token exists; then every request needs one", async () => {
+Deno.test("with no token configured nothing is asked (loopback default) until a user token exists; then every request needs one, even once it is revoked", async () => {
   const t = await authServer();
   try {
     // An app over the same runner with no token configured (its own TokenAuth, no bootstrap token).
@@ -206,12 +206,17 @@ Deno.test("with no token configured nothing is asked (loopback default) until a 
     const made = await app.request("/admin/tokens", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ user: "alice", scopes: ["read"] }),
+      body: JSON.stringify({ user: "alice", scopes: ["read", "admin"] }),
     });
     assert.equal(made.status, 201);
-    const { token } = await made.json();
+    const { token, id } = await made.json();
     await apiError(await app.request("/jobs"), 401, { code: "missing_api_key" });
-    assert.equal((await app.request("/jobs", { headers: { Authorization: `Bearer ${token}` } })).status, 200);
+    const auth = { Authorization: `Bearer ${token}` };
+    assert.equal((await app.request("/jobs", { headers: auth })).status, 200);
+    // Revoking the last token does not open the server again.
+    assert.equal((await app.request(`/admin/tokens/${id}`, { method: "DELETE", headers: auth })).status, 200);
+    await apiError(await app.request("/jobs", { headers: auth }), 401, { code: "revoked_api_key" });
+    await apiError(await app.request("/jobs"), 401, { code: "missing_api_key" });
   } finally {
     await t.cleanup();
   }

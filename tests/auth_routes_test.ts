@@ -184,6 +184,43 @@ Deno.test("every route answers another user's job, checkpoint, model and dataset
   }
 });
 
+Deno.test("datasets: the same upload is each uploader's; an id named by another user is refused with 409, not overwritten", async () => {
+  const t = await authServer();
+  try {
+    const alice = (await t.mint("alice", ["read", "train"])).token;
+    const bob = (await t.mint("bob", ["read", "train"])).token;
+    const body = {
+      texts: ["Shared words, one. ".repeat(40), "Shared words, two. ".repeat(40)],
+      min_tokens: 1,
+      split: "1,1,1",
+      seq_len: 16,
+    };
+    const a = await t.call(alice, "POST", "/datasets", body);
+    assert.equal(a.status, 201, await a.clone().text());
+    const { id } = await a.json();
+    const named = await t.call(alice, "POST", "/datasets", { ...body, id: "alice-named" });
+    assert.equal(named.status, 201);
+    assert.equal((await t.call(bob, "GET", `/datasets/${id}`)).status, 404);
+    const b = await t.call(bob, "POST", "/datasets", body);
+    assert.equal(b.status, 201, "the same source and options name the same data: bob may use it too");
+    assert.equal((await b.json()).id, id);
+    assert.equal((await t.call(bob, "GET", `/datasets/${id}`)).status, 200);
+    await apiError(
+      await t.call(bob, "POST", "/datasets", {
+        texts: ["Bob's other words. ".repeat(80)],
+        id: "alice-named",
+        force: true,
+      }),
+      409,
+      { message: 'Dataset id "alice-named" is taken: choose another id', param: "id" },
+    );
+    assert.equal((await t.call(bob, "GET", "/datasets/alice-named")).status, 404);
+    assert.equal((await t.call(alice, "GET", "/datasets/alice-named")).status, 200);
+  } finally {
+    await t.cleanup();
+  }
+});
+
 Deno.test("revoked, expired and malformed tokens answer 401 on every route and change nothing", async () => {
   const t = await authServer();
   try {

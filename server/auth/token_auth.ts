@@ -58,7 +58,8 @@ export class TokenAuth {
   #bootstrap: Buffer[];
   #byId = new Map<string, Cached>();
   #used = new Map<string, string>();
-  #active = 0;
+  /** Users' tokens in the store, revoked and expired ones included. */
+  #made = 0;
   /** Whether the tokens were ever read: until then every request needs a token (never open by failure). */
   #loaded = false;
   #timer: ReturnType<typeof setInterval> | null = null;
@@ -107,11 +108,11 @@ export class TokenAuth {
   }
 
   /**
-   * Whether requests need a token: one is configured (GPT2_API_TOKEN), any user token is live, or
-   * the tokens could not be read yet.
+   * Whether requests need a token: one is configured (GPT2_API_TOKEN), any user token was ever
+   * made (revoking the last one does not open the server again), or the tokens could not be read yet.
    */
   get required(): boolean {
-    return this.#bootstrap.length > 0 || this.#active > 0 || !this.#loaded;
+    return this.#bootstrap.length > 0 || this.#made > 0 || !this.#loaded;
   }
 
   /** Starts reloading every `refreshMs`. */
@@ -151,12 +152,7 @@ export class TokenAuth {
   refresh(): void {
     this.#flush();
     const next = new Map<string, Cached>();
-    let active = 0;
-    const now = this.#now();
     for (const record of this.#store.tokens()) {
-      const live = record.revoked_at === null &&
-        (record.expires_at === null || Date.parse(record.expires_at) > now);
-      if (live) active++;
       next.set(record.id, {
         record,
         hash: Buffer.from(record.hash, "hex"),
@@ -169,7 +165,7 @@ export class TokenAuth {
       });
     }
     this.#byId = next;
-    this.#active = active;
+    this.#made = next.size;
     this.#loaded = true;
   }
 

@@ -171,7 +171,12 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
       }
       throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
     }
-    if (auth && !mayUse(c, id) && (jobs.has(id) || (await getDataset(root, id)) !== undefined)) {
+    // An id named in the request that is another user's is refused; one derived from the source and
+    // options names the same data, which the caller may then use too.
+    if (
+      auth && rest.id !== undefined && !mayUse(c, id) &&
+      (jobs.has(id) || (await getDataset(root, id)) !== undefined)
+    ) {
       throw new ApiError(409, `Dataset id "${id}" is taken: choose another id`, {
         param: "id",
         code: "conflict",
