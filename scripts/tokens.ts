@@ -124,6 +124,8 @@ if (import.meta.main) {
   try {
     const config = readServerConfig(Deno.env);
     const cluster = readClusterConfig(Deno.env);
+    // A data folder the server has not made yet (the first token of a new server).
+    if (!cluster.databaseUrl) Deno.mkdirSync(config.home, { recursive: true });
     store = cluster.databaseUrl
       ? PostgresBridgeStore.open(cluster.databaseUrl)
       : new JobStore(`${config.home}/jobs.sqlite`);

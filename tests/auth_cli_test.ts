@@ -77,8 +77,9 @@ Deno.test("tokensCli() creates (printing the token once), lists and revokes toke
   }
 });
 
-Deno.test("deno task tokens create prints the token on stdout alone, into $GPT2_HOME's job store", async () => {
-  const home = await Deno.makeTempDir({ prefix: "gpt2_tokens_cli_" });
+Deno.test("deno task tokens create prints the token on stdout alone, into $GPT2_HOME's job store (made if new)", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_tokens_cli_" });
+  const home = `${root}/not-made-yet`;
   try {
     const out = await new Deno.Command(Deno.execPath(), {
       args: [
@@ -111,6 +112,6 @@ Deno.test("deno task tokens create prints the token on stdout alone, into $GPT2_
       store.close();
     }
   } finally {
-    await Deno.remove(home, { recursive: true });
+    await Deno.remove(root, { recursive: true });
   }
 });
