@@ -153,7 +153,7 @@ export async function adminView(ctx) {
       name,
       expires,
       SCOPES.map((s, i) => h("label", {}, boxes[i], ` ${s}`)),
-      h("button", { type: "submit" }, "Make token"),
+      h("button", { type: "submit", id: "make-token" }, "Make token"),
     ),
     made,
     table("admin-tokens", ["id", "user", "label", "scopes", "expires", "last used", "state", ""], tokens),
