@@ -79,8 +79,11 @@ export function defaultLimits(cores = navigator.hardwareConcurrency ?? 2): Limit
 export interface Quotas {
   /** Jobs waiting (queued or interrupted); `POST /train` and `/evaluate` answer 429 past it. */
   queued_jobs: number;
-  /** Jobs running at once (GPUs held); more wait in the queue while other users' jobs go first. */
-  running_jobs: number;
+  /**
+   * GPUs (Workers: data_parallel × tensor_parallel per job) the user's running jobs may hold; at it,
+   * their further jobs wait in the queue while other users' jobs go.
+   */
+  running_gpus: number;
   /** Generation streams open at once; `/generate` and `/v1/completions` answer 429 past it. */
   streams: number;
   /** GPU-seconds of jobs per UTC day (Workers × seconds running); submits answer 429 past it. */
@@ -90,14 +93,14 @@ export interface Quotas {
 /** The environment variable that sets each quota's default. */
 export const QUOTA_SETTINGS: Record<keyof Quotas, string> = {
   queued_jobs: "GPT2_QUOTA_QUEUED_JOBS",
-  running_jobs: "GPT2_QUOTA_RUNNING_JOBS",
+  running_gpus: "GPT2_QUOTA_RUNNING_GPUS",
   streams: "GPT2_QUOTA_STREAMS",
   gpu_seconds_per_day: "GPT2_QUOTA_GPU_SECONDS_PER_DAY",
 };
 
 /** Default quotas of every user (see README, "Users, tokens and quotas"). */
 export function defaultQuotas(): Quotas {
-  return { queued_jobs: 20, running_jobs: 2, streams: 16, gpu_seconds_per_day: 86_400 };
+  return { queued_jobs: 20, running_gpus: 2, streams: 16, gpu_seconds_per_day: 86_400 };
 }
 
 /** A limit's value and the setting that raises it, as refusals word it: `GPT2_MAX_STREAMS=256`. */

@@ -54,7 +54,7 @@ Deno.test({
       const who = await page.$eval("#whoami", (el) => el.textContent);
       assert.equal(
         who,
-        "rita · read, generate · 0/20 queued, 0/2 running, 0/16 streams, 0/86400 GPU-s today",
+        "rita · read, generate · 0/20 queued, 0/2 GPUs running, 0/16 streams, 0/86400 GPU-s today",
       );
       const hidden = await page.$$eval(
         "[data-nav]",

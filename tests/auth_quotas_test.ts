@@ -1,7 +1,7 @@
 /**
  * Quotas, fair share and the audit trail through the routes (tests/_auth.ts): past `queued_jobs`,
  * a day's `gpu_seconds_per_day` or `streams`, 429 naming the quota, the user and when it frees;
- * the queue alternates between users and holds a user at `running_jobs`; an admin lists who did
+ * the queue alternates between users and holds a user at `running_gpus`; an admin lists who did
  * what; with no token configured nothing is asked until a user token exists.
  */
 
@@ -38,7 +38,7 @@ Deno.test("queued_jobs and gpu_seconds_per_day: 429 naming the quota, the user a
     });
     await t.train(bob); // bob's own quota is untouched
     const me = await (await t.call(alice, "GET", "/auth/me")).json();
-    assert.deepEqual([me.quotas.queued_jobs, me.usage.queued_jobs, me.usage.running_jobs], [2, 2, 1]);
+    assert.deepEqual([me.quotas.queued_jobs, me.usage.queued_jobs, me.usage.running_gpus], [2, 2, 1]);
 
     await t.call(BOOT, "PUT", "/admin/users/bob/quotas", { gpu_seconds_per_day: 0 });
     const res = await t.call(bob, "POST", "/train", { model: "gpt2-tiny", dataset: "sotu" });
@@ -138,8 +138,8 @@ Deno.test("fair share: with several users waiting, the queue alternates between 
   }
 });
 
-Deno.test("running_jobs: a user at their quota waits while a free GPU takes another user's job, and goes once a GPU frees", async () => {
-  const t = await authServer({ gpus: 2, quotas: { running_jobs: 1, queued_jobs: 100 } });
+Deno.test("running_gpus: a user at their quota waits while a free GPU takes another user's job, and goes once a GPU frees", async () => {
+  const t = await authServer({ gpus: 2, quotas: { running_gpus: 1, queued_jobs: 100 } });
   try {
     const alice = (await t.mint("alice", ["train"])).token;
     const bob = (await t.mint("bob", ["train"])).token;
@@ -229,7 +229,7 @@ Deno.test("token use by route class becomes token.use audit events; /metrics has
     await t.train(alice.token);
     for (let i = 0; i < 3; i++) await (await t.call(alice.token, "GET", "/jobs")).body?.cancel();
     const prom = await (await t.call(BOOT, "GET", "/metrics")).text();
-    assert.ok(prom.includes('gpt2_user_usage{user="alice",quota="running_jobs"} 1\n'), prom);
+    assert.ok(prom.includes('gpt2_user_usage{user="alice",quota="running_gpus"} 1\n'), prom);
     assert.ok(prom.includes('gpt2_user_quota{user="alice",quota="queued_jobs"} 20\n'), prom);
     assert.ok(prom.includes('gpt2_user_requests_total{user="alice",class="read"} 3\n'), prom);
     assert.ok(prom.includes('gpt2_user_requests_total{user="alice",class="train"} 1\n'), prom);
@@ -266,6 +266,21 @@ Deno.test("what an admin shares every user may use (a checkpoint and its models)
       "share",
       `checkpoint/${id}`,
     ]]);
+  } finally {
+    await t.cleanup();
+  }
+});
+
+Deno.test("running_gpus counts a job's Workers: a data-parallel job on two GPUs holds two", async () => {
+  const t = await authServer({ gpus: 2, quotas: { running_gpus: 2, queued_jobs: 100 } });
+  try {
+    const alice = (await t.mint("alice", ["read", "train"])).token;
+    await until(() => t.runner.gpus().every((g) => g.state === "idle"), "both GPUs");
+    const dp = await t.train(alice, { data_parallel: 2, batch_size: 4 });
+    await until(() => t.workers.every((w) => w.jobs.some((j) => j.id === dp)), "both ranks");
+    const me = await (await t.call(alice, "GET", "/auth/me")).json();
+    assert.equal(me.usage.running_gpus, 2);
+    assert.deepEqual(t.quotas.atRunningQuota(), ["alice"]);
   } finally {
     await t.cleanup();
   }

@@ -83,7 +83,7 @@ Deno.test("POST /admin/tokens shows a token once; lists and the store keep only 
     assert.deepEqual(me.scopes, ["read", "train"]);
     assert.equal(me.admin, false);
     assert.equal(me.quotas.queued_jobs, 20);
-    assert.deepEqual(me.usage, { queued_jobs: 0, running_jobs: 0, streams: 0, gpu_seconds_per_day: 0 });
+    assert.deepEqual(me.usage, { queued_jobs: 0, running_gpus: 0, streams: 0, gpu_seconds_per_day: 0 });
     assert.equal((await (await t.call(BOOT, "GET", "/auth/me")).json()).admin, true);
 
     await apiError(await t.call(BOOT, "POST", "/admin/tokens", { user: "alice", scopes: ["root"] }), 400);

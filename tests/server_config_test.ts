@@ -131,10 +131,10 @@ Deno.test("readServerConfig() refuses a non-loopback host without a token, bad n
 
 Deno.test("readServerConfig() reads the users' default quotas from GPT2_QUOTA_*, naming a bad one", () => {
   const c = readServerConfig(
-    env({ GPT2_QUOTA_QUEUED_JOBS: "5", GPT2_QUOTA_RUNNING_JOBS: "1", GPT2_QUOTA_STREAMS: "4" }),
+    env({ GPT2_QUOTA_QUEUED_JOBS: "5", GPT2_QUOTA_RUNNING_GPUS: "1", GPT2_QUOTA_STREAMS: "4" }),
     noFile,
   );
-  assert.deepEqual(c.quotas, { ...defaultQuotas(), queued_jobs: 5, running_jobs: 1, streams: 4 });
+  assert.deepEqual(c.quotas, { ...defaultQuotas(), queued_jobs: 5, running_gpus: 1, streams: 4 });
   assert.throws(
     () => readServerConfig(env({ GPT2_QUOTA_GPU_SECONDS_PER_DAY: "lots" }), noFile),
     /^Error: Invalid GPT2_QUOTA_GPU_SECONDS_PER_DAY "lots": expected a positive integer$/,

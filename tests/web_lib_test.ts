@@ -185,12 +185,12 @@ Deno.test("whoAmI() and mayUse() read GET /auth/me: the user, scopes and quotas;
     scopes: ["read", "generate"],
     admin: false,
     auth_required: true,
-    quotas: { queued_jobs: 20, running_jobs: 2, streams: 16, gpu_seconds_per_day: 86400 },
-    usage: { queued_jobs: 2, running_jobs: 1, streams: 0, gpu_seconds_per_day: 120 },
+    quotas: { queued_jobs: 20, running_gpus: 2, streams: 16, gpu_seconds_per_day: 86400 },
+    usage: { queued_jobs: 2, running_gpus: 1, streams: 0, gpu_seconds_per_day: 120 },
   };
   assertEquals(
     whoAmI(me),
-    "alice · read, generate · 2/20 queued, 1/2 running, 0/16 streams, 120/86400 GPU-s today",
+    "alice · read, generate · 2/20 queued, 1/2 GPUs running, 0/16 streams, 120/86400 GPU-s today",
   );
   assertEquals(
     whoAmI({ user: null, scopes: [], admin: true, auth_required: false }),

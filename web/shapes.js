@@ -175,7 +175,7 @@ export function mayUse(me, scope) {
 }
 
 /**
- * The signed-in line of `GET /auth/me`: "alice · read, train · 2/20 queued, 1/2 running, 0/16
+ * The signed-in line of `GET /auth/me`: "alice · read, train · 2/20 queued, 1/2 GPUs running, 0/16
  * streams, 120/86400 GPU-s today", or "admin (no user)" for the bootstrap token or an open server.
  */
 export function whoAmI(me) {
@@ -187,7 +187,7 @@ export function whoAmI(me) {
   const q = me.quotas, u = me.usage;
   if (q && u) {
     parts.push(
-      `${u.queued_jobs}/${q.queued_jobs} queued, ${u.running_jobs}/${q.running_jobs} running, ` +
+      `${u.queued_jobs}/${q.queued_jobs} queued, ${u.running_gpus}/${q.running_gpus} GPUs running, ` +
         `${u.streams}/${q.streams} streams, ${u.gpu_seconds_per_day}/${q.gpu_seconds_per_day} GPU-s today`,
     );
   }

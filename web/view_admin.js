@@ -9,7 +9,7 @@ import { ApiError, apiFetch, getJson, postJson } from "./api.js";
 import { badge, h, setChildren } from "./dom.js";
 import { fmtInt } from "./shapes.js";
 
-const QUOTAS = ["queued_jobs", "running_jobs", "streams", "gpu_seconds_per_day"];
+const QUOTAS = ["queued_jobs", "running_gpus", "streams", "gpu_seconds_per_day"];
 const SCOPES = ["read", "train", "generate", "admin"];
 
 function tokenState(t) {

@@ -2,13 +2,14 @@
  * Each user's quotas (server/settings.ts, {@link Quotas}): the settings' defaults, overridden per
  * user by an admin. Checked where work is admitted: a job submitted past `queued_jobs` or a day's
  * `gpu_seconds_per_day`, a generation stream past `streams`, each a 429 naming the quota and when
- * it frees (QuotaError). `running_jobs` is the scheduler's: the runner skips the waiting jobs of
- * users at it ({@link QuotaBook.atRunningQuota}), and the queue takes users in turn (the store's
+ * it frees (QuotaError). `running_gpus` is the scheduler's: the runner skips the waiting jobs of
+ * users whose running jobs hold that many GPUs ({@link QuotaBook.atRunningQuota}), and the queue takes users in turn (the store's
  * fair-share order). The bootstrap token and a server with no token configured have no quotas.
  */
 
 import { QuotaError } from "../../model/errors.ts";
 import type { JobStore } from "../jobs/job_store.ts";
+import { workersOf } from "../jobs/store_schema.ts";
 import type { Quotas } from "../settings.ts";
 import type { Principal } from "./token_auth.ts";
 
@@ -18,7 +19,7 @@ const USERS_CACHE_MS = 1000;
 /** What a user holds now, against their quotas. */
 export interface Usage {
   queued_jobs: number;
-  running_jobs: number;
+  running_gpus: number;
   streams: number;
   gpu_seconds_per_day: number;
 }
@@ -71,7 +72,7 @@ export class QuotaBook {
     const counts = this.#store.countByStatus(user);
     return {
       queued_jobs: counts.queued + counts.interrupted,
-      running_jobs: counts.running,
+      running_gpus: this.#runningGpus().get(user) ?? 0,
       streams: this.#streams.get(user) ?? 0,
       gpu_seconds_per_day: Math.round(this.#store.gpuSeconds(user, utcDay(this.#now()).since)),
     };
@@ -129,12 +130,19 @@ export class QuotaBook {
     };
   }
 
-  /** Users whose running jobs reach their `running_jobs` quota: their waiting jobs wait. */
-  atRunningQuota(): string[] {
-    const running = new Map<string, number>();
+  /** GPU Workers each user's running jobs hold (data_parallel × tensor_parallel each), on every host. */
+  #runningGpus(): Map<string, number> {
+    const held = new Map<string, number>();
     for (const job of this.#store.listJobs({ status: "running", limit: 10_000 })) {
-      if (job.owner !== undefined) running.set(job.owner, (running.get(job.owner) ?? 0) + 1);
+      if (job.owner !== undefined) held.set(job.owner, (held.get(job.owner) ?? 0) + workersOf(job.config));
     }
-    return [...running].filter(([user, n]) => n >= this.of(user).running_jobs).map(([user]) => user);
+    return held;
+  }
+
+  /** Users whose running jobs hold their `running_gpus` quota or more: their waiting jobs wait. */
+  atRunningQuota(): string[] {
+    return [...this.#runningGpus()].filter(([user, n]) => n >= this.of(user).running_gpus).map(([user]) =>
+      user
+    );
   }
 }

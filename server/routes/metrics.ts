@@ -305,7 +305,7 @@ export function createMetrics(
 
 /**
  * Per-user gauges, read from the store at each scrape: what each user holds against each quota
- * (`gpt2_user_usage{user, quota}`: queued_jobs, running_jobs, streams, gpu_seconds_per_day) and
+ * (`gpt2_user_usage{user, quota}`: queued_jobs, running_gpus, streams, gpu_seconds_per_day) and
  * the quota (`gpt2_user_quota{user, quota}`). A store that is away leaves them empty.
  */
 export function userMetrics(store: JobStore, quotas: QuotaBook): MetricsHook {
