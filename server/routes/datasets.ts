@@ -15,7 +15,9 @@
  * relative to it. Preparations running at once are bounded (429 past the limit), each with its
  * own share of the cores, and URL sources have a download budget and reach only public
  * addresses unless `GPT2_ALLOW_PRIVATE_URLS=1`. Preparation state lives in the closure of one
- * `datasetRoutes` call; failures use the one error shape (server/routes/api_errors.ts).
+ * `datasetRoutes` call; failures use the one error shape (server/routes/api_errors.ts). With
+ * `auth`, a dataset belongs to whoever prepared it (built-in ones are shared): others neither list
+ * nor read it (404), and cannot prepare over an id they named that is someone else's (409).
  */
 import { join } from "node:path";
 import { type Context, Hono } from "hono";

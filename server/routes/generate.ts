@@ -11,7 +11,8 @@
  * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`, in the
  * "openai" ErrorStyle of api_errors.ts (`Invalid parameters: a, b`, code null); too many waiting
  * requests is 429 with Retry-After. Streams send a keepalive comment while no token
- * comes; a client that disconnects cancels its generation through `onAbort`.
+ * comes; a client that disconnects cancels its generation through `onAbort`. A model another user
+ * owns answers as an unknown one (404), and each user's open streams count against their quota.
  */
 
 import { type Context, Hono } from "hono";

@@ -3,7 +3,8 @@
  * from evaluate.ts queues evaluation jobs beside them), list (paged), inspect, follow (SSE), cancel,
  * delete, list checkpoints and download their files, and metrics history. Handlers validate and
  * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
- * stored. Paths in answers are relative to the data directory.
+ * stored. Paths in answers are relative to the data directory. A job belongs to the user who
+ * submitted it: others get 404 for it, as for an unknown id, and never see it listed.
  */
 
 import { type Context, Hono } from "hono";
@@ -22,6 +23,7 @@ import { EventsQuerySchema, JobListQuerySchema, TrainRequestSchema } from "./sch
 import { checkpointPath, streamJobEvents } from "./sse.ts";
 import { checkSources, principalOf } from "./auth.ts";
 import { audit, type Auth } from "./admin.ts";
+
 /** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
 const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
 /** The shard files of a checkpoint written at tensor-parallel size N > 1 (see checkpoint/checkpoint.ts). */
