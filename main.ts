@@ -40,7 +40,8 @@ import {
 import { hostPermissions } from "./server/gpus/host_client.ts";
 import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
 import { LeaseKeeper } from "./server/jobs/leases.ts";
-import { createApp, warmUp } from "./server/routes/mod.ts";
+import { createApp, FailureLimiter, warmUp } from "./server/routes/mod.ts";
+import { Access, QuotaBook, TokenAuth } from "./server/auth/mod.ts";
 import { datasetRoutes } from "./server/routes/datasets.ts";
 import { stoppingLine, StopSignals } from "./server/stop_signals.ts";
 
@@ -96,8 +97,16 @@ if (import.meta.main) {
     denoFlags: hostPermissions([...new Set([resolve(home), homeReal, resolve(data), dataReal])]),
   });
   const keeper = cluster.databaseUrl ? hostLeases(store, () => runner, cluster, config.gpus) : undefined;
+  // Users' tokens reloaded every heartbeat (a revocation on any host holds here within one).
+  const heartbeatMs = cluster.databaseUrl ? Math.max(100, Math.floor(cluster.leaseSeconds * 1000 / 3)) : 1000;
+  const tokens = new TokenAuth(store, {
+    bootstrap: config.token ? [config.token] : [],
+    refreshMs: heartbeatMs,
+  });
+  const quotas = new QuotaBook(store, config.quotas);
   const runner: JobRunner = new JobRunner(store, {
     leases: keeper,
+    skipOwners: () => quotas.atRunningQuota(),
     root: data,
     gpus: config.gpus,
     stallMs: config.stallSeconds * 1000,
@@ -110,15 +119,18 @@ if (import.meta.main) {
       isBuiltinName(id) ? null : (await getDataset(data, id).catch(() => undefined))?.splits ?? null,
   });
   const generation = new GenerationManager(runner, data, { roles });
+  const access = new Access(store, (id) => runner.checkpointDir(id));
   const datasets = datasetRoutes(data, {
     sources: config.sources,
     limits: config.limits,
     allowPrivateUrls: config.allowPrivateUrls,
+    auth: { access, store },
   });
   const app = createApp({
     runner,
     generation,
     token: config.token,
+    auth: { tokens: tokens.start(), access, quotas, failures: new FailureLimiter() },
     limits: config.limits,
     host: config.host,
     port: config.port,
@@ -169,6 +181,7 @@ if (import.meta.main) {
     console.log(stoppingLine(signal, config.shutdownSeconds));
     await runner.stop(left(2000));
     keeper?.stop();
+    tokens.stop();
     const hostExit = await host.close(left(500));
     if (hostExit && !hostExit.success) {
       const how = hostExit.signal ? `signal ${hostExit.signal}` : `status ${hostExit.code}`;

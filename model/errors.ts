@@ -55,3 +55,14 @@ export class LimitError extends Error {
     this.name = "LimitError";
   }
 }
+
+/**
+ * A user's quota would be exceeded (HTTP 429): the message names the quota, the user and when it
+ * frees; `retryAfter` is seconds until it frees, when known.
+ */
+export class QuotaError extends Error {
+  constructor(readonly quota: string, message: string, readonly retryAfter: number | null = null) {
+    super(message);
+    this.name = "QuotaError";
+  }
+}

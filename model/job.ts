@@ -268,6 +268,8 @@ export interface Job {
   resumed_from: string | null;
   /** Name of the newest checkpoint. */
   last_checkpoint: string | null;
+  /** The user who made it (absent: made with no user, by the bootstrap token or before users existed). */
+  owner?: string;
 }
 
 /**

@@ -72,6 +72,37 @@ export function defaultLimits(cores = navigator.hardwareConcurrency ?? 2): Limit
   };
 }
 
+/**
+ * Each user's quotas (server/auth/quotas.ts), the defaults of users an admin gave none of their
+ * own; the bootstrap token and a server with no token configured have none.
+ */
+export interface Quotas {
+  /** Jobs waiting (queued or interrupted); `POST /train` and `/evaluate` answer 429 past it. */
+  queued_jobs: number;
+  /**
+   * GPUs (Workers: data_parallel × tensor_parallel per job) the user's running jobs may hold; at it,
+   * their further jobs wait in the queue while other users' jobs go.
+   */
+  running_gpus: number;
+  /** Generation streams open at once; `/generate` and `/v1/completions` answer 429 past it. */
+  streams: number;
+  /** GPU-seconds of jobs per UTC day (Workers × seconds running); submits answer 429 past it. */
+  gpu_seconds_per_day: number;
+}
+
+/** The environment variable that sets each quota's default. */
+export const QUOTA_SETTINGS: Record<keyof Quotas, string> = {
+  queued_jobs: "GPT2_QUOTA_QUEUED_JOBS",
+  running_gpus: "GPT2_QUOTA_RUNNING_GPUS",
+  streams: "GPT2_QUOTA_STREAMS",
+  gpu_seconds_per_day: "GPT2_QUOTA_GPU_SECONDS_PER_DAY",
+};
+
+/** Default quotas of every user (see README, "Users, tokens and quotas"). */
+export function defaultQuotas(): Quotas {
+  return { queued_jobs: 20, running_gpus: 2, streams: 16, gpu_seconds_per_day: 86_400 };
+}
+
 /** A limit's value and the setting that raises it, as refusals word it: `GPT2_MAX_STREAMS=256`. */
 export function limitName(limits: Limits, key: keyof Limits): string {
   return `${LIMIT_SETTINGS[key]}=${limits[key]}`;
@@ -99,6 +130,8 @@ export interface ServerConfig {
    */
   trustedProxies: string[];
   limits: Limits;
+  /** Every user's default quotas (GPT2_QUOTA_*). */
+  quotas: Quotas;
   /** Seconds a graceful stop may take (GPT2_SHUTDOWN_S, default 30). */
   shutdownSeconds: number;
   /**
@@ -159,8 +192,8 @@ function list(env: Env, name: string): string[] {
 
 /**
  * Reads PORT, HOST, GPT2_HOME, GPT2_SOURCES, GPT2_API_TOKEN (or GPT2_API_TOKEN_FILE), GPT2_GPUS,
- * GPT2_CORS_ORIGINS, GPT2_ALLOWED_HOSTS, GPT2_ALLOW_PRIVATE_URLS, GPT2_TRUSTED_PROXIES and the
- * limits of {@link LIMIT_SETTINGS}; refuses a non-loopback host without a token.
+ * GPT2_CORS_ORIGINS, GPT2_ALLOWED_HOSTS, GPT2_ALLOW_PRIVATE_URLS, GPT2_TRUSTED_PROXIES, the
+ * limits of {@link LIMIT_SETTINGS} and the quotas of {@link QUOTA_SETTINGS}; refuses a non-loopback host without a token.
  */
 export function readServerConfig(
   env: Env,
@@ -206,6 +239,13 @@ export function readServerConfig(
       k,
     ) => [k, positive(env, LIMIT_SETTINGS[k], defaults[k])]),
   ) as unknown as Limits;
+  const quotaDefaults = defaultQuotas();
+  const quotas = Object.fromEntries(
+    (Object.keys(QUOTA_SETTINGS) as Array<keyof Quotas>).map((k) => [
+      k,
+      positive(env, QUOTA_SETTINGS[k], quotaDefaults[k]),
+    ]),
+  ) as unknown as Quotas;
   const home = env.get("GPT2_HOME") || "./.gpt2";
   const allowPrivate = env.get("GPT2_ALLOW_PRIVATE_URLS") ?? "";
   if (!["", "0", "1"].includes(allowPrivate)) {
@@ -233,6 +273,7 @@ export function readServerConfig(
     allowPrivateUrls: allowPrivate === "1",
     trustedProxies,
     limits,
+    quotas,
     roles: parseGpuRoles(env.get("GPT2_GPU_ROLES"), gpus),
     hostDeno: env.get("GPT2_GPU_HOST_DENO") || null,
   };

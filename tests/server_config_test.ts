@@ -1,11 +1,11 @@
 /**
  * readServerConfig(): defaults, environment overrides, the refusal to bind beyond loopback
  * without an API token, tokens of any printable characters (inline or from a file), CORS
- * origins and limits.
+ * origins, limits and users' default quotas.
  */
 
 import assert from "node:assert/strict";
-import { defaultLimits, readServerConfig } from "../server/settings.ts";
+import { defaultLimits, defaultQuotas, readServerConfig } from "../server/settings.ts";
 
 const env = (vars: Record<string, string>) => ({ get: (k: string) => vars[k] });
 const noFile = (path: string): string => {
@@ -25,6 +25,7 @@ Deno.test("readServerConfig() defaults to 127.0.0.1:8080, ./.gpt2 and its source
     allowPrivateUrls: false,
     trustedProxies: [],
     limits: defaultLimits(),
+    quotas: defaultQuotas(),
     shutdownSeconds: 30,
     stallSeconds: 600,
     roles: [new Set(["train", "generate"])],
@@ -126,4 +127,16 @@ Deno.test("readServerConfig() refuses a non-loopback host without a token, bad n
     message:
       'Invalid GPT2_CORS_ORIGINS entry "https://a.example/path": expected an origin such as "https://example.com"',
   });
+});
+
+Deno.test("readServerConfig() reads the users' default quotas from GPT2_QUOTA_*, naming a bad one", () => {
+  const c = readServerConfig(
+    env({ GPT2_QUOTA_QUEUED_JOBS: "5", GPT2_QUOTA_RUNNING_GPUS: "1", GPT2_QUOTA_STREAMS: "4" }),
+    noFile,
+  );
+  assert.deepEqual(c.quotas, { ...defaultQuotas(), queued_jobs: 5, running_gpus: 1, streams: 4 });
+  assert.throws(
+    () => readServerConfig(env({ GPT2_QUOTA_GPU_SECONDS_PER_DAY: "lots" }), noFile),
+    /^Error: Invalid GPT2_QUOTA_GPU_SECONDS_PER_DAY "lots": expected a positive integer$/,
+  );
 });

@@ -1,13 +1,24 @@
 /**
  * The dashboard's pure modules, run in Deno: the SSE parser (split chunks, comments, ids,
  * multi-line data), error bodies in both API shapes, the estimator's total, a dataset's pipeline
- * counts, and a job's curves built from its events (eval rows, replays and resumes overwrite).
+ * counts, a job's curves built from its events (eval rows, replays and resumes overwrite), and
+ * the signed-in line and the navigation a token's scopes show.
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
 import { fetchEstimate, followEvents, setToken } from "../web/api.js";
 import { SseParser } from "../web/sse.js";
-import { datasetCounts, errorInfo, estimateBytes, fmtBytes, fmtTick, JobSeries } from "../web/shapes.js";
+import {
+  datasetCounts,
+  errorInfo,
+  estimateBytes,
+  fmtBytes,
+  fmtTick,
+  JobSeries,
+  mayUse,
+  NAV_SCOPES,
+  whoAmI,
+} from "../web/shapes.js";
 
 Deno.test("SseParser joins events split across chunks and skips keepalive comments", () => {
   const p = new SseParser();
@@ -166,4 +177,32 @@ Deno.test("fetchEstimate() reads the estimator's total, and is null when the ser
       assertEquals(await fetchEstimate({ model: "gpt2-tiny" }, undefined, base), null);
     },
   );
+});
+
+Deno.test("whoAmI() and mayUse() read GET /auth/me: the user, scopes and quotas; what the navigation shows", () => {
+  const me = {
+    user: "alice",
+    scopes: ["read", "generate"],
+    admin: false,
+    auth_required: true,
+    quotas: { queued_jobs: 20, running_gpus: 2, streams: 16, gpu_seconds_per_day: 86400 },
+    usage: { queued_jobs: 2, running_gpus: 1, streams: 0, gpu_seconds_per_day: 120 },
+  };
+  assertEquals(
+    whoAmI(me),
+    "alice · read, generate · 2/20 queued, 1/2 GPUs running, 0/16 streams, 120/86400 GPU-s today",
+  );
+  assertEquals(
+    whoAmI({ user: null, scopes: [], admin: true, auth_required: false }),
+    "admin (no token needed)",
+  );
+  assertEquals(
+    whoAmI({ user: null, scopes: [], admin: true, auth_required: true }),
+    "admin (bootstrap token)",
+  );
+  assertEquals(whoAmI(null), "");
+  const shown = Object.entries(NAV_SCOPES).filter(([, s]) => mayUse(me, s)).map(([n]) => n);
+  assertEquals(shown, ["jobs", "datasets", "playground", "gpus"]);
+  assert(Object.values(NAV_SCOPES).every((s) => mayUse({ user: "ada", scopes: ["admin"] }, s)));
+  assert(mayUse(null, "train"), "nothing is hidden before the server has said who the caller is");
 });

@@ -52,6 +52,23 @@ export async function apiFetch(path, init = {}) {
   throw new ApiError(res.status, body);
 }
 
+let me = null;
+
+/** The caller as the server knows them (`GET /auth/me`), or null when it cannot say (401, older server). */
+export async function fetchMe(signal) {
+  try {
+    me = await getJson("/auth/me", { signal });
+  } catch {
+    me = null;
+  }
+  return me;
+}
+
+/** The caller {@link fetchMe} last found (null: not known yet), for views hiding what it may not do. */
+export function knownMe() {
+  return me;
+}
+
 /** GET `path` as JSON. */
 export async function getJson(path, init = {}) {
   return await (await apiFetch(path, init)).json();

@@ -1,10 +1,13 @@
 /**
  * The dashboard's entry: a hash router over the views (jobs, one job, jobs compared, train form,
- * datasets, playground, GPUs), the token bar, and the clean-up of a view's timers and streams when the
- * user leaves it.
+ * datasets, playground, GPUs, admin), the token bar (sign-in), who is signed in with their quotas,
+ * and the clean-up of a view's timers and streams when the user leaves it. Navigation a token may
+ * not use is hidden (`GET /auth/me`'s scopes; web/shapes.js NAV_SCOPES).
  */
 
-import { getToken, onUnauthorized, setToken } from "./api.js";
+import { fetchMe, getToken, onUnauthorized, setToken } from "./api.js";
+import { mayUse, NAV_SCOPES, whoAmI } from "./shapes.js";
+import { adminView } from "./view_admin.js";
 import { h, setChildren } from "./dom.js";
 import { jobsView } from "./view_jobs.js";
 import { jobView } from "./view_job.js";
@@ -22,6 +25,7 @@ const routes = [
   [/^\/datasets$/, "datasets", (_m, ctx) => datasetsView(ctx)],
   [/^\/playground$/, "playground", (_m, ctx) => playgroundView(ctx)],
   [/^\/gpus$/, "gpus", (_m, ctx) => gpusView(ctx)],
+  [/^\/admin$/, "admin", (_m, ctx) => adminView(ctx)],
 ];
 
 const view = document.getElementById("view");
@@ -67,6 +71,17 @@ function route() {
   setChildren(view, h("p", { class: "error" }, `No page "${path}"`), h("a", { href: "#/jobs" }, "Jobs"));
 }
 
+/** Shows who is signed in and hides what their token may not do. */
+async function signedIn() {
+  const me = await fetchMe();
+  document.getElementById("whoami").textContent = whoAmI(me);
+  for (const a of document.querySelectorAll("[data-nav]")) {
+    const scope = NAV_SCOPES[a.dataset.nav] ?? "any";
+    // The admin page appears only for a known admin; the rest hide only when the scopes say so.
+    a.hidden = scope === "admin" ? !(me && mayUse(me, "admin")) : !mayUse(me, scope);
+  }
+}
+
 function tokenBar() {
   const bar = document.getElementById("token-bar");
   const input = document.getElementById("token-input");
@@ -83,17 +98,19 @@ function tokenBar() {
     bar.classList.remove("alert");
     label();
     route();
+    signedIn();
   });
   document.getElementById("token-clear").addEventListener("click", () => {
     setToken("");
     label();
+    signedIn();
   });
   onUnauthorized(() => {
     bar.hidden = false;
     bar.classList.add("alert");
     note.textContent = getToken()
-      ? "The server refused this token: enter the server's GPT2_API_TOKEN"
-      : "This server needs a bearer token: enter its GPT2_API_TOKEN";
+      ? "The server refused this token (wrong, revoked or expired): sign in with another"
+      : "This server needs a token: sign in with yours (or its GPT2_API_TOKEN)";
     input.focus();
   });
 }
@@ -101,3 +118,4 @@ function tokenBar() {
 tokenBar();
 addEventListener("hashchange", route);
 route();
+signedIn();

@@ -219,3 +219,40 @@ export function fmtTick(x) {
 export function fmtInt(x) {
   return typeof x === "number" && Number.isFinite(x) ? Math.round(x).toLocaleString("en-US") : "–";
 }
+
+/** The scope each navigation entry needs (a nav `data-nav` name → scope; "any": every caller). */
+export const NAV_SCOPES = {
+  jobs: "read",
+  train: "train",
+  datasets: "read",
+  playground: "generate",
+  gpus: "any",
+  admin: "admin",
+};
+
+/** Whether the caller `me` (`GET /auth/me`) may use what needs `scope`; null `me`: unknown, shown. */
+export function mayUse(me, scope) {
+  if (!me || scope === "any") return true;
+  const scopes = Array.isArray(me.scopes) ? me.scopes : [];
+  return me.admin === true || scopes.includes("admin") || scopes.includes(scope);
+}
+
+/**
+ * The signed-in line of `GET /auth/me`: "alice · read, train · 2/20 queued, 1/2 GPUs running, 0/16
+ * streams, 120/86400 GPU-s today", or "admin (no user)" for the bootstrap token or an open server.
+ */
+export function whoAmI(me) {
+  if (!me) return "";
+  if (me.user === null || me.user === undefined) {
+    return me.auth_required ? "admin (bootstrap token)" : "admin (no token needed)";
+  }
+  const parts = [me.user, (me.scopes ?? []).join(", ")];
+  const q = me.quotas, u = me.usage;
+  if (q && u) {
+    parts.push(
+      `${u.queued_jobs}/${q.queued_jobs} queued, ${u.running_gpus}/${q.running_gpus} GPUs running, ` +
+        `${u.streams}/${q.streams} streams, ${u.gpu_seconds_per_day}/${q.gpu_seconds_per_day} GPU-s today`,
+    );
+  }
+  return parts.join(" · ");
+}

@@ -4,9 +4,9 @@
  * and a form that prepares a new one (`POST /datasets`), the API's messages beside its fields.
  */
 
-import { ApiError, getJson, postJson } from "./api.js";
+import { ApiError, getJson, knownMe, postJson } from "./api.js";
 import { badge, h, setChildren } from "./dom.js";
-import { datasetCounts, fmtInt } from "./shapes.js";
+import { datasetCounts, fmtInt, mayUse } from "./shapes.js";
 
 const SOURCES = {
   builtin: "built-in name (sotu, moby-dick)",
@@ -117,8 +117,8 @@ export function datasetsView(ctx) {
         body,
       ),
     ),
-    h("h2", {}, "Prepare a dataset"),
-    form,
+    // Preparing one needs the train scope: hidden from a token without it.
+    mayUse(knownMe(), "train") ? [h("h2", {}, "Prepare a dataset"), form] : null,
   );
   const refresh = async () => {
     const { datasets } = await getJson("/datasets", { signal: ctx.signal });

@@ -9,10 +9,19 @@
  * its evaluations during training (`eval_tasks`: accuracy, or loss for perplexity) as a curve.
  */
 
-import { ApiError, apiFetch, fetchEstimate, followEvents, getJson, getToken, postJson } from "./api.js";
+import {
+  ApiError,
+  apiFetch,
+  fetchEstimate,
+  followEvents,
+  getJson,
+  getToken,
+  knownMe,
+  postJson,
+} from "./api.js";
 import { lineChart, timingBar } from "./charts.js";
 import { badge, h, setChildren, stat } from "./dom.js";
-import { evalTaskKey, fmtBytes, fmtInt, fmtNum, JobSeries } from "./shapes.js";
+import { evalTaskKey, fmtBytes, fmtInt, fmtNum, JobSeries, mayUse } from "./shapes.js";
 import { modelName } from "./view_jobs.js";
 import { csvLink } from "./view_compare.js";
 
@@ -166,7 +175,7 @@ export async function jobView(ctx, id) {
   let estimate = null;
   const renderHead = () => {
     setChildren(status, badge(job.status));
-    cancel.hidden = FINISHED.includes(job.status);
+    cancel.hidden = FINISHED.includes(job.status) || !mayUse(knownMe(), "train");
     const c = job.config, e = c.evaluate;
     setChildren(
       document.getElementById("job-config"),

@@ -99,6 +99,49 @@ export interface HeartbeatResult {
   lost: string[];
 }
 
+/** A token as the store keeps it: the SHA-256 of the token (hex), never the token itself. */
+export interface TokenRecord {
+  /** Public id (`tok_…`), also the token's prefix: lists and revocations name it. */
+  id: string;
+  hash: string;
+  name: string;
+  /** The user it acts as. */
+  user: string;
+  scopes: string[];
+  created_at: string;
+  expires_at: string | null;
+  last_used_at: string | null;
+  revoked_at: string | null;
+}
+
+/** A user: made with its first token; quotas an admin set (missing ones take the settings' defaults). */
+export interface UserRecord {
+  name: string;
+  created_at: string;
+  quotas: Record<string, number>;
+}
+
+/** One audit event: who did what to which target. */
+export interface AuditEvent {
+  id: number;
+  at: string;
+  /** The acting user; null for the bootstrap token or a server with no token configured. */
+  user: string | null;
+  /** "job.create", "job.cancel", "job.delete", "token.create", "token.revoke", "dataset.create", … */
+  action: string;
+  target: string | null;
+  detail: Record<string, unknown>;
+}
+
+/** What a job list may be narrowed to. */
+export interface JobListOptions {
+  status?: JobStatus;
+  limit?: number;
+  after?: string;
+  /** Only this user's jobs. */
+  owner?: string;
+}
+
 /** The job store, whichever engine holds it. */
 export interface JobStoreEngine {
   /** "sqlite" or "postgres". */
@@ -107,23 +150,26 @@ export interface JobStoreEngine {
   readonly schemaVersion: number;
   close(): Awaitable<void>;
 
-  /** Inserts a queued job on `gpu`'s queue. */
-  createJob(id: string, gpu: number, config: TrainConfig): Awaitable<Job>;
+  /** Inserts a queued job on `gpu`'s queue, owned by `owner` (null: no user). */
+  createJob(id: string, gpu: number, config: TrainConfig, owner?: string | null): Awaitable<Job>;
   getJob(id: string): Awaitable<Job | null>;
   /** Jobs newest first, `limit` (100) of them, only those older than job `after` when given. */
-  listJobs(opts?: { status?: JobStatus; limit?: number; after?: string }): Awaitable<Job[]>;
+  listJobs(opts?: JobListOptions): Awaitable<Job[]>;
   hasJob(id: string): Awaitable<boolean>;
   /** Deletes a job with its metrics history and events. Returns whether it existed. */
   deleteJob(id: string): Awaitable<boolean>;
   /** Applies `patch` (metrics merged); with `lease`, only while it holds (else LeaseLostError). */
   updateJob(id: string, patch: JobPatch, lease?: Lease): Awaitable<Job>;
-  /** The next job waiting on `gpu`: interrupted before queued, each FIFO. */
-  nextQueued(gpu: number): Awaitable<Job | null>;
+  /**
+   * The next job waiting on `gpu`: interrupted before queued, each in fair-share order (users in
+   * turn, FIFO within a user), leaving out the jobs of the owners in `skip`.
+   */
+  nextQueued(gpu: number, skip?: string[]): Awaitable<Job | null>;
   /** Jobs waiting on `gpu`, in the order they will run. */
   queue(gpu: number): Awaitable<Job[]>;
   queueLength(gpu: number): Awaitable<number>;
-  /** Jobs waiting on any GPU of any host. */
-  waitingCount(): Awaitable<number>;
+  /** Jobs waiting on any GPU of any host (only `owner`'s when given). */
+  waitingCount(owner?: string): Awaitable<number>;
   /** Whether the database accepts a write now (the readiness probe): null, or why not. */
   writeError(): Awaitable<string | null>;
   /** Calls `fn` with every event appended from now on (by any host, for PostgreSQL). */
@@ -132,7 +178,8 @@ export interface JobStoreEngine {
   markInterrupted(): Awaitable<Job[]>;
   /** Moves unfinished jobs queued on GPUs `>= gpus` onto GPU `index % gpus`. */
   requeueBeyond(gpus: number): Awaitable<void>;
-  countByStatus(): Awaitable<Record<JobStatus, number>>;
+  /** Job counts per status (only `owner`'s when given). */
+  countByStatus(owner?: string): Awaitable<Record<JobStatus, number>>;
   /** Appends a point to a job's metrics history; with `lease`, only while it holds. */
   addMetric(jobId: string, p: Omit<MetricPoint, "at">, lease?: Lease): Awaitable<void>;
   metrics(jobId: string): Awaitable<MetricPoint[]>;
@@ -159,9 +206,16 @@ export interface JobStoreEngine {
    * Claims the first waiting job (interrupted or lease-expired before queued, each FIFO) that
    * needs at most `capacity` Workers and no live lease holds; the lease lasts `leaseMs`. With
    * `takeover` false, a `running` job whose lease expired (its host may be renewing it any moment,
-   * e.g. just after the database came back) is not taken.
+   * e.g. just after the database came back) is not taken. Fair-share order as nextQueued; the
+   * jobs of owners in `skip` are left waiting.
    */
-  claimNext(hostId: string, capacity: number, leaseMs: number, takeover?: boolean): Awaitable<Claim | null>;
+  claimNext(
+    hostId: string,
+    capacity: number,
+    leaseMs: number,
+    takeover?: boolean,
+    skip?: string[],
+  ): Awaitable<Claim | null>;
   /** Renews `leases` for `leaseMs` and the host's row; says which are kept and which were taken. */
   heartbeat(host: HostReport, leases: Lease[], leaseMs: number): Awaitable<HeartbeatResult>;
   /** Ends a lease early (the job finished or was interrupted here): another host may claim it now. */
@@ -176,6 +230,36 @@ export interface JobStoreEngine {
    * the host that kept training commit, unless another host took the job meanwhile.
    */
   confirmLease(lease: Lease, leaseMs: number): Awaitable<boolean>;
+
+  /** The user `name`, made now (no quotas of its own) if new. */
+  putUser(name: string): Awaitable<UserRecord>;
+  /** Every user, by name. */
+  users(): Awaitable<UserRecord[]>;
+  /** Replaces user `name`'s own quotas; false when there is no such user. */
+  setQuotas(name: string, quotas: Record<string, number>): Awaitable<boolean>;
+  /** Stores a new token (its hash). */
+  createToken(token: TokenRecord): Awaitable<void>;
+  /** Every token, revoked and expired ones included, oldest first. */
+  tokens(): Awaitable<TokenRecord[]>;
+  /** Revokes token `id` at `at`; false when there is no such token or it was revoked already. */
+  revokeToken(id: string, at: string): Awaitable<boolean>;
+  /** Records when tokens were last used (written in batches, not per request). */
+  touchTokens(uses: Array<{ id: string; at: string }>): Awaitable<void>;
+  /** Records that `owner` ("*": everyone) owns resource `kind`/`id`; a repeat changes nothing. */
+  addResource(kind: string, id: string, owner: string): Awaitable<void>;
+  /** Who owns resource `kind`/`id` ("*" for shared); empty when nobody recorded it. */
+  resourceOwners(kind: string, id: string): Awaitable<string[]>;
+  /** Forgets every owner of resource `kind`/`id`. */
+  removeResource(kind: string, id: string): Awaitable<void>;
+  /** Appends an audit event. */
+  addAudit(e: Omit<AuditEvent, "id" | "at">): Awaitable<AuditEvent>;
+  /** Audit events newest first, `limit` (100) of them, older than id `before` when given. */
+  audit(opts?: { before?: number; limit?: number; user?: string }): Awaitable<AuditEvent[]>;
+  /**
+   * GPU-seconds `owner`'s jobs used since `since` (ISO time): each job's time running after it,
+   * until it finished or now, times its Workers.
+   */
+  gpuSeconds(owner: string, since: string): Awaitable<number>;
 }
 
 /** The job store answering at once: what the runner calls (SQLite, or PostgreSQL through the bridge). */

@@ -89,12 +89,13 @@ export class LeaseKeeper {
 
   /**
    * Claims the next job this host can place on `capacity` free Workers, or null. Until
-   * {@link holdTakeovers}'s time, a running job whose lease ran out is left to its host.
+   * {@link holdTakeovers}'s time, a running job whose lease ran out is left to its host. The waiting
+   * jobs of the owners in `skip` (at their running quota) are left waiting.
    */
-  claim(capacity: number): Claim | null {
+  claim(capacity: number, skip: string[] = []): Claim | null {
     if (capacity < 1) return null;
     const takeover = Date.now() >= this.#takeoversFrom;
-    const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs, takeover);
+    const claim = this.#opts.store.claimNext(this.#opts.hostId, capacity, this.#opts.leaseMs, takeover, skip);
     if (claim) this.#held.set(claim.job.id, claim.lease);
     return claim;
   }

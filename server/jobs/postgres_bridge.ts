@@ -21,13 +21,17 @@
 import { MessageChannel, receiveMessageOnPort, Worker } from "node:worker_threads";
 import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../model/job.ts";
 import type {
+  AuditEvent,
   Claim,
   HeartbeatResult,
   HostRecord,
   HostReport,
+  JobListOptions,
   JobPatch,
   JobStore,
   Lease,
+  TokenRecord,
+  UserRecord,
 } from "./job_store.ts";
 import { LeaseLostError, StoreUnavailableError } from "./store_schema.ts";
 import type { BridgeAnswer, BridgeCall, BridgeData } from "./postgres_thread.ts";
@@ -107,13 +111,13 @@ export class PostgresBridgeStore implements JobStore {
     }
   }
 
-  createJob(id: string, gpu: number, config: TrainConfig): Job {
-    return this.#call("createJob", [id, gpu, config]) as Job;
+  createJob(id: string, gpu: number, config: TrainConfig, owner: string | null = null): Job {
+    return this.#call("createJob", [id, gpu, config, owner]) as Job;
   }
   getJob(id: string): Job | null {
     return this.#call("getJob", [id]) as Job | null;
   }
-  listJobs(opts?: { status?: JobStatus; limit?: number; after?: string }): Job[] {
+  listJobs(opts?: JobListOptions): Job[] {
     return this.#call("listJobs", [opts]) as Job[];
   }
   hasJob(id: string): boolean {
@@ -125,8 +129,8 @@ export class PostgresBridgeStore implements JobStore {
   updateJob(id: string, patch: JobPatch, lease?: Lease): Job {
     return this.#call("updateJob", [id, patch, lease]) as Job;
   }
-  nextQueued(gpu: number): Job | null {
-    return this.#call("nextQueued", [gpu]) as Job | null;
+  nextQueued(gpu: number, skip?: string[]): Job | null {
+    return this.#call("nextQueued", [gpu, skip]) as Job | null;
   }
   queue(gpu: number): Job[] {
     return this.#call("queue", [gpu]) as Job[];
@@ -134,8 +138,8 @@ export class PostgresBridgeStore implements JobStore {
   queueLength(gpu: number): number {
     return this.#call("queueLength", [gpu]) as number;
   }
-  waitingCount(): number {
-    return this.#call("waitingCount", []) as number;
+  waitingCount(owner?: string): number {
+    return this.#call("waitingCount", [owner]) as number;
   }
   /**
    * Whether the database accepts a write now: null, or why not (a timeout included). Waits
@@ -160,8 +164,8 @@ export class PostgresBridgeStore implements JobStore {
   requeueBeyond(gpus: number): void {
     this.#call("requeueBeyond", [gpus]);
   }
-  countByStatus(): Record<JobStatus, number> {
-    return this.#call("countByStatus", []) as Record<JobStatus, number>;
+  countByStatus(owner?: string): Record<JobStatus, number> {
+    return this.#call("countByStatus", [owner]) as Record<JobStatus, number>;
   }
   addMetric(jobId: string, p: Omit<MetricPoint, "at">, lease?: Lease): void {
     this.#call("addMetric", [jobId, p, lease]);
@@ -184,8 +188,14 @@ export class PostgresBridgeStore implements JobStore {
   releaseHost(hostId: string): Job[] {
     return this.#call("releaseHost", [hostId]) as Job[];
   }
-  claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Claim | null {
-    return this.#call("claimNext", [hostId, capacity, leaseMs, takeover]) as Claim | null;
+  claimNext(
+    hostId: string,
+    capacity: number,
+    leaseMs: number,
+    takeover = true,
+    skip?: string[],
+  ): Claim | null {
+    return this.#call("claimNext", [hostId, capacity, leaseMs, takeover, skip]) as Claim | null;
   }
   heartbeat(host: HostReport, leases: Lease[], leaseMs: number): HeartbeatResult {
     return this.#call("heartbeat", [host, leases, leaseMs]) as HeartbeatResult;
@@ -195,6 +205,45 @@ export class PostgresBridgeStore implements JobStore {
   }
   confirmLease(lease: Lease, leaseMs: number): boolean {
     return this.#call("confirmLease", [lease, leaseMs]) as boolean;
+  }
+  putUser(name: string): UserRecord {
+    return this.#call("putUser", [name]) as UserRecord;
+  }
+  users(): UserRecord[] {
+    return this.#call("users", []) as UserRecord[];
+  }
+  setQuotas(name: string, quotas: Record<string, number>): boolean {
+    return this.#call("setQuotas", [name, quotas]) as boolean;
+  }
+  createToken(token: TokenRecord): void {
+    this.#call("createToken", [token]);
+  }
+  tokens(): TokenRecord[] {
+    return this.#call("tokens", []) as TokenRecord[];
+  }
+  revokeToken(id: string, at: string): boolean {
+    return this.#call("revokeToken", [id, at]) as boolean;
+  }
+  touchTokens(uses: Array<{ id: string; at: string }>): void {
+    this.#call("touchTokens", [uses]);
+  }
+  addResource(kind: string, id: string, owner: string): void {
+    this.#call("addResource", [kind, id, owner]);
+  }
+  resourceOwners(kind: string, id: string): string[] {
+    return this.#call("resourceOwners", [kind, id]) as string[];
+  }
+  removeResource(kind: string, id: string): void {
+    this.#call("removeResource", [kind, id]);
+  }
+  addAudit(e: Omit<AuditEvent, "id" | "at">): AuditEvent {
+    return this.#call("addAudit", [e]) as AuditEvent;
+  }
+  audit(opts?: { before?: number; limit?: number; user?: string }): AuditEvent[] {
+    return this.#call("audit", [opts]) as AuditEvent[];
+  }
+  gpuSeconds(owner: string, since: string): number {
+    return this.#call("gpuSeconds", [owner, since]) as number;
   }
 
   /**

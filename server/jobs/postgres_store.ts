@@ -29,23 +29,34 @@ import {
   type TrainConfig,
 } from "../../model/job.ts";
 import type {
+  AuditEvent,
   Claim,
   HeartbeatResult,
   HostRecord,
   HostReport,
+  JobListOptions,
   JobPatch,
   JobStoreEngine,
   Lease,
+  TokenRecord,
+  UserRecord,
 } from "./job_store.ts";
 import { eventFromRow, toHost } from "./sqlite_store.ts";
 import {
   CLAIMABLE,
+  FAIR_SHARE,
+  GPU_SECONDS_SQL,
+  gpuSecondsOf,
   LeaseLostError,
   MIGRATIONS,
   PATCH_COLUMNS,
   postgresDialect,
   SCHEMA_VERSION,
+  skipOwners,
+  toAudit,
   toJob,
+  toToken,
+  toUser,
   workersOf,
 } from "./store_schema.ts";
 
@@ -120,12 +131,12 @@ export class PostgresJobStore implements JobStoreEngine {
     await this.#sql.end({ timeout: 5 });
   }
 
-  /** Inserts a queued job on `gpu`'s queue. */
-  async createJob(id: string, gpu: number, config: TrainConfig): Promise<Job> {
+  /** Inserts a queued job on `gpu`'s queue, owned by `owner`. */
+  async createJob(id: string, gpu: number, config: TrainConfig, owner: string | null = null): Promise<Job> {
     const [row] = await q(
       this.#sql,
-      `insert into jobs (id, status, gpu, config, created_at, metrics, workers)
-       values (?, 'queued', ?, ?, ?, ?, ?) returning *`,
+      `insert into jobs (id, status, gpu, config, created_at, metrics, workers, owner)
+       values (?, 'queued', ?, ?, ?, ?, ?, ?) returning *`,
       [
         id,
         gpu,
@@ -133,6 +144,7 @@ export class PostgresJobStore implements JobStoreEngine {
         new Date().toISOString(),
         JSON.stringify(emptyMetrics()),
         workersOf(config),
+        owner,
       ],
     );
     return toJob(row);
@@ -145,12 +157,16 @@ export class PostgresJobStore implements JobStoreEngine {
   }
 
   /** Jobs newest first, `limit` (100) of them, only those older than job `after` when given. */
-  async listJobs(opts: { status?: JobStatus; limit?: number; after?: string } = {}): Promise<Job[]> {
+  async listJobs(opts: JobListOptions = {}): Promise<Job[]> {
     const where: string[] = [];
     const args: Value[] = [];
     if (opts.status) {
       where.push("status = ?");
       args.push(opts.status);
+    }
+    if (opts.owner !== undefined) {
+      where.push("owner = ?");
+      args.push(opts.owner);
     }
     if (opts.after !== undefined) {
       where.push("seq < coalesce((select seq from jobs where id = ?), -1)");
@@ -205,23 +221,23 @@ export class PostgresJobStore implements JobStoreEngine {
     throw new Error(`Cannot update job "${id}": no such job`);
   }
 
-  /** The next job waiting on `gpu`: interrupted before queued, each FIFO. */
-  async nextQueued(gpu: number): Promise<Job | null> {
+  /** The next job waiting on `gpu`: interrupted before queued, each in fair-share order, none of `skip`'s. */
+  async nextQueued(gpu: number, skip: string[] = []): Promise<Job | null> {
     const [row] = await q(
       this.#sql,
-      `select * from jobs where gpu = ? and status in ('interrupted', 'queued')
-       order by case status when 'interrupted' then 0 else 1 end, seq limit 1`,
-      [gpu],
+      `select * from jobs where gpu = ? and status in ('interrupted', 'queued')${skipOwners(skip.length)}
+       order by case status when 'interrupted' then 0 else 1 end, ${FAIR_SHARE}, seq limit 1`,
+      [gpu, ...skip],
     );
     return row ? toJob(row) : null;
   }
 
-  /** Jobs waiting on `gpu`, in the order they will run. */
+  /** Jobs waiting on `gpu`, in the order they will run (their owners' running quotas aside). */
   async queue(gpu: number): Promise<Job[]> {
     return (await q(
       this.#sql,
       `select * from jobs where gpu = ? and status in ('interrupted', 'queued')
-       order by case status when 'interrupted' then 0 else 1 end, seq`,
+       order by case status when 'interrupted' then 0 else 1 end, ${FAIR_SHARE}, seq`,
       [gpu],
     )).map(toJob);
   }
@@ -236,11 +252,14 @@ export class PostgresJobStore implements JobStoreEngine {
     return Number(r.n);
   }
 
-  /** Number of jobs waiting, on every host. */
-  async waitingCount(): Promise<number> {
+  /** Number of jobs waiting, on every host (only `owner`'s when given). */
+  async waitingCount(owner?: string): Promise<number> {
     const [r] = await q(
       this.#sql,
-      "select count(*) as n from jobs where status in ('interrupted', 'queued')",
+      `select count(*) as n from jobs where status in ('interrupted', 'queued')${
+        owner === undefined ? "" : " and owner = ?"
+      }`,
+      owner === undefined ? [] : [owner],
     );
     return Number(r.n);
   }
@@ -282,8 +301,8 @@ export class PostgresJobStore implements JobStoreEngine {
     );
   }
 
-  /** Job counts per status. */
-  async countByStatus(): Promise<Record<JobStatus, number>> {
+  /** Job counts per status (only `owner`'s when given). */
+  async countByStatus(owner?: string): Promise<Record<JobStatus, number>> {
     const out: Record<JobStatus, number> = {
       queued: 0,
       running: 0,
@@ -292,7 +311,13 @@ export class PostgresJobStore implements JobStoreEngine {
       cancelled: 0,
       interrupted: 0,
     };
-    for (const r of await q(this.#sql, "select status, count(*) as n from jobs group by status")) {
+    const mine = owner === undefined ? "" : " where owner = ?";
+    const rows = await q(
+      this.#sql,
+      `select status, count(*) as n from jobs${mine} group by status`,
+      owner === undefined ? [] : [owner],
+    );
+    for (const r of rows) {
       out[r.status as JobStatus] = Number(r.n);
     }
     return out;
@@ -419,17 +444,25 @@ export class PostgresJobStore implements JobStoreEngine {
    * Claims the first waiting job that fits `capacity` Workers and no live lease holds
    * (`FOR UPDATE SKIP LOCKED`: hosts claiming together each get a different job, none waits).
    */
-  async claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Promise<Claim | null> {
+  async claimNext(
+    hostId: string,
+    capacity: number,
+    leaseMs: number,
+    takeover = true,
+    skip: string[] = [],
+  ): Promise<Claim | null> {
     const [row] = await q(
       this.#sql,
       `update jobs set host_id = ?, lease_epoch = lease_epoch + 1, lease_until = ${NOW_MS} + ?
        where seq = (
          select seq from jobs where status in ${CLAIMABLE} and workers <= ?
-           and (lease_until is null or lease_until < ${NOW_MS}) and (? = 1 or status <> 'running')
-         order by case status when 'queued' then 1 else 0 end, seq
+           and (lease_until is null or lease_until < ${NOW_MS}) and (? = 1 or status <> 'running')${
+        skipOwners(skip.length)
+      }
+         order by case status when 'queued' then 1 else 0 end, ${FAIR_SHARE}, seq
          limit 1 for update skip locked)
        returning *`,
-      [hostId, Math.round(leaseMs), capacity, takeover ? 1 : 0],
+      [hostId, Math.round(leaseMs), capacity, takeover ? 1 : 0, ...skip],
     );
     if (!row) return null;
     return {
@@ -486,6 +519,129 @@ export class PostgresJobStore implements JobStoreEngine {
       [Math.round(leaseMs), lease.job_id, lease.host_id, lease.epoch],
     );
     return rows.length > 0;
+  }
+
+  /** The user `name`, made now if new. */
+  async putUser(name: string): Promise<UserRecord> {
+    await q(
+      this.#sql,
+      "insert into users (name, created_at, quotas) values (?, ?, '{}') on conflict(name) do nothing",
+      [name, new Date().toISOString()],
+    );
+    const [row] = await q(this.#sql, "select * from users where name = ?", [name]);
+    return toUser(row);
+  }
+
+  /** Every user, by name. */
+  async users(): Promise<UserRecord[]> {
+    return (await q(this.#sql, "select * from users order by name")).map(toUser);
+  }
+
+  /** Replaces user `name`'s own quotas. */
+  async setQuotas(name: string, quotas: Record<string, number>): Promise<boolean> {
+    const rows = await q(this.#sql, "update users set quotas = ? where name = ? returning name", [
+      JSON.stringify(quotas),
+      name,
+    ]);
+    return rows.length > 0;
+  }
+
+  /** Stores a new token (its hash). */
+  async createToken(t: TokenRecord): Promise<void> {
+    await q(
+      this.#sql,
+      `insert into tokens (id, hash, name, user_name, scopes, created_at, expires_at, last_used_at, revoked_at)
+       values (?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+      [
+        t.id,
+        t.hash,
+        t.name,
+        t.user,
+        JSON.stringify(t.scopes),
+        t.created_at,
+        t.expires_at,
+        t.last_used_at,
+        t.revoked_at,
+      ],
+    );
+  }
+
+  /** Every token, oldest first. */
+  async tokens(): Promise<TokenRecord[]> {
+    return (await q(this.#sql, "select * from tokens order by created_at, id")).map(toToken);
+  }
+
+  /** Revokes token `id`; false when there is none or it was revoked already. */
+  async revokeToken(id: string, at: string): Promise<boolean> {
+    const rows = await q(
+      this.#sql,
+      "update tokens set revoked_at = ? where id = ? and revoked_at is null returning id",
+      [at, id],
+    );
+    return rows.length > 0;
+  }
+
+  /** Records when tokens were last used. */
+  async touchTokens(uses: Array<{ id: string; at: string }>): Promise<void> {
+    for (const u of uses) {
+      await q(this.#sql, "update tokens set last_used_at = ? where id = ?", [u.at, u.id]);
+    }
+  }
+
+  /** Records that `owner` owns resource `kind`/`id`. */
+  async addResource(kind: string, id: string, owner: string): Promise<void> {
+    await q(
+      this.#sql,
+      "insert into resources (kind, id, owner, created_at) values (?, ?, ?, ?) on conflict do nothing",
+      [kind, id, owner, new Date().toISOString()],
+    );
+  }
+
+  /** Who owns resource `kind`/`id`. */
+  async resourceOwners(kind: string, id: string): Promise<string[]> {
+    const rows = await q(this.#sql, "select owner from resources where kind = ? and id = ? order by owner", [
+      kind,
+      id,
+    ]);
+    return rows.map((r) => r.owner as string);
+  }
+
+  /** Forgets every owner of resource `kind`/`id`. */
+  async removeResource(kind: string, id: string): Promise<void> {
+    await q(this.#sql, "delete from resources where kind = ? and id = ?", [kind, id]);
+  }
+
+  /** Appends an audit event. */
+  async addAudit(e: Omit<AuditEvent, "id" | "at">): Promise<AuditEvent> {
+    const at = new Date().toISOString();
+    const [row] = await q(
+      this.#sql,
+      "insert into audit (at, user_name, action, target, detail) values (?, ?, ?, ?, ?) returning id",
+      [at, e.user, e.action, e.target, JSON.stringify(e.detail)],
+    );
+    return { id: Number(row.id), at, ...e };
+  }
+
+  /** Audit events newest first. */
+  async audit(opts: { before?: number; limit?: number; user?: string } = {}): Promise<AuditEvent[]> {
+    const where: string[] = [], args: Value[] = [];
+    if (opts.before !== undefined) {
+      where.push("id < ?");
+      args.push(opts.before);
+    }
+    if (opts.user !== undefined) {
+      where.push("user_name = ?");
+      args.push(opts.user);
+    }
+    const sql = `select * from audit ${
+      where.length ? `where ${where.join(" and ")}` : ""
+    } order by id desc limit ?`;
+    return (await q(this.#sql, sql, [...args, opts.limit ?? 100])).map(toAudit);
+  }
+
+  /** GPU-seconds `owner`'s jobs used since `since`. */
+  async gpuSeconds(owner: string, since: string): Promise<number> {
+    return gpuSecondsOf(await q(this.#sql, GPU_SECONDS_SQL, [owner, since]), since);
   }
 
   /** A NOTIFY of a new event: hand it to the listeners (read back when it was too large to carry). */

@@ -129,6 +129,8 @@ export interface RunnerOptions {
   stallMs?: number;
   /** First pause between tries of a job store that is away, ms (default 500). */
   storeRetryMs?: number;
+  /** Users at their running-jobs quota (server/auth/quotas.ts): their waiting jobs wait (default none). */
+  skipOwners?: () => string[];
 }
 
 /** Default of {@link RunnerOptions.stallMs}. */
@@ -265,11 +267,21 @@ export class JobRunner {
     return `${this.#opts.root}/checkpoints/${id}`;
   }
 
+  /** The error naming `id` unknown in `field`, as {@link modelSource} words it: the same for a model that is another user's. */
+  unknownModel(id: string, field: string): InvalidJobError {
+    return new InvalidJobError(
+      field,
+      `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
+        "(see GET /v1/models)",
+    );
+  }
+
   /**
-   * Queues a training job on the GPU with the shortest queue. Throws InvalidJobError naming the
+   * Queues a training job, owned by `owner` (null: no user), on the GPU with the shortest queue
+   * (jobs held by their owner's running quota not counted). Throws InvalidJobError naming the
    * field for an unknown model or dataset, a model that cannot fit, or a bad resume_from.
    */
-  async submit(req: TrainRequest): Promise<Job> {
+  async submit(req: TrainRequest, owner: string | null = null): Promise<Job> {
     if (this.#draining) {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
@@ -304,7 +316,7 @@ export class JobRunner {
     }
     if (config.resume_from) await this.#resolveResume(config.resume_from);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
     });
@@ -321,23 +333,17 @@ export class JobRunner {
     try {
       return await resolveModelSource(this.#opts.root, id);
     } catch (e) {
-      if (e instanceof ModelNotFoundError) {
-        throw new InvalidJobError(
-          field,
-          `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
-            "(see GET /v1/models)",
-        );
-      }
+      if (e instanceof ModelNotFoundError) throw this.unknownModel(id, field);
       if (e instanceof InvalidJobError) throw new InvalidJobError(field, e.message);
       throw e;
     }
   }
 
   /**
-   * Queues an evaluation job (`POST /evaluate`) like a training job on one GPU. Throws
+   * Queues an evaluation job (`POST /evaluate`), owned by `owner`, like a training job on one GPU. Throws
    * InvalidJobError naming the field for an unknown model or dataset, or a window the model cannot take.
    */
-  async submitEvaluation(req: EvaluateRequest): Promise<Job> {
+  async submitEvaluation(req: EvaluateRequest, owner: string | null = null): Promise<Job> {
     if (this.#draining) {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
@@ -368,7 +374,7 @@ export class JobRunner {
     }
     const gpu = this.#pickGpu();
     const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
-    this.#store.createJob(id, gpu, config);
+    this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)), evaluation: null },
     });
@@ -593,10 +599,16 @@ export class JobRunner {
 
   #pickGpu(): number {
     const candidates = this.#trainSlots();
+    // Jobs held by their owner's running quota do not load a GPU: another user's job goes past them.
+    const held = this.#opts.skipOwners?.() ?? [];
+    const waiting = (gpu: number) =>
+      held.length === 0
+        ? this.#store.queueLength(gpu)
+        : this.#store.queue(gpu).filter((j) => j.owner === undefined || !held.includes(j.owner)).length;
     let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
     for (const s of candidates) {
       if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
-      const load = this.#store.queueLength(s.index) + (s.job ? 1 : 0);
+      const load = waiting(s.index) + (s.job ? 1 : 0);
       if (load < bestLoad) [best, bestLoad] = [s.index, load];
     }
     return best;
@@ -703,13 +715,14 @@ export class JobRunner {
   /** The next job for `slot`: its GPU's queue, or with several hosts a claim on the shared queue. */
   #next(slot: Slot): Job | null {
     const leases = this.#opts.leases;
-    if (!leases) return this.#store.nextQueued(slot.index);
+    const skip = this.#opts.skipOwners?.() ?? [];
+    if (!leases) return this.#store.nextQueued(slot.index, skip);
     const train = this.#trainSlots();
     if (!train.includes(slot)) return null;
     const free = train.filter((s) => s.state === "idle" && !s.job && !s.reserved).length;
     let claim;
     try {
-      claim = leases.claim(free);
+      claim = leases.claim(free, skip);
     } catch (e) {
       if (!this.#backlog.failed(e)) {
         console.error(`Cannot claim a job from the shared queue: ${(e as Error).message}`);
@@ -1224,7 +1237,9 @@ export class JobRunner {
         } else {
           this.#finish(msg.id, msg.status, msg.iteration, msg.error);
         }
-        this.#dispatch(slot.index);
+        // A user's running quota may have freed: a job of theirs left waiting on another GPU may go.
+        if (this.#opts.skipOwners) { for (const s of this.#slots) this.#dispatch(s.index); }
+        else this.#dispatch(slot.index);
         return;
     }
   }

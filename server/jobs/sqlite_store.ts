@@ -23,21 +23,32 @@ import {
   type TrainConfig,
 } from "../../model/job.ts";
 import type {
+  AuditEvent,
   Claim,
   HeartbeatResult,
   HostRecord,
   HostReport,
+  JobListOptions,
   JobPatch,
   JobStoreEngine,
   Lease,
+  TokenRecord,
+  UserRecord,
 } from "./job_store.ts";
 import {
   CLAIMABLE,
+  FAIR_SHARE,
+  GPU_SECONDS_SQL,
+  gpuSecondsOf,
   LeaseLostError,
   MIGRATIONS,
   PATCH_COLUMNS,
   SCHEMA_VERSION,
+  skipOwners,
+  toAudit,
   toJob,
+  toToken,
+  toUser,
   workersOf,
 } from "./store_schema.ts";
 
@@ -72,10 +83,10 @@ export class SqliteJobStore implements JobStoreEngine {
     this.#db.close();
   }
 
-  /** Inserts a queued job on `gpu`'s queue. */
-  createJob(id: string, gpu: number, config: TrainConfig): Job {
+  /** Inserts a queued job on `gpu`'s queue, owned by `owner`. */
+  createJob(id: string, gpu: number, config: TrainConfig, owner: string | null = null): Job {
     this.#db.prepare(
-      "insert into jobs (id, status, gpu, config, created_at, metrics, workers) values (?, 'queued', ?, ?, ?, ?, ?)",
+      "insert into jobs (id, status, gpu, config, created_at, metrics, workers, owner) values (?, 'queued', ?, ?, ?, ?, ?, ?)",
     ).run(
       id,
       gpu,
@@ -83,6 +94,7 @@ export class SqliteJobStore implements JobStoreEngine {
       new Date().toISOString(),
       JSON.stringify(emptyMetrics()),
       workersOf(config),
+      owner,
     );
     return this.getJob(id)!;
   }
@@ -97,13 +109,17 @@ export class SqliteJobStore implements JobStoreEngine {
    * Jobs newest first, `limit` of them (default 100), only those older than job `after` when
    * given (a page after the last one seen; an unknown `after` gives an empty page).
    */
-  listJobs(opts: { status?: JobStatus; limit?: number; after?: string } = {}): Job[] {
+  listJobs(opts: JobListOptions = {}): Job[] {
     const limit = opts.limit ?? 100;
     const where: string[] = [];
     const args: Array<string | number> = [];
     if (opts.status) {
       where.push("status = ?");
       args.push(opts.status);
+    }
+    if (opts.owner !== undefined) {
+      where.push("owner = ?");
+      args.push(opts.owner);
     }
     if (opts.after !== undefined) {
       where.push("seq < coalesce((select seq from jobs where id = ?), -1)");
@@ -161,20 +177,20 @@ export class SqliteJobStore implements JobStoreEngine {
     return this.getJob(id)!;
   }
 
-  /** The next job waiting on `gpu`: interrupted jobs (they were running first) before queued ones, each FIFO. */
-  nextQueued(gpu: number): Job | null {
+  /** The next job waiting on `gpu`: interrupted before queued, each in fair-share order, none of `skip`'s. */
+  nextQueued(gpu: number, skip: string[] = []): Job | null {
     const row = this.#db.prepare(
-      `select * from jobs where gpu = ? and status in ('interrupted', 'queued')
-       order by case status when 'interrupted' then 0 else 1 end, seq limit 1`,
-    ).get(gpu) as Row | undefined;
+      `select * from jobs where gpu = ? and status in ('interrupted', 'queued')${skipOwners(skip.length)}
+       order by case status when 'interrupted' then 0 else 1 end, ${FAIR_SHARE}, seq limit 1`,
+    ).get(gpu, ...skip) as Row | undefined;
     return row ? toJob(row) : null;
   }
 
-  /** Jobs waiting on `gpu`, in the order they will run. */
+  /** Jobs waiting on `gpu`, in the order they will run (their owners' running quotas aside). */
   queue(gpu: number): Job[] {
     const rows = this.#db.prepare(
       `select * from jobs where gpu = ? and status in ('interrupted', 'queued')
-       order by case status when 'interrupted' then 0 else 1 end, seq`,
+       order by case status when 'interrupted' then 0 else 1 end, ${FAIR_SHARE}, seq`,
     ).all(gpu) as Row[];
     return rows.map(toJob);
   }
@@ -187,10 +203,13 @@ export class SqliteJobStore implements JobStoreEngine {
     return Number(r.n);
   }
 
-  /** Number of jobs waiting on any GPU. */
-  waitingCount(): number {
-    const r = this.#db.prepare("select count(*) as n from jobs where status in ('interrupted', 'queued')")
-      .get() as Row;
+  /** Number of jobs waiting on any GPU (only `owner`'s when given). */
+  waitingCount(owner?: string): number {
+    const mine = owner === undefined ? "" : " and owner = ?";
+    const r = this.#db.prepare(
+      `select count(*) as n from jobs where status in ('interrupted', 'queued')${mine}`,
+    )
+      .get(...(owner === undefined ? [] : [owner])) as Row;
     return Number(r.n);
   }
 
@@ -225,8 +244,8 @@ export class SqliteJobStore implements JobStoreEngine {
     ).run(gpus, gpus);
   }
 
-  /** Job counts per status. */
-  countByStatus(): Record<JobStatus, number> {
+  /** Job counts per status (only `owner`'s when given). */
+  countByStatus(owner?: string): Record<JobStatus, number> {
     const out: Record<JobStatus, number> = {
       queued: 0,
       running: 0,
@@ -235,9 +254,10 @@ export class SqliteJobStore implements JobStoreEngine {
       cancelled: 0,
       interrupted: 0,
     };
-    for (
-      const r of this.#db.prepare("select status, count(*) as n from jobs group by status").all() as Row[]
-    ) {
+    const mine = owner === undefined ? "" : " where owner = ?";
+    const rows = this.#db.prepare(`select status, count(*) as n from jobs${mine} group by status`)
+      .all(...(owner === undefined ? [] : [owner])) as Row[];
+    for (const r of rows) {
       out[r.status as JobStatus] = Number(r.n);
     }
     return out;
@@ -341,14 +361,22 @@ export class SqliteJobStore implements JobStoreEngine {
   }
 
   /** Claims the first waiting job that fits `capacity` Workers and no live lease holds. */
-  claimNext(hostId: string, capacity: number, leaseMs: number, takeover = true): Claim | null {
+  claimNext(
+    hostId: string,
+    capacity: number,
+    leaseMs: number,
+    takeover = true,
+    skip: string[] = [],
+  ): Claim | null {
     return this.#transaction(() => {
       const now = Date.now();
       const row = this.#db.prepare(
         `select * from jobs where status in ${CLAIMABLE} and workers <= ?
-           and (lease_until is null or lease_until < ?) and (? = 1 or status <> 'running')
-         order by case status when 'queued' then 1 else 0 end, seq limit 1`,
-      ).get(capacity, now, takeover ? 1 : 0) as Row | undefined;
+           and (lease_until is null or lease_until < ?) and (? = 1 or status <> 'running')${
+          skipOwners(skip.length)
+        }
+         order by case status when 'queued' then 1 else 0 end, ${FAIR_SHARE}, seq limit 1`,
+      ).get(capacity, now, takeover ? 1 : 0, ...skip) as Row | undefined;
       if (!row) return null;
       const epoch = Number(row.lease_epoch) + 1;
       this.#db.prepare("update jobs set host_id = ?, lease_epoch = ?, lease_until = ? where id = ?")
@@ -392,6 +420,123 @@ export class SqliteJobStore implements JobStoreEngine {
        returning id`,
     ).get(Date.now() + leaseMs, lease.job_id, lease.host_id, lease.epoch);
     return r !== undefined;
+  }
+
+  /** The user `name`, made now if new. */
+  putUser(name: string): UserRecord {
+    this.#db.prepare(
+      "insert into users (name, created_at, quotas) values (?, ?, '{}') on conflict(name) do nothing",
+    )
+      .run(name, new Date().toISOString());
+    return toUser(this.#db.prepare("select * from users where name = ?").get(name) as Row);
+  }
+
+  /** Every user, by name. */
+  users(): UserRecord[] {
+    return (this.#db.prepare("select * from users order by name").all() as Row[]).map(toUser);
+  }
+
+  /** Replaces user `name`'s own quotas. */
+  setQuotas(name: string, quotas: Record<string, number>): boolean {
+    const r = this.#db.prepare("update users set quotas = ? where name = ?").run(
+      JSON.stringify(quotas),
+      name,
+    );
+    return Number(r.changes) > 0;
+  }
+
+  /** Stores a new token (its hash). */
+  createToken(t: TokenRecord): void {
+    this.#db.prepare(
+      `insert into tokens (id, hash, name, user_name, scopes, created_at, expires_at, last_used_at, revoked_at)
+       values (?, ?, ?, ?, ?, ?, ?, ?, ?)`,
+    ).run(
+      t.id,
+      t.hash,
+      t.name,
+      t.user,
+      JSON.stringify(t.scopes),
+      t.created_at,
+      t.expires_at,
+      t.last_used_at,
+      t.revoked_at,
+    );
+  }
+
+  /** Every token, oldest first. */
+  tokens(): TokenRecord[] {
+    return (this.#db.prepare("select * from tokens order by created_at, id").all() as Row[]).map(toToken);
+  }
+
+  /** Revokes token `id`; false when there is none or it was revoked already. */
+  revokeToken(id: string, at: string): boolean {
+    const r = this.#db.prepare("update tokens set revoked_at = ? where id = ? and revoked_at is null").run(
+      at,
+      id,
+    );
+    return Number(r.changes) > 0;
+  }
+
+  /** Records when tokens were last used. */
+  touchTokens(uses: Array<{ id: string; at: string }>): void {
+    if (uses.length === 0) return;
+    this.#transaction(() => {
+      const set = this.#db.prepare("update tokens set last_used_at = ? where id = ?");
+      for (const u of uses) set.run(u.at, u.id);
+    });
+  }
+
+  /** Records that `owner` owns resource `kind`/`id`. */
+  addResource(kind: string, id: string, owner: string): void {
+    this.#db.prepare(
+      "insert into resources (kind, id, owner, created_at) values (?, ?, ?, ?) on conflict do nothing",
+    ).run(kind, id, owner, new Date().toISOString());
+  }
+
+  /** Who owns resource `kind`/`id`. */
+  resourceOwners(kind: string, id: string): string[] {
+    return (this.#db.prepare("select owner from resources where kind = ? and id = ? order by owner").all(
+      kind,
+      id,
+    ) as Row[])
+      .map((r) => r.owner as string);
+  }
+
+  /** Forgets every owner of resource `kind`/`id`. */
+  removeResource(kind: string, id: string): void {
+    this.#db.prepare("delete from resources where kind = ? and id = ?").run(kind, id);
+  }
+
+  /** Appends an audit event. */
+  addAudit(e: Omit<AuditEvent, "id" | "at">): AuditEvent {
+    const at = new Date().toISOString();
+    const r = this.#db.prepare(
+      "insert into audit (at, user_name, action, target, detail) values (?, ?, ?, ?, ?)",
+    )
+      .run(at, e.user, e.action, e.target, JSON.stringify(e.detail));
+    return { id: Number(r.lastInsertRowid), at, ...e };
+  }
+
+  /** Audit events newest first. */
+  audit(opts: { before?: number; limit?: number; user?: string } = {}): AuditEvent[] {
+    const where: string[] = [], args: Value[] = [];
+    if (opts.before !== undefined) {
+      where.push("id < ?");
+      args.push(opts.before);
+    }
+    if (opts.user !== undefined) {
+      where.push("user_name = ?");
+      args.push(opts.user);
+    }
+    const sql = `select * from audit ${
+      where.length ? `where ${where.join(" and ")}` : ""
+    } order by id desc limit ?`;
+    return (this.#db.prepare(sql).all(...args, opts.limit ?? 100) as Row[]).map(toAudit);
+  }
+
+  /** GPU-seconds `owner`'s jobs used since `since`. */
+  gpuSeconds(owner: string, since: string): number {
+    return gpuSecondsOf(this.#db.prepare(GPU_SECONDS_SQL).all(owner, since) as Row[], since);
   }
 
   /** Throws LeaseLostError unless `lease` still holds its job (inside a transaction). */

@@ -21,6 +21,7 @@ import {
   JobNotFoundError,
   LimitError,
   ModelNotFoundError,
+  QuotaError,
 } from "../jobs/mod.ts";
 import { isStoreUnavailable } from "../jobs/job_store.ts";
 import { PathOutsideRootError } from "../../data/mod.ts";
@@ -256,6 +257,12 @@ export function toApiError(err: Error, style: ErrorStyle = "detailed"): ApiError
   }
   if (err instanceof LimitError) {
     return new ApiError(err.status, err.message, { param: err.param, code: "limit_exceeded" });
+  }
+  if (err instanceof QuotaError) {
+    return new ApiError(429, err.message, {
+      code: "quota_exceeded",
+      headers: err.retryAfter === null ? undefined : { "Retry-After": String(err.retryAfter) },
+    });
   }
   if (err instanceof PathOutsideRootError) {
     return new ApiError(403, `Path "${err.path}" is outside the sources folder`, {

@@ -1,15 +1,16 @@
 /**
  * Builds the Hono app and its guards, in order: request counting, the Host check (against DNS
  * rebinding), the Origin and Sec-Fetch-Site checks (against cross-site requests from any page a
- * user visits), CORS for an explicit allow-list, the bearer token (constant-time, any printable
- * token, one or several), `application/json` on state-changing methods, body-size limits and the
- * bound on open streams (per client: its token when auth is on, else its address, taken from
- * `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job, health, estimate,
- * checkpoint, generation and extra route groups, and the one error handler.
+ * user visits), CORS for an explicit allow-list, the token check (server/routes/auth.ts: users'
+ * tokens and the bootstrap GPT2_API_TOKEN, constant-time, scopes per route class, wrong tokens
+ * limited per address, none in a query string), `application/json` on state-changing methods,
+ * body-size limits and the bound on open streams (per client: its token when auth is on, else its
+ * address, taken from `X-Forwarded-For` or `Forwarded` only behind a trusted proxy); then the job,
+ * health, admin, estimate, checkpoint, generation and extra route groups, and the one error handler.
  * No state of its own beyond per-app counters: everything comes from the arguments.
  */
 
-import { createHash, timingSafeEqual } from "node:crypto";
+import { timingSafeEqual } from "node:crypto";
 import { Hono, type MiddlewareHandler } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import { cors } from "hono/cors";
@@ -24,8 +25,14 @@ import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
-import { createMetrics, type MetricsHook } from "./metrics.ts";
-import { clientKey, identifyByToken, type StreamCounter, streamLimit } from "./sse.ts";
+import { createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
+import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
+import { authGuard, FailureLimiter } from "./auth.ts";
+import { adminRoutes, type Auth } from "./admin.ts";
+import { TokenAuth } from "../auth/token_auth.ts";
+import { Access } from "../auth/access.ts";
+import { QuotaBook } from "../auth/quotas.ts";
+import { defaultQuotas } from "../settings.ts";
 import { AddressRanges } from "../addresses.ts";
 import { webRoutes } from "./web.ts";
 import { estimateRoutes } from "./estimate.ts";
@@ -37,10 +44,16 @@ export interface AppOptions {
   draining?: { active: () => boolean; retryAfterSeconds: number };
   runner: JobRunner;
   /**
-   * Bearer token required on every route (any one of several), or null for none (loopback
-   * only). Each token is one client of the per-client stream limit.
+   * The bootstrap bearer token (GPT2_API_TOKEN; any one of several): an admin with no user. Null
+   * for none: then, while no user token is live either, no token is asked (loopback only). Each
+   * token is one client of the per-client stream limit.
    */
   token: string | readonly string[] | null;
+  /**
+   * Users' tokens, ownership and quotas (server/auth/); missing parts are made over the runner's
+   * store (a TokenAuth that reloads only when asked, the default quotas).
+   */
+  auth?: Partial<Auth>;
   /** Largest accepted body for the job routes, in bytes (overrides `limits.maxBodyBytes`). */
   maxBodyBytes?: number;
   /** Largest accepted body for any other route (overrides `limits.maxUploadBytes`). */
@@ -74,7 +87,6 @@ export interface AppOptions {
 
 const WILDCARD_HOSTS = new Set(["0.0.0.0", "::", ""]);
 const JSON_TYPE = /^application\/([\w.-]+\+)?json$/i;
-const AUTH_CHALLENGE = 'Bearer realm="gpt2-webgpu"';
 
 /** Splits a Host header into a lower-case name (IPv6 without brackets) and a port (null if absent). */
 export function parseHost(value: string): { name: string; port: number | null } | null {
@@ -141,33 +153,6 @@ function originGuard(allowed: ReadonlySet<string>): MiddlewareHandler {
         },
       );
     }
-    await next();
-  };
-}
-
-const digest = (s: string) => createHash("sha256").update(s).digest();
-
-function bearer(tokens: readonly string[]): MiddlewareHandler {
-  const expected = tokens.map(digest);
-  return async (c, next) => {
-    const header = c.req.header("Authorization");
-    if (header === undefined) {
-      throw new ApiError(401, 'Missing bearer token: send "Authorization: Bearer <token>"', {
-        code: "missing_api_key",
-        headers: { "WWW-Authenticate": AUTH_CHALLENGE },
-      });
-    }
-    const m = /^Bearer +(.+)$/i.exec(header);
-    const presented = digest(m ? m[1].trimEnd() : "");
-    // Every token is compared, so the time taken does not say which one nearly matched.
-    const matches = expected.filter((e) => timingSafeEqual(presented, e)).length;
-    if (!m || matches === 0) {
-      throw new ApiError(401, "Invalid bearer token", {
-        code: "invalid_api_key",
-        headers: { "WWW-Authenticate": `${AUTH_CHALLENGE}, error="invalid_token"` },
-      });
-    }
-    identifyByToken(c, presented);
     await next();
   };
 }
@@ -373,10 +358,27 @@ export function createApp(opts: AppOptions): Hono {
   }
   app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
   const tokens = (typeof opts.token === "string" ? [opts.token] : opts.token ?? []).filter((t) => t !== "");
-  if (tokens.length > 0) {
-    const check = bearer(tokens);
-    app.use("*", (c, next) => (c.get(WARM_UP as never) as unknown) === true ? next() : check(c, next));
-  }
+  const store = opts.runner.store;
+  const auth: Auth = {
+    tokens: opts.auth?.tokens ?? new TokenAuth(store, { bootstrap: tokens }),
+    access: opts.auth?.access ?? new Access(store, (id) => opts.runner.checkpointDir(id)),
+    quotas: opts.auth?.quotas ?? new QuotaBook(store, defaultQuotas()),
+    failures: opts.auth?.failures ?? new FailureLimiter(),
+  };
+  metrics.register(userMetrics(store, auth.quotas));
+  const trusted = new AddressRanges(opts.trustedProxies ?? []);
+  app.use(
+    "*",
+    authGuard(auth.tokens, {
+      trusted,
+      failures: auth.failures,
+      skip: (c) => (c.get(WARM_UP as never) as unknown) === true,
+      onUse: (p, cls) => {
+        metrics.countUse(p.user, cls);
+        auth.tokens.noteUse(p, cls);
+      },
+    }),
+  );
   app.use("*", requireJson);
   const limit = (maxSize: number) =>
     bodyLimit({
@@ -394,7 +396,6 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/generate", small);
   app.use("/checkpoints/*", small);
   const streams: StreamCounter = { total: 0, perClient: new Map() };
-  const trusted = new AddressRanges(opts.trustedProxies ?? []);
   const limited = streamLimit(limits, streams, (c) => clientKey(c, trusted));
   // The warm-up's streams are counted apart and never refused: they take no user's slot (64 of
   // them from the loopback address would otherwise fill a local proxy's or its own share).
@@ -409,10 +410,11 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
-  app.route("/", jobRoutes(opts.runner, limits, aliases));
+  app.route("/", adminRoutes(store, auth));
+  app.route("/", jobRoutes(opts.runner, limits, aliases, auth));
   app.route("/", estimateRoutes(opts.runner));
-  app.route("/", checkpointRoutes(opts.runner));
-  if (opts.generation) app.route("/", generateRoutes(opts.generation));
+  app.route("/", checkpointRoutes(opts.runner, auth));
+  if (opts.generation) app.route("/", generateRoutes(opts.generation, {}, auth));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;
 }

@@ -15,6 +15,8 @@ import type { JobRunner } from "../jobs/mod.ts";
 import { RESHARD_NAME, reshardByName, ReshardError } from "../../checkpoint/reshard.ts";
 import { ApiError, jsonBody } from "./api_errors.ts";
 import { checkpointPath } from "./sse.ts";
+import { principalOf } from "./auth.ts";
+import { audit, type Auth } from "./admin.ts";
 
 /** Body of `POST /checkpoints/reshard`. */
 export const ReshardRequestSchema = z.strictObject({
@@ -27,13 +29,27 @@ export const ReshardRequestSchema = z.strictObject({
     .optional(),
 });
 
+/** A source the reshard accepts (others get its own wording). */
+const RESHARD_SOURCE = /^[A-Za-z0-9][A-Za-z0-9_-]*(\/iter_\d+)?$/;
+
 const CODES: Record<number, string> = { 400: "invalid_value", 404: "checkpoint_not_found", 409: "conflict" };
 
-/** The checkpoint routes, over `runner`'s checkpoint folders and job store. */
-export function checkpointRoutes(runner: JobRunner): Hono {
+/**
+ * The checkpoint routes, over `runner`'s checkpoint folders and job store. A checkpoint the caller
+ * may not use answers as one that does not exist; the copy belongs to the caller.
+ */
+export function checkpointRoutes(runner: JobRunner, auth: Auth): Hono {
   const app = new Hono();
   app.post("/checkpoints/reshard", jsonBody(ReshardRequestSchema, "reshard request"), async (c) => {
     const req = c.req.valid("json");
+    const p = principalOf(c);
+    if (RESHARD_SOURCE.test(req.checkpoint) && !auth.access.modelAllowed(p, req.checkpoint)) {
+      throw new ApiError(
+        404,
+        `Checkpoint "${req.checkpoint}" not found: expected a job id with saved checkpoints or "<job id>/iter_N"`,
+        { param: "checkpoint", code: CODES[404] },
+      );
+    }
     let r;
     try {
       r = await reshardByName((id) => runner.checkpointDir(id), (id) => runner.store.hasJob(id), req);
@@ -41,6 +57,8 @@ export function checkpointRoutes(runner: JobRunner): Hono {
       if (!(e instanceof ReshardError)) throw e;
       throw new ApiError(e.status, e.message, { param: e.field, code: CODES[e.status] });
     }
+    auth.access.own(p, "checkpoint", r.name);
+    audit(runner.store, c, "checkpoint.reshard", r.id, { from: r.source });
     return c.json({
       id: r.id,
       name: r.name,

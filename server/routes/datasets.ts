@@ -15,18 +15,31 @@
  * relative to it. Preparations running at once are bounded (429 past the limit), each with its
  * own share of the cores, and URL sources have a download budget and reach only public
  * addresses unless `GPT2_ALLOW_PRIVATE_URLS=1`. Preparation state lives in the closure of one
- * `datasetRoutes` call; failures use the one error shape (server/routes/api_errors.ts).
+ * `datasetRoutes` call; failures use the one error shape (server/routes/api_errors.ts). With
+ * `auth`, a dataset belongs to whoever prepared it (built-in ones are shared): others neither list
+ * nor read it (404), and cannot prepare over an id they named that is someone else's (409).
  */
 import { join } from "node:path";
-import { Hono } from "hono";
+import { type Context, Hono } from "hono";
 import { z } from "zod";
-import { defaultLimits, LIMIT_SETTINGS, LimitError, limitName, type Limits } from "../jobs/mod.ts";
+import {
+  defaultLimits,
+  type JobStore,
+  LIMIT_SETTINGS,
+  LimitError,
+  limitName,
+  type Limits,
+} from "../jobs/mod.ts";
+import type { Access } from "../auth/access.ts";
+import { principalOf } from "./auth.ts";
+import { audit } from "./admin.ts";
 import { ApiError, errorHandler, jsonBody, pathAliases, scrubPaths } from "./api_errors.ts";
 import {
   BUILTIN_NAMES,
   type DatasetInfo,
   type DatasetSource,
   getDataset,
+  isBuiltinName,
   listDatasets,
   PathOutsideRootError,
   planDataset,
@@ -96,6 +109,12 @@ export interface DatasetRoutesOptions {
   limits?: Partial<Limits>;
   /** Let URL sources reach loopback, private, link-local and multicast addresses (default false). */
   allowPrivateUrls?: boolean;
+  /**
+   * Datasets belong to whoever prepared them (built-in ones are shared): a caller lists and reads
+   * only those they may use, another's answers 404, and its id cannot be prepared over (409).
+   * Absent: no ownership (every caller sees every dataset).
+   */
+  auth?: { access: Access; store: JobStore };
 }
 
 /** The dataset routes over data root `root` (datasets in `<root>/datasets/`). */
@@ -109,6 +128,9 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
   const aliases = [...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")];
   app.onError(errorHandler(aliases));
   const summary = (info: DatasetInfo) => ({ ...info, status: "ready" as const });
+  const auth = options.auth;
+  const mayUse = (c: Context, id: string) =>
+    !auth || auth.access.datasetAllowed(principalOf(c), id, isBuiltinName(id));
   const jobView = (j: Job) => ({
     id: j.id,
     status: j.status,
@@ -150,6 +172,24 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
         });
       }
       throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
+    }
+    // An id named in the request that is another user's is refused; one derived from the source and
+    // options names the same data, which the caller may then use too.
+    if (
+      auth && rest.id !== undefined && !mayUse(c, id) &&
+      (jobs.has(id) || (await getDataset(root, id)) !== undefined)
+    ) {
+      throw new ApiError(409, `Dataset id "${id}" is taken: choose another id`, {
+        param: "id",
+        code: "conflict",
+      });
+    }
+    if (auth) {
+      const p = principalOf(c);
+      if (kind === "builtin") {
+        auth.access.share("dataset", id);
+      } else auth.access.own(p, "dataset", id);
+      audit(auth.store, c, "dataset.create", id, { source: kind });
     }
     const same = jobs.get(id);
     if (same?.status === "running") {
@@ -197,9 +237,11 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
   });
 
   app.get("/datasets", async (c) => {
-    const ready = await listDatasets(root);
+    const ready = (await listDatasets(root)).filter((d) => mayUse(c, d.id));
     const readyIds = new Set(ready.map((d) => d.id));
-    const pending = [...jobs.values()].filter((j) => !readyIds.has(j.id) || j.status === "running").map(
+    const pending = [...jobs.values()].filter((j) =>
+      (!readyIds.has(j.id) || j.status === "running") && mayUse(c, j.id)
+    ).map(
       jobView,
     );
     return c.json({ datasets: [...ready.map(summary), ...pending] });
@@ -207,9 +249,9 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
 
   app.get("/datasets/:id", async (c) => {
     const id = c.req.param("id");
-    const job = jobs.get(id);
+    const job = mayUse(c, id) ? jobs.get(id) : undefined;
     if (job) return c.json(jobView(job), 200);
-    const info = await getDataset(root, id);
+    const info = mayUse(c, id) ? await getDataset(root, id) : undefined;
     if (!info) {
       throw new ApiError(404, `Dataset "${id}" not found`, { param: "id", code: "dataset_not_found" });
     }

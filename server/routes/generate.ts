@@ -11,7 +11,8 @@
  * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`, in the
  * "openai" ErrorStyle of api_errors.ts (`Invalid parameters: a, b`, code null); too many waiting
  * requests is 429 with Retry-After. Streams send a keepalive comment while no token
- * comes; a client that disconnects cancels its generation through `onAbort`.
+ * comes; a client that disconnects cancels its generation through `onAbort`. A model another user
+ * owns answers as an unknown one (404), and each user's open streams count against their quota.
  */
 
 import { type Context, Hono } from "hono";
@@ -26,10 +27,13 @@ import {
   type GenerationEvent,
   type GenerationManager,
   type ModelInfo,
+  ModelNotFoundError,
   tokenBytes,
   type TokenEvent,
 } from "../jobs/mod.ts";
 import { ApiError, errorStyle, jsonBody, queryParams } from "./api_errors.ts";
+import { principalOf } from "./auth.ts";
+import type { Auth } from "./admin.ts";
 
 const MAX_PROMPT_CHARS = 1_000_000;
 /** Token ids accepted in a prompt (GPT-2's real vocabulary). */
@@ -286,16 +290,46 @@ function origin(c: Context): { arrived: number | undefined; rehearsal: boolean }
   };
 }
 
-/** Generation routes backed by `manager`. */
-export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesOptions = {}): Hono {
+/**
+ * Generation routes backed by `manager`. With `auth`, a caller may use only the models they may
+ * see (another user's answers as an unknown model, 404) and holds their streams within their
+ * `streams` quota.
+ */
+export function generateRoutes(
+  manager: GenerationManager,
+  opts: GenerateRoutesOptions = {},
+  auth?: Pick<Auth, "access" | "quotas">,
+): Hono {
   const app = new Hono();
   const keepaliveMs = opts.keepaliveMs ?? 15_000;
+  const mayUse = (c: Context, model: string) =>
+    !auth || origin(c).rehearsal || auth.access.modelAllowed(principalOf(c), model);
+  /** Checks the model, then holds `n` of the caller's streams: call the answer to give them back. */
+  const hold = (c: Context, model: string, n: number): () => void => {
+    if (!mayUse(c, model)) throw new ModelNotFoundError(model);
+    if (!auth || origin(c).rehearsal) return () => {};
+    const releases = [] as Array<() => void>;
+    try {
+      for (let i = 0; i < n; i++) releases.push(auth.quotas.openStream(principalOf(c)));
+    } catch (e) {
+      releases.forEach((r) => r());
+      throw e;
+    }
+    return () => releases.forEach((r) => r());
+  };
   // Every route words its errors, its parameters' included, in the "openai" ErrorStyle.
   const openai = errorStyle("openai");
 
   app.get("/generate", openai, queryParams(GenerateQuerySchema, "generation query"), async (c) => {
     const q = c.req.valid("query");
-    const gen = await manager.start({ ...(q satisfies GenerateParams), ...origin(c) });
+    const release = hold(c, q.model, 1);
+    let gen: Generation;
+    try {
+      gen = await manager.start({ ...(q satisfies GenerateParams), ...origin(c) });
+    } catch (e) {
+      release();
+      throw e;
+    }
     truncationHeader(c, gen);
     return streamSSE(c, async (stream) => {
       stream.onAbort(() => gen.cancel());
@@ -316,6 +350,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       } finally {
         ka.stop();
         gen.cancel(); // no-op once finished
+        release();
       }
     });
   });
@@ -325,19 +360,26 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
     const prompt: string | number[] = Array.isArray(r.prompt)
       ? (typeof r.prompt[0] === "string" || Array.isArray(r.prompt[0]) ? r.prompt[0] : r.prompt as number[])
       : r.prompt;
-    const gens = await manager.startChoices({
-      model: r.model,
-      prompt,
-      max_tokens: r.max_tokens,
-      temperature: r.temperature,
-      top_k: r.top_k,
-      top_p: r.top_p,
-      seed: r.seed,
-      stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
-      ignore_eos: r.ignore_eos,
-      logprobs: r.logprobs ?? null,
-      ...origin(c),
-    }, r.n);
+    const release = hold(c, r.model, r.n);
+    let gens: Generation[];
+    try {
+      gens = await manager.startChoices({
+        model: r.model,
+        prompt,
+        max_tokens: r.max_tokens,
+        temperature: r.temperature,
+        top_k: r.top_k,
+        top_p: r.top_p,
+        seed: r.seed,
+        stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
+        ignore_eos: r.ignore_eos,
+        logprobs: r.logprobs ?? null,
+        ...origin(c),
+      }, r.n);
+    } catch (e) {
+      release();
+      throw e;
+    }
     const cancelAll = () => gens.forEach((g) => g.cancel());
     truncationHeader(c, gens[0]);
     const head = {
@@ -355,6 +397,13 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       for (const id of gens[i].prompt) lps[i].add(id, null);
     };
     if (!r.stream) {
+      try {
+        return await whole();
+      } finally {
+        release();
+      }
+    }
+    async function whole() {
       c.req.raw.signal?.addEventListener("abort", cancelAll);
       const texts = gens.map(() => echoText);
       gens.forEach((_, i) => echoLp(i));
@@ -433,22 +482,26 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
       } finally {
         ka.stop();
         cancelAll();
+        release();
       }
     });
   });
 
   app.get("/v1/models", openai, async (c) => {
-    const models = await manager.models();
+    const models = (await manager.models()).filter((m) => mayUse(c, m.id));
     return c.json({ object: "list", data: models.map(modelObject) });
   });
 
   app.get("/v1/models/:id{.+}", openai, async (c) => {
-    const m = await manager.model(c.req.param("id"));
+    const id = c.req.param("id");
+    if (!mayUse(c, id)) throw new ModelNotFoundError(id);
+    const m = await manager.model(id);
     return c.json(modelObject(m));
   });
 
   app.post("/tokenize", openai, jsonBody(TokenizeSchema, "tokenize request"), async (c) => {
     const r = c.req.valid("json");
+    if (r.model && !mayUse(c, r.model)) throw new ModelNotFoundError(r.model);
     const ctx = r.model ? await manager.contextOf(r.model) : 1024;
     const tokens = r.prompt === "" ? [] : encodePrompt(r.prompt, Infinity).tokens;
     return c.json({ count: tokens.length, max_model_len: ctx, tokens });
@@ -456,6 +509,7 @@ export function generateRoutes(manager: GenerationManager, opts: GenerateRoutesO
 
   app.post("/detokenize", openai, jsonBody(DetokenizeSchema, "detokenize request"), async (c) => {
     const r = c.req.valid("json");
+    if (r.model && !mayUse(c, r.model)) throw new ModelNotFoundError(r.model);
     if (r.model) await manager.contextOf(r.model);
     return c.json({ prompt: decodeTokens(r.tokens) });
   });

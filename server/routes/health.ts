@@ -8,6 +8,7 @@
  *   write; until then, and while the GPU host is "failed" (it could not start; `/health` has
  *   `gpu_host.reason`), 503 with the reasons in the error message (a load balancer sends it no work).
  * - `GET /metrics`: the app's Prometheus registry (server/routes/metrics.ts).
+ * A caller who is not an admin sees the ids of their own jobs only (a GPU's or a host's job).
  */
 
 import { Hono } from "hono";
@@ -15,6 +16,7 @@ import type { JobRunner } from "../jobs/mod.ts";
 import { StoreUnavailableError } from "../jobs/job_store.ts";
 import { ApiError } from "./api_errors.ts";
 import type { AppMetrics } from "./metrics.ts";
+import { principalOf } from "./auth.ts";
 
 /** Health, readiness and Prometheus routes. `startedAt` is the server's start time (ms). */
 export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppMetrics): Hono {
@@ -56,11 +58,24 @@ export function healthRoutes(runner: JobRunner, startedAt: number, metrics: AppM
     }
     const store = { engine: runner.store.engine, ...runner.storeState() };
     const up = store.state === "ok";
+    const p = principalOf(c);
+    let shown = gpus;
+    if (!p.admin) {
+      const mine = (id: string) => {
+        try {
+          return runner.store.getJob(id)?.owner === p.user;
+        } catch {
+          return false;
+        }
+      };
+      shown = gpus.map((g) => ({ ...g, job: g.job !== null && mine(g.job) ? g.job : null }));
+      hosts = hosts?.map((h) => ({ ...h, jobs: h.jobs.filter(mine) })) ?? null;
+    }
     return c.json({
       status: up ? "ok" : "degraded",
       ready: reasons.length === 0 && up,
       uptime_s: Math.round((Date.now() - startedAt) / 1000),
-      gpus,
+      gpus: shown,
       gpu_host: runner.hostStatus(),
       store,
       jobs,

@@ -4,10 +4,11 @@
  * delete, list checkpoints and download their files, metrics history (JSON or CSV), and several
  * jobs compared (server/jobs/compare.ts). Handlers validate and
  * delegate to the runner; limits (queue length, checkpoint disk) are checked before a job is
- * stored. Paths in answers are relative to the data directory.
+ * stored. Paths in answers are relative to the data directory. A job belongs to the user who
+ * submitted it: others get 404 for it, as for an unknown id, and never see it listed.
  */
 
-import { Hono } from "hono";
+import { type Context, Hono } from "hono";
 import {
   admitTrainJob,
   type CheckpointInfo,
@@ -30,15 +31,26 @@ import {
   TrainRequestSchema,
 } from "./schemas.ts";
 import { checkpointPath, streamJobEvents } from "./sse.ts";
+import { checkSources, principalOf } from "./auth.ts";
+import { audit, type Auth } from "./admin.ts";
 
 /** Files of a checkpoint directory that `GET /jobs/:id/checkpoints/:name/:file` serves. */
 const CHECKPOINT_FILES = ["model.safetensors", "config.json", "manifest.json", "optimizer.safetensors"];
 /** The shard files of a checkpoint written at tensor-parallel size N > 1 (see checkpoint/checkpoint.ts). */
 const SHARD_FILE = /^(model|optimizer)-tp\d{2}-of-\d{2}\.safetensors$/;
 
-/** Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages. */
-export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly PathAlias[] = []): Hono {
+/**
+ * Routes for training jobs, backed by `runner`, within `limits`; `aliases` are cut from messages.
+ * A caller sees only their own jobs (an admin every job), and another's answers 404.
+ */
+export function jobRoutes(
+  runner: JobRunner,
+  limits: Limits,
+  aliases: readonly PathAlias[],
+  auth: Auth,
+): Hono {
   const app = new Hono();
+  const visible = (c: Context, id: string) => auth.access.job(principalOf(c), id, (i) => runner.get(i));
   const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
   // Errors and resumed_from may carry the data directory's absolute path: show it as $GPT2_HOME.
   const inJson = aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name] as const);
@@ -48,25 +60,35 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
 
   app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
     const req = c.req.valid("json");
+    const p = principalOf(c);
+    checkSources(runner, auth.access, p, req, "init_from");
     // A fine-tuning job's model is its source's unless given (and then it must agree).
     const source = req.init_from ? await runner.modelSource(req.init_from, "init_from") : null;
     const model = source ? initModel(req.model, source) : req.model ?? DEFAULT_MODEL;
     admitTrainJob(limits, runner.store.waitingCount(), { ...req, model });
-    const job = await runner.submit(req);
+    auth.quotas.admitJob(p);
+    const job = await runner.submit(req, p.user);
+    audit(runner.store, c, "job.create", job.id, { kind: "train" });
     return c.json({ id: job.id, status: job.status, job: shown(job) }, 202, { Location: `/jobs/${job.id}` });
   });
 
-  app.route("/", evaluateRoutes(runner, limits));
+  app.route("/", evaluateRoutes(runner, limits, auth));
 
   app.get("/jobs", queryParams(JobListQuerySchema, "job list query"), (c) => {
     const { status, limit, after } = c.req.valid("query");
-    if (after !== undefined && !runner.store.hasJob(after)) {
+    const p = principalOf(c);
+    const owner = p.admin ? undefined : p.user ?? "";
+    const known = (id: string) => {
+      const job = runner.store.getJob(id);
+      return job !== null && auth.access.canSeeJob(p, job);
+    };
+    if (after !== undefined && !known(after)) {
       throw new ApiError(400, `Unknown job "${after}" in after: expected the id of a listed job`, {
         param: "after",
         code: "invalid_value",
       });
     }
-    const page = runner.store.listJobs({ status, after, limit: limit + 1 });
+    const page = runner.store.listJobs({ status, after, limit: limit + 1, owner });
     const jobs = page.slice(0, limit).map(shown);
     return c.json({
       jobs,
@@ -76,27 +98,29 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
     });
   });
 
-  // Ahead of /jobs/:id, which would take "compare" for an id.
+  // Ahead of /jobs/:id, which would take "compare" for an id. Another user's job is unknown here too.
   app.get("/jobs/compare", queryParams(CompareQuerySchema, "compare query"), (c) => {
     const histories = c.req.valid("query").ids.map((id) => ({
-      job: shown(runner.get(id)),
+      job: shown(visible(c, id)),
       metrics: runner.store.metrics(id),
       evals: evalTaskPoints(runner.store.eventsAfter(id, 0)),
     }));
     return c.json(compareJobs(histories));
   });
 
-  app.get("/jobs/:id", (c) => c.json(shown(runner.get(c.req.param("id")))));
+  app.get("/jobs/:id", (c) => c.json(shown(visible(c, c.req.param("id")))));
 
   app.delete("/jobs/:id", async (c) => {
     const id = c.req.param("id");
+    visible(c, id);
     await runner.remove(id);
+    audit(runner.store, c, "job.delete", id);
     return c.json({ id, deleted: true });
   });
 
   app.get("/jobs/:id/metrics", queryParams(MetricsQuerySchema, "metrics query"), (c) => {
     const id = c.req.param("id");
-    runner.get(id);
+    visible(c, id);
     const metrics = runner.store.metrics(id);
     const evaluations = evalTaskPoints(runner.store.eventsAfter(id, 0));
     if (c.req.valid("query").format === "csv") {
@@ -110,7 +134,7 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
 
   app.get("/jobs/:id/events", queryParams(EventsQuerySchema, "event stream query"), (c) => {
     const id = c.req.param("id");
-    runner.get(id);
+    visible(c, id);
     const header = c.req.header("Last-Event-ID");
     const raw = header ?? c.req.valid("query").last_event_id ?? "0";
     const after = Number(raw);
@@ -124,17 +148,22 @@ export function jobRoutes(runner: JobRunner, limits: Limits, aliases: readonly P
   });
 
   app.post("/jobs/:id/cancel", (c) => {
-    const job = runner.cancel(c.req.param("id"));
+    const id = c.req.param("id");
+    visible(c, id);
+    const job = runner.cancel(id);
+    audit(runner.store, c, "job.cancel", id);
     return c.json({ id: job.id, status: job.status, cancel_requested: job.cancel_requested }, 202);
   });
 
   app.get("/jobs/:id/checkpoints", async (c) => {
     const id = c.req.param("id");
+    visible(c, id);
     return c.json({ id, checkpoints: (await runner.checkpoints(id)).map((ck) => view(id, ck)) });
   });
 
   app.get("/jobs/:id/checkpoints/:name/:file", async (c) => {
     const { id, name, file } = c.req.param();
+    visible(c, id);
     if (!CHECKPOINT_FILES.includes(file) && !SHARD_FILE.test(file)) {
       throw new ApiError(
         404,

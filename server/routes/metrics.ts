@@ -7,7 +7,8 @@
  */
 
 import { Counter, Gauge, Histogram, Registry } from "prom-client";
-import type { GenerationManager, JobRunner } from "../jobs/mod.ts";
+import type { GenerationManager, JobRunner, JobStore } from "../jobs/mod.ts";
+import type { QuotaBook } from "../auth/quotas.ts";
 
 /** Adds collectors to an app's registry (e.g. `new Gauge({ ..., registers: [registry] })`). */
 export type MetricsHook = (registry: Registry) => void;
@@ -20,6 +21,8 @@ export interface AppMetrics {
   register(hook: MetricsHook): void;
   /** Counts an answered request. */
   countRequest(method: string, status: number): void;
+  /** Counts a request of user `user` (none: the bootstrap token or no token) to a route of class `cls`. */
+  countUse(user: string | null, cls: string): void;
 }
 
 /** Upper bounds of the step-time histogram, in seconds. */
@@ -284,10 +287,52 @@ export function createMetrics(
     ));
   }
 
+  const uses = new Counter({
+    name: "gpt2_user_requests_total",
+    help:
+      "Requests that passed the token check, by user (empty: the bootstrap token or none) and route class",
+    labelNames: ["user", "class"],
+    registers,
+  });
+
   return {
     registry,
     register: (hook) => hook(registry),
     countRequest: (method, status) => requests.inc({ method, code: String(status) }),
+    countUse: (user, cls) => uses.inc({ user: user ?? "", class: cls }),
+  };
+}
+
+/**
+ * Per-user gauges, read from the store at each scrape: what each user holds against each quota
+ * (`gpt2_user_usage{user, quota}`: queued_jobs, running_gpus, streams, gpu_seconds_per_day) and
+ * the quota (`gpt2_user_quota{user, quota}`). A store that is away leaves them empty.
+ */
+export function userMetrics(store: JobStore, quotas: QuotaBook): MetricsHook {
+  return (registry) => {
+    const read = (pick: (user: string) => Record<string, number>) =>
+      function (this: Gauge) {
+        this.reset();
+        try {
+          for (const u of store.users()) {
+            for (const [quota, v] of Object.entries(pick(u.name))) this.set({ user: u.name, quota }, v);
+          }
+        } catch { /* the store is away: /health says so */ }
+      };
+    new Gauge({
+      name: "gpt2_user_usage",
+      help: "What each user holds now against each quota (GPU-seconds: today, UTC)",
+      labelNames: ["user", "quota"],
+      registers: [registry],
+      collect: read((user) => ({ ...quotas.usage(user) })),
+    });
+    new Gauge({
+      name: "gpt2_user_quota",
+      help: "Each user's quotas",
+      labelNames: ["user", "quota"],
+      registers: [registry],
+      collect: read((user) => ({ ...quotas.of(user) })),
+    });
   };
 }
 

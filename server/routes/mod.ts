@@ -4,6 +4,8 @@
  */
 
 export { type AppOptions, createApp, parseHost, warmUp } from "./app.ts";
+export { allowed, authGuard, FailureLimiter, principalOf, type RouteClass, routeClass } from "./auth.ts";
+export { adminRoutes, audit, type Auth } from "./admin.ts";
 export { jobRoutes } from "./jobs.ts";
 export { checkpointRoutes, ReshardRequestSchema } from "./checkpoints.ts";
 export { generateRoutes } from "./generate.ts";
