@@ -18,6 +18,13 @@ import { JobStore } from "../server/jobs/mod.ts";
 const ROUTES: Array<[method: string, path: string, body?: unknown]> = [
   ["GET", "/jobs/ID"],
   ["GET", "/jobs/ID/metrics"],
+  ["GET", "/jobs/ID/metrics?format=csv"],
+  ["GET", "/jobs/compare?ids=ID"],
+  ["POST", "/evaluate", {
+    model: "ID",
+    task: "multiple_choice",
+    examples: [{ context: "The sky is", endings: ["blue", "loud"], label: 0 }],
+  }],
   ["GET", "/jobs/ID/events"],
   ["POST", "/jobs/ID/cancel", {}],
   ["DELETE", "/jobs/ID"],
