@@ -100,7 +100,7 @@ export function checkPlacement(placed: (number | null)[], gpus: number): void {
     if (other !== undefined && placed.length <= gpus) {
       throw new Error(
         `Workers ${other} and ${worker} both landed on GPU ${gpu} although ${gpus} GPUs exist: ` +
-          `GPU pinning failed (set GPT2_GPU_SELECT to "direct" or "inverted"; see README "GPUs")`,
+          `GPU pinning failed (set GPT2_GPU_SELECT to "direct" or "inverted"; see docs/operations.md)`,
       );
     }
     seen.set(gpu, worker);

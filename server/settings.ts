@@ -1,7 +1,7 @@
 /**
  * The server's settings, read once from the environment: where it listens and keeps its data,
  * the API token, who may call it (hosts, CORS origins), which proxies may name the client, and
- * every resource limit with its default. One module, so the README's table of limits and the
+ * every resource limit with its default. One module, so the table of limits (docs/security.md) and the
  * code cannot drift apart, and a refusal past a limit can name the setting that raises it.
  */
 
@@ -57,7 +57,7 @@ export const LIMIT_SETTINGS: Record<keyof Limits, string> = {
  */
 export const ENGINE_MAX_STREAMS = 64;
 
-/** Default limits (see README, "Limits"); one client may fill an engine's batch. */
+/** Default limits (docs/security.md); one client may fill an engine's batch. */
 export function defaultLimits(cores = navigator.hardwareConcurrency ?? 2): Limits {
   return {
     maxQueuedJobs: 100,
@@ -98,7 +98,7 @@ export const QUOTA_SETTINGS: Record<keyof Quotas, string> = {
   gpu_seconds_per_day: "GPT2_QUOTA_GPU_SECONDS_PER_DAY",
 };
 
-/** Default quotas of every user (see README, "Users, tokens and quotas"). */
+/** Default quotas of every user (docs/security.md, "Users, tokens and quotas"). */
 export function defaultQuotas(): Quotas {
   return { queued_jobs: 20, running_gpus: 2, streams: 16, gpu_seconds_per_day: 86_400 };
 }
@@ -322,7 +322,7 @@ export function admitTrainJob(
   }
 }
 
-/** Settings of a server that shares its jobs with other hosts (README, "Several hosts"). */
+/** Settings of a server that shares its jobs with other hosts (docs/cluster.md). */
 export interface ClusterConfig {
   /** PostgreSQL URL (GPT2_DATABASE_URL); null: the embedded SQLite store, one host. */
   databaseUrl: string | null;

@@ -3,7 +3,7 @@
  * passes its environment on): whether it runs inside the GPU host (its stdout is then the host
  * protocol), and the generation engine's tuning (GPT2_GEN_*, GPT2_TRAIN_SHARE,
  * GPT2_FAST_READBACK, and MESA_SHADER_CACHE_DISABLE, which compile reports mention). Nothing
- * else in worker/ or engine/ reads the environment. README lists every variable and its default.
+ * else in worker/ or engine/ reads the environment. docs/operations.md lists every variable and its default.
  */
 
 import { parseFastReadback } from "../engine/readback.ts";
