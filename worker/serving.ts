@@ -1,7 +1,7 @@
 /**
- * Generation inside a GPU Worker, with continuous batching. One engine per loaded model holds a
+ * Generation inside a GPU Worker, with continuous batching. One batcher per loaded model holds a
  * gpu/ Generator (up to `maxStreams` streams, its KV cache grown by need). At every step the
- * engine drops cancelled streams, admits waiting requests into free slots (worker/batching.ts),
+ * batcher drops cancelled streams, admits waiting requests into free slots (worker/batching.ts),
  * and runs their prefill and a chunk of decode steps for all streams in one go, posting each
  * stream's tokens as they arrive. A request ends at its token budget, at `<|endoftext|>`, or when
  * cancelled (the slot is freed at the next step). Requests beyond the slots wait in order.
@@ -9,7 +9,7 @@
  * Beside training on the same GPU: the train loop asks `busy` after each step; while generation
  * is busy it keeps one step in flight and hands the GPU over through `turn`, which returns after
  * generation has had its share of the time, so neither side's readback waits on a deep queue of
- * the other's work. Idle engines beyond `maxModels` are unloaded, least recently used first.
+ * the other's work. Idle batchers beyond `maxModels` are unloaded, least recently used first.
  */
 
 import { EOT_TOKEN } from "../model/config.ts";
@@ -27,7 +27,7 @@ import {
 import { loadWeights } from "../checkpoint/model_source.ts";
 import { planStep, type SchedulerLimits } from "./batching.ts";
 
-/** Sizing of each engine. */
+/** Sizing of each batcher. */
 export interface GenerationServiceOptions extends SchedulerLimits {
   /** Most streams decoded together per model. */
   maxStreams: number;
@@ -43,7 +43,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    */
   runAhead?: boolean;
   /**
-   * Most ms an idle engine waits before its first step, so requests sent together (a burst of
+   * Most ms an idle batcher waits before its first step, so requests sent together (a burst of
    * users, or `n` choices) are prefilled together rather than one first and the rest a chunk
    * later. With `inbox` it waits only while requests are on their way to the thread, so a lone
    * request does not wait; without, a millisecond at a time until one passes with none.
@@ -75,12 +75,12 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   inbox?: () => number;
   /**
    * Blocks this thread until a message is posted to it or `ms` pass (Atomics.wait on the shared
-   * counter behind `inbox`); returns whether one was. With `admitQuietMs`, an idle engine's
+   * counter behind `inbox`); returns whether one was. With `admitQuietMs`, an idle batcher's
    * gathering uses it to tell a lone request from the first of a burst.
    */
   awaitPosted?: (ms: number) => boolean;
   /**
-   * How long an idle engine that has taken in a request waits for the next one of a burst before
+   * How long an idle batcher that has taken in a request waits for the next one of a burst before
    * its first step (ms; default 1, 0 for none, GPT2_GEN_ADMIT_QUIET_MS): a lone request pays it
    * once; requests of a burst arriving within it of each other are prefilled together, up to
    * admitWindowMs in all.
@@ -98,7 +98,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
  * 10 ms on a real GPU, so fewer, longer steps; on GPUs each is queued while the one before is read back)
- * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering a
+ * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle batcher gathering a
  * burst for up to 4 ms while its requests come within 1 ms of each other, two models loaded,
  * training keeps 70% of a shared GPU.
  */
@@ -142,8 +142,8 @@ interface Active {
   cancelled: boolean;
 }
 
-/** One model on the GPU and the requests using it. */
-class Engine {
+/** One model on the GPU and the requests using it: the continuous-batching loop of that model. */
+class Batcher {
   readonly key: string;
   #ctx: GpuContext;
   #post: (msg: FromWorker) => void;
@@ -155,8 +155,8 @@ class Engine {
   /** Settles when the load (or the deferred warm-up) is done. */
   #ready: Promise<unknown>;
   /**
-   * The full warm-up, deferred at a load beside training until the engine is first idle; until it
-   * is done the engine counts as loading (training's turn waits for it, bounded).
+   * The full warm-up, deferred at a load beside training until the batcher is first idle; until it
+   * is done the batcher counts as loading (training's turn waits for it, bounded).
    */
   #warmLater: PromiseWithResolvers<void> | null = null;
   #waiting: WorkerGeneration[] = [];
@@ -218,7 +218,7 @@ class Engine {
       // creation blocks this thread, so compiling later, beside running streams, stalled them
       // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
       // Beside training, the first request comes first: only the single-stream decode is built
-      // now (its prompt's prefill on admission), and everything else once the engine is first
+      // now (its prompt's prefill on admission), and everything else once the batcher is first
       // idle, with training held as during a load (a 124M load's warm-up takes 2.3-4.6 s on an
       // H200 with the driver's cache full, 11-16 s without).
       if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) {
@@ -248,7 +248,7 @@ class Engine {
     return this.#ready;
   }
 
-  /** The deferred warm-up, with the engine idle: requests arriving meanwhile wait for it, as at a load. */
+  /** The deferred warm-up, with the batcher idle: requests arriving meanwhile wait for it, as at a load. */
   async #warmDeferred(gen: Generator): Promise<void> {
     const later = this.#warmLater!;
     try {
@@ -259,7 +259,7 @@ class Engine {
     }
   }
 
-  /** Whether this engine can take requests (its device alive, its load not failed). */
+  /** Whether this batcher can take requests (its device alive, its load not failed). */
   get usable(): boolean {
     return !this.#dead && !this.#ctx.lostReason;
   }
@@ -445,9 +445,9 @@ export class GenerationService {
   #open: () => Promise<GpuContext>;
   #post: (msg: FromWorker) => void;
   #opts: GenerationServiceOptions;
-  /** Loaded engines, least recently used first. */
-  #engines = new Map<string, Engine>();
-  /** Cancels that arrived while their request was still being routed to an engine. */
+  /** Loaded batchers, least recently used first. */
+  #batchers = new Map<string, Batcher>();
+  /** Cancels that arrived while their request was still being routed to a batcher. */
   #early = new Set<string>();
   /** Generation time owed to training's turn, and who waits for it. */
   #turn: { left: number; resolve: () => void } | null = null;
@@ -470,12 +470,12 @@ export class GenerationService {
    * for the training steps queued before it on the GPU.
    */
   get resident(): boolean {
-    return this.#engines.size > 0;
+    return this.#batchers.size > 0;
   }
 
   /** Whether any model has requests running or waiting. */
   get busy(): boolean {
-    for (const e of this.#engines.values()) if (!e.idle) return true;
+    for (const e of this.#batchers.values()) if (!e.idle) return true;
     return false;
   }
 
@@ -490,7 +490,7 @@ export class GenerationService {
 
   turn(trainMs: number): Promise<void> {
     if (!this.busy) return Promise.resolve();
-    const loads = [...this.#engines.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
+    const loads = [...this.#batchers.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
     if (loads.length > 0) {
       // A model loading for a waiting request has the GPU to itself until it is ready (bounded), then the share.
       let timer: ReturnType<typeof setTimeout> | undefined;
@@ -535,7 +535,7 @@ export class GenerationService {
 
   /**
    * Answers a rehearsal (WorkerGeneration.rehearsal: the server's start-up warm-up) as a
-   * generation's messages come, through the same port, with no model, engine or GPU: started (its
+   * generation's messages come, through the same port, with no model, batcher or GPU: started (its
    * hops' stamps), then in a later task the prompt's first tokens (at most max_tokens, 8) and done.
    * It takes no slot and is not counted; its use is the code it runs in the GPU host and the HTTP
    * process, which a burst of users' first requests would otherwise meet cold.
@@ -561,18 +561,18 @@ export class GenerationService {
     });
   }
 
-  /** Starts a request on its model's engine, loading the model first if needed. */
+  /** Starts a request on its model's batcher, loading the model first if needed. */
   async generate(req: WorkerGeneration): Promise<void> {
     req.received_at = epochMs();
     if (req.rehearsal === true) return this.#rehearse(req);
     const key = keyOf(req);
-    let engine = this.#engines.get(key);
-    if (engine && !engine.usable && engine.idle) {
-      this.#engines.delete(key);
-      await engine.destroy();
-      engine = undefined;
+    let batcher = this.#batchers.get(key);
+    if (batcher && !batcher.usable && batcher.idle) {
+      this.#batchers.delete(key);
+      await batcher.destroy();
+      batcher = undefined;
     }
-    if (!engine) {
+    if (!batcher) {
       let ctx: GpuContext;
       try {
         ctx = await this.#open();
@@ -587,7 +587,7 @@ export class GenerationService {
         return;
       }
       await this.#evict(this.#opts.maxModels - 1);
-      engine = new Engine(ctx, req, this.#post, this.#opts, {
+      batcher = new Batcher(ctx, req, this.#post, this.#opts, {
         idle: () => {
           if (!this.busy) this.#releaseTurn();
           this.#evict(this.#opts.maxModels);
@@ -597,35 +597,35 @@ export class GenerationService {
       });
     }
     // Most recently used last.
-    this.#engines.delete(key);
-    this.#engines.set(key, engine);
+    this.#batchers.delete(key);
+    this.#batchers.set(key, batcher);
     if (this.#early.delete(req.id)) {
       this.#post({ type: "gen_done", id: req.id, reason: "cancelled", error: null, completion_tokens: 0 });
       return;
     }
-    engine.add(req);
+    batcher.add(req);
   }
 
   /** Cancels a request wherever it is; a request already finished is ignored. */
   cancel(id: string): void {
-    for (const e of this.#engines.values()) if (e.cancel(id)) return;
+    for (const e of this.#batchers.values()) if (e.cancel(id)) return;
     if (this.#early.size > 1000) this.#early.clear(); // cancels of finished requests land here too
     this.#early.add(id);
   }
 
   /** Unloads every model. */
   async destroy(): Promise<void> {
-    for (const e of this.#engines.values()) await e.destroy();
-    this.#engines.clear();
+    for (const e of this.#batchers.values()) await e.destroy();
+    this.#batchers.clear();
     this.#releaseTurn();
   }
 
-  /** Unloads idle engines while more than `limit` are loaded (least recently used first), and broken idle ones. */
+  /** Unloads idle batchers while more than `limit` are loaded (least recently used first), and broken idle ones. */
   async #evict(limit: number): Promise<void> {
-    for (const [key, e] of this.#engines) {
+    for (const [key, e] of this.#batchers) {
       if (!e.idle) continue;
-      if (this.#engines.size > limit || !e.usable) {
-        this.#engines.delete(key);
+      if (this.#batchers.size > limit || !e.usable) {
+        this.#batchers.delete(key);
         await e.destroy();
       }
     }
