@@ -204,6 +204,12 @@ export class Generator {
     return this.#slots.cap;
   }
 
+  /** Tokens stream `handle` may still be handed out (its maxTokens less those handed out; 0 if unknown). */
+  remaining(handle: number): number {
+    const known = this.#slots.rows.includes(handle) || this.#slots.pending.some((p) => p.slot === handle);
+    return known ? this.#slots.budget[handle] : 0;
+  }
+
   /** Where the last `step` spent its time. */
   get timing(): StepTiming {
     return this.#chunks.timing;
@@ -219,9 +225,9 @@ export class Generator {
 
   /**
    * Admits a stream on `prompt` (1 … n_positions−1 tokens): it is prefilled, and its first token
-   * sampled, at the next `step`. `maxTokens`, when given, is the most tokens the stream will be
-   * asked for: the generator does not run ahead past it. Returns its handle. Throws RangeError
-   * when no slot is free.
+   * sampled, at the next `step`. `maxTokens`, when given, is the most tokens the stream is handed
+   * out (the generator counts them: see `remaining` and StreamOutput.left), and it does not run
+   * ahead past it. Returns its handle. Throws RangeError when no slot is free.
    */
   async admit(prompt: ArrayLike<number>, sampling: SamplingParams, maxTokens = Infinity): Promise<number> {
     const c = this.config, len = prompt.length;
@@ -268,7 +274,8 @@ export class Generator {
   /**
    * Prefills the streams admitted since the last step, runs `steps` decode steps for every stream,
    * and returns what each produced since the last step: a new stream's first token, then one
-   * token per step. `steps` + 1 (when prompts are pending) must not exceed the chunk.
+   * token per step, up to its maxTokens in all. `steps` + 1 (when prompts are pending) must not
+   * exceed the chunk.
    *
    * `ahead` > 0 runs ahead: once the GPU has finished the work read back here, a further chunk of
    * up to `ahead` steps for the same streams is queued before this call returns, so the GPU keeps

@@ -138,7 +138,8 @@ type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;
 interface Active {
   req: WorkerGeneration;
   handle: number;
-  produced: number;
+  /** Tokens posted to the client (its completion_tokens); the generator counts max_tokens. */
+  sent: number;
   cancelled: boolean;
 }
 
@@ -353,7 +354,7 @@ class Batcher {
       this.#dead = true;
       const message = (e as Error).message || String(e);
       for (const r of this.#waiting.splice(0)) this.#done(r.id, "error", message, 0);
-      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
+      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.sent);
     } finally {
       this.#running = false;
       this.#onIdle();
@@ -363,7 +364,7 @@ class Batcher {
   #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
     gen.release(s.handle);
     this.#active.splice(this.#active.indexOf(s), 1);
-    this.#done(s.req.id, reason, null, s.produced);
+    this.#done(s.req.id, reason, null, s.sent);
   }
 
   /**
@@ -375,7 +376,7 @@ class Batcher {
     const plan = planStep(
       this.#waiting.map((r) => ({ promptTokens: r.prompt.length, maxTokens: r.max_tokens })),
       gen.free,
-      this.#active.map((s) => s.req.max_tokens - s.produced),
+      this.#active.map((s) => gen.remaining(s.handle)),
       this.#opts,
       this.#msPerStep,
     );
@@ -387,7 +388,7 @@ class Batcher {
           { ...req, logprobs: req.logprobs ?? undefined },
           req.max_tokens,
         );
-        this.#active.push({ req, handle, produced: 0, cancelled: false });
+        this.#active.push({ req, handle, sent: 0, cancelled: false });
         const { sent_at, relayed_at, received_at } = req;
         this.#post({
           type: "gen_started",
@@ -415,20 +416,20 @@ class Batcher {
         this.#finish(gen, s, "cancelled");
         continue;
       }
-      const room = s.req.max_tokens - s.produced;
-      let tokens = o.tokens.slice(0, room);
+      // The generator hands out at most max_tokens (admit's maxTokens); o.left is what remains.
+      let tokens = o.tokens;
       const eos = s.req.stop_at_eos ? tokens.indexOf(EOT_TOKEN) : -1;
       if (eos >= 0) tokens = tokens.slice(0, eos);
-      s.produced += tokens.length;
+      s.sent += tokens.length;
       if (tokens.length > 0) {
         const logprobs: WorkerLogprobs[] | undefined = o.logprobs?.slice(0, tokens.length).map((l) => ({
           logprob: l.logprob,
           top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
         }));
-        const first = s.produced === tokens.length ? { first_at: epochMs() } : {};
+        const first = s.sent === tokens.length ? { first_at: epochMs() } : {};
         this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}), ...first });
       }
-      if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
+      if (eos >= 0 || o.left <= 0) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
     // The tokens are on their way: now the chunk the step runs ahead, when it left it for later.
     await gen.runAhead();

@@ -27,8 +27,11 @@ interface Chunk {
   staging: GPUBuffer;
   /** Byte offsets of those three in `staging`. */
   offsets: number[];
-  /** The streams of its rows, with their epoch: a stream released since has a newer one. */
-  rows: { slot: number; epoch: number }[];
+  /**
+   * The streams of its rows, with their epoch (a stream released since has a newer one) and the
+   * tokens queued for each.
+   */
+  rows: { slot: number; epoch: number; tokens: number }[];
   /** Each row's logprobs + 1 (0: none). */
   nlp: number[];
   wantLp: boolean;
@@ -110,7 +113,7 @@ export class ChunkScheduler {
     const maps = chunks.map((c) => c.fast ? null : c.staging.mapAsync(GPUMapMode.READ));
     const t2 = performance.now();
     if (ahead > 0 && rows.length > 0) {
-      const n = Math.min(ahead, Math.max(0, ...rows.map((slot) => this.#slots.left[slot])));
+      const n = this.#aheadSteps(ahead);
       if (n > 0) await this.#submitChunk([], n, true, admitted);
     }
     const t3 = performance.now();
@@ -265,15 +268,20 @@ export class ChunkScheduler {
     return { staged, nlp, wantLp, fast };
   }
 
-  /** Books a chunk just queued: the tokens its rows may still be asked for, and the chunk to read. */
+  /** Books a chunk just queued: the tokens queued for its rows, and the chunk to read. */
   #book(steps: number, pending: Pending[], out: ChunkOutput): void {
-    const { rows, left, epochs } = this.#slots;
+    const { rows, queued, epochs } = this.#slots;
     const isNew = new Set(pending.map((p) => p.slot));
-    for (const slot of rows) left[slot] -= steps + (isNew.has(slot) ? 1 : 0);
+    const booked = rows.map((slot) => ({
+      slot,
+      epoch: epochs[slot],
+      tokens: steps + (isNew.has(slot) ? 1 : 0),
+    }));
+    for (const r of booked) queued[r.slot] += r.tokens;
     this.#inflight.push({
       staging: out.staged.buffer,
       offsets: out.staged.offsets,
-      rows: rows.map((slot) => ({ slot, epoch: epochs[slot] })),
+      rows: booked,
       nlp: out.nlp,
       wantLp: out.wantLp,
       steps,
@@ -357,8 +365,8 @@ export class ChunkScheduler {
 
   /** Steps a chunk run ahead gets: `ahead`, but no further than any row may still be asked for. */
   #aheadSteps(ahead: number): number {
-    const { rows, left } = this.#slots;
-    return Math.min(ahead, Math.max(0, ...rows.map((slot) => left[slot])));
+    const slots = this.#slots;
+    return Math.min(ahead, Math.max(0, ...slots.rows.map((slot) => slots.left(slot))));
   }
 
   /**
@@ -373,7 +381,10 @@ export class ChunkScheduler {
     for (const c of this.#inflight.splice(0)) c.staging.destroy();
   }
 
-  /** Adds what chunk `c` produced (its staging buffer mapped as `buf`) to `res`, for streams still running. */
+  /**
+   * Adds what chunk `c` produced (its staging buffer mapped as `buf`) to `res`, for streams still
+   * running, each within what it may still be handed out (KvSlots.budget).
+   */
   #collect(c: Chunk, buf: ArrayBuffer, res: Map<number, StreamOutput>): void {
     const chunk = this.#buf.opts.chunk, R = c.rows.length;
     const [stateAt, outAt, lpAt] = c.offsets;
@@ -381,10 +392,13 @@ export class ChunkScheduler {
     const out = new Uint32Array(buf, outAt, R * chunk);
     const lpf = c.wantLp ? new Float32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
     const lpu = c.wantLp ? new Uint32Array(buf, lpAt, R * chunk * LP_WORDS) : null;
+    const { epochs, budget, queued } = this.#slots;
     for (let r = 0; r < R; r++) {
       const { slot, epoch } = c.rows[r];
-      if (this.#slots.epochs[slot] !== epoch) continue; // released since
-      const n = Math.min(state[r * STATE_WORDS + 3], chunk);
+      if (epochs[slot] !== epoch) continue; // released since
+      const n = Math.min(state[r * STATE_WORDS + 3], chunk, budget[slot]);
+      budget[slot] -= n;
+      queued[slot] -= c.rows[r].tokens;
       const tokens = Array.from(out.subarray(r * chunk, r * chunk + n));
       const nlp = c.nlp[r];
       let logprobs: TokenLogprobs[] | null = null;
@@ -398,10 +412,11 @@ export class ChunkScheduler {
         }
       }
       const have = res.get(slot);
-      if (!have) res.set(slot, { tokens, logprobs });
+      if (!have) res.set(slot, { tokens, logprobs, left: budget[slot] });
       else {
         have.tokens.push(...tokens);
         if (logprobs) have.logprobs = [...(have.logprobs ?? []), ...logprobs];
+        have.left = budget[slot];
       }
     }
   }

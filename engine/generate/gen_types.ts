@@ -102,4 +102,10 @@ export interface StreamOutput {
   tokens: number[];
   /** One entry per token when the stream asked for logprobs, else null. */
   logprobs: TokenLogprobs[] | null;
+  /**
+   * Tokens the stream may still be handed out: its `maxTokens` (Generator.admit) less those handed
+   * out so far (Infinity without one). A stream is never handed more than its maxTokens; at 0 it
+   * is done.
+   */
+  left: number;
 }

@@ -35,8 +35,13 @@ export class KvSlots implements KvCache {
   pending: Pending[] = [];
   /** Per slot, bumped when a stream takes or leaves it (chunks still running tell their streams by it). */
   readonly epochs: Uint32Array;
-  /** Per slot, tokens its stream may still be asked for beyond what the queued chunks produce. */
-  readonly left: Float64Array;
+  /**
+   * Per slot, tokens its stream may still be handed out: its maxTokens less those handed out (the
+   * one count of maxTokens; Infinity without it).
+   */
+  readonly budget: Float64Array;
+  /** Per slot, tokens queued on the GPU for its stream and not read back yet. */
+  readonly queued: Float64Array;
   /** CPU copy of the rows' sampling parameters (the GPU's are rewritten before every chunk). */
   readonly paramsCpu: Uint32Array<ArrayBuffer>;
   #free: number[] = [];
@@ -48,7 +53,8 @@ export class KvSlots implements KvCache {
     this.#config = config;
     // One row more than the streams: padding prefill prompts sample into it.
     this.epochs = new Uint32Array(maxStreams + 1);
-    this.left = new Float64Array(maxStreams + 1);
+    this.budget = new Float64Array(maxStreams + 1);
+    this.queued = new Float64Array(maxStreams + 1);
     this.paramsCpu = new Uint32Array((maxStreams + 1) * PARAM_WORDS);
   }
 
@@ -100,8 +106,14 @@ export class KvSlots implements KvCache {
   take(maxTokens: number): number {
     const slot = this.#free.pop()!;
     this.epochs[slot]++;
-    this.left[slot] = maxTokens;
+    this.budget[slot] = maxTokens;
+    this.queued[slot] = 0;
     return slot;
+  }
+
+  /** Tokens slot `slot`'s stream may still be asked for beyond what the queued chunks produce. */
+  left(slot: number): number {
+    return this.budget[slot] - this.queued[slot];
   }
 
   /** Streams taken from `pending` become the last rows, to be prefilled by the next chunk. */
