@@ -1,7 +1,7 @@
 /**
  * Generation inside a GPU Worker, with continuous batching. One batcher per loaded model holds a
- * gpu/ Generator (up to `maxStreams` streams, its KV cache grown by need). At every step the
- * batcher drops cancelled streams, admits waiting requests into free slots (worker/batching.ts),
+ * Generator (engine/generator.ts: up to `maxStreams` streams, its KV cache grown by need). At every
+ * step the batcher drops cancelled streams, admits waiting requests into free slots (batching.ts),
  * and runs their prefill and a chunk of decode steps for all streams in one go, posting each
  * stream's tokens as they arrive. A request ends at its token budget, at `<|endoftext|>`, or when
  * cancelled (the slot is freed at the next step). Requests beyond the slots wait in order.
@@ -10,6 +10,7 @@
  * is busy it keeps one step in flight and hands the GPU over through `turn`, which returns after
  * generation has had its share of the time, so neither side's readback waits on a deep queue of
  * the other's work. Idle batchers beyond `maxModels` are unloaded, least recently used first.
+ * The warm-up at a load and the answer to the server's start-up rehearsal live in warm_up.ts.
  */
 
 import { EOT_TOKEN } from "../model/config.ts";
@@ -26,6 +27,7 @@ import {
 } from "../protocol.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import { planStep, type SchedulerLimits } from "./batching.ts";
+import { answerRehearsal, warmAtLoad, warmDeferred } from "./warm_up.ts";
 
 /** Sizing of each batcher. */
 export interface GenerationServiceOptions extends SchedulerLimits {
@@ -215,21 +217,9 @@ class Batcher {
         readback,
       });
     }).then(async (g) => {
-      // Every kernel before the first request (GenerationServiceOptions.warmAtLoad): pipeline
-      // creation blocks this thread, so compiling later, beside running streams, stalled them
-      // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
-      // Beside training, the first request comes first: only the single-stream decode is built
-      // now (its prompt's prefill on admission), and everything else once the batcher is first
-      // idle, with training held as during a load (a 124M load's warm-up takes 2.3-4.6 s on an
-      // H200 with the driver's cache full, 11-16 s without).
-      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) {
-        if (hooks.training()) {
-          await g.warm({ rows: 1, prefill: false });
-          this.#warmLater = Promise.withResolvers<void>();
-        } else {
-          await g.warm({ reserve: true, rehearse: true });
-        }
-      }
+      // Every kernel before the first request, or beside training the rest once idle (warm_up.ts).
+      const warmed = await warmAtLoad(ctx, g, { warmAtLoad: opts.warmAtLoad, training: hooks.training() });
+      if (warmed === "deferred") this.#warmLater = Promise.withResolvers<void>();
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -253,7 +243,7 @@ class Batcher {
   async #warmDeferred(gen: Generator): Promise<void> {
     const later = this.#warmLater!;
     try {
-      await gen.warm({ reserve: true, rehearse: true });
+      await warmDeferred(gen);
     } finally {
       this.#warmLater = null;
       later.resolve();
@@ -534,38 +524,10 @@ export class GenerationService {
     t?.resolve();
   }
 
-  /**
-   * Answers a rehearsal (WorkerGeneration.rehearsal: the server's start-up warm-up) as a
-   * generation's messages come, through the same port, with no model, batcher or GPU: started (its
-   * hops' stamps), then in a later task the prompt's first tokens (at most max_tokens, 8) and done.
-   * It takes no slot and is not counted; its use is the code it runs in the GPU host and the HTTP
-   * process, which a burst of users' first requests would otherwise meet cold.
-   */
-  async #rehearse(req: WorkerGeneration): Promise<void> {
-    const { sent_at, relayed_at, received_at } = req;
-    const admitted_at = epochMs();
-    this.#post({
-      type: "gen_started",
-      id: req.id,
-      load_ms: 0,
-      stamps: { sent_at, relayed_at, received_at, admitted_at },
-    });
-    await nextTask();
-    const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
-    if (tokens.length > 0) this.#post({ type: "gen_tokens", id: req.id, tokens, first_at: epochMs() });
-    this.#post({
-      type: "gen_done",
-      id: req.id,
-      reason: "length",
-      error: null,
-      completion_tokens: tokens.length,
-    });
-  }
-
   /** Starts a request on its model's batcher, loading the model first if needed. */
   async generate(req: WorkerGeneration): Promise<void> {
     req.received_at = epochMs();
-    if (req.rehearsal === true) return this.#rehearse(req);
+    if (req.rehearsal === true) return answerRehearsal(this.#post, req, nextTask);
     const key = keyOf(req);
     let batcher = this.#batchers.get(key);
     if (batcher && !batcher.usable && batcher.idle) {
