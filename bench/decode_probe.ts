@@ -10,6 +10,7 @@
 import { presetConfig } from "../model/config.ts";
 import { describeDevice, openDevice, readBuffer } from "../engine/device.ts";
 import { Generator } from "../engine/generator.ts";
+import { profileChunk } from "./generator_profile.ts";
 import { initParams } from "../model/init.ts";
 
 function arg(name: string, def: string): string {
@@ -63,7 +64,7 @@ for (const every of nums(arg("every", "1,4,32"))) {
     await gen.step(chunk);
     const during = performance.now() - t0;
     clearInterval(id);
-    const p = await gen.profileChunk(chunk);
+    const p = await profileChunk(gen, chunk);
     // Running ahead: each call returns the chunk queued by the call before and queues the next.
     await gen.step(chunk, chunk);
     const calls: string[] = [];

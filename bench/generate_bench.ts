@@ -38,6 +38,7 @@ import { spawnGpuWorker } from "../host/local_port.ts";
 import { presetConfig } from "../model/config.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { Generator, isCpuAdapter } from "../engine/generator.ts";
+import { profileDecode } from "./generator_profile.ts";
 import { initParams } from "../model/init.ts";
 import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
 import { writeSafetensors } from "../checkpoint/safetensors.ts";
@@ -98,7 +99,7 @@ async function engine(): Promise<void> {
         console.log(`  batch ${B}, ${n} tokens, each call in ms: ${calls.join(", ")}`);
       }
       const ms = performance.now() - t0;
-      const profile = Deno.args.includes("--profile") && ctx.hasTimestamps ? await gen.profileDecode() : null;
+      const profile = Deno.args.includes("--profile") && ctx.hasTimestamps ? await profileDecode(gen) : null;
       for (const h of hs) gen.release(h);
       return { tokens: got, ms, ttft, profile };
     };

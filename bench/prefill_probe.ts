@@ -13,6 +13,7 @@ import { openDevice } from "../engine/device.ts";
 import { presetConfig } from "../model/config.ts";
 import { initParams } from "../model/init.ts";
 import { Generator } from "../engine/generator.ts";
+import { profileChunk, profilePrefill } from "./generator_profile.ts";
 import { createReadback } from "../engine/readback.ts";
 
 const arg = (name: string, dflt: string) => {
@@ -34,8 +35,8 @@ console.log(`${model}: warmed in ${warmMs.toFixed(0)} ms (${gen.kernels} kernels
 const median = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor((xs.length - 1) / 2)];
 const result: Record<string, unknown> = { model, warm_ms: warmMs };
 for (const [B, T] of shapes) {
-  await gen.profilePrefill(B, T);
-  const ops = await gen.profilePrefill(B, T);
+  await profilePrefill(gen, B, T);
+  const ops = await profilePrefill(gen, B, T);
   const total = ops.reduce((a, o) => a + o.ms, 0);
   const byKind = new Map<string, number>();
   for (const o of ops) {
@@ -101,7 +102,7 @@ for (const [B, T] of shapes) {
   );
   await gen.step(0);
   for (let i = 0; i < 4; i++) {
-    const c = await gen.profileChunk(4);
+    const c = await profileChunk(gen, 4);
     console.log(
       `4 decode steps at batch 1: recorded in ${c.encodeMs.toFixed(2)} ms, finished in ${
         c.finishMs.toFixed(2)

@@ -1,7 +1,7 @@
 /**
  * The Worker-side generation service on the real GPU (a tiny random model from a Hugging Face
  * directory): a request that finds every stream slot taken waits in order and is admitted at the
- * step after a cancel frees one; requests sent together to an idle engine are prefilled together;
+ * step after a cancel frees one; requests sent together to an idle batcher are prefilled together;
  * and training's turn resolves once generation has had its share, or at once when generation is
  * idle. Skipped without an adapter. The options' environment variables and their errors.
  */
@@ -99,7 +99,7 @@ Deno.test({
 });
 
 Deno.test({
-  name: "GenerationService: requests sent together to an idle engine are prefilled in one step",
+  name: "GenerationService: requests sent together to an idle batcher are prefilled in one step",
   ignore: noGpu,
   sanitizeResources: false,
   sanitizeOps: false,
@@ -304,7 +304,7 @@ Deno.test({
 
 Deno.test({
   name:
-    "GenerationService: an idle engine waits admitQuietMs on the posted count for the rest of a burst, and a lone request only that long",
+    "GenerationService: an idle batcher waits admitQuietMs on the posted count for the rest of a burst, and a lone request only that long",
   ignore: noGpu,
   sanitizeResources: false,
   sanitizeOps: false,

@@ -254,7 +254,7 @@ Deno.test({
 for (const fast of [false, true]) {
   Deno.test({
     name:
-      `Generator running ahead: the same greedy tokens while streams join and leave with a chunk still queued; maxTokens bounds it${
+      `Generator running ahead: the same greedy tokens while streams join and leave with a chunk still queued; maxTokens bounds it and what is handed out${
         fast ? " (a lone stream's chunks read through the canvas path)" : ""
       }`,
     ignore: noGpu,
@@ -306,6 +306,14 @@ for (const fast of [false, true]) {
       assert.deepEqual(seen, referenceArgmaxes(p64, prompts[4], seen));
       assert.equal(gen.timing.steps, 0, "nothing ran past the 3 tokens");
       gen.release(h);
+      // Asked for more steps than that, the generator still hands out 3 tokens, and says so.
+      const k = await gen.admit(prompts[4], greedy, 3);
+      assert.equal(gen.remaining(k), 3);
+      const o = (await gen.step(5)).get(k)!;
+      assert.deepEqual(o.tokens, seen);
+      assert.equal(o.left, 0);
+      assert.equal(gen.remaining(k), 0);
+      gen.release(k);
       // The last stream leaving drops the chunk that ran ahead for it: nothing is left to read.
       const g = await gen.admit(prompts[5], greedy);
       assert.equal((await gen.step(0, 8)).get(g)?.tokens.length, 1);

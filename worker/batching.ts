@@ -7,7 +7,7 @@
  * (nothing is preempted: a stream keeps its slot until it ends).
  */
 
-/** Limits of one engine. */
+/** Limits of one batcher (worker/serving.ts). */
 export interface SchedulerLimits {
   /** Tokens a stream may get per step (the generator's chunk). */
   chunk: number;

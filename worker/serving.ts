@@ -1,7 +1,7 @@
 /**
- * Generation inside a GPU Worker, with continuous batching. One engine per loaded model holds a
- * gpu/ Generator (up to `maxStreams` streams, its KV cache grown by need). At every step the
- * engine drops cancelled streams, admits waiting requests into free slots (worker/batching.ts),
+ * Generation inside a GPU Worker, with continuous batching. One batcher per loaded model holds a
+ * Generator (engine/generator.ts: up to `maxStreams` streams, its KV cache grown by need). At every
+ * step the batcher drops cancelled streams, admits waiting requests into free slots (batching.ts),
  * and runs their prefill and a chunk of decode steps for all streams in one go, posting each
  * stream's tokens as they arrive. A request ends at its token budget, at `<|endoftext|>`, or when
  * cancelled (the slot is freed at the next step). Requests beyond the slots wait in order.
@@ -9,7 +9,8 @@
  * Beside training on the same GPU: the train loop asks `busy` after each step; while generation
  * is busy it keeps one step in flight and hands the GPU over through `turn`, which returns after
  * generation has had its share of the time, so neither side's readback waits on a deep queue of
- * the other's work. Idle engines beyond `maxModels` are unloaded, least recently used first.
+ * the other's work. Idle batchers beyond `maxModels` are unloaded, least recently used first.
+ * The warm-up at a load and the answer to the server's start-up rehearsal live in warm_up.ts.
  */
 
 import { EOT_TOKEN } from "../model/config.ts";
@@ -26,8 +27,9 @@ import {
 } from "../protocol.ts";
 import { loadWeights } from "../checkpoint/model_source.ts";
 import { planStep, type SchedulerLimits } from "./batching.ts";
+import { answerRehearsal, warmAtLoad, warmDeferred } from "./warm_up.ts";
 
-/** Sizing of each engine. */
+/** Sizing of each batcher. */
 export interface GenerationServiceOptions extends SchedulerLimits {
   /** Most streams decoded together per model. */
   maxStreams: number;
@@ -43,7 +45,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
    */
   runAhead?: boolean;
   /**
-   * Most ms an idle engine waits before its first step, so requests sent together (a burst of
+   * Most ms an idle batcher waits before its first step, so requests sent together (a burst of
    * users, or `n` choices) are prefilled together rather than one first and the rest a chunk
    * later. With `inbox` it waits only while requests are on their way to the thread, so a lone
    * request does not wait; without, a millisecond at a time until one passes with none.
@@ -75,12 +77,12 @@ export interface GenerationServiceOptions extends SchedulerLimits {
   inbox?: () => number;
   /**
    * Blocks this thread until a message is posted to it or `ms` pass (Atomics.wait on the shared
-   * counter behind `inbox`); returns whether one was. With `admitQuietMs`, an idle engine's
+   * counter behind `inbox`); returns whether one was. With `admitQuietMs`, an idle batcher's
    * gathering uses it to tell a lone request from the first of a burst.
    */
   awaitPosted?: (ms: number) => boolean;
   /**
-   * How long an idle engine that has taken in a request waits for the next one of a burst before
+   * How long an idle batcher that has taken in a request waits for the next one of a burst before
    * its first step (ms; default 1, 0 for none, GPT2_GEN_ADMIT_QUIET_MS): a lone request pays it
    * once; requests of a burst arriving within it of each other are prefilled together, up to
    * admitWindowMs in all.
@@ -98,7 +100,7 @@ export interface GenerationServiceOptions extends SchedulerLimits {
 /**
  * Defaults: 64 streams per model, 32 tokens per step (4 when admitting; a readback costs about
  * 10 ms on a real GPU, so fewer, longer steps; on GPUs each is queued while the one before is read back)
- * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle engine gathering a
+ * and at most 250 ms per step, 2048 prompt tokens prefilled per step, an idle batcher gathering a
  * burst for up to 4 ms while its requests come within 1 ms of each other, two models loaded,
  * training keeps 70% of a shared GPU.
  */
@@ -138,12 +140,13 @@ type Done = Extract<FromWorkerGeneration, { type: "gen_done" }>;
 interface Active {
   req: WorkerGeneration;
   handle: number;
-  produced: number;
+  /** Tokens posted to the client (its completion_tokens); the generator counts max_tokens. */
+  sent: number;
   cancelled: boolean;
 }
 
-/** One model on the GPU and the requests using it. */
-class Engine {
+/** One model on the GPU and the requests using it: the continuous-batching loop of that model. */
+class Batcher {
   readonly key: string;
   #ctx: GpuContext;
   #post: (msg: FromWorker) => void;
@@ -155,8 +158,8 @@ class Engine {
   /** Settles when the load (or the deferred warm-up) is done. */
   #ready: Promise<unknown>;
   /**
-   * The full warm-up, deferred at a load beside training until the engine is first idle; until it
-   * is done the engine counts as loading (training's turn waits for it, bounded).
+   * The full warm-up, deferred at a load beside training until the batcher is first idle; until it
+   * is done the batcher counts as loading (training's turn waits for it, bounded).
    */
   #warmLater: PromiseWithResolvers<void> | null = null;
   #waiting: WorkerGeneration[] = [];
@@ -214,21 +217,9 @@ class Engine {
         readback,
       });
     }).then(async (g) => {
-      // Every kernel before the first request (GenerationServiceOptions.warmAtLoad): pipeline
-      // creation blocks this thread, so compiling later, beside running streams, stalled them
-      // (H200: cold first tokens 10-39 times the warm ones when shapes compiled on first use).
-      // Beside training, the first request comes first: only the single-stream decode is built
-      // now (its prompt's prefill on admission), and everything else once the engine is first
-      // idle, with training held as during a load (a 124M load's warm-up takes 2.3-4.6 s on an
-      // H200 with the driver's cache full, 11-16 s without).
-      if (opts.warmAtLoad ?? !isCpuAdapter(ctx)) {
-        if (hooks.training()) {
-          await g.warm({ rows: 1, prefill: false });
-          this.#warmLater = Promise.withResolvers<void>();
-        } else {
-          await g.warm({ reserve: true, rehearse: true });
-        }
-      }
+      // Every kernel before the first request, or beside training the rest once idle (warm_up.ts).
+      const warmed = await warmAtLoad(ctx, g, { warmAtLoad: opts.warmAtLoad, training: hooks.training() });
+      if (warmed === "deferred") this.#warmLater = Promise.withResolvers<void>();
       this.#loadMs = performance.now() - t0;
       return g;
     });
@@ -248,18 +239,18 @@ class Engine {
     return this.#ready;
   }
 
-  /** The deferred warm-up, with the engine idle: requests arriving meanwhile wait for it, as at a load. */
+  /** The deferred warm-up, with the batcher idle: requests arriving meanwhile wait for it, as at a load. */
   async #warmDeferred(gen: Generator): Promise<void> {
     const later = this.#warmLater!;
     try {
-      await gen.warm({ reserve: true, rehearse: true });
+      await warmDeferred(gen);
     } finally {
       this.#warmLater = null;
       later.resolve();
     }
   }
 
-  /** Whether this engine can take requests (its device alive, its load not failed). */
+  /** Whether this batcher can take requests (its device alive, its load not failed). */
   get usable(): boolean {
     return !this.#dead && !this.#ctx.lostReason;
   }
@@ -353,7 +344,7 @@ class Engine {
       this.#dead = true;
       const message = (e as Error).message || String(e);
       for (const r of this.#waiting.splice(0)) this.#done(r.id, "error", message, 0);
-      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.produced);
+      for (const s of this.#active.splice(0)) this.#done(s.req.id, "error", message, s.sent);
     } finally {
       this.#running = false;
       this.#onIdle();
@@ -363,7 +354,7 @@ class Engine {
   #finish(gen: Generator, s: Active, reason: Done["reason"]): void {
     gen.release(s.handle);
     this.#active.splice(this.#active.indexOf(s), 1);
-    this.#done(s.req.id, reason, null, s.produced);
+    this.#done(s.req.id, reason, null, s.sent);
   }
 
   /**
@@ -375,7 +366,7 @@ class Engine {
     const plan = planStep(
       this.#waiting.map((r) => ({ promptTokens: r.prompt.length, maxTokens: r.max_tokens })),
       gen.free,
-      this.#active.map((s) => s.req.max_tokens - s.produced),
+      this.#active.map((s) => gen.remaining(s.handle)),
       this.#opts,
       this.#msPerStep,
     );
@@ -387,7 +378,7 @@ class Engine {
           { ...req, logprobs: req.logprobs ?? undefined },
           req.max_tokens,
         );
-        this.#active.push({ req, handle, produced: 0, cancelled: false });
+        this.#active.push({ req, handle, sent: 0, cancelled: false });
         const { sent_at, relayed_at, received_at } = req;
         this.#post({
           type: "gen_started",
@@ -415,20 +406,20 @@ class Engine {
         this.#finish(gen, s, "cancelled");
         continue;
       }
-      const room = s.req.max_tokens - s.produced;
-      let tokens = o.tokens.slice(0, room);
+      // The generator hands out at most max_tokens (admit's maxTokens); o.left is what remains.
+      let tokens = o.tokens;
       const eos = s.req.stop_at_eos ? tokens.indexOf(EOT_TOKEN) : -1;
       if (eos >= 0) tokens = tokens.slice(0, eos);
-      s.produced += tokens.length;
+      s.sent += tokens.length;
       if (tokens.length > 0) {
         const logprobs: WorkerLogprobs[] | undefined = o.logprobs?.slice(0, tokens.length).map((l) => ({
           logprob: l.logprob,
           top: l.top.map((t) => [t.id, t.logprob] as [number, number]),
         }));
-        const first = s.produced === tokens.length ? { first_at: epochMs() } : {};
+        const first = s.sent === tokens.length ? { first_at: epochMs() } : {};
         this.#post({ type: "gen_tokens", id: s.req.id, tokens, ...(logprobs ? { logprobs } : {}), ...first });
       }
-      if (eos >= 0 || s.produced >= s.req.max_tokens) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
+      if (eos >= 0 || o.left <= 0) this.#finish(gen, s, eos >= 0 ? "eos" : "length");
     }
     // The tokens are on their way: now the chunk the step runs ahead, when it left it for later.
     await gen.runAhead();
@@ -445,9 +436,9 @@ export class GenerationService {
   #open: () => Promise<GpuContext>;
   #post: (msg: FromWorker) => void;
   #opts: GenerationServiceOptions;
-  /** Loaded engines, least recently used first. */
-  #engines = new Map<string, Engine>();
-  /** Cancels that arrived while their request was still being routed to an engine. */
+  /** Loaded batchers, least recently used first. */
+  #batchers = new Map<string, Batcher>();
+  /** Cancels that arrived while their request was still being routed to a batcher. */
   #early = new Set<string>();
   /** Generation time owed to training's turn, and who waits for it. */
   #turn: { left: number; resolve: () => void } | null = null;
@@ -470,12 +461,12 @@ export class GenerationService {
    * for the training steps queued before it on the GPU.
    */
   get resident(): boolean {
-    return this.#engines.size > 0;
+    return this.#batchers.size > 0;
   }
 
   /** Whether any model has requests running or waiting. */
   get busy(): boolean {
-    for (const e of this.#engines.values()) if (!e.idle) return true;
+    for (const e of this.#batchers.values()) if (!e.idle) return true;
     return false;
   }
 
@@ -490,7 +481,7 @@ export class GenerationService {
 
   turn(trainMs: number): Promise<void> {
     if (!this.busy) return Promise.resolve();
-    const loads = [...this.#engines.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
+    const loads = [...this.#batchers.values()].filter((e) => e.loading && !e.idle).map((e) => e.loaded);
     if (loads.length > 0) {
       // A model loading for a waiting request has the GPU to itself until it is ready (bounded), then the share.
       let timer: ReturnType<typeof setTimeout> | undefined;
@@ -533,46 +524,18 @@ export class GenerationService {
     t?.resolve();
   }
 
-  /**
-   * Answers a rehearsal (WorkerGeneration.rehearsal: the server's start-up warm-up) as a
-   * generation's messages come, through the same port, with no model, engine or GPU: started (its
-   * hops' stamps), then in a later task the prompt's first tokens (at most max_tokens, 8) and done.
-   * It takes no slot and is not counted; its use is the code it runs in the GPU host and the HTTP
-   * process, which a burst of users' first requests would otherwise meet cold.
-   */
-  async #rehearse(req: WorkerGeneration): Promise<void> {
-    const { sent_at, relayed_at, received_at } = req;
-    const admitted_at = epochMs();
-    this.#post({
-      type: "gen_started",
-      id: req.id,
-      load_ms: 0,
-      stamps: { sent_at, relayed_at, received_at, admitted_at },
-    });
-    await nextTask();
-    const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
-    if (tokens.length > 0) this.#post({ type: "gen_tokens", id: req.id, tokens, first_at: epochMs() });
-    this.#post({
-      type: "gen_done",
-      id: req.id,
-      reason: "length",
-      error: null,
-      completion_tokens: tokens.length,
-    });
-  }
-
-  /** Starts a request on its model's engine, loading the model first if needed. */
+  /** Starts a request on its model's batcher, loading the model first if needed. */
   async generate(req: WorkerGeneration): Promise<void> {
     req.received_at = epochMs();
-    if (req.rehearsal === true) return this.#rehearse(req);
+    if (req.rehearsal === true) return answerRehearsal(this.#post, req, nextTask);
     const key = keyOf(req);
-    let engine = this.#engines.get(key);
-    if (engine && !engine.usable && engine.idle) {
-      this.#engines.delete(key);
-      await engine.destroy();
-      engine = undefined;
+    let batcher = this.#batchers.get(key);
+    if (batcher && !batcher.usable && batcher.idle) {
+      this.#batchers.delete(key);
+      await batcher.destroy();
+      batcher = undefined;
     }
-    if (!engine) {
+    if (!batcher) {
       let ctx: GpuContext;
       try {
         ctx = await this.#open();
@@ -587,7 +550,7 @@ export class GenerationService {
         return;
       }
       await this.#evict(this.#opts.maxModels - 1);
-      engine = new Engine(ctx, req, this.#post, this.#opts, {
+      batcher = new Batcher(ctx, req, this.#post, this.#opts, {
         idle: () => {
           if (!this.busy) this.#releaseTurn();
           this.#evict(this.#opts.maxModels);
@@ -597,35 +560,35 @@ export class GenerationService {
       });
     }
     // Most recently used last.
-    this.#engines.delete(key);
-    this.#engines.set(key, engine);
+    this.#batchers.delete(key);
+    this.#batchers.set(key, batcher);
     if (this.#early.delete(req.id)) {
       this.#post({ type: "gen_done", id: req.id, reason: "cancelled", error: null, completion_tokens: 0 });
       return;
     }
-    engine.add(req);
+    batcher.add(req);
   }
 
   /** Cancels a request wherever it is; a request already finished is ignored. */
   cancel(id: string): void {
-    for (const e of this.#engines.values()) if (e.cancel(id)) return;
+    for (const e of this.#batchers.values()) if (e.cancel(id)) return;
     if (this.#early.size > 1000) this.#early.clear(); // cancels of finished requests land here too
     this.#early.add(id);
   }
 
   /** Unloads every model. */
   async destroy(): Promise<void> {
-    for (const e of this.#engines.values()) await e.destroy();
-    this.#engines.clear();
+    for (const e of this.#batchers.values()) await e.destroy();
+    this.#batchers.clear();
     this.#releaseTurn();
   }
 
-  /** Unloads idle engines while more than `limit` are loaded (least recently used first), and broken idle ones. */
+  /** Unloads idle batchers while more than `limit` are loaded (least recently used first), and broken idle ones. */
   async #evict(limit: number): Promise<void> {
-    for (const [key, e] of this.#engines) {
+    for (const [key, e] of this.#batchers) {
       if (!e.idle) continue;
-      if (this.#engines.size > limit || !e.usable) {
-        this.#engines.delete(key);
+      if (this.#batchers.size > limit || !e.usable) {
+        this.#batchers.delete(key);
         await e.destroy();
       }
     }

@@ -1,7 +1,7 @@
 /**
  * A GPU Worker's settings, read once from the environment when the Worker starts (the GPU host
  * passes its environment on): whether it runs inside the GPU host (its stdout is then the host
- * protocol), and the generation engine's tuning (GPT2_GEN_*, GPT2_TRAIN_SHARE,
+ * protocol), and the generation batcher's tuning (GPT2_GEN_*, GPT2_TRAIN_SHARE,
  * GPT2_FAST_READBACK, and MESA_SHADER_CACHE_DISABLE, which compile reports mention). Nothing
  * else in worker/ or engine/ reads the environment. docs/operations.md lists every variable and its default.
  */
