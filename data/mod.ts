@@ -97,3 +97,27 @@ export {
   UrlRefusedError,
 } from "./urls.ts";
 export { readTaskFile, TASK_FILE_RE, TaskFileNotFoundError, tasksDir } from "./tasks.ts";
+export {
+  CHAT_EOT,
+  CHAT_ROLES,
+  CHAT_TEMPLATE,
+  type ChatIssue,
+  type ChatMessage,
+  type ChatRole,
+  type ChatSplit,
+  type ChatTokens,
+  checkMessages,
+  encodeChat,
+  joinChats,
+  packChats,
+  type PackedRows,
+  parseChatJsonl,
+  renderChat,
+} from "./chat.ts";
+export {
+  CHAT_DATASET_FORMAT,
+  ChatDatasetError,
+  type ChatOnError,
+  isChatDataset,
+  loadChatSplit,
+} from "./chat_dataset.ts";
