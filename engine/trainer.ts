@@ -97,10 +97,21 @@ export interface TrainerOptions {
    * floor). Default true; false reads through mapAsync (GPT2_FAST_READBACK=0).
    */
   fastReadback?: boolean;
+  /**
+   * SFT: the loss is the mean over the targets a batch's mask selects (a {@link MaskedBatch}; a
+   * plain batch counts every target), per micro-batch. Not with tensor parallelism.
+   */
+  lossMask?: boolean;
 }
 
-/** One batch of B·(T+1) tokens. */
-export type Batch = Uint16Array | Uint32Array;
+/** B·(T+1) tokens with SFT's loss mask: `mask` (B·T) is 1 where the target of row b, position t counts. */
+export interface MaskedBatch {
+  tokens: Uint16Array | Uint32Array;
+  mask: Uint8Array;
+}
+
+/** One batch of B·(T+1) tokens (with a loss mask for a trainer created with `lossMask`). */
+export type Batch = Uint16Array | Uint32Array | MaskedBatch;
 
 /**
  * Sums the gradients over the data-parallel ranks in place (every rank calls it once per step,
@@ -229,6 +240,7 @@ export class Trainer {
         { rank: opts.tensorParallel.rank, size: opts.tensorParallel.size },
       kernels: opts.kernels,
       onCompile: opts.onCompile,
+      lossMask: opts.lossMask,
     });
     const n = model.layout.totalSize;
     const q = ctx.device.queue;
@@ -283,18 +295,34 @@ export class Trainer {
     return this.#model.microBatches;
   }
 
-  #writeTokens(tokens: Batch): void {
+  #writeTokens(batch: Batch): void {
     const { batchSize: B, seqLen: T, config } = this.opts;
+    const tokens = "mask" in batch ? batch.tokens : batch;
     if (tokens.length !== B * (T + 1)) {
       throw new RangeError(
         `Batch has ${tokens.length} tokens, expected batch_size·(seq_len+1) = ${B * (T + 1)}`,
       );
     }
-    const u32 = tokens instanceof Uint32Array ? tokens : Uint32Array.from(tokens);
-    for (let i = 0; i < u32.length; i++) {
+    const n = B * (T + 1), BT = B * T;
+    const u32 = new Uint32Array(n + (this.opts.lossMask ? BT : 0));
+    u32.set(tokens);
+    for (let i = 0; i < n; i++) {
       if (u32[i] >= config.vocab_size) {
         throw new RangeError(`Token ${u32[i]} at ${i} is outside the vocabulary`);
       }
+    }
+    if (this.opts.lossMask) {
+      // Per-row weights mask × BT / (masked rows): the mean over all rows is the masked mean.
+      const w = new Float32Array(u32.buffer, n * 4, BT);
+      const mask = "mask" in batch ? batch.mask : undefined;
+      if (mask && mask.length !== BT) {
+        throw new RangeError(`Loss mask has ${mask.length} entries, expected batch_size·seq_len = ${BT}`);
+      }
+      let count = 0;
+      for (let i = 0; i < BT; i++) count += !mask || mask[i] ? 1 : 0;
+      for (let i = 0; i < BT; i++) w[i] = count > 0 && (!mask || mask[i]) ? BT / count : 0;
+    } else if ("mask" in batch) {
+      throw new RangeError("A batch with a loss mask needs a trainer created with lossMask");
     }
     write(this.#ctx.device.queue, this.#model.tokens, u32);
   }
@@ -568,7 +596,7 @@ export class Trainer {
    * Mean loss of forward passes without dropout over one or several batches of B·(T+1) tokens:
    * one submission per batch, the losses summed on the GPU, one readback.
    */
-  async evalLoss(batches: Uint16Array | Uint32Array | Array<Uint16Array | Uint32Array>): Promise<number> {
+  async evalLoss(batches: Batch | Batch[]): Promise<number> {
     const list = Array.isArray(batches) ? batches : [batches];
     if (list.length === 0) throw new RangeError("evalLoss needs at least one batch");
     const q = this.#ctx.device.queue;
