@@ -304,3 +304,44 @@ export function packChats(split: ChatSplit, seqLen: number): PackedRows {
   }
   return { tokens, mask, rows, cut, dropped };
 }
+
+/** One batch of packed rows: B·(seqLen + 1) tokens and B·seqLen target mask. */
+export interface PackedBatch {
+  tokens: Uint16Array;
+  mask: Uint8Array;
+}
+
+/** Rows `rows` of `packed` as one batch. */
+export function packedBatch(packed: PackedRows, seqLen: number, rows: readonly number[]): PackedBatch {
+  const L = seqLen + 1,
+    tokens = new Uint16Array(rows.length * L),
+    mask = new Uint8Array(rows.length * seqLen);
+  rows.forEach((r, b) => {
+    tokens.set(packed.tokens.subarray(r * L, (r + 1) * L), b * L);
+    mask.set(packed.mask.subarray(r * seqLen, (r + 1) * seqLen), b * seqLen);
+  });
+  return { tokens, mask };
+}
+
+/**
+ * Evaluation batches of packed rows, in order: up to `maxBatches` batches of `batchSize` rows
+ * (the last rows wrap to the first when the split holds fewer), with the assistant targets counted.
+ */
+export function packedEvalBatches(
+  packed: PackedRows,
+  seqLen: number,
+  batchSize: number,
+  maxBatches: number,
+): { batches: PackedBatch[]; tokens: number } {
+  if (packed.rows === 0) return { batches: [], tokens: 0 };
+  const n = Math.max(1, Math.min(maxBatches, Math.floor(packed.rows / batchSize)));
+  const batches: PackedBatch[] = [];
+  let tokens = 0;
+  for (let i = 0; i < n; i++) {
+    const rows = Array.from({ length: batchSize }, (_, b) => (i * batchSize + b) % packed.rows);
+    const batch = packedBatch(packed, seqLen, rows);
+    for (const m of batch.mask) tokens += m;
+    batches.push(batch);
+  }
+  return { batches, tokens };
+}

@@ -110,6 +110,9 @@ export {
   encodeChat,
   joinChats,
   packChats,
+  type PackedBatch,
+  packedBatch,
+  packedEvalBatches,
   type PackedRows,
   parseChatJsonl,
   renderChat,
@@ -121,3 +124,4 @@ export {
   isChatDataset,
   loadChatSplit,
 } from "./chat_dataset.ts";
+export { PackedSampler } from "./packed_sampler.ts";
