@@ -25,7 +25,7 @@ import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
-import { chatRoutes } from "./chat.ts";
+import { chatRoutes } from "./chat_completions.ts";
 import { createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
 import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
 import { authGuard, FailureLimiter } from "./auth.ts";
