@@ -4,14 +4,16 @@
  * job fine-tuned with init_from from such a model saves it again, and transformers'
  * `apply_chat_template` on it gives our tokens and assistant mask. That last test runs only where
  * Python with transformers and the `gpt2` tokenizer (cached, or downloadable) exist; it is
- * skipped elsewhere (it was skipped where this was written: no transformers there).
+ * skipped elsewhere (it was skipped where this was written: no transformers there). Where only
+ * Python's jinja2 exists (as there), the template is rendered as transformers renders it
+ * (trim_blocks, lstrip_blocks, `{% generation %}` rendering its body) and compared with ours.
  */
 import assert from "node:assert/strict";
 import { presetConfig } from "../model/config.ts";
 import { readChatTemplate, saveCheckpoint } from "../checkpoint/checkpoint.ts";
 import type { TrainConfig } from "../model/job.ts";
 import { reshardCheckpoint } from "../checkpoint/reshard.ts";
-import { CHAT_TEMPLATE, type ChatMessage, encodeChat, prepareDataset } from "../data/mod.ts";
+import { CHAT_TEMPLATE, type ChatMessage, encodeChat, prepareDataset, renderChat } from "../data/mod.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
 import { runTraining } from "../worker/train_loop.ts";
 import { initParams } from "./reference/cpu_gpt2.ts";
@@ -123,11 +125,11 @@ Deno.test({
   },
 });
 
-/** Whether `python3` can import transformers. */
-function hasTransformers(): boolean {
+/** Whether `python3` can import `module`. */
+function hasPython(module: string): boolean {
   try {
     const r = new Deno.Command("python3", {
-      args: ["-c", "import transformers"],
+      args: ["-c", `import ${module}`],
       stdout: "null",
       stderr: "null",
     })
@@ -155,7 +157,7 @@ print(json.dumps(out))
 
 Deno.test({
   name: "transformers' apply_chat_template on the saved template gives our tokens and assistant mask",
-  ignore: !hasTransformers(),
+  ignore: !hasPython("transformers"),
   fn: async () => {
     const conversations: ChatMessage[][] = [
       [
@@ -190,5 +192,54 @@ Deno.test({
         `conversation ${i} generation prompt`,
       );
     }
+  },
+});
+
+const JINJA = `
+import json, sys, jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+class Generation(Extension):
+    tags = {"generation"}
+    def parse(self, parser):
+        next(parser.stream)
+        return nodes.Scope(parser.parse_statements(["name:endgeneration"], drop_needle=True))
+req = json.load(sys.stdin)
+env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
+t = env.from_string(req["template"])
+print(json.dumps([[t.render(messages=m, eos_token="<|endoftext|>", add_generation_prompt=g) for g in (False, True)]
+                  for m in req["conversations"]]))
+`;
+
+Deno.test({
+  name:
+    "The Jinja chat template renders, as transformers' environment renders it, the text renderChat() gives",
+  ignore: !hasPython("jinja2"),
+  fn: async () => {
+    const conversations: ChatMessage[][] = [
+      [
+        { role: "system", content: "You are terse." },
+        { role: "user", content: "  What color is the sky?\n" },
+        { role: "assistant", content: "Blue, mostly." },
+        { role: "user", content: "And grass?" },
+        { role: "assistant", content: " Green.  " },
+      ],
+      [{ role: "user", content: "2+2=?" }],
+    ];
+    const child = new Deno.Command("python3", {
+      args: ["-c", JINJA],
+      stdin: "piped",
+      stdout: "piped",
+      stderr: "piped",
+    })
+      .spawn();
+    const w = child.stdin.getWriter();
+    await w.write(new TextEncoder().encode(JSON.stringify({ template: CHAT_TEMPLATE, conversations })));
+    await w.close();
+    const out = await child.output();
+    assert.ok(out.success, new TextDecoder().decode(out.stderr));
+    const got = JSON.parse(new TextDecoder().decode(out.stdout));
+    assert.deepEqual(got, conversations.map((m) => [renderChat(m), renderChat(m, true)]));
   },
 });
