@@ -1,3 +1,4 @@
+/// <reference lib="dom" />
 /**
  * Chat fine-tuning end to end on the real server (issue 42): a gpt2-tiny SFT job (init_from a
  * Hugging Face-shaped folder the test writes, the shipped conversation file
@@ -5,10 +6,12 @@
  * `tokenizer_config.json` carries the chat template; the checkpoint answers
  * `/v1/chat/completions` through the official openai npm client, streamed and not, with n,
  * seed, logprobs and stop; a model without a template is a 400 naming `model`, roles out of
- * order one naming `messages.N.role`. Runs on the test adapter (lavapipe on CI), skipped without.
+ * order one naming `messages.N.role`; where Chromium is installed, the playground's chat mode
+ * holds a two-turn conversation with it. Runs on the test adapter (lavapipe on CI), skipped without.
  */
 import assert from "node:assert/strict";
 import OpenAI from "npm:openai@7.60.0";
+import puppeteer from "puppeteer-core";
 import { presetConfig } from "../model/config.ts";
 import { exportTensors, hfConfig, writeSafetensors } from "../server/jobs/mod.ts";
 import { CHAT_TEMPLATE, prepareDataset } from "../data/mod.ts";
@@ -18,6 +21,54 @@ import { follow, type SseEvent, startServer, submit } from "./_server.ts";
 
 const FIXTURE = new URL("./fixtures/chat_small.jsonl", import.meta.url).pathname;
 const tiny = presetConfig("gpt2-tiny");
+const chromium = ["/usr/bin/chromium", "/usr/bin/chromium-browser", Deno.env.get("CHROMIUM_PATH")].find(
+  (p) => {
+    try {
+      return !!p && Deno.statSync(p).isFile;
+    } catch {
+      return false;
+    }
+  },
+);
+
+/** The playground in chat mode: two turns with model `id`, both kept in the transcript. */
+async function playgroundChat(url: string, id: string): Promise<void> {
+  const browser = await puppeteer.launch({
+    executablePath: chromium!,
+    headless: true,
+    args: ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"],
+  });
+  try {
+    const page = await browser.newPage();
+    const errors: string[] = [];
+    page.on("pageerror", (e) => errors.push(String(e)));
+    await page.goto(`${url}/#/playground?model=${id}`);
+    await page.waitForSelector("#pg-mode");
+    await page.select("#pg-mode", "chat");
+    await page.$eval("#pg-max_tokens", (el) => ((el as HTMLInputElement).value = "6"));
+    await page.$eval("#pg-temperature", (el) => ((el as HTMLInputElement).value = "0"));
+    for (const [i, text] of ["What color is the sky?", "Thank you."].entries()) {
+      await page.$eval("#pg-prompt", (el, t) => ((el as HTMLTextAreaElement).value = t as string), text);
+      await page.click("#pg-go");
+      await page.waitForFunction(
+        (n) => document.querySelectorAll("#pg-chat .turn-assistant").length === n,
+        { timeout: 60_000 },
+        i + 1,
+      );
+    }
+    const turns = await page.$$eval("#pg-chat .turn", (els) => els.map((e) => e.className));
+    assert.deepEqual(turns, [
+      "turn turn-user",
+      "turn turn-assistant",
+      "turn turn-user",
+      "turn turn-assistant",
+    ]);
+    assert.equal(await page.$eval("#pg-error", (el) => (el as HTMLElement).hidden), true);
+    assert.deepEqual(errors, []);
+  } finally {
+    await browser.close();
+  }
+}
 
 /** Writes a Hugging Face GPT-2 folder (config.json, model.safetensors) of fresh gpt2-tiny weights. */
 async function writeHfFolder(home: string, name: string): Promise<void> {
@@ -160,6 +211,8 @@ Deno.test({
       assert.equal(text, whole.choices[0].message.content);
       assert.ok(finish === "stop" || finish === "length");
       assert.equal(usage, whole.usage!.completion_tokens / 2);
+
+      if (chromium) await playgroundChat(server.url, id);
     } finally {
       server.child.kill("SIGKILL");
       await server.child.status;
