@@ -110,8 +110,11 @@ export interface MaskedBatch {
   mask: Uint8Array;
 }
 
-/** One batch of B·(T+1) tokens (with a loss mask for a trainer created with `lossMask`). */
-export type Batch = Uint16Array | Uint32Array | MaskedBatch;
+/** One batch of B·(T+1) tokens. */
+export type Batch = Uint16Array | Uint32Array;
+
+/** What a step or an evaluation takes: a batch, or one with a loss mask (a trainer created with `lossMask`). */
+export type TrainBatch = Batch | MaskedBatch;
 
 /**
  * Sums the gradients over the data-parallel ranks in place (every rank calls it once per step,
@@ -295,7 +298,7 @@ export class Trainer {
     return this.#model.microBatches;
   }
 
-  #writeTokens(batch: Batch): void {
+  #writeTokens(batch: TrainBatch): void {
     const { batchSize: B, seqLen: T, config } = this.opts;
     const tokens = "mask" in batch ? batch.tokens : batch;
     if (tokens.length !== B * (T + 1)) {
@@ -358,7 +361,7 @@ export class Trainer {
    * trainer created with `profile: true`), every kernel of the last micro-batch and the update is
    * timed; see `profile()`. Data-parallel trainers step with `trainStepReduced`.
    */
-  trainStep(tokens: Batch | Batch[], profile = false): void {
+  trainStep(tokens: TrainBatch | TrainBatch[], profile = false): void {
     if ((this.opts.dataParallel?.size ?? 1) > 1 || this.#tp) {
       throw new Error("A data- or tensor-parallel trainer steps with trainStepReduced");
     }
@@ -370,7 +373,7 @@ export class Trainer {
    * awaits `reduce` (which sums the gradients over the ranks), then submits the update.
    */
   async trainStepReduced(
-    tokens: Batch[],
+    tokens: TrainBatch[],
     reduce?: GradientReduce | StagedReduce,
     profile = false,
   ): Promise<void> {
@@ -405,7 +408,11 @@ export class Trainer {
    * where `run`'s stages of gradients are final: after each piece, while the next one computes,
    * that stage is read back and exchanged. The sums are queued on the GPU when this resolves.
    */
-  async #stagedBackward(list: Batch[], run: StagedRun, profile: boolean): Promise<GPUQuerySet | undefined> {
+  async #stagedBackward(
+    list: TrainBatch[],
+    run: StagedRun,
+    profile: boolean,
+  ): Promise<GPUQuerySet | undefined> {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, device = this.#ctx.device, q = device.queue;
     const qs = profile ? this.#querySet : undefined;
@@ -476,7 +483,7 @@ export class Trainer {
    * Writes micro-batch `i`'s tokens and dropout keys and returns the encoder its passes go into,
    * which first clears the accumulated gradients when it is the first of several.
    */
-  #microBatchEncoder(list: Batch[], i: number): GPUCommandEncoder {
+  #microBatchEncoder(list: TrainBatch[], i: number): GPUCommandEncoder {
     const m = this.#model;
     this.#writeTokens(list[i]);
     this.#writeDropout(this.#step, true, i);
@@ -486,7 +493,7 @@ export class Trainer {
   }
 
   /** Checks a step's micro-batches and writes its scalars: the optimizer uniform, and a zero loss to accumulate into. */
-  #beginStep(list: Batch[]): void {
+  #beginStep(list: TrainBatch[]): void {
     checkDevice(this.#ctx);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     if (list.length !== M) throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
@@ -497,7 +504,7 @@ export class Trainer {
   }
 
   /** A tensor-parallel step (no kernel timings: the program is cut at every exchange). */
-  async #tensorParallelStep(list: Batch[], reduce?: GradientReduce): Promise<void> {
+  async #tensorParallelStep(list: TrainBatch[], reduce?: GradientReduce): Promise<void> {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue, device = this.#ctx.device;
     const p = m.program;
@@ -520,7 +527,7 @@ export class Trainer {
    * submission each), and the update too when `withOptimizer`. Returns the query set when the
    * step is profiled.
    */
-  #submitBackward(list: Batch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
+  #submitBackward(list: TrainBatch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     const qs = profile ? this.#querySet : undefined;
@@ -596,7 +603,7 @@ export class Trainer {
    * Mean loss of forward passes without dropout over one or several batches of B·(T+1) tokens:
    * one submission per batch, the losses summed on the GPU, one readback.
    */
-  async evalLoss(batches: Batch | Batch[]): Promise<number> {
+  async evalLoss(batches: TrainBatch | TrainBatch[]): Promise<number> {
     const list = Array.isArray(batches) ? batches : [batches];
     if (list.length === 0) throw new RangeError("evalLoss needs at least one batch");
     const q = this.#ctx.device.queue;
@@ -622,7 +629,7 @@ export class Trainer {
    * (worker/evaluation.ts). Returns the bytes written.
    */
   async encodeTokenLosses(
-    tokens: Batch,
+    tokens: TrainBatch,
     out: GPUBuffer,
     offset: number,
     logitRows: readonly number[] = [],

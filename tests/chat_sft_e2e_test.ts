@@ -10,7 +10,7 @@
  * holds a two-turn conversation with it. Runs on the test adapter (lavapipe on CI), skipped without.
  */
 import assert from "node:assert/strict";
-import OpenAI from "npm:openai@7.60.0";
+import OpenAI from "openai";
 import puppeteer from "puppeteer-core";
 import { presetConfig } from "../model/config.ts";
 import { exportTensors, hfConfig, writeSafetensors } from "../server/jobs/mod.ts";

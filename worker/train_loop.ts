@@ -12,7 +12,7 @@
 import { describeDevice, type GpuContext } from "../engine/device.ts";
 import { ConfigError, type ModelConfig } from "../model/config.ts";
 import type { LrSchedule } from "../model/schedule.ts";
-import { type Batch, type StepStats, Trainer, type TrainerState } from "../engine/trainer.ts";
+import { type StepStats, type TrainBatch, Trainer, type TrainerState } from "../engine/trainer.ts";
 import {
   DEFAULT_SPLIT,
   evalBatches,
@@ -174,7 +174,7 @@ export async function loadSplits(root: string, dataset: string, split: string, s
  */
 async function evaluate(
   trainer: Trainer,
-  e: { batches: Batch[]; tokens: number },
+  e: { batches: TrainBatch[]; tokens: number },
   ranks: Ranks,
 ): Promise<{ loss: number; tokens: number }> {
   if (!ranks.control) return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
@@ -573,7 +573,7 @@ async function flags(run: Run): Promise<{ cancel: boolean; stop: boolean }> {
 /** The step loop to train_iters, with its evaluations and checkpoints; ends at the last step or a flag. */
 async function trainSteps(
   run: Run,
-  sampler: { nextBatch(): Batch },
+  sampler: { nextBatch(): TrainBatch },
   opts: {
     evalSplit(split: "valid" | "test"): Promise<void>;
     /** The job's eval_tasks on the current weights. */
