@@ -16,6 +16,7 @@ import {
   joinChats,
   loadChatSplit,
   packChats,
+  PackedSampler,
   parseChatJsonl,
   prepareDataset,
   renderChat,
@@ -262,4 +263,38 @@ Deno.test("POST /datasets with format chat answers 422 naming file and line, or 
     const bad = await post({ texts: ["x"], format: "chat" });
     assert.equal(bad.status, 400);
   });
+});
+
+Deno.test("PackedSampler draws whole packed rows with their masks and resumes from its state", () => {
+  const chats = Array.from(
+    { length: 12 },
+    (_, i) =>
+      encodeChat([{ role: "user", content: `Question ${i}?` }, {
+        role: "assistant",
+        content: `Answer ${i}.`,
+      }]),
+  );
+  const seqLen = 24;
+  const packed = packChats(joinChats(chats), seqLen);
+  assert.ok(packed.rows >= 4);
+  const opts = { seqLen, batchSize: 2, seed: 9, onEpoch: () => {} };
+  const a = new PackedSampler(packed, opts);
+  const rowsOf = (b: { tokens: Uint16Array; mask: Uint8Array }) =>
+    [0, 1].map((r) => {
+      const toks = b.tokens.subarray(r * (seqLen + 1), (r + 1) * (seqLen + 1));
+      const row = [...Array(packed.rows).keys()].find((k) =>
+        packed.tokens.subarray(k * (seqLen + 1), (k + 1) * (seqLen + 1)).every((t, i) => t === toks[i])
+      );
+      assert.notEqual(row, undefined, "a batch row is a packed row");
+      assert.deepEqual(
+        b.mask.subarray(r * seqLen, (r + 1) * seqLen),
+        packed.mask.subarray(row! * seqLen, (row! + 1) * seqLen),
+      );
+      return row!;
+    });
+  const first = [a.nextBatch(), a.nextBatch()].flatMap(rowsOf);
+  assert.equal(new Set(first).size, 4, "an epoch draws each row once");
+  const state = a.state;
+  const next = rowsOf(a.nextBatch());
+  assert.deepEqual(rowsOf(new PackedSampler(packed, opts, state).nextBatch()), next);
 });
