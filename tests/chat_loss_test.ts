@@ -104,3 +104,42 @@ Deno.test({
     }
   },
 });
+
+Deno.test({
+  name:
+    "Trainer with lossMask and 2 micro-batches: the loss and gradients are the mean of their masked means",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const tr = await Trainer.create(ctx, {
+      config,
+      batchSize: B,
+      seqLen: T,
+      schedule: { lr: 1e-3, min_lr: 1e-4, warmup_iters: 0, decay_iters: 10, style: "cosine" },
+      adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, clip_grad: 1.0 },
+      attnDropout: 0,
+      hiddenDropout: 0,
+      seed: 7,
+      lossMask: true,
+      microBatches: 2,
+    });
+    try {
+      const params = Float64Array.from(initParams(config, 7));
+      const m1 = mask(), m2 = new Uint8Array(B * T);
+      m2[3] = m2[T + 30] = 1; // few targets: each micro-batch's mean has its own denominator
+      const [t1, t2] = [batch(3), batch(4)];
+      const r1 = referenceLossAndGrads(config, params, t1, B, T, { seed: 7, step: 0, lossMask: m1 });
+      const r2 = referenceLossAndGrads(config, params, t2, B, T, { seed: 7, step: 0, lossMask: m2 });
+      tr.trainStep([{ tokens: t1, mask: m1 }, { tokens: t2, mask: m2 }]);
+      const { loss } = await tr.lastStats();
+      const want = (r1.loss + r2.loss) / 2;
+      assert.ok(Math.abs(loss - want) < 1e-4 * want, `loss ${loss} vs ${want}`);
+      const grads = await tr.gradients();
+      const ref = r1.grads.map((g, i) => (g + r2.grads[i]) / 2);
+      const err = relNorm(grads, ref);
+      assert.ok(err < 1e-4, `gradients: relative error ${err}`);
+    } finally {
+      tr.destroy();
+    }
+  },
+});
