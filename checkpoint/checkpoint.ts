@@ -6,7 +6,10 @@
  * - `config.json`: a GPT2Config that `transformers` accepts, so `from_pretrained(dir)` loads it,
  * - `optimizer.safetensors`: AdamW's m and v in the engine's flat layout,
  * - `manifest.json`: the full model config (real and padded vocabulary), iteration, training
- *   config, RNG and sampler state: everything needed to resume bit for bit.
+ *   config, RNG and sampler state: everything needed to resume bit for bit,
+ * - `tokenizer_config.json` (a model with a chat template: SFT, or fine-tuned from one): GPT-2's
+ *   tokenizer settings with the template as `chat_template`, as transformers stores it (the
+ *   manifest's `chat_template` is the same text, which resharding carries over).
  * One written at TP=N holds one pair of shard files per tensor-parallel rank instead,
  * `model-tp00-of-02.safetensors` (that rank's weights under the same names, at their shard
  * shapes, wte with its V_pad/N rows) and `optimizer-tp00-of-02.safetensors` (`m.<name>` and
@@ -142,6 +145,8 @@ export interface CheckpointManifest {
    * in checkpoints written before it was added (they load unverified, as before).
    */
   checksums?: Record<string, FileDigest>;
+  /** The chat template (Jinja, data/chat.ts), also in `tokenizer_config.json`; absent: none. */
+  chat_template?: string;
   /** Set on a copy written by checkpoint/reshard.ts: what it was converted from. */
   resharded_from?: { checkpoint: string; tensor_parallel: number; created_at: string };
   /** Every parameter tensor's shards, in Hugging Face order. */
@@ -255,6 +260,32 @@ export function hfConfig(
   };
 }
 
+/**
+ * A `tokenizer_config.json` for GPT-2's tokenizer (transformers' GPT2Tokenizer, the files of the
+ * `gpt2` hub model: `<|endoftext|>` as bos, eos and unk) carrying `chat_template`.
+ */
+export function tokenizerConfig(model: ModelConfig, chatTemplate: string) {
+  return {
+    tokenizer_class: "GPT2Tokenizer",
+    model_max_length: model.n_positions,
+    add_prefix_space: false,
+    bos_token: "<|endoftext|>",
+    eos_token: "<|endoftext|>",
+    unk_token: "<|endoftext|>",
+    chat_template: chatTemplate,
+  };
+}
+
+/** The chat template of a model folder (a checkpoint or a Hugging Face one), from its `tokenizer_config.json`. */
+export async function readChatTemplate(dir: string): Promise<string | undefined> {
+  try {
+    const t = JSON.parse(await Deno.readTextFile(`${dir}/tokenizer_config.json`)).chat_template;
+    return typeof t === "string" && t ? t : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
 /** Everything `saveCheckpoint` writes besides the tensors. */
 export interface CheckpointMeta {
   job_id: string;
@@ -263,6 +294,8 @@ export interface CheckpointMeta {
   train: TrainConfig;
   sampler: SamplerState;
   metrics: CheckpointManifest["metrics"];
+  /** The model's chat template, saved in `tokenizer_config.json` (absent: none). */
+  chat_template?: string;
 }
 
 /** Options of saveCheckpoint(). */
@@ -448,6 +481,12 @@ export async function writeCheckpointFiles(
     }
   }
   await putText("config.json", JSON.stringify(hfConfig(model, base.train), null, 2) + "\n");
+  if (base.chat_template) {
+    await putText(
+      "tokenizer_config.json",
+      JSON.stringify(tokenizerConfig(model, base.chat_template), null, 2) + "\n",
+    );
+  }
   const { control, resharded_from, ...head } = base;
   const manifest: CheckpointManifest = {
     ...head,
@@ -507,6 +546,7 @@ export async function saveCheckpoint(
         rng: { seed: meta.train.seed, step },
         sampler: meta.sampler,
         metrics: meta.metrics,
+        ...(meta.chat_template ? { chat_template: meta.chat_template } : {}),
         ...(states[0].control ? { control: states[0].control } : {}),
       },
       states,

@@ -9,7 +9,8 @@
  *
  * Options of prepare: --min-tokens N, --dedup-threshold X, --no-dedup, --split 949,50,1,
  * --seq-len N, --max-documents N, --id ID, --force, --workers N, --root DIR (default $GPT2_HOME
- * or ./.gpt2), --max-file-ms N, --allow-partial, --shard-chars N, --progress-json. Long work shows
+ * or ./.gpt2), --max-file-ms N, --allow-partial, --shard-chars N, --progress-json, --format chat (the
+ * path is a JSONL file of conversations, see data/chat_dataset.ts) with --on-error skip|refuse. Long work shows
  * a progress bar on a terminal (a line every few seconds otherwise), with rate and ETA; with
  * --progress-json every progress event is one JSON line on stderr instead. A preparation that was
  * killed resumes when the same command is run again.
@@ -34,6 +35,7 @@ const USAGE = `Usage: deno task data <command> [options]
           [--min-tokens 128] [--dedup-threshold 0.8] [--no-dedup] [--split 949,50,1] [--seq-len 1024]
           [--max-documents N] [--id ID] [--force] [--workers N] [--root DIR]
           [--max-file-ms 60000] [--allow-partial] [--shard-chars N] [--progress-json]
+          [--format text|chat] [--on-error refuse|skip]   (chat: --path is a JSONL file of conversations)
   list [--root DIR]
   info ID [--root DIR]
   urls FILE [--out F]
@@ -137,6 +139,8 @@ export async function main(args: string[]): Promise<number> {
       "allow-partial": { type: "boolean" },
       "shard-chars": { type: "string" },
       "progress-json": { type: "boolean" },
+      format: { type: "string" },
+      "on-error": { type: "string" },
       help: { type: "boolean", short: "h" },
     },
   });
@@ -151,6 +155,12 @@ export async function main(args: string[]): Promise<number> {
     const n = Number(v);
     if (!Number.isFinite(n)) throw new Error(`Invalid --${name} "${v}": expected a number`);
     return n;
+  };
+  const choice = <T extends string>(name: string, v: string, allowed: readonly T[]): T => {
+    if (!(allowed as readonly string[]).includes(v)) {
+      throw new Error(`Invalid --${name} "${v}": expected ${allowed.map((a) => `"${a}"`).join(" or ")}`);
+    }
+    return v as T;
   };
   switch (command) {
     case "prepare": {
@@ -182,6 +192,10 @@ export async function main(args: string[]): Promise<number> {
         ...(values["max-file-ms"] ? { max_file_ms: num("max-file-ms", values["max-file-ms"]) } : {}),
         ...(values["allow-partial"] ? { allow_partial: true } : {}),
         ...(values["shard-chars"] ? { shard_chars: num("shard-chars", values["shard-chars"]) } : {}),
+        ...(values.format ? { format: choice("format", values.format, ["text", "chat"] as const) } : {}),
+        ...(values["on-error"]
+          ? { on_error: choice("on-error", values["on-error"], ["skip", "refuse"] as const) }
+          : {}),
         download: { allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1" },
       };
       await Deno.mkdir(root, { recursive: true });

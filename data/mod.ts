@@ -97,3 +97,31 @@ export {
   UrlRefusedError,
 } from "./urls.ts";
 export { readTaskFile, TASK_FILE_RE, TaskFileNotFoundError, tasksDir } from "./tasks.ts";
+export {
+  CHAT_EOT,
+  CHAT_ROLES,
+  CHAT_TEMPLATE,
+  type ChatIssue,
+  type ChatMessage,
+  type ChatRole,
+  type ChatSplit,
+  type ChatTokens,
+  checkMessages,
+  encodeChat,
+  joinChats,
+  packChats,
+  type PackedBatch,
+  packedBatch,
+  packedEvalBatches,
+  type PackedRows,
+  parseChatJsonl,
+  renderChat,
+} from "./chat.ts";
+export {
+  CHAT_DATASET_FORMAT,
+  ChatDatasetError,
+  type ChatOnError,
+  isChatDataset,
+  loadChatSplit,
+} from "./chat_dataset.ts";
+export { PackedSampler } from "./packed_sampler.ts";

@@ -23,6 +23,7 @@ import {
   startPosition,
 } from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
+import { CHAT_DEFAULT_SPLIT, type ChatOnError, prepareChatDataset } from "./chat_dataset.ts";
 import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
 import {
   checkDatasetId,
@@ -91,6 +92,14 @@ export interface PrepareOptions {
   allow_partial?: boolean;
   /** Source characters per committed shard, the unit a resumed preparation restarts from (default 64 Mi). */
   shard_chars?: number;
+  /**
+   * "chat": the `path` source is a JSONL file of conversations (data/chat_dataset.ts), split by
+   * conversations (default "90,10,0"); the text pipeline's cleaning, dedup and token options do
+   * not apply. Default "text".
+   */
+  format?: "text" | "chat";
+  /** Chat datasets: bad lines are left out ("skip") or fail the preparation ("refuse", the default). */
+  on_error?: ChatOnError;
 }
 
 /** Progress of a preparation. */
@@ -305,7 +314,13 @@ export async function planDataset(
 ): Promise<DatasetPlan> {
   const kind = sourceKind(source);
   const builtinName = (source as { builtin?: string })?.builtin;
-  const defaultSplit = builtinName && isBuiltinName(builtinName)
+  const chat = options.format === "chat";
+  if (chat && kind !== "path") {
+    throw new Error(`Chat datasets are read from a JSONL file of conversations: use "path", not "${kind}"`);
+  }
+  const defaultSplit = chat
+    ? CHAT_DEFAULT_SPLIT
+    : builtinName && isBuiltinName(builtinName)
     ? BUILTIN_DEFAULT_SPLIT[builtinName]
     : DEFAULT_SPLIT;
   const opts = resolveOptions(options, defaultSplit);
@@ -351,7 +366,11 @@ export async function planDataset(
   } else {
     throw new Error(`Unknown source "${kind}": expected "builtin", "path", "urls", "url_list" or "texts"`);
   }
-  const keyOptions = { ...opts, blacklist: options.blacklist ?? null };
+  const keyOptions = {
+    ...opts,
+    blacklist: options.blacklist ?? null,
+    ...(chat ? { format: "chat", on_error: options.on_error ?? "refuse" } : {}),
+  };
   const sourceKey = shortHash(JSON.stringify({ describe, keyOptions }));
   const defaults = JSON.stringify(resolveOptions({}, defaultSplit)) === JSON.stringify(opts) &&
     !options.blacklist;
@@ -473,6 +492,11 @@ export async function prepareDataset(
 ): Promise<DatasetInfo> {
   const started = performance.now();
   const { id, kind, describe, resolvedPath, sourceKey, opts } = await planDataset(root, source, options);
+  if (options.format === "chat") {
+    const file = (source as { path: string }).path;
+    const plan = { id, resolvedPath: resolvedPath!, file, sourceKey, describe, split: opts.split };
+    return await prepareChatDataset(root, { ...plan, onError: options.on_error ?? "refuse" }, options.force);
+  }
   if (!options.force) {
     const existing = await getDataset(root, id).catch(() => undefined);
     if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;

@@ -97,10 +97,24 @@ export interface TrainerOptions {
    * floor). Default true; false reads through mapAsync (GPT2_FAST_READBACK=0).
    */
   fastReadback?: boolean;
+  /**
+   * SFT: the loss is the mean over the targets a batch's mask selects (a {@link MaskedBatch}; a
+   * plain batch counts every target), per micro-batch. Not with tensor parallelism.
+   */
+  lossMask?: boolean;
+}
+
+/** B·(T+1) tokens with SFT's loss mask: `mask` (B·T) is 1 where the target of row b, position t counts. */
+export interface MaskedBatch {
+  tokens: Uint16Array | Uint32Array;
+  mask: Uint8Array;
 }
 
 /** One batch of B·(T+1) tokens. */
 export type Batch = Uint16Array | Uint32Array;
+
+/** What a step or an evaluation takes: a batch, or one with a loss mask (a trainer created with `lossMask`). */
+export type TrainBatch = Batch | MaskedBatch;
 
 /**
  * Sums the gradients over the data-parallel ranks in place (every rank calls it once per step,
@@ -229,6 +243,7 @@ export class Trainer {
         { rank: opts.tensorParallel.rank, size: opts.tensorParallel.size },
       kernels: opts.kernels,
       onCompile: opts.onCompile,
+      lossMask: opts.lossMask,
     });
     const n = model.layout.totalSize;
     const q = ctx.device.queue;
@@ -283,18 +298,34 @@ export class Trainer {
     return this.#model.microBatches;
   }
 
-  #writeTokens(tokens: Batch): void {
+  #writeTokens(batch: TrainBatch): void {
     const { batchSize: B, seqLen: T, config } = this.opts;
+    const tokens = "mask" in batch ? batch.tokens : batch;
     if (tokens.length !== B * (T + 1)) {
       throw new RangeError(
         `Batch has ${tokens.length} tokens, expected batch_size·(seq_len+1) = ${B * (T + 1)}`,
       );
     }
-    const u32 = tokens instanceof Uint32Array ? tokens : Uint32Array.from(tokens);
-    for (let i = 0; i < u32.length; i++) {
+    const n = B * (T + 1), BT = B * T;
+    const u32 = new Uint32Array(n + (this.opts.lossMask ? BT : 0));
+    u32.set(tokens);
+    for (let i = 0; i < n; i++) {
       if (u32[i] >= config.vocab_size) {
         throw new RangeError(`Token ${u32[i]} at ${i} is outside the vocabulary`);
       }
+    }
+    if (this.opts.lossMask) {
+      // Per-row weights mask × BT / (masked rows): the mean over all rows is the masked mean.
+      const w = new Float32Array(u32.buffer, n * 4, BT);
+      const mask = "mask" in batch ? batch.mask : undefined;
+      if (mask && mask.length !== BT) {
+        throw new RangeError(`Loss mask has ${mask.length} entries, expected batch_size·seq_len = ${BT}`);
+      }
+      let count = 0;
+      for (let i = 0; i < BT; i++) count += !mask || mask[i] ? 1 : 0;
+      for (let i = 0; i < BT; i++) w[i] = count > 0 && (!mask || mask[i]) ? BT / count : 0;
+    } else if ("mask" in batch) {
+      throw new RangeError("A batch with a loss mask needs a trainer created with lossMask");
     }
     write(this.#ctx.device.queue, this.#model.tokens, u32);
   }
@@ -330,7 +361,7 @@ export class Trainer {
    * trainer created with `profile: true`), every kernel of the last micro-batch and the update is
    * timed; see `profile()`. Data-parallel trainers step with `trainStepReduced`.
    */
-  trainStep(tokens: Batch | Batch[], profile = false): void {
+  trainStep(tokens: TrainBatch | TrainBatch[], profile = false): void {
     if ((this.opts.dataParallel?.size ?? 1) > 1 || this.#tp) {
       throw new Error("A data- or tensor-parallel trainer steps with trainStepReduced");
     }
@@ -342,7 +373,7 @@ export class Trainer {
    * awaits `reduce` (which sums the gradients over the ranks), then submits the update.
    */
   async trainStepReduced(
-    tokens: Batch[],
+    tokens: TrainBatch[],
     reduce?: GradientReduce | StagedReduce,
     profile = false,
   ): Promise<void> {
@@ -377,7 +408,11 @@ export class Trainer {
    * where `run`'s stages of gradients are final: after each piece, while the next one computes,
    * that stage is read back and exchanged. The sums are queued on the GPU when this resolves.
    */
-  async #stagedBackward(list: Batch[], run: StagedRun, profile: boolean): Promise<GPUQuerySet | undefined> {
+  async #stagedBackward(
+    list: TrainBatch[],
+    run: StagedRun,
+    profile: boolean,
+  ): Promise<GPUQuerySet | undefined> {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, device = this.#ctx.device, q = device.queue;
     const qs = profile ? this.#querySet : undefined;
@@ -448,7 +483,7 @@ export class Trainer {
    * Writes micro-batch `i`'s tokens and dropout keys and returns the encoder its passes go into,
    * which first clears the accumulated gradients when it is the first of several.
    */
-  #microBatchEncoder(list: Batch[], i: number): GPUCommandEncoder {
+  #microBatchEncoder(list: TrainBatch[], i: number): GPUCommandEncoder {
     const m = this.#model;
     this.#writeTokens(list[i]);
     this.#writeDropout(this.#step, true, i);
@@ -458,7 +493,7 @@ export class Trainer {
   }
 
   /** Checks a step's micro-batches and writes its scalars: the optimizer uniform, and a zero loss to accumulate into. */
-  #beginStep(list: Batch[]): void {
+  #beginStep(list: TrainBatch[]): void {
     checkDevice(this.#ctx);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     if (list.length !== M) throw new RangeError(`A step takes ${M} micro-batch(es), got ${list.length}`);
@@ -469,7 +504,7 @@ export class Trainer {
   }
 
   /** A tensor-parallel step (no kernel timings: the program is cut at every exchange). */
-  async #tensorParallelStep(list: Batch[], reduce?: GradientReduce): Promise<void> {
+  async #tensorParallelStep(list: TrainBatch[], reduce?: GradientReduce): Promise<void> {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue, device = this.#ctx.device;
     const p = m.program;
@@ -492,7 +527,7 @@ export class Trainer {
    * submission each), and the update too when `withOptimizer`. Returns the query set when the
    * step is profiled.
    */
-  #submitBackward(list: Batch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
+  #submitBackward(list: TrainBatch[], profile: boolean, withOptimizer: boolean): GPUQuerySet | undefined {
     this.#beginStep(list);
     const m = this.#model, M = m.microBatches, q = this.#ctx.device.queue;
     const qs = profile ? this.#querySet : undefined;
@@ -568,7 +603,7 @@ export class Trainer {
    * Mean loss of forward passes without dropout over one or several batches of B·(T+1) tokens:
    * one submission per batch, the losses summed on the GPU, one readback.
    */
-  async evalLoss(batches: Uint16Array | Uint32Array | Array<Uint16Array | Uint32Array>): Promise<number> {
+  async evalLoss(batches: TrainBatch | TrainBatch[]): Promise<number> {
     const list = Array.isArray(batches) ? batches : [batches];
     if (list.length === 0) throw new RangeError("evalLoss needs at least one batch");
     const q = this.#ctx.device.queue;
@@ -594,7 +629,7 @@ export class Trainer {
    * (worker/evaluation.ts). Returns the bytes written.
    */
   async encodeTokenLosses(
-    tokens: Batch,
+    tokens: TrainBatch,
     out: GPUBuffer,
     offset: number,
     logitRows: readonly number[] = [],

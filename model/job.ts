@@ -57,6 +57,12 @@ export interface TrainConfig {
    * job's schedule and dataset (Megatron's --finetune with --load; nanoGPT's init_from).
    */
   init_from?: string;
+  /**
+   * "lm" (absent: lm): the loss on every token. "sft": supervised fine-tuning on a chat dataset
+   * (`format: "chat"`), with init_from: the loss on the assistant's tokens only, conversations
+   * packed whole into rows and ones longer than seq_len cut at a turn boundary.
+   */
+  objective?: "lm" | "sft";
   /** Evaluation jobs (`POST /evaluate`): what to measure; absent on a training job. */
   evaluate?: EvalConfig;
   /** Training jobs: evaluations run on the current weights at every `eval_interval` (and at the end). */

@@ -212,6 +212,20 @@ export function completeConfig(
   if (req.init_from !== undefined && !source) {
     throw new InvalidJobError("init_from", `Unknown model "${req.init_from}" in init_from`);
   }
+  if (req.objective === "sft") {
+    if (req.init_from === undefined) {
+      throw new InvalidJobError(
+        "init_from",
+        'Objective "sft" fine-tunes a model: name it in init_from (a job id or a Hugging Face folder under models/)',
+      );
+    }
+    if ((req.tensor_parallel ?? 1) > 1) {
+      throw new InvalidJobError(
+        "tensor_parallel",
+        'Objective "sft" needs tensor_parallel 1 (a loss mask is not sharded yet)',
+      );
+    }
+  }
   const model = source ? initModel(req.model, source) : req.model ?? DEFAULT_MODEL;
   let config: TrainConfig;
   try {

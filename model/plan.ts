@@ -97,6 +97,11 @@ export interface PlanOptions extends ChunkOptions {
    * gathered LM head): no logits or losses are planned. Needs `train: false`.
    */
   hiddenOnly?: boolean;
+  /**
+   * SFT's loss mask: the tokens buffer holds, after the B·(T + 1) token ids, B·T per-target loss
+   * weights (f32 bits; see kernels/cross_entropy.ts). Default false.
+   */
+  lossMask?: boolean;
 }
 
 /** Training precisions. */
@@ -250,7 +255,7 @@ export function planModel(
   // fp16: the kernels read an f16 copy of the weights; the fp32 master copy is optimizer state.
   if (!o.sharedParams) flat("params", half ? "optimizer" : "weights");
   if (half) flat("params16", "weights", "f16");
-  add("tokens", B * (T + 1), "u32", "workspace");
+  add("tokens", B * (T + 1) + (o.lossMask ? BT : 0), "u32", "workspace");
   add("stats", 64, "f32", "workspace");
   buffers.push(
     {

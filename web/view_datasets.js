@@ -87,6 +87,19 @@ export function datasetsView(ctx) {
     split: h("input", { id: "ds-split", placeholder: "default 949,50,1" }),
     seq_len: h("input", { id: "ds-seq_len", inputmode: "numeric", placeholder: "default 1024" }),
     max_documents: h("input", { id: "ds-max_documents", inputmode: "numeric", placeholder: "all" }),
+    // Chat datasets: a path to a JSONL file of {"messages": [...]} conversations (README, chat fine-tuning).
+    format: h(
+      "select",
+      { id: "ds-format" },
+      h("option", { value: "" }, "text"),
+      h("option", { value: "chat" }, "chat (JSONL conversations)"),
+    ),
+    on_error: h(
+      "select",
+      { id: "ds-on_error" },
+      h("option", { value: "" }, "refuse bad lines"),
+      h("option", { value: "skip" }, "skip bad lines"),
+    ),
   };
   const errors = new Map();
   const field = (name, input, wide = false) => {

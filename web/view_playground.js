@@ -2,6 +2,9 @@
  * The playground: pick a model (a job's checkpoint or an imported folder, from `GET /v1/models`),
  * type a prompt, set temperature, top-k, top-p, max tokens and seed, and watch the tokens stream
  * in from `GET /generate`, with time to first token and tokens/s (measured here and by the server).
+ * Chat mode talks to a model with a chat template (an SFT checkpoint) through
+ * `POST /v1/chat/completions`, streamed: an optional system message, then turns that stay in the
+ * transcript until "New chat"; a model without a template answers why beside the model field.
  */
 
 import { ApiError, apiFetch, getJson } from "./api.js";
@@ -36,6 +39,16 @@ export async function playgroundView(ctx) {
       );
     }),
   );
+  const mode = h(
+    "select",
+    { id: "pg-mode", name: "mode" },
+    h("option", { value: "completion" }, "completion"),
+    h("option", { value: "chat" }, "chat"),
+  );
+  const system = h("input", { id: "pg-system", placeholder: "System message (optional)" });
+  const transcript = h("div", { id: "pg-chat", class: "chat" });
+  /** The chat so far: {role, content} turns, system message aside. */
+  let history = [];
   const prompt = h("textarea", {
     id: "pg-prompt",
     rows: 3,
@@ -54,6 +67,7 @@ export async function playgroundView(ctx) {
     return h("label", { class: "field" }, h("span", {}, name), input, err);
   };
   const go = h("button", { type: "submit", id: "pg-go" }, "Generate");
+  const reset = h("button", { type: "button", id: "pg-reset", class: "secondary", hidden: true }, "New chat");
   const stop = h("button", { type: "button", id: "pg-stop", class: "secondary", disabled: true }, "Stop");
   const formError = h("p", { class: "error", hidden: true, id: "pg-error" });
   const promptOut = h("span", { class: "muted" });
@@ -63,11 +77,37 @@ export async function playgroundView(ctx) {
     "form",
     { id: "pg-form", novalidate: true },
     field("model", model),
+    field("mode", mode),
+    field("system", system),
+    transcript,
     field("prompt", prompt),
     h("div", { class: "grid grid-narrow" }, [...inputs].map(([n, i]) => field(n, i))),
     formError,
-    h("div", { class: "actions" }, go, stop),
+    h("div", { class: "actions" }, go, stop, reset),
   );
+  const chatOnly = [errors.get("system").parentElement, transcript, reset];
+  const showMode = () => {
+    const chat = mode.value === "chat";
+    for (const el of chatOnly) el.hidden = !chat;
+    go.textContent = chat ? "Send" : "Generate";
+    prompt.placeholder = chat ? "Your message" : "Prompt (empty: start from <|endoftext|>)";
+  };
+  mode.addEventListener("change", () => {
+    if (mode.value === "chat" && prompt.value === "Fellow citizens, the state of our Union is") {
+      prompt.value = "";
+    }
+    showMode();
+  });
+  showMode();
+  const renderTranscript = () =>
+    setChildren(
+      transcript,
+      history.map((t) => h("p", { class: `turn turn-${t.role}` }, h("b", {}, `${t.role}: `), t.content)),
+    );
+  reset.addEventListener("click", () => {
+    history = [];
+    renderTranscript();
+  });
   setChildren(
     ctx.root,
     h("h1", {}, "Playground"),
@@ -83,12 +123,14 @@ export async function playgroundView(ctx) {
     e.preventDefault();
     for (const [, el] of errors) el.textContent = "";
     formError.hidden = true;
+    const chat = mode.value === "chat";
     const q = new URLSearchParams({ model: model.value, prompt: prompt.value });
     for (const [n, input] of inputs) if (input.value.trim() !== "") q.set(n, input.value.trim());
+    const asked = prompt.value;
     running = new AbortController();
     go.disabled = true;
     stop.disabled = false;
-    promptOut.textContent = prompt.value;
+    promptOut.textContent = chat ? "" : prompt.value;
     textOut.textContent = "";
     let tokens = 0;
     const t0 = performance.now();
@@ -101,8 +143,8 @@ export async function playgroundView(ctx) {
         stat("first token", first === null ? "–" : `${fmtInt(first - t0)} ms`, { id: "pg-ttft" }),
         // The decode rate after the first token; the server's figure counts from the request.
         stat("tokens/s", fmtNum(tokens > 1 ? (tokens - 1) / elapsed : null, 1), { id: "pg-tps" }),
-        done ? stat("server first token", `${fmtInt(done.timings?.ttft_ms)} ms`) : null,
-        done ? stat("server tokens/s", fmtNum(done.timings?.tokens_per_s, 1)) : null,
+        done?.timings ? stat("server first token", `${fmtInt(done.timings?.ttft_ms)} ms`) : null,
+        done?.timings ? stat("server tokens/s", fmtNum(done.timings?.tokens_per_s, 1)) : null,
         done
           ? stat("finish", done.finish_reason + (done.error ? `: ${done.error}` : ""), { id: "pg-finish" })
           : null,
@@ -110,6 +152,43 @@ export async function playgroundView(ctx) {
     };
     show(null);
     try {
+      if (chat) {
+        const messages = [
+          ...(system.value.trim() ? [{ role: "system", content: system.value }] : []),
+          ...history,
+          { role: "user", content: asked },
+        ];
+        const body = { model: model.value, messages, stream: true, stream_options: { include_usage: true } };
+        for (const [n, input] of inputs) if (input.value.trim() !== "") body[n] = Number(input.value.trim());
+        const res = await apiFetch("/v1/chat/completions", {
+          method: "POST",
+          headers: { "Content-Type": "application/json" },
+          body: JSON.stringify(body),
+          signal: running.signal,
+        });
+        let reply = "", finish = null;
+        await readSse(res, (ev) => {
+          if (ev.data === "[DONE]") return true;
+          const d = JSON.parse(ev.data);
+          for (const ch of d.choices ?? []) {
+            if (ch.delta?.content) {
+              first ??= performance.now();
+              tokens++;
+              reply += ch.delta.content;
+              textOut.append(ch.delta.content);
+              textOut.dataset.tokens = String(tokens);
+            }
+            if (ch.finish_reason) finish = ch.finish_reason;
+          }
+          show(finish ? { finish_reason: finish, error: d.error?.message } : null);
+          return false;
+        });
+        history = [...history, { role: "user", content: asked }, { role: "assistant", content: reply }];
+        renderTranscript();
+        textOut.textContent = "";
+        prompt.value = "";
+        return;
+      }
       const res = await apiFetch(`/generate?${q}`, { signal: running.signal });
       await readSse(res, (ev) => {
         const d = JSON.parse(ev.data);

@@ -12,17 +12,26 @@
 import { describeDevice, type GpuContext } from "../engine/device.ts";
 import { ConfigError, type ModelConfig } from "../model/config.ts";
 import type { LrSchedule } from "../model/schedule.ts";
-import { type StepStats, Trainer, type TrainerState } from "../engine/trainer.ts";
+import { type StepStats, type TrainBatch, Trainer, type TrainerState } from "../engine/trainer.ts";
 import {
   DEFAULT_SPLIT,
   evalBatches,
   getDataset,
   isBuiltinName,
   loadSplit,
+  packedEvalBatches,
+  PackedSampler,
   prepareDataset,
   Sampler,
 } from "../data/mod.ts";
-import { loadUsableCheckpoint, type SamplerState, saveCheckpoint } from "../checkpoint/checkpoint.ts";
+import { CHAT_TEMPLATE } from "../data/chat.ts";
+import {
+  loadUsableCheckpoint,
+  readChatTemplate,
+  type SamplerState,
+  saveCheckpoint,
+} from "../checkpoint/checkpoint.ts";
+import { loadSftData } from "./sft_data.ts";
 import type { FromWorker, JobComm, WorkerJob } from "../protocol.ts";
 import { accumulationSteps, type RankTimes, type TrainConfig } from "../model/job.ts";
 import {
@@ -159,17 +168,15 @@ export async function loadSplits(root: string, dataset: string, split: string, s
 }
 
 /**
- * Mean loss over the split's non-overlapping windows (up to `eval_iters` batches), and the tokens
- * it averaged. Data-parallel ranks evaluate every size-th batch each and sum their losses.
+ * Mean loss over evaluation batches (a split's non-overlapping windows, up to `eval_iters`
+ * batches, or SFT's packed rows), and the tokens it averaged. Data-parallel ranks evaluate every
+ * size-th batch each and sum their losses.
  */
 async function evaluate(
   trainer: Trainer,
-  tokens: Uint16Array,
-  c: TrainConfig,
-  split: "valid" | "test",
+  e: { batches: TrainBatch[]; tokens: number },
   ranks: Ranks,
 ): Promise<{ loss: number; tokens: number }> {
-  const e = evalBatches(tokens, c.batch_size, c.seq_len, c.eval_iters, split);
   if (!ranks.control) return { loss: await trainer.evalLoss(e.batches), tokens: e.tokens };
   // Every rank of a tensor-parallel group evaluates the same batches (together), so the sum over
   // all ranks counts each batch tp times.
@@ -196,6 +203,8 @@ interface Run {
   post(msg: FromWorker): void;
   trainer: Trainer | null;
   iteration: number;
+  /** The chat template its checkpoints carry (SFT, or fine-tuned from a model with one). */
+  chatTemplate?: string;
 }
 
 /** A run of `job` before anything is opened: its sizes and this Worker's ranks. */
@@ -362,6 +371,7 @@ async function createTrainer(
     shardedOptimizer: sharded,
     tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
     onCompile,
+    lossMask: c.objective === "sft",
   }, state);
   if (sharded) {
     ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {
@@ -389,7 +399,12 @@ interface LastFigures {
 }
 
 /** Saves a checkpoint of the run at the trainer's step (every rank takes part; rank 0 writes). */
-async function saveRun(run: Run, model: ModelConfig, sampler: Sampler, last: LastFigures): Promise<void> {
+async function saveRun(
+  run: Run,
+  model: ModelConfig,
+  sampler: { readonly state: SamplerState },
+  last: LastFigures,
+): Promise<void> {
   const { job, c, ranks, hooks } = run, trainer = run.trainer!;
   // Every rank holds the same weights and moments (checked by checksum): rank 0 writes them.
   // Sharded moments are first assembled on rank 0, with every rank taking part.
@@ -407,6 +422,7 @@ async function saveRun(run: Run, model: ModelConfig, sampler: Sampler, last: Las
         train: c,
         sampler: { ...sampler.state },
         metrics: { loss: last.loss, val_loss: last.val },
+        ...(run.chatTemplate ? { chat_template: run.chatTemplate } : {}),
       },
       Array.isArray(exported) ? exported : moments ? { ...exported, ...moments } : exported,
       c.keep_checkpoints,
@@ -557,7 +573,7 @@ async function flags(run: Run): Promise<{ cancel: boolean; stop: boolean }> {
 /** The step loop to train_iters, with its evaluations and checkpoints; ends at the last step or a flag. */
 async function trainSteps(
   run: Run,
-  sampler: Sampler,
+  sampler: { nextBatch(): TrainBatch },
   opts: {
     evalSplit(split: "valid" | "test"): Promise<void>;
     /** The job's eval_tasks on the current weights. */
@@ -653,23 +669,30 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     await openComms(run);
     const model = trainingModel(c);
     const t0 = performance.now();
-    const data = await loadSplits(job.root, c.dataset, c.split, c.seq_len);
+    // SFT: packed conversations with loss masks (worker/sft_data.ts); otherwise token windows.
+    const chat = c.objective === "sft" ? await loadSftData(job.root, c) : null;
+    const data = chat ? null : await loadSplits(job.root, c.dataset, c.split, c.seq_len);
     const dataLoaderMs = performance.now() - t0;
+    if (chat) run.post({ type: "log", id: job.id, level: chat.warn ? "warn" : "info", message: chat.report });
+    run.chatTemplate = chat ? CHAT_TEMPLATE : job.init_source && await readChatTemplate(job.init_source.path);
     // Refuse before training, not at the first evaluation (weights of 0 leave a split empty on purpose).
     for (const split of ["valid", "test"] as const) {
-      if (data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
+      if (data && data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
     }
     const { state, samplerState, resumedFrom } = await startingState(run, model);
     const trainer = await createTrainer(run, model, state);
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);
-    const sampler = new Sampler(data.train, {
+    const samplerOpts = {
       seqLen: c.seq_len,
       batchSize: c.batch_size,
       seed: c.seed,
       rank: ranks.rank,
       worldSize: run.dp,
       accumulation: accumulationSteps(c),
-    }, samplerState);
+    };
+    const sampler = chat
+      ? new PackedSampler(chat.train, samplerOpts, samplerState)
+      : new Sampler(data!.train, samplerOpts, samplerState);
     run.iteration = trainer.step;
     run.post({
       type: "started",
@@ -681,8 +704,13 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
     const last: LastFigures = { loss: null, val: null, saved: -1 };
     const save = () => saveRun(run, model, sampler, last);
     const evalSplit = async (split: "valid" | "test") => {
-      if (data[split].length === 0) return;
-      const { loss, tokens } = await evaluate(trainer, data[split], c, split, ranks);
+      const batches = chat
+        ? packedEvalBatches(chat[split], c.seq_len, c.batch_size, c.eval_iters)
+        : data![split].length > 0
+        ? evalBatches(data![split], c.batch_size, c.seq_len, c.eval_iters, split)
+        : null;
+      if (!batches || batches.batches.length === 0) return;
+      const { loss, tokens } = await evaluate(trainer, batches, ranks);
       if (split === "valid") last.val = loss;
       run.post({
         type: "eval",

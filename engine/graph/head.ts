@@ -126,6 +126,11 @@ function crossEntropy(g: GraphBuilder, chunk: Chunk, grad: boolean): Step[] {
   const gradOpts = grad ? { uniform: g.optUniform } : {};
   const totalRows = BT * g.microBatches * g.dataParallel;
   const out = [whole(g.tokens), whole(g.losses)];
+  // SFT's loss mask: per-row weights after the token ids (see kernels/cross_entropy.ts).
+  const weights = g.opts.lossMask ? g.dims.B * (T + 1) : undefined;
+  if (weights !== undefined && g.tp.on) {
+    throw new RangeError("A loss mask (SFT) is not supported with tensor parallelism: use tensor_parallel 1");
+  }
   if (!g.tp.on) {
     return [
       op(
@@ -133,7 +138,7 @@ function crossEntropy(g: GraphBuilder, chunk: Chunk, grad: boolean): Step[] {
         "forward",
         "cross_entropy",
         `cross_entropy${sfx}`,
-        crossEntropyWgsl({ rows: n, rowBase: r0, totalRows, T, V, Vp, grad }),
+        crossEntropyWgsl({ rows: n, rowBase: r0, totalRows, T, V, Vp, grad, weights }),
         [rowsView(g, g.logits, 0, n, Vp), ...out, ...(grad ? [whole(g.control)] : [])],
         grid,
         gradOpts,

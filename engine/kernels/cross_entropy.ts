@@ -3,6 +3,12 @@
  * are overwritten in place by dloss/dlogits = (softmax − onehot) / (B·T). Padded columns
  * (ids ≥ vocab_size) take no part in the softmax and get gradient 0, so they are never learned.
  * In training the gradient is multiplied by the loss scale (and the uniform's test multiplier).
+ *
+ * SFT's loss mask (`weights`): the tokens buffer carries, after the B·(T + 1) ids, one f32 weight
+ * per row (its bits in the u32 array), mask × rows / (masked rows) of the micro-batch, written
+ * by the trainer; a row's loss and gradient are multiplied by it, so the mean over all rows is
+ * the mean over the masked ones and the others get no gradient. Without `weights` the WGSL is
+ * what it always was.
  */
 
 import { treeReduce } from "./common.ts";
@@ -60,8 +66,14 @@ ${CONTROL_STRUCT}
  * in place: (softmax − onehot(tgt)) / totalRows for the first `real` columns (whose vocabulary id
  * is the WGSL expression `id` of the column `v`), 0 for the rest. Needs `lse`, `tgt`, `ctl`, `hp`.
  */
-export function softmaxGradWgsl(totalRows: number, cols: number, real: number, id: string): string {
-  return `let inv = (1.0 / ${totalRows}.0) * ctl.scale * hp.grad_mul;
+export function softmaxGradWgsl(
+  totalRows: number,
+  cols: number,
+  real: number,
+  id: string,
+  weight?: string,
+): string {
+  return `let inv = (1.0 / ${totalRows}.0) * ctl.scale * hp.grad_mul${weight ? ` * ${weight}` : ""};
   for (var v = tid; v < ${cols}u; v = v + ${WG}u) {
     var d = 0.0;
     if (v < ${real}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, ${id} == tgt)) * inv; }
@@ -82,6 +94,13 @@ export interface CrossEntropySpec {
   Vp: number;
   /** Write the gradient into the logits (training) or leave them (evaluation). */
   grad: boolean;
+  /** Loss mask: the index in the tokens buffer of row 0's weight (B·(T + 1)); absent: no mask. */
+  weights?: number;
+}
+
+/** WGSL expression of the loss weight of global row `grow`, stored from `at` in the tokens buffer. */
+export function weightWgsl(at: number): string {
+  return `bitcast<f32>(tokens[${at}u + grow])`;
 }
 
 /**
@@ -106,11 +125,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let mx = ms[0];
   let lse = mx + log(ss[0]);
   let tgt = ${targetWgsl(s.T)};
-  if (tid == 0u) { losses[grow] = lse - logits[base + tgt]; }
+  ${
+    s.weights === undefined
+      ? "if (tid == 0u) { losses[grow] = lse - logits[base + tgt]; }"
+      : `let w = ${weightWgsl(s.weights)};
+  if (tid == 0u) { losses[grow] = w * (lse - logits[base + tgt]); }`
+  }
   ${
     s.grad
       ? `workgroupBarrier();
-  ${softmaxGradWgsl(s.totalRows, s.Vp, s.V, "v")}`
+  ${softmaxGradWgsl(s.totalRows, s.Vp, s.V, "v", s.weights === undefined ? undefined : "w")}`
       : ""
   }
 }

@@ -26,6 +26,7 @@ import {
   modelSourceStamp,
   resolveModelSource,
 } from "../../checkpoint/model_source.ts";
+import { readChatTemplate } from "../../checkpoint/checkpoint.ts";
 import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
 import type { GenerationReport, JobRunner } from "../jobs/runner.ts";
 import { encodePrompt, fitPromptTokens, TextStream } from "./text_stream.ts";
@@ -573,6 +574,14 @@ export class GenerationManager {
     const all = await listModelSources(this.#root);
     return all.find((x) => x.id === m.id) ??
       { id: m.id, kind: m.kind, created: Math.floor(Date.now() / 1000), config: m.config };
+  }
+
+  /**
+   * The chat template of a model (its folder's `tokenizer_config.json`), or undefined without one.
+   * ModelNotFoundError (404) for an unknown model.
+   */
+  async chatTemplateOf(id: string): Promise<string | undefined> {
+    return await readChatTemplate((await this.#resolve(id)).path);
   }
 
   /** Resolves a model's context length (for /tokenize). */

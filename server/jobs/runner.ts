@@ -38,6 +38,8 @@ import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.t
 import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
 import { evalTaskFigures } from "./compare.ts";
 import { checkEvalData } from "./task_files.ts";
+import { getDataset } from "../../data/store.ts";
+import { isChatDataset } from "../../data/chat_dataset.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -301,10 +303,18 @@ export class JobRunner {
     if (!(await this.#opts.datasetExists(config.dataset))) {
       throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
     }
+    const sft = config.objective === "sft";
+    if (sft && !isChatDataset(await getDataset(this.#opts.root, config.dataset).catch(() => undefined))) {
+      throw new InvalidJobError(
+        "dataset",
+        `Dataset "${config.dataset}" holds no conversations: objective "sft" needs a chat dataset ` +
+          `(POST /datasets with "format": "chat")`,
+      );
+    }
     const splits = await this.#opts.splitTokens?.(config.dataset);
     for (const split of ["train", "valid", "test"] as const) {
-      // A split weighted 0 is empty on purpose and simply not evaluated.
-      if (!splits || splits[split] === 0 || splits[split] > config.seq_len) continue;
+      // A split weighted 0 is empty on purpose and simply not evaluated; SFT pads its packed rows.
+      if (!splits || sft || splits[split] === 0 || splits[split] > config.seq_len) continue;
       throw new InvalidJobError(
         "seq_len",
         `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +

@@ -25,6 +25,7 @@ import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
+import { chatRoutes } from "./chat_completions.ts";
 import { createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
 import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
 import { authGuard, FailureLimiter } from "./auth.ts";
@@ -409,12 +410,14 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/jobs/:id/events", bounded);
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);
+  app.use("/v1/chat/completions", bounded);
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
   app.route("/", adminRoutes(store, auth));
   app.route("/", jobRoutes(opts.runner, limits, aliases, auth));
   app.route("/", estimateRoutes(opts.runner));
   app.route("/", checkpointRoutes(opts.runner, auth));
   if (opts.generation) app.route("/", generateRoutes(opts.generation, {}, auth));
+  if (opts.generation) app.route("/", chatRoutes(opts.generation, auth));
   for (const extra of opts.extra ?? []) app.route("/", extra);
   return app;
 }

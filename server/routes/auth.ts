@@ -44,7 +44,10 @@ export function principalOf(c: Context): Principal {
 export function routeClass(method: string, path: string): RouteClass {
   if (path === "/admin" || path.startsWith("/admin/") || path === "/metrics") return "admin";
   if (path === "/health" || path === "/ready" || path === "/auth/me") return "any";
-  if (path === "/generate" || path === "/v1/completions" || path === "/tokenize" || path === "/detokenize") {
+  if (
+    path === "/generate" || path === "/v1/completions" || path === "/v1/chat/completions" ||
+    path === "/tokenize" || path === "/detokenize"
+  ) {
     return "generate";
   }
   if (path === "/v1/models" || path.startsWith("/v1/models/")) return "models";

@@ -6,6 +6,9 @@
  *   `texts`) plus options; 201 with `{id, documents, tokens, splits}` when done within a short
  *   wait (always for a cached dataset), else 202 with the id, whose progress `GET /datasets/:id`
  *   reports.
+ *   With `"format": "chat"` the `path` is a JSONL file of conversations (data/chat_dataset.ts);
+ *   its bad lines fail the preparation naming file and line, or are left out with
+ *   `"on_error": "skip"` (listed in the manifest's `stats.issues`).
  * - `GET /datasets` lists prepared datasets and preparations in progress or failed.
  * - `GET /datasets/:id` one of them; 404 for an unknown id.
  *
@@ -70,6 +73,8 @@ const optionsShape = {
   blacklist: z.array(z.string().min(1).max(253)).max(10_000).optional(),
   max_file_ms: z.number().min(0).max(86_400_000).optional(),
   allow_partial: z.boolean().optional(),
+  format: z.enum(["text", "chat"]).optional(),
+  on_error: z.enum(["skip", "refuse"]).optional(),
 };
 
 /** The body of `POST /datasets`: exactly one source and options. */

@@ -9,6 +9,7 @@ export { adminRoutes, audit, type Auth } from "./admin.ts";
 export { jobRoutes } from "./jobs.ts";
 export { checkpointRoutes, ReshardRequestSchema } from "./checkpoints.ts";
 export { generateRoutes } from "./generate.ts";
+export { chatRoutes } from "./chat_completions.ts";
 export { healthRoutes } from "./health.ts";
 export {
   ApiError,

@@ -172,6 +172,7 @@ export const TrainRequestSchema = z.strictObject({
   keep_checkpoints: positiveInt.max(1000).default(3),
   resume_from: z.string().min(1).max(300).optional(),
   init_from: z.string().min(1).max(300).optional(),
+  objective: z.enum(["lm", "sft"]).optional(),
   precision: z.enum(["fp32", "fp16"]).default("fp32"),
   checkpoint_activations: z.boolean().default(false),
   checkpoint_num_layers: positiveInt.max(96).default(1),

@@ -30,6 +30,11 @@ export interface ReferenceOptions {
   attnDropout: number;
   /** Dropout probability on the embedding and on the two residual-branch outputs of each block. */
   hiddenDropout: number;
+  /**
+   * SFT's loss mask (B·T, 1 where position t's target counts): the loss is the mean over those
+   * positions only, and the others get no gradient. Absent: every position counts.
+   */
+  lossMask?: Uint8Array;
 }
 
 const DEFAULT_OPTIONS: ReferenceOptions = { seed: 0, step: 0, attnDropout: 0, hiddenDropout: 0 };
@@ -662,8 +667,18 @@ export function referenceForward(
   const losses = new Float64Array(BT);
   crossentropy_forward(losses, logits, targets, B, T, V, Vp);
   let loss = 0;
-  for (let i = 0; i < BT; i++) loss += losses[i];
-  loss /= BT;
+  const mask = o.lossMask;
+  if (mask) {
+    let count = 0;
+    for (let i = 0; i < BT; i++) {
+      loss += mask[i] ? losses[i] : 0;
+      count += mask[i] ? 1 : 0;
+    }
+    loss = count > 0 ? loss / count : 0;
+  } else {
+    for (let i = 0; i < BT; i++) loss += losses[i];
+    loss /= BT;
+  }
 
   const cache: ForwardCache = {
     config,
@@ -698,6 +713,14 @@ export function referenceBackward(
 
   const dlogits = new Float64Array(BT * Vp);
   crossentropy_softmax_backward(dlogits, cache.logits, targets, 1 / BT, B, T, V, Vp);
+  if (o.lossMask) {
+    // d(masked mean)/d(loss at t) = mask[t] / count: rescale each row's 1/BT gradient.
+    const mask = o.lossMask, count = mask.reduce((a, m) => a + (m ? 1 : 0), 0);
+    for (let bt = 0; bt < BT; bt++) {
+      const f = mask[bt] && count > 0 ? BT / count : 0;
+      for (let v = 0; v < Vp; v++) dlogits[bt * Vp + v] *= f;
+    }
+  }
   const dlnf = new Float64Array(BTC);
   lmhead_backward(dlnf, G.wte, dlogits, cache.lnf, P.wte, B, T, C, V, Vp);
   // dresid: gradient flowing down the residual stream
