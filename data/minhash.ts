@@ -102,8 +102,8 @@ function shingleHashes(words: Int32Array, count: number, size: number, seed: num
 }
 
 /**
- * One-permutation MinHash: each shingle hash `hs[0 .. shingles)` picks one of the `k` bins of `sig` and a
- * value, each bin keeping its minimum; `filled` marks the bins that got one.
+ * One-permutation MinHash: each shingle hash `hs[0 .. shingles)` picks one of the `k` bins of
+ * `sig` and a value, each bin keeping its minimum; `filled` marks the bins that got one.
  */
 function fillBins(hs: Int32Array, shingles: number, k: number, sig: Uint32Array, filled: Uint8Array): void {
   // A power-of-two k picks the bin with a mask instead of a division; the values are unchanged.
