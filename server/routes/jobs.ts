@@ -62,7 +62,7 @@ export function jobRoutes(
   };
   jobListRoutes(app, ctx);
   jobProgressRoutes(app, ctx);
-  checkpointRoutes(app, ctx);
+  jobCheckpointRoutes(app, ctx);
   return app;
 }
 
@@ -182,7 +182,7 @@ function jobProgressRoutes(app: Hono, { runner, aliases, visible }: JobRouteCont
 }
 
 /** A job's checkpoints and their files. */
-function checkpointRoutes(app: Hono, { runner, visible }: JobRouteContext): void {
+function jobCheckpointRoutes(app: Hono, { runner, visible }: JobRouteContext): void {
   const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
 
   app.get("/jobs/:id/checkpoints", async (c) => {
