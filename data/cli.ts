@@ -111,9 +111,9 @@ async function readTextsFile(path: string): Promise<string[]> {
   return texts;
 }
 
-/** Run the CLI with `args`; returns the exit code. */
-export async function main(args: string[]): Promise<number> {
-  const { values, positionals } = parseArgs({
+/** The command line parsed: the flags, and the command with its arguments. */
+function parseCli(args: string[]) {
+  return parseArgs({
     args,
     allowPositionals: true,
     options: {
@@ -144,80 +144,39 @@ export async function main(args: string[]): Promise<number> {
       help: { type: "boolean", short: "h" },
     },
   });
+}
+
+/** The flags given. */
+type CliValues = ReturnType<typeof parseCli>["values"];
+
+/** Flag `name`'s number, or undefined when not given. */
+function num(name: string, v: string | undefined): number | undefined {
+  if (v === undefined) return undefined;
+  const n = Number(v);
+  if (!Number.isFinite(n)) throw new Error(`Invalid --${name} "${v}": expected a number`);
+  return n;
+}
+
+/** Flag `name`'s value, one of `allowed`. */
+function choice<T extends string>(name: string, v: string, allowed: readonly T[]): T {
+  if (!(allowed as readonly string[]).includes(v)) {
+    throw new Error(`Invalid --${name} "${v}": expected ${allowed.map((a) => `"${a}"`).join(" or ")}`);
+  }
+  return v as T;
+}
+
+/** Run the CLI with `args`; returns the exit code. */
+export async function main(args: string[]): Promise<number> {
+  const { values, positionals } = parseCli(args);
   const [command, ...rest] = positionals;
   if (values.help || !command) {
     console.log(USAGE);
     return command || values.help ? 0 : 2;
   }
   const root = resolve(values.root ?? Deno.env.get("GPT2_HOME") ?? "./.gpt2");
-  const num = (name: string, v: string | undefined) => {
-    if (v === undefined) return undefined;
-    const n = Number(v);
-    if (!Number.isFinite(n)) throw new Error(`Invalid --${name} "${v}": expected a number`);
-    return n;
-  };
-  const choice = <T extends string>(name: string, v: string, allowed: readonly T[]): T => {
-    if (!(allowed as readonly string[]).includes(v)) {
-      throw new Error(`Invalid --${name} "${v}": expected ${allowed.map((a) => `"${a}"`).join(" or ")}`);
-    }
-    return v as T;
-  };
   switch (command) {
-    case "prepare": {
-      const urlList = values["url-list"] ?? values["urls-file"];
-      const given = [values.builtin, values.path, values["texts-file"], urlList].filter((v) =>
-        v !== undefined
-      );
-      if (given.length !== 1) {
-        throw new Error("Name exactly one source: --builtin, --path, --texts-file or --url-list");
-      }
-      let source: DatasetSource;
-      if (values.builtin !== undefined) source = { builtin: values.builtin as "sotu" };
-      else if (values.path !== undefined) source = { path: resolve(values.path) };
-      else if (urlList !== undefined) source = { url_list: resolve(urlList) };
-      else source = { texts: await readTextsFile(values["texts-file"]!) };
-      const options: PrepareOptions = {
-        allow_any_path: true,
-        ...(values.id ? { id: values.id } : {}),
-        ...(values["min-tokens"] ? { min_tokens: num("min-tokens", values["min-tokens"]) } : {}),
-        ...(values["dedup-threshold"]
-          ? { dedup_threshold: num("dedup-threshold", values["dedup-threshold"]) }
-          : {}),
-        ...(values["no-dedup"] ? { dedup: false } : {}),
-        ...(values.split ? { split: values.split } : {}),
-        ...(values["seq-len"] ? { seq_len: num("seq-len", values["seq-len"]) } : {}),
-        ...(values["max-documents"] ? { max_documents: num("max-documents", values["max-documents"]) } : {}),
-        ...(values.workers ? { workers: num("workers", values.workers) } : {}),
-        ...(values.force ? { force: true } : {}),
-        ...(values["max-file-ms"] ? { max_file_ms: num("max-file-ms", values["max-file-ms"]) } : {}),
-        ...(values["allow-partial"] ? { allow_partial: true } : {}),
-        ...(values["shard-chars"] ? { shard_chars: num("shard-chars", values["shard-chars"]) } : {}),
-        ...(values.format ? { format: choice("format", values.format, ["text", "chat"] as const) } : {}),
-        ...(values["on-error"]
-          ? { on_error: choice("on-error", values["on-error"], ["skip", "refuse"] as const) }
-          : {}),
-        download: { allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1" },
-      };
-      await Deno.mkdir(root, { recursive: true });
-      const bar = values["progress-json"]
-        ? { update: (p: Progress) => console.error(JSON.stringify(p)), end: () => {} }
-        : progressPrinter();
-      const t0 = performance.now();
-      let info;
-      try {
-        info = await prepareDataset(root, source, options, bar.update);
-      } finally {
-        bar.end();
-      }
-      const secs = (performance.now() - t0) / 1000;
-      console.log(
-        JSON.stringify({ id: info.id, documents: info.documents, tokens: info.tokens, splits: info.splits }),
-      );
-      console.error(`Dataset "${info.id}" ready in ${root}/datasets/${info.id} (${secs.toFixed(1)} s)`);
-      const cut = (info as { cut?: { file: string; reason: string }[] }).cut;
-      if (cut) console.error(`Partial dataset: ${cut.map((c) => `"${c.file}" ${c.reason}`).join("; ")}`);
-      return 0;
-    }
+    case "prepare":
+      return await prepareCommand(values, root);
     case "list": {
       for (const d of await listDatasets(root)) {
         console.log(
@@ -243,39 +202,8 @@ export async function main(args: string[]): Promise<number> {
       } else console.log(urls.join("\n"));
       return 0;
     }
-    case "download": {
-      if (!rest[0] || !values.out) throw new Error("Usage: deno task data download FILE --out F.jsonl");
-      const { urls, counts: urlCounts } = filterUrls((await Deno.readTextFile(rest[0])).split(/\r?\n/));
-      console.error(JSON.stringify(urlCounts));
-      const tmp = `${values.out}.tmp-${crypto.randomUUID().slice(0, 8)}`;
-      const lines: string[] = [];
-      const bar = progressPrinter();
-      const { counts, failures } = await downloadUrls(
-        urls,
-        {
-          concurrency: num("concurrency", values.concurrency),
-          timeoutMs: num("timeout-ms", values["timeout-ms"]),
-          allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1",
-        },
-        (doc) => void lines.push(JSON.stringify(doc)),
-        (p) =>
-          bar.update({
-            id: "",
-            stage: "download",
-            done: p.done,
-            total: p.total,
-            documents_read: p.done,
-            documents: p.ok,
-            tokens: 0,
-          }),
-      );
-      bar.end();
-      await Deno.writeTextFile(tmp, lines.join("\n") + (lines.length ? "\n" : ""));
-      await Deno.rename(tmp, values.out);
-      for (const f of failures) console.error(`Failed "${f.url}": ${f.error}`);
-      console.error(JSON.stringify(counts));
-      return counts.ok > 0 ? 0 : 1;
-    }
+    case "download":
+      return await downloadCommand(values, rest);
     case "merge": {
       if (rest.length === 0 || !values.out) {
         throw new Error("Usage: deno task data merge PATH... --out F.jsonl");
@@ -287,6 +215,101 @@ export async function main(args: string[]): Promise<number> {
       console.error(USAGE);
       throw new Error(`Unknown command "${command}"`);
   }
+}
+
+/** `prepare`: a dataset from the one source named, printed as JSON when ready. */
+async function prepareCommand(values: CliValues, root: string): Promise<number> {
+  const urlList = values["url-list"] ?? values["urls-file"];
+  const given = [values.builtin, values.path, values["texts-file"], urlList].filter((v) => v !== undefined);
+  if (given.length !== 1) {
+    throw new Error("Name exactly one source: --builtin, --path, --texts-file or --url-list");
+  }
+  let source: DatasetSource;
+  if (values.builtin !== undefined) source = { builtin: values.builtin as "sotu" };
+  else if (values.path !== undefined) source = { path: resolve(values.path) };
+  else if (urlList !== undefined) source = { url_list: resolve(urlList) };
+  else source = { texts: await readTextsFile(values["texts-file"]!) };
+  const options = prepareOptions(values);
+  await Deno.mkdir(root, { recursive: true });
+  const bar = values["progress-json"]
+    ? { update: (p: Progress) => console.error(JSON.stringify(p)), end: () => {} }
+    : progressPrinter();
+  const t0 = performance.now();
+  let info;
+  try {
+    info = await prepareDataset(root, source, options, bar.update);
+  } finally {
+    bar.end();
+  }
+  const secs = (performance.now() - t0) / 1000;
+  console.log(
+    JSON.stringify({ id: info.id, documents: info.documents, tokens: info.tokens, splits: info.splits }),
+  );
+  console.error(`Dataset "${info.id}" ready in ${root}/datasets/${info.id} (${secs.toFixed(1)} s)`);
+  const cut = (info as { cut?: { file: string; reason: string }[] }).cut;
+  if (cut) console.error(`Partial dataset: ${cut.map((c) => `"${c.file}" ${c.reason}`).join("; ")}`);
+  return 0;
+}
+
+/** The preparation options the flags give. */
+function prepareOptions(values: CliValues): PrepareOptions {
+  return {
+    allow_any_path: true,
+    ...(values.id ? { id: values.id } : {}),
+    ...(values["min-tokens"] ? { min_tokens: num("min-tokens", values["min-tokens"]) } : {}),
+    ...(values["dedup-threshold"]
+      ? { dedup_threshold: num("dedup-threshold", values["dedup-threshold"]) }
+      : {}),
+    ...(values["no-dedup"] ? { dedup: false } : {}),
+    ...(values.split ? { split: values.split } : {}),
+    ...(values["seq-len"] ? { seq_len: num("seq-len", values["seq-len"]) } : {}),
+    ...(values["max-documents"] ? { max_documents: num("max-documents", values["max-documents"]) } : {}),
+    ...(values.workers ? { workers: num("workers", values.workers) } : {}),
+    ...(values.force ? { force: true } : {}),
+    ...(values["max-file-ms"] ? { max_file_ms: num("max-file-ms", values["max-file-ms"]) } : {}),
+    ...(values["allow-partial"] ? { allow_partial: true } : {}),
+    ...(values["shard-chars"] ? { shard_chars: num("shard-chars", values["shard-chars"]) } : {}),
+    ...(values.format ? { format: choice("format", values.format, ["text", "chat"] as const) } : {}),
+    ...(values["on-error"]
+      ? { on_error: choice("on-error", values["on-error"], ["skip", "refuse"] as const) }
+      : {}),
+    download: { allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1" },
+  };
+}
+
+/** `download FILE --out F.jsonl`: the URLs of a list, filtered, downloaded as loose JSON lines. */
+async function downloadCommand(values: CliValues, rest: string[]): Promise<number> {
+  if (!rest[0] || !values.out) throw new Error("Usage: deno task data download FILE --out F.jsonl");
+  const { urls, counts: urlCounts } = filterUrls((await Deno.readTextFile(rest[0])).split(/\r?\n/));
+  console.error(JSON.stringify(urlCounts));
+  const tmp = `${values.out}.tmp-${crypto.randomUUID().slice(0, 8)}`;
+  const lines: string[] = [];
+  const bar = progressPrinter();
+  const { counts, failures } = await downloadUrls(
+    urls,
+    {
+      concurrency: num("concurrency", values.concurrency),
+      timeoutMs: num("timeout-ms", values["timeout-ms"]),
+      allowPrivate: Deno.env.get("GPT2_ALLOW_PRIVATE_URLS") === "1",
+    },
+    (doc) => void lines.push(JSON.stringify(doc)),
+    (p) =>
+      bar.update({
+        id: "",
+        stage: "download",
+        done: p.done,
+        total: p.total,
+        documents_read: p.done,
+        documents: p.ok,
+        tokens: 0,
+      }),
+  );
+  bar.end();
+  await Deno.writeTextFile(tmp, lines.join("\n") + (lines.length ? "\n" : ""));
+  await Deno.rename(tmp, values.out);
+  for (const f of failures) console.error(`Failed "${f.url}": ${f.error}`);
+  console.error(JSON.stringify(counts));
+  return counts.ok > 0 ? 0 : 1;
 }
 
 if (import.meta.main) {

@@ -288,11 +288,6 @@ interface FileContext {
 
 /** Read a loose-JSON file (or a JSON array file) into documents. */
 async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
-  const { counts, pos } = f;
-  // Only decoding and parsing count towards the time bound: the clock runs in the synchronous
-  // work on each line, and stops while the consumer holds a document or a read is awaited.
-  let busy = 0;
-  const late = () => busy >= f.maxMs;
   const head = new Uint8Array(64);
   let first = "";
   {
@@ -300,61 +295,77 @@ async function* readJsonFile(path: string, f: FileContext): AsyncGenerator<Sourc
     const n = (await file.read(head)) ?? 0;
     first = new TextDecoder().decode(head.subarray(0, n)).trimStart();
   }
-  if (first.startsWith("[")) {
-    // A single JSON array of documents.
-    const size = (await Deno.stat(path)).size;
-    if (size > f.max) {
-      counts.oversized++;
-      return f.issue(`oversized: ${size} bytes, over the ${f.max}-byte cap`);
-    }
-    const bytes = await Deno.readFile(path);
-    f.onBytes?.(bytes.length);
-    const t0 = performance.now();
-    const { text, invalid } = decodeUtf8(bytes);
-    if (invalid && !f.from) counts.invalid_utf8++;
-    if (jsonTooDeep(text, f.maxDepth)) {
-      counts.too_deep++;
-      return f.issue(`too deep: JSON nested more than ${f.maxDepth} levels`);
-    }
-    let arr: unknown;
-    try {
-      arr = JSON.parse(text);
-    } catch (e) {
-      counts.malformed_json++;
-      return f.issue(`malformed JSON: ${(e as Error).message}`);
-    }
-    busy += performance.now() - t0;
-    if (!Array.isArray(arr)) {
-      counts.malformed_json++;
-      return f.issue("malformed JSON: not an array of documents");
-    }
-    const bad: number[] = [];
-    let badTotal = 0;
-    for (let i = f.from?.item ?? 0; i < arr.length; i++) {
-      if (late()) {
-        counts.timed_out++;
-        return f.issue(`timed out: parsing took longer than ${f.maxMs} ms, stopped at item ${i}`, {
-          item: i,
-        });
-      }
-      const doc = docFromValue(arr[i]);
-      if (doc) {
-        pos.item = i + 1;
-        yield doc;
-      } else {
-        counts.malformed_json++;
-        if (badTotal++ < 10) bad.push(i);
-      }
-    }
-    const reasons = [
-      ...(invalid ? ["invalid UTF-8 (decoded with U+FFFD)"] : []),
-      ...(badTotal
-        ? [`malformed documents at item${badTotal > 1 ? "s" : ""} ${lineList(bad, badTotal)}`]
-        : []),
-    ];
-    if (reasons.length) f.issue(reasons.join("; "));
-    return;
+  if (first.startsWith("[")) yield* readJsonArray(path, f);
+  else yield* readJsonLines(path, f);
+}
+
+/*
+ * Only decoding and parsing count towards a file's time bound (FileContext.maxMs): the clock runs
+ * in the synchronous work on each line or item, and stops while the consumer holds a document or
+ * a read is awaited.
+ */
+
+/** Read a file holding a single JSON array of documents. */
+async function* readJsonArray(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
+  const { counts, pos } = f;
+  let busy = 0;
+  const late = () => busy >= f.maxMs;
+  const size = (await Deno.stat(path)).size;
+  if (size > f.max) {
+    counts.oversized++;
+    return f.issue(`oversized: ${size} bytes, over the ${f.max}-byte cap`);
   }
+  const bytes = await Deno.readFile(path);
+  f.onBytes?.(bytes.length);
+  const t0 = performance.now();
+  const { text, invalid } = decodeUtf8(bytes);
+  if (invalid && !f.from) counts.invalid_utf8++;
+  if (jsonTooDeep(text, f.maxDepth)) {
+    counts.too_deep++;
+    return f.issue(`too deep: JSON nested more than ${f.maxDepth} levels`);
+  }
+  let arr: unknown;
+  try {
+    arr = JSON.parse(text);
+  } catch (e) {
+    counts.malformed_json++;
+    return f.issue(`malformed JSON: ${(e as Error).message}`);
+  }
+  busy += performance.now() - t0;
+  if (!Array.isArray(arr)) {
+    counts.malformed_json++;
+    return f.issue("malformed JSON: not an array of documents");
+  }
+  const bad: number[] = [];
+  let badTotal = 0;
+  for (let i = f.from?.item ?? 0; i < arr.length; i++) {
+    if (late()) {
+      counts.timed_out++;
+      return f.issue(`timed out: parsing took longer than ${f.maxMs} ms, stopped at item ${i}`, {
+        item: i,
+      });
+    }
+    const doc = docFromValue(arr[i]);
+    if (doc) {
+      pos.item = i + 1;
+      yield doc;
+    } else {
+      counts.malformed_json++;
+      if (badTotal++ < 10) bad.push(i);
+    }
+  }
+  const reasons = [
+    ...(invalid ? ["invalid UTF-8 (decoded with U+FFFD)"] : []),
+    ...(badTotal ? [`malformed documents at item${badTotal > 1 ? "s" : ""} ${lineList(bad, badTotal)}`] : []),
+  ];
+  if (reasons.length) f.issue(reasons.join("; "));
+}
+
+/** Read a loose-JSON file: one document per line. */
+async function* readJsonLines(path: string, f: FileContext): AsyncGenerator<SourceDocument> {
+  const { counts, pos } = f;
+  let busy = 0;
+  const late = () => busy >= f.maxMs;
   let sawLine = !!f.from, line = f.from?.line ?? 0;
   const problems = new LineProblems();
   const oversized = () => {

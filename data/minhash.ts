@@ -68,9 +68,17 @@ export function minhashFromWords(
   const filled = filledScratch;
   filled.fill(0, 0, k);
   const size = Math.min(params.shingleSize, count);
-  // Everything below stays in 32-bit integers (`| 0` wraps as the ToInt32 of each use would), and a
-  // power-of-two k picks the bin with a mask instead of a division; the values are unchanged.
-  const mask = (k & (k - 1)) === 0 ? k - 1 : -1;
+  const shingles = count - size + 1;
+  const hs = shingleHashes(words, count, size, seed);
+  fillBins(hs, shingles, k, sig, filled);
+  densify(sig, filled, k, seed);
+}
+
+/**
+ * The hash of each shingle of `size` words of `words[0 .. count)`, in a scratch array. Everything
+ * here and in fillBins stays in 32-bit integers (`| 0` wraps as the ToInt32 of each use would).
+ */
+function shingleHashes(words: Int32Array, count: number, size: number, seed: number): Int32Array {
   const shingles = count - size + 1;
   if (shingleScratch.length < shingles) shingleScratch = new Int32Array(shingles * 2);
   const hs = shingleScratch;
@@ -90,6 +98,16 @@ export function minhashFromWords(
       hs[end - size] = s;
     }
   }
+  return hs;
+}
+
+/**
+ * One-permutation MinHash: each shingle hash `hs[0 .. shingles)` picks one of the `k` bins of
+ * `sig` and a value, each bin keeping its minimum; `filled` marks the bins that got one.
+ */
+function fillBins(hs: Int32Array, shingles: number, k: number, sig: Uint32Array, filled: Uint8Array): void {
+  // A power-of-two k picks the bin with a mask instead of a division; the values are unchanged.
+  const mask = (k & (k - 1)) === 0 ? k - 1 : -1;
   for (let x = 0; x < shingles; x++) {
     let s = hs[x];
     s ^= s >>> 16;
@@ -109,6 +127,10 @@ export function minhashFromWords(
       filled[bin] = 1;
     }
   }
+}
+
+/** Fills the empty bins of `sig[0 .. k)` (those `filled` does not mark) from filled ones. */
+function densify(sig: Uint32Array, filled: Uint8Array, k: number, seed: number): void {
   // Optimal densification: an empty bin i takes the value of the first filled bin in the sequence
   // hash(i, 1), hash(i, 2), ... (the same sequence for every document, so it is tabulated once).
   // With few filled bins (short documents) the first filled one is found as the filled bin with

@@ -11,17 +11,9 @@
  */
 import { createHash } from "node:crypto";
 import { join, relative } from "node:path";
-import { BUILTIN_DEFAULT_SPLIT, builtinDocuments, type BuiltinName, isBuiltinName } from "./builtin.ts";
-import { type DownloadCounts, type DownloadFailure, type DownloadOptions, downloadUrls } from "./download.ts";
-import {
-  emptyMergeCounts,
-  type FileIssue,
-  type MergeCounts,
-  readDocuments,
-  type ReadPosition,
-  type SourceDocument,
-  startPosition,
-} from "./merge.ts";
+import { BUILTIN_DEFAULT_SPLIT, type BuiltinName, isBuiltinName } from "./builtin.ts";
+import type { DownloadOptions } from "./download.ts";
+import type { FileIssue } from "./merge.ts";
 import { DEFAULT_MINHASH, LshIndex, type MinHashParams } from "./minhash.ts";
 import { CHAT_DEFAULT_SPLIT, type ChatOnError, prepareChatDataset } from "./chat_dataset.ts";
 import { DEFAULT_SPLIT, parseSplitWeights, splitSizes } from "./split.ts";
@@ -35,8 +27,22 @@ import {
   type SplitCounts,
   SPLITS,
 } from "./store.ts";
-import { createTokenizePool, type WorkerResult } from "./tokenize_pool.ts";
-import { filterUrls, type UrlCounts } from "./urls.ts";
+import {
+  copyRange,
+  diskFull,
+  hashFile,
+  treeFingerprint,
+  writeAtomic,
+  writeDocumentIndex,
+} from "./prepare_io.ts";
+import { openSource } from "./prepare_sources.ts";
+import {
+  type Journal,
+  type LoadedJournal,
+  loadJournal,
+  type Stats,
+  tokenizeShards,
+} from "./prepare_shards.ts";
 
 /** Where a dataset's documents come from: exactly one of these. */
 export type DatasetSource =
@@ -128,32 +134,6 @@ export interface Progress {
   resumed_bytes?: number;
 }
 
-/** Stage counts recorded in the manifest's `stats`. */
-interface Stats {
-  urls?: UrlCounts;
-  download?: DownloadCounts & { failures_file?: string };
-  merge: MergeCounts;
-  /** Skipped or partly bad source files and why (the first 100). */
-  file_issues?: FileIssue[];
-  documents_read: number;
-  empty_after_cleaning: number;
-  under_min_tokens: number;
-  near_duplicates: number;
-  characters: number;
-  /** Worker milliseconds spent cleaning, tokenizing and computing signatures (summed over workers). */
-  worker_ms: { clean: number; tokenize: number; signatures: number };
-  lsh?: {
-    bands: number;
-    rows: number;
-    num_perm: number;
-    shingle_size: number;
-    /** Bytes of the index per kept document: fingerprints, and band tables at their lowest and highest load. */
-    bytes_per_document: { signature: number; tablesMin: number; tablesMax: number; keys: number };
-  };
-}
-
-/** Characters per batch sent to a worker. */
-const BATCH_CHARS = 1 << 19;
 /** Source characters per committed shard (the unit of resumption). */
 const SHARD_CHARS = 1 << 26;
 /**
@@ -164,9 +144,6 @@ const SHARD_CHARS = 1 << 26;
  * datasets (a built-in keeps its plain name only with default options).
  */
 export const DEFAULT_PREPARE_SEQ_LEN = 1024;
-
-/** Bytes buffered before a write to disk. */
-const WRITE_BUFFER = 1 << 22;
 
 /** A short SHA-256 hex digest of a string. */
 function shortHash(s: string): string {
@@ -229,62 +206,6 @@ function sourceKind(source: DatasetSource): "builtin" | "path" | "urls" | "url_l
     );
   }
   return keys[0] as ReturnType<typeof sourceKind>;
-}
-
-/** An async buffered file writer. */
-class Writer {
-  #file: Deno.FsFile;
-  #buf = new Uint8Array(WRITE_BUFFER);
-  #len = 0;
-  constructor(file: Deno.FsFile) {
-    this.#file = file;
-  }
-  async write(bytes: Uint8Array): Promise<void> {
-    if (this.#len + bytes.length > this.#buf.length) await this.flush();
-    if (bytes.length > this.#buf.length) return void (await this.#writeAll(bytes));
-    this.#buf.set(bytes, this.#len);
-    this.#len += bytes.length;
-  }
-  async flush(): Promise<void> {
-    await this.#writeAll(this.#buf.subarray(0, this.#len));
-    this.#len = 0;
-  }
-  async #writeAll(b: Uint8Array) {
-    for (let off = 0; off < b.length;) off += await this.#file.write(b.subarray(off));
-  }
-}
-
-/** SHA-256 of a file, also fed to `also` (for the combined checksum). */
-async function hashFile(
-  path: string,
-  also: ReturnType<typeof createHash>,
-): Promise<{ bytes: number; sha256: string }> {
-  const h = createHash("sha256");
-  using f = await Deno.open(path, { read: true });
-  const buf = new Uint8Array(1 << 22);
-  let bytes = 0;
-  while (true) {
-    const n = await f.read(buf);
-    if (n === null) break;
-    h.update(buf.subarray(0, n));
-    also.update(buf.subarray(0, n));
-    bytes += n;
-  }
-  return { bytes, sha256: h.digest("hex") };
-}
-
-/** Copy `count` uint16 tokens from token offset `start` of `src` into a new file `dst`. */
-async function copyRange(src: Deno.FsFile, start: number, count: number, dst: string): Promise<void> {
-  using out = await Deno.open(dst, { write: true, create: true, truncate: true });
-  await src.seek(start * 2, Deno.SeekMode.Start);
-  const buf = new Uint8Array(1 << 22);
-  let left = count * 2;
-  while (left > 0) {
-    const n = await src.read(buf.subarray(0, Math.min(buf.length, left)));
-    if (n === null) throw new Error(`Cannot copy split: token file ended ${left} bytes early`);
-    for (let off = 0; off < n;) off += await out.write(buf.subarray(off, n));
-    left -= n;
-  }
 }
 
 /** A resolved preparation: what {@link planDataset} decides before any work starts. */
@@ -383,44 +304,6 @@ export async function planDataset(
   return { id, kind, describe, ...(resolvedPath ? { resolvedPath } : {}), sourceKey, opts };
 }
 
-/** What a work folder's journal records at each committed shard: enough to resume from there. */
-interface Journal {
-  format: typeof WORK_FORMAT;
-  source_key: string;
-  /** "tokenize" while reading; "split" once valid.bin and test.bin are written. */
-  stage: "tokenize" | "split";
-  /** The source was read to its end (or to max_documents) and everything read is committed. */
-  read_done: boolean;
-  /** URL sources: the download finished (out/downloads.jsonl is complete). */
-  downloaded: boolean;
-  /** Committed shards. */
-  shards: number;
-  /** Reader state just after the last committed document. */
-  position: ReadPosition;
-  documents_read: number;
-  chars_read: number;
-  bytes_done: number;
-  /** Kept documents and their tokens: the committed lengths of all.bin, lengths.u32 and kept.sig. */
-  documents: number;
-  tokens: number;
-  stats: Stats;
-  cut: FileIssue[];
-}
-
-/** Format of a work folder (a different one is discarded, not resumed). */
-const WORK_FORMAT = "gpt2-webgpu-work/1";
-
-/** Where the reader stood when a batch was submitted: what a commit after that batch records. */
-interface ReaderSnapshot {
-  position: ReadPosition;
-  documents_read: number;
-  chars_read: number;
-  bytes_done: number;
-  merge: MergeCounts;
-  file_issues: FileIssue[] | undefined;
-  cut: FileIssue[];
-}
-
 /** The work folder of a preparation: stable for one id and source key, so a rerun finds it. */
 export function workDir(root: string, id: string, sourceKey: string): string {
   return join(datasetsDir(root), `.work-${id}-${sourceKey}`);
@@ -449,25 +332,6 @@ async function removeStaleWork(root: string, id: string, keep: string): Promise<
   }
 }
 
-/** Whether an error means the disk is full (the work is kept, to resume once there is room). */
-function diskFull(e: unknown): boolean {
-  return (e as { code?: string })?.code === "ENOSPC" || /os error 28\b/.test(String((e as Error)?.message));
-}
-
-/** Write `data` to `path` through a temporary file and a rename, so a kill leaves old or new. */
-async function writeAtomic(path: string, data: string): Promise<void> {
-  await Deno.writeTextFile(`${path}.part`, data);
-  await Deno.rename(`${path}.part`, path);
-}
-
-/** Open `path` for appending after truncating it to `bytes` (what the journal committed). */
-async function openAt(path: string, bytes: number): Promise<Deno.FsFile> {
-  const f = await Deno.open(path, { read: true, write: true, create: true });
-  await f.truncate(bytes);
-  await f.seek(bytes, Deno.SeekMode.Start);
-  return f;
-}
-
 /**
  * Prepare a dataset from `source` under `<root>/datasets/<id>/` and return its manifest. A dataset
  * with the same id, source and options is reused as it is (unless `force`); `{builtin: "sotu"}`
@@ -491,20 +355,18 @@ export async function prepareDataset(
   onProgress?: (p: Progress) => void,
 ): Promise<DatasetInfo> {
   const started = performance.now();
-  const { id, kind, describe, resolvedPath, sourceKey, opts } = await planDataset(root, source, options);
+  const plan = await planDataset(root, source, options);
+  const { id, resolvedPath, sourceKey, describe, opts } = plan;
   if (options.format === "chat") {
     const file = (source as { path: string }).path;
-    const plan = { id, resolvedPath: resolvedPath!, file, sourceKey, describe, split: opts.split };
-    return await prepareChatDataset(root, { ...plan, onError: options.on_error ?? "refuse" }, options.force);
+    const chat = { id, resolvedPath: resolvedPath!, file, sourceKey, describe, split: opts.split };
+    return await prepareChatDataset(root, { ...chat, onError: options.on_error ?? "refuse" }, options.force);
   }
   if (!options.force) {
     const existing = await getDataset(root, id).catch(() => undefined);
     if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;
   }
-  const shardChars = options.shard_chars ?? SHARD_CHARS;
-  if (!(Number.isInteger(shardChars) && shardChars > 0)) {
-    throw new RangeError(`shard_chars must be a positive integer, got ${shardChars}`);
-  }
+  const shardChars = shardCharsOf(options);
 
   const progress: Progress = { id, stage: "tokenize", done: 0, documents_read: 0, documents: 0, tokens: 0 };
   const report = () => onProgress?.({ ...progress });
@@ -519,427 +381,202 @@ export async function prepareDataset(
     await lock.unlock();
     return await prepareDataset(root, source, options, onProgress);
   }
-  let pool: ReturnType<typeof createTokenizePool> | undefined;
   let lsh: LshIndex | undefined;
   try {
     const journalPath = join(work, "journal.json");
-    let journal = await Deno.readTextFile(journalPath).then((t) => JSON.parse(t) as Journal).catch(() =>
-      undefined
-    );
-    if (journal && (journal.format !== WORK_FORMAT || journal.source_key !== sourceKey)) journal = undefined;
-    const resumed = journal !== undefined && (journal.shards > 0 || journal.downloaded);
-    const stats: Stats = journal?.stats ?? {
-      merge: emptyMergeCounts(),
-      documents_read: 0,
-      empty_after_cleaning: 0,
-      under_min_tokens: 0,
-      near_duplicates: 0,
-      characters: 0,
-      worker_ms: { clean: 0, tokenize: 0, signatures: 0 },
-    };
-    const cuts: FileIssue[] = journal?.cut ?? [];
-    const state: Journal = journal ?? {
-      format: WORK_FORMAT,
-      source_key: sourceKey,
-      stage: "tokenize",
-      read_done: false,
-      downloaded: false,
-      shards: 0,
-      position: startPosition(),
-      documents_read: 0,
-      chars_read: 0,
-      bytes_done: 0,
-      documents: 0,
-      tokens: 0,
-      stats,
-      cut: cuts,
-    };
+    const journal = await loadJournal(journalPath, sourceKey);
+    const { state, stats, cuts } = journal;
     const commit = () => writeAtomic(journalPath, JSON.stringify(state));
 
     // Stages 1-3: turn the source into a document stream (resuming after the committed position).
-    let docs: AsyncIterable<SourceDocument> | Iterable<SourceDocument> = [];
-    let totalBytes: number | undefined;
-    const position = startPosition();
-    const onIssue = (issue: FileIssue) => {
-      if (issue.cut) {
-        const at = "line" in issue.cut ? `line ${issue.cut.line}` : `item ${issue.cut.item}`;
-        if (!opts.allow_partial) {
-          throw new Error(
-            `Cannot prepare dataset "${id}": source file "${issue.file}" was cut at ${at} (${issue.reason}); ` +
-              `nothing was published. Set allow_partial to publish the documents read as a partial dataset`,
-          );
-        }
-        cuts.push(issue);
-      }
-      console.warn(`Dataset "${id}": file "${issue.file}": ${issue.reason}`);
-      const issues = stats.file_issues ??= [];
-      if (issues.length < 100) issues.push(issue);
-    };
-    const readOptions = {
-      maxDocumentBytes: options.max_document_bytes,
-      maxFileMs: opts.max_file_ms,
-      onBytes: (n: number) => (progress.done = n),
-      onIssue,
-      position,
-      ...(state.shards > 0 ? { resumeFrom: state.position } : {}),
-    };
-    if (kind === "builtin") {
-      const list = await builtinDocuments((source as { builtin: BuiltinName }).builtin);
-      docs = list.slice(state.documents_read);
-      totalBytes = list.reduce((s, d) => s + d.text.length, 0);
-    } else if (kind === "texts") {
-      const list = (source as { texts: string[] }).texts;
-      docs = list.slice(state.documents_read).map((text) => ({ text }));
-      totalBytes = list.reduce((s, t) => s + t.length, 0);
-    } else if (kind === "path") {
-      totalBytes = await treeSize(resolvedPath!);
-      if (!state.read_done) docs = readDocuments(resolvedPath!, stats.merge, readOptions);
-    } else {
-      const outPath = join(out, "downloads.jsonl");
-      if (!state.downloaded) {
-        await download(source, kind, resolvedPath, options, outPath, stats, progress, report);
-      }
-      state.downloaded = true;
-      await commit();
-      totalBytes = (await Deno.stat(outPath)).size;
-      if (!state.read_done) docs = readDocuments(outPath, stats.merge, { ...readOptions, onIssue });
-    }
-    progress.stage = "tokenize";
-    progress.done = state.bytes_done;
-    progress.total = totalBytes;
-    progress.documents_read = state.documents_read;
-    progress.documents = state.documents;
-    progress.tokens = state.tokens;
-    progress.shards = state.shards;
-    if (resumed) progress.resumed_bytes = state.bytes_done;
+    const run = { journal, commit, progress, report };
+    const { docs, position, totalBytes } = await openSource({ ...run, source, plan, options, out });
+    startTokenizeProgress(progress, journal, totalBytes);
     report();
 
     // Stages 4-6: clean, filter, dedup, tokenize (workers) and append tokens (here), in shards.
     const minhash: MinHashParams | null = opts.dedup
       ? { numPerm: opts.num_perm, shingleSize: opts.shingle_size, seed: DEFAULT_MINHASH.seed }
       : null;
-    lsh = minhash ? new LshIndex(minhash.numPerm, opts.dedup_threshold, { dir: work }) : undefined;
-    if (lsh) {
-      stats.lsh = {
-        bands: lsh.bands,
-        rows: lsh.rows,
-        num_perm: opts.num_perm,
-        shingle_size: opts.shingle_size,
-        bytes_per_document: lsh.bytesPerDocument,
-      };
-    }
+    lsh = minhash ? openLsh(minhash, opts, work, stats) : undefined;
     const allPath = join(out, "all.bin"), lengthsPath = join(work, "lengths.u32");
     // Resuming: rebuild the index from the committed documents' fingerprints and band keys.
     if (lsh && state.documents > 0) lsh.restore(state.documents);
     if (state.stage === "tokenize" && !state.read_done) {
-      using allFile = await openAt(allPath, state.tokens * 2);
-      using lengthsFile = await openAt(lengthsPath, state.documents * 4);
-      const tokenWriter = new Writer(allFile), lengthWriter = new Writer(lengthsFile);
-      let docCount = state.documents, tokenCount = state.tokens;
-      const lengthBuf = new Uint32Array(1);
-      const lengthBytes = new Uint8Array(lengthBuf.buffer);
-      const runStart = performance.now(), runFrom = state.bytes_done;
-      const pendingCommits: (ReaderSnapshot | null)[] = [];
-      const commitShard = async (snap: ReaderSnapshot) => {
-        await tokenWriter.flush();
-        await lengthWriter.flush();
-        lsh?.flush();
-        Object.assign(state, {
-          shards: state.shards + 1,
-          position: snap.position,
-          documents_read: snap.documents_read,
-          chars_read: snap.chars_read,
-          bytes_done: snap.bytes_done,
-          documents: docCount,
-          tokens: tokenCount,
-          stats: { ...stats, merge: snap.merge, file_issues: snap.file_issues },
-          cut: snap.cut,
-        });
-        await commit();
-        progress.shards = state.shards;
-      };
-      const onResult = async (r: WorkerResult) => {
-        stats.under_min_tokens += r.short;
-        stats.worker_ms.clean += Math.round(r.ms[0]);
-        stats.worker_ms.tokenize += Math.round(r.ms[1]);
-        stats.worker_ms.signatures += Math.round(r.ms[2]);
-        stats.empty_after_cleaning += r.empty;
-        let tokOff = 0, sigIdx = 0;
-        const n = minhash?.numPerm ?? 0;
-        for (let i = 0; i < r.lengths.length; i++) {
-          const len = r.lengths[i];
-          if (len === 0) continue;
-          const toks = r.tokens.subarray(tokOff, tokOff + len);
-          tokOff += len;
-          const sig = lsh ? r.sigs.subarray(sigIdx * n, sigIdx * n + n) : undefined;
-          sigIdx++;
-          if (lsh && lsh.addUnlessDuplicate(sig!)) {
-            stats.near_duplicates++;
-            continue;
-          }
-          docCount++;
-          tokenCount += len;
-          lengthBuf[0] = len;
-          await lengthWriter.write(lengthBytes);
-          await tokenWriter.write(new Uint8Array(toks.buffer, toks.byteOffset, toks.byteLength));
-        }
-        stats.characters += r.chars;
-        progress.documents = docCount;
-        progress.tokens = tokenCount;
-        const snap = pendingCommits.shift();
-        if (snap) await commitShard(snap);
-        const seconds = (performance.now() - runStart) / 1000;
-        if (seconds > 0 && progress.done > runFrom) {
-          progress.rate = Math.round((progress.done - runFrom) / seconds);
-          if (totalBytes !== undefined && progress.rate > 0) {
-            progress.eta_s = Math.round(Math.max(0, totalBytes - progress.done) / progress.rate);
-          }
-        }
-        report();
-      };
-      pool = createTokenizePool({ minTokens: opts.min_tokens, minhash }, onResult, {
+      await tokenizeShards({
+        ...run,
+        docs,
+        position,
+        countChars: plan.kind === "texts" || plan.kind === "builtin",
+        totalBytes,
+        allPath,
+        lengthsPath,
+        lsh,
+        minhash,
+        minTokens: opts.min_tokens,
+        maxDocuments: opts.max_documents,
         workers: options.workers,
+        shardChars,
       });
-      let batch: string[] = [], batchChars = 0, shardChars_ = 0;
-      let read = state.documents_read, charsRead = state.chars_read;
-      const issuesNow = () => stats.file_issues ? [...stats.file_issues] : undefined;
-      const snapshot = (): ReaderSnapshot => ({
-        position: { ...position },
-        documents_read: read,
-        chars_read: charsRead,
-        bytes_done: progress.done,
-        merge: { ...stats.merge },
-        file_issues: issuesNow(),
-        cut: [...cuts],
-      });
-      const submit = async (endsShard: boolean) => {
-        pendingCommits.push(endsShard ? snapshot() : null);
-        await pool!.submit(batch);
-        batch = [];
-        batchChars = 0;
-      };
-      for await (const doc of docs as AsyncIterable<SourceDocument>) {
-        if (opts.max_documents !== undefined && read >= opts.max_documents) break;
-        read++;
-        batch.push(doc.text);
-        batchChars += doc.text.length;
-        shardChars_ += doc.text.length;
-        if (kind === "texts" || kind === "builtin") progress.done = charsRead += doc.text.length;
-        progress.documents_read = read;
-        if (batchChars >= BATCH_CHARS || shardChars_ >= shardChars) {
-          const ends = shardChars_ >= shardChars;
-          if (ends) shardChars_ = 0;
-          await submit(ends);
-        }
-      }
-      if (batch.length > 0) await submit(true);
-      await pool.drain();
-      pool.close();
-      pool = undefined;
-      state.read_done = true;
-      await commitShard(snapshot());
     }
     lsh?.close();
     lsh = undefined;
     stats.documents_read = state.documents_read;
-    const docCount = state.documents, tokenCount = state.tokens;
+    if (state.documents === 0) throw noDocumentsError(stats, opts.min_tokens);
 
-    if (docCount === 0) {
-      const files = stats.file_issues ?? [];
-      const listed = files.slice(0, 10).map((i) => `"${i.file}": ${i.reason}`).join("; ");
-      throw new Error(
-        `No documents left to train on: ${stats.documents_read} read, ${stats.empty_after_cleaning} empty ` +
-          `after cleaning, ${stats.under_min_tokens} under ${opts.min_tokens} tokens, ` +
-          `${stats.near_duplicates} near-duplicates` +
-          (files.length
-            ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}`
-            : ""),
-      );
-    }
-
-    // Stage 7: split (throws naming a split too small for one sequence). valid.bin and test.bin
-    // are copied from the end of all.bin, then all.bin is cut to the train part and renamed.
+    // Stage 7: split (throws naming a split too small for one sequence).
     progress.stage = "split";
     report();
-    const sizes: SplitCounts = splitSizes(tokenCount, opts.split, opts.seq_len);
-    if (state.stage === "tokenize") {
-      using allFile = await Deno.open(allPath, { read: true });
-      await copyRange(allFile, sizes.train, sizes.valid, join(out, "valid.bin"));
-      await copyRange(allFile, sizes.train + sizes.valid, sizes.test, join(out, "test.bin"));
-      state.stage = "split";
-      await commit();
-    }
-    if (await Deno.stat(allPath).then(() => true, () => false)) {
-      await Deno.truncate(allPath, sizes.train * 2);
-      await Deno.rename(allPath, join(out, "train.bin"));
-    }
-    await writeDocumentIndex(lengthsPath, docCount, join(out, "documents.idx"));
-
-    const all = createHash("sha256");
-    const files: Record<string, { bytes: number; sha256: string }> = {};
-    for (const s of SPLITS) files[`${s}.bin`] = await hashFile(join(out, `${s}.bin`), all);
-    files["documents.idx"] = await hashFile(join(out, "documents.idx"), createHash("sha256"));
-    const info: DatasetInfo & { source_key: string; partial?: boolean; cut?: FileIssue[] } = {
-      id,
-      documents: docCount,
-      tokens: tokenCount,
-      splits: sizes,
-      format: "gpt2-webgpu-dataset/1",
-      source: describe,
-      tokenizer: { name: "gpt2 (r50k_base)", vocab_size: 50257, eot: 50256, dtype: "uint16" },
-      options: { ...opts, split: opts.split.join(",") },
-      ...(cuts.length > 0 ? { partial: true, cut: cuts } : {}),
-      stats: stats as unknown as Record<string, unknown>,
-      files,
-      checksum: all.digest("hex"),
-      created_at: new Date().toISOString(),
-      seconds: Math.round((performance.now() - started) / 10) / 100,
-      source_key: sourceKey,
-    };
-    await Deno.writeTextFile(join(out, "manifest.json"), JSON.stringify(info, null, 2) + "\n");
-
-    // Publish atomically: rename the finished folder into place, moving any older one aside first.
-    const final = datasetDir(root, id);
-    const old = join(datasetsDir(root), `.old-${id}-${sourceKey}`); // removed at server start if left
-    let hadOld = false;
-    try {
-      await Deno.rename(final, old);
-      hadOld = true;
-    } catch (e) {
-      if (!(e instanceof Deno.errors.NotFound)) throw e;
-    }
-    try {
-      await Deno.rename(out, final);
-    } catch (e) {
-      if (hadOld) await Deno.rename(old, final).catch(() => {});
-      throw new Error(`Cannot publish dataset "${id}": ${(e as Error).message}`);
-    }
-    if (hadOld) await Deno.remove(old, { recursive: true }).catch(() => {});
+    const sizes: SplitCounts = splitSizes(state.tokens, opts.split, opts.seq_len);
+    await splitTokens(state, commit, sizes, allPath, out);
+    await writeDocumentIndex(lengthsPath, state.documents, join(out, "documents.idx"));
+    const info = await writeManifest(out, plan, state, stats, cuts, sizes, started);
+    await publishDataset(root, id, sourceKey, out);
     await Deno.remove(work, { recursive: true }).catch(() => {});
     progress.stage = "done";
     report();
     return info;
   } catch (e) {
-    pool?.close();
     lsh?.close();
     if (!diskFull(e)) await Deno.remove(work, { recursive: true }).catch(() => {});
     throw e;
   }
 }
 
-/** Stages 1-2 of URL sources: filter the URLs and download them into `outPath` (loose JSON). */
-async function download(
-  source: DatasetSource,
-  kind: "urls" | "url_list",
-  resolvedPath: string | undefined,
-  options: PrepareOptions,
-  outPath: string,
-  stats: Stats,
+/** Source characters per committed shard, validated. */
+function shardCharsOf(options: PrepareOptions): number {
+  const shardChars = options.shard_chars ?? SHARD_CHARS;
+  if (!(Number.isInteger(shardChars) && shardChars > 0)) {
+    throw new RangeError(`shard_chars must be a positive integer, got ${shardChars}`);
+  }
+  return shardChars;
+}
+
+/** Progress at the start of the tokenize stage: the journal's committed counts. */
+function startTokenizeProgress(
   progress: Progress,
-  report: () => void,
+  journal: LoadedJournal,
+  totalBytes: number | undefined,
+): void {
+  const { state } = journal;
+  progress.stage = "tokenize";
+  progress.done = state.bytes_done;
+  progress.total = totalBytes;
+  progress.documents_read = state.documents_read;
+  progress.documents = state.documents;
+  progress.tokens = state.tokens;
+  progress.shards = state.shards;
+  if (journal.resumed) progress.resumed_bytes = state.bytes_done;
+}
+
+/** The dedup index of a preparation, its shape recorded in `stats.lsh`. */
+function openLsh(
+  minhash: MinHashParams,
+  opts: DatasetPlan["opts"],
+  work: string,
+  stats: Stats,
+): LshIndex {
+  const lsh = new LshIndex(minhash.numPerm, opts.dedup_threshold, { dir: work });
+  stats.lsh = {
+    bands: lsh.bands,
+    rows: lsh.rows,
+    num_perm: opts.num_perm,
+    shingle_size: opts.shingle_size,
+    bytes_per_document: lsh.bytesPerDocument,
+  };
+  return lsh;
+}
+
+/** The error when every document read was dropped: the counts, and the files skipped or bad. */
+function noDocumentsError(stats: Stats, minTokens: number): Error {
+  const files = stats.file_issues ?? [];
+  const listed = files.slice(0, 10).map((i) => `"${i.file}": ${i.reason}`).join("; ");
+  return new Error(
+    `No documents left to train on: ${stats.documents_read} read, ${stats.empty_after_cleaning} empty ` +
+      `after cleaning, ${stats.under_min_tokens} under ${minTokens} tokens, ` +
+      `${stats.near_duplicates} near-duplicates` +
+      (files.length
+        ? `; files skipped or bad: ${listed}${files.length > 10 ? ` and ${files.length - 10} more` : ""}`
+        : ""),
+  );
+}
+
+/**
+ * Split the token file: valid.bin and test.bin are copied from the end of all.bin (once, recorded
+ * by the journal's stage), then all.bin is cut to the train part and renamed train.bin.
+ */
+async function splitTokens(
+  state: Journal,
+  commit: () => Promise<void>,
+  sizes: SplitCounts,
+  allPath: string,
+  out: string,
 ): Promise<void> {
-  let lines: string[];
-  if (kind === "urls") lines = (source as { urls: string[] }).urls;
-  else {
-    try {
-      lines = (await Deno.readTextFile(resolvedPath!)).split(/\r?\n/);
-    } catch (e) {
-      throw new Error(`Cannot read "${(source as { url_list: string }).url_list}": ${(e as Error).message}`);
-    }
+  if (state.stage === "tokenize") {
+    using allFile = await Deno.open(allPath, { read: true });
+    await copyRange(allFile, sizes.train, sizes.valid, join(out, "valid.bin"));
+    await copyRange(allFile, sizes.train + sizes.valid, sizes.test, join(out, "test.bin"));
+    state.stage = "split";
+    await commit();
   }
-  progress.stage = "urls";
-  report();
-  const { urls, counts } = filterUrls(lines, { blacklist: options.blacklist });
-  stats.urls = counts;
-  progress.stage = "download";
-  progress.total = urls.length;
-  report();
-  const failures: DownloadFailure[] = [];
-  {
-    using out = await Deno.open(outPath, { write: true, create: true, truncate: true });
-    const writer = new Writer(out);
-    const enc = new TextEncoder();
-    const res = await downloadUrls(
-      urls,
-      options.download ?? {},
-      (doc) => writer.write(enc.encode(JSON.stringify(doc) + "\n")),
-      (p) => {
-        progress.done = p.done;
-        report();
-      },
-    );
-    await writer.flush();
-    failures.push(...res.failures);
-    stats.download = res.counts;
-  }
-  if (failures.length > 0) {
-    await Deno.writeTextFile(
-      join(outPath, "..", "failures.jsonl"),
-      failures.map((f) => JSON.stringify(f)).join("\n") + "\n",
-    );
-    stats.download!.failures_file = "failures.jsonl";
-  }
-  if (stats.download!.ok === 0) {
-    throw new Error(
-      `No documents downloaded: all ${urls.length} URLs failed (first: "${failures[0]?.url}": ${
-        failures[0]?.error
-      })`,
-    );
+  if (await Deno.stat(allPath).then(() => true, () => false)) {
+    await Deno.truncate(allPath, sizes.train * 2);
+    await Deno.rename(allPath, join(out, "train.bin"));
   }
 }
 
-/** Write `documents.idx` (uint64 token offsets, one per document plus the end) from token counts. */
-async function writeDocumentIndex(lengthsPath: string, documents: number, outPath: string): Promise<void> {
-  using src = await Deno.open(lengthsPath, { read: true });
-  using dst = await Deno.open(outPath, { write: true, create: true, truncate: true });
-  const lengths = new Uint32Array(1 << 16), offsets = new BigUint64Array(1 << 16);
-  const lengthBytes = new Uint8Array(lengths.buffer);
-  let offset = 0;
-  const writeAll = async (b: Uint8Array) => {
-    for (let off = 0; off < b.length;) off += await dst.write(b.subarray(off));
+/** Checksum the prepared files and write `manifest.json` into `out`; returns the manifest. */
+async function writeManifest(
+  out: string,
+  plan: DatasetPlan,
+  state: Journal,
+  stats: Stats,
+  cuts: FileIssue[],
+  sizes: SplitCounts,
+  started: number,
+): Promise<DatasetInfo> {
+  const { id, describe, sourceKey, opts } = plan;
+  const all = createHash("sha256");
+  const files: Record<string, { bytes: number; sha256: string }> = {};
+  for (const s of SPLITS) files[`${s}.bin`] = await hashFile(join(out, `${s}.bin`), all);
+  files["documents.idx"] = await hashFile(join(out, "documents.idx"), createHash("sha256"));
+  const info: DatasetInfo & { source_key: string; partial?: boolean; cut?: FileIssue[] } = {
+    id,
+    documents: state.documents,
+    tokens: state.tokens,
+    splits: sizes,
+    format: "gpt2-webgpu-dataset/1",
+    source: describe,
+    tokenizer: { name: "gpt2 (r50k_base)", vocab_size: 50257, eot: 50256, dtype: "uint16" },
+    options: { ...opts, split: opts.split.join(",") },
+    ...(cuts.length > 0 ? { partial: true, cut: cuts } : {}),
+    stats: stats as unknown as Record<string, unknown>,
+    files,
+    checksum: all.digest("hex"),
+    created_at: new Date().toISOString(),
+    seconds: Math.round((performance.now() - started) / 10) / 100,
+    source_key: sourceKey,
   };
-  for (let done = 0; done < documents;) {
-    const n = Math.min(lengths.length, documents - done);
-    for (let off = 0; off < n * 4;) {
-      const r = await src.read(lengthBytes.subarray(off, n * 4));
-      if (r === null) throw new Error(`Cannot write the document index: "${lengthsPath}" ended early`);
-      off += r;
-    }
-    for (let i = 0; i < n; i++) {
-      offsets[i] = BigInt(offset);
-      offset += lengths[i];
-    }
-    await writeAll(new Uint8Array(offsets.buffer, 0, n * 8));
-    done += n;
-  }
-  await writeAll(new Uint8Array(new BigUint64Array([BigInt(offset)]).buffer));
+  await Deno.writeTextFile(join(out, "manifest.json"), JSON.stringify(info, null, 2) + "\n");
+  return info;
 }
 
-/** Files, bytes and newest modification time (ms) of the regular files under `path`. */
-async function treeFingerprint(path: string): Promise<{ files: number; bytes: number; mtime: number }> {
-  const fp = { files: 0, bytes: 0, mtime: 0 };
-  const walk = async (p: string) => {
-    const info = await Deno.lstat(p);
-    if (info.isFile) {
-      fp.files++;
-      fp.bytes += info.size;
-      fp.mtime = Math.max(fp.mtime, info.mtime?.getTime() ?? 0);
-    } else if (info.isDirectory) {
-      for await (const e of Deno.readDir(p)) if (!e.name.startsWith(".")) await walk(join(p, e.name));
-    }
-  };
-  await walk(path);
-  return fp;
-}
-
-/** Total size in bytes of the regular files under `path` (for progress). */
-async function treeSize(path: string): Promise<number> {
-  const info = await Deno.lstat(path);
-  if (info.isFile) return info.size;
-  if (!info.isDirectory) return 0;
-  let total = 0;
-  for await (const e of Deno.readDir(path)) {
-    if (!e.name.startsWith(".")) total += await treeSize(join(path, e.name));
+/** Publish atomically: rename the finished folder `out` into place, moving any older one aside first. */
+async function publishDataset(root: string, id: string, sourceKey: string, out: string): Promise<void> {
+  const final = datasetDir(root, id);
+  const old = join(datasetsDir(root), `.old-${id}-${sourceKey}`); // removed at server start if left
+  let hadOld = false;
+  try {
+    await Deno.rename(final, old);
+    hadOld = true;
+  } catch (e) {
+    if (!(e instanceof Deno.errors.NotFound)) throw e;
   }
-  return total;
+  try {
+    await Deno.rename(out, final);
+  } catch (e) {
+    if (hadOld) await Deno.rename(old, final).catch(() => {});
+    throw new Error(`Cannot publish dataset "${id}": ${(e as Error).message}`);
+  }
+  if (hadOld) await Deno.remove(old, { recursive: true }).catch(() => {});
 }

@@ -231,43 +231,113 @@ export function planModel(
   o: PlanOptions = {},
 ): ModelPlan {
   const { config: c, B, T } = shape;
-  const C = c.n_embd, L = c.n_layer, H = c.n_head, Vp = c.padded_vocab_size, BT = B * T;
+  const L = c.n_layer, Vp = c.padded_vocab_size, BT = B * T;
   const train = o.train ?? true;
   const k = Math.min(o.checkpointLayers ?? 0, L);
   const half = o.precision === "fp16";
-  const act: DType = half ? "f16" : "f32";
   const tp = o.tensorParallel ?? 1;
   const layout = tp > 1 ? shardLayout(c, tp) : paramLayout(c);
   const segments = flatSegments(limits, layout, o);
   // One rank's vocabulary columns of the logits.
   const Vl = Vp / tp;
   const headRows = train ? headChunkRows(limits, { ...c, padded_vocab_size: Vl }, BT, o) : BT;
-  const buffers: PlannedBuffer[] = [];
-  const add = (label: string, elems: number, dtype: DType, category: Category) => {
-    const bytes = Math.max(16, Math.ceil((Math.max(1, elems) * DTYPE_BYTES[dtype]) / 16) * 16);
-    buffers.push({ label, bytes, dtype, category, usage: "storage" });
+  const p: PlanParts = {
+    c,
+    B,
+    T,
+    BT,
+    train,
+    k,
+    half,
+    act: half ? "f16" : "f32",
+    tp,
+    layout,
+    segments,
+    Vl,
+    headRows,
+    o,
+    buffers: [],
   };
-  const flat = (label: string, category: Category, dtype: DType = "f32") => {
-    for (const [i, s] of segments.entries()) {
-      add(segments.length > 1 ? `${label}.${i}` : label, s.size, dtype, category);
-    }
+  addStateBuffers(p);
+  addActivationBuffers(p);
+  addWorkspaceBuffers(p);
+  const { buffers } = p;
+  checkBindingLimit(buffers, limits);
+  return {
+    config: c,
+    B,
+    T,
+    layout,
+    segments,
+    headRows,
+    checkpointLayers: k,
+    precision: half ? "fp16" : "fp32",
+    buffers,
+    byLabel: new Map(buffers.map((b) => [b.label, b])),
+    totalBytes: buffers.reduce((a, b) => a + b.bytes, 0),
   };
+}
+
+/** A plan being built by planModel: its shape and options, and the buffers so far, in order. */
+interface PlanParts {
+  c: ModelConfig;
+  B: number;
+  T: number;
+  BT: number;
+  train: boolean;
+  /** Checkpointed layers (0: every layer's activations kept). */
+  k: number;
+  half: boolean;
+  /** Element type of the f16-able activations and gradients. */
+  act: DType;
+  tp: number;
+  layout: ParamLayout;
+  segments: SegmentRange[];
+  /** One rank's vocabulary columns of the logits. */
+  Vl: number;
+  headRows: number;
+  o: PlanOptions;
+  buffers: PlannedBuffer[];
+}
+
+/** Adds a storage buffer of `elems` elements (16-byte aligned, at least 16 bytes). */
+function addBuffer(p: PlanParts, label: string, elems: number, dtype: DType, category: Category): void {
+  const bytes = Math.max(16, Math.ceil((Math.max(1, elems) * DTYPE_BYTES[dtype]) / 16) * 16);
+  p.buffers.push({ label, bytes, dtype, category, usage: "storage" });
+}
+
+/** Adds a flat parameter-sized buffer: one per segment (`label.i`) when the layout is split. */
+function addFlat(p: PlanParts, label: string, category: Category, dtype: DType = "f32"): void {
+  for (const [i, s] of p.segments.entries()) {
+    addBuffer(p, p.segments.length > 1 ? `${label}.${i}` : label, s.size, dtype, category);
+  }
+}
+
+/** The weights, the token ids, and the small statistics and uniform buffers. */
+function addStateBuffers(p: PlanParts): void {
+  const { B, T, BT, half, o } = p;
   // fp16: the kernels read an f16 copy of the weights; the fp32 master copy is optimizer state.
-  if (!o.sharedParams) flat("params", half ? "optimizer" : "weights");
-  if (half) flat("params16", "weights", "f16");
-  add("tokens", B * (T + 1) + (o.lossMask ? BT : 0), "u32", "workspace");
-  add("stats", 64, "f32", "workspace");
-  buffers.push(
+  if (!o.sharedParams) addFlat(p, "params", half ? "optimizer" : "weights");
+  if (half) addFlat(p, "params16", "weights", "f16");
+  addBuffer(p, "tokens", B * (T + 1) + (o.lossMask ? BT : 0), "u32", "workspace");
+  addBuffer(p, "stats", 64, "f32", "workspace");
+  p.buffers.push(
     {
       label: "dropout",
-      bytes: dropoutSite.count(L) * 16,
+      bytes: dropoutSite.count(p.c.n_layer) * 16,
       dtype: "u32",
       category: "workspace",
       usage: "uniform",
     },
     { label: "optimizer", bytes: OPT_UNIFORM_BYTES, dtype: "u32", category: "workspace", usage: "uniform" },
   );
-  add("control", CONTROL_BYTES / 4, "u32", "workspace");
+  addBuffer(p, "control", CONTROL_BYTES / 4, "u32", "workspace");
+}
+
+/** The residual stream, each layer's stored activations, the final LayerNorm and the logits. */
+function addActivationBuffers(p: PlanParts): void {
+  const { c, B, T, BT, k, half, act, tp, train, o } = p;
+  const C = c.n_embd, L = c.n_layer, H = c.n_head;
   const sizes: Record<LayerActName, number> = {
     ln1: BT * C,
     ln1s: BT * 2,
@@ -282,7 +352,7 @@ export function planModel(
   const seen = new Set<string>();
   for (let l = 0; l <= L; l++) {
     const r = resLabel(k, L, l);
-    if (!seen.has(r)) add(r, BT * C, "f32", "activations");
+    if (!seen.has(r)) addBuffer(p, r, BT * C, "f32", "activations");
     seen.add(r);
   }
   // Training keeps no LayerNorm outputs: the matmul reading one recomputes it from the stored
@@ -291,46 +361,57 @@ export function planModel(
   for (let l = 0; l < (k > 0 ? k : L); l++) {
     for (const name of LAYER_ACTS) {
       if (train && RECOMPUTED_ACTS.includes(name)) continue;
-      add(actPrefix(k, l) + name, sizes[name], actDtype(name, half), "activations");
+      addBuffer(p, actPrefix(k, l) + name, sizes[name], actDtype(name, half), "activations");
     }
   }
-  if (train) add("lnw", BT * C, act, "activations");
-  add("lnf", BT * C, act, "activations");
-  add("lnfs", BT * 2, "f32", "activations");
-  add("logits", o.hiddenOnly ? 1 : headRows * Vl, "f32", "logits");
-  add("losses", o.hiddenOnly ? 1 : BT, "f32", "logits");
+  if (train) addBuffer(p, "lnw", BT * C, act, "activations");
+  addBuffer(p, "lnf", BT * C, act, "activations");
+  addBuffer(p, "lnfs", BT * 2, "f32", "activations");
+  addBuffer(p, "logits", o.hiddenOnly ? 1 : p.headRows * p.Vl, "f32", "logits");
+  addBuffer(p, "losses", o.hiddenOnly ? 1 : BT, "f32", "logits");
+}
+
+/** Training's gradients, optimizer state and backward workspace; split-K partials; tensor-parallel buffers. */
+function addWorkspaceBuffers(p: PlanParts): void {
+  const { c, B, T, BT, act, tp, train, o, segments } = p;
+  const C = c.n_embd, H = c.n_head;
   if (train) {
-    flat("grads", "gradients");
+    addFlat(p, "grads", "gradients");
     if (o.optimizerState ?? true) {
-      flat("adam.m", "optimizer");
-      flat("adam.v", "optimizer");
+      addFlat(p, "adam.m", "optimizer");
+      addFlat(p, "adam.v", "optimizer");
     }
     // fp16: the gradients that feed f16 matmuls and attention are f16 (loss scaling keeps them in
     // range); the residual stream's gradient and the LayerNorm inputs stay f32.
-    for (const name of ["dres", "dtmp", "dln"]) add(name, BT * C, "f32", "workspace");
-    add("datty", (BT * C) / tp, act, "workspace");
-    add("d4c", (BT * 4 * C) / tp, act, "workspace");
-    add("dqkv", (BT * 3 * C) / tp, act, "workspace");
-    add("delta", (B * H * T) / tp, "f32", "workspace");
+    for (const name of ["dres", "dtmp", "dln"]) addBuffer(p, name, BT * C, "f32", "workspace");
+    addBuffer(p, "datty", (BT * C) / tp, act, "workspace");
+    addBuffer(p, "d4c", (BT * 4 * C) / tp, act, "workspace");
+    addBuffer(p, "dqkv", (BT * 3 * C) / tp, act, "workspace");
+    addBuffer(p, "delta", (B * H * T) / tp, "f32", "workspace");
     const blocks = Math.ceil(BT / ROW_BLOCK);
-    add("partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
-    add("normPart", NORM_GROUPS * segments.length, "f32", "workspace");
+    addBuffer(p, "partials", Math.max(blocks * 4 * C, 2 * lnBiasPartialOffset(C, BT)), "f32", "workspace");
+    addBuffer(p, "normPart", NORM_GROUPS * segments.length, "f32", "workspace");
     // Split-K partial sums of the weight-gradient matmuls (those needing more do without split-K).
-    add("matmul_part", Math.min(MATMUL_PART_FLOATS, (8 * 4 * C * C) / tp), "f32", "workspace");
+    addBuffer(p, "matmul_part", Math.min(MATMUL_PART_FLOATS, (8 * 4 * C * C) / tp), "f32", "workspace");
   } else if (o.hiddenOnly) {
     // Split-K partial sums of the forward matmuls of few rows (generation's prefill: with 32 rows,
     // K = 3072 ran 24 blocks of 32×32; split in 4 slices it ran 5x faster on an H200).
-    add("matmul_part", Math.min(MATMUL_PART_FLOATS, (4 * 4 * C * C) / tp), "f32", "workspace");
+    addBuffer(p, "matmul_part", Math.min(MATMUL_PART_FLOATS, (4 * 4 * C * C) / tp), "f32", "workspace");
   }
   if (tp > 1) {
     // Row-parallel outputs (and the embedding) before their allreduce; the loss's row statistics.
-    add("partial", BT * C, "f32", "workspace");
-    add("ceStats", headRows * 4, "f32", "workspace");
+    addBuffer(p, "partial", BT * C, "f32", "workspace");
+    addBuffer(p, "ceStats", p.headRows * 4, "f32", "workspace");
     if (train) {
-      add("normTotal", 4, "f32", "workspace");
-      add("tpNormParts", NORM_GROUPS * normRanges(c, layout, segments, tp, 1).length, "f32", "workspace");
+      addBuffer(p, "normTotal", 4, "f32", "workspace");
+      const parts = NORM_GROUPS * normRanges(c, p.layout, segments, tp, 1).length;
+      addBuffer(p, "tpNormParts", parts, "f32", "workspace");
     }
   }
+}
+
+/** Refuses a plan with a buffer over the device's storage binding limit, naming the setting to lower. */
+function checkBindingLimit(buffers: PlannedBuffer[], limits: PlanLimits): void {
   const bind = limits.maxStorageBufferBindingSize;
   for (const b of buffers) {
     if (b.bytes > bind) {
@@ -341,19 +422,6 @@ export function planModel(
       );
     }
   }
-  return {
-    config: c,
-    B,
-    T,
-    layout,
-    segments,
-    headRows,
-    checkpointLayers: k,
-    precision: half ? "fp16" : "fp32",
-    buffers,
-    byLabel: new Map(buffers.map((b) => [b.label, b])),
-    totalBytes: buffers.reduce((a, b) => a + b.bytes, 0),
-  };
 }
 
 /**

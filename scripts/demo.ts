@@ -505,10 +505,8 @@ async function sample(url: string, model: string, maxTokens: number): Promise<bo
 
 // ---------------------------------------------------------------------------------------------
 
-async function main(): Promise<number> {
-  say("1. The GPU adapter");
-  const env = await chooseAdapter();
-
+/** Step 2: the "sotu" dataset, prepared (cached after the first run), its counts shown. */
+async function prepareSotu(): Promise<void> {
   say(`2. Preparing the "sotu" dataset in ${home} (cached after the first run)`);
   let stage = "loading the data pipeline";
   waiting(() => `preparing the dataset: ${stage}`);
@@ -523,6 +521,94 @@ async function main(): Promise<number> {
   say(
     `   ${info.documents} speeches, ${info.tokens} tokens (train ${info.splits.train}, valid ${info.splits.valid}, test ${info.splits.test})`,
   );
+}
+
+/**
+ * Steps 4-6 on the server at `url`: samples from the model as initialized, training it, and
+ * samples from the trained model. Returns the exit code.
+ */
+async function trainAndSample(url: string, quiet: Set<string>): Promise<number> {
+  const adapter = await waitForGpu(url);
+  if (!adapter) return 1;
+  const onCpu = cpuPattern.test(adapter);
+  say(`   adapter: ${adapter}`);
+
+  // CPU adapters: gpt2-tiny, whose 50304-word LM head dominates its step. Measured 2026-12-02
+  // on 2 cores (lavapipe, other work running): ~500 tokens/s whatever the batch (4 x 32: 230-310
+  // ms a step), so small batches give the most updates; the training loss falls 10.8 -> 6.4-6.6
+  // in 300 steps and validation to 7.2-7.3 for lr 3e-3 to 2e-2 and batches of 4 or 8: common
+  // words in their frequencies, not yet grammar, which takes far more tokens than minutes give.
+  const iters = Number(Deno.env.get("DEMO_ITERS") ?? (onCpu ? 200 : 2000));
+  const config = onCpu
+    ? { model: "gpt2-tiny", batch_size: 4, seq_len: 32, lr: 1e-2, min_lr: 1e-3 }
+    : { model: "gpt2-small-test", batch_size: 16, seq_len: 128, lr: 1e-3, min_lr: 1e-4 };
+  const common = { ...config, dataset: "sotu", attention_dropout: 0, hidden_dropout: 0, seed: 1234 };
+  const maxTokens = onCpu ? 40 : 120;
+
+  say(`4. Before training: ${config.model} as initialized (a 1-step job at learning rate 1e-9 saves it)`);
+  const before = await train(
+    url,
+    {
+      ...common,
+      train_iters: 1,
+      lr: 1e-9,
+      min_lr: 0,
+      log_interval: 1,
+      eval_interval: 0,
+      eval_iters: 8,
+      save_interval: 0,
+    },
+    quiet,
+    { verbose: false },
+  );
+  if (!before) return 1;
+  say(
+    `   validation loss ${
+      fmt(before.followed.outcome!.val_loss)
+    } (guessing uniformly among 50257 tokens: 10.825)`,
+  );
+  say(`   a sample (temperature 0.8, top-k 40):`);
+  if (!(await sample(url, before.id, maxTokens))) return 1;
+
+  say(
+    `5. Training ${config.model} for ${iters} iterations (batch ${config.batch_size} x ${config.seq_len} tokens)`,
+  );
+  const after = await train(
+    url,
+    {
+      ...common,
+      train_iters: iters,
+      warmup: 0.05,
+      log_interval: Math.max(1, Math.round(iters / 20)),
+      eval_interval: Math.max(1, Math.round(iters / 2)),
+      eval_iters: 8,
+      save_interval: 0,
+    },
+    quiet,
+    { verbose: true },
+  );
+  if (!after) return 1;
+  const { first, last, outcome } = after.followed;
+  say(
+    `   training loss ${fmt(first?.loss)} at iteration ${first?.iteration} -> ${
+      fmt(last?.loss)
+    } at ${last?.iteration}; ` +
+      `validation ${fmt(before.followed.outcome!.val_loss)} -> ${fmt(outcome!.val_loss)}, test ${
+        fmt(outcome!.test_loss)
+      }`,
+  );
+  say(`   checkpoints (Hugging Face safetensors + config.json): ${home}/checkpoints/${after.id}/`);
+  say(`6. A sample from the trained model (scripts/generate.sh ${after.id} "your prompt" for more)`);
+  const ok = await sample(url, after.id, maxTokens);
+  say(`Done in ${secs(Date.now() - t0)}.`);
+  return ok ? 0 : 1;
+}
+
+async function main(): Promise<number> {
+  say("1. The GPU adapter");
+  const env = await chooseAdapter();
+
+  await prepareSotu();
 
   say("3. Starting the server");
   const quiet = new Set<string>();
@@ -543,80 +629,7 @@ async function main(): Promise<number> {
   });
   try {
     say(`   ${url}  (dashboard: ${url}/${keep ? "" : ", open while the demo runs, or use --keep"})`);
-    const adapter = await waitForGpu(url);
-    if (!adapter) return 1;
-    const onCpu = cpuPattern.test(adapter);
-    say(`   adapter: ${adapter}`);
-
-    // CPU adapters: gpt2-tiny, whose 50304-word LM head dominates its step. Measured 2026-12-02
-    // on 2 cores (lavapipe, other work running): ~500 tokens/s whatever the batch (4 x 32: 230-310
-    // ms a step), so small batches give the most updates; the training loss falls 10.8 -> 6.4-6.6
-    // in 300 steps and validation to 7.2-7.3 for lr 3e-3 to 2e-2 and batches of 4 or 8: common
-    // words in their frequencies, not yet grammar, which takes far more tokens than minutes give.
-    const iters = Number(Deno.env.get("DEMO_ITERS") ?? (onCpu ? 200 : 2000));
-    const config = onCpu
-      ? { model: "gpt2-tiny", batch_size: 4, seq_len: 32, lr: 1e-2, min_lr: 1e-3 }
-      : { model: "gpt2-small-test", batch_size: 16, seq_len: 128, lr: 1e-3, min_lr: 1e-4 };
-    const common = { ...config, dataset: "sotu", attention_dropout: 0, hidden_dropout: 0, seed: 1234 };
-    const maxTokens = onCpu ? 40 : 120;
-
-    say(`4. Before training: ${config.model} as initialized (a 1-step job at learning rate 1e-9 saves it)`);
-    const before = await train(
-      url,
-      {
-        ...common,
-        train_iters: 1,
-        lr: 1e-9,
-        min_lr: 0,
-        log_interval: 1,
-        eval_interval: 0,
-        eval_iters: 8,
-        save_interval: 0,
-      },
-      quiet,
-      { verbose: false },
-    );
-    if (!before) return 1;
-    say(
-      `   validation loss ${
-        fmt(before.followed.outcome!.val_loss)
-      } (guessing uniformly among 50257 tokens: 10.825)`,
-    );
-    say(`   a sample (temperature 0.8, top-k 40):`);
-    if (!(await sample(url, before.id, maxTokens))) return 1;
-
-    say(
-      `5. Training ${config.model} for ${iters} iterations (batch ${config.batch_size} x ${config.seq_len} tokens)`,
-    );
-    const after = await train(
-      url,
-      {
-        ...common,
-        train_iters: iters,
-        warmup: 0.05,
-        log_interval: Math.max(1, Math.round(iters / 20)),
-        eval_interval: Math.max(1, Math.round(iters / 2)),
-        eval_iters: 8,
-        save_interval: 0,
-      },
-      quiet,
-      { verbose: true },
-    );
-    if (!after) return 1;
-    const { first, last, outcome } = after.followed;
-    say(
-      `   training loss ${fmt(first?.loss)} at iteration ${first?.iteration} -> ${
-        fmt(last?.loss)
-      } at ${last?.iteration}; ` +
-        `validation ${fmt(before.followed.outcome!.val_loss)} -> ${fmt(outcome!.val_loss)}, test ${
-          fmt(outcome!.test_loss)
-        }`,
-    );
-    say(`   checkpoints (Hugging Face safetensors + config.json): ${home}/checkpoints/${after.id}/`);
-    say(`6. A sample from the trained model (scripts/generate.sh ${after.id} "your prompt" for more)`);
-    const ok = await sample(url, after.id, maxTokens);
-    say(`Done in ${secs(Date.now() - t0)}.`);
-    return ok ? 0 : 1;
+    return await trainAndSample(url, quiet);
   } finally {
     if (keep) {
       kept = true;

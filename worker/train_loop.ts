@@ -651,6 +651,26 @@ async function trainSteps(
 }
 
 /**
+ * A job's training data: packed conversations with loss masks for SFT (worker/sft_data.ts),
+ * otherwise token windows of the dataset's splits, with the time it took. Sets the run's chat
+ * template, and refuses splits too small to evaluate before training starts.
+ */
+async function loadTrainingData(run: Run, job: WorkerJob) {
+  const c = run.c;
+  const t0 = performance.now();
+  const chat = c.objective === "sft" ? await loadSftData(job.root, c) : null;
+  const data = chat ? null : await loadSplits(job.root, c.dataset, c.split, c.seq_len);
+  const dataLoaderMs = performance.now() - t0;
+  if (chat) run.post({ type: "log", id: job.id, level: chat.warn ? "warn" : "info", message: chat.report });
+  run.chatTemplate = chat ? CHAT_TEMPLATE : job.init_source && await readChatTemplate(job.init_source.path);
+  // Refuse before training, not at the first evaluation (weights of 0 leave a split empty on purpose).
+  for (const split of ["valid", "test"] as const) {
+    if (data && data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
+  }
+  return { chat, data, dataLoaderMs };
+}
+
+/**
  * Runs `job` to the end, cancellation or failure; never throws. An evaluation job (config.evaluate)
  * runs worker/evaluation.ts instead.
  */
@@ -668,17 +688,7 @@ export async function runTraining(ctx: GpuContext, job: WorkerJob, hooks: TrainH
   try {
     await openComms(run);
     const model = trainingModel(c);
-    const t0 = performance.now();
-    // SFT: packed conversations with loss masks (worker/sft_data.ts); otherwise token windows.
-    const chat = c.objective === "sft" ? await loadSftData(job.root, c) : null;
-    const data = chat ? null : await loadSplits(job.root, c.dataset, c.split, c.seq_len);
-    const dataLoaderMs = performance.now() - t0;
-    if (chat) run.post({ type: "log", id: job.id, level: chat.warn ? "warn" : "info", message: chat.report });
-    run.chatTemplate = chat ? CHAT_TEMPLATE : job.init_source && await readChatTemplate(job.init_source.path);
-    // Refuse before training, not at the first evaluation (weights of 0 leave a split empty on purpose).
-    for (const split of ["valid", "test"] as const) {
-      if (data && data[split].length > 0) evalBatches(data[split], c.batch_size, c.seq_len, 1, split);
-    }
+    const { chat, data, dataLoaderMs } = await loadTrainingData(run, job);
     const { state, samplerState, resumedFrom } = await startingState(run, model);
     const trainer = await createTrainer(run, model, state);
     const memoryBytes = trainer.memoryBytes + (ranks.zero?.momentBytes ?? 0);

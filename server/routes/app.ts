@@ -26,7 +26,7 @@ import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
 import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
 import { chatRoutes } from "./chat_completions.ts";
-import { createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
+import { type AppMetrics, createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
 import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
 import { authGuard, FailureLimiter } from "./auth.ts";
 import { adminRoutes, type Auth } from "./admin.ts";
@@ -322,6 +322,28 @@ export function createApp(opts: AppOptions): Hono {
   app.notFound((c) =>
     render(new ApiError(404, `No route for ${c.req.method} ${c.req.path.slice(0, 200)}`), c)
   );
+  useGuards(app, opts, metrics);
+  app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
+  const store = opts.runner.store;
+  const { auth, trusted } = useAuth(app, opts, metrics);
+  app.use("*", requireJson);
+  useLimits(app, limits, trusted);
+  app.route("/", healthRoutes(opts.runner, startedAt, metrics));
+  app.route("/", adminRoutes(store, auth));
+  app.route("/", jobRoutes(opts.runner, limits, aliases, auth));
+  app.route("/", estimateRoutes(opts.runner));
+  app.route("/", checkpointRoutes(opts.runner, auth));
+  if (opts.generation) app.route("/", generateRoutes(opts.generation, {}, auth));
+  if (opts.generation) app.route("/", chatRoutes(opts.generation, auth));
+  for (const extra of opts.extra ?? []) app.route("/", extra);
+  return app;
+}
+
+/**
+ * The middleware ahead of everything: refusing requests while draining, stamping each request's
+ * arrival (and a warm-up's mark) and counting it, the Host and Origin checks, and CORS.
+ */
+function useGuards(app: Hono, opts: AppOptions, metrics: AppMetrics): void {
   const draining = opts.draining;
   if (draining) {
     app.use("*", async (_c, next) => {
@@ -357,7 +379,10 @@ export function createApp(opts: AppOptions): Hono {
       }),
     );
   }
-  app.route("/", webRoutes()); // ahead of the token check: the page is where the token is typed
+}
+
+/** The token check (users, access, quotas and failed attempts over the job store); returns them. */
+function useAuth(app: Hono, opts: AppOptions, metrics: AppMetrics): { auth: Auth; trusted: AddressRanges } {
   const tokens = (typeof opts.token === "string" ? [opts.token] : opts.token ?? []).filter((t) => t !== "");
   const store = opts.runner.store;
   const auth: Auth = {
@@ -380,7 +405,11 @@ export function createApp(opts: AppOptions): Hono {
       },
     }),
   );
-  app.use("*", requireJson);
+  return { auth, trusted };
+}
+
+/** Body size limits (small for everything but dataset uploads) and the bound on open streams. */
+function useLimits(app: Hono, limits: Limits, trusted: AddressRanges): void {
   const limit = (maxSize: number) =>
     bodyLimit({
       maxSize,
@@ -411,13 +440,4 @@ export function createApp(opts: AppOptions): Hono {
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);
   app.use("/v1/chat/completions", bounded);
-  app.route("/", healthRoutes(opts.runner, startedAt, metrics));
-  app.route("/", adminRoutes(store, auth));
-  app.route("/", jobRoutes(opts.runner, limits, aliases, auth));
-  app.route("/", estimateRoutes(opts.runner));
-  app.route("/", checkpointRoutes(opts.runner, auth));
-  if (opts.generation) app.route("/", generateRoutes(opts.generation, {}, auth));
-  if (opts.generation) app.route("/", chatRoutes(opts.generation, auth));
-  for (const extra of opts.extra ?? []) app.route("/", extra);
-  return app;
 }

@@ -11,7 +11,7 @@
  */
 
 import { type Context, Hono } from "hono";
-import { streamSSE } from "hono/streaming";
+import { type SSEStreamingApi, streamSSE } from "hono/streaming";
 import { z } from "zod";
 import {
   type DoneEvent,
@@ -112,15 +112,23 @@ class ReplyText {
   }
 }
 
-/** Chat completion routes backed by `manager` (auth and quotas as generateRoutes). */
-export function chatRoutes(manager: GenerationManager, auth?: Pick<Auth, "access" | "quotas">): Hono {
-  const app = new Hono();
-  const rehearsal = (c: Context) => (c.get(WARM_UP as never) as unknown) === true;
-  const arrived = (c: Context) => {
-    const t = c.get(ARRIVED as never) as unknown;
-    return typeof t === "number" ? t : undefined;
-  };
-  const hold = (c: Context, model: string, n: number): () => void => {
+/** The caller's access to a model and stream quota (no `auth`: everyone, unlimited). */
+type Hold = (c: Context, model: string, n: number) => () => void;
+
+/** Whether `c` is one of the server's own warm-up requests (app.ts warmUp). */
+function rehearsal(c: Context): boolean {
+  return (c.get(WARM_UP as never) as unknown) === true;
+}
+
+/** When request `c` reached the server, if the app stamped it. */
+function arrived(c: Context): number | undefined {
+  const t = c.get(ARRIVED as never) as unknown;
+  return typeof t === "number" ? t : undefined;
+}
+
+/** Checks the model, then holds `n` of the caller's streams: call the answer to give them back. */
+function holdStreams(auth: Pick<Auth, "access" | "quotas"> | undefined): Hold {
+  return (c, model, n) => {
     if (auth && !rehearsal(c) && !auth.access.modelAllowed(principalOf(c), model)) {
       throw new ModelNotFoundError(model);
     }
@@ -134,6 +142,12 @@ export function chatRoutes(manager: GenerationManager, auth?: Pick<Auth, "access
     }
     return () => releases.forEach((r) => r());
   };
+}
+
+/** Chat completion routes backed by `manager` (auth and quotas as generateRoutes). */
+export function chatRoutes(manager: GenerationManager, auth?: Pick<Auth, "access" | "quotas">): Hono {
+  const app = new Hono();
+  const hold = holdStreams(auth);
 
   app.post(
     "/v1/chat/completions",
@@ -143,153 +157,192 @@ export function chatRoutes(manager: GenerationManager, auth?: Pick<Auth, "access
       const r = c.req.valid("json");
       const bad = checkMessages(r.messages, true);
       if (bad) throw new ApiError(400, `Invalid parameters: ${bad[0]}: ${bad[1]}`, { param: bad[0] });
-      const n = r.n ?? 1;
-      const release = hold(c, r.model, n);
-      let gens: Generation[];
-      try {
-        const template = await manager.chatTemplateOf(r.model);
-        if (template === undefined) {
-          throw new ApiError(
-            400,
-            `Model "${r.model}" has no chat template: use /v1/completions, or fine-tune it with ` +
-              `"objective": "sft" on a chat dataset`,
-            { param: "model" },
-          );
-        }
-        if (template !== CHAT_TEMPLATE) {
-          throw new ApiError(
-            400,
-            `Model "${r.model}" has a chat template this server cannot render (only its own, data/chat.ts)`,
-            { param: "model" },
-          );
-        }
-        const prompt = encodeChat(r.messages as ChatMessage[], true).tokens;
-        const wantLp = r.logprobs === true;
-        gens = await manager.startChoices({
-          model: r.model,
-          prompt,
-          max_tokens: r.max_completion_tokens ?? r.max_tokens ?? undefined,
-          temperature: r.temperature ?? 1,
-          top_k: r.top_k ?? 0,
-          top_p: r.top_p ?? 1,
-          seed: r.seed ?? undefined,
-          stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
-          ignore_eos: r.ignore_eos ?? false,
-          logprobs: wantLp ? r.top_logprobs ?? 0 : null,
-          arrived: arrived(c),
-          rehearsal: rehearsal(c),
-        }, n);
-      } catch (e) {
-        release();
-        throw e;
-      }
-      const wantLp = r.logprobs === true;
-      const cancelAll = () => gens.forEach((g) => g.cancel());
-      const head = {
-        id: `chatcmpl-${gens[0].id.slice(4, 16)}`,
-        created: Math.floor(Date.now() / 1000),
-        model: gens[0].model.id,
-        system_fingerprint: null,
-      };
-      const usage = (dones: DoneEvent[]) => {
-        const prompt_tokens = gens[0].prompt_tokens;
-        const completion_tokens = dones.reduce((a, d) => a + (d?.completion_tokens ?? 0), 0);
-        return { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens };
-      };
-      const replies = gens.map(() => new ReplyText());
+      const run = await startChat(c, r, manager, hold);
       if (!r.stream) {
         try {
-          c.req.raw.signal?.addEventListener("abort", cancelAll);
-          const texts = gens.map(() => ""), lps = gens.map(() => [] as unknown[]);
-          const dones: DoneEvent[] = [];
-          for await (const { i, es } of mergedBatches(gens)) {
-            for (const e of es) {
-              if (e.type === "token") {
-                texts[i] += replies[i].push(e.text);
-                if (wantLp && e.id !== null && e.logprobs) lps[i].push(logprobEntry(e.id, e.logprobs));
-              } else dones[i] = e;
-            }
-          }
-          c.req.raw.signal?.removeEventListener("abort", cancelAll);
-          const failed = dones.find((d) => d.finish_reason === "error");
-          if (failed) throw new ApiError(500, failed.error ?? "Generation failed");
-          return c.json({
-            ...head,
-            object: "chat.completion",
-            choices: gens.map((_, i) => ({
-              index: i,
-              message: { role: "assistant", content: texts[i], refusal: null },
-              logprobs: wantLp ? { content: lps[i], refusal: null } : null,
-              finish_reason: openaiReason(dones[i]),
-            })),
-            usage: usage(dones),
-          });
+          return await wholeChat(c, run);
         } finally {
-          release();
+          run.release();
         }
       }
-      const includeUsage = r.stream_options?.include_usage === true;
-      return streamSSE(c, async (stream) => {
-        stream.onAbort(cancelAll);
-        const chunk = (choices: unknown[], extra: Record<string, unknown> = {}) =>
-          `data: ${
-            JSON.stringify({
-              ...head,
-              object: "chat.completion.chunk",
-              choices,
-              ...(includeUsage ? { usage: null } : {}),
-              ...extra,
-            })
-          }\n\n`;
-        try {
-          // OpenAI opens every choice with its role.
-          await stream.write(
-            gens.map((_, i) =>
-              chunk([{
-                index: i,
-                delta: { role: "assistant", content: "" },
-                logprobs: null,
-                finish_reason: null,
-              }])
-            ).join(""),
-          );
-          const dones: DoneEvent[] = [];
-          for await (const { i, es } of mergedBatches(gens)) {
-            let out = "", wrote = false;
-            for (const e of es) {
-              if (e.type === "token") {
-                const text = replies[i].push(e.text);
-                const lp = wantLp && e.id !== null && e.logprobs ? [logprobEntry(e.id, e.logprobs)] : [];
-                if (text || lp.length) {
-                  out += chunk([{
-                    index: i,
-                    delta: { content: text },
-                    logprobs: wantLp ? { content: lp, refusal: null } : null,
-                    finish_reason: null,
-                  }]);
-                  wrote = true;
-                }
-              } else {
-                dones[i] = e;
-                out += chunk(
-                  [{ index: i, delta: {}, logprobs: null, finish_reason: openaiReason(e) }],
-                  e.error
-                    ? { error: { message: e.error, type: "server_error", param: null, code: null } }
-                    : {},
-                );
-              }
-            }
-            if (out) await stream.write(out);
-            if (wrote) gens[i].markWritten();
-          }
-          const tail = includeUsage ? chunk([], { usage: usage(dones) }) : "";
-          await stream.write(tail + "data: [DONE]\n\n");
-        } finally {
-          cancelAll();
-          release();
-        }
-      });
+      return streamSSE(c, (stream) => streamChat(stream, run));
     },
   );
   return app;
+}
+
+/** A started chat completion: its generations and what its answer is built from. */
+interface ChatRun {
+  r: z.output<typeof ChatCompletionRequestSchema>;
+  gens: Generation[];
+  /** Gives back the caller's held streams. */
+  release: () => void;
+  cancelAll: () => void;
+  /** The fields every answer and chunk starts with. */
+  head: { id: string; created: number; model: string; system_fingerprint: null };
+  wantLp: boolean;
+  usage: (dones: DoneEvent[]) => { prompt_tokens: number; completion_tokens: number; total_tokens: number };
+  replies: ReplyText[];
+}
+
+/**
+ * Holds the caller's streams, renders the conversation with the model's chat template (400 for a
+ * model without one, or with one this server cannot render) and starts the `n` generations.
+ */
+async function startChat(
+  c: Context,
+  r: z.output<typeof ChatCompletionRequestSchema>,
+  manager: GenerationManager,
+  hold: Hold,
+): Promise<ChatRun> {
+  const n = r.n ?? 1;
+  const release = hold(c, r.model, n);
+  let gens: Generation[];
+  try {
+    const template = await manager.chatTemplateOf(r.model);
+    if (template === undefined) {
+      throw new ApiError(
+        400,
+        `Model "${r.model}" has no chat template: use /v1/completions, or fine-tune it with ` +
+          `"objective": "sft" on a chat dataset`,
+        { param: "model" },
+      );
+    }
+    if (template !== CHAT_TEMPLATE) {
+      throw new ApiError(
+        400,
+        `Model "${r.model}" has a chat template this server cannot render (only its own, data/chat.ts)`,
+        { param: "model" },
+      );
+    }
+    const prompt = encodeChat(r.messages as ChatMessage[], true).tokens;
+    const wantLp = r.logprobs === true;
+    gens = await manager.startChoices({
+      model: r.model,
+      prompt,
+      max_tokens: r.max_completion_tokens ?? r.max_tokens ?? undefined,
+      temperature: r.temperature ?? 1,
+      top_k: r.top_k ?? 0,
+      top_p: r.top_p ?? 1,
+      seed: r.seed ?? undefined,
+      stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
+      ignore_eos: r.ignore_eos ?? false,
+      logprobs: wantLp ? r.top_logprobs ?? 0 : null,
+      arrived: arrived(c),
+      rehearsal: rehearsal(c),
+    }, n);
+  } catch (e) {
+    release();
+    throw e;
+  }
+  const wantLp = r.logprobs === true;
+  const cancelAll = () => gens.forEach((g) => g.cancel());
+  const head = {
+    id: `chatcmpl-${gens[0].id.slice(4, 16)}`,
+    created: Math.floor(Date.now() / 1000),
+    model: gens[0].model.id,
+    system_fingerprint: null,
+  };
+  const usage = (dones: DoneEvent[]) => {
+    const prompt_tokens = gens[0].prompt_tokens;
+    const completion_tokens = dones.reduce((a, d) => a + (d?.completion_tokens ?? 0), 0);
+    return { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens };
+  };
+  const replies = gens.map(() => new ReplyText());
+  return { r, gens, release, cancelAll, head, wantLp, usage, replies };
+}
+
+/** A chat completion answered whole (not streamed): every choice's message once all are done. */
+async function wholeChat(c: Context, run: ChatRun): Promise<Response> {
+  const { gens, cancelAll, head, wantLp, usage, replies } = run;
+  c.req.raw.signal?.addEventListener("abort", cancelAll);
+  const texts = gens.map(() => ""), lps = gens.map(() => [] as unknown[]);
+  const dones: DoneEvent[] = [];
+  for await (const { i, es } of mergedBatches(gens)) {
+    for (const e of es) {
+      if (e.type === "token") {
+        texts[i] += replies[i].push(e.text);
+        if (wantLp && e.id !== null && e.logprobs) lps[i].push(logprobEntry(e.id, e.logprobs));
+      } else dones[i] = e;
+    }
+  }
+  c.req.raw.signal?.removeEventListener("abort", cancelAll);
+  const failed = dones.find((d) => d.finish_reason === "error");
+  if (failed) throw new ApiError(500, failed.error ?? "Generation failed");
+  return c.json({
+    ...head,
+    object: "chat.completion",
+    choices: gens.map((_, i) => ({
+      index: i,
+      message: { role: "assistant", content: texts[i], refusal: null },
+      logprobs: wantLp ? { content: lps[i], refusal: null } : null,
+      finish_reason: openaiReason(dones[i]),
+    })),
+    usage: usage(dones),
+  });
+}
+
+/**
+ * A streamed chat completion: each choice opened with its role, a chunk per piece of reply, a
+ * final chunk per choice with its finish reason, the usage when asked, then `[DONE]`.
+ */
+async function streamChat(stream: SSEStreamingApi, run: ChatRun): Promise<void> {
+  const { r, gens, release, cancelAll, head, wantLp, usage, replies } = run;
+  const includeUsage = r.stream_options?.include_usage === true;
+  stream.onAbort(cancelAll);
+  const chunk = (choices: unknown[], extra: Record<string, unknown> = {}) =>
+    `data: ${
+      JSON.stringify({
+        ...head,
+        object: "chat.completion.chunk",
+        choices,
+        ...(includeUsage ? { usage: null } : {}),
+        ...extra,
+      })
+    }\n\n`;
+  try {
+    // OpenAI opens every choice with its role.
+    await stream.write(
+      gens.map((_, i) =>
+        chunk([{
+          index: i,
+          delta: { role: "assistant", content: "" },
+          logprobs: null,
+          finish_reason: null,
+        }])
+      ).join(""),
+    );
+    const dones: DoneEvent[] = [];
+    for await (const { i, es } of mergedBatches(gens)) {
+      let out = "", wrote = false;
+      for (const e of es) {
+        if (e.type === "token") {
+          const text = replies[i].push(e.text);
+          const lp = wantLp && e.id !== null && e.logprobs ? [logprobEntry(e.id, e.logprobs)] : [];
+          if (text || lp.length) {
+            out += chunk([{
+              index: i,
+              delta: { content: text },
+              logprobs: wantLp ? { content: lp, refusal: null } : null,
+              finish_reason: null,
+            }]);
+            wrote = true;
+          }
+        } else {
+          dones[i] = e;
+          out += chunk(
+            [{ index: i, delta: {}, logprobs: null, finish_reason: openaiReason(e) }],
+            e.error ? { error: { message: e.error, type: "server_error", param: null, code: null } } : {},
+          );
+        }
+      }
+      if (out) await stream.write(out);
+      if (wrote) gens[i].markWritten();
+    }
+    const tail = includeUsage ? chunk([], { usage: usage(dones) }) : "";
+    await stream.write(tail + "data: [DONE]\n\n");
+  } finally {
+    cancelAll();
+    release();
+  }
 }

@@ -122,124 +122,54 @@ export interface DatasetRoutesOptions {
   auth?: { access: Access; store: JobStore };
 }
 
+/** What the dataset routes of one `datasetRoutes` call share: preparation state lives here. */
+interface DatasetRouteState {
+  root: string;
+  options: DatasetRoutesOptions;
+  /** Preparations started here, running or failed, by id. */
+  jobs: Map<string, Job>;
+  waitMs: number;
+  limits: Limits;
+  /** The folder `path` and `url_list` sources are read from. */
+  sources: string;
+  auth: DatasetRoutesOptions["auth"];
+  /** Whether the caller of `c` may use dataset `id`. */
+  mayUse: (c: Context, id: string) => boolean;
+  /** A preparation as answered (paths in its error shown as their aliases). */
+  jobView: (j: Job) => Record<string, unknown>;
+}
+
 /** The dataset routes over data root `root` (datasets in `<root>/datasets/`). */
 export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}): Hono {
   const app = new Hono();
-  const jobs = new Map<string, Job>();
-  const waitMs = options.waitMs ?? 2000;
-  const limits: Limits = { ...defaultLimits(), ...options.limits };
   const sources = options.sources ?? join(root, "sources");
-  const running = () => [...jobs.values()].filter((j) => j.status === "running").length;
   const aliases = [...pathAliases(sources, "$GPT2_SOURCES"), ...pathAliases(root, "$GPT2_HOME")];
   app.onError(errorHandler(aliases));
-  const summary = (info: DatasetInfo) => ({ ...info, status: "ready" as const });
   const auth = options.auth;
-  const mayUse = (c: Context, id: string) =>
-    !auth || auth.access.datasetAllowed(principalOf(c), id, isBuiltinName(id));
-  const jobView = (j: Job) => ({
-    id: j.id,
-    status: j.status,
-    started_at: j.started_at,
-    ...(j.progress ? { progress: j.progress } : {}),
-    ...(j.error ? { error: scrubPaths(j.error, aliases) } : {}),
-  });
+  const st: DatasetRouteState = {
+    root,
+    options,
+    jobs: new Map<string, Job>(),
+    waitMs: options.waitMs ?? 2000,
+    limits: { ...defaultLimits(), ...options.limits },
+    sources,
+    auth,
+    mayUse: (c, id) => !auth || auth.access.datasetAllowed(principalOf(c), id, isBuiltinName(id)),
+    jobView: (j) => ({
+      id: j.id,
+      status: j.status,
+      started_at: j.started_at,
+      ...(j.progress ? { progress: j.progress } : {}),
+      ...(j.error ? { error: scrubPaths(j.error, aliases) } : {}),
+    }),
+  };
+  const { jobs, mayUse, jobView } = st;
 
-  app.post("/datasets", jsonBody(createDatasetSchema, "dataset request"), async (c) => {
-    const { builtin, path, urls, url_list, texts, ...rest } = c.req.valid("json");
-    const source = (builtin !== undefined
-      ? { builtin }
-      : path !== undefined
-      ? { path }
-      : urls !== undefined
-      ? { urls }
-      : url_list !== undefined
-      ? { url_list }
-      : { texts: texts! }) as DatasetSource;
-    const kind = Object.keys(source)[0];
-    const prepOptions: PrepareOptions = {
-      ...rest,
-      workers: options.workers ?? limits.prepareWorkers,
-      sources_root: sources,
-      download: {
-        allowPrivate: options.allowPrivateUrls ?? false,
-        maxTotalBytes: limits.maxDownloadBytes,
-        budgetSetting: LIMIT_SETTINGS.maxDownloadBytes,
-      },
-    };
-    let id: string;
-    try {
-      id = (await planDataset(root, source, prepOptions)).id;
-    } catch (e) {
-      if (e instanceof PathOutsideRootError) {
-        throw new ApiError(403, `Path "${e.path}" is outside the sources folder: put sources under it`, {
-          param: kind,
-          code: "path_outside_sources",
-        });
-      }
-      throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
-    }
-    // An id named in the request that is another user's is refused; one derived from the source and
-    // options names the same data, which the caller may then use too.
-    if (
-      auth && rest.id !== undefined && !mayUse(c, id) &&
-      (jobs.has(id) || (await getDataset(root, id)) !== undefined)
-    ) {
-      throw new ApiError(409, `Dataset id "${id}" is taken: choose another id`, {
-        param: "id",
-        code: "conflict",
-      });
-    }
-    if (auth) {
-      const p = principalOf(c);
-      if (kind === "builtin") {
-        auth.access.share("dataset", id);
-      } else auth.access.own(p, "dataset", id);
-      audit(auth.store, c, "dataset.create", id, { source: kind });
-    }
-    const same = jobs.get(id);
-    if (same?.status === "running") {
-      c.header("Location", `/datasets/${id}`);
-      return c.json(jobView(same), 202);
-    }
-    if (running() >= limits.maxPreparations) {
-      throw new LimitError(
-        429,
-        `Too many dataset preparations running: ${running()} (limit ${
-          limitName(limits, "maxPreparations")
-        }); retry when one finishes`,
-      );
-    }
-    const job: Job = { id, status: "running", started_at: new Date().toISOString(), done: Promise.resolve() };
-    let result: DatasetInfo | undefined;
-    job.done = prepareDataset(root, source, prepOptions, (p) => (job.progress = p)).then(
-      (info) => {
-        result = info;
-        jobs.delete(id);
-      },
-      (e) => {
-        job.status = "failed";
-        job.error = (e as Error).message;
-      },
-    );
-    jobs.set(id, job);
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    const finished = await Promise.race([
-      job.done.then(() =>
-        true
-      ),
-      new Promise<boolean>((r) => (timer = setTimeout(() => r(false), waitMs))),
-    ]);
-    clearTimeout(timer);
-    if (finished && result) {
-      const { id: rid, documents, tokens, splits } = result;
-      return c.json({ ...summary(result), id: rid, documents, tokens, splits }, 201);
-    }
-    if (finished && job.status === "failed") {
-      throw new ApiError(422, `Cannot prepare dataset "${id}": ${job.error}`, { code: "preparation_failed" });
-    }
-    c.header("Location", `/datasets/${id}`);
-    return c.json(jobView(job), 202);
-  });
+  app.post(
+    "/datasets",
+    jsonBody(createDatasetSchema, "dataset request"),
+    (c) => createDataset(c, c.req.valid("json"), st),
+  );
 
   app.get("/datasets", async (c) => {
     const ready = (await listDatasets(root)).filter((d) => mayUse(c, d.id));
@@ -264,4 +194,140 @@ export function datasetRoutes(root: string, options: DatasetRoutesOptions = {}):
   });
 
   return app;
+}
+
+/** A prepared dataset as answered. */
+function summary(info: DatasetInfo) {
+  return { ...info, status: "ready" as const };
+}
+
+/**
+ * `POST /datasets`: plans the dataset (its id), claims the id for the caller, and starts the
+ * preparation: 201 with the dataset when it is done within `waitMs`, else 202 with its progress.
+ */
+async function createDataset(
+  c: Context,
+  body: z.output<typeof createDatasetSchema>,
+  st: DatasetRouteState,
+): Promise<Response> {
+  const { root, options, limits, jobs } = st;
+  const { builtin, path, urls, url_list, texts, ...rest } = body;
+  const source =
+    (builtin !== undefined
+      ? { builtin }
+      : path !== undefined
+      ? { path }
+      : urls !== undefined
+      ? { urls }
+      : url_list !== undefined
+      ? { url_list }
+      : { texts: texts! }) as DatasetSource;
+  const kind = Object.keys(source)[0];
+  const prepOptions: PrepareOptions = {
+    ...rest,
+    workers: options.workers ?? limits.prepareWorkers,
+    sources_root: st.sources,
+    download: {
+      allowPrivate: options.allowPrivateUrls ?? false,
+      maxTotalBytes: limits.maxDownloadBytes,
+      budgetSetting: LIMIT_SETTINGS.maxDownloadBytes,
+    },
+  };
+  const id = await planId(root, source, prepOptions, kind);
+  await claimDataset(c, st, id, kind, rest.id !== undefined);
+  const same = jobs.get(id);
+  if (same?.status === "running") {
+    c.header("Location", `/datasets/${id}`);
+    return c.json(st.jobView(same), 202);
+  }
+  const running = () => [...jobs.values()].filter((j) => j.status === "running").length;
+  if (running() >= limits.maxPreparations) {
+    throw new LimitError(
+      429,
+      `Too many dataset preparations running: ${running()} (limit ${
+        limitName(limits, "maxPreparations")
+      }); retry when one finishes`,
+    );
+  }
+  return await startPreparation(c, st, id, source, prepOptions);
+}
+
+/** The dataset id of a request: 403 for a path outside the sources folder, 400 for a bad source or option. */
+async function planId(root: string, source: DatasetSource, prepOptions: PrepareOptions, kind: string) {
+  try {
+    return (await planDataset(root, source, prepOptions)).id;
+  } catch (e) {
+    if (e instanceof PathOutsideRootError) {
+      throw new ApiError(403, `Path "${e.path}" is outside the sources folder: put sources under it`, {
+        param: kind,
+        code: "path_outside_sources",
+      });
+    }
+    throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
+  }
+}
+
+/**
+ * With auth: refuses (409) an id `named` in the request that is another user's, then shares a
+ * built-in dataset or gives the dataset to the caller, and audits the request.
+ */
+async function claimDataset(c: Context, st: DatasetRouteState, id: string, kind: string, named: boolean) {
+  const { auth } = st;
+  // An id named in the request that is another user's is refused; one derived from the source and
+  // options names the same data, which the caller may then use too.
+  if (
+    auth && named && !st.mayUse(c, id) &&
+    (st.jobs.has(id) || (await getDataset(st.root, id)) !== undefined)
+  ) {
+    throw new ApiError(409, `Dataset id "${id}" is taken: choose another id`, {
+      param: "id",
+      code: "conflict",
+    });
+  }
+  if (auth) {
+    const p = principalOf(c);
+    if (kind === "builtin") {
+      auth.access.share("dataset", id);
+    } else auth.access.own(p, "dataset", id);
+    audit(auth.store, c, "dataset.create", id, { source: kind });
+  }
+}
+
+/** Starts preparing dataset `id` and waits up to `waitMs` for it: 201 when done, 422 when failed, else 202. */
+async function startPreparation(
+  c: Context,
+  st: DatasetRouteState,
+  id: string,
+  source: DatasetSource,
+  prepOptions: PrepareOptions,
+): Promise<Response> {
+  const { root, jobs } = st;
+  const job: Job = { id, status: "running", started_at: new Date().toISOString(), done: Promise.resolve() };
+  let result: DatasetInfo | undefined;
+  job.done = prepareDataset(root, source, prepOptions, (p) => (job.progress = p)).then(
+    (info) => {
+      result = info;
+      jobs.delete(id);
+    },
+    (e) => {
+      job.status = "failed";
+      job.error = (e as Error).message;
+    },
+  );
+  jobs.set(id, job);
+  let timer: ReturnType<typeof setTimeout> | undefined;
+  const finished = await Promise.race([
+    job.done.then(() => true),
+    new Promise<boolean>((r) => (timer = setTimeout(() => r(false), st.waitMs))),
+  ]);
+  clearTimeout(timer);
+  if (finished && result) {
+    const { id: rid, documents, tokens, splits } = result;
+    return c.json({ ...summary(result), id: rid, documents, tokens, splits }, 201);
+  }
+  if (finished && job.status === "failed") {
+    throw new ApiError(422, `Cannot prepare dataset "${id}": ${job.error}`, { code: "preparation_failed" });
+  }
+  c.header("Location", `/datasets/${id}`);
+  return c.json(st.jobView(job), 202);
 }

@@ -290,21 +290,17 @@ function origin(c: Context): { arrived: number | undefined; rehearsal: boolean }
   };
 }
 
-/**
- * Generation routes backed by `manager`. With `auth`, a caller may use only the models they may
- * see (another user's answers as an unknown model, 404) and holds their streams within their
- * `streams` quota.
- */
-export function generateRoutes(
-  manager: GenerationManager,
-  opts: GenerateRoutesOptions = {},
-  auth?: Pick<Auth, "access" | "quotas">,
-): Hono {
-  const app = new Hono();
-  const keepaliveMs = opts.keepaliveMs ?? 15_000;
+/** Who may use which model, and each caller's stream quota (no `auth`: everyone, unlimited). */
+interface Access {
+  /** Whether the caller of `c` may use `model` (rehearsals may use any). */
+  mayUse(c: Context, model: string): boolean;
+  /** Checks the model, then holds `n` of the caller's streams: call the answer to give them back. */
+  hold(c: Context, model: string, n: number): () => void;
+}
+
+function routeAccess(auth: Pick<Auth, "access" | "quotas"> | undefined): Access {
   const mayUse = (c: Context, model: string) =>
     !auth || origin(c).rehearsal || auth.access.modelAllowed(principalOf(c), model);
-  /** Checks the model, then holds `n` of the caller's streams: call the answer to give them back. */
   const hold = (c: Context, model: string, n: number): () => void => {
     if (!mayUse(c, model)) throw new ModelNotFoundError(model);
     if (!auth || origin(c).rehearsal) return () => {};
@@ -317,12 +313,29 @@ export function generateRoutes(
     }
     return () => releases.forEach((r) => r());
   };
+  return { mayUse, hold };
+}
+
+/**
+ * Generation routes backed by `manager`. With `auth`, a caller may use only the models they may
+ * see (another user's answers as an unknown model, 404) and holds their streams within their
+ * `streams` quota.
+ */
+export function generateRoutes(
+  manager: GenerationManager,
+  opts: GenerateRoutesOptions = {},
+  auth?: Pick<Auth, "access" | "quotas">,
+): Hono {
+  const app = new Hono();
+  const keepaliveMs = opts.keepaliveMs ?? 15_000;
+  const access = routeAccess(auth);
+  const { mayUse } = access;
   // Every route words its errors, its parameters' included, in the "openai" ErrorStyle.
   const openai = errorStyle("openai");
 
   app.get("/generate", openai, queryParams(GenerateQuerySchema, "generation query"), async (c) => {
     const q = c.req.valid("query");
-    const release = hold(c, q.model, 1);
+    const release = access.hold(c, q.model, 1);
     let gen: Generation;
     try {
       gen = await manager.start({ ...(q satisfies GenerateParams), ...origin(c) });
@@ -331,160 +344,19 @@ export function generateRoutes(
       throw e;
     }
     truncationHeader(c, gen);
-    return streamSSE(c, async (stream) => {
-      stream.onAbort(() => gen.cancel());
-      const ka = keepalive(stream, keepaliveMs);
-      try {
-        // The events that came together (a chunk's tokens) go out in one write.
-        for await (const batch of gen.batches()) {
-          ka.touch();
-          let out = "";
-          for (const e of batch) {
-            out += e.type === "token"
-              ? sseEvent(JSON.stringify({ id: e.id, text: e.text }), "token")
-              : sseEvent(JSON.stringify(doneData(gen, e)), "done");
-          }
-          await stream.write(out);
-          if (batch[0].type === "token") gen.markWritten();
-        }
-      } finally {
-        ka.stop();
-        gen.cancel(); // no-op once finished
-        release();
-      }
-    });
+    return streamSSE(c, (stream) => streamGeneration(stream, gen, keepaliveMs, release));
   });
 
   app.post("/v1/completions", openai, jsonBody(CompletionRequestSchema, "completion request"), async (c) => {
-    const r = c.req.valid("json");
-    const prompt: string | number[] = Array.isArray(r.prompt)
-      ? (typeof r.prompt[0] === "string" || Array.isArray(r.prompt[0]) ? r.prompt[0] : r.prompt as number[])
-      : r.prompt;
-    const release = hold(c, r.model, r.n);
-    let gens: Generation[];
-    try {
-      gens = await manager.startChoices({
-        model: r.model,
-        prompt,
-        max_tokens: r.max_tokens,
-        temperature: r.temperature,
-        top_k: r.top_k,
-        top_p: r.top_p,
-        seed: r.seed,
-        stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
-        ignore_eos: r.ignore_eos,
-        logprobs: r.logprobs ?? null,
-        ...origin(c),
-      }, r.n);
-    } catch (e) {
-      release();
-      throw e;
-    }
-    const cancelAll = () => gens.forEach((g) => g.cancel());
-    truncationHeader(c, gens[0]);
-    const head = {
-      id: `cmpl-${gens[0].id.slice(4, 16)}`,
-      object: "text_completion",
-      created: Math.floor(Date.now() / 1000),
-      model: gens[0].model.id,
-    };
-    const wantLp = r.logprobs !== null && r.logprobs !== undefined;
-    // Echo: the prompt comes first, its tokens without logprobs (none are computed for the prompt).
-    const echoText = r.echo ? (typeof prompt === "string" ? prompt : decodeTokens(gens[0].prompt)) : "";
-    const lps = gens.map(() => new LogprobsBuilder(0));
-    const echoLp = (i: number) => {
-      if (!wantLp || !r.echo) return;
-      for (const id of gens[i].prompt) lps[i].add(id, null);
-    };
-    if (!r.stream) {
+    const run = await startCompletion(c, c.req.valid("json"), manager, access);
+    if (!run.r.stream) {
       try {
-        return await whole();
+        return await wholeCompletion(c, run);
       } finally {
-        release();
+        run.release();
       }
     }
-    async function whole() {
-      c.req.raw.signal?.addEventListener("abort", cancelAll);
-      const texts = gens.map(() => echoText);
-      gens.forEach((_, i) => echoLp(i));
-      const dones: DoneEvent[] = [];
-      for await (const { i, e } of merged(gens)) {
-        if (e.type === "token") {
-          texts[i] += e.text;
-          if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
-        } else dones[i] = e;
-      }
-      c.req.raw.signal?.removeEventListener("abort", cancelAll);
-      const failed = dones.find((d) => d.finish_reason === "error");
-      if (failed) throw new ApiError(500, failed.error ?? "Generation failed");
-      return c.json({
-        ...head,
-        choices: gens.map((_, i) => ({
-          text: texts[i],
-          index: i,
-          logprobs: wantLp ? lps[i].take() : null,
-          finish_reason: openaiReason(dones[i]),
-        })),
-        usage: usage(gens, dones),
-      });
-    }
-    const includeUsage = r.stream_options?.include_usage === true;
-    return streamSSE(c, async (stream) => {
-      stream.onAbort(cancelAll);
-      const ka = keepalive(stream, keepaliveMs);
-      const chunk = (i: number, text: string, finish_reason: string | null, logprobs: unknown = null) =>
-        sseEvent(JSON.stringify({
-          ...head,
-          choices: [{ text, index: i, logprobs, finish_reason }],
-          ...(includeUsage ? { usage: null } : {}),
-        }));
-      try {
-        if (r.echo) {
-          let out = "";
-          for (let i = 0; i < gens.length; i++) {
-            echoLp(i);
-            out += chunk(i, echoText, null, wantLp ? lps[i].take() : null);
-          }
-          await stream.write(out);
-        }
-        const dones: DoneEvent[] = [];
-        // The events that came together (a chunk's tokens) go out in one write.
-        for await (const { i, es } of mergedBatches(gens)) {
-          ka.touch();
-          let out = "", wrote = false;
-          for (const e of es) {
-            if (e.type === "token") {
-              if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
-              if (e.text || (wantLp && lps[i].tokens.length > 0)) {
-                out += chunk(i, e.text, null, wantLp ? lps[i].take() : null);
-                wrote = true;
-              }
-            } else {
-              dones[i] = e;
-              out += sseEvent(JSON.stringify({
-                ...head,
-                choices: [{ text: "", index: i, logprobs: null, finish_reason: openaiReason(e) }],
-                ...(includeUsage ? { usage: null } : {}),
-                ...(e.error
-                  ? { error: { message: e.error, type: "server_error", param: null, code: null } }
-                  : {}),
-              }));
-            }
-          }
-          if (out) await stream.write(out);
-          if (wrote) gens[i].markWritten();
-        }
-        let tail = "";
-        if (includeUsage) {
-          tail += sseEvent(JSON.stringify({ ...head, choices: [], usage: usage(gens, dones) }));
-        }
-        await stream.write(tail + sseEvent("[DONE]"));
-      } finally {
-        ka.stop();
-        cancelAll();
-        release();
-      }
-    });
+    return streamSSE(c, (stream) => streamCompletion(stream, run, keepaliveMs));
   });
 
   app.get("/v1/models", openai, async (c) => {
@@ -515,4 +387,198 @@ export function generateRoutes(
   });
 
   return app;
+}
+
+/** `GET /generate`'s stream: token events, then the done event; the held stream is released at the end. */
+async function streamGeneration(
+  stream: SSEStreamingApi,
+  gen: Generation,
+  keepaliveMs: number,
+  release: () => void,
+): Promise<void> {
+  stream.onAbort(() => gen.cancel());
+  const ka = keepalive(stream, keepaliveMs);
+  try {
+    // The events that came together (a chunk's tokens) go out in one write.
+    for await (const batch of gen.batches()) {
+      ka.touch();
+      let out = "";
+      for (const e of batch) {
+        out += e.type === "token"
+          ? sseEvent(JSON.stringify({ id: e.id, text: e.text }), "token")
+          : sseEvent(JSON.stringify(doneData(gen, e)), "done");
+      }
+      await stream.write(out);
+      if (batch[0].type === "token") gen.markWritten();
+    }
+  } finally {
+    ka.stop();
+    gen.cancel(); // no-op once finished
+    release();
+  }
+}
+
+/** A started `POST /v1/completions`: its generations and what its answer is built from. */
+interface CompletionRun {
+  r: z.output<typeof CompletionRequestSchema>;
+  /** The prompt as given (a text or tokens). */
+  prompt: string | number[];
+  gens: Generation[];
+  /** Gives back the caller's held streams. */
+  release: () => void;
+  cancelAll: () => void;
+  /** The fields every answer and chunk starts with. */
+  head: { id: string; object: string; created: number; model: string };
+  wantLp: boolean;
+  /** Echo: the prompt comes first, its tokens without logprobs (none are computed for the prompt). */
+  echoText: string;
+  lps: LogprobsBuilder[];
+  /** Adds choice `i`'s echoed prompt tokens to its logprobs (when echoing with logprobs). */
+  echoLp: (i: number) => void;
+}
+
+/** Holds the caller's streams and starts the `n` generations of a completion request. */
+async function startCompletion(
+  c: Context,
+  r: z.output<typeof CompletionRequestSchema>,
+  manager: GenerationManager,
+  access: Access,
+): Promise<CompletionRun> {
+  const prompt: string | number[] = Array.isArray(r.prompt)
+    ? (typeof r.prompt[0] === "string" || Array.isArray(r.prompt[0]) ? r.prompt[0] : r.prompt as number[])
+    : r.prompt;
+  const release = access.hold(c, r.model, r.n);
+  let gens: Generation[];
+  try {
+    gens = await manager.startChoices({
+      model: r.model,
+      prompt,
+      max_tokens: r.max_tokens,
+      temperature: r.temperature,
+      top_k: r.top_k,
+      top_p: r.top_p,
+      seed: r.seed,
+      stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
+      ignore_eos: r.ignore_eos,
+      logprobs: r.logprobs ?? null,
+      ...origin(c),
+    }, r.n);
+  } catch (e) {
+    release();
+    throw e;
+  }
+  const cancelAll = () => gens.forEach((g) => g.cancel());
+  truncationHeader(c, gens[0]);
+  const head = {
+    id: `cmpl-${gens[0].id.slice(4, 16)}`,
+    object: "text_completion",
+    created: Math.floor(Date.now() / 1000),
+    model: gens[0].model.id,
+  };
+  const wantLp = r.logprobs !== null && r.logprobs !== undefined;
+  const echoText = r.echo ? (typeof prompt === "string" ? prompt : decodeTokens(gens[0].prompt)) : "";
+  const lps = gens.map(() => new LogprobsBuilder(0));
+  const echoLp = (i: number) => {
+    if (!wantLp || !r.echo) return;
+    for (const id of gens[i].prompt) lps[i].add(id, null);
+  };
+  return { r, prompt, gens, release, cancelAll, head, wantLp, echoText, lps, echoLp };
+}
+
+/** A completion answered whole (not streamed): every choice's text once all are done. */
+async function wholeCompletion(c: Context, run: CompletionRun): Promise<Response> {
+  const { gens, cancelAll, head, wantLp, echoText, lps, echoLp } = run;
+  c.req.raw.signal?.addEventListener("abort", cancelAll);
+  const texts = gens.map(() => echoText);
+  gens.forEach((_, i) => echoLp(i));
+  const dones: DoneEvent[] = [];
+  for await (const { i, e } of merged(gens)) {
+    if (e.type === "token") {
+      texts[i] += e.text;
+      if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
+    } else dones[i] = e;
+  }
+  c.req.raw.signal?.removeEventListener("abort", cancelAll);
+  const failed = dones.find((d) => d.finish_reason === "error");
+  if (failed) throw new ApiError(500, failed.error ?? "Generation failed");
+  return c.json({
+    ...head,
+    choices: gens.map((_, i) => ({
+      text: texts[i],
+      index: i,
+      logprobs: wantLp ? lps[i].take() : null,
+      finish_reason: openaiReason(dones[i]),
+    })),
+    usage: usage(gens, dones),
+  });
+}
+
+/**
+ * A streamed completion: the echoed prompts, a chunk per choice's text as it comes, a final
+ * chunk per choice with its finish reason, the usage when asked, then `[DONE]`.
+ */
+async function streamCompletion(
+  stream: SSEStreamingApi,
+  run: CompletionRun,
+  keepaliveMs: number,
+): Promise<void> {
+  const { r, gens, cancelAll, head, wantLp, echoText, lps, echoLp } = run;
+  const includeUsage = r.stream_options?.include_usage === true;
+  stream.onAbort(cancelAll);
+  const ka = keepalive(stream, keepaliveMs);
+  const chunk = (i: number, text: string, finish_reason: string | null, logprobs: unknown = null) =>
+    sseEvent(JSON.stringify({
+      ...head,
+      choices: [{ text, index: i, logprobs, finish_reason }],
+      ...(includeUsage ? { usage: null } : {}),
+    }));
+  try {
+    if (r.echo) {
+      let out = "";
+      for (let i = 0; i < gens.length; i++) {
+        echoLp(i);
+        out += chunk(i, echoText, null, wantLp ? lps[i].take() : null);
+      }
+      await stream.write(out);
+    }
+    const dones: DoneEvent[] = [];
+    // The events that came together (a chunk's tokens) go out in one write.
+    for await (const { i, es } of mergedBatches(gens)) {
+      ka.touch();
+      let out = "", wrote = false;
+      for (const e of es) {
+        if (e.type === "token") {
+          if (wantLp && e.id !== null) lps[i].add(e.id, e.logprobs ?? null);
+          if (e.text || (wantLp && lps[i].tokens.length > 0)) {
+            out += chunk(i, e.text, null, wantLp ? lps[i].take() : null);
+            wrote = true;
+          }
+        } else {
+          dones[i] = e;
+          out += finishChunk(run, i, e, includeUsage);
+        }
+      }
+      if (out) await stream.write(out);
+      if (wrote) gens[i].markWritten();
+    }
+    let tail = "";
+    if (includeUsage) {
+      tail += sseEvent(JSON.stringify({ ...head, choices: [], usage: usage(gens, dones) }));
+    }
+    await stream.write(tail + sseEvent("[DONE]"));
+  } finally {
+    ka.stop();
+    cancelAll();
+    run.release();
+  }
+}
+
+/** The last chunk of streamed choice `i`: its finish reason, and the error when it failed. */
+function finishChunk(run: CompletionRun, i: number, e: DoneEvent, includeUsage: boolean): string {
+  return sseEvent(JSON.stringify({
+    ...run.head,
+    choices: [{ text: "", index: i, logprobs: null, finish_reason: openaiReason(e) }],
+    ...(includeUsage ? { usage: null } : {}),
+    ...(e.error ? { error: { message: e.error, type: "server_error", param: null, code: null } } : {}),
+  }));
 }

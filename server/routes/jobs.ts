@@ -50,14 +50,36 @@ export function jobRoutes(
   auth: Auth,
 ): Hono {
   const app = new Hono();
-  const visible = (c: Context, id: string) => auth.access.job(principalOf(c), id, (i) => runner.get(i));
-  const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
   // Errors and resumed_from may carry the data directory's absolute path: show it as $GPT2_HOME.
   const inJson = aliases.map(([p, name]) => [JSON.stringify(p).slice(1, -1), name] as const);
-  const shown = (
-    job: Job,
-  ): Job => (aliases.length ? JSON.parse(scrubPaths(JSON.stringify(job), inJson)) : job);
+  const ctx: JobRouteContext = {
+    runner,
+    limits,
+    aliases,
+    auth,
+    visible: (c, id) => auth.access.job(principalOf(c), id, (i) => runner.get(i)),
+    shown: (job) => (aliases.length ? JSON.parse(scrubPaths(JSON.stringify(job), inJson)) : job),
+  };
+  jobListRoutes(app, ctx);
+  jobProgressRoutes(app, ctx);
+  jobCheckpointRoutes(app, ctx);
+  return app;
+}
 
+/** What the job route groups share. */
+interface JobRouteContext {
+  runner: JobRunner;
+  limits: Limits;
+  aliases: readonly PathAlias[];
+  auth: Auth;
+  /** The job `id` if the caller of `c` may see it; 404 otherwise. */
+  visible: (c: Context, id: string) => Job;
+  /** A job as answered: the data directory's path shown as its alias. */
+  shown: (job: Job) => Job;
+}
+
+/** Submitting jobs (training, and evaluation from evaluate.ts), listing, comparing, inspecting and deleting them. */
+function jobListRoutes(app: Hono, { runner, limits, auth, visible, shown }: JobRouteContext): void {
   app.post("/train", jsonBody(TrainRequestSchema, "training config"), async (c) => {
     const req = c.req.valid("json");
     const p = principalOf(c);
@@ -117,7 +139,10 @@ export function jobRoutes(
     audit(runner.store, c, "job.delete", id);
     return c.json({ id, deleted: true });
   });
+}
 
+/** A job's metrics history, its event stream and cancelling it. */
+function jobProgressRoutes(app: Hono, { runner, aliases, visible }: JobRouteContext): void {
   app.get("/jobs/:id/metrics", queryParams(MetricsQuerySchema, "metrics query"), (c) => {
     const id = c.req.param("id");
     visible(c, id);
@@ -154,6 +179,11 @@ export function jobRoutes(
     audit(runner.store, c, "job.cancel", id);
     return c.json({ id: job.id, status: job.status, cancel_requested: job.cancel_requested }, 202);
   });
+}
+
+/** A job's checkpoints and their files. */
+function jobCheckpointRoutes(app: Hono, { runner, visible }: JobRouteContext): void {
+  const view = (id: string, c: CheckpointInfo) => ({ ...c, path: checkpointPath(id, c.name) });
 
   app.get("/jobs/:id/checkpoints", async (c) => {
     const id = c.req.param("id");
@@ -190,6 +220,4 @@ export function jobRoutes(
       "Content-Disposition": `attachment; filename="${id}_${name}_${file}"`,
     });
   });
-
-  return app;
 }

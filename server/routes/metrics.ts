@@ -61,12 +61,36 @@ export function createMetrics(
 ): AppMetrics {
   const registry = new Registry();
   const registers = [registry];
-  // Any engine: SQLite answers at once, PostgreSQL (several hosts) with a promise; prom-client awaits collect().
-  const live = async () => [
-    ...await runner.store.listJobs({ status: "running" }),
-    ...await runner.store.listJobs({ status: "interrupted" }),
-  ];
+  serverMetrics(registry, runner, startedAt);
+  jobMetrics(registry, runner);
+  const requests = new Counter({
+    name: "gpt2_http_requests_total",
+    help: "HTTP requests answered, by method and status code",
+    labelNames: ["method", "code"],
+    registers,
+  });
 
+  if (generation) generationMetrics(registry, generation);
+
+  const uses = new Counter({
+    name: "gpt2_user_requests_total",
+    help:
+      "Requests that passed the token check, by user (empty: the bootstrap token or none) and route class",
+    labelNames: ["user", "class"],
+    registers,
+  });
+
+  return {
+    registry,
+    register: (hook) => hook(registry),
+    countRequest: (method, status) => requests.inc({ method, code: String(status) }),
+    countUse: (user, cls) => uses.inc({ user: user ?? "", class: cls }),
+  };
+}
+
+/** The process, the jobs by status, the hosts' heartbeats and each GPU's state. */
+function serverMetrics(registry: Registry, runner: JobRunner, startedAt: number): void {
+  const registers = [registry];
   new Gauge({
     name: "process_start_time_seconds",
     help: "Start time of the server since the Unix epoch in seconds",
@@ -120,6 +144,16 @@ export function createMetrics(
     (g) => g.state === "idle" || g.state === "busy" ? 1 : 0,
   );
   perGpu("gpt2_gpu_queue_length", "Jobs waiting per GPU", (g) => g.queued);
+}
+
+/** Each running or interrupted job's progress gauges, phase times and step-time histogram. */
+function jobMetrics(registry: Registry, runner: JobRunner): void {
+  const registers = [registry];
+  // Any engine: SQLite answers at once, PostgreSQL (several hosts) with a promise; prom-client awaits collect().
+  const live = async () => [
+    ...await runner.store.listJobs({ status: "running" }),
+    ...await runner.store.listJobs({ status: "interrupted" }),
+  ];
 
   type LiveJob = Awaited<ReturnType<typeof live>>[number];
   const perJob = (name: string, help: string, pick: (j: LiveJob) => number | null | undefined) =>
@@ -185,122 +219,102 @@ export function createMetrics(
       : null;
     if (typeof timings?.step_ms === "number") steps.observe({ job_id: e.job_id }, timings.step_ms / 1000);
   });
+}
 
-  const requests = new Counter({
-    name: "gpt2_http_requests_total",
-    help: "HTTP requests answered, by method and status code",
-    labelNames: ["method", "code"],
+/** Generation's counters and latency histograms, ours and the names vLLM's users already scrape. */
+function generationMetrics(registry: Registry, generation: GenerationManager): void {
+  const registers = [registry];
+  new Counter({
+    name: "gpt2_generation_requests_total",
+    help: "Generation requests started",
     registers,
+    collect() {
+      this.reset();
+      this.inc(generation.stats.started);
+    },
   });
-
-  if (generation) {
-    new Counter({
-      name: "gpt2_generation_requests_total",
-      help: "Generation requests started",
-      registers,
-      collect() {
-        this.reset();
-        this.inc(generation.stats.started);
-      },
-    });
-    new Counter({
-      name: "gpt2_generation_finished_total",
-      help: "Generation requests finished, by reason",
-      labelNames: ["reason"],
-      registers,
-      collect() {
-        this.reset();
-        for (const [reason, n] of Object.entries(generation.stats.finished)) this.inc({ reason }, n);
-      },
-    });
-    new Counter({
-      name: "gpt2_generation_tokens_total",
-      help: "Tokens generated",
-      registers,
-      collect() {
-        this.reset();
-        this.inc(generation.stats.tokens);
-      },
-    });
-    // The names vLLM's users already scrape.
-    const gauge = (name: string, help: string, read: () => number) =>
-      new Gauge({
-        name,
-        help,
-        registers,
-        collect() {
-          this.set(read());
-        },
-      });
-    gauge("vllm:num_requests_running", "Requests decoding on a GPU", () => generation.stats.running);
-    gauge("vllm:num_requests_waiting", "Requests waiting for a stream slot", () => generation.stats.waiting);
-    const counter = (name: string, help: string, read: () => number) =>
-      new Counter({
-        name,
-        help,
-        registers,
-        collect() {
-          this.reset();
-          this.inc(read());
-        },
-      });
-    counter("vllm:prompt_tokens_total", "Prompt tokens processed", () => generation.stats.prompt_tokens);
-    counter("vllm:generation_tokens_total", "Tokens generated", () => generation.stats.tokens);
-    new Counter({
-      name: "vllm:request_success_total",
-      help: "Requests finished, by reason",
-      labelNames: ["finished_reason"],
-      registers,
-      collect() {
-        this.reset();
-        for (const [reason, n] of Object.entries(generation.stats.finished)) {
-          this.inc({ finished_reason: reason }, n);
-        }
-      },
-    });
-    registry.registerMetric(bucketed(
-      "vllm:time_to_first_token_seconds",
-      "Seconds from request to first token",
-      () => generation.stats.ttft,
-    ));
-    registry.registerMetric(bucketed(
-      "vllm:inter_token_latency_seconds",
-      "Seconds between tokens",
-      () => generation.stats.itl,
-    ));
-    registry.registerMetric(bucketed(
-      "vllm:request_queue_time_seconds",
-      "Seconds a request waited in its GPU Worker before its prefill (a stream slot, the model's load)",
-      () => generation.stats.stages.queue,
-    ));
-    registry.registerMetric(bucketed(
-      "vllm:request_prefill_time_seconds",
-      "Seconds from a request's admission to its first token, read back, in its GPU Worker",
-      () => generation.stats.stages.prefill,
-    ));
-    registry.registerMetric(bucketed(
-      "gpt2_generation_stage_seconds",
-      "Seconds of each stage on a request's way to its first token: http (this process), to_host, " +
-        "to_worker, queue, prefill, back (from the Worker to this process)",
-      () => generation.stats.stages,
-      "stage",
-    ));
-  }
-
-  const uses = new Counter({
-    name: "gpt2_user_requests_total",
-    help:
-      "Requests that passed the token check, by user (empty: the bootstrap token or none) and route class",
-    labelNames: ["user", "class"],
+  new Counter({
+    name: "gpt2_generation_finished_total",
+    help: "Generation requests finished, by reason",
+    labelNames: ["reason"],
     registers,
+    collect() {
+      this.reset();
+      for (const [reason, n] of Object.entries(generation.stats.finished)) this.inc({ reason }, n);
+    },
   });
-
-  return {
-    registry,
-    register: (hook) => hook(registry),
-    countRequest: (method, status) => requests.inc({ method, code: String(status) }),
-    countUse: (user, cls) => uses.inc({ user: user ?? "", class: cls }),
-  };
+  new Counter({
+    name: "gpt2_generation_tokens_total",
+    help: "Tokens generated",
+    registers,
+    collect() {
+      this.reset();
+      this.inc(generation.stats.tokens);
+    },
+  });
+  // The names vLLM's users already scrape.
+  const gauge = (name: string, help: string, read: () => number) =>
+    new Gauge({
+      name,
+      help,
+      registers,
+      collect() {
+        this.set(read());
+      },
+    });
+  gauge("vllm:num_requests_running", "Requests decoding on a GPU", () => generation.stats.running);
+  gauge("vllm:num_requests_waiting", "Requests waiting for a stream slot", () => generation.stats.waiting);
+  const counter = (name: string, help: string, read: () => number) =>
+    new Counter({
+      name,
+      help,
+      registers,
+      collect() {
+        this.reset();
+        this.inc(read());
+      },
+    });
+  counter("vllm:prompt_tokens_total", "Prompt tokens processed", () => generation.stats.prompt_tokens);
+  counter("vllm:generation_tokens_total", "Tokens generated", () => generation.stats.tokens);
+  new Counter({
+    name: "vllm:request_success_total",
+    help: "Requests finished, by reason",
+    labelNames: ["finished_reason"],
+    registers,
+    collect() {
+      this.reset();
+      for (const [reason, n] of Object.entries(generation.stats.finished)) {
+        this.inc({ finished_reason: reason }, n);
+      }
+    },
+  });
+  registry.registerMetric(bucketed(
+    "vllm:time_to_first_token_seconds",
+    "Seconds from request to first token",
+    () => generation.stats.ttft,
+  ));
+  registry.registerMetric(bucketed(
+    "vllm:inter_token_latency_seconds",
+    "Seconds between tokens",
+    () => generation.stats.itl,
+  ));
+  registry.registerMetric(bucketed(
+    "vllm:request_queue_time_seconds",
+    "Seconds a request waited in its GPU Worker before its prefill (a stream slot, the model's load)",
+    () => generation.stats.stages.queue,
+  ));
+  registry.registerMetric(bucketed(
+    "vllm:request_prefill_time_seconds",
+    "Seconds from a request's admission to its first token, read back, in its GPU Worker",
+    () => generation.stats.stages.prefill,
+  ));
+  registry.registerMetric(bucketed(
+    "gpt2_generation_stage_seconds",
+    "Seconds of each stage on a request's way to its first token: http (this process), to_host, " +
+      "to_worker, queue, prefill, back (from the Worker to this process)",
+    () => generation.stats.stages,
+    "stage",
+  ));
 }
 
 /**
