@@ -118,7 +118,7 @@ if (import.meta.main) {
     splitTokens: async (id) =>
       isBuiltinName(id) ? null : (await getDataset(data, id).catch(() => undefined))?.splits ?? null,
   });
-  const generation = new GenerationManager(runner, data, { roles });
+  const generation = new GenerationManager(runner.pool, data, { roles });
   const access = new Access(store, (id) => runner.checkpointDir(id));
   const datasets = datasetRoutes(data, {
     sources: config.sources,

@@ -227,7 +227,7 @@ async function server(model: string) {
     datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
   });
   runner.start();
-  const manager = new GenerationManager(runner, root, { maxWaiting: 4096, roles });
+  const manager = new GenerationManager(runner.pool, root, { maxWaiting: 4096, roles });
   // One client stands in for many users here: lift the per-client stream cap.
   const app = createApp({
     runner,

@@ -55,7 +55,7 @@ async function serve(): Promise<void> {
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, {});
+  const manager = new GenerationManager(runner.pool, root, {});
   const app = createApp({ runner, generation: manager, token: null });
   const srv = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, app.fetch);
   const warm = () =>

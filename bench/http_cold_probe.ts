@@ -34,7 +34,7 @@ const runner = new JobRunner(store, {
   },
   datasetExists: () => Promise.resolve(true),
 });
-const manager = new GenerationManager(runner, root, {});
+const manager = new GenerationManager(runner.pool, root, {});
 runner.start();
 await new Promise((r) => setTimeout(r, 0));
 const app = createApp({ runner, generation: manager, token: null });

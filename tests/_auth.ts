@@ -77,7 +77,7 @@ export async function authServer(
   });
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
-  const generation = new GenerationManager(runner, root);
+  const generation = new GenerationManager(runner.pool, root);
   const tokens = new TokenAuth(store, { bootstrap: [BOOT], refreshMs: opts.refreshMs ?? 60_000 });
   if (opts.refreshMs !== undefined) tokens.start();
   const access = new Access(store, (id) => runner.checkpointDir(id));

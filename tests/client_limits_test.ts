@@ -56,7 +56,12 @@ async function setup(opts: Partial<AppOptions> & { limits?: Partial<Limits> } = 
   });
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
-  const app = createApp({ token: null, ...opts, runner, generation: new GenerationManager(runner, root) });
+  const app = createApp({
+    token: null,
+    ...opts,
+    runner,
+    generation: new GenerationManager(runner.pool, root),
+  });
   const open: Response[] = [];
   /** `GET /generate` from socket address `from` with `headers`; a 200 stays open until cleanup. */
   const generate = async (from: string, headers: Record<string, string> = {}) => {

@@ -65,7 +65,7 @@ async function setup(opts: GenerationManagerOptions = {}) {
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, opts);
+  const manager = new GenerationManager(runner.pool, root, opts);
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
   const app = createApp({ runner, generation: manager, token: null });
@@ -584,7 +584,7 @@ Deno.test("warmUp() with no GPU ready answers its rehearsals in the HTTP process
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, {});
+  const manager = new GenerationManager(runner.pool, root, {});
   runner.start();
   try {
     assertEquals(await manager.whenReady(5_000), false);

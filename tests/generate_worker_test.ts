@@ -89,7 +89,7 @@ Deno.test({
       spawn: spawnGpuWorker,
       datasetExists: (id) => Promise.resolve(id === "tiny"),
     });
-    const manager = new GenerationManager(runner, root);
+    const manager = new GenerationManager(runner.pool, root);
     const app = createApp({ runner, generation: manager, token: null });
     try {
       await prepareDataset(root, { texts }, {

@@ -195,7 +195,7 @@ async function setup(token: string | null) {
   await new Promise((r) => setTimeout(r, 0));
   const app = createApp({
     runner,
-    generation: new GenerationManager(runner, root),
+    generation: new GenerationManager(runner.pool, root),
     token,
     maxBodyBytes: 4096,
     maxUploadBytes: 16_384,

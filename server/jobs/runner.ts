@@ -1,11 +1,11 @@
 /**
- * The job runner: the HTTP process's side of training. It holds one port per GPU (a Worker in the
- * GPU host process, see host_client.ts; each Worker opens its own device, since mapAsync and
- * onSubmittedWorkDone block the JS thread), feeds each GPU's FIFO queue from the store, turns
- * Worker messages into stored metrics and events, and fans events out to live subscribers (the
- * SSE routes). Jobs whose Worker died, or that a dead server left running, are marked
- * interrupted; they go to the head of their queue and resume from their newest checkpoint. A
- * graceful `stop()` has every running job save a checkpoint at its current step first.
+ * The job runner: the HTTP process's side of training. It is one of the GPU pool's two clients
+ * (server/gpus/gpu_pool.ts holds one Worker per GPU; the generation manager is the other): it
+ * feeds each GPU's FIFO queue from the store, turns Worker reports into stored metrics and events,
+ * and fans events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
+ * server left running, are marked interrupted; they go to the head of their queue and resume from
+ * their newest checkpoint. A graceful `stop()` has every running job save a checkpoint at its
+ * current step first.
  *
  * Several hosts (`leases`, PostgreSQL): the queue is shared. A host claims the next waiting job
  * it can place (server/jobs/leases.ts) whenever a training GPU frees up, a job is queued anywhere
@@ -30,9 +30,9 @@ import {
 } from "../../model/errors.ts";
 import { resolveModelSource } from "../../checkpoint/model_source.ts";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
-import type { FromWorker, FromWorkerGeneration, ModelSource, ToWorker, WorkerJob } from "../../protocol.ts";
-import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
+import type { FromWorker, ModelSource, SpawnWorker, WorkerJob } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
+import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
@@ -56,33 +56,7 @@ const MAX_CRASHES_WITHOUT_PROGRESS = 3;
 /** Between two asks of an unreachable database whether a checkpoint may be committed, ms. */
 const COMMIT_RETRY_MS = 500;
 
-/** What one GPU slot is doing. */
-export interface GpuState {
-  index: number;
-  state: "starting" | "idle" | "busy" | "unavailable";
-  adapter: string | null;
-  error: string | null;
-  job: string | null;
-  queued: number;
-  max_buffer_bytes: number | null;
-  /** PCI bus of the GPU the Worker landed on, when known. */
-  pci_bus: string | null;
-}
-
-interface Slot {
-  index: number;
-  /** A data-parallel job waiting for more free GPUs holds this one for itself. */
-  reserved: string | null;
-  worker: WorkerPort;
-  state: GpuState["state"];
-  pciBus: string | null;
-  closed: boolean;
-  adapter: string | null;
-  error: string | null;
-  job: string | null;
-  maxBuffer: number | null;
-  maxBinding: number | null;
-}
+type Slot = GpuSlot;
 
 /** A data-parallel job on several slots: its ranks in order, and what each has reported at its end. */
 interface Gang {
@@ -135,26 +109,20 @@ export interface RunnerOptions {
   skipOwners?: () => string[];
 }
 
-/** Default of {@link RunnerOptions.stallMs}. */
-export const DEFAULT_STALL_MS = 600_000;
-
 type Listener = (e: JobEvent) => void;
-
-/** What a GPU Worker reports about generations, plus its crash (every generation on it is lost). */
-export type GenerationReport = FromWorkerGeneration | { type: "gen_crash"; error: string };
 
 /** Schedules jobs onto GPU Workers and records what they report. */
 export class JobRunner {
   #store: JobStore;
   #opts: RunnerOptions;
-  #slots: Slot[] = [];
+  /** The GPU slots and their Workers, shared with the generation manager. */
+  #pool: GpuPool;
   #listeners = new Map<string, Set<Listener>>();
   #stopped = false;
   /** Set by stop(): no new job starts; running ones save and end "interrupted". */
   #draining = false;
   /** Worker deaths per job since it last got further: id -> [count, iteration]. */
   #crashes = new Map<string, [number, number]>();
-  #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
   /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
@@ -169,13 +137,11 @@ export class JobRunner {
   #backlog: StoreBacklog;
   /** Each GPU's queue length when the store last answered (shown while it is away). */
   #queued: number[] = [];
-  /** When each busy slot's Worker last reported on its job (the watchdog's clock), by slot index. */
-  #reported = new Map<number, number>();
-  #watchdog: ReturnType<typeof setInterval> | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
     this.#opts = opts;
+    this.#pool = new GpuPool({ gpus: opts.gpus, spawn: opts.spawn, host: opts.host, stallMs: opts.stallMs });
     this.#backlog = new StoreBacklog({
       probe: () => store.writeError(),
       retryMs: opts.storeRetryMs,
@@ -191,7 +157,7 @@ export class JobRunner {
             leases.beat();
           } catch { /* the next beat tries again */ }
         }
-        if (!this.#stopped && !this.#draining) { for (const s of this.#slots) this.#dispatch(s.index); }
+        if (!this.#stopped && !this.#draining) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
       },
     });
   }
@@ -230,11 +196,17 @@ export class JobRunner {
       this.#store.requeueBeyond(this.#opts.gpus);
       for (const job of this.#store.markInterrupted()) this.#recovered(job);
     }
-    for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
-    const stallMs = this.#opts.stallMs ?? DEFAULT_STALL_MS;
-    if (stallMs > 0) {
-      this.#watchdog = setInterval(() => this.#checkStalls(stallMs), Math.min(5000, stallMs / 4));
-    }
+    this.#pool.start({
+      slotChanged: (slot) => this.#dispatch(slot.index),
+      report: (slot, msg) => this.#onReport(slot, msg),
+      crashed: (slot, message) => this.#onCrash(slot, message),
+      stalled: (slot, message) => this.#emit(slot.job!, "log", { level: "error", message }),
+    });
+  }
+
+  /** The GPU slots and their Workers (the generation manager's way to the GPUs). */
+  get pool(): GpuPool {
+    return this.#pool;
   }
 
   /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
@@ -258,7 +230,7 @@ export class JobRunner {
 
   /** A cancel for job `id`, running here, was sent through another host. */
   cancelFromElsewhere(id: string): void {
-    const running = this.#slots.filter((s) => s.job === id);
+    const running = this.#pool.slots.filter((s) => s.job === id);
     if (running.length === 0) return;
     for (const slot of running) slot.worker.postMessage({ type: "cancel" });
     this.#emit(id, "log", { level: "info", message: "Cancel requested through another host" });
@@ -405,7 +377,7 @@ export class JobRunner {
       throw new JobConflictError(`Cannot cancel job "${id}": it already ${job.status}`);
     }
     if (job.status === "running") {
-      for (const slot of this.#slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
+      for (const slot of this.#pool.slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
       this.#emit(id, "log", { level: "info", message: "Cancel requested" }, false);
       return this.#store.updateJob(id, { cancel_requested: true });
     }
@@ -467,27 +439,17 @@ export class JobRunner {
 
   /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
   device(gpu: number): DeviceBudget | null {
-    const s = this.#slots[gpu];
-    if (!s || s.maxBinding === null) return null;
-    return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
+    return this.#pool.device(gpu);
   }
 
   /** The GPU host's state, or null when Workers run in this process. */
   hostStatus(): HostStatus | null {
-    return this.#opts.host?.() ?? null;
-  }
-
-  /**
-   * Each GPU slot's index, state and error alone, read from memory: what placing a generation
-   * needs, on every request (gpus() also asks the store for each queue's length).
-   */
-  gpuStates(): Pick<GpuState, "index" | "state" | "error">[] {
-    return this.#slots.map((s) => ({ index: s.index, state: s.state, error: s.error }));
+    return this.#pool.hostStatus();
   }
 
   /** State of each GPU slot. */
   gpus(): GpuState[] {
-    return this.#slots.map((s) => ({
+    return this.#pool.slots.map((s) => ({
       index: s.index,
       state: s.state,
       adapter: s.adapter,
@@ -511,18 +473,6 @@ export class JobRunner {
     return this.#queued[gpu] ?? 0;
   }
 
-  /** Posts a generation message to GPU `gpu`'s Worker (see server/generate/generation_manager.ts). */
-  postGeneration(gpu: number, msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
-    const slot = this.#slots[gpu];
-    if (!slot || this.#stopped) throw new Error(`GPU ${gpu} has no worker`);
-    slot.worker.postMessage(msg);
-  }
-
-  /** Receives every Worker's generation reports (one receiver: the generation manager). */
-  onGeneration(fn: (gpu: number, msg: GenerationReport) => void): void {
-    this.#generation = fn;
-  }
-
   /** Whether stop() has begun. */
   get draining(): boolean {
     return this.#draining;
@@ -541,11 +491,10 @@ export class JobRunner {
     const until = async (done: () => boolean) => {
       while (!done() && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
     };
-    for (const s of this.#slots) if (s.job) s.worker.postMessage({ type: "stop" });
-    await until(() => this.#slots.every((s) => !s.job || s.state === "unavailable"));
-    for (const s of this.#slots) {
-      this.#generation?.(s.index, { type: "gen_crash", error: "Server is shutting down" });
-    }
+    this.#pool.drain();
+    for (const s of this.#pool.slots) if (s.job) s.worker.postMessage({ type: "stop" });
+    await until(() => this.#pool.slots.every((s) => !s.job || s.state === "unavailable"));
+    this.#pool.generationsLost("Server is shutting down");
     for (const [id, set] of this.#listeners) {
       const event: JobEvent = {
         id: 0,
@@ -556,8 +505,7 @@ export class JobRunner {
       };
       for (const fn of set) fn(event);
     }
-    for (const s of this.#slots) s.worker.postMessage({ type: "shutdown" });
-    await until(() => this.#slots.every((s) => s.closed || s.state === "unavailable"));
+    await this.#pool.close(deadline);
     // Records kept while the store was away: one last try (what stays unwritten is logged).
     if (this.#backlog.state().pending > 0) this.#backlog.flush();
     const { pending } = this.#backlog.state();
@@ -570,41 +518,17 @@ export class JobRunner {
     this.#stopped = true;
     this.#draining = true;
     this.#backlog.stop();
-    if (this.#watchdog !== null) clearInterval(this.#watchdog);
     if (this.#poll !== null) clearInterval(this.#poll);
     for (const timer of this.#fenceTimers.values()) clearTimeout(timer);
     this.#fenceTimers.clear();
     this.#unlistenStore?.();
-    for (const s of this.#slots) s.worker.terminate();
+    this.#pool.shutdown();
     this.#listeners.clear();
-  }
-
-  #spawn(index: number): Slot {
-    const slot: Slot = {
-      index,
-      reserved: null,
-      worker: this.#opts.spawn(index),
-      state: "starting",
-      pciBus: null,
-      closed: false,
-      adapter: null,
-      error: null,
-      job: null,
-      maxBuffer: null,
-      maxBinding: null,
-    };
-    slot.worker.onmessage = (e) => this.#onMessage(slot, e.data);
-    slot.worker.onerror = (e) => {
-      e.preventDefault();
-      this.#onCrash(slot, e.message ?? String(e));
-    };
-    slot.worker.postMessage({ type: "init", gpu: index });
-    return slot;
   }
 
   /** Slots that take training jobs. */
   #trainSlots(): Slot[] {
-    return this.#slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
+    return this.#pool.slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
   }
 
   #pickGpu(): number {
@@ -656,7 +580,7 @@ export class JobRunner {
   }
 
   #dispatchNow(gpu: number): void {
-    const slot = this.#slots[gpu];
+    const slot = this.#pool.slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
       // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
@@ -769,7 +693,7 @@ export class JobRunner {
    */
   #leaseLost(id: string): void {
     if (this.#lost.has(id)) return;
-    const iteration = this.#slots.find((s) => s.job === id) ? " while it ran here" : "";
+    const iteration = this.#pool.slots.find((s) => s.job === id) ? " while it ran here" : "";
     // Recorded unfenced, as a user's cancel is: the job's other records are the new holder's now.
     this.#emit(id, "log", {
       level: "warn",
@@ -855,17 +779,16 @@ export class JobRunner {
       );
     }
     if (this.#fenceTimers.has(id)) return;
-    const workers = new Set(this.#slots.filter((s) => s.job === id).map((s) => s.worker));
+    const workers = new Set(this.#pool.slots.filter((s) => s.job === id).map((s) => s.worker));
     this.#fenceTimers.set(
       id,
       setTimeout(() => {
         this.#fenceTimers.delete(id);
         // Only the Workers of the fenced run, if they still run it (not a later claim of the job here).
-        for (const s of [...this.#slots]) {
+        for (const s of [...this.#pool.slots]) {
           if (s.job !== id || !workers.has(s.worker) || !this.#lost.has(id)) continue;
           s.job = null;
-          s.worker.terminate();
-          this.#slots[s.index] = this.#spawn(s.index);
+          this.#pool.replace(s);
         }
       }, COMMIT_CHECK_MS),
     );
@@ -874,7 +797,7 @@ export class JobRunner {
   /** A fenced job's Workers have all ended: no need to replace them. */
   #fenceSettled(id: string): void {
     const timer = this.#fenceTimers.get(id);
-    if (timer === undefined || this.#slots.some((s) => s.job === id)) return;
+    if (timer === undefined || this.#pool.slots.some((s) => s.job === id)) return;
     clearTimeout(timer);
     this.#fenceTimers.delete(id);
   }
@@ -882,12 +805,11 @@ export class JobRunner {
   /** Replaces the Workers running job `id` (terminated, not asked to stop) and frees its reserved slots. */
   #replaceWorkers(id: string): void {
     this.#gangs.delete(id);
-    for (const s of [...this.#slots]) {
+    for (const s of [...this.#pool.slots]) {
       if (s.reserved === id) s.reserved = null;
       if (s.job !== id) continue;
       s.job = null;
-      s.worker.terminate();
-      this.#slots[s.index] = this.#spawn(s.index);
+      this.#pool.replace(s);
     }
   }
 
@@ -1063,13 +985,12 @@ export class JobRunner {
   }
 
   /**
-   * A Worker's message. Nothing it causes may escape to the port: an error there would stop the
-   * host's relay of every GPU's messages (and with it the host). It is logged instead, and an
+   * A Worker's report on a job. Nothing it causes may escape to the port: an error there would stop
+   * the host's relay of every GPU's messages (and with it the host). It is logged instead, and an
    * unreachable store becomes the runner's store state.
    */
-  #onMessage(slot: Slot, msg: FromWorker): void {
+  #onReport(slot: Slot, msg: JobReport): void {
     if (this.#stopped) return;
-    if ("id" in msg && msg.id !== null && msg.id === slot.job) this.#reported.set(slot.index, Date.now());
     try {
       this.#handle(slot, msg);
     } catch (e) {
@@ -1080,29 +1001,8 @@ export class JobRunner {
     }
   }
 
-  #handle(slot: Slot, msg: FromWorker): void {
+  #handle(slot: Slot, msg: JobReport): void {
     switch (msg.type) {
-      case "gen_started":
-      case "gen_tokens":
-      case "gen_done":
-        this.#generation?.(slot.index, msg);
-        return;
-      case "ready":
-        slot.state = "idle";
-        slot.pciBus = msg.pci_bus ?? null;
-        slot.adapter = msg.adapter;
-        slot.maxBuffer = msg.max_buffer_bytes;
-        slot.maxBinding = msg.max_binding_bytes;
-        this.#dispatch(slot.index);
-        return;
-      case "closed":
-        slot.closed = true;
-        return;
-      case "unavailable":
-        slot.state = "unavailable";
-        slot.error = msg.error;
-        this.#dispatch(slot.index);
-        return;
       case "started":
         this.#update(msg.id, {
           iteration: msg.iteration,
@@ -1248,38 +1148,9 @@ export class JobRunner {
           this.#finish(msg.id, msg.status, msg.iteration, msg.error);
         }
         // A user's running quota may have freed: a job of theirs left waiting on another GPU may go.
-        if (this.#opts.skipOwners) { for (const s of this.#slots) this.#dispatch(s.index); }
+        if (this.#opts.skipOwners) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
         else this.#dispatch(slot.index);
         return;
-    }
-  }
-
-  /**
-   * The watchdog: a running job whose Worker reported nothing for `stallMs` is stopped there (the
-   * Worker replaced) and resumes from its newest checkpoint, or fails after repeated stalls, with
-   * the reason recorded either way.
-   */
-  #checkStalls(stallMs: number): void {
-    if (this.#stopped || this.#draining) return;
-    const now = Date.now();
-    for (const slot of [...this.#slots]) {
-      if (!slot.job || slot.state !== "busy") {
-        this.#reported.delete(slot.index);
-        continue;
-      }
-      const last = this.#reported.get(slot.index);
-      if (last === undefined) {
-        this.#reported.set(slot.index, now);
-        continue;
-      }
-      if (now - last < stallMs) continue;
-      this.#reported.delete(slot.index);
-      const message =
-        `its Worker on GPU ${slot.index} reported nothing for ${Math.round((now - last) / 1000)} s ` +
-        `(GPT2_STALL_S ${stallMs / 1000}): stalled, replaced`;
-      console.error(`Job "${slot.job}": ${message}`);
-      this.#emit(slot.job, "log", { level: "error", message });
-      this.#onCrash(slot, message);
     }
   }
 
@@ -1317,27 +1188,19 @@ export class JobRunner {
   }
 
   /**
-   * A Worker (or the whole GPU host) died: its job becomes "interrupted" and resumes from its
-   * newest checkpoint on a fresh Worker, unless it keeps crashing without getting further.
+   * A Worker (or the whole GPU host) died, and the pool lost its generations: its job becomes
+   * "interrupted" and resumes from its newest checkpoint on a fresh Worker, unless it keeps
+   * crashing without getting further.
    */
   #onCrash(slot: Slot, message: string): void {
-    if (this.#stopped) return;
     const jobId = slot.job;
-    slot.worker.terminate();
-    if (this.#draining) {
-      slot.state = "unavailable";
-      slot.job = null;
-      return; // stopping anyway: the job stays as it is and resumes on the next start
-    }
-    this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
     const gang = jobId ? this.#gangs.get(jobId) : undefined;
     if (gang) {
       // The other ranks fail at their next exchange (the port aborts the communicators); the job
       // resumes once all of them have ended.
       gang.crash ??= message;
       for (const s of gang.slots) if (s !== slot && s.job === jobId) s.worker.postMessage({ type: "cancel" });
-      const replacement = this.#spawn(slot.index);
-      this.#slots[slot.index] = replacement;
+      const replacement = this.#pool.replace(slot);
       gang.slots[gang.slots.indexOf(slot)] = replacement;
       this.#onRankDone(replacement, {
         type: "done",
@@ -1349,7 +1212,7 @@ export class JobRunner {
       return;
     }
     if (jobId) this.#crashed(jobId, message);
-    this.#slots[slot.index] = this.#spawn(slot.index);
+    this.#pool.replace(slot);
   }
 
   /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
