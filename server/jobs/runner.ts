@@ -35,8 +35,8 @@ import type { HostStatus } from "../gpus/host_client.ts";
 import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
-import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
-import { evalTaskFigures } from "./compare.ts";
+import { COMMIT_CHECK_MS } from "../../protocol.ts";
+import { ReportRecorder } from "./job_reports.ts";
 import { checkEvalData } from "./task_files.ts";
 import { getDataset } from "../../data/store.ts";
 import { isChatDataset } from "../../data/chat_dataset.ts";
@@ -72,11 +72,6 @@ interface Gang {
 
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
 const PEER_FAILURE = /^Communicator (aborted|timed out)/;
-
-/** Least ms between two server log lines of one build's kernel compilation. */
-const COMPILE_LOG_MS = 5000;
-/** A build's end is logged when it took at least this long (or was logged before). */
-const COMPILE_LOG_END_MS = 1000;
 
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
@@ -125,8 +120,13 @@ export class JobRunner {
   #crashes = new Map<string, [number, number]>();
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
-  /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
-  #compileLogged = new Map<string, { at: number; logged: boolean }>();
+  /** Writes what Workers report on their jobs (through the fenced, ordered writes below). */
+  #recorder = new ReportRecorder({
+    update: (id, patch) => this.#update(id, patch),
+    metric: (id, p) => this.#metric(id, p),
+    emit: (id, type, data) => this.#emit(id, type, data),
+    progressed: (id) => this.#crashes.delete(id),
+  });
   /** Jobs another host took over while they ran here: nothing more is written for them. */
   #lost = new Set<string>();
   /** Jobs whose checkpoint was refused at its commit: when their Workers are replaced if they have not ended. */
@@ -1003,135 +1003,8 @@ export class JobRunner {
 
   #handle(slot: Slot, msg: JobReport): void {
     switch (msg.type) {
-      case "started":
-        this.#update(msg.id, {
-          iteration: msg.iteration,
-          resumed_from: msg.resumed_from,
-          metrics: { gpu_memory_bytes: msg.gpu_memory_bytes },
-        });
-        this.#emit(msg.id, "log", {
-          level: "info",
-          message: msg.resumed_from
-            ? `Resumed from "${msg.resumed_from}" at iteration ${msg.iteration}`
-            : `Started at iteration ${msg.iteration}`,
-          iteration: msg.iteration,
-          resumed_from: msg.resumed_from,
-        });
-        return;
-      case "progress": {
-        const { id, type: _, ...rest } = msg;
-        this.#update(id, {
-          iteration: msg.iteration,
-          metrics: {
-            ...(msg.loss !== null ? { loss: msg.loss, grad_norm: msg.grad_norm } : {}),
-            lr: msg.lr,
-            tokens_per_s: msg.tokens_per_s,
-            timings: msg.timings,
-            gpu_memory_bytes: msg.gpu_memory_bytes,
-            skipped_steps: msg.skipped_steps,
-            loss_scale: msg.loss_scale,
-            ...(msg.ranks ? { ranks: msg.ranks } : {}),
-          },
-        });
-        if (msg.loss !== null) {
-          this.#metric(id, {
-            iteration: msg.iteration,
-            split: "train",
-            loss: msg.loss,
-            perplexity: Math.exp(msg.loss),
-            lr: msg.lr,
-            tokens_per_s: msg.tokens_per_s,
-          });
-        }
-        this.#emit(id, "progress", { kind: "train", ...rest });
-        this.#crashes.delete(id);
-        return;
-      }
-      case "eval": {
-        const metrics = msg.split === "valid"
-          ? { val_loss: msg.loss, val_perplexity: msg.perplexity, val_tokens: msg.tokens }
-          : { test_loss: msg.loss, test_perplexity: msg.perplexity, test_tokens: msg.tokens };
-        this.#update(msg.id, { metrics });
-        this.#metric(msg.id, {
-          iteration: msg.iteration,
-          split: msg.split,
-          loss: msg.loss,
-          perplexity: msg.perplexity,
-          lr: null,
-          tokens_per_s: null,
-        });
-        this.#emit(msg.id, "progress", {
-          kind: "eval",
-          split: msg.split,
-          iteration: msg.iteration,
-          loss: msg.loss,
-          perplexity: msg.perplexity,
-          tokens: msg.tokens,
-        });
-        return;
-      }
-      case "evaluation": {
-        const { type: _, id, result, ...progress } = msg;
-        this.#emit(id, "progress", { kind: "evaluate", ...progress });
-        if (result) {
-          this.#update(id, {
-            metrics: { evaluation: result, tokens_per_s: result.tokens_per_s, test_loss: result.loss },
-          });
-          this.#emit(id, "evaluation", { ...result });
-        }
-        this.#crashes.delete(id);
-        return;
-      }
-      case "eval_task": {
-        const { id, iteration, name, task, result, error } = msg;
-        this.#crashes.delete(id);
-        if (!result && error === undefined) return; // progress: the watchdog has heard from the job
-        if (result) {
-          this.#metric(id, {
-            iteration,
-            split: `eval:${name}`,
-            loss: result.loss,
-            perplexity: result.perplexity,
-            lr: null,
-            tokens_per_s: result.tokens_per_s,
-          });
-        }
-        this.#emit(id, "eval_task", {
-          iteration,
-          name,
-          task,
-          ...evalTaskFigures(result),
-          ...error ? { error } : {},
-        });
-        return;
-      }
-      case "log":
-        this.#emit(msg.id, "log", { level: msg.level, message: msg.message });
-        return;
-      case "compile": {
-        const { type: _, id, model: __, ...report } = msg;
-        if (id) this.#emit(id, "compile", report);
-        // The server's log: a line every few seconds while a build compiles, and its end unless it
-        // was quick (a generator compiles several such builds, some in the background).
-        const key = id ?? `${slot.index}:${msg.model}`;
-        const now = Date.now(), seen = this.#compileLogged.get(key) ?? { at: now, logged: false };
-        const complete = msg.done >= msg.total;
-        if (
-          complete ? seen.logged || msg.ms >= COMPILE_LOG_END_MS : now - seen.at >= COMPILE_LOG_MS
-        ) {
-          console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
-          Object.assign(seen, { at: now, logged: true });
-        }
-        if (complete) this.#compileLogged.delete(key);
-        else this.#compileLogged.set(key, seen);
-        return;
-      }
       case "commit_check":
         this.#commitCheck(slot, msg);
-        return;
-      case "checkpoint":
-        this.#update(msg.id, { last_checkpoint: msg.name });
-        this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
         return;
       case "done":
         if (this.#gangs.has(msg.id)) {
@@ -1151,6 +1024,8 @@ export class JobRunner {
         if (this.#opts.skipOwners) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
         else this.#dispatch(slot.index);
         return;
+      default:
+        this.#recorder.record(slot.index, msg);
     }
   }
 
