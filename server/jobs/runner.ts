@@ -26,10 +26,7 @@ import {
   InvalidJobError,
   JobConflictError,
   JobNotFoundError,
-  ModelNotFoundError,
 } from "../../model/errors.ts";
-import { resolveModelSource } from "../../checkpoint/model_source.ts";
-import { encode } from "gpt-tokenizer/encoding/r50k_base";
 import type { FromWorker, ModelSource, SpawnWorker, WorkerJob } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
@@ -37,9 +34,7 @@ import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoin
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
 import { COMMIT_CHECK_MS } from "../../protocol.ts";
 import { ReportRecorder } from "./job_reports.ts";
-import { checkEvalData } from "./task_files.ts";
-import { getDataset } from "../../data/store.ts";
-import { isChatDataset } from "../../data/chat_dataset.ts";
+import { checkEvaluation, checkTrainConfig, modelSource, resolveResume, unknownModel } from "./job_checks.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -243,11 +238,7 @@ export class JobRunner {
 
   /** The error naming `id` unknown in `field`, as {@link modelSource} words it: the same for a model that is another user's. */
   unknownModel(id: string, field: string): InvalidJobError {
-    return new InvalidJobError(
-      field,
-      `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
-        "(see GET /v1/models)",
-    );
+    return unknownModel(id, field);
   }
 
   /**
@@ -262,41 +253,7 @@ export class JobRunner {
     const gpu = this.#pickGpu();
     const source = req.init_from ? await this.modelSource(req.init_from, "init_from") : null;
     const config = completeConfig(req, this.device(gpu), source);
-    const dp = config.data_parallel ?? 1, tp = config.tensor_parallel ?? 1;
-    const trainers = this.#trainSlots().length;
-    if (dp * tp > trainers) {
-      const what = tp > 1 ? `data_parallel ${dp} × tensor_parallel ${tp}` : `data_parallel ${dp}`;
-      throw new InvalidJobError(
-        tp > 1 ? "tensor_parallel" : "data_parallel",
-        `${what} needs ${dp * tp} GPU workers that take training; this server has ${trainers} ` +
-          `(GPT2_GPUS, GPT2_GPU_ROLES)`,
-      );
-    }
-    if (!(await this.#opts.datasetExists(config.dataset))) {
-      throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
-    }
-    const sft = config.objective === "sft";
-    if (sft && !isChatDataset(await getDataset(this.#opts.root, config.dataset).catch(() => undefined))) {
-      throw new InvalidJobError(
-        "dataset",
-        `Dataset "${config.dataset}" holds no conversations: objective "sft" needs a chat dataset ` +
-          `(POST /datasets with "format": "chat")`,
-      );
-    }
-    const splits = await this.#opts.splitTokens?.(config.dataset);
-    for (const split of ["train", "valid", "test"] as const) {
-      // A split weighted 0 is empty on purpose and simply not evaluated; SFT pads its packed rows.
-      if (!splits || sft || splits[split] === 0 || splits[split] > config.seq_len) continue;
-      throw new InvalidJobError(
-        "seq_len",
-        `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +
-          `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
-      );
-    }
-    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
-      await checkEvalData(this.#opts.root, t, `eval_tasks.${i}.`, this.#opts.datasetExists);
-    }
-    if (config.resume_from) await this.#resolveResume(config.resume_from);
+    await checkTrainConfig(this.#opts, config, this.#trainSlots().length);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
@@ -311,14 +268,8 @@ export class JobRunner {
    * A model the server knows (see checkpoint/model_source.ts), for `field`: an unknown or unusable
    * one is an InvalidJobError naming that field.
    */
-  async modelSource(id: string, field: string): Promise<ModelSource> {
-    try {
-      return await resolveModelSource(this.#opts.root, id);
-    } catch (e) {
-      if (e instanceof ModelNotFoundError) throw this.unknownModel(id, field);
-      if (e instanceof InvalidJobError) throw new InvalidJobError(field, e.message);
-      throw e;
-    }
+  modelSource(id: string, field: string): Promise<ModelSource> {
+    return modelSource(this.#opts.root, id, field);
   }
 
   /**
@@ -331,29 +282,7 @@ export class JobRunner {
     }
     const source = await this.modelSource(req.model, "model");
     const config = completeEvalConfig(req, source);
-    // Texts join with <|endoftext|>, so only a lone short text can be under the two tokens scoring needs.
-    const [only] = req.texts ?? [];
-    if (req.task === "perplexity" && req.texts?.length === 1 && only.length < 64) {
-      if (encode(only, { disallowedSpecial: new Set() }).length < 2) {
-        throw new InvalidJobError(
-          "texts.0",
-          `Cannot evaluate the perplexity of "${only}": it is one token, and scoring needs two`,
-        );
-      }
-    }
-    await checkEvalData(this.#opts.root, { examples_file: req.examples_file }, "", this.#opts.datasetExists);
-    if (req.dataset !== undefined) {
-      if (!(await this.#opts.datasetExists(req.dataset))) {
-        throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);
-      }
-      const tokens = (await this.#opts.splitTokens?.(req.dataset))?.[req.split];
-      if (tokens !== undefined && tokens < 2) {
-        throw new InvalidJobError(
-          "split",
-          `The ${req.split} split of dataset "${req.dataset}" has ${tokens} tokens: nothing to evaluate`,
-        );
-      }
-    }
+    await checkEvaluation(this.#opts, req);
     const gpu = this.#pickGpu();
     const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config, owner);
@@ -546,22 +475,6 @@ export class JobRunner {
       if (load < bestLoad) [best, bestLoad] = [s.index, load];
     }
     return best;
-  }
-
-  async #resolveResume(spec: string): Promise<string> {
-    const [jobId, name, ...rest] = spec.split("/");
-    if (
-      !/^[A-Za-z0-9_-]+$/.test(jobId) || rest.length > 0 || (name !== undefined && !/^iter_\d+$/.test(name))
-    ) {
-      throw new InvalidJobError(
-        "resume_from",
-        `Invalid resume_from "${spec}": expected "<job id>" or "<job id>/iter_N"`,
-      );
-    }
-    const all = await listCheckpoints(this.checkpointDir(jobId));
-    const found = name ? all.find((c) => c.name === name) : all.at(-1);
-    if (!found) throw new InvalidJobError("resume_from", `Unknown checkpoint "${spec}"`);
-    return found.path;
   }
 
   /**
@@ -944,7 +857,7 @@ export class JobRunner {
     // Its own checkpoints newest first: the Worker passes over one that fails to load or verify.
     const own = (await listCheckpoints(dir)).reverse().map((ck) => ck.path);
     const resume_path = own[0] ??
-      (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
+      (job.config.resume_from ? await resolveResume(this.#opts.root, job.config.resume_from) : null);
     // A fine-tuning job's source (until it has checkpoints of its own), or the evaluated model.
     const c = job.config;
     const init = c.evaluate?.model ?? (resume_path ? undefined : c.init_from);
