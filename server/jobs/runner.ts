@@ -18,8 +18,9 @@
  * the runner answers from the lease as the database has it at that moment.
  */
 
-import { isFinished, isStoreUnavailable, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
+import { isFinished, type JobStore } from "./job_store.ts";
 import { StoreBacklog, type StoreState } from "./store_backlog.ts";
+import { JobRecords, type Listener } from "./job_records.ts";
 import type { LeaseKeeper } from "./leases.ts";
 import {
   GpuUnavailableError,
@@ -31,7 +32,7 @@ import type { FromWorker, ModelSource, SpawnWorker, WorkerJob } from "../../prot
 import type { HostStatus } from "../gpus/host_client.ts";
 import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
-import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
+import type { Job } from "../../model/job.ts";
 import { COMMIT_CHECK_MS } from "../../protocol.ts";
 import { ReportRecorder } from "./job_reports.ts";
 import { checkEvaluation, checkTrainConfig, modelSource, resolveResume, unknownModel } from "./job_checks.ts";
@@ -99,15 +100,12 @@ export interface RunnerOptions {
   skipOwners?: () => string[];
 }
 
-type Listener = (e: JobEvent) => void;
-
 /** Schedules jobs onto GPU Workers and records what they report. */
 export class JobRunner {
   #store: JobStore;
   #opts: RunnerOptions;
   /** The GPU slots and their Workers, shared with the generation manager. */
   #pool: GpuPool;
-  #listeners = new Map<string, Set<Listener>>();
   #stopped = false;
   /** Set by stop(): no new job starts; running ones save and end "interrupted". */
   #draining = false;
@@ -117,19 +115,19 @@ export class JobRunner {
   #gangs = new Map<string, Gang>();
   /** Writes what Workers report on their jobs (through the fenced, ordered writes below). */
   #recorder = new ReportRecorder({
-    update: (id, patch) => this.#update(id, patch),
-    metric: (id, p) => this.#metric(id, p),
-    emit: (id, type, data) => this.#emit(id, type, data),
+    update: (id, patch) => this.#records.update(id, patch),
+    metric: (id, p) => this.#records.metric(id, p),
+    emit: (id, type, data) => this.#records.emit(id, type, data),
     progressed: (id) => this.#crashes.delete(id),
   });
-  /** Jobs another host took over while they ran here: nothing more is written for them. */
-  #lost = new Set<string>();
   /** Jobs whose checkpoint was refused at its commit: when their Workers are replaced if they have not ended. */
   #fenceTimers = new Map<string, ReturnType<typeof setTimeout>>();
   #poll: ReturnType<typeof setInterval> | null = null;
   #unlistenStore: (() => void) | null = null;
   /** Writes kept, in order, while the store is away. */
   #backlog: StoreBacklog;
+  /** The job's records, events and lease, fenced and kept in order. */
+  #records: JobRecords;
   /** Each GPU's queue length when the store last answered (shown while it is away). */
   #queued: number[] = [];
 
@@ -155,6 +153,7 @@ export class JobRunner {
         if (!this.#stopped && !this.#draining) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
       },
     });
+    this.#records = new JobRecords(store, this.#backlog, opts.leases, (id) => this.#leaseLost(id));
   }
 
   /** The store as the runner last found it: reachable, or away since when and why (`/health`). */
@@ -195,7 +194,7 @@ export class JobRunner {
       slotChanged: (slot) => this.#dispatch(slot.index),
       report: (slot, msg) => this.#onReport(slot, msg),
       crashed: (slot, message) => this.#onCrash(slot, message),
-      stalled: (slot, message) => this.#emit(slot.job!, "log", { level: "error", message }),
+      stalled: (slot, message) => this.#records.emit(slot.job!, "log", { level: "error", message }),
     });
   }
 
@@ -208,7 +207,7 @@ export class JobRunner {
   #recovered(job: Job): void {
     {
       const cancelled = job.cancel_requested;
-      this.#emit(job.id, "log", {
+      this.#records.emit(job.id, "log", {
         level: "warn",
         message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
           (cancelled ? "it was being cancelled" : "resuming"),
@@ -228,7 +227,7 @@ export class JobRunner {
     const running = this.#pool.slots.filter((s) => s.job === id);
     if (running.length === 0) return;
     for (const slot of running) slot.worker.postMessage({ type: "cancel" });
-    this.#emit(id, "log", { level: "info", message: "Cancel requested through another host" });
+    this.#records.emit(id, "log", { level: "info", message: "Cancel requested through another host" });
   }
 
   /** Directory of a job's checkpoints. */
@@ -259,7 +258,7 @@ export class JobRunner {
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
     });
-    this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
+    this.#records.emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return job; // as accepted: "queued", even if its GPU already took it
   }
@@ -289,7 +288,7 @@ export class JobRunner {
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)), evaluation: null },
     });
-    this.#emit(id, "log", {
+    this.#records.emit(id, "log", {
       level: "info",
       message: `Queued on GPU ${gpu}: ${req.task} of "${source.id}"`,
       status: "queued",
@@ -307,7 +306,7 @@ export class JobRunner {
     }
     if (job.status === "running") {
       for (const slot of this.#pool.slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
-      this.#emit(id, "log", { level: "info", message: "Cancel requested" }, false);
+      this.#records.emit(id, "log", { level: "info", message: "Cancel requested" }, false);
       return this.#store.updateJob(id, { cancel_requested: true });
     }
     const gang = this.#gangs.get(id);
@@ -322,7 +321,7 @@ export class JobRunner {
       cancel_requested: true,
       finished_at: new Date().toISOString(),
     });
-    this.#emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null }, false);
+    this.#records.emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null }, false);
     return this.#store.getJob(id)!;
   }
 
@@ -352,18 +351,12 @@ export class JobRunner {
       if (!(e instanceof Deno.errors.NotFound)) throw e;
     });
     this.#store.deleteJob(id);
-    this.#listeners.delete(id);
+    this.#records.forget(id);
   }
 
   /** Calls `fn` with every new event of job `id` until the returned function is called. */
   subscribe(id: string, fn: Listener): () => void {
-    let set = this.#listeners.get(id);
-    if (!set) this.#listeners.set(id, set = new Set());
-    set.add(fn);
-    return () => {
-      set.delete(fn);
-      if (set.size === 0) this.#listeners.delete(id);
-    };
+    return this.#records.subscribe(id, fn);
   }
 
   /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
@@ -424,16 +417,7 @@ export class JobRunner {
     for (const s of this.#pool.slots) if (s.job) s.worker.postMessage({ type: "stop" });
     await until(() => this.#pool.slots.every((s) => !s.job || s.state === "unavailable"));
     this.#pool.generationsLost("Server is shutting down");
-    for (const [id, set] of this.#listeners) {
-      const event: JobEvent = {
-        id: 0,
-        job_id: id,
-        type: "shutdown",
-        data: { message: "Server is shutting down" },
-        at: new Date().toISOString(),
-      };
-      for (const fn of set) fn(event);
-    }
+    this.#records.shutdownEvent("Server is shutting down");
     await this.#pool.close(deadline);
     // Records kept while the store was away: one last try (what stays unwritten is logged).
     if (this.#backlog.state().pending > 0) this.#backlog.flush();
@@ -452,7 +436,7 @@ export class JobRunner {
     this.#fenceTimers.clear();
     this.#unlistenStore?.();
     this.#pool.shutdown();
-    this.#listeners.clear();
+    this.#records.clear();
   }
 
   /** Slots that take training jobs. */
@@ -534,7 +518,7 @@ export class JobRunner {
         }
       }
       if (gang.slots.length < dp) {
-        this.#emit(job.id, "log", {
+        this.#records.emit(job.id, "log", {
           level: "info",
           message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for its ${dp} ranks`,
         });
@@ -545,7 +529,7 @@ export class JobRunner {
     slot.job = job.id;
     slot.state = "busy";
     const wasInterrupted = job.status === "interrupted";
-    this.#update(job.id, {
+    this.#records.update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -578,14 +562,14 @@ export class JobRunner {
     }
     if (!claim) return null;
     const { job } = claim;
-    this.#lost.delete(job.id);
+    this.#records.lost.delete(job.id);
     if (job.cancel_requested) {
       this.#finish(job.id, "cancelled", job.iteration, null);
       return this.#next(slot);
     }
     if (job.status !== "running") return job;
     // Its host stopped renewing the lease (dead, paused or cut off): it resumes here.
-    this.#emit(job.id, "log", {
+    this.#records.emit(job.id, "log", {
       level: "warn",
       message: `The host running job "${job.id}" stopped renewing its lease at iteration ${job.iteration}: ` +
         `resuming on host "${leases.hostId}" from the newest checkpoint`,
@@ -605,17 +589,17 @@ export class JobRunner {
    * which would save a checkpoint), its lease forgotten, and nothing more is written for it.
    */
   #leaseLost(id: string): void {
-    if (this.#lost.has(id)) return;
+    if (this.#records.lost.has(id)) return;
     const iteration = this.#pool.slots.find((s) => s.job === id) ? " while it ran here" : "";
     // Recorded unfenced, as a user's cancel is: the job's other records are the new holder's now.
-    this.#emit(id, "log", {
+    this.#records.emit(id, "log", {
       level: "warn",
       message:
         `Host "${this.#opts.leases?.hostId}" lost its lease on the job${iteration} (it could not renew ` +
         "it in time, e.g. while the job store was unreachable, and another host claimed it): stopped here " +
         "without saving; the job resumes from its newest checkpoint",
     }, false);
-    this.#lost.add(id);
+    this.#records.lost.add(id);
     this.#opts.leases?.forget(id);
     this.#crashes.delete(id);
     this.#replaceWorkers(id);
@@ -646,7 +630,7 @@ export class JobRunner {
     if (!leases) return answer(true, null);
     if (this.#stopped) return; // the Worker is gone with the host
     let reason: string | null = null;
-    if (this.#lost.has(msg.id)) {
+    if (this.#records.lost.has(msg.id)) {
       reason = "another host took the job over";
     } else {
       try {
@@ -663,7 +647,7 @@ export class JobRunner {
             const message = `Checkpoint "${msg.name}" waits for the job store to confirm this host's lease ` +
               `(${(e as Error).message}); at most ${Math.round((until - asked) / 1000)} s`;
             console.error(`Job "${msg.id}": ${message}`);
-            this.#emit(msg.id, "log", { level: "warn", message });
+            this.#records.emit(msg.id, "log", { level: "warn", message });
           }
           setTimeout(() => this.#commitCheck(slot, msg, asked), COMMIT_RETRY_MS);
           return;
@@ -683,8 +667,8 @@ export class JobRunner {
    * ended within the commit check's time is replaced.
    */
   #fenced(id: string, name: string, reason: string): void {
-    if (!this.#lost.has(id)) {
-      this.#lost.add(id);
+    if (!this.#records.lost.has(id)) {
+      this.#records.lost.add(id);
       this.#opts.leases?.forget(id);
       this.#crashes.delete(id);
       console.error(
@@ -699,7 +683,7 @@ export class JobRunner {
         this.#fenceTimers.delete(id);
         // Only the Workers of the fenced run, if they still run it (not a later claim of the job here).
         for (const s of [...this.#pool.slots]) {
-          if (s.job !== id || !workers.has(s.worker) || !this.#lost.has(id)) continue;
+          if (s.job !== id || !workers.has(s.worker) || !this.#records.lost.has(id)) continue;
           s.job = null;
           this.#pool.replace(s);
         }
@@ -726,64 +710,6 @@ export class JobRunner {
     }
   }
 
-  /**
-   * Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. After
-   * the job's records (kept in order while the store is away); a store that stays away lets the
-   * lease run out by itself.
-   */
-  #release(id: string): void {
-    const leases = this.#opts.leases;
-    if (this.#lost.has(id) || !leases) return;
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      try {
-        leases.release(id);
-      } catch (e) {
-        if (isStoreUnavailable(e)) throw e;
-        console.error(
-          `Cannot give back the lease of job "${id}": ${(e as Error).message} (it runs out by itself)`,
-        );
-      }
-    });
-  }
-
-  /**
-   * Applies `patch` to job `id`, now or in order once the store is back, then calls `then` with the
-   * job as stored. Fenced on the lease this host holds now (several hosts): a lost lease stops the
-   * job here.
-   */
-  #update(id: string, patch: JobPatch, then?: (job: Job) => void): void {
-    if (this.#lost.has(id)) return;
-    const lease = this.#opts.leases?.lease(id);
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      let job: Job;
-      try {
-        job = this.#store.updateJob(id, patch, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-        return;
-      }
-      then?.(job);
-    });
-  }
-
-  /** A metrics point, kept and fenced as {@link #update}. */
-  #metric(id: string, p: Omit<MetricPoint, "at">): void {
-    if (this.#lost.has(id)) return;
-    const lease = this.#opts.leases?.lease(id);
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      try {
-        this.#store.addMetric(id, p, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-      }
-    }, "metric");
-  }
-
   /** Starts a data-parallel job once it holds a slot per rank. */
   #startGang(gang: Gang): void {
     if (gang.started || gang.slots.length < gang.size) return;
@@ -802,7 +728,7 @@ export class JobRunner {
       s.reserved = null;
     }
     const wasInterrupted = job.status === "interrupted";
-    this.#update(job.id, {
+    this.#records.update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -884,7 +810,7 @@ export class JobRunner {
         : `GPU ${slot.index}`;
       const leases = this.#opts.leases;
       if (leases) where += ` of host "${leases.hostId}"`;
-      this.#emit(job.id, "log", {
+      this.#records.emit(job.id, "log", {
         level: "info",
         message: resume_path
           ? `Running on ${where} from checkpoint "${resume_path}"`
@@ -944,14 +870,14 @@ export class JobRunner {
 
   /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
   #interrupted(id: string, iteration: number): void {
-    this.#update(id, { status: "interrupted", iteration });
-    this.#emit(id, "log", {
+    this.#records.update(id, { status: "interrupted", iteration });
+    this.#records.emit(id, "log", {
       level: "warn",
       message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
       status: "interrupted",
       iteration,
     });
-    this.#release(id);
+    this.#records.release(id);
   }
 
   #finish(
@@ -962,8 +888,8 @@ export class JobRunner {
   ): void {
     const patch = { status, iteration, error, finished_at: new Date().toISOString() };
     // Not called when another host holds the job now.
-    this.#update(id, patch, (job) => {
-      this.#emit(id, "done", {
+    this.#records.update(id, patch, (job) => {
+      this.#records.emit(id, "done", {
         status,
         iteration,
         error,
@@ -971,7 +897,7 @@ export class JobRunner {
         val_loss: job.metrics.val_loss,
         test_loss: job.metrics.test_loss,
       });
-      this.#release(id);
+      this.#records.release(id);
     });
   }
 
@@ -1021,37 +947,15 @@ export class JobRunner {
           `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
         );
       } else {
-        this.#update(jobId, { status: "interrupted" });
-        this.#emit(jobId, "log", {
+        this.#records.update(jobId, { status: "interrupted" });
+        this.#records.emit(jobId, "log", {
           level: "warn",
           message:
             `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
           status: "interrupted",
         });
-        this.#release(jobId);
+        this.#records.release(jobId);
       }
-    });
-  }
-
-  /**
-   * Stores and fans out an event. `fenced` (the runner's own events): on this host's lease of the
-   * job, none once another host took it over; a user's cancel is recorded from any host.
-   */
-  #emit(id: string, type: JobEventType, data: Record<string, unknown>, fenced = true): void {
-    if (fenced && this.#lost.has(id)) return;
-    const lease = fenced ? this.#opts.leases?.lease(id) : undefined;
-    // While the store is away, events wait with the other records and reach live streams once written.
-    this.#backlog.write(() => {
-      if (fenced && this.#lost.has(id)) return;
-      let event: JobEvent;
-      try {
-        event = this.#store.addEvent(id, type, data, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-        return;
-      }
-      for (const fn of this.#listeners.get(id) ?? []) fn(event);
     });
   }
 }
