@@ -33,7 +33,7 @@ import type { HostStatus } from "../gpus/host_client.ts";
 import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import type { Job } from "../../model/job.ts";
-import { COMMIT_CHECK_MS } from "../../protocol.ts";
+import { CommitFence } from "./commit_fence.ts";
 import { ReportRecorder } from "./job_reports.ts";
 import { checkEvaluation, checkTrainConfig, modelSource, resolveResume, unknownModel } from "./job_checks.ts";
 import {
@@ -49,8 +49,6 @@ export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
 /** A job whose Worker died this many times without getting further fails instead of resuming again. */
 const MAX_CRASHES_WITHOUT_PROGRESS = 3;
-/** Between two asks of an unreachable database whether a checkpoint may be committed, ms. */
-const COMMIT_RETRY_MS = 500;
 
 type Slot = GpuSlot;
 
@@ -120,8 +118,8 @@ export class JobRunner {
     emit: (id, type, data) => this.#records.emit(id, type, data),
     progressed: (id) => this.#crashes.delete(id),
   });
-  /** Jobs whose checkpoint was refused at its commit: when their Workers are replaced if they have not ended. */
-  #fenceTimers = new Map<string, ReturnType<typeof setTimeout>>();
+  /** Answers Workers asking whether they may commit a checkpoint (the fence on the files). */
+  #fence: CommitFence;
   #poll: ReturnType<typeof setInterval> | null = null;
   #unlistenStore: (() => void) | null = null;
   /** Writes kept, in order, while the store is away. */
@@ -154,6 +152,14 @@ export class JobRunner {
       },
     });
     this.#records = new JobRecords(store, this.#backlog, opts.leases, (id) => this.#leaseLost(id));
+    this.#fence = new CommitFence({
+      leases: opts.leases,
+      pool: this.#pool,
+      records: this.#records,
+      backlog: this.#backlog,
+      stopped: () => this.#stopped,
+      forgetCrashes: (id) => this.#crashes.delete(id),
+    });
   }
 
   /** The store as the runner last found it: reachable, or away since when and why (`/health`). */
@@ -432,8 +438,7 @@ export class JobRunner {
     this.#draining = true;
     this.#backlog.stop();
     if (this.#poll !== null) clearInterval(this.#poll);
-    for (const timer of this.#fenceTimers.values()) clearTimeout(timer);
-    this.#fenceTimers.clear();
+    this.#fence.stop();
     this.#unlistenStore?.();
     this.#pool.shutdown();
     this.#records.clear();
@@ -609,96 +614,6 @@ export class JobRunner {
     );
   }
 
-  /**
-   * A Worker asks whether it may commit a checkpoint of job `msg.id` (the fence on the files).
-   * One host always may. With several, the lease is read from the database now, not from this
-   * host's memory: only while its epoch is still the job's and it has not expired (it is then
-   * renewed for a whole lease, so no other host can claim the job before the rename). Otherwise
-   * the answer is no: the Worker removes the checkpoint's temporary folder and ends the job, and
-   * nothing more is written for it here. A database that does not answer is a no as well.
-   */
-  #commitCheck(
-    slot: Slot,
-    msg: Extract<FromWorker, { type: "commit_check" }>,
-    askedAt?: number,
-  ): void {
-    const first = askedAt === undefined;
-    const asked = askedAt ?? Date.now();
-    const answer = (held: boolean, reason: string | null) =>
-      slot.worker.postMessage({ type: "commit_answer", id: msg.id, request: msg.request, held, reason });
-    const leases = this.#opts.leases;
-    if (!leases) return answer(true, null);
-    if (this.#stopped) return; // the Worker is gone with the host
-    let reason: string | null = null;
-    if (this.#records.lost.has(msg.id)) {
-      reason = "another host took the job over";
-    } else {
-      try {
-        if (!leases.confirm(msg.id)) {
-          reason = `the database says host "${leases.hostId}" no longer holds its lease ` +
-            "(expired, or claimed by another host)";
-        }
-      } catch (e) {
-        // A database that is away: ask again while the Worker waits. Once it answers, the lease holds
-        // unless another host claimed the job meanwhile (expired unclaimed, it is renewed).
-        const until = asked + COMMIT_CHECK_MS - 2000;
-        if (this.#backlog.failed(e) && Date.now() + COMMIT_RETRY_MS < until) {
-          if (first) {
-            const message = `Checkpoint "${msg.name}" waits for the job store to confirm this host's lease ` +
-              `(${(e as Error).message}); at most ${Math.round((until - asked) / 1000)} s`;
-            console.error(`Job "${msg.id}": ${message}`);
-            this.#records.emit(msg.id, "log", { level: "warn", message });
-          }
-          setTimeout(() => this.#commitCheck(slot, msg, asked), COMMIT_RETRY_MS);
-          return;
-        }
-        reason = `its lease cannot be confirmed: ${(e as Error).message}`;
-      }
-    }
-    if (reason === null) return answer(true, null);
-    answer(false, reason);
-    this.#fenced(msg.id, msg.name, reason);
-  }
-
-  /**
-   * A checkpoint of job `id` was refused at its commit: the job is stopped here. Its Worker ends
-   * the job itself once it has removed the checkpoint's temporary folder (its outcome is not
-   * recorded: the job is another host's, or anyone's once its lease runs out); one that has not
-   * ended within the commit check's time is replaced.
-   */
-  #fenced(id: string, name: string, reason: string): void {
-    if (!this.#records.lost.has(id)) {
-      this.#records.lost.add(id);
-      this.#opts.leases?.forget(id);
-      this.#crashes.delete(id);
-      console.error(
-        `Job "${id}": checkpoint "${name}" not committed, ${reason}: stopped here, nothing more is written for it`,
-      );
-    }
-    if (this.#fenceTimers.has(id)) return;
-    const workers = new Set(this.#pool.slots.filter((s) => s.job === id).map((s) => s.worker));
-    this.#fenceTimers.set(
-      id,
-      setTimeout(() => {
-        this.#fenceTimers.delete(id);
-        // Only the Workers of the fenced run, if they still run it (not a later claim of the job here).
-        for (const s of [...this.#pool.slots]) {
-          if (s.job !== id || !workers.has(s.worker) || !this.#records.lost.has(id)) continue;
-          s.job = null;
-          this.#pool.replace(s);
-        }
-      }, COMMIT_CHECK_MS),
-    );
-  }
-
-  /** A fenced job's Workers have all ended: no need to replace them. */
-  #fenceSettled(id: string): void {
-    const timer = this.#fenceTimers.get(id);
-    if (timer === undefined || this.#pool.slots.some((s) => s.job === id)) return;
-    clearTimeout(timer);
-    this.#fenceTimers.delete(id);
-  }
-
   /** Replaces the Workers running job `id` (terminated, not asked to stop) and frees its reserved slots. */
   #replaceWorkers(id: string): void {
     this.#gangs.delete(id);
@@ -843,17 +758,17 @@ export class JobRunner {
   #handle(slot: Slot, msg: JobReport): void {
     switch (msg.type) {
       case "commit_check":
-        this.#commitCheck(slot, msg);
+        this.#fence.check(slot, msg);
         return;
       case "done":
         if (this.#gangs.has(msg.id)) {
           this.#onRankDone(slot, msg);
-          this.#fenceSettled(msg.id);
+          this.#fence.settled(msg.id);
           return;
         }
         slot.job = null;
         slot.state = "idle";
-        this.#fenceSettled(msg.id);
+        this.#fence.settled(msg.id);
         if (msg.status === "interrupted") {
           this.#interrupted(msg.id, msg.iteration);
         } else {
