@@ -3,13 +3,18 @@
  * the store is away they wait in order (store_backlog.ts). With several hosts each is fenced on
  * the lease this host holds at the time it is made: once another host took the job over
  * (`lost`), nothing more is written for it here, and a write the store refuses for that reason
- * tells the runner (`onLeaseLost`). Events reach the job's live subscribers once stored.
+ * tells the runner (`onLeaseLost`). Events reach the job's live subscribers once stored. A job's
+ * outcomes are written here too: finished, interrupted by a shutdown, or its Worker crashed (it
+ * resumes, or fails after repeated crashes without progress).
  */
 
 import { isStoreUnavailable, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
 import type { StoreBacklog } from "./store_backlog.ts";
 import type { LeaseKeeper } from "./leases.ts";
 import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
+
+/** A job whose Worker died this many times without getting further fails instead of resuming again. */
+const MAX_CRASHES_WITHOUT_PROGRESS = 3;
 
 /** A live subscriber of a job's events (an SSE stream). */
 export type Listener = (e: JobEvent) => void;
@@ -23,6 +28,8 @@ export class JobRecords {
   #listeners = new Map<string, Set<Listener>>();
   /** Jobs another host took over while they ran here: nothing more is written for them. */
   readonly lost = new Set<string>();
+  /** Worker deaths per job since it last got further: id -> [count, iteration]. */
+  #crashes = new Map<string, [number, number]>();
 
   constructor(
     store: JobStore,
@@ -64,6 +71,11 @@ export class JobRecords {
       };
       for (const fn of set) fn(event);
     }
+  }
+
+  /** Job `id` got further (or is no longer this host's): its count of crashes without progress starts over. */
+  progressed(id: string): void {
+    this.#crashes.delete(id);
   }
 
   /** Drops every subscriber (the runner stopped). */
@@ -148,6 +160,69 @@ export class JobRecords {
         return;
       }
       for (const fn of this.#listeners.get(id) ?? []) fn(event);
+    });
+  }
+
+  /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
+  interrupted(id: string, iteration: number): void {
+    this.update(id, { status: "interrupted", iteration });
+    this.emit(id, "log", {
+      level: "warn",
+      message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
+      status: "interrupted",
+      iteration,
+    });
+    this.release(id);
+  }
+
+  finish(
+    id: string,
+    status: "succeeded" | "failed" | "cancelled",
+    iteration: number,
+    error: string | null,
+  ): void {
+    const patch = { status, iteration, error, finished_at: new Date().toISOString() };
+    // Not called when another host holds the job now.
+    this.update(id, patch, (job) => {
+      this.emit(id, "done", {
+        status,
+        iteration,
+        error,
+        loss: job.metrics.loss,
+        val_loss: job.metrics.val_loss,
+        test_loss: job.metrics.test_loss,
+      });
+      this.release(id);
+    });
+  }
+
+  /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
+  crashed(jobId: string, message: string): void {
+    // It reads the job's iteration as stored: in order with the job's other records.
+    this.#backlog.write(() => {
+      const job = this.#store.getJob(jobId);
+      const iteration = job?.iteration ?? 0;
+      const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
+      const crashes = at === iteration ? count + 1 : 1;
+      this.#crashes.set(jobId, [crashes, iteration]);
+      if (crashes >= MAX_CRASHES_WITHOUT_PROGRESS) {
+        this.#crashes.delete(jobId);
+        this.finish(
+          jobId,
+          "failed",
+          iteration,
+          `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
+        );
+      } else {
+        this.update(jobId, { status: "interrupted" });
+        this.emit(jobId, "log", {
+          level: "warn",
+          message:
+            `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
+          status: "interrupted",
+        });
+        this.release(jobId);
+      }
     });
   }
 }

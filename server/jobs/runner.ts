@@ -47,9 +47,6 @@ import {
 
 export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
-/** A job whose Worker died this many times without getting further fails instead of resuming again. */
-const MAX_CRASHES_WITHOUT_PROGRESS = 3;
-
 type Slot = GpuSlot;
 
 /** A data-parallel job on several slots: its ranks in order, and what each has reported at its end. */
@@ -107,8 +104,6 @@ export class JobRunner {
   #stopped = false;
   /** Set by stop(): no new job starts; running ones save and end "interrupted". */
   #draining = false;
-  /** Worker deaths per job since it last got further: id -> [count, iteration]. */
-  #crashes = new Map<string, [number, number]>();
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
   /** Writes what Workers report on their jobs (through the fenced, ordered writes below). */
@@ -116,7 +111,7 @@ export class JobRunner {
     update: (id, patch) => this.#records.update(id, patch),
     metric: (id, p) => this.#records.metric(id, p),
     emit: (id, type, data) => this.#records.emit(id, type, data),
-    progressed: (id) => this.#crashes.delete(id),
+    progressed: (id) => this.#records.progressed(id),
   });
   /** Answers Workers asking whether they may commit a checkpoint (the fence on the files). */
   #fence: CommitFence;
@@ -158,7 +153,7 @@ export class JobRunner {
       records: this.#records,
       backlog: this.#backlog,
       stopped: () => this.#stopped,
-      forgetCrashes: (id) => this.#crashes.delete(id),
+      forgetCrashes: (id) => this.#records.progressed(id),
     });
   }
 
@@ -219,7 +214,7 @@ export class JobRunner {
           (cancelled ? "it was being cancelled" : "resuming"),
         status: "interrupted",
       });
-      if (cancelled) this.#finish(job.id, "cancelled", job.iteration, null);
+      if (cancelled) this.#records.finish(job.id, "cancelled", job.iteration, null);
     }
   }
 
@@ -488,7 +483,9 @@ export class JobRunner {
       // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
       // (With several hosts the queue is shared: another host may place those jobs.)
       if (!this.#opts.leases) {
-        for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
+        for (const job of this.#store.queue(gpu)) {
+          this.#records.finish(job.id, "failed", job.iteration, slot.error);
+        }
       }
       return;
     }
@@ -543,7 +540,7 @@ export class JobRunner {
       if (this.#stopped) return;
       slot.job = null;
       slot.state = "idle";
-      this.#finish(job.id, "failed", job.iteration, (e as Error).message);
+      this.#records.finish(job.id, "failed", job.iteration, (e as Error).message);
       this.#dispatch(gpu);
     });
   }
@@ -569,7 +566,7 @@ export class JobRunner {
     const { job } = claim;
     this.#records.lost.delete(job.id);
     if (job.cancel_requested) {
-      this.#finish(job.id, "cancelled", job.iteration, null);
+      this.#records.finish(job.id, "cancelled", job.iteration, null);
       return this.#next(slot);
     }
     if (job.status !== "running") return job;
@@ -606,7 +603,7 @@ export class JobRunner {
     }, false);
     this.#records.lost.add(id);
     this.#opts.leases?.forget(id);
-    this.#crashes.delete(id);
+    this.#records.progressed(id);
     this.#replaceWorkers(id);
     console.error(
       `Job "${id}" was taken over by another host after this one missed its lease: stopped here, ` +
@@ -681,14 +678,14 @@ export class JobRunner {
     const all = [...gang.outcomes.values()];
     const failed = all.filter((o) => o.status === "failed");
     if (gang.crash !== null) {
-      this.#crashed(gang.job, gang.crash);
+      this.#records.crashed(gang.job, gang.crash);
     } else if (failed.length > 0) {
       const own = failed.find((o) => !PEER_FAILURE.test(o.error ?? "")) ?? failed[0];
-      this.#finish(gang.job, "failed", lead.iteration, own.error);
+      this.#records.finish(gang.job, "failed", lead.iteration, own.error);
     } else if (lead.status === "interrupted") {
-      this.#interrupted(gang.job, lead.iteration);
+      this.#records.interrupted(gang.job, lead.iteration);
     } else {
-      this.#finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
+      this.#records.finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
     }
     for (const s of gang.slots) this.#dispatch(s.index);
   }
@@ -770,9 +767,9 @@ export class JobRunner {
         slot.state = "idle";
         this.#fence.settled(msg.id);
         if (msg.status === "interrupted") {
-          this.#interrupted(msg.id, msg.iteration);
+          this.#records.interrupted(msg.id, msg.iteration);
         } else {
-          this.#finish(msg.id, msg.status, msg.iteration, msg.error);
+          this.#records.finish(msg.id, msg.status, msg.iteration, msg.error);
         }
         // A user's running quota may have freed: a job of theirs left waiting on another GPU may go.
         if (this.#opts.skipOwners) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
@@ -781,39 +778,6 @@ export class JobRunner {
       default:
         this.#recorder.record(slot.index, msg);
     }
-  }
-
-  /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
-  #interrupted(id: string, iteration: number): void {
-    this.#records.update(id, { status: "interrupted", iteration });
-    this.#records.emit(id, "log", {
-      level: "warn",
-      message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
-      status: "interrupted",
-      iteration,
-    });
-    this.#records.release(id);
-  }
-
-  #finish(
-    id: string,
-    status: "succeeded" | "failed" | "cancelled",
-    iteration: number,
-    error: string | null,
-  ): void {
-    const patch = { status, iteration, error, finished_at: new Date().toISOString() };
-    // Not called when another host holds the job now.
-    this.#records.update(id, patch, (job) => {
-      this.#records.emit(id, "done", {
-        status,
-        iteration,
-        error,
-        loss: job.metrics.loss,
-        val_loss: job.metrics.val_loss,
-        test_loss: job.metrics.test_loss,
-      });
-      this.#records.release(id);
-    });
   }
 
   /**
@@ -840,37 +804,7 @@ export class JobRunner {
       });
       return;
     }
-    if (jobId) this.#crashed(jobId, message);
+    if (jobId) this.#records.crashed(jobId, message);
     this.#pool.replace(slot);
-  }
-
-  /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
-  #crashed(jobId: string, message: string): void {
-    // It reads the job's iteration as stored: in order with the job's other records.
-    this.#backlog.write(() => {
-      const job = this.#store.getJob(jobId);
-      const iteration = job?.iteration ?? 0;
-      const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
-      const crashes = at === iteration ? count + 1 : 1;
-      this.#crashes.set(jobId, [crashes, iteration]);
-      if (crashes >= MAX_CRASHES_WITHOUT_PROGRESS) {
-        this.#crashes.delete(jobId);
-        this.#finish(
-          jobId,
-          "failed",
-          iteration,
-          `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
-        );
-      } else {
-        this.#records.update(jobId, { status: "interrupted" });
-        this.#records.emit(jobId, "log", {
-          level: "warn",
-          message:
-            `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
-          status: "interrupted",
-        });
-        this.#records.release(jobId);
-      }
-    });
   }
 }
