@@ -163,6 +163,18 @@ export class JobRecords {
     });
   }
 
+  /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
+  recovered(job: Job): void {
+    const cancelled = job.cancel_requested;
+    this.emit(job.id, "log", {
+      level: "warn",
+      message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
+        (cancelled ? "it was being cancelled" : "resuming"),
+      status: "interrupted",
+    });
+    if (cancelled) this.finish(job.id, "cancelled", job.iteration, null);
+  }
+
   /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
   interrupted(id: string, iteration: number): void {
     this.update(id, { status: "interrupted", iteration });

@@ -180,7 +180,7 @@ export class JobRunner {
     const leases = this.#opts.leases;
     if (leases) {
       // Only this host's own jobs are let go (any host may resume them); the others' stay theirs.
-      for (const job of leases.start()) this.#recovered(job);
+      for (const job of leases.start()) this.#records.recovered(job);
       const look = () => queueMicrotask(() => this.#claimWaiting());
       this.#poll = setInterval(look, this.#opts.pollMs ?? 1000);
       this.#unlistenStore = this.#store.onEvent((e) => {
@@ -189,7 +189,7 @@ export class JobRunner {
     } else {
       // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
       this.#store.requeueBeyond(this.#opts.gpus);
-      for (const job of this.#store.markInterrupted()) this.#recovered(job);
+      for (const job of this.#store.markInterrupted()) this.#records.recovered(job);
     }
     this.#pool.start({
       slotChanged: (slot) => this.#dispatch(slot.index),
@@ -202,20 +202,6 @@ export class JobRunner {
   /** The GPU slots and their Workers (the generation manager's way to the GPUs). */
   get pool(): GpuPool {
     return this.#pool;
-  }
-
-  /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
-  #recovered(job: Job): void {
-    {
-      const cancelled = job.cancel_requested;
-      this.#records.emit(job.id, "log", {
-        level: "warn",
-        message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
-          (cancelled ? "it was being cancelled" : "resuming"),
-        status: "interrupted",
-      });
-      if (cancelled) this.#records.finish(job.id, "cancelled", job.iteration, null);
-    }
   }
 
   /** A heartbeat found that another host took job `id` over: stop it here at once. */
