@@ -25,18 +25,19 @@ import { resolve } from "node:path";
 import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
 import {
   type ClusterConfig,
-  GenerationManager,
-  GpuHostClient,
-  JobRunner,
-  JobStore,
-  lockDataDir,
   readClusterConfig,
   readServerConfig,
+  type ServerConfig,
+} from "./server/settings.ts";
+import { GenerationManager } from "./server/generate/mod.ts";
+import { GpuHostClient, trainingGpus } from "./server/gpus/mod.ts";
+import {
+  JobRunner,
+  JobStore,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
-  type ServerConfig,
-  trainingGpus,
 } from "./server/jobs/mod.ts";
+import { lockDataDir } from "./server/lock.ts";
 import { hostPermissions } from "./server/gpus/host_client.ts";
 import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
 import { LeaseKeeper } from "./server/jobs/leases.ts";

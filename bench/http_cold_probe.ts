@@ -6,7 +6,8 @@
  *
  *   deno run -A bench/http_cold_probe.ts [--warm-up] [--streams 16,16,64,64]
  */
-import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import type { FromWorker } from "../protocol.ts";
 import { ScriptedWorker } from "../tests/fakes/fake_worker.ts";
 import { createApp, warmUp } from "../server/routes/mod.ts";

@@ -10,7 +10,9 @@ import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { type AppOptions, createApp, FailureLimiter } from "../server/routes/mod.ts";
 import { datasetRoutes } from "../server/routes/datasets.ts";
 import { Access, QuotaBook, TokenAuth } from "../server/auth/mod.ts";
-import { defaultQuotas, GenerationManager, JobRunner, JobStore, type Quotas } from "../server/jobs/mod.ts";
+import { defaultQuotas, type Quotas } from "../server/settings.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { getDataset, isBuiltinName } from "../data/mod.ts";
 
 /** The bootstrap admin token of {@link authServer}. */

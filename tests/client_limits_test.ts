@@ -7,7 +7,9 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert, throws as assertThrows } from "node:assert/strict";
-import { GenerationManager, JobRunner, JobStore, type Limits } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { type Limits } from "../server/settings.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import {
   AddressRanges,

@@ -7,14 +7,9 @@
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
-import {
-  type FromWorker,
-  GenerationManager,
-  type GenerationManagerOptions,
-  JobRunner,
-  JobStore,
-  TextStream,
-} from "../server/jobs/mod.ts";
+import { type FromWorker } from "../protocol.ts";
+import { GenerationManager, type GenerationManagerOptions, TextStream } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { Hono } from "hono";
 import { createApp, warmUp } from "../server/routes/mod.ts";
