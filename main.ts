@@ -25,18 +25,19 @@ import { resolve } from "node:path";
 import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
 import {
   type ClusterConfig,
-  GenerationManager,
-  GpuHostClient,
-  JobRunner,
-  JobStore,
-  lockDataDir,
   readClusterConfig,
   readServerConfig,
+  type ServerConfig,
+} from "./server/settings.ts";
+import { GenerationManager } from "./server/generate/mod.ts";
+import { GpuHostClient, trainingGpus } from "./server/gpus/mod.ts";
+import {
+  JobRunner,
+  JobStore,
   removeStaleCheckpointTemporaries,
   removeStaleTemporaries,
-  type ServerConfig,
-  trainingGpus,
 } from "./server/jobs/mod.ts";
+import { lockDataDir } from "./server/lock.ts";
 import { hostPermissions } from "./server/gpus/host_client.ts";
 import { PostgresBridgeStore } from "./server/jobs/postgres_bridge.ts";
 import { LeaseKeeper } from "./server/jobs/leases.ts";
@@ -118,7 +119,7 @@ if (import.meta.main) {
     splitTokens: async (id) =>
       isBuiltinName(id) ? null : (await getDataset(data, id).catch(() => undefined))?.splits ?? null,
   });
-  const generation = new GenerationManager(runner, data, { roles });
+  const generation = new GenerationManager(runner.pool, data, { roles });
   const access = new Access(store, (id) => runner.checkpointDir(id));
   const datasets = datasetRoutes(data, {
     sources: config.sources,

@@ -42,7 +42,8 @@ import { profileDecode } from "./generator_profile.ts";
 import { initParams } from "../model/init.ts";
 import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
 import { writeSafetensors } from "../checkpoint/safetensors.ts";
-import { GenerationManager, JobRunner, JobStore, type TrainRequest } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore, type TrainRequest } from "../server/jobs/mod.ts";
 import { isBuiltinName } from "../data/mod.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { LIMIT_SETTINGS } from "../server/settings.ts";
@@ -227,7 +228,7 @@ async function server(model: string) {
     datasetExists: (id) => Promise.resolve(isBuiltinName(id)),
   });
   runner.start();
-  const manager = new GenerationManager(runner, root, { maxWaiting: 4096, roles });
+  const manager = new GenerationManager(runner.pool, root, { maxWaiting: 4096, roles });
   // One client stands in for many users here: lift the per-client stream cap.
   const app = createApp({
     runner,

@@ -16,7 +16,8 @@
  * before the Worker starts, so that its rehearsals are answered in the HTTP process (as they all
  * were before they went through a ready Worker).
  */
-import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import type { FromWorker } from "../protocol.ts";
 import { ScriptedWorker } from "../tests/fakes/fake_worker.ts";
 import { createApp, warmUp } from "../server/routes/mod.ts";
@@ -55,7 +56,7 @@ async function serve(): Promise<void> {
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, {});
+  const manager = new GenerationManager(runner.pool, root, {});
   const app = createApp({ runner, generation: manager, token: null });
   const srv = Deno.serve({ hostname: "127.0.0.1", port: 0, onListen: () => {} }, app.fetch);
   const warm = () =>

@@ -6,7 +6,8 @@
  *
  *   deno run -A bench/http_cold_probe.ts [--warm-up] [--streams 16,16,64,64]
  */
-import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import type { FromWorker } from "../protocol.ts";
 import { ScriptedWorker } from "../tests/fakes/fake_worker.ts";
 import { createApp, warmUp } from "../server/routes/mod.ts";
@@ -34,7 +35,7 @@ const runner = new JobRunner(store, {
   },
   datasetExists: () => Promise.resolve(true),
 });
-const manager = new GenerationManager(runner, root, {});
+const manager = new GenerationManager(runner.pool, root, {});
 runner.start();
 await new Promise((r) => setTimeout(r, 0));
 const app = createApp({ runner, generation: manager, token: null });

@@ -8,7 +8,8 @@
  *
  *   deno run -A bench/http_stream_probe.ts [--streams 64] [--chunks 4] [--per 32] [--rounds 6]
  */
-import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import type { FromWorker } from "../protocol.ts";
 import { ScriptedWorker } from "../tests/fakes/fake_worker.ts";
 import { createApp, warmUp } from "../server/routes/mod.ts";
@@ -37,7 +38,7 @@ const runner = new JobRunner(store, {
   },
   datasetExists: () => Promise.resolve(true),
 });
-const manager = new GenerationManager(runner, root, {});
+const manager = new GenerationManager(runner.pool, root, {});
 runner.start();
 await new Promise((r) => setTimeout(r, 0));
 const app = createApp({ runner, generation: manager, token: null });

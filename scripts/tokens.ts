@@ -12,7 +12,8 @@
  */
 
 import { parseArgs } from "node:util";
-import { JobStore, readClusterConfig, readServerConfig } from "../server/jobs/mod.ts";
+import { JobStore } from "../server/jobs/mod.ts";
+import { readClusterConfig, readServerConfig } from "../server/settings.ts";
 import { PostgresBridgeStore } from "../server/jobs/postgres_bridge.ts";
 import { parseExpiry, parseScopes, TOKEN_ID, TokenAuth, USER_NAME } from "../server/auth/mod.ts";
 

@@ -10,7 +10,9 @@ import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { type AppOptions, createApp, FailureLimiter } from "../server/routes/mod.ts";
 import { datasetRoutes } from "../server/routes/datasets.ts";
 import { Access, QuotaBook, TokenAuth } from "../server/auth/mod.ts";
-import { defaultQuotas, GenerationManager, JobRunner, JobStore, type Quotas } from "../server/jobs/mod.ts";
+import { defaultQuotas, type Quotas } from "../server/settings.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { getDataset, isBuiltinName } from "../data/mod.ts";
 
 /** The bootstrap admin token of {@link authServer}. */
@@ -77,7 +79,7 @@ export async function authServer(
   });
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
-  const generation = new GenerationManager(runner, root);
+  const generation = new GenerationManager(runner.pool, root);
   const tokens = new TokenAuth(store, { bootstrap: [BOOT], refreshMs: opts.refreshMs ?? 60_000 });
   if (opts.refreshMs !== undefined) tokens.start();
   const access = new Access(store, (id) => runner.checkpointDir(id));

@@ -17,7 +17,8 @@ import OpenAI from "npm:openai@7.60.0";
 // deno-lint-ignore no-import-prefix
 import puppeteer from "npm:puppeteer-core@25.16.0";
 import { presetConfig } from "../model/config.ts";
-import { exportTensors, hfConfig, writeSafetensors } from "../server/jobs/mod.ts";
+import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
+import { writeSafetensors } from "../checkpoint/safetensors.ts";
 import { CHAT_TEMPLATE, prepareDataset } from "../data/mod.ts";
 import { initParams } from "./reference/cpu_gpt2.ts";
 import { noGpu } from "./_helpers.ts";

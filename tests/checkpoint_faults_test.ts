@@ -14,18 +14,16 @@ import assert from "node:assert/strict";
 import { makeConfig, type ModelConfig, paramLayout } from "../model/config.ts";
 import {
   CheckpointWriteError,
-  type FromWorker,
-  JobRunner,
-  JobStore,
   listCheckpoints,
   loadCheckpoint,
   loadCheckpointWeights,
   loadUsableCheckpoint,
-  type OpenForWrite,
   readManifest,
   saveCheckpoint,
-  type TrainConfig,
-} from "../server/jobs/mod.ts";
+} from "../checkpoint/checkpoint.ts";
+import { type FromWorker } from "../protocol.ts";
+import { JobRunner, JobStore, type TrainConfig } from "../server/jobs/mod.ts";
+import { type OpenForWrite } from "../checkpoint/safetensors.ts";
 import { prepareDataset } from "../data/mod.ts";
 import { trainingModel } from "../model/job_config.ts";
 import { runTraining } from "../worker/train_loop.ts";

@@ -7,7 +7,9 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert, throws as assertThrows } from "node:assert/strict";
-import { GenerationManager, JobRunner, JobStore, type Limits } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { type Limits } from "../server/settings.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import {
   AddressRanges,
@@ -56,7 +58,12 @@ async function setup(opts: Partial<AppOptions> & { limits?: Partial<Limits> } = 
   });
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
-  const app = createApp({ token: null, ...opts, runner, generation: new GenerationManager(runner, root) });
+  const app = createApp({
+    token: null,
+    ...opts,
+    runner,
+    generation: new GenerationManager(runner.pool, root),
+  });
   const open: Response[] = [];
   /** `GET /generate` from socket address `from` with `headers`; a 200 stays open until cleanup. */
   const generate = async (from: string, headers: Record<string, string> = {}) => {

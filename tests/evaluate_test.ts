@@ -19,14 +19,9 @@ import { evalBatches } from "../data/mod.ts";
 import { clozeTokens, EvalModel, perplexity, textStream, tokenize } from "../worker/evaluation.ts";
 import { initParams, referenceForward } from "./reference/cpu_gpt2.ts";
 import { noGpu, testContext } from "./_helpers.ts";
-import {
-  exportTensors,
-  hfConfig,
-  isFinished,
-  JobRunner,
-  JobStore,
-  writeSafetensors,
-} from "../server/jobs/mod.ts";
+import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
+import { isFinished, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { writeSafetensors } from "../checkpoint/safetensors.ts";
 import { withWorkerRunner } from "./_runner.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { createApp } from "../server/routes/mod.ts";

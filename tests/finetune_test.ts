@@ -16,19 +16,15 @@ import { tensorParallelConfig } from "../model/shard.ts";
 import { prepareDataset } from "../data/mod.ts";
 import {
   exportTensors,
-  type FromWorker,
   hfConfig,
-  JobRunner,
-  JobStore,
   listCheckpoints,
   loadCheckpoint,
-  loadWeightsAt,
-  resolveModelSource,
   saveCheckpoint,
-  type TrainConfig,
-  type TrainRequest,
-  writeSafetensors,
-} from "../server/jobs/mod.ts";
+} from "../checkpoint/checkpoint.ts";
+import { type FromWorker } from "../protocol.ts";
+import { JobRunner, JobStore, type TrainConfig, type TrainRequest } from "../server/jobs/mod.ts";
+import { loadWeightsAt, resolveModelSource } from "../checkpoint/model_source.ts";
+import { writeSafetensors } from "../checkpoint/safetensors.ts";
 import { assertSameLosses, trainJob, withWorkerRunner } from "./_runner.ts";
 import { splitParams } from "../model/shard.ts";
 import { runTraining, type TrainHooks } from "../worker/train_loop.ts";

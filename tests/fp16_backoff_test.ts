@@ -8,7 +8,8 @@
 
 import assert from "node:assert/strict";
 import { prepareDataset } from "../data/mod.ts";
-import type { FromWorker, TrainConfig } from "../server/jobs/mod.ts";
+import type { FromWorker } from "../protocol.ts";
+import type { TrainConfig } from "../server/jobs/mod.ts";
 import { runTraining } from "../worker/train_loop.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 

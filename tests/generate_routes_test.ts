@@ -7,14 +7,9 @@
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
-import {
-  type FromWorker,
-  GenerationManager,
-  type GenerationManagerOptions,
-  JobRunner,
-  JobStore,
-  TextStream,
-} from "../server/jobs/mod.ts";
+import { type FromWorker } from "../protocol.ts";
+import { GenerationManager, type GenerationManagerOptions, TextStream } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { Hono } from "hono";
 import { createApp, warmUp } from "../server/routes/mod.ts";
@@ -65,7 +60,7 @@ async function setup(opts: GenerationManagerOptions = {}) {
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, opts);
+  const manager = new GenerationManager(runner.pool, root, opts);
   runner.start();
   await new Promise((r) => setTimeout(r, 0));
   const app = createApp({ runner, generation: manager, token: null });
@@ -584,7 +579,7 @@ Deno.test("warmUp() with no GPU ready answers its rehearsals in the HTTP process
     },
     datasetExists: () => Promise.resolve(true),
   });
-  const manager = new GenerationManager(runner, root, {});
+  const manager = new GenerationManager(runner.pool, root, {});
   runner.start();
   try {
     assertEquals(await manager.whenReady(5_000), false);

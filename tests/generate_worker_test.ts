@@ -11,7 +11,9 @@
 import { spawnGpuWorker } from "../host/local_port.ts";
 import assert from "node:assert/strict";
 import { prepareDataset } from "../data/mod.ts";
-import { GenerationManager, type Job, JobRunner, JobStore, loadCheckpoint } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { type Job, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { loadCheckpoint } from "../checkpoint/checkpoint.ts";
 import type { TrainRequest } from "../server/jobs/mod.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { presetConfig } from "../model/config.ts";
@@ -89,7 +91,7 @@ Deno.test({
       spawn: spawnGpuWorker,
       datasetExists: (id) => Promise.resolve(id === "tiny"),
     });
-    const manager = new GenerationManager(runner, root);
+    const manager = new GenerationManager(runner.pool, root);
     const app = createApp({ runner, generation: manager, token: null });
     try {
       await prepareDataset(root, { texts }, {

@@ -16,20 +16,22 @@ import { mergeParams, shardLayout, splitParams, tensorParallelConfig } from "../
 import {
   type CheckpointManifest,
   checkpointName,
-  decodeSafetensors,
-  encodeSafetensors,
   exportTensors,
   importTensors,
   listCheckpoints,
   loadCheckpoint,
   loadCheckpointWeights,
   readManifest,
-  readSafetensors,
   removeStaleCheckpointTemporaries,
   saveCheckpoint,
-  type TrainConfig,
+} from "../checkpoint/checkpoint.ts";
+import {
+  decodeSafetensors,
+  encodeSafetensors,
+  readSafetensors,
   writeSafetensors,
-} from "../server/jobs/mod.ts";
+} from "../checkpoint/safetensors.ts";
+import { type TrainConfig } from "../server/jobs/mod.ts";
 
 const train: TrainConfig = {
   model: "gpt2-tiny",

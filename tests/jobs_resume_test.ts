@@ -6,7 +6,9 @@
 
 import assert from "node:assert/strict";
 import { prepareDataset } from "../data/mod.ts";
-import { type FromWorker, listCheckpoints, type TrainConfig } from "../server/jobs/mod.ts";
+import { type FromWorker } from "../protocol.ts";
+import { listCheckpoints } from "../checkpoint/checkpoint.ts";
+import { type TrainConfig } from "../server/jobs/mod.ts";
 import { runTraining } from "../worker/train_loop.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 

@@ -7,13 +7,8 @@
 
 import assert from "node:assert/strict";
 import { paramLayout, presetConfig } from "../model/config.ts";
-import {
-  JobRunner,
-  JobStore,
-  saveCheckpoint,
-  type TrainConfig,
-  type TrainRequest,
-} from "../server/jobs/mod.ts";
+import { JobRunner, JobStore, type TrainConfig, type TrainRequest } from "../server/jobs/mod.ts";
+import { saveCheckpoint } from "../checkpoint/checkpoint.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { until } from "./_wait.ts";
 

@@ -5,7 +5,8 @@
  */
 
 import assert from "node:assert/strict";
-import { lockDataDir, type TrainConfig } from "../server/jobs/mod.ts";
+import { lockDataDir } from "../server/lock.ts";
+import { type TrainConfig } from "../server/jobs/mod.ts";
 import { storeSuite } from "./_stores.ts";
 
 const config = { model: "gpt2-tiny", dataset: "sotu", train_iters: 10 } as TrainConfig;

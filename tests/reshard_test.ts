@@ -14,16 +14,12 @@ import type { ControlState } from "../engine/kernels/adamw.ts";
 import { splitParams, tensorParallelConfig } from "../engine/parallel/mod.ts";
 import {
   type CheckpointState,
-  JobRunner,
-  JobStore,
-  listModelSources,
   loadCheckpoint,
-  loadWeights,
   readManifest,
-  resolveModelSource,
   saveCheckpoint,
-  type TrainConfig,
-} from "../server/jobs/mod.ts";
+} from "../checkpoint/checkpoint.ts";
+import { JobRunner, JobStore, type TrainConfig } from "../server/jobs/mod.ts";
+import { listModelSources, loadWeights, resolveModelSource } from "../checkpoint/model_source.ts";
 import { reshardByName, reshardCheckpoint, ReshardError } from "../checkpoint/reshard.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { createApp } from "../server/routes/mod.ts";

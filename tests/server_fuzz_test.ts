@@ -6,7 +6,8 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
-import { GenerationManager, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { GenerationManager } from "../server/generate/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { datasetRoutes } from "../server/routes/datasets.ts";
@@ -195,7 +196,7 @@ async function setup(token: string | null) {
   await new Promise((r) => setTimeout(r, 0));
   const app = createApp({
     runner,
-    generation: new GenerationManager(runner, root),
+    generation: new GenerationManager(runner.pool, root),
     token,
     maxBodyBytes: 4096,
     maxUploadBytes: 16_384,

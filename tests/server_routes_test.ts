@@ -5,7 +5,8 @@
  */
 
 import { deepStrictEqual as assertEquals, match as assertMatch, ok as assert } from "node:assert/strict";
-import { type FromWorker, JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { type FromWorker } from "../protocol.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { until } from "./_wait.ts";

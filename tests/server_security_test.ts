@@ -6,7 +6,8 @@
  */
 
 import { deepStrictEqual as assertEquals, ok as assert } from "node:assert/strict";
-import { JobRunner, JobStore, type Limits } from "../server/jobs/mod.ts";
+import { JobRunner, JobStore } from "../server/jobs/mod.ts";
+import { type Limits } from "../server/settings.ts";
 import { ScriptedWorker } from "./fakes/fake_worker.ts";
 import { type AppOptions, createApp } from "../server/routes/mod.ts";
 import { datasetRoutes } from "../server/routes/datasets.ts";

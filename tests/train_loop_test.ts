@@ -9,7 +9,9 @@
 import assert from "node:assert/strict";
 import { presetConfig } from "../model/config.ts";
 import { prepareDataset } from "../data/mod.ts";
-import { type FromWorker, listCheckpoints, loadCheckpoint, type TrainConfig } from "../server/jobs/mod.ts";
+import { type FromWorker } from "../protocol.ts";
+import { listCheckpoints, loadCheckpoint } from "../checkpoint/checkpoint.ts";
+import { type TrainConfig } from "../server/jobs/mod.ts";
 import { runTraining, type TrainHooks } from "../worker/train_loop.ts";
 import { noGpu, testContext } from "./_helpers.ts";
 

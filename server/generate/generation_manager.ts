@@ -28,7 +28,7 @@ import {
 } from "../../checkpoint/model_source.ts";
 import { readChatTemplate } from "../../checkpoint/checkpoint.ts";
 import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
-import type { GenerationReport, JobRunner } from "../jobs/runner.ts";
+import type { GenerationReport, GpuPool } from "../gpus/gpu_pool.ts";
 import { encodePrompt, fitPromptTokens, TextStream } from "./text_stream.ts";
 
 /** A generation request, validated by the routes (ranges), not yet against the model. */
@@ -479,7 +479,6 @@ async function rehearse(gen: Generation, req: WorkerGeneration): Promise<void> {
   });
 }
 
-/** Starts generations on the runner's GPU Workers and routes their reports back. */
 /** A rehearsal handed to a Worker ends by then (answered or not: the warm-up never waits longer). */
 const REHEARSAL_TIMEOUT_MS = 10_000;
 /** How long a model lookup serves later requests for the same id (GenerationManager #resolve). */
@@ -487,8 +486,9 @@ const MODEL_CACHE_MS = 250;
 /** Past MODEL_CACHE_MS a lookup is reused while its files' signature holds (modelSourceStamp), up to this age. */
 const MODEL_STAMP_MS = 30_000;
 
+/** Starts generations on the pool's GPU Workers and routes their reports back. */
 export class GenerationManager {
-  #runner: JobRunner;
+  #pool: GpuPool;
   #root: string;
   #opts: Required<Omit<GenerationManagerOptions, "roles">> & { roles: GpuRoles | null };
   /** Generations whose Worker has not reported them finished (cancelled ones included). */
@@ -524,16 +524,19 @@ export class GenerationManager {
   /** Where each loaded model (path@version) went last, to batch its requests on one GPU. */
   #placed = new Map<string, number>();
 
-  /** `root` is the data directory (checkpoints/ and models/ under it). */
-  constructor(runner: JobRunner, root: string, opts: GenerationManagerOptions = {}) {
-    this.#runner = runner;
+  /**
+   * `pool` holds the GPU Workers (shared with the job runner); `root` is the data directory
+   * (checkpoints/ and models/ under it).
+   */
+  constructor(pool: GpuPool, root: string, opts: GenerationManagerOptions = {}) {
+    this.#pool = pool;
     this.#root = root;
     this.#opts = {
       roles: opts.roles ?? null,
       maxWaiting: opts.maxWaiting ?? 256,
       timeoutMs: opts.timeoutMs ?? 600_000,
     };
-    runner.onGeneration((gpu, msg) => this.#onReport(gpu, msg));
+    pool.onGeneration((gpu, msg) => this.#onReport(gpu, msg));
   }
 
   /** Generations still running on a GPU (a cancelled one until its Worker confirms). */
@@ -687,7 +690,7 @@ export class GenerationManager {
         },
         rehearsal && gpu < 0 ? () => {} : () => {
           try {
-            this.#runner.postGeneration(gpu, { type: "generate_cancel", id });
+            this.#pool.postGeneration(gpu, { type: "generate_cancel", id });
           } catch { /* worker gone */ }
         },
         rehearsal ? this.#rehearsalSink : this.#sink,
@@ -703,11 +706,11 @@ export class GenerationManager {
         this.#rehearsed.worker++;
         request.rehearsal = true;
         this.#rehearsing.set(id, gen);
-        this.#runner.postGeneration(gpu, { type: "generate", request });
+        this.#pool.postGeneration(gpu, { type: "generate", request });
         continue;
       }
       this.#live.set(id, gen);
-      this.#runner.postGeneration(gpu, { type: "generate", request });
+      this.#pool.postGeneration(gpu, { type: "generate", request });
       this.#stats.started++;
       this.#stats.prompt_tokens += prompt.tokens.length;
     }
@@ -717,9 +720,7 @@ export class GenerationManager {
   /** A GPU whose Worker is ready and idle (not training) and may generate, or -1: where a rehearsal goes. */
   #rehearsalGpu(): number {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
-    const idle = this.#runner.gpuStates().find((g) =>
-      g.state === "idle" && (!allowed || allowed.has(g.index))
-    );
+    const idle = this.#pool.gpuStates().find((g) => g.state === "idle" && (!allowed || allowed.has(g.index)));
     return idle?.index ?? -1;
   }
 
@@ -731,7 +732,7 @@ export class GenerationManager {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
     for (const end = Date.now() + timeoutMs;;) {
       if (this.#rehearsalGpu() >= 0) return true;
-      const gpus = this.#runner.gpuStates().filter((g) => !allowed || allowed.has(g.index));
+      const gpus = this.#pool.gpuStates().filter((g) => !allowed || allowed.has(g.index));
       if (!gpus.some((g) => g.state === "starting") || Date.now() > end) return false;
       await new Promise((r) => setTimeout(r, 50));
     }
@@ -744,7 +745,7 @@ export class GenerationManager {
   async #pickGpu(key: string): Promise<number> {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
     for (const end = Date.now() + READY_TIMEOUT_MS;;) {
-      const gpus = this.#runner.gpuStates().filter((g) => !allowed || allowed.has(g.index));
+      const gpus = this.#pool.gpuStates().filter((g) => !allowed || allowed.has(g.index));
       const ready = gpus.filter((g) => g.state === "idle" || g.state === "busy");
       if (ready.length === 1) {
         this.#placed.set(key, ready[0].index);

@@ -1,11 +1,11 @@
 /**
- * The job runner: the HTTP process's side of training. It holds one port per GPU (a Worker in the
- * GPU host process, see host_client.ts; each Worker opens its own device, since mapAsync and
- * onSubmittedWorkDone block the JS thread), feeds each GPU's FIFO queue from the store, turns
- * Worker messages into stored metrics and events, and fans events out to live subscribers (the
- * SSE routes). Jobs whose Worker died, or that a dead server left running, are marked
- * interrupted; they go to the head of their queue and resume from their newest checkpoint. A
- * graceful `stop()` has every running job save a checkpoint at its current step first.
+ * The job runner: the HTTP process's side of training. It is one of the GPU pool's two clients
+ * (server/gpus/gpu_pool.ts holds one Worker per GPU; the generation manager is the other): it
+ * feeds each GPU's FIFO queue from the store, turns Worker reports into stored metrics and events,
+ * and fans events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
+ * server left running, are marked interrupted; they go to the head of their queue and resume from
+ * their newest checkpoint. A graceful `stop()` has every running job save a checkpoint at its
+ * current step first.
  *
  * Several hosts (`leases`, PostgreSQL): the queue is shared. A host claims the next waiting job
  * it can place (server/jobs/leases.ts) whenever a training GPU frees up, a job is queued anywhere
@@ -18,28 +18,24 @@
  * the runner answers from the lease as the database has it at that moment.
  */
 
-import { isFinished, isStoreUnavailable, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
+import { isFinished, type JobStore } from "./job_store.ts";
 import { StoreBacklog, type StoreState } from "./store_backlog.ts";
+import { JobRecords, type Listener } from "./job_records.ts";
 import type { LeaseKeeper } from "./leases.ts";
 import {
   GpuUnavailableError,
   InvalidJobError,
   JobConflictError,
   JobNotFoundError,
-  ModelNotFoundError,
 } from "../../model/errors.ts";
-import { resolveModelSource } from "../../checkpoint/model_source.ts";
-import { encode } from "gpt-tokenizer/encoding/r50k_base";
-import type { FromWorker, FromWorkerGeneration, ModelSource, ToWorker, WorkerJob } from "../../protocol.ts";
-import type { SpawnWorker, WorkerPort } from "../../protocol.ts";
+import type { FromWorker, ModelSource, SpawnWorker, WorkerJob } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
+import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
-import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
-import { COMMIT_CHECK_MS, compileLine } from "../../protocol.ts";
-import { evalTaskFigures } from "./compare.ts";
-import { checkEvalData } from "./task_files.ts";
-import { getDataset } from "../../data/store.ts";
-import { isChatDataset } from "../../data/chat_dataset.ts";
+import type { Job } from "../../model/job.ts";
+import { CommitFence } from "./commit_fence.ts";
+import { ReportRecorder } from "./job_reports.ts";
+import { checkEvaluation, checkTrainConfig, modelSource, resolveResume, unknownModel } from "./job_checks.ts";
 import {
   completeConfig,
   completeEvalConfig,
@@ -51,38 +47,7 @@ import {
 
 export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 
-/** A job whose Worker died this many times without getting further fails instead of resuming again. */
-const MAX_CRASHES_WITHOUT_PROGRESS = 3;
-/** Between two asks of an unreachable database whether a checkpoint may be committed, ms. */
-const COMMIT_RETRY_MS = 500;
-
-/** What one GPU slot is doing. */
-export interface GpuState {
-  index: number;
-  state: "starting" | "idle" | "busy" | "unavailable";
-  adapter: string | null;
-  error: string | null;
-  job: string | null;
-  queued: number;
-  max_buffer_bytes: number | null;
-  /** PCI bus of the GPU the Worker landed on, when known. */
-  pci_bus: string | null;
-}
-
-interface Slot {
-  index: number;
-  /** A data-parallel job waiting for more free GPUs holds this one for itself. */
-  reserved: string | null;
-  worker: WorkerPort;
-  state: GpuState["state"];
-  pciBus: string | null;
-  closed: boolean;
-  adapter: string | null;
-  error: string | null;
-  job: string | null;
-  maxBuffer: number | null;
-  maxBinding: number | null;
-}
+type Slot = GpuSlot;
 
 /** A data-parallel job on several slots: its ranks in order, and what each has reported at its end. */
 interface Gang {
@@ -98,11 +63,6 @@ interface Gang {
 
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
 const PEER_FAILURE = /^Communicator (aborted|timed out)/;
-
-/** Least ms between two server log lines of one build's kernel compilation. */
-const COMPILE_LOG_MS = 5000;
-/** A build's end is logged when it took at least this long (or was logged before). */
-const COMPILE_LOG_END_MS = 1000;
 
 /** Options of {@link JobRunner}. */
 export interface RunnerOptions {
@@ -135,47 +95,39 @@ export interface RunnerOptions {
   skipOwners?: () => string[];
 }
 
-/** Default of {@link RunnerOptions.stallMs}. */
-export const DEFAULT_STALL_MS = 600_000;
-
-type Listener = (e: JobEvent) => void;
-
-/** What a GPU Worker reports about generations, plus its crash (every generation on it is lost). */
-export type GenerationReport = FromWorkerGeneration | { type: "gen_crash"; error: string };
-
 /** Schedules jobs onto GPU Workers and records what they report. */
 export class JobRunner {
   #store: JobStore;
   #opts: RunnerOptions;
-  #slots: Slot[] = [];
-  #listeners = new Map<string, Set<Listener>>();
+  /** The GPU slots and their Workers, shared with the generation manager. */
+  #pool: GpuPool;
   #stopped = false;
   /** Set by stop(): no new job starts; running ones save and end "interrupted". */
   #draining = false;
-  /** Worker deaths per job since it last got further: id -> [count, iteration]. */
-  #crashes = new Map<string, [number, number]>();
-  #generation: ((gpu: number, msg: GenerationReport) => void) | null = null;
   /** Data-parallel jobs gathering GPUs or running, by job id. */
   #gangs = new Map<string, Gang>();
-  /** Builds compiling now (by job id, or GPU and model): when last logged (or begun), and whether at all. */
-  #compileLogged = new Map<string, { at: number; logged: boolean }>();
-  /** Jobs another host took over while they ran here: nothing more is written for them. */
-  #lost = new Set<string>();
-  /** Jobs whose checkpoint was refused at its commit: when their Workers are replaced if they have not ended. */
-  #fenceTimers = new Map<string, ReturnType<typeof setTimeout>>();
+  /** Writes what Workers report on their jobs (through the fenced, ordered writes below). */
+  #recorder = new ReportRecorder({
+    update: (id, patch) => this.#records.update(id, patch),
+    metric: (id, p) => this.#records.metric(id, p),
+    emit: (id, type, data) => this.#records.emit(id, type, data),
+    progressed: (id) => this.#records.progressed(id),
+  });
+  /** Answers Workers asking whether they may commit a checkpoint (the fence on the files). */
+  #fence: CommitFence;
   #poll: ReturnType<typeof setInterval> | null = null;
   #unlistenStore: (() => void) | null = null;
   /** Writes kept, in order, while the store is away. */
   #backlog: StoreBacklog;
+  /** The job's records, events and lease, fenced and kept in order. */
+  #records: JobRecords;
   /** Each GPU's queue length when the store last answered (shown while it is away). */
   #queued: number[] = [];
-  /** When each busy slot's Worker last reported on its job (the watchdog's clock), by slot index. */
-  #reported = new Map<number, number>();
-  #watchdog: ReturnType<typeof setInterval> | null = null;
 
   constructor(store: JobStore, opts: RunnerOptions) {
     this.#store = store;
     this.#opts = opts;
+    this.#pool = new GpuPool({ gpus: opts.gpus, spawn: opts.spawn, host: opts.host, stallMs: opts.stallMs });
     this.#backlog = new StoreBacklog({
       probe: () => store.writeError(),
       retryMs: opts.storeRetryMs,
@@ -191,8 +143,17 @@ export class JobRunner {
             leases.beat();
           } catch { /* the next beat tries again */ }
         }
-        if (!this.#stopped && !this.#draining) { for (const s of this.#slots) this.#dispatch(s.index); }
+        if (!this.#stopped && !this.#draining) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
       },
+    });
+    this.#records = new JobRecords(store, this.#backlog, opts.leases, (id) => this.#leaseLost(id));
+    this.#fence = new CommitFence({
+      leases: opts.leases,
+      pool: this.#pool,
+      records: this.#records,
+      backlog: this.#backlog,
+      stopped: () => this.#stopped,
+      forgetCrashes: (id) => this.#records.progressed(id),
     });
   }
 
@@ -219,7 +180,7 @@ export class JobRunner {
     const leases = this.#opts.leases;
     if (leases) {
       // Only this host's own jobs are let go (any host may resume them); the others' stay theirs.
-      for (const job of leases.start()) this.#recovered(job);
+      for (const job of leases.start()) this.#records.recovered(job);
       const look = () => queueMicrotask(() => this.#claimWaiting());
       this.#poll = setInterval(look, this.#opts.pollMs ?? 1000);
       this.#unlistenStore = this.#store.onEvent((e) => {
@@ -228,27 +189,19 @@ export class JobRunner {
     } else {
       // Jobs left on GPUs this server does not have (fewer GPUs than last time) move to the others.
       this.#store.requeueBeyond(this.#opts.gpus);
-      for (const job of this.#store.markInterrupted()) this.#recovered(job);
+      for (const job of this.#store.markInterrupted()) this.#records.recovered(job);
     }
-    for (let i = 0; i < this.#opts.gpus; i++) this.#slots.push(this.#spawn(i));
-    const stallMs = this.#opts.stallMs ?? DEFAULT_STALL_MS;
-    if (stallMs > 0) {
-      this.#watchdog = setInterval(() => this.#checkStalls(stallMs), Math.min(5000, stallMs / 4));
-    }
+    this.#pool.start({
+      slotChanged: (slot) => this.#dispatch(slot.index),
+      report: (slot, msg) => this.#onReport(slot, msg),
+      crashed: (slot, message) => this.#onCrash(slot, message),
+      stalled: (slot, message) => this.#records.emit(slot.job!, "log", { level: "error", message }),
+    });
   }
 
-  /** A job a dead server (this one, before its restart) left running: logged, and finished if being cancelled. */
-  #recovered(job: Job): void {
-    {
-      const cancelled = job.cancel_requested;
-      this.#emit(job.id, "log", {
-        level: "warn",
-        message: `Server restarted while job "${job.id}" was running at iteration ${job.iteration}: ` +
-          (cancelled ? "it was being cancelled" : "resuming"),
-        status: "interrupted",
-      });
-      if (cancelled) this.#finish(job.id, "cancelled", job.iteration, null);
-    }
+  /** The GPU slots and their Workers (the generation manager's way to the GPUs). */
+  get pool(): GpuPool {
+    return this.#pool;
   }
 
   /** A heartbeat found that another host took job `id` over: stop it here at once. */
@@ -258,10 +211,10 @@ export class JobRunner {
 
   /** A cancel for job `id`, running here, was sent through another host. */
   cancelFromElsewhere(id: string): void {
-    const running = this.#slots.filter((s) => s.job === id);
+    const running = this.#pool.slots.filter((s) => s.job === id);
     if (running.length === 0) return;
     for (const slot of running) slot.worker.postMessage({ type: "cancel" });
-    this.#emit(id, "log", { level: "info", message: "Cancel requested through another host" });
+    this.#records.emit(id, "log", { level: "info", message: "Cancel requested through another host" });
   }
 
   /** Directory of a job's checkpoints. */
@@ -271,11 +224,7 @@ export class JobRunner {
 
   /** The error naming `id` unknown in `field`, as {@link modelSource} words it: the same for a model that is another user's. */
   unknownModel(id: string, field: string): InvalidJobError {
-    return new InvalidJobError(
-      field,
-      `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
-        "(see GET /v1/models)",
-    );
+    return unknownModel(id, field);
   }
 
   /**
@@ -290,47 +239,13 @@ export class JobRunner {
     const gpu = this.#pickGpu();
     const source = req.init_from ? await this.modelSource(req.init_from, "init_from") : null;
     const config = completeConfig(req, this.device(gpu), source);
-    const dp = config.data_parallel ?? 1, tp = config.tensor_parallel ?? 1;
-    const trainers = this.#trainSlots().length;
-    if (dp * tp > trainers) {
-      const what = tp > 1 ? `data_parallel ${dp} × tensor_parallel ${tp}` : `data_parallel ${dp}`;
-      throw new InvalidJobError(
-        tp > 1 ? "tensor_parallel" : "data_parallel",
-        `${what} needs ${dp * tp} GPU workers that take training; this server has ${trainers} ` +
-          `(GPT2_GPUS, GPT2_GPU_ROLES)`,
-      );
-    }
-    if (!(await this.#opts.datasetExists(config.dataset))) {
-      throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
-    }
-    const sft = config.objective === "sft";
-    if (sft && !isChatDataset(await getDataset(this.#opts.root, config.dataset).catch(() => undefined))) {
-      throw new InvalidJobError(
-        "dataset",
-        `Dataset "${config.dataset}" holds no conversations: objective "sft" needs a chat dataset ` +
-          `(POST /datasets with "format": "chat")`,
-      );
-    }
-    const splits = await this.#opts.splitTokens?.(config.dataset);
-    for (const split of ["train", "valid", "test"] as const) {
-      // A split weighted 0 is empty on purpose and simply not evaluated; SFT pads its packed rows.
-      if (!splits || sft || splits[split] === 0 || splits[split] > config.seq_len) continue;
-      throw new InvalidJobError(
-        "seq_len",
-        `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +
-          `fewer than one sequence of seq_len + 1 = ${config.seq_len + 1}`,
-      );
-    }
-    for (const [i, t] of (config.eval_tasks ?? []).entries()) {
-      await checkEvalData(this.#opts.root, t, `eval_tasks.${i}.`, this.#opts.datasetExists);
-    }
-    if (config.resume_from) await this.#resolveResume(config.resume_from);
+    await checkTrainConfig(this.#opts, config, this.#trainSlots().length);
     const id = `job_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)) },
     });
-    this.#emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
+    this.#records.emit(id, "log", { level: "info", message: `Queued on GPU ${gpu}`, status: "queued" });
     this.#dispatch(gpu);
     return job; // as accepted: "queued", even if its GPU already took it
   }
@@ -339,14 +254,8 @@ export class JobRunner {
    * A model the server knows (see checkpoint/model_source.ts), for `field`: an unknown or unusable
    * one is an InvalidJobError naming that field.
    */
-  async modelSource(id: string, field: string): Promise<ModelSource> {
-    try {
-      return await resolveModelSource(this.#opts.root, id);
-    } catch (e) {
-      if (e instanceof ModelNotFoundError) throw this.unknownModel(id, field);
-      if (e instanceof InvalidJobError) throw new InvalidJobError(field, e.message);
-      throw e;
-    }
+  modelSource(id: string, field: string): Promise<ModelSource> {
+    return modelSource(this.#opts.root, id, field);
   }
 
   /**
@@ -359,36 +268,14 @@ export class JobRunner {
     }
     const source = await this.modelSource(req.model, "model");
     const config = completeEvalConfig(req, source);
-    // Texts join with <|endoftext|>, so only a lone short text can be under the two tokens scoring needs.
-    const [only] = req.texts ?? [];
-    if (req.task === "perplexity" && req.texts?.length === 1 && only.length < 64) {
-      if (encode(only, { disallowedSpecial: new Set() }).length < 2) {
-        throw new InvalidJobError(
-          "texts.0",
-          `Cannot evaluate the perplexity of "${only}": it is one token, and scoring needs two`,
-        );
-      }
-    }
-    await checkEvalData(this.#opts.root, { examples_file: req.examples_file }, "", this.#opts.datasetExists);
-    if (req.dataset !== undefined) {
-      if (!(await this.#opts.datasetExists(req.dataset))) {
-        throw new InvalidJobError("dataset", `Unknown dataset "${req.dataset}"`);
-      }
-      const tokens = (await this.#opts.splitTokens?.(req.dataset))?.[req.split];
-      if (tokens !== undefined && tokens < 2) {
-        throw new InvalidJobError(
-          "split",
-          `The ${req.split} split of dataset "${req.dataset}" has ${tokens} tokens: nothing to evaluate`,
-        );
-      }
-    }
+    await checkEvaluation(this.#opts, req);
     const gpu = this.#pickGpu();
     const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
       metrics: { gpu_memory_estimate_bytes: estimateBytes(config, this.device(gpu)), evaluation: null },
     });
-    this.#emit(id, "log", {
+    this.#records.emit(id, "log", {
       level: "info",
       message: `Queued on GPU ${gpu}: ${req.task} of "${source.id}"`,
       status: "queued",
@@ -405,8 +292,8 @@ export class JobRunner {
       throw new JobConflictError(`Cannot cancel job "${id}": it already ${job.status}`);
     }
     if (job.status === "running") {
-      for (const slot of this.#slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
-      this.#emit(id, "log", { level: "info", message: "Cancel requested" }, false);
+      for (const slot of this.#pool.slots) if (slot.job === id) slot.worker.postMessage({ type: "cancel" });
+      this.#records.emit(id, "log", { level: "info", message: "Cancel requested" }, false);
       return this.#store.updateJob(id, { cancel_requested: true });
     }
     const gang = this.#gangs.get(id);
@@ -421,7 +308,7 @@ export class JobRunner {
       cancel_requested: true,
       finished_at: new Date().toISOString(),
     });
-    this.#emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null }, false);
+    this.#records.emit(id, "done", { status: "cancelled", iteration: job.iteration, error: null }, false);
     return this.#store.getJob(id)!;
   }
 
@@ -451,43 +338,27 @@ export class JobRunner {
       if (!(e instanceof Deno.errors.NotFound)) throw e;
     });
     this.#store.deleteJob(id);
-    this.#listeners.delete(id);
+    this.#records.forget(id);
   }
 
   /** Calls `fn` with every new event of job `id` until the returned function is called. */
   subscribe(id: string, fn: Listener): () => void {
-    let set = this.#listeners.get(id);
-    if (!set) this.#listeners.set(id, set = new Set());
-    set.add(fn);
-    return () => {
-      set.delete(fn);
-      if (set.size === 0) this.#listeners.delete(id);
-    };
+    return this.#records.subscribe(id, fn);
   }
 
   /** What GPU `gpu` reported about itself (for the memory fit check), or null before it is ready. */
   device(gpu: number): DeviceBudget | null {
-    const s = this.#slots[gpu];
-    if (!s || s.maxBinding === null) return null;
-    return { adapter: s.adapter, max_binding_bytes: s.maxBinding, max_buffer_bytes: s.maxBuffer };
+    return this.#pool.device(gpu);
   }
 
   /** The GPU host's state, or null when Workers run in this process. */
   hostStatus(): HostStatus | null {
-    return this.#opts.host?.() ?? null;
-  }
-
-  /**
-   * Each GPU slot's index, state and error alone, read from memory: what placing a generation
-   * needs, on every request (gpus() also asks the store for each queue's length).
-   */
-  gpuStates(): Pick<GpuState, "index" | "state" | "error">[] {
-    return this.#slots.map((s) => ({ index: s.index, state: s.state, error: s.error }));
+    return this.#pool.hostStatus();
   }
 
   /** State of each GPU slot. */
   gpus(): GpuState[] {
-    return this.#slots.map((s) => ({
+    return this.#pool.slots.map((s) => ({
       index: s.index,
       state: s.state,
       adapter: s.adapter,
@@ -511,18 +382,6 @@ export class JobRunner {
     return this.#queued[gpu] ?? 0;
   }
 
-  /** Posts a generation message to GPU `gpu`'s Worker (see server/generate/generation_manager.ts). */
-  postGeneration(gpu: number, msg: Extract<ToWorker, { type: "generate" | "generate_cancel" }>): void {
-    const slot = this.#slots[gpu];
-    if (!slot || this.#stopped) throw new Error(`GPU ${gpu} has no worker`);
-    slot.worker.postMessage(msg);
-  }
-
-  /** Receives every Worker's generation reports (one receiver: the generation manager). */
-  onGeneration(fn: (gpu: number, msg: GenerationReport) => void): void {
-    this.#generation = fn;
-  }
-
   /** Whether stop() has begun. */
   get draining(): boolean {
     return this.#draining;
@@ -541,23 +400,12 @@ export class JobRunner {
     const until = async (done: () => boolean) => {
       while (!done() && Date.now() < deadline) await new Promise((r) => setTimeout(r, 20));
     };
-    for (const s of this.#slots) if (s.job) s.worker.postMessage({ type: "stop" });
-    await until(() => this.#slots.every((s) => !s.job || s.state === "unavailable"));
-    for (const s of this.#slots) {
-      this.#generation?.(s.index, { type: "gen_crash", error: "Server is shutting down" });
-    }
-    for (const [id, set] of this.#listeners) {
-      const event: JobEvent = {
-        id: 0,
-        job_id: id,
-        type: "shutdown",
-        data: { message: "Server is shutting down" },
-        at: new Date().toISOString(),
-      };
-      for (const fn of set) fn(event);
-    }
-    for (const s of this.#slots) s.worker.postMessage({ type: "shutdown" });
-    await until(() => this.#slots.every((s) => s.closed || s.state === "unavailable"));
+    this.#pool.drain();
+    for (const s of this.#pool.slots) if (s.job) s.worker.postMessage({ type: "stop" });
+    await until(() => this.#pool.slots.every((s) => !s.job || s.state === "unavailable"));
+    this.#pool.generationsLost("Server is shutting down");
+    this.#records.shutdownEvent("Server is shutting down");
+    await this.#pool.close(deadline);
     // Records kept while the store was away: one last try (what stays unwritten is logged).
     if (this.#backlog.state().pending > 0) this.#backlog.flush();
     const { pending } = this.#backlog.state();
@@ -570,41 +418,16 @@ export class JobRunner {
     this.#stopped = true;
     this.#draining = true;
     this.#backlog.stop();
-    if (this.#watchdog !== null) clearInterval(this.#watchdog);
     if (this.#poll !== null) clearInterval(this.#poll);
-    for (const timer of this.#fenceTimers.values()) clearTimeout(timer);
-    this.#fenceTimers.clear();
+    this.#fence.stop();
     this.#unlistenStore?.();
-    for (const s of this.#slots) s.worker.terminate();
-    this.#listeners.clear();
-  }
-
-  #spawn(index: number): Slot {
-    const slot: Slot = {
-      index,
-      reserved: null,
-      worker: this.#opts.spawn(index),
-      state: "starting",
-      pciBus: null,
-      closed: false,
-      adapter: null,
-      error: null,
-      job: null,
-      maxBuffer: null,
-      maxBinding: null,
-    };
-    slot.worker.onmessage = (e) => this.#onMessage(slot, e.data);
-    slot.worker.onerror = (e) => {
-      e.preventDefault();
-      this.#onCrash(slot, e.message ?? String(e));
-    };
-    slot.worker.postMessage({ type: "init", gpu: index });
-    return slot;
+    this.#pool.shutdown();
+    this.#records.clear();
   }
 
   /** Slots that take training jobs. */
   #trainSlots(): Slot[] {
-    return this.#slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
+    return this.#pool.slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
   }
 
   #pickGpu(): number {
@@ -624,22 +447,6 @@ export class JobRunner {
     return best;
   }
 
-  async #resolveResume(spec: string): Promise<string> {
-    const [jobId, name, ...rest] = spec.split("/");
-    if (
-      !/^[A-Za-z0-9_-]+$/.test(jobId) || rest.length > 0 || (name !== undefined && !/^iter_\d+$/.test(name))
-    ) {
-      throw new InvalidJobError(
-        "resume_from",
-        `Invalid resume_from "${spec}": expected "<job id>" or "<job id>/iter_N"`,
-      );
-    }
-    const all = await listCheckpoints(this.checkpointDir(jobId));
-    const found = name ? all.find((c) => c.name === name) : all.at(-1);
-    if (!found) throw new InvalidJobError("resume_from", `Unknown checkpoint "${spec}"`);
-    return found.path;
-  }
-
   /**
    * Starts the next waiting job on `gpu` if its Worker is free. A data-parallel job first gathers
    * free training GPUs (holding each as it frees up, so smaller jobs cannot starve it) and starts
@@ -656,13 +463,15 @@ export class JobRunner {
   }
 
   #dispatchNow(gpu: number): void {
-    const slot = this.#slots[gpu];
+    const slot = this.#pool.slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
       // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
       // (With several hosts the queue is shared: another host may place those jobs.)
       if (!this.#opts.leases) {
-        for (const job of this.#store.queue(gpu)) this.#finish(job.id, "failed", job.iteration, slot.error);
+        for (const job of this.#store.queue(gpu)) {
+          this.#records.finish(job.id, "failed", job.iteration, slot.error);
+        }
       }
       return;
     }
@@ -697,7 +506,7 @@ export class JobRunner {
         }
       }
       if (gang.slots.length < dp) {
-        this.#emit(job.id, "log", {
+        this.#records.emit(job.id, "log", {
           level: "info",
           message: `Waiting for ${dp - gang.slots.length} more free GPU(s) for its ${dp} ranks`,
         });
@@ -708,7 +517,7 @@ export class JobRunner {
     slot.job = job.id;
     slot.state = "busy";
     const wasInterrupted = job.status === "interrupted";
-    this.#update(job.id, {
+    this.#records.update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -717,7 +526,7 @@ export class JobRunner {
       if (this.#stopped) return;
       slot.job = null;
       slot.state = "idle";
-      this.#finish(job.id, "failed", job.iteration, (e as Error).message);
+      this.#records.finish(job.id, "failed", job.iteration, (e as Error).message);
       this.#dispatch(gpu);
     });
   }
@@ -741,14 +550,14 @@ export class JobRunner {
     }
     if (!claim) return null;
     const { job } = claim;
-    this.#lost.delete(job.id);
+    this.#records.lost.delete(job.id);
     if (job.cancel_requested) {
-      this.#finish(job.id, "cancelled", job.iteration, null);
+      this.#records.finish(job.id, "cancelled", job.iteration, null);
       return this.#next(slot);
     }
     if (job.status !== "running") return job;
     // Its host stopped renewing the lease (dead, paused or cut off): it resumes here.
-    this.#emit(job.id, "log", {
+    this.#records.emit(job.id, "log", {
       level: "warn",
       message: `The host running job "${job.id}" stopped renewing its lease at iteration ${job.iteration}: ` +
         `resuming on host "${leases.hostId}" from the newest checkpoint`,
@@ -768,19 +577,19 @@ export class JobRunner {
    * which would save a checkpoint), its lease forgotten, and nothing more is written for it.
    */
   #leaseLost(id: string): void {
-    if (this.#lost.has(id)) return;
-    const iteration = this.#slots.find((s) => s.job === id) ? " while it ran here" : "";
+    if (this.#records.lost.has(id)) return;
+    const iteration = this.#pool.slots.find((s) => s.job === id) ? " while it ran here" : "";
     // Recorded unfenced, as a user's cancel is: the job's other records are the new holder's now.
-    this.#emit(id, "log", {
+    this.#records.emit(id, "log", {
       level: "warn",
       message:
         `Host "${this.#opts.leases?.hostId}" lost its lease on the job${iteration} (it could not renew ` +
         "it in time, e.g. while the job store was unreachable, and another host claimed it): stopped here " +
         "without saving; the job resumes from its newest checkpoint",
     }, false);
-    this.#lost.add(id);
+    this.#records.lost.add(id);
     this.#opts.leases?.forget(id);
-    this.#crashes.delete(id);
+    this.#records.progressed(id);
     this.#replaceWorkers(id);
     console.error(
       `Job "${id}" was taken over by another host after this one missed its lease: stopped here, ` +
@@ -788,165 +597,15 @@ export class JobRunner {
     );
   }
 
-  /**
-   * A Worker asks whether it may commit a checkpoint of job `msg.id` (the fence on the files).
-   * One host always may. With several, the lease is read from the database now, not from this
-   * host's memory: only while its epoch is still the job's and it has not expired (it is then
-   * renewed for a whole lease, so no other host can claim the job before the rename). Otherwise
-   * the answer is no: the Worker removes the checkpoint's temporary folder and ends the job, and
-   * nothing more is written for it here. A database that does not answer is a no as well.
-   */
-  #commitCheck(
-    slot: Slot,
-    msg: Extract<FromWorker, { type: "commit_check" }>,
-    askedAt?: number,
-  ): void {
-    const first = askedAt === undefined;
-    const asked = askedAt ?? Date.now();
-    const answer = (held: boolean, reason: string | null) =>
-      slot.worker.postMessage({ type: "commit_answer", id: msg.id, request: msg.request, held, reason });
-    const leases = this.#opts.leases;
-    if (!leases) return answer(true, null);
-    if (this.#stopped) return; // the Worker is gone with the host
-    let reason: string | null = null;
-    if (this.#lost.has(msg.id)) {
-      reason = "another host took the job over";
-    } else {
-      try {
-        if (!leases.confirm(msg.id)) {
-          reason = `the database says host "${leases.hostId}" no longer holds its lease ` +
-            "(expired, or claimed by another host)";
-        }
-      } catch (e) {
-        // A database that is away: ask again while the Worker waits. Once it answers, the lease holds
-        // unless another host claimed the job meanwhile (expired unclaimed, it is renewed).
-        const until = asked + COMMIT_CHECK_MS - 2000;
-        if (this.#backlog.failed(e) && Date.now() + COMMIT_RETRY_MS < until) {
-          if (first) {
-            const message = `Checkpoint "${msg.name}" waits for the job store to confirm this host's lease ` +
-              `(${(e as Error).message}); at most ${Math.round((until - asked) / 1000)} s`;
-            console.error(`Job "${msg.id}": ${message}`);
-            this.#emit(msg.id, "log", { level: "warn", message });
-          }
-          setTimeout(() => this.#commitCheck(slot, msg, asked), COMMIT_RETRY_MS);
-          return;
-        }
-        reason = `its lease cannot be confirmed: ${(e as Error).message}`;
-      }
-    }
-    if (reason === null) return answer(true, null);
-    answer(false, reason);
-    this.#fenced(msg.id, msg.name, reason);
-  }
-
-  /**
-   * A checkpoint of job `id` was refused at its commit: the job is stopped here. Its Worker ends
-   * the job itself once it has removed the checkpoint's temporary folder (its outcome is not
-   * recorded: the job is another host's, or anyone's once its lease runs out); one that has not
-   * ended within the commit check's time is replaced.
-   */
-  #fenced(id: string, name: string, reason: string): void {
-    if (!this.#lost.has(id)) {
-      this.#lost.add(id);
-      this.#opts.leases?.forget(id);
-      this.#crashes.delete(id);
-      console.error(
-        `Job "${id}": checkpoint "${name}" not committed, ${reason}: stopped here, nothing more is written for it`,
-      );
-    }
-    if (this.#fenceTimers.has(id)) return;
-    const workers = new Set(this.#slots.filter((s) => s.job === id).map((s) => s.worker));
-    this.#fenceTimers.set(
-      id,
-      setTimeout(() => {
-        this.#fenceTimers.delete(id);
-        // Only the Workers of the fenced run, if they still run it (not a later claim of the job here).
-        for (const s of [...this.#slots]) {
-          if (s.job !== id || !workers.has(s.worker) || !this.#lost.has(id)) continue;
-          s.job = null;
-          s.worker.terminate();
-          this.#slots[s.index] = this.#spawn(s.index);
-        }
-      }, COMMIT_CHECK_MS),
-    );
-  }
-
-  /** A fenced job's Workers have all ended: no need to replace them. */
-  #fenceSettled(id: string): void {
-    const timer = this.#fenceTimers.get(id);
-    if (timer === undefined || this.#slots.some((s) => s.job === id)) return;
-    clearTimeout(timer);
-    this.#fenceTimers.delete(id);
-  }
-
   /** Replaces the Workers running job `id` (terminated, not asked to stop) and frees its reserved slots. */
   #replaceWorkers(id: string): void {
     this.#gangs.delete(id);
-    for (const s of [...this.#slots]) {
+    for (const s of [...this.#pool.slots]) {
       if (s.reserved === id) s.reserved = null;
       if (s.job !== id) continue;
       s.job = null;
-      s.worker.terminate();
-      this.#slots[s.index] = this.#spawn(s.index);
+      this.#pool.replace(s);
     }
-  }
-
-  /**
-   * Gives job `id`'s lease back (several hosts): it finished, or any host may resume it now. After
-   * the job's records (kept in order while the store is away); a store that stays away lets the
-   * lease run out by itself.
-   */
-  #release(id: string): void {
-    const leases = this.#opts.leases;
-    if (this.#lost.has(id) || !leases) return;
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      try {
-        leases.release(id);
-      } catch (e) {
-        if (isStoreUnavailable(e)) throw e;
-        console.error(
-          `Cannot give back the lease of job "${id}": ${(e as Error).message} (it runs out by itself)`,
-        );
-      }
-    });
-  }
-
-  /**
-   * Applies `patch` to job `id`, now or in order once the store is back, then calls `then` with the
-   * job as stored. Fenced on the lease this host holds now (several hosts): a lost lease stops the
-   * job here.
-   */
-  #update(id: string, patch: JobPatch, then?: (job: Job) => void): void {
-    if (this.#lost.has(id)) return;
-    const lease = this.#opts.leases?.lease(id);
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      let job: Job;
-      try {
-        job = this.#store.updateJob(id, patch, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-        return;
-      }
-      then?.(job);
-    });
-  }
-
-  /** A metrics point, kept and fenced as {@link #update}. */
-  #metric(id: string, p: Omit<MetricPoint, "at">): void {
-    if (this.#lost.has(id)) return;
-    const lease = this.#opts.leases?.lease(id);
-    this.#backlog.write(() => {
-      if (this.#lost.has(id)) return;
-      try {
-        this.#store.addMetric(id, p, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-      }
-    }, "metric");
   }
 
   /** Starts a data-parallel job once it holds a slot per rank. */
@@ -967,7 +626,7 @@ export class JobRunner {
       s.reserved = null;
     }
     const wasInterrupted = job.status === "interrupted";
-    this.#update(job.id, {
+    this.#records.update(job.id, {
       status: "running",
       started_at: job.started_at ?? new Date().toISOString(),
       resumes: job.resumes + (wasInterrupted ? 1 : 0),
@@ -1005,14 +664,14 @@ export class JobRunner {
     const all = [...gang.outcomes.values()];
     const failed = all.filter((o) => o.status === "failed");
     if (gang.crash !== null) {
-      this.#crashed(gang.job, gang.crash);
+      this.#records.crashed(gang.job, gang.crash);
     } else if (failed.length > 0) {
       const own = failed.find((o) => !PEER_FAILURE.test(o.error ?? "")) ?? failed[0];
-      this.#finish(gang.job, "failed", lead.iteration, own.error);
+      this.#records.finish(gang.job, "failed", lead.iteration, own.error);
     } else if (lead.status === "interrupted") {
-      this.#interrupted(gang.job, lead.iteration);
+      this.#records.interrupted(gang.job, lead.iteration);
     } else {
-      this.#finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
+      this.#records.finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
     }
     for (const s of gang.slots) this.#dispatch(s.index);
   }
@@ -1022,7 +681,7 @@ export class JobRunner {
     // Its own checkpoints newest first: the Worker passes over one that fails to load or verify.
     const own = (await listCheckpoints(dir)).reverse().map((ck) => ck.path);
     const resume_path = own[0] ??
-      (job.config.resume_from ? await this.#resolveResume(job.config.resume_from) : null);
+      (job.config.resume_from ? await resolveResume(this.#opts.root, job.config.resume_from) : null);
     // A fine-tuning job's source (until it has checkpoints of its own), or the evaluated model.
     const c = job.config;
     const init = c.evaluate?.model ?? (resume_path ? undefined : c.init_from);
@@ -1049,7 +708,7 @@ export class JobRunner {
         : `GPU ${slot.index}`;
       const leases = this.#opts.leases;
       if (leases) where += ` of host "${leases.hostId}"`;
-      this.#emit(job.id, "log", {
+      this.#records.emit(job.id, "log", {
         level: "info",
         message: resume_path
           ? `Running on ${where} from checkpoint "${resume_path}"`
@@ -1063,13 +722,12 @@ export class JobRunner {
   }
 
   /**
-   * A Worker's message. Nothing it causes may escape to the port: an error there would stop the
-   * host's relay of every GPU's messages (and with it the host). It is logged instead, and an
+   * A Worker's report on a job. Nothing it causes may escape to the port: an error there would stop
+   * the host's relay of every GPU's messages (and with it the host). It is logged instead, and an
    * unreachable store becomes the runner's store state.
    */
-  #onMessage(slot: Slot, msg: FromWorker): void {
+  #onReport(slot: Slot, msg: JobReport): void {
     if (this.#stopped) return;
-    if ("id" in msg && msg.id !== null && msg.id === slot.job) this.#reported.set(slot.index, Date.now());
     try {
       this.#handle(slot, msg);
     } catch (e) {
@@ -1080,264 +738,48 @@ export class JobRunner {
     }
   }
 
-  #handle(slot: Slot, msg: FromWorker): void {
+  #handle(slot: Slot, msg: JobReport): void {
     switch (msg.type) {
-      case "gen_started":
-      case "gen_tokens":
-      case "gen_done":
-        this.#generation?.(slot.index, msg);
-        return;
-      case "ready":
-        slot.state = "idle";
-        slot.pciBus = msg.pci_bus ?? null;
-        slot.adapter = msg.adapter;
-        slot.maxBuffer = msg.max_buffer_bytes;
-        slot.maxBinding = msg.max_binding_bytes;
-        this.#dispatch(slot.index);
-        return;
-      case "closed":
-        slot.closed = true;
-        return;
-      case "unavailable":
-        slot.state = "unavailable";
-        slot.error = msg.error;
-        this.#dispatch(slot.index);
-        return;
-      case "started":
-        this.#update(msg.id, {
-          iteration: msg.iteration,
-          resumed_from: msg.resumed_from,
-          metrics: { gpu_memory_bytes: msg.gpu_memory_bytes },
-        });
-        this.#emit(msg.id, "log", {
-          level: "info",
-          message: msg.resumed_from
-            ? `Resumed from "${msg.resumed_from}" at iteration ${msg.iteration}`
-            : `Started at iteration ${msg.iteration}`,
-          iteration: msg.iteration,
-          resumed_from: msg.resumed_from,
-        });
-        return;
-      case "progress": {
-        const { id, type: _, ...rest } = msg;
-        this.#update(id, {
-          iteration: msg.iteration,
-          metrics: {
-            ...(msg.loss !== null ? { loss: msg.loss, grad_norm: msg.grad_norm } : {}),
-            lr: msg.lr,
-            tokens_per_s: msg.tokens_per_s,
-            timings: msg.timings,
-            gpu_memory_bytes: msg.gpu_memory_bytes,
-            skipped_steps: msg.skipped_steps,
-            loss_scale: msg.loss_scale,
-            ...(msg.ranks ? { ranks: msg.ranks } : {}),
-          },
-        });
-        if (msg.loss !== null) {
-          this.#metric(id, {
-            iteration: msg.iteration,
-            split: "train",
-            loss: msg.loss,
-            perplexity: Math.exp(msg.loss),
-            lr: msg.lr,
-            tokens_per_s: msg.tokens_per_s,
-          });
-        }
-        this.#emit(id, "progress", { kind: "train", ...rest });
-        this.#crashes.delete(id);
-        return;
-      }
-      case "eval": {
-        const metrics = msg.split === "valid"
-          ? { val_loss: msg.loss, val_perplexity: msg.perplexity, val_tokens: msg.tokens }
-          : { test_loss: msg.loss, test_perplexity: msg.perplexity, test_tokens: msg.tokens };
-        this.#update(msg.id, { metrics });
-        this.#metric(msg.id, {
-          iteration: msg.iteration,
-          split: msg.split,
-          loss: msg.loss,
-          perplexity: msg.perplexity,
-          lr: null,
-          tokens_per_s: null,
-        });
-        this.#emit(msg.id, "progress", {
-          kind: "eval",
-          split: msg.split,
-          iteration: msg.iteration,
-          loss: msg.loss,
-          perplexity: msg.perplexity,
-          tokens: msg.tokens,
-        });
-        return;
-      }
-      case "evaluation": {
-        const { type: _, id, result, ...progress } = msg;
-        this.#emit(id, "progress", { kind: "evaluate", ...progress });
-        if (result) {
-          this.#update(id, {
-            metrics: { evaluation: result, tokens_per_s: result.tokens_per_s, test_loss: result.loss },
-          });
-          this.#emit(id, "evaluation", { ...result });
-        }
-        this.#crashes.delete(id);
-        return;
-      }
-      case "eval_task": {
-        const { id, iteration, name, task, result, error } = msg;
-        this.#crashes.delete(id);
-        if (!result && error === undefined) return; // progress: the watchdog has heard from the job
-        if (result) {
-          this.#metric(id, {
-            iteration,
-            split: `eval:${name}`,
-            loss: result.loss,
-            perplexity: result.perplexity,
-            lr: null,
-            tokens_per_s: result.tokens_per_s,
-          });
-        }
-        this.#emit(id, "eval_task", {
-          iteration,
-          name,
-          task,
-          ...evalTaskFigures(result),
-          ...error ? { error } : {},
-        });
-        return;
-      }
-      case "log":
-        this.#emit(msg.id, "log", { level: msg.level, message: msg.message });
-        return;
-      case "compile": {
-        const { type: _, id, model: __, ...report } = msg;
-        if (id) this.#emit(id, "compile", report);
-        // The server's log: a line every few seconds while a build compiles, and its end unless it
-        // was quick (a generator compiles several such builds, some in the background).
-        const key = id ?? `${slot.index}:${msg.model}`;
-        const now = Date.now(), seen = this.#compileLogged.get(key) ?? { at: now, logged: false };
-        const complete = msg.done >= msg.total;
-        if (
-          complete ? seen.logged || msg.ms >= COMPILE_LOG_END_MS : now - seen.at >= COMPILE_LOG_MS
-        ) {
-          console.log(compileLine(msg, id ?? `GPU ${slot.index}, model ${msg.model}`));
-          Object.assign(seen, { at: now, logged: true });
-        }
-        if (complete) this.#compileLogged.delete(key);
-        else this.#compileLogged.set(key, seen);
-        return;
-      }
       case "commit_check":
-        this.#commitCheck(slot, msg);
-        return;
-      case "checkpoint":
-        this.#update(msg.id, { last_checkpoint: msg.name });
-        this.#emit(msg.id, "checkpoint", { iteration: msg.iteration, name: msg.name, path: msg.path });
+        this.#fence.check(slot, msg);
         return;
       case "done":
         if (this.#gangs.has(msg.id)) {
           this.#onRankDone(slot, msg);
-          this.#fenceSettled(msg.id);
+          this.#fence.settled(msg.id);
           return;
         }
         slot.job = null;
         slot.state = "idle";
-        this.#fenceSettled(msg.id);
+        this.#fence.settled(msg.id);
         if (msg.status === "interrupted") {
-          this.#interrupted(msg.id, msg.iteration);
+          this.#records.interrupted(msg.id, msg.iteration);
         } else {
-          this.#finish(msg.id, msg.status, msg.iteration, msg.error);
+          this.#records.finish(msg.id, msg.status, msg.iteration, msg.error);
         }
         // A user's running quota may have freed: a job of theirs left waiting on another GPU may go.
-        if (this.#opts.skipOwners) { for (const s of this.#slots) this.#dispatch(s.index); }
+        if (this.#opts.skipOwners) { for (const s of this.#pool.slots) this.#dispatch(s.index); }
         else this.#dispatch(slot.index);
         return;
+      default:
+        this.#recorder.record(slot.index, msg);
     }
   }
 
   /**
-   * The watchdog: a running job whose Worker reported nothing for `stallMs` is stopped there (the
-   * Worker replaced) and resumes from its newest checkpoint, or fails after repeated stalls, with
-   * the reason recorded either way.
-   */
-  #checkStalls(stallMs: number): void {
-    if (this.#stopped || this.#draining) return;
-    const now = Date.now();
-    for (const slot of [...this.#slots]) {
-      if (!slot.job || slot.state !== "busy") {
-        this.#reported.delete(slot.index);
-        continue;
-      }
-      const last = this.#reported.get(slot.index);
-      if (last === undefined) {
-        this.#reported.set(slot.index, now);
-        continue;
-      }
-      if (now - last < stallMs) continue;
-      this.#reported.delete(slot.index);
-      const message =
-        `its Worker on GPU ${slot.index} reported nothing for ${Math.round((now - last) / 1000)} s ` +
-        `(GPT2_STALL_S ${stallMs / 1000}): stalled, replaced`;
-      console.error(`Job "${slot.job}": ${message}`);
-      this.#emit(slot.job, "log", { level: "error", message });
-      this.#onCrash(slot, message);
-    }
-  }
-
-  /** A job stopped by the server's shutdown after saving at `iteration`: it resumes there. */
-  #interrupted(id: string, iteration: number): void {
-    this.#update(id, { status: "interrupted", iteration });
-    this.#emit(id, "log", {
-      level: "warn",
-      message: `Stopped by server shutdown at iteration ${iteration}; resumes there on restart`,
-      status: "interrupted",
-      iteration,
-    });
-    this.#release(id);
-  }
-
-  #finish(
-    id: string,
-    status: "succeeded" | "failed" | "cancelled",
-    iteration: number,
-    error: string | null,
-  ): void {
-    const patch = { status, iteration, error, finished_at: new Date().toISOString() };
-    // Not called when another host holds the job now.
-    this.#update(id, patch, (job) => {
-      this.#emit(id, "done", {
-        status,
-        iteration,
-        error,
-        loss: job.metrics.loss,
-        val_loss: job.metrics.val_loss,
-        test_loss: job.metrics.test_loss,
-      });
-      this.#release(id);
-    });
-  }
-
-  /**
-   * A Worker (or the whole GPU host) died: its job becomes "interrupted" and resumes from its
-   * newest checkpoint on a fresh Worker, unless it keeps crashing without getting further.
+   * A Worker (or the whole GPU host) died, and the pool lost its generations: its job becomes
+   * "interrupted" and resumes from its newest checkpoint on a fresh Worker, unless it keeps
+   * crashing without getting further.
    */
   #onCrash(slot: Slot, message: string): void {
-    if (this.#stopped) return;
     const jobId = slot.job;
-    slot.worker.terminate();
-    if (this.#draining) {
-      slot.state = "unavailable";
-      slot.job = null;
-      return; // stopping anyway: the job stays as it is and resumes on the next start
-    }
-    this.#generation?.(slot.index, { type: "gen_crash", error: `GPU worker crashed: ${message}` });
     const gang = jobId ? this.#gangs.get(jobId) : undefined;
     if (gang) {
       // The other ranks fail at their next exchange (the port aborts the communicators); the job
       // resumes once all of them have ended.
       gang.crash ??= message;
       for (const s of gang.slots) if (s !== slot && s.job === jobId) s.worker.postMessage({ type: "cancel" });
-      const replacement = this.#spawn(slot.index);
-      this.#slots[slot.index] = replacement;
+      const replacement = this.#pool.replace(slot);
       gang.slots[gang.slots.indexOf(slot)] = replacement;
       this.#onRankDone(replacement, {
         type: "done",
@@ -1348,59 +790,7 @@ export class JobRunner {
       });
       return;
     }
-    if (jobId) this.#crashed(jobId, message);
-    this.#slots[slot.index] = this.#spawn(slot.index);
-  }
-
-  /** A job's Worker died: it resumes from its newest checkpoint, unless it keeps crashing without progress. */
-  #crashed(jobId: string, message: string): void {
-    // It reads the job's iteration as stored: in order with the job's other records.
-    this.#backlog.write(() => {
-      const job = this.#store.getJob(jobId);
-      const iteration = job?.iteration ?? 0;
-      const [count, at] = this.#crashes.get(jobId) ?? [0, iteration];
-      const crashes = at === iteration ? count + 1 : 1;
-      this.#crashes.set(jobId, [crashes, iteration]);
-      if (crashes >= MAX_CRASHES_WITHOUT_PROGRESS) {
-        this.#crashes.delete(jobId);
-        this.#finish(
-          jobId,
-          "failed",
-          iteration,
-          `GPU worker crashed ${crashes} times at iteration ${iteration}: ${message}`,
-        );
-      } else {
-        this.#update(jobId, { status: "interrupted" });
-        this.#emit(jobId, "log", {
-          level: "warn",
-          message:
-            `GPU worker crashed at iteration ${iteration} (${message}): resuming from the newest checkpoint`,
-          status: "interrupted",
-        });
-        this.#release(jobId);
-      }
-    });
-  }
-
-  /**
-   * Stores and fans out an event. `fenced` (the runner's own events): on this host's lease of the
-   * job, none once another host took it over; a user's cancel is recorded from any host.
-   */
-  #emit(id: string, type: JobEventType, data: Record<string, unknown>, fenced = true): void {
-    if (fenced && this.#lost.has(id)) return;
-    const lease = fenced ? this.#opts.leases?.lease(id) : undefined;
-    // While the store is away, events wait with the other records and reach live streams once written.
-    this.#backlog.write(() => {
-      if (fenced && this.#lost.has(id)) return;
-      let event: JobEvent;
-      try {
-        event = this.#store.addEvent(id, type, data, lease);
-      } catch (e) {
-        if (!(e instanceof LeaseLostError)) throw e;
-        this.#leaseLost(id);
-        return;
-      }
-      for (const fn of this.#listeners.get(id) ?? []) fn(event);
-    });
+    if (jobId) this.#records.crashed(jobId, message);
+    this.#pool.replace(slot);
   }
 }

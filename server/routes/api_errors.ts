@@ -13,8 +13,8 @@ import { HTTPException } from "hono/http-exception";
 import type { ContentfulStatusCode } from "hono/utils/http-status";
 import { zValidator } from "@hono/zod-validator";
 import type { z } from "zod";
+import { GenerationOverloadedError } from "../generate/mod.ts";
 import {
-  GenerationOverloadedError,
   GpuUnavailableError,
   InvalidJobError,
   JobConflictError,

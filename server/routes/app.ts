@@ -14,13 +14,9 @@ import { timingSafeEqual } from "node:crypto";
 import { Hono, type MiddlewareHandler } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import { cors } from "hono/cors";
-import {
-  defaultLimits,
-  type GenerationManager,
-  type JobRunner,
-  type Limits,
-  LOOPBACK_HOSTS,
-} from "../jobs/mod.ts";
+import { defaultLimits, type Limits, LOOPBACK_HOSTS } from "../settings.ts";
+import { type GenerationManager } from "../generate/mod.ts";
+import { type JobRunner } from "../jobs/mod.ts";
 import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";

@@ -17,10 +17,10 @@ import {
   type DoneEvent,
   type Generation,
   type GenerationManager,
-  ModelNotFoundError,
   tokenBytes,
   type TokenEvent,
-} from "../jobs/mod.ts";
+} from "../generate/mod.ts";
+import { ModelNotFoundError } from "../jobs/mod.ts";
 import { CHAT_TEMPLATE, type ChatMessage, checkMessages, encodeChat } from "../../data/chat.ts";
 import { ApiError, errorStyle, jsonBody } from "./api_errors.ts";
 import { principalOf } from "./auth.ts";

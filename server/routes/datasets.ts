@@ -25,14 +25,8 @@
 import { join } from "node:path";
 import { type Context, Hono } from "hono";
 import { z } from "zod";
-import {
-  defaultLimits,
-  type JobStore,
-  LIMIT_SETTINGS,
-  LimitError,
-  limitName,
-  type Limits,
-} from "../jobs/mod.ts";
+import { defaultLimits, LIMIT_SETTINGS, limitName, type Limits } from "../settings.ts";
+import { type JobStore, LimitError } from "../jobs/mod.ts";
 import type { Access } from "../auth/access.ts";
 import { principalOf } from "./auth.ts";
 import { audit } from "./admin.ts";

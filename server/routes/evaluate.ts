@@ -6,7 +6,8 @@
  */
 
 import { Hono } from "hono";
-import type { JobRunner, Limits } from "../jobs/mod.ts";
+import type { JobRunner } from "../jobs/mod.ts";
+import type { Limits } from "../settings.ts";
 import { LimitError } from "../jobs/mod.ts";
 import { jsonBody } from "./api_errors.ts";
 import { EvaluateRequestSchema } from "./schemas.ts";

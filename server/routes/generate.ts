@@ -26,11 +26,11 @@ import {
   type Generation,
   type GenerationEvent,
   type GenerationManager,
-  type ModelInfo,
-  ModelNotFoundError,
   tokenBytes,
   type TokenEvent,
-} from "../jobs/mod.ts";
+} from "../generate/mod.ts";
+import { type ModelInfo } from "../../checkpoint/model_source.ts";
+import { ModelNotFoundError } from "../jobs/mod.ts";
 import { ApiError, errorStyle, jsonBody, queryParams } from "./api_errors.ts";
 import { principalOf } from "./auth.ts";
 import type { Auth } from "./admin.ts";

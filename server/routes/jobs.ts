@@ -9,16 +9,15 @@
  */
 
 import { type Context, Hono } from "hono";
+import { admitTrainJob, type Limits } from "../settings.ts";
+import { type CheckpointInfo } from "../../checkpoint/checkpoint.ts";
 import {
-  admitTrainJob,
-  type CheckpointInfo,
   compareJobs,
   DEFAULT_MODEL,
   evalTaskPoints,
   initModel,
   type Job,
   type JobRunner,
-  type Limits,
   metricsCsv,
 } from "../jobs/mod.ts";
 import { evaluateRoutes } from "./evaluate.ts";

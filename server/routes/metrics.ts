@@ -7,7 +7,8 @@
  */
 
 import { Counter, Gauge, Histogram, Registry } from "prom-client";
-import type { GenerationManager, JobRunner, JobStore } from "../jobs/mod.ts";
+import type { GenerationManager } from "../generate/mod.ts";
+import type { JobRunner, JobStore } from "../jobs/mod.ts";
 import type { QuotaBook } from "../auth/quotas.ts";
 
 /** Adds collectors to an app's registry (e.g. `new Gauge({ ..., registers: [registry] })`). */

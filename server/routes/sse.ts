@@ -24,14 +24,8 @@ import {
   parseAddress,
   xForwardedFor,
 } from "../addresses.ts";
-import {
-  isFinished,
-  type JobEvent,
-  type JobRunner,
-  LimitError,
-  limitName,
-  type Limits,
-} from "../jobs/mod.ts";
+import { isFinished, type JobEvent, type JobRunner, LimitError } from "../jobs/mod.ts";
+import { limitName, type Limits } from "../settings.ts";
 
 const KEEPALIVE_MS = 15_000;
 /** Stored events read per query while replaying. */
