@@ -11,7 +11,7 @@
  *   deno run -A bench/data_bench.ts --short 8000000 [--dir /var/tmp] [--workers N]
  *   deno run -A bench/data_bench.ts --index 8000000
  * `--short N` prepares N short distinct documents instead (8 words each, as the 3-million test
- * in tests/data_scale_test.ts, with min_tokens 4): the whole pipeline's peak memory at a document
+ * in tests/data/data_scale_test.ts, with min_tokens 4): the whole pipeline's peak memory at a document
  * count like OpenWebText's (issue 27). `--dir` is where the temporary corpus and root go.
  * `--index N` measures the dedup index alone (issue 27): N distinct random signatures added to an
  * LshIndex kept in a temporary folder, in a fresh child; it prints the index's bytes, bytes per
@@ -91,7 +91,7 @@ export async function writeCorpus(
 
 /**
  * Write `n` short distinct documents (8 words from 4,096 made-up words each, as
- * tests/data_scale_test.ts) as one `.jsonl` file under `dir`; returns bytes written.
+ * tests/data/data_scale_test.ts) as one `.jsonl` file under `dir`; returns bytes written.
  */
 export async function writeShortCorpus(
   dir: string,

@@ -9,7 +9,7 @@ missing=()
 if ! ldconfig -p 2>/dev/null | grep -q libvulkan.so.1 || [ ! -e /usr/share/vulkan/icd.d/lvp_icd.x86_64.json ]; then
   missing+=(libvulkan1 mesa-vulkan-drivers)
 fi
-# tests/browser_test.ts drives Debian's Chromium headless (puppeteer-core).
+# tests/web/browser_test.ts drives Debian's Chromium headless (puppeteer-core).
 if ! command -v chromium >/dev/null 2>&1 && [ -z "${CHROMIUM_PATH:-}" ]; then
   missing+=(chromium)
 fi

@@ -1,7 +1,7 @@
 /**
  * The FlashAttention-2 style attention backward: a dK/dV kernel that computes each score block
  * once and writes dS to a scratch buffer, and a dQ kernel that reads it. It is correct (checked
- * against the CPU reference in tests/attention_test.ts) but the product does not run it: on the
+ * against the CPU reference in tests/engine/attention_test.ts) but the product does not run it: on the
  * GPUs measured, the plain backward kernels of engine/kernels/attention.ts were as fast without its
  * B·H·T² scratch. It stays here, beside bench/attention_bench.ts, as an experiment to re-measure.
  */

@@ -1,0 +1,275 @@
+/**
+ * The decode matmuls against a float64 product: the skinny gemv in row groups (13 rows: two
+ * groups, the second partial) with the LayerNorm prologue, and the LM-head gemv over a weight
+ * stored [N, K], cooperative and per-thread, with and without gathering rows through sel.
+ */
+
+import assert from "node:assert/strict";
+import { type GpuContext, readFloats } from "../../engine/device.ts";
+import { encodeOps, makeOp, type Op, PipelineCache, type View } from "../../engine/ops.ts";
+import {
+  gemvPartialWgsl,
+  gemvReduceBindings,
+  gemvReduceWgsl,
+  gemvRowGroups,
+  type GemvSpec,
+  gemvTColumns,
+  gemvTransposedWgsl,
+  gemvTWgsl,
+  gemvUboBlocks,
+  gemvUboLayerWgsl,
+  gemvUboWgsl,
+} from "../../engine/kernels/gemv.ts";
+import { noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
+
+/** out[m, n] = Σ_k x[m, k] · w(k, n), in float64. */
+function product(M: number, N: number, K: number, x: ArrayLike<number>, w: (k: number, n: number) => number) {
+  const out = new Float64Array(M * N);
+  for (let m = 0; m < M; m++) {
+    for (let n = 0; n < N; n++) {
+      let a = 0;
+      for (let k = 0; k < K; k++) a += x[m * K + k] * w(k, n);
+      out[m * N + n] = a;
+    }
+  }
+  return out;
+}
+
+/** Rows of x [M, K] through a LayerNorm (eps 1e-5) of weight lnw and bias lnb, in float64; x itself without `ln`. */
+function layerNorm64(
+  x: Float32Array,
+  M: number,
+  K: number,
+  lnw: Float32Array,
+  lnb: Float32Array,
+  ln: boolean,
+) {
+  const xn = new Float64Array(M * K);
+  for (let m = 0; m < M; m++) {
+    const row = x.subarray(m * K, (m + 1) * K);
+    const mean = row.reduce((a, v) => a + v, 0) / K;
+    const rstd = 1 / Math.sqrt(row.reduce((a, v) => a + (v - mean) ** 2, 0) / K + 1e-5);
+    for (let k = 0; k < K; k++) xn[m * K + k] = ln ? (row[k] - mean) * rstd * lnw[k] + lnb[k] : row[k];
+  }
+  return xn;
+}
+
+/** A forward op of `code` over `views` (whole buffers or ranges), compiled once per code. */
+async function kernelOp(
+  ctx: GpuContext,
+  cache: PipelineCache,
+  label: string,
+  code: string,
+  views: Array<GPUBuffer | View>,
+  grid: [number] | [number, number, number],
+): Promise<Op> {
+  return makeOp(ctx, await cache.get(label, code), {
+    label,
+    phase: "forward",
+    kind: "matmul_fwd",
+    views: views.map((v) => (v instanceof GPUBuffer ? { buffer: v } : v)),
+    grid,
+  });
+}
+
+/** Encodes `ops` in one pass and submits them. */
+function submit(ctx: GpuContext, ops: Op[]): void {
+  const enc = ctx.device.createCommandEncoder();
+  encodeOps(enc, ops);
+  ctx.device.queue.submit([enc.finish()]);
+}
+
+Deno.test({
+  name:
+    "gemvPartialWgsl() in row groups with the LayerNorm prologue matches a float64 product, plain and staged (bit-identical)",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // 13 rows: two row groups, the second partial. K = 300 in 2 splits: stretches of 128 and 22,
+    // the unrolled loop and its tail. 3 rows: the wider k groups of small batches, no LayerNorm.
+    for (const [M, K, KS, ln] of [[13, 300, 2, true], [3, 200, 1, false]] as const) {
+      const N = 136;
+      const x = randomFloats(M * K, 21), W = randomFloats(K * N, 22), bias = randomFloats(N, 23);
+      const lnw = randomFloats(K, 24), lnb = randomFloats(K, 25);
+      const xn = layerNorm64(x, M, K, lnw, lnb, ln);
+      const ref = product(M, N, K, xn, (k, n) => W[k * N + n]).map((v, i) => v + bias[i % N]);
+      const outs: Float32Array[] = [];
+      for (const staged of [false, true]) {
+        const spec: GemvSpec = { M, N, K, bias: true, epilogue: "store", KS, ln, staged };
+        const bufs: Record<string, GPUBuffer> = {
+          x: await upload(ctx, "x", x),
+          W: await upload(ctx, "W", W),
+          part: await upload(ctx, "part", new Float32Array(KS * M * N)),
+          out: await upload(ctx, "out", new Float32Array(M * N)),
+          bias: await upload(ctx, "bias", bias),
+          lnw: await upload(ctx, "lnw", lnw),
+          lnb: await upload(ctx, "lnb", lnb),
+        };
+        const views = (names: string[]) => names.map((n) => bufs[n]);
+        const partViews = views(["x", "W", "part", ...(ln ? ["lnw", "lnb"] : [])]);
+        submit(ctx, [
+          await kernelOp(ctx, cache, "gemv", gemvPartialWgsl(spec), partViews, [
+            Math.ceil(N / 128),
+            KS,
+            gemvRowGroups(M),
+          ]),
+          await kernelOp(ctx, cache, "gemv.sum", gemvReduceWgsl(spec), views(gemvReduceBindings(spec)), [
+            Math.ceil((M * N) / 4 / 64),
+          ]),
+        ]);
+        const got = await readFloats(ctx, bufs.out);
+        assert.ok(relNorm(got, ref) < 1e-5, `M ${M} staged ${staged}: rel err ${relNorm(got, ref)}`);
+        outs.push(got);
+        Object.values(bufs).forEach((b) => b.destroy());
+      }
+      assert.deepEqual(outs[1], outs[0], `M ${M}: staged sums differ from the plain kernel's`);
+    }
+  },
+});
+
+Deno.test({
+  name: "gemvTWgsl() matches x · Wᵀ, cooperative and per-thread, with rows gathered through sel",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    const N = 300, K = 64, X = 6;
+    const x = randomFloats(X * K, 31), W = randomFloats(N * K, 32);
+    for (
+      const [M, perThread, gather] of [[3, false, false], [5, false, true], [3, true, true], [
+        9,
+        true,
+        false,
+      ]] as const
+    ) {
+      const sel = new Uint32Array(M * 4);
+      const rows = Array.from({ length: M }, (_, m) => gather ? (m * 5 + 1) % X : m % X);
+      rows.forEach((r, m) => (sel[m * 4] = r));
+      const xs = Float32Array.from(rows.flatMap((r) => Array.from(x.subarray(r * K, (r + 1) * K))));
+      const xin = gather ? x : xs;
+      const bufs = {
+        x: await upload(ctx, "x", xin),
+        W: await upload(ctx, "W", W),
+        out: await upload(ctx, "out", new Float32Array(M * N)),
+        sel: await upload(ctx, "sel", sel),
+      };
+      const s = { M, N, K, perThread, gather: gather ? { selStride: 4 } : undefined };
+      const views = [bufs.x, bufs.W, bufs.out, ...(gather ? [bufs.sel] : [])];
+      submit(ctx, [
+        await kernelOp(ctx, cache, "gemvT", gemvTWgsl(s), views, [Math.ceil(N / gemvTColumns(s))]),
+      ]);
+      const ref = product(M, N, K, xs, (k, n) => W[n * K + k]);
+      const got = await readFloats(ctx, bufs.out);
+      assert.ok(
+        relNorm(got, ref) < 1e-5,
+        `M=${M} perThread=${perThread} gather=${gather}: ${relNorm(got, ref)}`,
+      );
+      Object.values(bufs).forEach((b) => b.destroy());
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "gemvUboWgsl() over uniform blocks gives the transposed (up to 4 rows) and per-thread gemvs' logits bit for bit",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // N = 304 columns in blocks of 32: 10 blocks (the last partly padding) over dispatches of 3.
+    const N = 304, K = 64, BC = 32, NB = 3, blocks = Math.ceil(N / BC);
+    const W = randomFloats(N * K, 41), Wt = new Float32Array(K * N);
+    for (let n = 0; n < N; n++) for (let k = 0; k < K; k++) Wt[k * N + n] = W[n * K + k];
+    const uni = (label: string, data: Float32Array | Uint32Array) =>
+      upload(ctx, label, data, GPUBufferUsage.UNIFORM);
+    const align = ctx.device.limits.minUniformBufferOffsetAlignment, dispatches = Math.ceil(blocks / NB);
+    const baseWords = new Uint32Array((dispatches * align) / 4);
+    for (let d = 0; d < dispatches; d++) baseWords[(d * align) / 4] = d * NB;
+    const wb = await uni("wb", gemvUboBlocks(W, 0, N, K, BC)), base = await uni("base", baseWords);
+    const wt = await upload(ctx, "wt", Wt), wn = await upload(ctx, "wn", W);
+    // 6 rows: two row groups, the second partial; the transposed gemv serves at most 4, the
+    // per-thread one any number (the decode LM head of larger batches), with the same sums.
+    for (const M of [1, 2, 4, 6]) {
+      const x = randomFloats(M * K, 42 + M);
+      const xb = await uni("x", x);
+      const outT = await upload(ctx, "outT", new Float32Array(M * N));
+      const outU = await upload(ctx, "outU", new Float32Array(M * N));
+      const perThread = { M, N, K, perThread: true };
+      const ops = [
+        M <= 4
+          ? await kernelOp(ctx, cache, "gemvT", gemvTransposedWgsl({ M, N, K }), [xb, wt, outT], [
+            Math.ceil(N / 16 / 64),
+          ])
+          : await kernelOp(ctx, cache, "gemvP", gemvTWgsl(perThread), [xb, wn, outT], [
+            Math.ceil(N / gemvTColumns(perThread)),
+          ]),
+      ];
+      const code = gemvUboWgsl({ M, N, K, BC, NB });
+      for (let d = 0; d < dispatches; d++) {
+        ops.push(
+          await kernelOp(ctx, cache, "gemvU", code, [
+            { buffer: xb, offset: 0, size: M * K * 4 },
+            { buffer: base, offset: d * align, size: 16 },
+            outU,
+            ...[...Array(NB).keys()].map((b) => ({
+              buffer: wb,
+              offset: Math.min(d * NB + b, blocks - 1) * K * BC * 4,
+              size: K * BC * 4,
+            })),
+          ], [NB]),
+        );
+      }
+      submit(ctx, ops);
+      const [t, u] = [await readFloats(ctx, outT), await readFloats(ctx, outU)];
+      const ref = product(M, N, K, x, (k, n) => W[n * K + k]);
+      assert.ok(relNorm(u, ref) < 1e-5, `M=${M}: rel err ${relNorm(u, ref)}`);
+      assert.deepEqual(u, t, `M=${M}: the uniform-buffer logits differ from the reference gemv's`);
+      [xb, outT, outU].forEach((b) => b.destroy());
+    }
+    [wb, base, wt, wn].forEach((b) => b.destroy());
+  },
+});
+
+Deno.test({
+  name: "gemvUboLayerWgsl() over uniform slices matches a float64 product, with and without the LayerNorm",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // K = 40 in slices of 16 rows (the last of 8); 5 rows: a group of 4 and one of 1.
+    const N = 24, K = 40, R = 16, M = 5;
+    const W = randomFloats(K * N, 51), lnw = randomFloats(K, 52), lnb = randomFloats(K, 53);
+    const x = randomFloats(M * K, 54);
+    const align = ctx.device.limits.minUniformBufferOffsetAlignment / 4;
+    const pad = (n: number) => Math.ceil(n / align) * align;
+    for (const ln of [false, true]) {
+      // Layout: x, then the LayerNorm block, then the slices, each at an aligned offset.
+      const offs: number[] = [];
+      let at = 0;
+      const put = (n: number) => (offs.push(at), (at += pad(n)));
+      put(M * K);
+      put(2 * K);
+      for (let r0 = 0; r0 < K; r0 += R) put(Math.min(R, K - r0) * N);
+      const data = new Float32Array(at);
+      data.set(x, offs[0]);
+      data.set(lnw, offs[1]);
+      data.set(lnb, offs[1] + K);
+      for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) {
+        data.set(W.subarray(r0 * N, Math.min(K, r0 + R) * N), offs[2 + i]);
+      }
+      const buf = await upload(ctx, "ubo", data, GPUBufferUsage.UNIFORM);
+      const part = await upload(ctx, "part", new Float32Array(M * N));
+      const range = (o: number, n: number) => ({ buffer: buf, offset: o * 4, size: n * 4 });
+      const slices = [];
+      for (let i = 0, r0 = 0; r0 < K; i++, r0 += R) slices.push(range(offs[2 + i], Math.min(R, K - r0) * N));
+      const views = [range(offs[0], M * K), part, ...(ln ? [range(offs[1], 2 * K)] : []), ...slices];
+      submit(ctx, [await kernelOp(ctx, cache, "gemvUL", gemvUboLayerWgsl({ M, N, K, R, ln }), views, [1])]);
+      const xn = layerNorm64(x, M, K, lnw, lnb, ln);
+      const ref = product(M, N, K, xn, (k, n) => W[k * N + n]);
+      const got = await readFloats(ctx, part);
+      assert.ok(relNorm(got, ref) < 1e-5, `ln ${ln}: rel err ${relNorm(got, ref)}`);
+      [buf, part].forEach((b) => b.destroy());
+    }
+  },
+});
