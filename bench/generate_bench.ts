@@ -20,6 +20,13 @@
  *           count (one after another) and the table gives the median of each figure over them
  *           (run-to-run spread on an H200 is large: one server's cold/warm ratio is one sample).
  *           --gap MS idles the server that long before each round, cold and warm alike.
+ *           --auth none,user: each count's servers once without any token configured and once
+ *           with a user's token in the store (scope generate; every request carries it, so every
+ *           request is checked), in turns, and the table has a row per mode (issue 40's figure).
+ *           --chat: after the warm round, 3 more rounds of each of `/v1/completions` and
+ *           `/v1/chat/completions` in turns on the same server, the same prompt text (the chat
+ *           template's rendering of one user message, sent to /v1/completions as text), and the
+ *           ratio of their medians (issue 42's figure); the model gets the chat template.
  *   train   16 concurrent streams over HTTP, first alone, then (rounds for 20 s) while a gpt2-345M
  *           job (batch 8 × 1024) trains on the same GPU: aggregate tokens/s of both, and training tokens/s alone
  *           and beside generation.
@@ -28,6 +35,7 @@
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--calls (each step call's time)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
+ *                                 [--auth none|user|none,user] [--chat]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16] [--cold-load]
  *                                  [--train-batch 8] [--train-seq 1024]
  *                                  [--gpus 2 --roles train,generate]
@@ -48,6 +56,9 @@ import { isBuiltinName } from "../data/mod.ts";
 import { createApp } from "../server/routes/mod.ts";
 import { LIMIT_SETTINGS } from "../server/settings.ts";
 import { parseGpuRoles, trainingGpus } from "../server/gpus/roles.ts";
+import { parseScopes, TokenAuth } from "../server/auth/mod.ts";
+import { CHAT_TEMPLATE, type ChatMessage, renderChat } from "../data/chat.ts";
+import { tokenizerConfig } from "../checkpoint/checkpoint.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -248,24 +259,51 @@ async function server(model: string) {
 }
 
 /**
+ * How the http scenario's requests are made: the bearer token every request carries (none: no
+ * header), and which endpoint with which prompt ("ids": /v1/completions with `promptLength` token
+ * ids; "text": /v1/completions with the chat template's rendering of `chatMessages(seed)`;
+ * "chat": /v1/chat/completions with those messages).
+ */
+interface RequestStyle {
+  token?: string;
+  prompt: "ids" | "text" | "chat";
+}
+
+/** One user message of about 30 tokens, different per seed. */
+const chatMessages = (seed: number): ChatMessage[] => [{
+  role: "user",
+  content: `Request ${seed}: summarise in a few sentences what a language model learns when it reads ` +
+    `a great deal of text, and what it cannot learn that way.`,
+}];
+
+/**
  * One streaming completion of a `promptLength`-token prompt: its status (a 429 is counted, not
  * thrown; any other refusal throws), time to first token and tokens received.
  */
-async function stream(url: string, model: string, n: number, seed: number, promptLength = 32) {
+async function stream(
+  url: string,
+  model: string,
+  n: number,
+  seed: number,
+  promptLength = 32,
+  style: RequestStyle = { prompt: "ids" },
+) {
   const t0 = performance.now();
-  const res = await fetch(`${url}/v1/completions`, {
-    method: "POST",
-    headers: { "Content-Type": "application/json" },
-    body: JSON.stringify({
-      model,
-      prompt: promptOf(promptLength, seed),
-      max_tokens: n,
-      ...sampling,
-      seed,
-      ignore_eos: true,
-      stream: true,
+  const common = { model, max_tokens: n, ...sampling, seed, ignore_eos: true, stream: true };
+  const body = style.prompt === "chat"
+    ? { ...common, messages: chatMessages(seed), stream_options: { include_usage: true } }
+    : {
+      ...common,
+      prompt: style.prompt === "text" ? renderChat(chatMessages(seed), true) : promptOf(promptLength, seed),
       stream_options: { include_usage: true },
-    }),
+    };
+  const res = await fetch(`${url}/v1/${style.prompt === "chat" ? "chat/completions" : "completions"}`, {
+    method: "POST",
+    headers: {
+      "Content-Type": "application/json",
+      ...(style.token ? { Authorization: `Bearer ${style.token}` } : {}),
+    },
+    body: JSON.stringify(body),
   });
   // The answer's headers: the server has taken the request in, handed it to the GPU host and begun
   // its stream (what lies before the first token but the GPU's part and the way back).
@@ -287,8 +325,9 @@ async function stream(url: string, model: string, n: number, seed: number, promp
       if (!ev.startsWith("data: ") || ev === "data: [DONE]") continue;
       const d = JSON.parse(ev.slice(6));
       const c = d.choices?.[0];
-      if (c?.text) times.push(performance.now());
-      if ((c?.text || c?.finish_reason) && Number.isNaN(first)) first = performance.now();
+      const text = c?.text || c?.delta?.content;
+      if (text) times.push(performance.now());
+      if ((text || c?.finish_reason) && Number.isNaN(first)) first = performance.now();
       if (d.usage) tokens = d.usage.completion_tokens;
     }
   }
@@ -299,9 +338,18 @@ async function stream(url: string, model: string, n: number, seed: number, promp
  * S concurrent streams (seeds `seed0`…): aggregate tokens/s from the requests to the last token,
  * time to first token p50 and max, the decode rate once every stream has begun, and 429s.
  */
-async function concurrent(url: string, model: string, S: number, n: number, seed0 = 0) {
+async function concurrent(
+  url: string,
+  model: string,
+  S: number,
+  n: number,
+  seed0 = 0,
+  style: RequestStyle = { prompt: "ids" },
+) {
   const t0 = performance.now();
-  const all = await Promise.all(Array.from({ length: S }, (_, i) => stream(url, model, n, seed0 + i)));
+  const all = await Promise.all(
+    Array.from({ length: S }, (_, i) => stream(url, model, n, seed0 + i, 32, style)),
+  );
   const ms = performance.now() - t0;
   const rs = all.filter((r) => r.status === 200);
   const tokens = rs.reduce((a, r) => a + r.tokens, 0);
@@ -424,7 +472,7 @@ async function serve(home: string, env: Record<string, string>, relay: boolean):
 }
 
 /** Writes `model` with fresh random weights as a Hugging Face directory `dir` (config.json, model.safetensors). */
-async function writeModel(dir: string, model: string): Promise<void> {
+async function writeModel(dir: string, model: string, chat = false): Promise<void> {
   const config = presetConfig(model);
   await Deno.mkdir(dir, { recursive: true });
   await writeSafetensors(`${dir}/model.safetensors`, exportTensors(config, initParams(config, 1)));
@@ -432,13 +480,31 @@ async function writeModel(dir: string, model: string): Promise<void> {
     `${dir}/config.json`,
     JSON.stringify(hfConfig(config, { attention_dropout: 0, hidden_dropout: 0 })),
   );
+  if (chat) {
+    await Deno.writeTextFile(
+      `${dir}/tokenizer_config.json`,
+      JSON.stringify(tokenizerConfig(config, CHAT_TEMPLATE)),
+    );
+  }
+}
+
+/** A user's token (scope generate) made in `home`'s job store, as `deno task tokens create` makes it. */
+function makeUserToken(home: string): string {
+  const store = new JobStore(`${home}/jobs.sqlite`);
+  try {
+    return new TokenAuth(store).create({ user: "bench", name: "bench", scopes: parseScopes("generate") })
+      .token;
+  } finally {
+    store.close();
+  }
 }
 
 /** A fresh data directory under `tmp` holding the model of `src` (hard links, else copies) under models/<model>. */
 async function freshHome(tmp: string, src: string, model: string, tag: string): Promise<string> {
   const home = `${tmp}/home_${tag}`;
   await Deno.mkdir(`${home}/models/${model}`, { recursive: true });
-  for (const f of ["config.json", "model.safetensors"]) {
+  for (const f of ["config.json", "model.safetensors", "tokenizer_config.json"]) {
+    if (f === "tokenizer_config.json" && !await Deno.stat(`${src}/${f}`).catch(() => null)) continue;
     await Deno.link(`${src}/${f}`, `${home}/models/${model}/${f}`)
       .catch(() => Deno.copyFile(`${src}/${f}`, `${home}/models/${model}/${f}`));
   }
@@ -473,9 +539,10 @@ async function measuredRound(
   S: number,
   n: number,
   seed0: number,
+  style: RequestStyle = { prompt: "ids" },
 ): Promise<Round> {
   const before = await stageTotals(url);
-  const r = await concurrent(url, model, S, n, seed0);
+  const r = await concurrent(url, model, S, n, seed0, style);
   const after = await stageTotals(url);
   const stages_ms: Record<string, number> = {};
   for (const [stage, a] of after) {
@@ -536,88 +603,167 @@ async function warmClient(S: number, n: number): Promise<void> {
   }
 }
 
+/** One fresh server's figures at S streams: the model's load, a cold and a warm round, and with --chat the chat pairs. */
+interface ServerSample {
+  S: number;
+  auth: string;
+  cold: Round;
+  warm: Round;
+  chat?: { completions: Round[]; chat: Round[] };
+}
+
+/** A fresh `deno task serve` at S streams: loads the model, then measures a cold and a warm round (and --chat's rounds). */
+async function oneServer(
+  o: { tmp: string; src: string; model: string; env: Record<string, string>; relay: boolean },
+  S: number,
+  n: number,
+  auth: string,
+  tag: string,
+): Promise<ServerSample> {
+  const { model } = o, gap = +arg("gap", "0");
+  // A fresh server per count: its own data directory, GPU host, Workers and compiled kernels.
+  const home = await freshHome(o.tmp, o.src, model, tag);
+  const token = auth === "user" ? makeUserToken(home) : undefined;
+  const ids: RequestStyle = { token, prompt: "ids" };
+  const s = await serve(home, o.env, o.relay);
+  try {
+    // The model loads on first use: a 1-token prompt, 1 new token (the smallest shapes there are).
+    const t0 = performance.now();
+    const first = await stream(s.url, model, 1, 999_999, 1, ids);
+    const loadMs = performance.now() - t0;
+    if (first.status !== 200) {
+      throw new Error(`The first request answered ${first.status}: ${first.error}\n${s.log.join("\n")}`);
+    }
+    const load = {
+      scenario: "http",
+      round: "load",
+      model,
+      streams: S,
+      auth,
+      start_ms: s.startMs,
+      load_ms: loadMs,
+    };
+    console.log(JSON.stringify({ ...load, first_ever_ttft_ms: first.ttft }));
+    console.log(
+      `${model} over HTTP, fresh server for ${S} streams (auth: ${auth}): listening after ${
+        fmt(s.startMs)
+      } ms; ` +
+        `the first request (1 token, loading the model) took ${fmt(loadMs)} ms, ` +
+        `its first token ${fmt(first.ttft)} ms`,
+    );
+    await warmClient(S, n);
+    await idle(gap);
+    const cold = await measuredRound(s.url, model, S, n, 0, ids);
+    await idle(gap);
+    const warm = await measuredRound(s.url, model, S, n, S, ids);
+    for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
+      console.log(JSON.stringify({ scenario: "http", round, model, streams: S, auth, new_tokens: n, ...r }));
+      console.log(roundLine(model, S, round, r));
+      if (r.stages_ms) console.log(`  server's mean ms to the first token, by stage: ${stageLine(r)}`);
+    }
+    if (!Deno.args.includes("--chat")) return { S, auth, cold, warm };
+    // The same prompt text through both endpoints, in turns, on this warm server.
+    const chat = { completions: [] as Round[], chat: [] as Round[] };
+    for (let i = 0; i < 3; i++) {
+      for (const prompt of ["text", "chat"] as const) {
+        const r = await measuredRound(s.url, model, S, n, (2 + i) * S, { token, prompt });
+        chat[prompt === "text" ? "completions" : "chat"].push(r);
+        console.log(JSON.stringify({ scenario: "http", round: `warm_${prompt}`, model, streams: S, ...r }));
+        console.log(
+          roundLine(model, S, prompt === "text" ? "warm, /v1/completions" : "warm, /v1/chat/completions", r),
+        );
+      }
+    }
+    return { S, auth, cold, warm, chat };
+  } finally {
+    await s.close();
+  }
+}
+
+/** --chat's comparison at S: chat's first token and tokens/s against /v1/completions', medians of the rounds. */
+function chatLine(model: string, x: ServerSample): string {
+  const m = (rs: Round[], pick: (r: Round) => number) => median(rs.map(pick));
+  const { completions, chat } = x.chat!;
+  const t = (r: Round) => r.ttft_p50_ms, tps = (r: Round) => r.tokens_per_s;
+  const res = {
+    scenario: "http",
+    round: "chat_vs_completions",
+    model,
+    streams: x.S,
+    completions_ttft_p50_ms: m(completions, t),
+    chat_ttft_p50_ms: m(chat, t),
+    ttft_ratio: m(chat, t) / m(completions, t),
+    completions_tokens_per_s: m(completions, tps),
+    chat_tokens_per_s: m(chat, tps),
+  };
+  console.log(JSON.stringify(res));
+  return `${model}, ${x.S} streams, same prompt text, medians of 3 rounds each: first token p50 ` +
+    `/v1/chat/completions ${fmt(res.chat_ttft_p50_ms, 1)} ms against /v1/completions ` +
+    `${fmt(res.completions_ttft_p50_ms, 1)} ms (${fmt(res.ttft_ratio, 3)}×); ` +
+    `${fmt(res.chat_tokens_per_s)} against ${fmt(res.completions_tokens_per_s)} tokens/s`;
+}
+
 async function http(): Promise<void> {
   const model = arg("model", "gpt2-124M"), n = +arg("new", "128");
   const streams = list(arg("streams", "1,4,16,64")).map(Number);
-  const relay = Deno.args.includes("--log");
-  const gap = +arg("gap", "0");
+  const auths = list(arg("auth", "none"));
+  for (const a of auths) if (a !== "none" && a !== "user") throw new Error(`Unknown --auth "${a}"`);
   const env = Deno.env.toObject();
   const dropped = NOT_DEFAULT.filter((k) => k in env);
   for (const k of dropped) delete env[k];
   if (dropped.length) console.log(`Left out of the servers' environment: ${dropped.join(", ")}`);
   const tmp = await Deno.makeTempDir({ prefix: "gpt2_genbench_" });
-  const rows: { S: number; cold: Round; warm: Round; ratio: number }[] = [];
+  const rows: { S: number; auth: string; cold: Round; warm: Round; ratio: number }[] = [];
   const repeat = Math.max(1, +arg("repeat", "1"));
-  const samples: { S: number; cold: Round; warm: Round }[] = [];
+  const samples: ServerSample[] = [];
   try {
     const src = `${tmp}/model`;
-    await writeModel(src, model);
-    for (const S of streams.flatMap((S) => Array.from({ length: repeat }, () => S))) {
-      // A fresh server per count: its own data directory, GPU host, Workers and compiled kernels.
-      const home = await freshHome(tmp, src, model, `${S}_${samples.length}`);
-      const s = await serve(home, env, relay);
-      try {
-        // The model loads on first use: a 1-token prompt, 1 new token (the smallest shapes there are).
-        const t0 = performance.now();
-        const first = await stream(s.url, model, 1, 999_999, 1);
-        const loadMs = performance.now() - t0;
-        if (first.status !== 200) {
-          throw new Error(`The first request answered ${first.status}: ${first.error}\n${s.log.join("\n")}`);
-        }
-        const load = {
-          scenario: "http",
-          round: "load",
-          model,
-          streams: S,
-          start_ms: s.startMs,
-          load_ms: loadMs,
-          first_ever_ttft_ms: first.ttft,
-        };
-        console.log(JSON.stringify(load));
-        console.log(
-          `${model} over HTTP, fresh server for ${S} streams: listening after ${fmt(s.startMs)} ms; ` +
-            `the first request (1 token, loading the model) took ${fmt(loadMs)} ms, ` +
-            `its first token ${fmt(first.ttft)} ms`,
-        );
-        await warmClient(S, n);
-        await idle(gap);
-        const cold = await measuredRound(s.url, model, S, n, 0);
-        await idle(gap);
-        const warm = await measuredRound(s.url, model, S, n, S);
-        for (const [round, r] of [["cold", cold], ["warm", warm]] as const) {
-          console.log(JSON.stringify({ scenario: "http", round, model, streams: S, new_tokens: n, ...r }));
-          console.log(roundLine(model, S, round, r));
-          if (r.stages_ms) console.log(`  server's mean ms to the first token, by stage: ${stageLine(r)}`);
-        }
-        samples.push({ S, cold, warm });
-      } finally {
-        await s.close();
+    await writeModel(src, model, Deno.args.includes("--chat"));
+    const o = { tmp, src, model, env, relay: Deno.args.includes("--log") };
+    // Each count's servers one after another, the auth modes in turns (none, user, none, user, …).
+    for (const S of streams) {
+      for (let i = 0; i < repeat; i++) {
+        for (const auth of auths) samples.push(await oneServer(o, S, n, auth, `${S}_${samples.length}`));
       }
     }
   } finally {
     await Deno.remove(tmp, { recursive: true });
   }
-  // One row per count: each figure's median over the servers (the sample itself when one).
+  for (const x of samples) if (x.chat) console.log(chatLine(model, x));
+  // One row per count and auth mode: each figure's median over the servers (the sample itself when one).
   for (const S of streams) {
-    const of = samples.filter((x) => x.S === S);
-    const med = (pick: (r: Round) => number) => median(of.map((x) => pick(x.cold))) as number;
-    const medW = (pick: (r: Round) => number) => median(of.map((x) => pick(x.warm))) as number;
-    const mid = (
-      pickRound: (x: (typeof of)[number]) => Round,
-      m: (pick: (r: Round) => number) => number,
-    ) => ({
-      ...pickRound(of[0]),
-      tokens_per_s: m((r) => r.tokens_per_s),
-      ttft_p50_ms: m((r) => r.ttft_p50_ms),
-      ttft_max_ms: m((r) => r.ttft_max_ms),
-      headers_p50_ms: m((r) => r.headers_p50_ms),
-      refused_429: of.reduce((a, x) => a + pickRound(x).refused_429, 0),
-    });
-    const ratio = median(of.map((x) => x.cold.ttft_p50_ms / x.warm.ttft_p50_ms));
-    rows.push({ S, cold: mid((x) => x.cold, med), warm: mid((x) => x.warm, medW), ratio });
-    if (repeat > 1) {
-      const ratios = of.map((x) => (x.cold.ttft_p50_ms / x.warm.ttft_p50_ms).toFixed(2)).join(", ");
-      console.log(`${model}, ${S} streams over ${of.length} fresh servers: cold/warm TTFT p50 ${ratios}`);
+    for (const auth of auths) {
+      const of = samples.filter((x) => x.S === S && x.auth === auth);
+      const mid = (pick: (x: ServerSample) => Round) => {
+        const m = (f: (r: Round) => number) => median(of.map((x) => f(pick(x))));
+        return {
+          ...pick(of[0]),
+          tokens_per_s: m((r) => r.tokens_per_s),
+          ttft_p50_ms: m((r) => r.ttft_p50_ms),
+          ttft_max_ms: m((r) => r.ttft_max_ms),
+          headers_p50_ms: m((r) => r.headers_p50_ms),
+          refused_429: of.reduce((a, x) => a + pick(x).refused_429, 0),
+        };
+      };
+      const ratio = median(of.map((x) => x.cold.ttft_p50_ms / x.warm.ttft_p50_ms));
+      rows.push({ S, auth, cold: mid((x) => x.cold), warm: mid((x) => x.warm), ratio });
+      if (repeat > 1) {
+        const ratios = of.map((x) => (x.cold.ttft_p50_ms / x.warm.ttft_p50_ms).toFixed(2)).join(", ");
+        const tps = of.map((x) => x.warm.tokens_per_s.toFixed(0)).join(", ");
+        console.log(
+          `${model}, ${S} streams (auth: ${auth}) over ${of.length} fresh servers: cold/warm TTFT p50 ${ratios}; ` +
+            `warm tokens/s ${tps}`,
+        );
+      }
+    }
+    if (auths.length > 1) {
+      const [a, b] = auths.map((auth) => rows.find((r) => r.S === S && r.auth === auth)!);
+      console.log(
+        `${model}, ${S} streams: warm tokens/s ${b.auth} / ${a.auth} ${
+          fmt(b.warm.tokens_per_s / a.warm.tokens_per_s, 3)
+        }, ` +
+          `cold ${fmt(b.cold.tokens_per_s / a.cold.tokens_per_s, 3)} (medians over ${repeat} servers each)`,
+      );
     }
   }
 
@@ -651,6 +797,7 @@ async function http(): Promise<void> {
 
   const head = [
     "S",
+    "auth",
     "cold tok/s",
     "cold TTFT p50",
     "warm tok/s",
@@ -660,10 +807,11 @@ async function http(): Promise<void> {
     "ratio",
     "429s",
   ];
-  const table = rows.map(({ S, cold, warm, ratio }) => {
+  const table = rows.map(({ S, auth, cold, warm, ratio }) => {
     const p = peerOf(S);
     return [
       String(S),
+      auth,
       fmt(cold.tokens_per_s),
       `${fmt(cold.ttft_p50_ms)} ms`,
       fmt(warm.tokens_per_s),

@@ -7,11 +7,14 @@
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
+ *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
  *
  * Memory: beside each run it prints the plan's estimate per category (model/memory_estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
  * (memory.used after the timed steps minus before the model was built) where nvidia-smi exists.
- * `--checkpoint N` recomputes activations in groups of N layers.
+ * `--checkpoint N` recomputes activations in groups of N layers. `--objectives plain,sft` compares a
+ * plain step with SFT's masked loss (a trainer created with `lossMask`, batches carrying a mask that
+ * selects about half of the targets in runs, like assistant turns) at the same shape.
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -34,6 +37,8 @@ export interface TrainBenchOptions {
   ops?: boolean;
   /** fp16: f16 arithmetic in the matmuls whose inputs are f16 (false: f32 arithmetic on f16 data). */
   f16Math?: boolean;
+  /** SFT: the loss over masked targets only (Trainer's lossMask), batches with a mask. */
+  sft?: boolean;
   /** Kernel choices (see BuildOptions.kernels). */
   kernels?: {
     tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
@@ -52,6 +57,7 @@ export interface TrainBenchResult {
   loss: number;
   precision: Precision;
   checkpoint_layers: number;
+  objective: "plain" | "sft";
   /** Loss scale after the timed steps, and steps skipped on overflow (fp16 starts at 2^32 and backs off). */
   loss_scale: number;
   skipped_steps: number;
@@ -107,6 +113,7 @@ export async function benchTraining(
     precision: o.precision,
     f16Math: o.f16Math,
     kernels: o.kernels,
+    lossMask: o.sft,
   });
   console.error(
     `${model}: planned in ${((performance.now() - t0) / 1000).toFixed(1)} s, ` +
@@ -118,10 +125,11 @@ export async function benchTraining(
     s = (Math.imul(s, 1103515245) + 12345) >>> 0;
     tokens[i] = (s >>> 8) % config.vocab_size;
   }
-  for (let i = 0; i < 2; i++) tr.trainStep(tokens);
+  const batch = o.sft ? { tokens, mask: assistantMask(B * T) } : tokens;
+  for (let i = 0; i < 2; i++) tr.trainStep(batch);
   await tr.lastStats();
   const start = performance.now();
-  for (let i = 0; i < steps; i++) tr.trainStep(tokens);
+  for (let i = 0; i < steps; i++) tr.trainStep(batch);
   const { loss, lossScale, skippedSteps } = await tr.lastStats();
   const ms = (performance.now() - start) / steps;
   const usedAfter = await gpuMemoryUsed();
@@ -134,6 +142,7 @@ export async function benchTraining(
     loss,
     precision: o.precision,
     checkpoint_layers: o.checkpointLayers,
+    objective: o.sft ? "sft" : "plain",
     loss_scale: lossScale,
     skipped_steps: skippedSteps,
     kernels: [],
@@ -143,7 +152,7 @@ export async function benchTraining(
     measured_bytes: usedBefore !== null && usedAfter !== null ? usedAfter - usedBefore : null,
   };
   if (ctx.hasTimestamps && o.profile) {
-    tr.trainStep(tokens, true);
+    tr.trainStep(batch, true);
     const prof = (await tr.profile())!;
     result.kernels = aggregate(prof);
     if (o.ops) {
@@ -158,6 +167,20 @@ export async function benchTraining(
   }
   tr.destroy();
   return result;
+}
+
+/** A loss mask of n targets: runs of 16-256 unmasked (user) then masked-in (assistant) targets, about half each. */
+function assistantMask(n: number): Uint8Array {
+  const mask = new Uint8Array(n);
+  let s = 777, on = 0;
+  for (let i = 0; i < n;) {
+    s = (Math.imul(s, 1103515245) + 12345) >>> 0;
+    const run = 16 + ((s >>> 8) % 241);
+    mask.fill(on, i, Math.min(n, i + run));
+    i += run;
+    on ^= 1;
+  }
+  return mask;
 }
 
 /** GPU memory in use (bytes, nvidia-smi's memory.used of the GPU this process sees first), or null. */
@@ -220,7 +243,7 @@ export function printResult(r: TrainBenchResult): void {
   const f = (n: number, d = 1) => n.toFixed(d);
   const gib = (n: number) => (n / 2 ** 30).toFixed(2);
   console.log(
-    `\n${r.model}  batch ${r.batch} seq ${r.seq} ${r.precision}` +
+    `\n${r.model}  batch ${r.batch} seq ${r.seq} ${r.precision}${r.objective === "sft" ? " sft" : ""}` +
       `${r.checkpoint_layers ? ` checkpoint ${r.checkpoint_layers}` : ""}: ${f(r.ms_per_step)} ms/step, ${
         f(r.tokens_per_s, 0)
       } tokens/s, loss ${f(r.loss, 3)}` +
@@ -298,12 +321,32 @@ if (import.meta.main) {
     },
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
+  const objectives = arg(args, "objectives", "plain").split(",");
+  for (const o of objectives) if (o !== "plain" && o !== "sft") throw new Error(`Unknown objective "${o}"`);
+  const rounds = objectives.length > 1 ? +arg(args, "rounds", "2") : 1;
   const results: TrainBenchResult[] = [];
   for (const model of models) {
-    const r = await benchTraining(ctx, model, B, T, steps, opts);
-    if (args.includes("--torch")) r.torch = await runTorch(model, B, T, steps);
-    printResult(r);
-    results.push(r);
+    for (let round = 0; round < rounds; round++) {
+      for (const objective of objectives) {
+        const r = await benchTraining(ctx, model, B, T, steps, { ...opts, sft: objective === "sft" });
+        if (args.includes("--torch") && round === 0 && objective === objectives[0]) {
+          r.torch = await runTorch(model, B, T, steps);
+        }
+        printResult(r);
+        results.push(r);
+      }
+    }
+    if (objectives.length > 1) {
+      const best = (o: string) =>
+        Math.max(...results.filter((r) => r.model === model && r.objective === o).map((r) => r.tokens_per_s));
+      const line = objectives.map((o) => `${o} ${best(o).toFixed(0)}`).join(", ");
+      console.log(
+        `${model}: best tokens/s over ${rounds} rounds: ${line}` +
+          (objectives.includes("sft") && objectives.includes("plain")
+            ? ` (sft / plain ${(best("sft") / best("plain")).toFixed(3)})`
+            : ""),
+      );
+    }
   }
   const out = arg(args, "json", "");
   if (out) await Deno.writeTextFile(out, JSON.stringify({ device: describeDevice(ctx), results }, null, 2));
