@@ -18,6 +18,8 @@ import { resolveModelSource } from "../../checkpoint/model_source.ts";
 import { runTraining } from "../../worker/train_loop.ts";
 import { initParams } from "../reference/cpu_gpt2.ts";
 import { noGpu, testContext } from "../_helpers.ts";
+import bpeRanks from "gpt-tokenizer/bpeRanks/r50k_base";
+import { encode } from "gpt-tokenizer/encoding/r50k_base";
 
 const FIXTURE = new URL("../fixtures/chat_small.jsonl", import.meta.url).pathname;
 const tiny = presetConfig("gpt2-tiny");
@@ -140,23 +142,64 @@ function hasPython(module: string): boolean {
   }
 }
 
+/**
+ * GPT-2's `vocab.json` and `merges.txt` written into `dir` from gpt-tokenizer's r50k_base ranks
+ * (the same BPE the service encodes with), so transformers loads a GPT-2 tokenizer offline: rank
+ * r's token is `vocab[bytes]`, and its merge is the pair BPE reaches on those bytes with the
+ * ranks below r (the two parts that become it last).
+ */
+async function writeGpt2Vocab(dir: string): Promise<void> {
+  const ranks = (bpeRanks as unknown as (string | number[])[]).map((t) =>
+    typeof t === "string" ? new TextEncoder().encode(t) : Uint8Array.from(t)
+  );
+  // GPT-2's byte-to-unicode table: printable bytes stand for themselves, the rest from U+0100 on.
+  const printable = (b: number) => (b >= 33 && b <= 126) || (b >= 161 && b <= 172) || b >= 174;
+  const uni: string[] = [];
+  for (let b = 0, extra = 0; b < 256; b++) uni[b] = String.fromCharCode(printable(b) ? b : 256 + extra++);
+  const text = (bytes: Uint8Array) => Array.from(bytes, (b) => uni[b]).join("");
+  const rankOf = new Map(ranks.map((bytes, r) => [text(bytes), r]));
+  const vocab: Record<string, number> = {};
+  const merges: string[] = [];
+  for (const [r, bytes] of ranks.entries()) {
+    vocab[text(bytes)] = r;
+    if (r < 256) continue;
+    let parts = Array.from(bytes, (b) => uni[b]);
+    while (parts.length > 2) {
+      let best = -1, bestRank = Infinity;
+      for (let i = 0; i + 1 < parts.length; i++) {
+        const m = rankOf.get(parts[i] + parts[i + 1]);
+        if (m !== undefined && m < r && m < bestRank) [best, bestRank] = [i, m];
+      }
+      if (best < 0) throw new Error(`No merge path to rank ${r}`);
+      parts = [...parts.slice(0, best), parts[best] + parts[best + 1], ...parts.slice(best + 2)];
+    }
+    merges.push(parts.join(" "));
+  }
+  vocab["<|endoftext|>"] = 50256;
+  await Deno.writeTextFile(`${dir}/vocab.json`, JSON.stringify(vocab));
+  await Deno.writeTextFile(`${dir}/merges.txt`, ["#version: 0.2", ...merges].join("\n") + "\n");
+}
+
 const PY = `
 import json, sys
 from transformers import AutoTokenizer
 req = json.load(sys.stdin)
-tok = AutoTokenizer.from_pretrained("gpt2")
-tok.chat_template = req["template"]
-out = []
+# The checkpoint's own tokenizer_config.json (its chat_template), with GPT-2's vocabulary beside it.
+tok = AutoTokenizer.from_pretrained(req["dir"])
+assert tok.chat_template == req["template"], "the saved chat_template was not the one loaded"
+out = {"probe": tok(req["probe"])["input_ids"], "conversations": []}
 for messages in req["conversations"]:
     r = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    out.append({"ids": list(r["input_ids"]), "mask": list(r["assistant_masks"])})
-    p = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-    out[-1]["prompt"] = list(p)
+    o = {"ids": list(r["input_ids"]), "mask": list(r["assistant_masks"])}
+    p = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)
+    o["prompt"] = list(p["input_ids"])
+    out["conversations"].append(o)
 print(json.dumps(out))
 `;
 
 Deno.test({
-  name: "transformers' apply_chat_template on the saved template gives our tokens and assistant mask",
+  name:
+    "transformers' apply_chat_template on a saved checkpoint's tokenizer_config.json gives our tokens and assistant mask",
   ignore: !hasPython("transformers"),
   fn: async () => {
     const conversations: ChatMessage[][] = [
@@ -169,28 +212,42 @@ Deno.test({
       ],
       [{ role: "user", content: "2+2=?" }, { role: "assistant", content: "4" }],
     ];
-    const child = new Deno.Command("python3", {
-      args: ["-c", PY],
-      stdin: "piped",
-      stdout: "piped",
-      stderr: "piped",
-    })
-      .spawn();
-    const w = child.stdin.getWriter();
-    await w.write(new TextEncoder().encode(JSON.stringify({ template: CHAT_TEMPLATE, conversations })));
-    await w.close();
-    const out = await child.output();
-    assert.ok(out.success, new TextDecoder().decode(out.stderr));
-    const got = JSON.parse(new TextDecoder().decode(out.stdout));
-    for (const [i, messages] of conversations.entries()) {
-      const ours = encodeChat(messages);
-      assert.deepEqual(got[i].ids, ours.tokens, `conversation ${i} tokens`);
-      assert.deepEqual(got[i].mask, ours.mask, `conversation ${i} assistant mask`);
-      assert.deepEqual(
-        got[i].prompt,
-        encodeChat(messages, true).tokens,
-        `conversation ${i} generation prompt`,
+    const root = await Deno.makeTempDir({ prefix: "gpt2_chat_hf_" });
+    try {
+      const ck = await chatCheckpoint(root, "job_hf");
+      await writeGpt2Vocab(ck.path);
+      const probe = "Hello world: naïve café, 12345 tokens<|endoftext|> and   spaces\n";
+      const child = new Deno.Command("python3", {
+        args: ["-c", PY],
+        env: { HF_HUB_OFFLINE: "1", TRANSFORMERS_OFFLINE: "1" },
+        stdin: "piped",
+        stdout: "piped",
+        stderr: "piped",
+      }).spawn();
+      const w = child.stdin.getWriter();
+      await w.write(
+        new TextEncoder().encode(
+          JSON.stringify({ dir: ck.path, template: CHAT_TEMPLATE, probe, conversations }),
+        ),
       );
+      await w.close();
+      const out = await child.output();
+      assert.ok(out.success, new TextDecoder().decode(out.stderr));
+      const got = JSON.parse(new TextDecoder().decode(out.stdout));
+      // The vocabulary written here tokenizes as ours does (so the comparisons below test the template).
+      assert.deepEqual(got.probe, encode(probe, { allowedSpecial: new Set(["<|endoftext|>"]) }));
+      for (const [i, messages] of conversations.entries()) {
+        const ours = encodeChat(messages);
+        assert.deepEqual(got.conversations[i].ids, ours.tokens, `conversation ${i} tokens`);
+        assert.deepEqual(got.conversations[i].mask, ours.mask, `conversation ${i} assistant mask`);
+        assert.deepEqual(
+          got.conversations[i].prompt,
+          encodeChat(messages, true).tokens,
+          `conversation ${i} generation prompt`,
+        );
+      }
+    } finally {
+      await Deno.remove(root, { recursive: true });
     }
   },
 });
