@@ -55,7 +55,7 @@ export interface GenerateParams {
   /** When the request reached this process (performance.now()); default: when it is started. */
   arrived?: number;
   /**
-   * A rehearsal of the request path (the server's start-up warm-up, server/routes/app.ts warmUp):
+   * A rehearsal of the request path (the server's start-up warm-up, server/rehearsal.ts warmUp):
    * no model is looked up and no GPU is used; the generation answers a few tokens of its own
    * prompt from this process, and nothing is counted in the statistics.
    */
