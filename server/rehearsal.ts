@@ -5,7 +5,7 @@
  * decoding, the streamed response, and through the GPU host to an idle Worker and back) but names
  * no real model, uses no GPU or store, is answered with a few tokens of its own prompt, and is
  * counted nowhere: its use is the code it runs, which a first burst of users would otherwise meet
- * cold. Two parts:
+ * cold. Three parts:
  *
  * - Which requests rehearse: `markRehearsal` (createApp's first middleware) flags the server's own
  *   warm-up requests (made in memory by `warmUp`, or over the socket carrying this process's
@@ -14,11 +14,17 @@
  *   Only this module sets the flag, and the secret never leaves the process but for its loopback
  *   connection to itself.
  * - What drives them at start-up: `warmUp` (main.ts).
+ * - What the generation manager does with them: `Rehearsals` (the model they name, an idle GPU's
+ *   Worker or an answer from this process, a shorter time limit, no statistics, how many went where).
  */
 
 import { timingSafeEqual } from "node:crypto";
 import type { Context, Hono } from "hono";
+import { presetConfig } from "../model/config.ts";
+import { epochMs, type FromWorkerGeneration, type ModelSource, type WorkerGeneration } from "../protocol.ts";
 import { WILDCARD_HOSTS } from "./settings.ts";
+import type { Generation } from "./generate/generation_manager.ts";
+import type { GpuPool } from "./gpus/gpu_pool.ts";
 
 // ---- Which requests rehearse ----
 
@@ -179,4 +185,136 @@ async function overSocketRounds(base: string, rounds: number, burst: number): Pr
       }
     }));
   }
+}
+
+// ---- What the generation manager does with them ----
+
+type GenerationArgs = ConstructorParameters<typeof Generation>;
+type StatsSink = NonNullable<GenerationArgs[2]>;
+
+/** A rehearsal handed to a Worker ends by then (answered or not: the warm-up never waits longer). */
+const REHEARSAL_TIMEOUT_MS = 10_000;
+/** A rehearsal's statistics go nowhere (the manager's sink's shape, so the code warmed is the code used). */
+const NO_STATS: StatsSink = { ttft: () => {}, itl: () => {}, stage: () => {} };
+
+/**
+ * The generation manager's rehearsals (GenerateParams.rehearsal): the model they name, where each
+ * goes, the ones a Worker has not finished, and how many went where. A rehearsal takes the same
+ * path as the generations it stands in for (a Generation, the GPU pool's messages, the Worker's
+ * reports), uncounted.
+ */
+export class Rehearsals {
+  #post: GpuPool["postGeneration"];
+  #generation: (...args: GenerationArgs) => Generation;
+  /** Rehearsals handed to a Worker and not finished. */
+  #atWorker = new Map<string, Generation>();
+  /** Rehearsals so far: answered by a GPU's Worker, and in this process (no GPU was ready). */
+  #counts = { worker: 0, here: 0 };
+
+  /**
+   * `post` hands a message to a GPU's Worker (GpuPool.postGeneration); `generation` makes a
+   * Generation (its constructor: the manager's, so that no import goes round in a circle).
+   */
+  constructor(
+    post: GpuPool["postGeneration"],
+    generation: (...args: GenerationArgs) => Generation,
+  ) {
+    this.#post = post;
+    this.#generation = generation;
+  }
+
+  /** How many rehearsals went through a GPU's Worker, and how many were answered in this process. */
+  get counts(): { worker: number; here: number } {
+    return { ...this.#counts };
+  }
+
+  /** What a rehearsal generates with: GPT-2 small's shape, no weights anywhere. */
+  model(id: string): ModelSource {
+    return { id, kind: "safetensors", path: "", version: "rehearsal", config: presetConfig("gpt2-124M") };
+  }
+
+  /**
+   * Starts rehearsal `request` as a Generation of `init` (what a user's request would get, its GPU
+   * `init.gpu`): through that GPU's Worker, which answers it without a model, or, with no GPU
+   * ready (`gpu` < 0), answered here. Its time limit is at most REHEARSAL_TIMEOUT_MS and its
+   * statistics go nowhere.
+   */
+  start(init: GenerationArgs[0], request: WorkerGeneration): Generation {
+    const { id, gpu } = init;
+    const here = gpu < 0;
+    const gen = this.#generation(
+      { ...init, timeout_ms: Math.min(init.timeout_ms ?? Infinity, REHEARSAL_TIMEOUT_MS) },
+      here ? () => {} : () => {
+        try {
+          this.#post(gpu, { type: "generate_cancel", id });
+        } catch { /* worker gone */ }
+      },
+      NO_STATS,
+    );
+    request.sent_at = gen.markSent();
+    if (here) {
+      this.#counts.here++;
+      answerHere(gen, request);
+      return gen;
+    }
+    this.#counts.worker++;
+    request.rehearsal = true;
+    this.#atWorker.set(id, gen);
+    this.#post(gpu, { type: "generate", request });
+    return gen;
+  }
+
+  /** Hands a Worker's report to the rehearsal it is about (if any), which is forgotten once done. */
+  report(msg: FromWorkerGeneration): void {
+    const g = this.#atWorker.get(msg.id);
+    if (!g) return;
+    g.report(msg);
+    if (msg.type === "gen_done") this.#atWorker.delete(msg.id);
+  }
+
+  /** GPU `gpu`'s Worker crashed: its rehearsals end with `msg`. */
+  crashed(gpu: number, msg: { type: "gen_crash"; error: string }): void {
+    for (const [id, g] of this.#atWorker) {
+      if (g.gpu !== gpu) continue;
+      this.#atWorker.delete(id);
+      g.report(msg);
+    }
+  }
+}
+
+/**
+ * Answers a rehearsal from this process as a Worker would, a message at a time in later tasks:
+ * started, the prompt's first tokens back in two chunks (at most max_tokens), done.
+ */
+async function answerHere(gen: Generation, req: WorkerGeneration): Promise<void> {
+  const turn = () => new Promise<void>((r) => queueMicrotask(r));
+  await turn();
+  const now = epochMs();
+  gen.report({
+    type: "gen_started",
+    id: req.id,
+    load_ms: 0,
+    stamps: { sent_at: req.sent_at, relayed_at: now, received_at: now, admitted_at: now },
+  });
+  const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
+  const half = Math.ceil(tokens.length / 2);
+  for (const [i, chunk] of [tokens.slice(0, half), tokens.slice(half)].entries()) {
+    await turn();
+    if (chunk.length > 0) {
+      gen.report({
+        type: "gen_tokens",
+        id: req.id,
+        tokens: chunk,
+        ...(i === 0 ? { first_at: epochMs() } : {}),
+      });
+    }
+  }
+  await turn();
+  gen.report({
+    type: "gen_done",
+    id: req.id,
+    reason: "length",
+    error: null,
+    completion_tokens: tokens.length,
+  });
 }
