@@ -20,7 +20,8 @@ import { GenerationManager } from "../server/generate/mod.ts";
 import { JobRunner, JobStore } from "../server/jobs/mod.ts";
 import type { FromWorker } from "../protocol.ts";
 import { ScriptedWorker } from "../tests/fakes/fake_worker.ts";
-import { createApp, warmUp } from "../server/routes/mod.ts";
+import { createApp } from "../server/routes/mod.ts";
+import { warmUp } from "../server/rehearsal.ts";
 
 const arg = (name: string, dflt: number) => {
   const i = Deno.args.indexOf(`--${name}`);

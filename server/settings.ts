@@ -148,6 +148,9 @@ export interface ServerConfig {
 /** The names a loopback-bound server answers to. */
 export const LOOPBACK_HOSTS: ReadonlySet<string> = new Set(["127.0.0.1", "::1", "localhost"]);
 
+/** The addresses that bind every interface (a server bound to one answers on loopback too). */
+export const WILDCARD_HOSTS: ReadonlySet<string> = new Set(["0.0.0.0", "::", ""]);
+
 type Env = { get(key: string): string | undefined };
 
 /** Whether every character of a token is printable ASCII (what an HTTP header can carry). */

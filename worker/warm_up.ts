@@ -10,8 +10,9 @@
  *   admission), and the rest once the batcher is first idle, with training held as during a load
  *   (a 124M load's warm-up takes 2.3-4.6 s on an H200 with the driver's cache full, 11-16 s
  *   without).
- * - A rehearsal of the request path (WorkerGeneration.rehearsal, the server's start-up warm-up)
- *   is answered as a generation's messages come, with no model or GPU.
+ * - A rehearsal of the request path (WorkerGeneration.rehearsal, the server's start-up warm-up,
+ *   whose HTTP side is server/rehearsal.ts) is answered as a generation's messages come, with no
+ *   model or GPU.
  */
 
 import { type GpuContext, isCpuAdapter } from "../engine/device.ts";

@@ -10,7 +10,7 @@
  * `stats()` keeps vLLM-style serving statistics for /metrics.
  */
 
-import { EOT_TOKEN, presetConfig } from "../../model/config.ts";
+import { EOT_TOKEN } from "../../model/config.ts";
 import { GpuUnavailableError, InvalidJobError } from "../../model/errors.ts";
 import {
   epochMs,
@@ -30,6 +30,7 @@ import { readChatTemplate } from "../../checkpoint/checkpoint.ts";
 import { generationGpus, type GpuRoles } from "../gpus/roles.ts";
 import type { GenerationReport, GpuPool } from "../gpus/gpu_pool.ts";
 import { encodePrompt, fitPromptTokens, TextStream } from "./text_stream.ts";
+import { Rehearsals } from "../rehearsal.ts";
 
 /** A generation request, validated by the routes (ranges), not yet against the model. */
 export interface GenerateParams {
@@ -55,9 +56,9 @@ export interface GenerateParams {
   /** When the request reached this process (performance.now()); default: when it is started. */
   arrived?: number;
   /**
-   * A rehearsal of the request path (the server's start-up warm-up, server/routes/app.ts warmUp):
-   * no model is looked up and no GPU is used; the generation answers a few tokens of its own
-   * prompt from this process, and nothing is counted in the statistics.
+   * A rehearsal of the request path (the server's start-up warm-up, server/rehearsal.ts): no model
+   * is looked up and no GPU work is done; an idle GPU's Worker (or, with none ready, this process)
+   * answers a few tokens of its own prompt, and nothing is counted in the statistics.
    */
   rehearsal?: boolean;
 }
@@ -437,50 +438,6 @@ export interface GenerationManagerOptions {
   timeoutMs?: number;
 }
 
-/** What a rehearsal (GenerateParams.rehearsal) generates with: GPT-2 small's shape, no weights anywhere. */
-function rehearsalModel(id: string): ModelSource {
-  return { id, kind: "safetensors", path: "", version: "rehearsal", config: presetConfig("gpt2-124M") };
-}
-
-/**
- * Answers a rehearsal from this process as a Worker would, a message at a time in later tasks:
- * started, the prompt's first tokens back in two chunks (at most max_tokens), done.
- */
-async function rehearse(gen: Generation, req: WorkerGeneration): Promise<void> {
-  const turn = () => new Promise<void>((r) => queueMicrotask(r));
-  await turn();
-  const now = epochMs();
-  gen.report({
-    type: "gen_started",
-    id: req.id,
-    load_ms: 0,
-    stamps: { sent_at: req.sent_at, relayed_at: now, received_at: now, admitted_at: now },
-  });
-  const tokens = req.prompt.slice(0, Math.min(req.max_tokens, 8));
-  const half = Math.ceil(tokens.length / 2);
-  for (const [i, chunk] of [tokens.slice(0, half), tokens.slice(half)].entries()) {
-    await turn();
-    if (chunk.length > 0) {
-      gen.report({
-        type: "gen_tokens",
-        id: req.id,
-        tokens: chunk,
-        ...(i === 0 ? { first_at: epochMs() } : {}),
-      });
-    }
-  }
-  await turn();
-  gen.report({
-    type: "gen_done",
-    id: req.id,
-    reason: "length",
-    error: null,
-    completion_tokens: tokens.length,
-  });
-}
-
-/** A rehearsal handed to a Worker ends by then (answered or not: the warm-up never waits longer). */
-const REHEARSAL_TIMEOUT_MS = 10_000;
 /** How long a model lookup serves later requests for the same id (GenerationManager #resolve). */
 const MODEL_CACHE_MS = 250;
 /** Past MODEL_CACHE_MS a lookup is reused while its files' signature holds (modelSourceStamp), up to this age. */
@@ -493,10 +450,11 @@ export class GenerationManager {
   #opts: Required<Omit<GenerationManagerOptions, "roles">> & { roles: GpuRoles | null };
   /** Generations whose Worker has not reported them finished (cancelled ones included). */
   #live = new Map<string, Generation>();
-  /** Rehearsals handed to a Worker and not finished (never counted, see startChoices). */
-  #rehearsing = new Map<string, Generation>();
-  /** Rehearsals so far: answered by a GPU's Worker, and in this process (no GPU was ready). */
-  #rehearsed = { worker: 0, here: 0 };
+  /** The start-up warm-up's generations (server/rehearsal.ts): uncounted, see startChoices. */
+  #rehearsals = new Rehearsals(
+    (gpu, msg) => this.#pool.postGeneration(gpu, msg),
+    (...args) => new Generation(...args),
+  );
   /** Chat templates read, by model lookup (a new lookup after its files change reads again). */
   #templates = new WeakMap<ModelSource, Promise<string | undefined>>();
   /** Model lookups of the last MODEL_CACHE_MS, by id (see #resolve). */
@@ -521,8 +479,6 @@ export class GenerationManager {
     itl: (s, n) => observe(this.#stats.itl, s, n),
     stage: (stage, s) => observe(this.#stats.stages[stage], s),
   };
-  /** A rehearsal's statistics go nowhere (same shape as #sink, so the code warmed is the code used). */
-  #rehearsalSink: StatsSink = { ttft: () => {}, itl: () => {}, stage: () => {} };
   /** Where each loaded model (path@version) went last, to batch its requests on one GPU. */
   #placed = new Map<string, number>();
 
@@ -548,7 +504,7 @@ export class GenerationManager {
 
   /** How many rehearsals (the start-up warm-up) went through a GPU's Worker, and how many were answered here. */
   get rehearsed(): { worker: number; here: number } {
-    return { ...this.#rehearsed };
+    return this.#rehearsals.counts;
   }
 
   /** Serving statistics (a copy). */
@@ -643,7 +599,7 @@ export class GenerationManager {
    */
   async startChoices(p: GenerateParams, n: number): Promise<Generation[]> {
     const rehearsal = p.rehearsal === true;
-    const model = rehearsal ? rehearsalModel(p.model) : await this.#resolve(p.model);
+    const model = rehearsal ? this.#rehearsals.model(p.model) : await this.#resolve(p.model);
     const ctxLen = model.config.n_positions;
     const max_tokens = p.max_tokens ?? Math.min(64, Math.floor(ctxLen / 2));
     if (max_tokens > ctxLen - 1) {
@@ -665,7 +621,7 @@ export class GenerationManager {
     }
     // A rehearsal goes the whole way through a ready GPU's Worker when there is one (which answers
     // it without a model), else it is answered here.
-    const gpu = rehearsal ? this.#rehearsalGpu() : await this.#pickGpu(`${model.path}@${model.version}`);
+    const gpu = rehearsal ? this.#idleGpu() : await this.#pickGpu(`${model.path}@${model.version}`);
     const seed = p.seed ?? crypto.getRandomValues(new Uint32Array(1))[0];
     const base = `gen_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     const out: Generation[] = [];
@@ -685,41 +641,30 @@ export class GenerationManager {
         logprobs: p.logprobs ?? null,
         root: this.#root,
       };
-      const gen = new Generation(
-        {
-          id,
-          model,
-          prompt: prompt.tokens,
-          truncated_tokens: prompt.truncated,
-          max_tokens,
-          seed: s,
-          gpu,
-          stop: p.stop,
-          index: i,
-          timeout_ms: rehearsal ? Math.min(this.#opts.timeoutMs, REHEARSAL_TIMEOUT_MS) : this.#opts.timeoutMs,
-          arrived: p.arrived,
-        },
-        rehearsal && gpu < 0 ? () => {} : () => {
-          try {
-            this.#pool.postGeneration(gpu, { type: "generate_cancel", id });
-          } catch { /* worker gone */ }
-        },
-        rehearsal ? this.#rehearsalSink : this.#sink,
-      );
+      const init = {
+        id,
+        model,
+        prompt: prompt.tokens,
+        truncated_tokens: prompt.truncated,
+        max_tokens,
+        seed: s,
+        gpu,
+        stop: p.stop,
+        index: i,
+        timeout_ms: this.#opts.timeoutMs,
+        arrived: p.arrived,
+      };
+      if (rehearsal) {
+        out.push(this.#rehearsals.start(init, request));
+        continue;
+      }
+      const gen = new Generation(init, () => {
+        try {
+          this.#pool.postGeneration(gpu, { type: "generate_cancel", id });
+        } catch { /* worker gone */ }
+      }, this.#sink);
       request.sent_at = gen.markSent();
       out.push(gen);
-      if (rehearsal && gpu < 0) {
-        this.#rehearsed.here++;
-        rehearse(gen, request);
-        continue;
-      }
-      if (rehearsal) {
-        this.#rehearsed.worker++;
-        request.rehearsal = true;
-        this.#rehearsing.set(id, gen);
-        this.#pool.postGeneration(gpu, { type: "generate", request });
-        continue;
-      }
       this.#live.set(id, gen);
       this.#pool.postGeneration(gpu, { type: "generate", request });
       this.#stats.started++;
@@ -729,7 +674,7 @@ export class GenerationManager {
   }
 
   /** A GPU whose Worker is ready and idle (not training) and may generate, or -1: where a rehearsal goes. */
-  #rehearsalGpu(): number {
+  #idleGpu(): number {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
     const idle = this.#pool.gpuStates().find((g) => g.state === "idle" && (!allowed || allowed.has(g.index)));
     return idle?.index ?? -1;
@@ -742,7 +687,7 @@ export class GenerationManager {
   async whenReady(timeoutMs: number): Promise<boolean> {
     const allowed = this.#opts.roles ? new Set(generationGpus(this.#opts.roles)) : null;
     for (const end = Date.now() + timeoutMs;;) {
-      if (this.#rehearsalGpu() >= 0) return true;
+      if (this.#idleGpu() >= 0) return true;
       const gpus = this.#pool.gpuStates().filter((g) => !allowed || allowed.has(g.index));
       if (!gpus.some((g) => g.state === "starting") || Date.now() > end) return false;
       await new Promise((r) => setTimeout(r, 50));
@@ -782,22 +727,20 @@ export class GenerationManager {
 
   #onReport(gpu: number, msg: GenerationReport): void {
     if (msg.type === "gen_crash") {
-      for (const live of [this.#live, this.#rehearsing]) {
-        for (const [id, g] of live) {
-          if (g.gpu !== gpu) continue;
-          live.delete(id);
-          g.report(msg);
-        }
+      for (const [id, g] of this.#live) {
+        if (g.gpu !== gpu) continue;
+        this.#live.delete(id);
+        g.report(msg);
       }
+      this.#rehearsals.crashed(gpu, msg);
       for (const [key, i] of this.#placed) if (i === gpu) this.#placed.delete(key);
       return;
     }
-    // A rehearsal takes the same path as the generations it stands in for, uncounted.
-    const g = this.#live.get(msg.id) ?? this.#rehearsing.get(msg.id);
-    if (!g) return;
+    const g = this.#live.get(msg.id);
+    if (!g) return this.#rehearsals.report(msg);
     g.report(msg);
-    if (msg.type === "gen_done" && !this.#live.delete(msg.id)) this.#rehearsing.delete(msg.id);
-    else if (msg.type === "gen_done") {
+    if (msg.type === "gen_done") {
+      this.#live.delete(msg.id);
       this.#stats.finished[msg.reason]++;
       this.#stats.tokens += msg.completion_tokens;
     }

@@ -10,17 +10,17 @@
  * No state of its own beyond per-app counters: everything comes from the arguments.
  */
 
-import { timingSafeEqual } from "node:crypto";
 import { Hono, type MiddlewareHandler } from "hono";
 import { bodyLimit } from "hono/body-limit";
 import { cors } from "hono/cors";
-import { defaultLimits, type Limits, LOOPBACK_HOSTS } from "../settings.ts";
+import { defaultLimits, type Limits, LOOPBACK_HOSTS, WILDCARD_HOSTS } from "../settings.ts";
 import { type GenerationManager } from "../generate/mod.ts";
 import { type JobRunner } from "../jobs/mod.ts";
 import { ApiError, errorHandler, pathAliases } from "./api_errors.ts";
 import { healthRoutes } from "./health.ts";
 import { jobRoutes } from "./jobs.ts";
-import { ARRIVED, generateRoutes, WARM_UP } from "./generate.ts";
+import { ARRIVED, generateRoutes } from "./generate.ts";
+import { isRehearsal, markRehearsal } from "../rehearsal.ts";
 import { chatRoutes } from "./chat_completions.ts";
 import { type AppMetrics, createMetrics, type MetricsHook, userMetrics } from "./metrics.ts";
 import { clientKey, type StreamCounter, streamLimit } from "./sse.ts";
@@ -82,7 +82,6 @@ export interface AppOptions {
   metrics?: MetricsHook[];
 }
 
-const WILDCARD_HOSTS = new Set(["0.0.0.0", "::", ""]);
 const JSON_TYPE = /^application\/([\w.-]+\+)?json$/i;
 
 /** Splits a Host header into a lower-case name (IPv6 without brackets) and a port (null if absent). */
@@ -172,137 +171,6 @@ const requireJson: MiddlewareHandler = async (c, next) => {
 };
 
 /** Builds the HTTP app. */
-/** Requests made by {@link warmUp} in this process: not counted in metrics, let past the token check. */
-const WARM_UPS = new WeakSet<Request>();
-/** The model id of a warm-up request (job ids and model folders have no dots: it names no real model). */
-const WARM_UP_MODEL = "warm-up.rehearsal";
-/**
- * The warm-up's requests over the server's own socket carry this process's secret in this header
- * (the secret never leaves the process but for the loopback connection to itself).
- */
-const WARM_UP_HEADER = "x-gpt2-warm-up";
-const WARM_UP_SECRET = new TextEncoder().encode(
-  [...crypto.getRandomValues(new Uint8Array(24))].map((b) => b.toString(16).padStart(2, "0")).join(""),
-);
-
-/** Whether request `req` is one of this process's warm-up requests (in memory, or over the socket). */
-function isWarmUp(req: Request): boolean {
-  if (WARM_UPS.has(req)) return true;
-  const v = req.headers.get(WARM_UP_HEADER);
-  if (v === null) return false;
-  const got = new TextEncoder().encode(v);
-  return got.length === WARM_UP_SECRET.length && timingSafeEqual(got, WARM_UP_SECRET);
-}
-
-/**
- * Runs the generation routes of `app` (made by createApp) `rounds` times on in-memory requests that
- * rehearse the whole request path (GenerateParams.rehearsal): middleware, routing, body parsing,
- * validation, tokenizing, the generation's events, text decoding and the streamed response, so
- * that V8 has compiled it before the first users' requests. No model is looked up and no GPU or
- * store is used: each generation answers a few tokens of its own prompt, from an idle GPU's Worker
- * when one is ready (through the GPU host, as users' requests go; the Worker answers without a
- * model, worker/serving.ts) and else from this process, and nothing is counted in /metrics. Without it the first burst a server met took its HTTP process
- * 30-42 ms to hand 16 requests to the GPU host, against 4-7 ms once warm (tests/fakes' Worker),
- * and on an H200 the first 16 or 64 streams' first tokens came 1.3-2.3× later than the next
- * round's. Returns the ms it took.
- */
-export async function warmUp(
-  app: Hono,
-  opts: {
-    host?: string;
-    port?: number;
-    /**
-     * Rounds of `burst` (default 64) concurrent rehearsals sent to the server itself over its
-     * socket on fresh connections, once it listens on `port`, so that the server's own handling
-     * of connections and streamed responses is compiled too (default 6; 0 for none).
-     */
-    socketRounds?: number;
-    burst?: number;
-    /**
-     * Resolves once a GPU's Worker can take rehearsals (GenerationManager.whenReady): the socket
-     * rounds wait for it, so that they run the whole way through the GPU host and a Worker, as
-     * users' requests do, not only this process's part.
-     */
-    ready?: () => Promise<unknown>;
-  },
-  rounds = 24,
-): Promise<number> {
-  const t0 = performance.now();
-  const bound = opts.host ?? "127.0.0.1";
-  const name = WILDCARD_HOSTS.has(bound.toLowerCase())
-    ? "127.0.0.1"
-    : bound.includes(":")
-    ? `[${bound}]`
-    : bound;
-  const base = `http://${name}${opts.port ? `:${opts.port}` : ""}`;
-  const send = async (req: Request) => {
-    WARM_UPS.add(req);
-    const res = await app.fetch(req);
-    const body = await res.text();
-    if (res.status !== 200 || !body.includes("data:")) {
-      throw new Error(
-        `The warm-up's ${req.method} ${new URL(req.url).pathname} answered ${res.status}: ${body}`,
-      );
-    }
-  };
-  for (let i = 0; i < rounds; i++) {
-    const body = {
-      model: WARM_UP_MODEL,
-      prompt: `The server rehearses its request path before users arrive, round ${i}.`,
-      max_tokens: 8,
-      stream: true,
-      top_k: 40,
-      seed: i,
-    };
-    await Promise.all([
-      send(
-        new Request(`${base}/v1/completions`, {
-          method: "POST",
-          headers: { "Content-Type": "application/json" },
-          body: JSON.stringify(body),
-        }),
-      ),
-      send(new Request(`${base}/generate?model=${WARM_UP_MODEL}&prompt=Warm+up+${i}&max_tokens=8&top_k=40`)),
-    ]);
-  }
-  // Then over the socket: on an H200, 64 streams' first tokens on a fresh server still came 16 ms
-  // later than on the next burst, beyond every stage the server times; Deno's own request and
-  // response handling had not run for a burst of new connections. Once a GPU's Worker is ready
-  // these go the whole way (GPU host, Worker, the reports back), in bursts of the engine's batch:
-  // 6 × 16 rehearsals answered in this process left a burst of 64 users' requests (this process
-  // over a scripted Worker, 2 cores) 25 ms to their headers against 14-18 ms for the next burst,
-  // and 50 ms to the end against 30-40; after 6 × 64 through the Worker, 18-20 and 27-40.
-  const socketRounds = opts.port ? opts.socketRounds ?? 6 : 0, burst = opts.burst ?? 64;
-  if (socketRounds > 0) await opts.ready?.();
-  for (let i = 0; i < socketRounds; i++) {
-    await Promise.all(Array.from({ length: burst }, async (_, j) => {
-      const headers = {
-        [WARM_UP_HEADER]: new TextDecoder().decode(WARM_UP_SECRET),
-        // A fresh connection per request: the first users' burst opens new ones too.
-        Connection: "close",
-      };
-      const prompt = `Round ${i}, stream ${j}: the server rehearses its request path over its socket.`;
-      const res = j % 4 === 3
-        ? await fetch(
-          `${base}/generate?model=${WARM_UP_MODEL}&prompt=${encodeURIComponent(prompt)}&max_tokens=8`,
-          { headers },
-        )
-        : await fetch(`${base}/v1/completions`, {
-          method: "POST",
-          headers: { ...headers, "Content-Type": "application/json" },
-          body: JSON.stringify({ model: WARM_UP_MODEL, prompt, max_tokens: 8, stream: true, top_k: 40 }),
-        });
-      const body = await res.text();
-      if (res.status !== 200 || !body.includes("data:")) {
-        throw new Error(
-          `The warm-up's request over the socket answered ${res.status}: ${body.slice(0, 300)}`,
-        );
-      }
-    }));
-  }
-  return performance.now() - t0;
-}
-
 export function createApp(opts: AppOptions): Hono {
   const limits: Limits = { ...defaultLimits(), ...opts.limits };
   if (opts.maxBodyBytes !== undefined) limits.maxBodyBytes = opts.maxBodyBytes;
@@ -355,8 +223,7 @@ function useGuards(app: Hono, opts: AppOptions, metrics: AppMetrics): void {
   }
   app.use("*", async (c, next) => {
     c.set(ARRIVED as never, performance.now() as never);
-    const warm = isWarmUp(c.req.raw);
-    if (warm) c.set(WARM_UP as never, true as never);
+    const warm = markRehearsal(c);
     await next();
     if (!warm) metrics.countRequest(c.req.method, c.res.status);
   });
@@ -394,7 +261,7 @@ function useAuth(app: Hono, opts: AppOptions, metrics: AppMetrics): { auth: Auth
     authGuard(auth.tokens, {
       trusted,
       failures: auth.failures,
-      skip: (c) => (c.get(WARM_UP as never) as unknown) === true,
+      skip: isRehearsal,
       onUse: (p, cls) => {
         metrics.countUse(p.user, cls);
         auth.tokens.noteUse(p, cls);
@@ -430,8 +297,7 @@ function useLimits(app: Hono, limits: Limits, trusted: AddressRanges): void {
     { total: 0, perClient: new Map() },
     (c) => clientKey(c, trusted),
   );
-  const bounded: MiddlewareHandler = (c, next) =>
-    (c.get(WARM_UP as never) as unknown) === true ? rehearsals(c, next) : limited(c, next);
+  const bounded: MiddlewareHandler = (c, next) => isRehearsal(c) ? rehearsals(c, next) : limited(c, next);
   app.use("/jobs/:id/events", bounded);
   app.use("/generate", bounded);
   app.use("/v1/completions", bounded);

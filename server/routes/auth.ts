@@ -105,7 +105,7 @@ const WORDS: Record<"invalid" | "revoked" | "expired", [string, string]> = {
 };
 
 /**
- * The token check. `skip(c)` lets a request past unchecked (the warm-up's own rehearsals);
+ * The token check. `skip(c)` lets a request past unchecked (the warm-up's own, server/rehearsal.ts);
  * `onUse` is told each caller and route class (the per-user counters of /metrics).
  */
 export function authGuard(

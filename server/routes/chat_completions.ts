@@ -25,7 +25,8 @@ import { CHAT_TEMPLATE, type ChatMessage, checkMessages, encodeChat } from "../.
 import { ApiError, errorStyle, jsonBody } from "./api_errors.ts";
 import { principalOf } from "./auth.ts";
 import type { Auth } from "./admin.ts";
-import { ARRIVED, WARM_UP } from "./generate.ts";
+import { ARRIVED } from "./generate.ts";
+import { isRehearsal } from "../rehearsal.ts";
 
 const MAX_CONTENT_CHARS = 1_000_000;
 
@@ -115,11 +116,6 @@ class ReplyText {
 /** The caller's access to a model and stream quota (no `auth`: everyone, unlimited). */
 type Hold = (c: Context, model: string, n: number) => () => void;
 
-/** Whether `c` is one of the server's own warm-up requests (app.ts warmUp). */
-function rehearsal(c: Context): boolean {
-  return (c.get(WARM_UP as never) as unknown) === true;
-}
-
 /** When request `c` reached the server, if the app stamped it. */
 function arrived(c: Context): number | undefined {
   const t = c.get(ARRIVED as never) as unknown;
@@ -129,10 +125,10 @@ function arrived(c: Context): number | undefined {
 /** Checks the model, then holds `n` of the caller's streams: call the answer to give them back. */
 function holdStreams(auth: Pick<Auth, "access" | "quotas"> | undefined): Hold {
   return (c, model, n) => {
-    if (auth && !rehearsal(c) && !auth.access.modelAllowed(principalOf(c), model)) {
+    if (auth && !isRehearsal(c) && !auth.access.modelAllowed(principalOf(c), model)) {
       throw new ModelNotFoundError(model);
     }
-    if (!auth || rehearsal(c)) return () => {};
+    if (!auth || isRehearsal(c)) return () => {};
     const releases = [] as Array<() => void>;
     try {
       for (let i = 0; i < n; i++) releases.push(auth.quotas.openStream(principalOf(c)));
@@ -229,7 +225,7 @@ async function startChat(
       ignore_eos: r.ignore_eos ?? false,
       logprobs: wantLp ? r.top_logprobs ?? 0 : null,
       arrived: arrived(c),
-      rehearsal: rehearsal(c),
+      rehearsal: isRehearsal(c),
     }, n);
   } catch (e) {
     release();

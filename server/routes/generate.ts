@@ -34,6 +34,7 @@ import { ModelNotFoundError } from "../jobs/mod.ts";
 import { ApiError, errorStyle, jsonBody, queryParams } from "./api_errors.ts";
 import { principalOf } from "./auth.ts";
 import type { Auth } from "./admin.ts";
+import { isRehearsal } from "../rehearsal.ts";
 
 const MAX_PROMPT_CHARS = 1_000_000;
 /** Token ids accepted in a prompt (GPT-2's real vocabulary). */
@@ -274,19 +275,12 @@ function modelObject(m: ModelInfo) {
  */
 export const ARRIVED = "gpt2.arrived";
 
-/**
- * Context key set (true) by createApp's first middleware on the server's own start-up warm-up
- * requests (app.ts warmUp): they rehearse the request path without a model or GPU
- * (GenerateParams.rehearsal).
- */
-export const WARM_UP = "gpt2.warmUp";
-
 /** When request `c` reached the server (ARRIVED), if the app stamped it, and whether it is a rehearsal. */
 function origin(c: Context): { arrived: number | undefined; rehearsal: boolean } {
   const t = c.get(ARRIVED as never) as unknown;
   return {
     arrived: typeof t === "number" ? t : undefined,
-    rehearsal: (c.get(WARM_UP as never) as unknown) === true,
+    rehearsal: isRehearsal(c),
   };
 }
 
@@ -300,10 +294,10 @@ interface Access {
 
 function routeAccess(auth: Pick<Auth, "access" | "quotas"> | undefined): Access {
   const mayUse = (c: Context, model: string) =>
-    !auth || origin(c).rehearsal || auth.access.modelAllowed(principalOf(c), model);
+    !auth || isRehearsal(c) || auth.access.modelAllowed(principalOf(c), model);
   const hold = (c: Context, model: string, n: number): () => void => {
     if (!mayUse(c, model)) throw new ModelNotFoundError(model);
-    if (!auth || origin(c).rehearsal) return () => {};
+    if (!auth || isRehearsal(c)) return () => {};
     const releases = [] as Array<() => void>;
     try {
       for (let i = 0; i < n; i++) releases.push(auth.quotas.openStream(principalOf(c)));

@@ -3,7 +3,7 @@
  * events over the job layer. Re-exports only.
  */
 
-export { type AppOptions, createApp, parseHost, warmUp } from "./app.ts";
+export { type AppOptions, createApp, parseHost } from "./app.ts";
 export { allowed, authGuard, FailureLimiter, principalOf, type RouteClass, routeClass } from "./auth.ts";
 export { adminRoutes, audit, type Auth } from "./admin.ts";
 export { jobRoutes } from "./jobs.ts";

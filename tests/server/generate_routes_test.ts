@@ -12,7 +12,8 @@ import { GenerationManager, type GenerationManagerOptions, TextStream } from "..
 import { JobRunner, JobStore } from "../../server/jobs/mod.ts";
 import { ScriptedWorker } from "../fakes/fake_worker.ts";
 import { Hono } from "hono";
-import { createApp, warmUp } from "../../server/routes/mod.ts";
+import { createApp } from "../../server/routes/mod.ts";
+import { warmUp } from "../../server/rehearsal.ts";
 import { onError } from "../../server/routes/api_errors.ts";
 import { generateRoutes } from "../../server/routes/generate.ts";
 import { until } from "../_wait.ts";
