@@ -1,8 +1,9 @@
 /**
  * The job runner: the HTTP process's side of training. It is one of the GPU pool's two clients
  * (server/gpus/gpu_pool.ts holds one Worker per GPU; the generation manager is the other): it
- * feeds each GPU's FIFO queue from the store, turns Worker reports into stored metrics and events,
- * and fans events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
+ * feeds each GPU's FIFO queue from the store (a free GPU with nothing of its own to run takes the
+ * next job waiting on another's), turns Worker reports into stored metrics and events, and fans
+ * events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
  * server left running, are marked interrupted; they go to the head of their queue and resume from
  * their newest checkpoint. A graceful `stop()` has every running job save a checkpoint at its
  * current step first.
@@ -19,6 +20,7 @@
  */
 
 import { isFinished, type JobStore } from "./job_store.ts";
+import { workersOf } from "./store_schema.ts";
 import { StoreBacklog, type StoreState } from "./store_backlog.ts";
 import { JobRecords, type Listener } from "./job_records.ts";
 import type { LeaseKeeper } from "./leases.ts";
@@ -59,6 +61,12 @@ interface Gang {
   outcomes: Map<number, Extract<FromWorker, { type: "done" }>>;
   /** A rank's Worker died: the job resumes (or fails after repeated crashes) once the others ended. */
   crash: string | null;
+}
+
+/** Whether waiting job `a` goes before `b` from another GPU's queue: interrupted first, then the older. */
+function waitedLonger(a: Job, b: Job): boolean {
+  const ai = a.status === "interrupted", bi = b.status === "interrupted";
+  return ai !== bi ? ai : a.created_at < b.created_at;
 }
 
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
@@ -483,7 +491,7 @@ export class JobRunner {
       this.#startGang(waiting);
       return;
     }
-    const job = this.#next(slot);
+    const job = this.#next(slot) ?? this.#steal(slot);
     if (!job) return;
     // A data- or tensor-parallel job needs a slot per rank.
     const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
@@ -564,6 +572,35 @@ export class JobRunner {
       status: "interrupted",
     });
     return { ...job, status: "interrupted" };
+  }
+
+  /**
+   * One host: `slot`, a free training GPU, has nothing it may run in its own queue. It takes the
+   * job another training GPU's queue would run next (fair-share order, owners at their running
+   * quota passed over) when that job needs one GPU; of several such queues, the job waiting
+   * longest (interrupted ones first). The job's recorded GPU becomes this one. A data-parallel job
+   * next in its queue is not passed over (it gathers GPUs from its own queue's turn, as ever), and
+   * a queue whose GPU is free keeps its job (that GPU takes it).
+   */
+  #steal(slot: Slot): Job | null {
+    if (this.#opts.leases) return null; // the shared queue: every host claims from all of it
+    const train = this.#trainSlots();
+    if (!train.includes(slot)) return null;
+    const skip = this.#opts.skipOwners?.() ?? [];
+    let best: Job | null = null;
+    for (const s of train) {
+      if (s === slot || (s.state === "idle" && !s.job && !s.reserved)) continue;
+      const job = this.#store.nextQueued(s.index, skip);
+      if (!job || workersOf(job.config) > 1) continue;
+      if (!best || waitedLonger(job, best)) best = job;
+    }
+    if (!best) return null;
+    this.#records.update(best.id, { gpu: slot.index });
+    this.#records.emit(best.id, "log", {
+      level: "info",
+      message: `Moved from GPU ${best.gpu}'s queue to GPU ${slot.index}, free first`,
+    });
+    return { ...best, gpu: slot.index };
   }
 
   /** With several hosts: every idle training GPU looks at the shared queue. */
