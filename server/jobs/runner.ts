@@ -474,13 +474,8 @@ export class JobRunner {
     const slot = this.#pool.slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
-      // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
       // (With several hosts the queue is shared: another host may place those jobs.)
-      if (!this.#opts.leases) {
-        for (const job of this.#store.queue(gpu)) {
-          this.#records.finish(job.id, "failed", job.iteration, slot.error);
-        }
-      }
+      if (!this.#opts.leases) this.#rehome(slot);
       return;
     }
     if (slot.state !== "idle" || slot.reserved) return;
@@ -601,6 +596,30 @@ export class JobRunner {
       message: `Moved from GPU ${best.gpu}'s queue to GPU ${slot.index}, free first`,
     });
     return { ...best, gpu: slot.index };
+  }
+
+  /**
+   * One host: GPU `slot` has no device. What waits in its queue moves to the training GPU with the
+   * shortest queue among those that work (a data-parallel job only if they are enough for its
+   * ranks); what none can take fails with the reason instead of queueing forever.
+   */
+  #rehome(slot: Slot): void {
+    const working = this.#trainSlots().filter((s) => s.state !== "unavailable").length;
+    const moved = new Set<number>();
+    for (const job of this.#store.queue(slot.index)) {
+      if (workersOf(job.config) > working) {
+        this.#records.finish(job.id, "failed", job.iteration, slot.error);
+        continue;
+      }
+      const gpu = this.#pickGpu(); // a working one: some is
+      this.#records.update(job.id, { gpu });
+      this.#records.emit(job.id, "log", {
+        level: "warn",
+        message: `GPU ${slot.index} is unavailable (${slot.error}): moved to GPU ${gpu}'s queue`,
+      });
+      moved.add(gpu);
+    }
+    for (const gpu of moved) this.#dispatch(gpu);
   }
 
   /** With several hosts: every idle training GPU looks at the shared queue. */

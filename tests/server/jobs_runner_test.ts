@@ -1,7 +1,7 @@
 /**
  * The runner and store without a GPU (the Worker is the scripted double in tests/fakes/fake_worker.ts):
  * FIFO order per GPU, spreading over several GPUs, a free GPU taking the next job waiting on
- * another GPU's queue, crash recovery from the store on disk, a
+ * another GPU's queue (or on one with no device), crash recovery from the store on disk, a
  * Worker crash interrupting its job (resumed, or failed when it keeps crashing), and the
  * graceful stop.
  */
@@ -39,14 +39,21 @@ const req = (over: Partial<TrainRequest> = {}): TrainRequest => ({
   ...over,
 });
 
-/** A runner over `gpus` scripted Workers, not started. */
-function makeRunner(store: JobStore, root: string, gpus = 1, opts: { skipOwners?: () => string[] } = {}) {
+/** A runner over `gpus` scripted Workers (none for the GPUs in `unavailable`), not started. */
+function makeRunner(
+  store: JobStore,
+  root: string,
+  gpus = 1,
+  opts: { skipOwners?: () => string[]; unavailable?: number[] } = {},
+) {
   const workers: ScriptedWorker[] = [];
   const runner = new JobRunner(store, {
     root,
     gpus,
-    spawn: () => {
-      const w = new ScriptedWorker();
+    spawn: (gpu) => {
+      const w = new ScriptedWorker(
+        opts.unavailable?.includes(gpu) ? { unavailable: "No WebGPU adapter found" } : {},
+      );
       workers.push(w);
       return w;
     },
@@ -195,6 +202,39 @@ Deno.test("of several other GPUs' queues, a free GPU takes the job waiting longe
     assert.equal(workers[0].jobs[2].id, interrupted);
     assert.deepEqual([store.getJob(interrupted)!.status, store.getJob(interrupted)!.resumes], ["running", 1]);
     assert.deepEqual(store.queue(1).map((j) => j.id), [newer]);
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("jobs waiting on a GPU with no device move to one that works; one needing more GPUs than work fails with the reason", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root, 3, { unavailable: [1] });
+  try {
+    // Left on GPU 1's queue by the last run.
+    const first = enqueue(store, "job_first", 1, null);
+    const second = enqueue(store, "job_second", 1, null);
+    const third = enqueue(store, "job_third", 1, null);
+    const wide = enqueue(store, "job_wide", 1, null, { data_parallel: 3, batch_size: 6 });
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state !== "starting"), "the GPUs");
+    await until(
+      () => workers[0].jobs.length === 1 && workers[2].jobs.length === 1,
+      "a job on each working GPU",
+    );
+    const ran = [workers[0].jobs[0].id, workers[2].jobs[0].id];
+    assert.deepEqual([...ran].sort(), [first, second].sort());
+    assert.deepEqual(ran.map((id) => store.getJob(id)!.gpu), [0, 2]);
+    const waiting = store.getJob(third)!;
+    assert.equal(waiting.status, "queued");
+    assert.notEqual(waiting.gpu, 1);
+    assert.deepEqual(store.queue(1), []);
+    const failed = store.getJob(wide)!;
+    assert.deepEqual([failed.status, failed.error], ["failed", "No WebGPU adapter found"]);
+    assert.deepEqual(workers[1].jobs, []);
   } finally {
     runner.shutdown();
     store.close();
