@@ -729,7 +729,8 @@ export class JobRunner {
     } else {
       this.#records.finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
     }
-    for (const s of gang.slots) this.#dispatch(s.index);
+    // As for a job on one GPU: its owner's running quota may have freed, for a job on any GPU's queue.
+    for (const s of this.#opts.skipOwners ? [...this.#pool.slots] : gang.slots) this.#dispatch(s.index);
   }
 
   async #startOnWorker(slot: Slot, job: Job, parallel?: WorkerJob["parallel"]): Promise<void> {

@@ -175,6 +175,34 @@ Deno.test("a free GPU with nothing of its own to run takes the next job waiting 
   }
 });
 
+Deno.test("a data-parallel job ending frees its owner's quota: her job held on a free GPU's queue goes", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  let held: string[] = [];
+  const { runner, workers } = makeRunner(store, root, 3, { skipOwners: () => held });
+  try {
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state === "idle"), "three GPUs");
+    const gang = (await runner.submit(req({ data_parallel: 2, batch_size: 4 }), "alice")).id;
+    await until(() => workers[0].jobs.length === 1 && workers[1].jobs.length === 1, "both ranks");
+    held = ["alice"]; // her quota: two GPUs
+    const next = (await runner.submit(req(), "alice")).id;
+    await tick();
+    assert.deepEqual([store.getJob(next)!.status, store.getJob(next)!.gpu], ["queued", 2]);
+    assert.equal(runner.gpus()[2].state, "idle");
+    held = [];
+    for (const w of [0, 1]) {
+      workers[w].send({ type: "done", id: gang, status: "succeeded", iteration: 20, error: null });
+    }
+    await until(() => store.getJob(next)!.status === "running", "her next job");
+    assert.equal(store.getJob(gang)!.status, "succeeded");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
 Deno.test("of several other GPUs' queues, a free GPU takes the job waiting longest, an interrupted one first", async () => {
   const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
   const store = new JobStore(":memory:");
