@@ -40,12 +40,13 @@ export {
 /** An answer now (SQLite) or later (PostgreSQL). */
 export type Awaitable<T> = T | Promise<T>;
 
-/** Fields of a job the runner updates as it goes. */
+/** Fields of a job the runner updates as it goes (`gpu`: a waiting job moved to another GPU's queue). */
 export type JobPatch =
   & Partial<
     Pick<
       Job,
       | "status"
+      | "gpu"
       | "started_at"
       | "finished_at"
       | "iteration"

@@ -1,8 +1,9 @@
 /**
  * The job runner: the HTTP process's side of training. It is one of the GPU pool's two clients
  * (server/gpus/gpu_pool.ts holds one Worker per GPU; the generation manager is the other): it
- * feeds each GPU's FIFO queue from the store, turns Worker reports into stored metrics and events,
- * and fans events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
+ * feeds each GPU's FIFO queue from the store (a free GPU with nothing of its own to run takes the
+ * next job waiting on another's), turns Worker reports into stored metrics and events, and fans
+ * events out to live subscribers (the SSE routes). Jobs whose Worker died, or that a dead
  * server left running, are marked interrupted; they go to the head of their queue and resume from
  * their newest checkpoint. A graceful `stop()` has every running job save a checkpoint at its
  * current step first.
@@ -19,6 +20,7 @@
  */
 
 import { isFinished, type JobStore } from "./job_store.ts";
+import { workersOf } from "./store_schema.ts";
 import { StoreBacklog, type StoreState } from "./store_backlog.ts";
 import { JobRecords, type Listener } from "./job_records.ts";
 import type { LeaseKeeper } from "./leases.ts";
@@ -59,6 +61,12 @@ interface Gang {
   outcomes: Map<number, Extract<FromWorker, { type: "done" }>>;
   /** A rank's Worker died: the job resumes (or fails after repeated crashes) once the others ended. */
   crash: string | null;
+}
+
+/** Whether waiting job `a` goes before `b` from another GPU's queue: interrupted first, then the older. */
+function waitedLonger(a: Job, b: Job): boolean {
+  const ai = a.status === "interrupted", bi = b.status === "interrupted";
+  return ai !== bi ? ai : a.created_at < b.created_at;
 }
 
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
@@ -466,13 +474,8 @@ export class JobRunner {
     const slot = this.#pool.slots[gpu];
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
-      // No device behind this slot: fail what waits on it with the reason instead of queueing forever.
       // (With several hosts the queue is shared: another host may place those jobs.)
-      if (!this.#opts.leases) {
-        for (const job of this.#store.queue(gpu)) {
-          this.#records.finish(job.id, "failed", job.iteration, slot.error);
-        }
-      }
+      if (!this.#opts.leases) this.#rehome(slot);
       return;
     }
     if (slot.state !== "idle" || slot.reserved) return;
@@ -483,7 +486,7 @@ export class JobRunner {
       this.#startGang(waiting);
       return;
     }
-    const job = this.#next(slot);
+    const job = this.#next(slot) ?? this.#steal(slot);
     if (!job) return;
     // A data- or tensor-parallel job needs a slot per rank.
     const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
@@ -564,6 +567,59 @@ export class JobRunner {
       status: "interrupted",
     });
     return { ...job, status: "interrupted" };
+  }
+
+  /**
+   * One host: `slot`, a free training GPU, has nothing it may run in its own queue. It takes the
+   * job another training GPU's queue would run next (fair-share order, owners at their running
+   * quota passed over) when that job needs one GPU; of several such queues, the job waiting
+   * longest (interrupted ones first). The job's recorded GPU becomes this one. A data-parallel job
+   * next in its queue is not passed over (it gathers GPUs from its own queue's turn, as ever), and
+   * a queue whose GPU is free keeps its job (that GPU takes it).
+   */
+  #steal(slot: Slot): Job | null {
+    if (this.#opts.leases) return null; // the shared queue: every host claims from all of it
+    const train = this.#trainSlots();
+    if (!train.includes(slot)) return null;
+    const skip = this.#opts.skipOwners?.() ?? [];
+    let best: Job | null = null;
+    for (const s of train) {
+      if (s === slot || (s.state === "idle" && !s.job && !s.reserved)) continue;
+      const job = this.#store.nextQueued(s.index, skip);
+      if (!job || workersOf(job.config) > 1) continue;
+      if (!best || waitedLonger(job, best)) best = job;
+    }
+    if (!best) return null;
+    this.#records.update(best.id, { gpu: slot.index });
+    this.#records.emit(best.id, "log", {
+      level: "info",
+      message: `Moved from GPU ${best.gpu}'s queue to GPU ${slot.index}, free first`,
+    });
+    return { ...best, gpu: slot.index };
+  }
+
+  /**
+   * One host: GPU `slot` has no device. What waits in its queue moves to the training GPU with the
+   * shortest queue among those that work (a data-parallel job only if they are enough for its
+   * ranks); what none can take fails with the reason instead of queueing forever.
+   */
+  #rehome(slot: Slot): void {
+    const working = this.#trainSlots().filter((s) => s.state !== "unavailable").length;
+    const moved = new Set<number>();
+    for (const job of this.#store.queue(slot.index)) {
+      if (workersOf(job.config) > working) {
+        this.#records.finish(job.id, "failed", job.iteration, slot.error);
+        continue;
+      }
+      const gpu = this.#pickGpu(); // a working one: some is
+      this.#records.update(job.id, { gpu });
+      this.#records.emit(job.id, "log", {
+        level: "warn",
+        message: `GPU ${slot.index} is unavailable (${slot.error}): moved to GPU ${gpu}'s queue`,
+      });
+      moved.add(gpu);
+    }
+    for (const gpu of moved) this.#dispatch(gpu);
   }
 
   /** With several hosts: every idle training GPU looks at the shared queue. */
@@ -673,7 +729,8 @@ export class JobRunner {
     } else {
       this.#records.finish(gang.job, lead.status as "succeeded" | "cancelled", lead.iteration, lead.error);
     }
-    for (const s of gang.slots) this.#dispatch(s.index);
+    // As for a job on one GPU: its owner's running quota may have freed, for a job on any GPU's queue.
+    for (const s of this.#opts.skipOwners ? [...this.#pool.slots] : gang.slots) this.#dispatch(s.index);
   }
 
   async #startOnWorker(slot: Slot, job: Job, parallel?: WorkerJob["parallel"]): Promise<void> {

@@ -140,6 +140,7 @@ export function postgresDialect(sql: string): string {
 /** Fields of a job the runner updates as it goes (the column names of `jobs`). */
 export const PATCH_COLUMNS: ReadonlySet<string> = new Set([
   "status",
+  "gpu",
   "started_at",
   "finished_at",
   "iteration",

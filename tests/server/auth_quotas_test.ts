@@ -138,7 +138,7 @@ Deno.test("fair share: with several users waiting, the queue alternates between 
   }
 });
 
-Deno.test("running_gpus: a user at their quota waits while a free GPU takes another user's job, and goes once a GPU frees", async () => {
+Deno.test("running_gpus: a user at their quota waits while a free GPU takes another user's job, and goes on the first GPU that frees, even another queue's", async () => {
   const t = await authServer({ gpus: 2, quotas: { running_gpus: 1, queued_jobs: 100 } });
   try {
     const alice = (await t.mint("alice", ["train"])).token;
@@ -150,16 +150,28 @@ Deno.test("running_gpus: a user at their quota waits while a free GPU takes anot
     const running = () => t.workers.map((w) => w.jobs.map((j) => j.id)).flat();
     assert.deepEqual(running(), [a1]);
     assert.equal(t.store.getJob(a2)!.status, "queued");
+    const gpuA1 = t.workers.findIndex((w) => w.jobs.some((j) => j.id === a1));
+    assert.equal(t.store.getJob(a2)!.gpu, 1 - gpuA1);
     const b1 = await t.train(bob);
     await until(() => running().includes(b1), "bob's job on the free GPU");
-    // a2 waits on its GPU's queue (behind bob's job there now): it goes once alice is under quota
-    // and that GPU is free.
-    const gpuA1 = t.workers.findIndex((w) => w.jobs.some((j) => j.id === a1));
+    assert.equal(t.workers[1 - gpuA1].jobs.at(-1)!.id, b1);
+    // a2 waited on the queue of the GPU bob's job took; a1's GPU frees with nothing of its own to
+    // run, and alice is under quota again: a2 moves there at once instead of waiting behind b1.
     finish(t, gpuA1);
-    await new Promise((r) => setTimeout(r, 50));
-    assert.equal(t.store.getJob(a2)!.status, "queued");
-    finish(t, 1 - gpuA1);
-    await until(() => running().includes(a2), "alice's second job once her first ended and a GPU freed");
+    await until(
+      () => t.workers[gpuA1].jobs.some((j) => j.id === a2),
+      "alice's second job on the GPU that freed",
+    );
+    const moved = t.store.getJob(a2)!;
+    assert.deepEqual([moved.status, moved.gpu], ["running", gpuA1]);
+    assert.deepEqual(t.workers[1 - gpuA1].jobs.map((j) => j.id), [b1], "bob's job runs on undisturbed");
+    assert.equal(t.store.getJob(b1)!.status, "running");
+    assert.deepEqual(t.store.queue(0).concat(t.store.queue(1)), []);
+    const log = t.store.eventsAfter(a2).map((e) => e.data.message);
+    assert.ok(
+      log.includes(`Moved from GPU ${1 - gpuA1}'s queue to GPU ${gpuA1}, free first`),
+      log.join("\n"),
+    );
   } finally {
     await t.cleanup();
   }

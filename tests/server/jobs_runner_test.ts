@@ -1,12 +1,14 @@
 /**
  * The runner and store without a GPU (the Worker is the scripted double in tests/fakes/fake_worker.ts):
- * FIFO order per GPU, spreading over several GPUs, crash recovery from the store on disk, a
+ * FIFO order per GPU, spreading over several GPUs, a free GPU taking the next job waiting on
+ * another GPU's queue (or on one with no device), crash recovery from the store on disk, a
  * Worker crash interrupting its job (resumed, or failed when it keeps crashing), and the
  * graceful stop.
  */
 
 import assert from "node:assert/strict";
 import { paramLayout, presetConfig } from "../../model/config.ts";
+import { completeConfig } from "../../model/job_config.ts";
 import { JobRunner, JobStore, type TrainConfig, type TrainRequest } from "../../server/jobs/mod.ts";
 import { saveCheckpoint } from "../../checkpoint/checkpoint.ts";
 import { ScriptedWorker } from "../fakes/fake_worker.ts";
@@ -37,17 +39,26 @@ const req = (over: Partial<TrainRequest> = {}): TrainRequest => ({
   ...over,
 });
 
-function makeRunner(store: JobStore, root: string, gpus = 1) {
+/** A runner over `gpus` scripted Workers (none for the GPUs in `unavailable`), not started. */
+function makeRunner(
+  store: JobStore,
+  root: string,
+  gpus = 1,
+  opts: { skipOwners?: () => string[]; unavailable?: number[] } = {},
+) {
   const workers: ScriptedWorker[] = [];
   const runner = new JobRunner(store, {
     root,
     gpus,
-    spawn: () => {
-      const w = new ScriptedWorker();
+    spawn: (gpu) => {
+      const w = new ScriptedWorker(
+        opts.unavailable?.includes(gpu) ? { unavailable: "No WebGPU adapter found" } : {},
+      );
       workers.push(w);
       return w;
     },
     datasetExists: (id) => Promise.resolve(id === "sotu"),
+    skipOwners: opts.skipOwners,
   });
   return { runner, workers };
 }
@@ -91,6 +102,167 @@ Deno.test("JobRunner runs one job per GPU in FIFO order and spreads jobs over GP
     assert.deepEqual(workers[0].jobs.map((j) => j.id), [ids[0], ids[2]]);
     assert.equal(store.getJob(ids[0])!.status, "succeeded");
     assert.equal(store.getJob(ids[2])!.status, "running");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+/** Puts a waiting job straight into GPU `gpu`'s queue (as one submitted earlier would be), owned by `owner`. */
+function enqueue(
+  store: JobStore,
+  id: string,
+  gpu: number,
+  owner: string | null,
+  over: Partial<TrainRequest> = {},
+) {
+  store.createJob(id, gpu, completeConfig(req(over)), owner);
+  return id;
+}
+
+Deno.test("a free GPU with nothing of its own to run takes the next job waiting on another GPU: owners at quota passed over, data-parallel jobs left to gather", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  let held: string[] = [];
+  const { runner, workers } = makeRunner(store, root, 3, { skipOwners: () => held });
+  try {
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state === "idle"), "three GPUs");
+    const busy = [];
+    for (let i = 0; i < 3; i++) busy.push((await runner.submit(req({ seed: i }))).id);
+    await until(() => workers.every((w) => w.jobs.length === 1), "a job on each GPU");
+    // GPU 1's queue: alice's job (she is at her quota), then bob's; GPU 2's: carol's job on two GPUs, then hers on one.
+    held = ["alice"];
+    const a = enqueue(store, "job_alice", 1, "alice");
+    const b = enqueue(store, "job_bob", 1, "bob");
+    const gang = enqueue(store, "job_gang", 2, "carol", { data_parallel: 2, batch_size: 4 });
+    const c = enqueue(store, "job_carol", 2, "carol");
+    workers[0].send({ type: "done", id: busy[0], status: "succeeded", iteration: 20, error: null });
+    await until(() => workers[0].jobs.length === 2, "the next job on GPU 0");
+    assert.equal(workers[0].jobs[1].id, b, "bob's job, past alice's held one");
+    assert.deepEqual([store.getJob(b)!.status, store.getJob(b)!.gpu], ["running", 0]);
+    assert.deepEqual(store.queue(1).map((j) => j.id), [a]);
+    assert.deepEqual(store.queue(2).map((j) => j.id), [gang, c], "the data-parallel job keeps its place");
+    assert.ok(
+      store.eventsAfter(b).some((e) => e.data.message === "Moved from GPU 1's queue to GPU 0, free first"),
+    );
+    // GPU 0 frees again: alice is still held and GPU 2's next job needs two GPUs: nothing moves.
+    workers[0].send({ type: "done", id: b, status: "succeeded", iteration: 20, error: null });
+    await tick();
+    assert.equal(workers[0].jobs.length, 2);
+    assert.deepEqual(runner.gpus().map((g) => g.state), ["idle", "busy", "busy"]);
+    // GPU 2 frees: its data-parallel job gathers GPU 2 and the free GPU 0, as it did before.
+    workers[2].send({ type: "done", id: busy[2], status: "succeeded", iteration: 20, error: null });
+    await until(
+      () => workers[0].jobs.length === 3 && workers[2].jobs.length === 2,
+      "the data-parallel job's ranks",
+    );
+    assert.deepEqual([workers[0].jobs[2].id, workers[2].jobs[1].id], [gang, gang]);
+    assert.equal(store.getJob(gang)!.gpu, 2);
+    assert.deepEqual(store.getJob(gang)!.metrics.gpus, [2, 0]);
+    // alice is under quota again: her job goes on the first GPU that frees, GPU 1 its own.
+    held = [];
+    workers[1].send({ type: "done", id: busy[1], status: "succeeded", iteration: 20, error: null });
+    await until(() => workers[1].jobs.length === 2, "alice's job on GPU 1");
+    assert.equal(workers[1].jobs[1].id, a);
+    assert.equal(store.getJob(a)!.gpu, 1);
+    assert.deepEqual(store.queue(2).map((j) => j.id), [c]);
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("a data-parallel job ending frees its owner's quota: her job held on a free GPU's queue goes", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  let held: string[] = [];
+  const { runner, workers } = makeRunner(store, root, 3, { skipOwners: () => held });
+  try {
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state === "idle"), "three GPUs");
+    const gang = (await runner.submit(req({ data_parallel: 2, batch_size: 4 }), "alice")).id;
+    await until(() => workers[0].jobs.length === 1 && workers[1].jobs.length === 1, "both ranks");
+    held = ["alice"]; // her quota: two GPUs
+    const next = (await runner.submit(req(), "alice")).id;
+    await tick();
+    assert.deepEqual([store.getJob(next)!.status, store.getJob(next)!.gpu], ["queued", 2]);
+    assert.equal(runner.gpus()[2].state, "idle");
+    held = [];
+    for (const w of [0, 1]) {
+      workers[w].send({ type: "done", id: gang, status: "succeeded", iteration: 20, error: null });
+    }
+    await until(() => store.getJob(next)!.status === "running", "her next job");
+    assert.equal(store.getJob(gang)!.status, "succeeded");
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("of several other GPUs' queues, a free GPU takes the job waiting longest, an interrupted one first", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root, 3);
+  try {
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state === "idle"), "three GPUs");
+    const busy = [];
+    for (let i = 0; i < 3; i++) busy.push((await runner.submit(req({ seed: i }))).id);
+    await until(() => workers.every((w) => w.jobs.length === 1), "a job on each GPU");
+    const older = enqueue(store, "job_older", 2, null);
+    await new Promise((r) => setTimeout(r, 5)); // a later created_at
+    const newer = enqueue(store, "job_newer", 1, null);
+    const done = (gpu: number, id: string) =>
+      workers[gpu].send({ type: "done", id, status: "succeeded", iteration: 20, error: null });
+    done(0, busy[0]);
+    await until(() => workers[0].jobs.length === 2, "the next job on GPU 0");
+    assert.equal(workers[0].jobs[1].id, older);
+    assert.equal(store.getJob(older)!.gpu, 0);
+    // An interrupted job (its Worker crashed) goes before one queued earlier.
+    const interrupted = enqueue(store, "job_interrupted", 2, null);
+    store.updateJob(interrupted, { status: "interrupted" });
+    done(0, older);
+    await until(() => workers[0].jobs.length === 3, "the next job on GPU 0");
+    assert.equal(workers[0].jobs[2].id, interrupted);
+    assert.deepEqual([store.getJob(interrupted)!.status, store.getJob(interrupted)!.resumes], ["running", 1]);
+    assert.deepEqual(store.queue(1).map((j) => j.id), [newer]);
+  } finally {
+    runner.shutdown();
+    store.close();
+    await Deno.remove(root, { recursive: true });
+  }
+});
+
+Deno.test("jobs waiting on a GPU with no device move to one that works; one needing more GPUs than work fails with the reason", async () => {
+  const root = await Deno.makeTempDir({ prefix: "gpt2_runner_" });
+  const store = new JobStore(":memory:");
+  const { runner, workers } = makeRunner(store, root, 3, { unavailable: [1] });
+  try {
+    // Left on GPU 1's queue by the last run.
+    const first = enqueue(store, "job_first", 1, null);
+    const second = enqueue(store, "job_second", 1, null);
+    const third = enqueue(store, "job_third", 1, null);
+    const wide = enqueue(store, "job_wide", 1, null, { data_parallel: 3, batch_size: 6 });
+    runner.start();
+    await until(() => runner.gpus().every((g) => g.state !== "starting"), "the GPUs");
+    await until(
+      () => workers[0].jobs.length === 1 && workers[2].jobs.length === 1,
+      "a job on each working GPU",
+    );
+    const ran = [workers[0].jobs[0].id, workers[2].jobs[0].id];
+    assert.deepEqual([...ran].sort(), [first, second].sort());
+    assert.deepEqual(ran.map((id) => store.getJob(id)!.gpu), [0, 2]);
+    const waiting = store.getJob(third)!;
+    assert.equal(waiting.status, "queued");
+    assert.notEqual(waiting.gpu, 1);
+    assert.deepEqual(store.queue(1), []);
+    const failed = store.getJob(wide)!;
+    assert.deepEqual([failed.status, failed.error], ["failed", "No WebGPU adapter found"]);
+    assert.deepEqual(workers[1].jobs, []);
   } finally {
     runner.shutdown();
     store.close();

@@ -1,7 +1,8 @@
 /**
  * The job store on both engines (SQLite and PostgreSQL, tests/_stores.ts): persistence across
- * reopen, merged metric updates, the per-GPU queue order (interrupted jobs first, then FIFO),
- * event ids for replay, and the metrics history. Then the data directory's lock.
+ * reopen, merged metric updates, the per-GPU queue order (interrupted jobs first, then FIFO), a
+ * waiting job moved to another GPU's queue, event ids for replay, and the metrics history. Then
+ * the data directory's lock.
  */
 
 import assert from "node:assert/strict";
@@ -75,6 +76,10 @@ storeSuite("JobStore", [
     assert.deepEqual((await store.listJobs()).map((j) => j.id), ["d", "c", "b", "a"]);
     await store.requeueBeyond(1); // restarted with one GPU: b moves from GPU 1 to GPU 0
     assert.deepEqual((await store.queue(0)).map((j) => j.id), ["d", "a", "b", "c"]);
+    // A waiting job moved to another GPU's queue (the runner's free GPU taking it).
+    assert.equal((await store.updateJob("c", { gpu: 1 })).gpu, 1);
+    assert.deepEqual((await store.queue(0)).map((j) => j.id), ["d", "a", "b"]);
+    assert.equal((await store.nextQueued(1))!.id, "c");
     await store.close();
   }],
   ["lists pages, counts waiting jobs, deletes a job with its history and probes writes", async (db) => {
