@@ -45,8 +45,10 @@ import {
   type Sql,
   sql,
   toAudit,
+  toClaim,
   toCounts,
   toEvent,
+  toHeartbeat,
   toHost,
   toJob,
   toMetric,
@@ -283,25 +285,19 @@ export class PostgresJobStore implements JobStoreEngine {
     takeover = true,
     skip: string[] = [],
   ): Promise<Claim | null> {
-    const [row] = await this.#q(SQL.claimNext(hostId, capacity, leaseMs, takeover, skip, POSTGRES_DIALECT));
-    if (!row) return null;
-    return {
-      job: toJob(row),
-      lease: { job_id: row.id as string, host_id: hostId, epoch: Number(row.lease_epoch) },
-    };
+    const [claimed] = await this.#q(
+      SQL.claimNext(hostId, capacity, leaseMs, takeover, skip, POSTGRES_DIALECT),
+    );
+    return toClaim(claimed, hostId);
   }
 
   /** Renews `leases` and the host's row; says which leases are kept and which were taken. */
   async heartbeat(host: HostReport, leases: Lease[], leaseMs: number): Promise<HeartbeatResult> {
     const seen = await this.#q(SQL.seenHost(host, POSTGRES_DIALECT));
     if (seen.length === 0) await this.registerHost(host);
-    const out: HeartbeatResult = { kept: [], lost: [] };
-    for (const l of leases) {
-      const [r] = await this.#q(SQL.renew(l, leaseMs, POSTGRES_DIALECT));
-      if (r) out.kept.push({ job_id: l.job_id, cancel_requested: Number(r.cancel_requested) !== 0 });
-      else out.lost.push(l.job_id);
-    }
-    return out;
+    const renewed: Array<Row | undefined> = [];
+    for (const l of leases) renewed.push((await this.#q(SQL.renew(l, leaseMs, POSTGRES_DIALECT)))[0]);
+    return toHeartbeat(leases, renewed);
   }
 
   /** Ends a lease early: another host may claim the job now. */

@@ -38,8 +38,10 @@ import {
   sql,
   sqliteDialect,
   toAudit,
+  toClaim,
   toCounts,
   toEvent,
+  toHeartbeat,
   toHost,
   toJob,
   toMetric,
@@ -224,14 +226,10 @@ export class SqliteJobStore implements JobStoreEngine {
     takeover = true,
     skip: string[] = [],
   ): Claim | null {
-    const row = this.#transaction(() =>
+    const claimed = this.#transaction(() =>
       this.#get(SQL.claimNext(hostId, capacity, leaseMs, takeover, skip, sqliteDialect()))
     );
-    if (!row) return null;
-    return {
-      job: toJob(row),
-      lease: { job_id: row.id as string, host_id: hostId, epoch: Number(row.lease_epoch) },
-    };
+    return toClaim(claimed, hostId);
   }
 
   /** Renews `leases` and the host's row; says which leases are kept and which were taken. */
@@ -239,13 +237,7 @@ export class SqliteJobStore implements JobStoreEngine {
     return this.#transaction(() => {
       const d = sqliteDialect();
       if (!this.#get(SQL.seenHost(host, d))) this.registerHost(host);
-      const out: HeartbeatResult = { kept: [], lost: [] };
-      for (const l of leases) {
-        const r = this.#get(SQL.renew(l, leaseMs, d));
-        if (r) out.kept.push({ job_id: l.job_id, cancel_requested: Number(r.cancel_requested) !== 0 });
-        else out.lost.push(l.job_id);
-      }
-      return out;
+      return toHeartbeat(leases, leases.map((l) => this.#get(SQL.renew(l, leaseMs, d))));
     });
   }
 

@@ -21,6 +21,8 @@ import {
 } from "../../model/job.ts";
 import type {
   AuditEvent,
+  Claim,
+  HeartbeatResult,
   HostRecord,
   HostReport,
   JobListOptions,
@@ -370,6 +372,29 @@ export function toJob(r: Row): Job {
     last_checkpoint: (r.last_checkpoint as string | null) ?? null,
     ...(r.owner ? { owner: r.owner as string } : {}),
   };
+}
+
+/** The row of {@link SQL}.claimNext (none: nothing to claim) as `hostId`'s claim. */
+export function toClaim(row: Row | undefined, hostId: string): Claim | null {
+  if (!row) return null;
+  return {
+    job: toJob(row),
+    lease: { job_id: row.id as string, host_id: hostId, epoch: Number(row.lease_epoch) },
+  };
+}
+
+/** What a heartbeat found: `renewed[i]` is {@link SQL}.renew's row for `leases[i]`, none when it was lost. */
+export function toHeartbeat(
+  leases: readonly Lease[],
+  renewed: ReadonlyArray<Row | undefined>,
+): HeartbeatResult {
+  const out: HeartbeatResult = { kept: [], lost: [] };
+  leases.forEach((l, i) => {
+    const r = renewed[i];
+    if (r) out.kept.push({ job_id: l.job_id, cancel_requested: Number(r.cancel_requested) !== 0 });
+    else out.lost.push(l.job_id);
+  });
+  return out;
 }
 
 /** Rows of `update … returning *` (which come in no set order) as jobs in submission order. */
