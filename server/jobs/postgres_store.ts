@@ -34,27 +34,7 @@ import type {
   UserRecord,
 } from "./job_store.ts";
 import { LeaseLostError, MIGRATIONS, postgresDialect, SCHEMA_VERSION } from "./store_schema.ts";
-import {
-  gpuSecondsOf,
-  jobsBySeq,
-  numbered,
-  patchSets,
-  POSTGRES_DIALECT,
-  type Row,
-  SQL,
-  type Sql,
-  sql,
-  toAudit,
-  toClaim,
-  toCounts,
-  toEvent,
-  toHeartbeat,
-  toHost,
-  toJob,
-  toMetric,
-  toToken,
-  toUser,
-} from "./store_sql.ts";
+import { numbered, patchSets, POSTGRES_DIALECT, read, type Row, SQL, type Sql, sql } from "./store_sql.ts";
 
 // deno-lint-ignore no-explicit-any
 type Conn = postgres.Sql<any> | postgres.TransactionSql<any>;
@@ -121,18 +101,18 @@ export class PostgresJobStore implements JobStoreEngine {
   /** Inserts a queued job on `gpu`'s queue, owned by `owner`. */
   async createJob(id: string, gpu: number, config: TrainConfig, owner: string | null = null): Promise<Job> {
     const [row] = await this.#q(SQL.createJob(id, gpu, config, owner));
-    return toJob(row);
+    return read.job(row);
   }
 
   /** A job, or null. */
   async getJob(id: string): Promise<Job | null> {
     const [row] = await this.#q(SQL.getJob(id));
-    return row ? toJob(row) : null;
+    return row ? read.job(row) : null;
   }
 
   /** Jobs newest first, `limit` (100) of them, only those older than job `after` when given. */
   async listJobs(opts: JobListOptions = {}): Promise<Job[]> {
-    return (await this.#q(SQL.listJobs(opts))).map(toJob);
+    return (await this.#q(SQL.listJobs(opts))).map(read.job);
   }
 
   /** Whether a job with this id exists. */
@@ -159,7 +139,7 @@ export class PostgresJobStore implements JobStoreEngine {
       sets.push(sql`metrics = (metrics::jsonb || ${JSON.stringify(patch.metrics)}::text::jsonb)::text`);
     }
     const [row] = await this.#q(SQL.updateJob(id, sets, lease));
-    if (row) return toJob(row);
+    if (row) return read.job(row);
     if (lease && await this.hasJob(id)) throw new LeaseLostError(lease);
     throw new Error(`Cannot update job "${id}": no such job`);
   }
@@ -167,12 +147,12 @@ export class PostgresJobStore implements JobStoreEngine {
   /** The next job waiting on `gpu`: interrupted before queued, each in fair-share order, none of `skip`'s. */
   async nextQueued(gpu: number, skip: string[] = []): Promise<Job | null> {
     const [row] = await this.#q(SQL.nextQueued(gpu, skip));
-    return row ? toJob(row) : null;
+    return row ? read.job(row) : null;
   }
 
   /** Jobs waiting on `gpu`, in the order they will run (their owners' running quotas aside). */
   async queue(gpu: number): Promise<Job[]> {
-    return (await this.#q(SQL.queue(gpu))).map(toJob);
+    return (await this.#q(SQL.queue(gpu))).map(read.job);
   }
 
   /** Number of jobs waiting on `gpu`. */
@@ -205,7 +185,7 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** Marks every `running` job `interrupted` (only right for one host; several use releaseHost). */
   async markInterrupted(): Promise<Job[]> {
-    return jobsBySeq(await this.#q(SQL.markInterrupted()));
+    return read.jobsBySeq(await this.#q(SQL.markInterrupted()));
   }
 
   /** Moves unfinished jobs queued on GPUs `>= gpus` onto GPU `index % gpus`. */
@@ -215,7 +195,7 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** Job counts per status (only `owner`'s when given). */
   async countByStatus(owner?: string): Promise<Record<JobStatus, number>> {
-    return toCounts(await this.#q(SQL.countByStatus(owner)));
+    return read.counts(await this.#q(SQL.countByStatus(owner)));
   }
 
   /** Appends a point to a job's metrics history; with `lease`, only while it holds. */
@@ -226,7 +206,7 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** A job's metrics history in the order recorded. */
   async metrics(jobId: string): Promise<MetricPoint[]> {
-    return (await this.#q(SQL.metrics(jobId))).map(toMetric);
+    return (await this.#q(SQL.metrics(jobId))).map(read.metric);
   }
 
   /**
@@ -254,7 +234,7 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** A job's events with id greater than `afterId`, oldest first, at most `limit` (a replay page). */
   async eventsAfter(jobId: string, afterId = 0, limit = -1): Promise<JobEvent[]> {
-    return (await this.#q(SQL.eventsAfter(jobId, afterId, limit))).map(toEvent);
+    return (await this.#q(SQL.eventsAfter(jobId, afterId, limit))).map(read.event);
   }
 
   /** Records (or refreshes) a host. */
@@ -266,12 +246,12 @@ export class PostgresJobStore implements JobStoreEngine {
   async hosts(): Promise<HostRecord[]> {
     const [{ now }] = await this.#q(sql`select ${POSTGRES_DIALECT.clock()} as now`);
     const held = await this.#q(SQL.heldLeases(Number(now)));
-    return (await this.#q(SQL.hosts())).map((r) => toHost(r, Number(now), held));
+    return (await this.#q(SQL.hosts())).map((r) => read.host(r, Number(now), held));
   }
 
   /** Lets go of every job `hostId` held (a running one becomes interrupted); returns them. */
   async releaseHost(hostId: string): Promise<Job[]> {
-    return jobsBySeq(await this.#q(SQL.releaseHost(hostId)));
+    return read.jobsBySeq(await this.#q(SQL.releaseHost(hostId)));
   }
 
   /**
@@ -288,7 +268,7 @@ export class PostgresJobStore implements JobStoreEngine {
     const [claimed] = await this.#q(
       SQL.claimNext(hostId, capacity, leaseMs, takeover, skip, POSTGRES_DIALECT),
     );
-    return toClaim(claimed, hostId);
+    return read.claim(claimed, hostId);
   }
 
   /** Renews `leases` and the host's row; says which leases are kept and which were taken. */
@@ -297,7 +277,7 @@ export class PostgresJobStore implements JobStoreEngine {
     if (seen.length === 0) await this.registerHost(host);
     const renewed: Array<Row | undefined> = [];
     for (const l of leases) renewed.push((await this.#q(SQL.renew(l, leaseMs, POSTGRES_DIALECT)))[0]);
-    return toHeartbeat(leases, renewed);
+    return read.heartbeat(leases, renewed);
   }
 
   /** Ends a lease early: another host may claim the job now. */
@@ -318,12 +298,12 @@ export class PostgresJobStore implements JobStoreEngine {
   async putUser(name: string): Promise<UserRecord> {
     await this.#q(SQL.putUser(name));
     const [row] = await this.#q(SQL.user(name));
-    return toUser(row);
+    return read.user(row);
   }
 
   /** Every user, by name. */
   async users(): Promise<UserRecord[]> {
-    return (await this.#q(SQL.users())).map(toUser);
+    return (await this.#q(SQL.users())).map(read.user);
   }
 
   /** Replaces user `name`'s own quotas. */
@@ -338,7 +318,7 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** Every token, oldest first. */
   async tokens(): Promise<TokenRecord[]> {
-    return (await this.#q(SQL.tokens())).map(toToken);
+    return (await this.#q(SQL.tokens())).map(read.token);
   }
 
   /** Revokes token `id`; false when there is none or it was revoked already. */
@@ -375,12 +355,12 @@ export class PostgresJobStore implements JobStoreEngine {
 
   /** Audit events newest first. */
   async audit(opts: { before?: number; limit?: number; user?: string } = {}): Promise<AuditEvent[]> {
-    return (await this.#q(SQL.audit(opts))).map(toAudit);
+    return (await this.#q(SQL.audit(opts))).map(read.audit);
   }
 
   /** GPU-seconds `owner`'s jobs used since `since`. */
   async gpuSeconds(owner: string, since: string): Promise<number> {
-    return gpuSecondsOf(await this.#q(SQL.gpuSeconds(owner, since)), since);
+    return read.gpuSeconds(await this.#q(SQL.gpuSeconds(owner, since)), since);
   }
 
   #q(s: Sql): Promise<Row[]> {
@@ -394,7 +374,7 @@ export class PostgresJobStore implements JobStoreEngine {
     if (event.data === undefined) {
       const [row] = await this.#q(SQL.event(event.id)).catch(() => []);
       if (!row) return;
-      event = toEvent(row);
+      event = read.event(row);
     }
     for (const fn of this.#listeners) fn(event);
   }

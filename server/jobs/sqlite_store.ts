@@ -28,26 +28,7 @@ import type {
   UserRecord,
 } from "./job_store.ts";
 import { LeaseLostError, MIGRATIONS, SCHEMA_VERSION } from "./store_schema.ts";
-import {
-  gpuSecondsOf,
-  jobsBySeq,
-  patchSets,
-  type Row,
-  SQL,
-  type Sql,
-  sql,
-  sqliteDialect,
-  toAudit,
-  toClaim,
-  toCounts,
-  toEvent,
-  toHeartbeat,
-  toHost,
-  toJob,
-  toMetric,
-  toToken,
-  toUser,
-} from "./store_sql.ts";
+import { patchSets, read, type Row, SQL, type Sql, sql, sqliteDialect } from "./store_sql.ts";
 
 /** SQLite-backed jobs, metrics and events. One instance per data directory. */
 export class SqliteJobStore implements JobStoreEngine {
@@ -79,13 +60,13 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** Inserts a queued job on `gpu`'s queue, owned by `owner`. */
   createJob(id: string, gpu: number, config: TrainConfig, owner: string | null = null): Job {
-    return toJob(this.#get(SQL.createJob(id, gpu, config, owner))!);
+    return read.job(this.#get(SQL.createJob(id, gpu, config, owner))!);
   }
 
   /** A job, or null. */
   getJob(id: string): Job | null {
     const row = this.#get(SQL.getJob(id));
-    return row ? toJob(row) : null;
+    return row ? read.job(row) : null;
   }
 
   /**
@@ -93,7 +74,7 @@ export class SqliteJobStore implements JobStoreEngine {
    * given (a page after the last one seen; an unknown `after` gives an empty page).
    */
   listJobs(opts: JobListOptions = {}): Job[] {
-    return this.#all(SQL.listJobs(opts)).map(toJob);
+    return this.#all(SQL.listJobs(opts)).map(read.job);
   }
 
   /** Whether a job with this id exists. */
@@ -117,19 +98,19 @@ export class SqliteJobStore implements JobStoreEngine {
     if (patch.metrics) sets.push(sql`metrics = ${JSON.stringify({ ...job.metrics, ...patch.metrics })}`);
     if (sets.length === 0 && !lease) return job;
     const row = this.#get(SQL.updateJob(id, sets, lease));
-    if (row) return toJob(row);
+    if (row) return read.job(row);
     throw lease ? new LeaseLostError(lease) : new Error(`Cannot update job "${id}": no such job`);
   }
 
   /** The next job waiting on `gpu`: interrupted before queued, each in fair-share order, none of `skip`'s. */
   nextQueued(gpu: number, skip: string[] = []): Job | null {
     const row = this.#get(SQL.nextQueued(gpu, skip));
-    return row ? toJob(row) : null;
+    return row ? read.job(row) : null;
   }
 
   /** Jobs waiting on `gpu`, in the order they will run (their owners' running quotas aside). */
   queue(gpu: number): Job[] {
-    return this.#all(SQL.queue(gpu)).map(toJob);
+    return this.#all(SQL.queue(gpu)).map(read.job);
   }
 
   /** Number of jobs waiting on `gpu` (counted in SQL, not loaded). */
@@ -160,7 +141,7 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** Marks every job left `running` by a dead server as `interrupted`; returns them. */
   markInterrupted(): Job[] {
-    return jobsBySeq(this.#all(SQL.markInterrupted()));
+    return read.jobsBySeq(this.#all(SQL.markInterrupted()));
   }
 
   /** Moves unfinished jobs queued on GPUs `>= gpus` onto GPU `index % gpus`. */
@@ -170,7 +151,7 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** Job counts per status (only `owner`'s when given). */
   countByStatus(owner?: string): Record<JobStatus, number> {
-    return toCounts(this.#all(SQL.countByStatus(owner)));
+    return read.counts(this.#all(SQL.countByStatus(owner)));
   }
 
   /** Appends a point to a job's metrics history; with `lease`, only while it holds. */
@@ -181,7 +162,7 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** A job's metrics history in the order recorded. */
   metrics(jobId: string): MetricPoint[] {
-    return this.#all(SQL.metrics(jobId)).map(toMetric);
+    return this.#all(SQL.metrics(jobId)).map(read.metric);
   }
 
   /** Appends an event and returns it with its id; with `lease`, only while it holds. */
@@ -198,7 +179,7 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** A job's events with id greater than `afterId`, oldest first, at most `limit` (a replay page). */
   eventsAfter(jobId: string, afterId = 0, limit = -1): JobEvent[] {
-    return this.#all(SQL.eventsAfter(jobId, afterId, limit)).map(toEvent);
+    return this.#all(SQL.eventsAfter(jobId, afterId, limit)).map(read.event);
   }
 
   /** Records (or refreshes) a host. */
@@ -210,12 +191,12 @@ export class SqliteJobStore implements JobStoreEngine {
   hosts(): HostRecord[] {
     const now = Date.now();
     const held = this.#all(SQL.heldLeases(now));
-    return this.#all(SQL.hosts()).map((r) => toHost(r, now, held));
+    return this.#all(SQL.hosts()).map((r) => read.host(r, now, held));
   }
 
   /** Lets go of every job `hostId` held (a running one becomes interrupted); returns them. */
   releaseHost(hostId: string): Job[] {
-    return jobsBySeq(this.#all(SQL.releaseHost(hostId)));
+    return read.jobsBySeq(this.#all(SQL.releaseHost(hostId)));
   }
 
   /** Claims the first waiting job that fits `capacity` Workers and no live lease holds. */
@@ -229,7 +210,7 @@ export class SqliteJobStore implements JobStoreEngine {
     const claimed = this.#transaction(() =>
       this.#get(SQL.claimNext(hostId, capacity, leaseMs, takeover, skip, sqliteDialect()))
     );
-    return toClaim(claimed, hostId);
+    return read.claim(claimed, hostId);
   }
 
   /** Renews `leases` and the host's row; says which leases are kept and which were taken. */
@@ -237,7 +218,7 @@ export class SqliteJobStore implements JobStoreEngine {
     return this.#transaction(() => {
       const d = sqliteDialect();
       if (!this.#get(SQL.seenHost(host, d))) this.registerHost(host);
-      return toHeartbeat(leases, leases.map((l) => this.#get(SQL.renew(l, leaseMs, d))));
+      return read.heartbeat(leases, leases.map((l) => this.#get(SQL.renew(l, leaseMs, d))));
     });
   }
 
@@ -254,12 +235,12 @@ export class SqliteJobStore implements JobStoreEngine {
   /** The user `name`, made now if new. */
   putUser(name: string): UserRecord {
     this.#run(SQL.putUser(name));
-    return toUser(this.#get(SQL.user(name))!);
+    return read.user(this.#get(SQL.user(name))!);
   }
 
   /** Every user, by name. */
   users(): UserRecord[] {
-    return this.#all(SQL.users()).map(toUser);
+    return this.#all(SQL.users()).map(read.user);
   }
 
   /** Replaces user `name`'s own quotas. */
@@ -274,7 +255,7 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** Every token, oldest first. */
   tokens(): TokenRecord[] {
-    return this.#all(SQL.tokens()).map(toToken);
+    return this.#all(SQL.tokens()).map(read.token);
   }
 
   /** Revokes token `id`; false when there is none or it was revoked already. */
@@ -314,12 +295,12 @@ export class SqliteJobStore implements JobStoreEngine {
 
   /** Audit events newest first. */
   audit(opts: { before?: number; limit?: number; user?: string } = {}): AuditEvent[] {
-    return this.#all(SQL.audit(opts)).map(toAudit);
+    return this.#all(SQL.audit(opts)).map(read.audit);
   }
 
   /** GPU-seconds `owner`'s jobs used since `since`. */
   gpuSeconds(owner: string, since: string): number {
-    return gpuSecondsOf(this.#all(SQL.gpuSeconds(owner, since)), since);
+    return read.gpuSeconds(this.#all(SQL.gpuSeconds(owner, since)), since);
   }
 
   #run(s: Sql): StatementResultingChanges {

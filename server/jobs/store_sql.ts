@@ -268,7 +268,7 @@ export const SQL = {
        on conflict(id) do update set gpus = excluded.gpus, free = excluded.free, state = excluded.state,
          started_at = excluded.started_at, seen_ms = excluded.seen_ms, info = excluded.info`;
   },
-  /** (host_id, id) of the jobs under a lease live at `nowMs`, for {@link toHost}. */
+  /** (host_id, id) of the jobs under a lease live at `nowMs`, for {@link read}.host. */
   heldLeases: (nowMs: number): Sql =>
     sql`select host_id, id from jobs where host_id is not null and lease_until >= ${nowMs} order by seq`,
   hosts: (): Sql => raw("select * from hosts order by seen_ms desc, id"),
@@ -346,152 +346,158 @@ export const SQL = {
     if (opts.user !== undefined) terms.push(sql`user_name = ${opts.user}`);
     return sql`select * from audit ${where(terms)}order by id desc limit ${opts.limit ?? 100}`;
   },
-  /** `owner`'s jobs that ran after `since`, for {@link gpuSecondsOf}. */
+  /** `owner`'s jobs that ran after `since`, for {@link read}.gpuSeconds. */
   gpuSeconds: (owner: string, since: string): Sql =>
     sql`select status, started_at, finished_at, workers from jobs
        where owner = ${owner} and started_at is not null
          and (finished_at is null or finished_at >= ${since})`,
 };
 
-/** A `jobs` row as a Job. */
-export function toJob(r: Row): Job {
-  return {
-    id: r.id as string,
-    status: r.status as JobStatus,
-    gpu: Number(r.gpu),
-    config: JSON.parse(r.config as string),
-    created_at: r.created_at as string,
-    started_at: (r.started_at as string | null) ?? null,
-    finished_at: (r.finished_at as string | null) ?? null,
-    iteration: Number(r.iteration),
-    metrics: JSON.parse(r.metrics as string),
-    error: (r.error as string | null) ?? null,
-    cancel_requested: Number(r.cancel_requested) !== 0,
-    resumes: Number(r.resumes),
-    resumed_from: (r.resumed_from as string | null) ?? null,
-    last_checkpoint: (r.last_checkpoint as string | null) ?? null,
-    ...(r.owner ? { owner: r.owner as string } : {}),
-  };
-}
+/**
+ * The row readers, by what they read: a row of the statements above as the store's records (the
+ * Number()s because PostgreSQL gives bigints as strings).
+ */
+export const read = {
+  /** A `jobs` row as a Job. */
+  job(r: Row): Job {
+    return {
+      id: r.id as string,
+      status: r.status as JobStatus,
+      gpu: Number(r.gpu),
+      config: JSON.parse(r.config as string),
+      created_at: r.created_at as string,
+      started_at: (r.started_at as string | null) ?? null,
+      finished_at: (r.finished_at as string | null) ?? null,
+      iteration: Number(r.iteration),
+      metrics: JSON.parse(r.metrics as string),
+      error: (r.error as string | null) ?? null,
+      cancel_requested: Number(r.cancel_requested) !== 0,
+      resumes: Number(r.resumes),
+      resumed_from: (r.resumed_from as string | null) ?? null,
+      last_checkpoint: (r.last_checkpoint as string | null) ?? null,
+      ...(r.owner ? { owner: r.owner as string } : {}),
+    };
+  },
 
-/** The row of {@link SQL}.claimNext (none: nothing to claim) as `hostId`'s claim. */
-export function toClaim(row: Row | undefined, hostId: string): Claim | null {
-  if (!row) return null;
-  return {
-    job: toJob(row),
-    lease: { job_id: row.id as string, host_id: hostId, epoch: Number(row.lease_epoch) },
-  };
-}
+  /** The row of {@link SQL}.claimNext (none: nothing to claim) as `hostId`'s claim. */
+  claim(row: Row | undefined, hostId: string): Claim | null {
+    if (!row) return null;
+    return {
+      job: read.job(row),
+      lease: { job_id: row.id as string, host_id: hostId, epoch: Number(row.lease_epoch) },
+    };
+  },
 
-/** What a heartbeat found: `renewed[i]` is {@link SQL}.renew's row for `leases[i]`, none when it was lost. */
-export function toHeartbeat(
-  leases: readonly Lease[],
-  renewed: ReadonlyArray<Row | undefined>,
-): HeartbeatResult {
-  const out: HeartbeatResult = { kept: [], lost: [] };
-  leases.forEach((l, i) => {
-    const r = renewed[i];
-    if (r) out.kept.push({ job_id: l.job_id, cancel_requested: Number(r.cancel_requested) !== 0 });
-    else out.lost.push(l.job_id);
-  });
-  return out;
-}
+  /** What a heartbeat found: `renewed[i]` is {@link SQL}.renew's row for `leases[i]`, none when it was lost. */
+  heartbeat(
+    leases: readonly Lease[],
+    renewed: ReadonlyArray<Row | undefined>,
+  ): HeartbeatResult {
+    const out: HeartbeatResult = { kept: [], lost: [] };
+    leases.forEach((l, i) => {
+      const r = renewed[i];
+      if (r) out.kept.push({ job_id: l.job_id, cancel_requested: Number(r.cancel_requested) !== 0 });
+      else out.lost.push(l.job_id);
+    });
+    return out;
+  },
 
-/** Rows of `update … returning *` (which come in no set order) as jobs in submission order. */
-export function jobsBySeq(rows: Row[]): Job[] {
-  return rows.sort((a, b) => Number(a.seq) - Number(b.seq)).map(toJob);
-}
+  /** Rows of `update … returning *` (which come in no set order) as jobs in submission order. */
+  jobsBySeq(rows: Row[]): Job[] {
+    return rows.sort((a, b) => Number(a.seq) - Number(b.seq)).map(read.job);
+  },
 
-/** Rows of {@link SQL}.countByStatus as a count for every status. */
-export function toCounts(rows: Row[]): Record<JobStatus, number> {
-  const out: Record<JobStatus, number> = {
-    queued: 0,
-    running: 0,
-    succeeded: 0,
-    failed: 0,
-    cancelled: 0,
-    interrupted: 0,
-  };
-  for (const r of rows) out[r.status as JobStatus] = Number(r.n);
-  return out;
-}
+  /** Rows of {@link SQL}.countByStatus as a count for every status. */
+  counts(rows: Row[]): Record<JobStatus, number> {
+    const out: Record<JobStatus, number> = {
+      queued: 0,
+      running: 0,
+      succeeded: 0,
+      failed: 0,
+      cancelled: 0,
+      interrupted: 0,
+    };
+    for (const r of rows) out[r.status as JobStatus] = Number(r.n);
+    return out;
+  },
 
-/** A `metrics` row of {@link SQL}.metrics as a MetricPoint. */
-export function toMetric(r: Row): MetricPoint {
-  return { ...r } as unknown as MetricPoint;
-}
+  /** A `metrics` row of {@link SQL}.metrics as a MetricPoint. */
+  metric(r: Row): MetricPoint {
+    return { ...r } as unknown as MetricPoint;
+  },
 
-/** An `events` row as a JobEvent. */
-export function toEvent(r: Row): JobEvent {
-  return {
-    id: Number(r.id),
-    job_id: r.job_id as string,
-    type: r.type as JobEventType,
-    data: JSON.parse(r.data as string),
-    at: r.at as string,
-  };
-}
+  /** An `events` row as a JobEvent. */
+  event(r: Row): JobEvent {
+    return {
+      id: Number(r.id),
+      job_id: r.job_id as string,
+      type: r.type as JobEventType,
+      data: JSON.parse(r.data as string),
+      at: r.at as string,
+    };
+  },
 
-/** A `hosts` row as a HostRecord; `held` are the rows of {@link SQL}.heldLeases at `nowMs`. */
-export function toHost(r: Row, nowMs: number, held: Row[]): HostRecord {
-  return {
-    id: r.id as string,
-    gpus: Number(r.gpus),
-    free: Number(r.free),
-    state: r.state as string,
-    info: JSON.parse(r.info as string),
-    started_at: r.started_at as string,
-    lease_age_s: Math.max(0, (nowMs - Number(r.seen_ms)) / 1000),
-    jobs: held.filter((h) => h.host_id === r.id).map((h) => h.id as string),
-  };
-}
+  /** A `hosts` row as a HostRecord; `held` are the rows of {@link SQL}.heldLeases at `nowMs`. */
+  host(r: Row, nowMs: number, held: Row[]): HostRecord {
+    return {
+      id: r.id as string,
+      gpus: Number(r.gpus),
+      free: Number(r.free),
+      state: r.state as string,
+      info: JSON.parse(r.info as string),
+      started_at: r.started_at as string,
+      lease_age_s: Math.max(0, (nowMs - Number(r.seen_ms)) / 1000),
+      jobs: held.filter((h) => h.host_id === r.id).map((h) => h.id as string),
+    };
+  },
 
-/** A `tokens` row as a TokenRecord. */
-export function toToken(r: Row): TokenRecord {
-  return {
-    id: r.id as string,
-    hash: r.hash as string,
-    name: r.name as string,
-    user: r.user_name as string,
-    scopes: JSON.parse(r.scopes as string),
-    created_at: r.created_at as string,
-    expires_at: (r.expires_at as string | null) ?? null,
-    last_used_at: (r.last_used_at as string | null) ?? null,
-    revoked_at: (r.revoked_at as string | null) ?? null,
-  };
-}
+  /** A `tokens` row as a TokenRecord. */
+  token(r: Row): TokenRecord {
+    return {
+      id: r.id as string,
+      hash: r.hash as string,
+      name: r.name as string,
+      user: r.user_name as string,
+      scopes: JSON.parse(r.scopes as string),
+      created_at: r.created_at as string,
+      expires_at: (r.expires_at as string | null) ?? null,
+      last_used_at: (r.last_used_at as string | null) ?? null,
+      revoked_at: (r.revoked_at as string | null) ?? null,
+    };
+  },
 
-/** A `users` row as a UserRecord. */
-export function toUser(r: Row): UserRecord {
-  return {
-    name: r.name as string,
-    created_at: r.created_at as string,
-    quotas: JSON.parse(r.quotas as string),
-  };
-}
+  /** A `users` row as a UserRecord. */
+  user(r: Row): UserRecord {
+    return {
+      name: r.name as string,
+      created_at: r.created_at as string,
+      quotas: JSON.parse(r.quotas as string),
+    };
+  },
 
-/** An `audit` row as an AuditEvent. */
-export function toAudit(r: Row): AuditEvent {
-  return {
-    id: Number(r.id),
-    at: r.at as string,
-    user: (r.user_name as string | null) ?? null,
-    action: r.action as string,
-    target: (r.target as string | null) ?? null,
-    detail: JSON.parse(r.detail as string),
-  };
-}
+  /** An `audit` row as an AuditEvent. */
+  audit(r: Row): AuditEvent {
+    return {
+      id: Number(r.id),
+      at: r.at as string,
+      user: (r.user_name as string | null) ?? null,
+      action: r.action as string,
+      target: (r.target as string | null) ?? null,
+      detail: JSON.parse(r.detail as string),
+    };
+  },
 
-/** GPU-seconds of {@link SQL}.gpuSeconds's rows after `since`, up to `nowMs` for those still running. */
-export function gpuSecondsOf(rows: Row[], since: string, nowMs = Date.now()): number {
-  const from = Date.parse(since);
-  let total = 0;
-  for (const r of rows) {
-    const start = Math.max(from, Date.parse(r.started_at as string));
-    // A job waiting again (interrupted) since its start is not counted past it: when it stopped is not kept.
-    if (!r.finished_at && r.status !== "running") continue;
-    const end = r.finished_at ? Date.parse(r.finished_at as string) : nowMs;
-    if (end > start) total += (end - start) / 1000 * Number(r.workers);
-  }
-  return total;
-}
+  /** GPU-seconds of {@link SQL}.gpuSeconds's rows after `since`, up to `nowMs` for those still running. */
+  gpuSeconds(rows: Row[], since: string, nowMs = Date.now()): number {
+    const from = Date.parse(since);
+    let total = 0;
+    for (const r of rows) {
+      const start = Math.max(from, Date.parse(r.started_at as string));
+      // A job waiting again (interrupted) since its start is not counted past it: when it stopped is not kept.
+      if (!r.finished_at && r.status !== "running") continue;
+      const end = r.finished_at ? Date.parse(r.finished_at as string) : nowMs;
+      if (end > start) total += (end - start) / 1000 * Number(r.workers);
+    }
+    return total;
+  },
+};

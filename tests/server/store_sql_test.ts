@@ -10,11 +10,10 @@ import {
   numbered,
   POSTGRES_DIALECT,
   raw,
+  read,
   SQL,
   sql,
   sqliteDialect,
-  toClaim,
-  toHeartbeat,
 } from "../../server/jobs/store_sql.ts";
 
 Deno.test("sql`…` puts a placeholder for each value and inlines pieces with their values, in order", () => {
@@ -71,7 +70,7 @@ Deno.test("optional filters add their terms and values only when given", () => {
 });
 
 Deno.test("a claim's row and a heartbeat's renewals read the same on both engines", () => {
-  assert.equal(toClaim(undefined, "h"), null);
+  assert.equal(read.claim(undefined, "h"), null);
   const row = {
     id: "j",
     status: "queued",
@@ -84,9 +83,9 @@ Deno.test("a claim's row and a heartbeat's renewals read the same on both engine
     resumes: 0,
     lease_epoch: "4",
   };
-  assert.deepEqual(toClaim(row, "h")!.lease, { job_id: "j", host_id: "h", epoch: 4 });
+  assert.deepEqual(read.claim(row, "h")!.lease, { job_id: "j", host_id: "h", epoch: 4 });
   const leases = [{ job_id: "a", host_id: "h", epoch: 1 }, { job_id: "b", host_id: "h", epoch: 1 }];
-  assert.deepEqual(toHeartbeat(leases, [{ cancel_requested: "1" }, undefined]), {
+  assert.deepEqual(read.heartbeat(leases, [{ cancel_requested: "1" }, undefined]), {
     kept: [{ job_id: "a", cancel_requested: true }],
     lost: ["b"],
   });
