@@ -2,7 +2,8 @@
  * The job store: one interface ({@link JobStoreEngine}), two engines. SQLite
  * (server/jobs/sqlite_store.ts, `node:sqlite`, synchronous) is the embedded default for one host;
  * PostgreSQL (server/jobs/postgres_store.ts, `GPT2_DATABASE_URL`) lets several hosts share jobs,
- * events and metrics. Both run the same migrations (server/jobs/store_schema.ts).
+ * events and metrics. Both run the same migrations (server/jobs/store_schema.ts) and the same
+ * statements (server/jobs/store_sql.ts), each engine only executing them in its dialect.
  *
  * Every method of {@link JobStoreEngine} may answer at once (SQLite) or with a promise
  * (PostgreSQL): callers that take any engine `await` each answer. {@link JobStore} is the same

@@ -2,8 +2,8 @@
  * The job store's schema, shared by its two engines (server/jobs/sqlite_store.ts and
  * server/jobs/postgres_store.ts): the ordered migrations, written once in SQLite's SQL and
  * translated for PostgreSQL by a few fixed rewrites ({@link postgresDialect}), so both engines
- * run the same migrations and no schema can drift between them. Also the row-to-job mapping and
- * the columns a patch may set, which both engines read the same way.
+ * run the same migrations and no schema can drift between them. The statements that read and
+ * write it are server/jobs/store_sql.ts's.
  *
  * Version 1 is the first release's schema (`create if not exists`, so a directory it wrote is
  * adopted as it is); 2 adds the status index and the readiness probe's table; 3 adds what
@@ -12,8 +12,8 @@
  * adds users: each job's owner, hashed tokens, owned resources and the audit trail.
  */
 
-import { FINISHED_STATUSES, type Job, type JobStatus, type TrainConfig } from "../../model/job.ts";
-import type { AuditEvent, Lease, TokenRecord, UserRecord } from "./job_store.ts";
+import { FINISHED_STATUSES, type JobStatus, type TrainConfig } from "../../model/job.ts";
+import type { Lease } from "./job_store.ts";
 
 const SCHEMA_V1 = `
 create table if not exists jobs (
@@ -137,46 +137,6 @@ export function postgresDialect(sql: string): string {
     );
 }
 
-/** Fields of a job the runner updates as it goes (the column names of `jobs`). */
-export const PATCH_COLUMNS: ReadonlySet<string> = new Set([
-  "status",
-  "gpu",
-  "started_at",
-  "finished_at",
-  "iteration",
-  "error",
-  "cancel_requested",
-  "resumes",
-  "resumed_from",
-  "last_checkpoint",
-]);
-
-/**
- * Fair share, as `order by` terms over `jobs`: a waiting job's place among its owner's, plus the
- * jobs its owner has running, so the queue takes users in turn (A1, B1, A2, B2, …) and a user
- * with a job running goes after one with none; at a tie, the user whose last job started longest
- * ago (or never) first. Jobs with no owner keep their FIFO place.
- */
-export const FAIR_SHARE = "case when owner is null then 0 else " +
-  "(select count(*) from jobs r where r.owner = jobs.owner and r.status = 'running') + " +
-  "(select count(*) from jobs w where w.owner = jobs.owner and w.status in ('interrupted', 'queued') " +
-  "and w.seq < jobs.seq) end, " +
-  "case when owner is null then '' else " +
-  "coalesce((select max(s.started_at) from jobs s where s.owner = jobs.owner), '') end";
-
-/**
- * A `where` term leaving out the waiting jobs of `n` owners (at their running quota), `?` each;
- * a `running` job a dead host held (claimNext) is never left out.
- */
-export function skipOwners(n: number): string {
-  return n === 0
-    ? ""
-    : ` and (status = 'running' or owner is null or owner not in (${Array(n).fill("?").join(", ")}))`;
-}
-
-/** Statuses a host may claim a job in (an expired `running` one was its dead holder's). */
-export const CLAIMABLE = "('queued', 'interrupted', 'running')";
-
 /** A write refused because the writer's lease on the job is gone (another host claimed it). */
 export class LeaseLostError extends Error {
   constructor(readonly lease: Lease) {
@@ -230,82 +190,4 @@ export function isFinished(status: JobStatus): boolean {
 /** GPU Workers a job takes on one host: data_parallel × tensor_parallel. */
 export function workersOf(config: TrainConfig): number {
   return (config.data_parallel ?? 1) * (config.tensor_parallel ?? 1);
-}
-
-type Row = Record<string, unknown>;
-
-/** A `jobs` row as a Job (PostgreSQL returns bigints as strings, hence the Number()s). */
-export function toJob(r: Row): Job {
-  return {
-    id: r.id as string,
-    status: r.status as JobStatus,
-    gpu: Number(r.gpu),
-    config: JSON.parse(r.config as string),
-    created_at: r.created_at as string,
-    started_at: (r.started_at as string | null) ?? null,
-    finished_at: (r.finished_at as string | null) ?? null,
-    iteration: Number(r.iteration),
-    metrics: JSON.parse(r.metrics as string),
-    error: (r.error as string | null) ?? null,
-    cancel_requested: Number(r.cancel_requested) !== 0,
-    resumes: Number(r.resumes),
-    resumed_from: (r.resumed_from as string | null) ?? null,
-    last_checkpoint: (r.last_checkpoint as string | null) ?? null,
-    ...(r.owner ? { owner: r.owner as string } : {}),
-  };
-}
-
-/** A `tokens` row as a TokenRecord. */
-export function toToken(r: Row): TokenRecord {
-  return {
-    id: r.id as string,
-    hash: r.hash as string,
-    name: r.name as string,
-    user: r.user_name as string,
-    scopes: JSON.parse(r.scopes as string),
-    created_at: r.created_at as string,
-    expires_at: (r.expires_at as string | null) ?? null,
-    last_used_at: (r.last_used_at as string | null) ?? null,
-    revoked_at: (r.revoked_at as string | null) ?? null,
-  };
-}
-
-/** A `users` row as a UserRecord. */
-export function toUser(r: Row): UserRecord {
-  return {
-    name: r.name as string,
-    created_at: r.created_at as string,
-    quotas: JSON.parse(r.quotas as string),
-  };
-}
-
-/** An `audit` row as an AuditEvent. */
-export function toAudit(r: Row): AuditEvent {
-  return {
-    id: Number(r.id),
-    at: r.at as string,
-    user: (r.user_name as string | null) ?? null,
-    action: r.action as string,
-    target: (r.target as string | null) ?? null,
-    detail: JSON.parse(r.detail as string),
-  };
-}
-
-/** The query of JobStoreEngine.gpuSeconds: `owner`'s jobs that ran after `since`. */
-export const GPU_SECONDS_SQL =
-  "select status, started_at, finished_at, workers from jobs where owner = ? and started_at is not null " +
-  "and (finished_at is null or finished_at >= ?)";
-
-/** GPU-seconds of {@link GPU_SECONDS_SQL}'s rows after `since`, up to `nowMs` for those still running. */
-export function gpuSecondsOf(rows: Row[], since: string, nowMs = Date.now()): number {
-  const from = Date.parse(since);
-  let total = 0;
-  for (const r of rows) {
-    const start = Math.max(from, Date.parse(r.started_at as string));
-    // A job waiting again (interrupted) since its start is not counted past it: when it stopped is not kept.
-    if (!r.finished_at && r.status !== "running") continue;
-    const end = r.finished_at ? Date.parse(r.finished_at as string) : nowMs;
-    if (end > start) total += (end - start) / 1000 * Number(r.workers);
-  }
-  return total;
 }
