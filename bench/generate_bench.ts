@@ -115,6 +115,7 @@ async function engine(): Promise<void> {
       for (const h of hs) gen.release(h);
       return { tokens: got, ms, ttft, profile };
     };
+    const results = new Map<number, number>();
     for (const B of batches) {
       await run(B, newTokens); // warm-up: compiles this batch's plans (and lets the GPU's clocks rise)
       const r = await run(B, newTokens);
@@ -125,6 +126,7 @@ async function engine(): Promise<void> {
         tokens_per_s: r.tokens / (r.ms / 1000),
         ttft_ms: r.ttft,
       };
+      results.set(B, res.tokens_per_s);
       console.log(JSON.stringify(res));
       console.log(
         `${model} batch ${B}: ${res.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
@@ -158,9 +160,26 @@ async function engine(): Promise<void> {
     }
     gen.destroy();
     if (Deno.args.includes("--torch")) {
-      const peer = await torchPeer(model, batches, newTokens);
-      if (typeof peer === "string") console.log(`  PyTorch CUDA graph fp32: ${peer}`);
-      else for (const p of peer.values()) console.log(`  PyTorch CUDA graph fp32: ${JSON.stringify(p)}`);
+      for (const dtype of ["fp32", "bf16"] as const) {
+        const peer = await torchPeer(model, batches, newTokens, dtype);
+        if (typeof peer === "string") {
+          console.log(`  PyTorch CUDA graph ${dtype}: ${peer}`);
+          continue;
+        }
+        for (const p of peer.values()) {
+          const ours = results.get(p.batch);
+          console.log(`  PyTorch CUDA graph ${dtype}: ${JSON.stringify(p)}`);
+          if (!ours) continue;
+          const ratio = ours / p.tokens_per_s;
+          console.log(
+            `  ${model} batch ${p.batch}: ours ${ours.toFixed(0)} tokens/s, ${dtype} CUDA-graph peer ` +
+              `${p.tokens_per_s.toFixed(0)}: ${ratio.toFixed(2)}×`,
+          );
+          if (dtype === "bf16" && model === "gpt2-124M" && p.batch === 1) {
+            console.log(`ratio vs bf16 CUDA-graph peer (1 stream decode): ${ratio.toFixed(2)}`);
+          }
+        }
+      }
     }
   }
   ctx.device.destroy();
@@ -169,6 +188,7 @@ async function engine(): Promise<void> {
 /** What bench/torch_decode.py prints per batch. */
 interface PeerResult {
   model: string;
+  dtype: "fp32" | "bf16";
   batch: number;
   new_tokens: number;
   tokens_per_s: number;
@@ -184,6 +204,7 @@ async function torchPeer(
   model: string,
   batches: number[],
   n: number,
+  dtype: "fp32" | "bf16" = "fp32",
 ): Promise<Map<number, PeerResult> | string> {
   let out: Deno.CommandOutput;
   try {
@@ -196,6 +217,8 @@ async function torchPeer(
         batches.join(","),
         "--new-tokens",
         `${n}`,
+        "--dtype",
+        dtype,
       ],
       cwd: new URL("..", import.meta.url).pathname,
       stderr: "inherit",
