@@ -147,7 +147,6 @@ export class GenBuffers {
       x2: await f("gen.x2", rows * C, layerIn),
       ln: await f("gen.ln", rows * C, this.ubo ? GPUBufferUsage.UNIFORM : 0),
       stats: await f("gen.stats", rows * 2),
-      qkv: await f("gen.qkv", rows * 3 * C),
       y: await f("gen.y", rows * C, layerIn),
       fch: await f("gen.fch", rows * 4 * C),
       fcg: await f("gen.fcg", rows * 4 * C, layerIn),

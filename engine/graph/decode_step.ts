@@ -6,8 +6,8 @@
  *
  * A decode layer reads as layerForward does (qkv, attention, projection, MLP), but over a handful
  * of rows its kernels differ: skinny gemv with a reduce pass, the LayerNorm normalised in the
- * gemv's prologue, the K and V rows written into the cache by the qkv reduce, and attention over
- * the cache (kernels/decode.ts, kernels/gemv.ts). Sharing layerForward's steps would change those
+ * gemv's prologue, and attention over the cache that first reduces the qkv gemv's partial sums
+ * and writes the row's K and V into the cache (kernels/decode.ts, kernels/gemv.ts). Sharing layerForward's steps would change those
  * kernels, so a decode layer is written here, once, for every batch bucket; the prefill shares
  * layerForward with training.
  */
@@ -45,14 +45,16 @@ import {
 } from "../kernels/gemv.ts";
 import { grid1d, UNIFORM_BINDING_BYTES } from "../kernels/common.ts";
 
-/** The decode activations: one row per stream (x, x2, y: (S, C); qkv: (S, 3C); fch, fcg: (S, 4C)). */
+/**
+ * The decode activations: one row per stream (x, x2, y: (S, C); fch, fcg: (S, 4C)). qkv stays in
+ * `part` as the gemv's partial sums: the decode attention reduces it.
+ */
 export interface DecodeActs {
   x: GPUBuffer;
   x2: GPUBuffer;
   /** The final LayerNorm's output (S, C) and its statistics (S, 2). */
   ln: GPUBuffer;
   stats: GPUBuffer;
-  qkv: GPUBuffer;
   y: GPUBuffer;
   fch: GPUBuffer;
   fcg: GPUBuffer;
@@ -152,33 +154,30 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
   const c = g.config, a = g.acts, C = c.n_embd, H = c.n_head;
   const spec: DecodeSpec = { S, H, D: C / H, Tmax: c.n_positions };
   const p = `h.${l}.`, base = { transA: false, transB: false, bias: true } as const;
+  // qkv = LN1(x)·Wqkv + b (S, 3C), the LayerNorm in the gemv's prologue: its K-split partial sums
+  const qkv = await decodeLinear(
+    g,
+    `dec.l${l}.qkv`,
+    { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
+    p + "attn.c_attn.weight",
+    { A: V(a.x), bias: g.P(p + "attn.c_attn.bias") },
+    { ln: [p + "ln_1.weight", p + "ln_1.bias"], partialOnly: true },
+  );
   return [
-    // qkv = LN1(x)·Wqkv + b (S, 3C), the LayerNorm in the gemv's prologue; K and V into the cache
-    ...await decodeLinear(
-      g,
-      kv,
-      `dec.l${l}.qkv`,
-      { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
-      p + "attn.c_attn.weight",
-      {
-        A: V(a.x),
-        bias: g.P(p + "attn.c_attn.bias"),
-        out: V(a.qkv),
-      },
-      { ln: [p + "ln_1.weight", p + "ln_1.bias"], kv: l },
-    ),
-    // y = attention of each row's query over its stream's cache (S, C)
-    await g.op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec), [
+    ...qkv.ops,
+    // y = attention of each row's query over its stream's cache (S, C); it sums qkv's partials,
+    // adds the bias and appends the row's key and value to the cache first
+    await g.op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec, { KS: qkv.spec.KS }), [
       V(g.state),
-      V(a.qkv),
+      V(a.part),
+      g.P(p + "attn.c_attn.bias"),
       V(kv.kc[l]),
       V(kv.vc[l]),
       V(a.y),
     ], [S, H]),
     // x2 = x + y·Wproj + b
-    ...await decodeLinear(
+    ...(await decodeLinear(
       g,
-      kv,
       `dec.l${l}.proj`,
       { ...base, M: S, N: C, K: C, epilogue: "residual" },
       p + "attn.c_proj.weight",
@@ -188,11 +187,10 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
         res: V(a.x),
         out: V(a.x2),
       },
-    ),
+    )).ops,
     // fch = LN2(x2)·Wfc + b (S, 4C), fcg = gelu(fch)
-    ...await decodeLinear(
+    ...(await decodeLinear(
       g,
-      kv,
       `dec.l${l}.fc`,
       { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" },
       p + "mlp.c_fc.weight",
@@ -203,11 +201,10 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
         out2: V(a.fcg),
       },
       { ln: [p + "ln_2.weight", p + "ln_2.bias"] },
-    ),
+    )).ops,
     // x = x2 + fcg·Wfcproj + b
-    ...await decodeLinear(
+    ...(await decodeLinear(
       g,
-      kv,
       `dec.l${l}.fcproj`,
       { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" },
       p + "mlp.c_proj.weight",
@@ -217,7 +214,7 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
         res: V(a.x2),
         out: V(a.x),
       },
-    ),
+    )).ops,
   ];
 }
 
@@ -225,18 +222,18 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
  * One linear layer of weight `weight`: on GPUs the skinny gemv (row groups of 8 beyond 8 rows),
  * on CPU adapters the uniform-slice gemv where its weight was copied (gemvUboLayerWgsl); then the
  * reduce kernel. `fuse.ln` names the LayerNorm before it (views.A is then its raw input,
- * normalised in the prologue), `fuse.kv` the layer whose KV cache the qkv output feeds.
+ * normalised in the prologue); `fuse.partialOnly` leaves the partial sums in acts.part for the
+ * next kernel to reduce (the decode attention does qkv's). Returns the ops and the gemv's spec.
  */
 async function decodeLinear(
   g: DecodeGraph,
-  kv: KvCache,
   label: string,
   s: MatmulSpec,
   weight: string,
   views: Record<string, View>,
-  fuse: { ln?: [string, string]; kv?: number } = {},
-): Promise<Op[]> {
-  const c = g.config, a = g.acts;
+  fuse: { ln?: [string, string]; partialOnly?: boolean } = {},
+): Promise<{ ops: Op[]; spec: GemvSpec }> {
+  const a = g.acts;
   const u = g.uboW?.byWeight.get(weight);
   const ubo = u !== undefined && s.M * s.K * 4 <= UNIFORM_BINDING_BYTES;
   const spec: GemvSpec = {
@@ -247,14 +244,10 @@ async function decodeLinear(
     epilogue: s.epilogue as GemvEpilogue,
     KS: ubo ? 1 : chooseKSplit(s.N, s.K, 264, s.M),
     ln: !!fuse.ln,
-    kv: fuse.kv !== undefined ? { H: c.n_head, D: c.n_embd / c.n_head, Tmax: c.n_positions } : undefined,
     // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row).
     staged: !g.cpu && s.M >= 8,
   };
   const all: Record<string, View> = { ...views, B: g.P(weight), part: V(a.part) };
-  if (fuse.kv !== undefined) {
-    Object.assign(all, { state: V(g.state), kc: V(kv.kc[fuse.kv]), vc: V(kv.vc[fuse.kv]) });
-  }
   const partial = ubo
     ? await g.op(
       "matmul_fwd",
@@ -275,18 +268,15 @@ async function decodeLinear(
       [all.A, all.B, all.part, ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : [])],
       [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M)],
     );
-  return [
-    partial,
-    await g.op(
-      "matmul_fwd",
-      label + ".sum",
-      gemvReduceWgsl(spec),
-      gemvReduceBindings(spec).map((n) => all[n]),
-      [
-        Math.ceil((s.M * s.N) / 4 / 64),
-      ],
-    ),
-  ];
+  if (fuse.partialOnly) return { ops: [partial], spec };
+  const sum = await g.op(
+    "matmul_fwd",
+    label + ".sum",
+    gemvReduceWgsl(spec),
+    gemvReduceBindings(spec).map((n) => all[n]),
+    [Math.ceil((s.M * s.N) / 4 / 64)],
+  );
+  return { ops: [partial, sum], spec };
 }
 
 /**

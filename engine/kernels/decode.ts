@@ -93,16 +93,51 @@ const WG = 256;
  * memory, max and sum by reduction, then the weighted sum of values by (column, key group).
  * Grid (S, H).
  */
-export function attentionDecodeWgsl(s: DecodeSpec): string {
+export function attentionDecodeWgsl(s: DecodeSpec, fused?: { KS: number }): string {
   const D4 = s.D / 4, C4 = s.H * D4, G = WG / D4; // key groups for the output reduction
   if (WG % D4 !== 0) throw new RangeError(`Head size ${s.D} does not divide the decode workgroup`);
   const scale = 1 / Math.sqrt(s.D);
-  return `
-@group(0) @binding(0) var<storage, read> state: array<u32>;
+  const N4 = 3 * C4;
+  // Fused: the qkv gemv's K-split sums of this row and head (as gemvReduceWgsl adds them, in the
+  // same order, so the values are the same), the query kept here, the key and value appended.
+  const sum = (col: string) =>
+    fused!.KS <= 64
+      ? [...Array(fused!.KS).keys()].map((ks) => `v = v + qkvp[${ks * s.S * N4}u + sidx * ${N4}u + ${col}];`)
+        .join(" ")
+      : `for (var ks = 0u; ks < ${
+        fused!.KS
+      }u; ks = ks + 1u) { v = v + qkvp[(ks * ${s.S}u + sidx) * ${N4}u + ${col}]; }`;
+  const prologue = !fused ? "" : `
+  if (tid < ${3 * D4}u) {
+    let which = tid / ${D4}u;
+    let c = tid % ${D4}u;
+    let col = which * ${C4}u + h * ${D4}u + c;
+    var v = vec4<f32>(0.0);
+    ${sum("col")}
+    v = v + bias[col];
+    if (which == 0u) { qs[c] = v; } else {
+      let dst = (cb + n - 1u) * ${D4}u + c;
+      if (which == 1u) { kc[dst] = v; } else { vc[dst] = v; }
+    }
+  }
+  storageBarrier();
+  workgroupBarrier();`;
+  const bindings = fused
+    ? `@group(0) @binding(0) var<storage, read> state: array<u32>;
+@group(0) @binding(1) var<storage, read> qkvp: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> bias: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> kc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> vc: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> y: array<vec4<f32>>;
+var<workgroup> qs: array<vec4<f32>, ${D4}>;`
+    : `@group(0) @binding(0) var<storage, read> state: array<u32>;
 @group(0) @binding(1) var<storage, read> qkv: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> kc: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read> vc: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read_write> y: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> y: array<vec4<f32>>;`;
+  const q = (c: string) => fused ? `qs[${c}]` : `qkv[qb + ${c}]`;
+  return `
+${bindings}
 var<workgroup> sc: array<f32, ${s.Tmax}>;
 var<workgroup> red: array<f32, ${WG}>;
 var<workgroup> part: array<vec4<f32>, ${WG}>;
@@ -112,12 +147,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let h = wg.y;
   let n = state[sidx * ${STATE_WORDS}u + 1u] + 1u;
   let slot = state[sidx * ${STATE_WORDS}u + ${STATE_SLOT}u];
-  let qb = sidx * ${3 * C4}u + h * ${D4}u;
-  let cb = (slot * ${s.H}u + h) * ${s.Tmax}u;
+  ${fused ? "" : `let qb = sidx * ${3 * C4}u + h * ${D4}u;`}
+  let cb = (slot * ${s.H}u + h) * ${s.Tmax}u;${prologue}
   var m = -3.0e38;
   for (var j = tid; j < n; j = j + ${WG}u) {
     var d = 0.0;
-    for (var c = 0u; c < ${D4}u; c = c + 1u) { d = d + dot(qkv[qb + c], kc[(cb + j) * ${D4}u + c]); }
+    for (var c = 0u; c < ${D4}u; c = c + 1u) { d = d + dot(${q("c")}, kc[(cb + j) * ${D4}u + c]); }
     d = d * ${scale};
     sc[j] = d;
     m = max(m, d);

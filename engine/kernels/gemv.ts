@@ -9,7 +9,6 @@
  */
 
 import { GELU_WGSL, UNIFORM_BINDING_BYTES } from "./common.ts";
-import { STATE_SLOT, STATE_WORDS } from "./sample.ts";
 
 /** Fused work of the reduce kernel. */
 export type GemvEpilogue = "store" | "residual" | "gelu";
@@ -25,8 +24,6 @@ export interface GemvSpec {
   KS: number;
   /** Fuse the preceding LayerNorm: x is the raw residual stream, normalised on the fly (bindings lnw, lnb). */
   ln?: boolean;
-  /** Also append the key and value columns of this qkv output to the KV cache at each row's slot and position. */
-  kv?: { H: number; D: number; Tmax: number };
   /**
    * Stage each stretch of the (normalised) x rows in workgroup memory and keep UNROLL weight
    * loads in flight per thread (GPUs: the plain loop waits on one load at a time). The products
@@ -163,36 +160,16 @@ export function gemvReduceBindings(s: GemvSpec): string[] {
   if (s.bias) b.push("bias");
   if (s.epilogue === "residual") b.push("res");
   if (s.epilogue === "gelu") b.push("out2");
-  if (s.kv) b.push("state", "kc", "vc");
   return b;
 }
 
 /** Sums the K-splits and applies bias and the epilogue. Grid (ceil(M·N4/64)). */
 export function gemvReduceWgsl(s: GemvSpec): string {
   const N4 = s.N / 4;
-  const rw = new Set(["out", "out2", "kc", "vc"]);
+  const rw = new Set(["out", "out2"]);
   const decl = gemvReduceBindings(s).map((n, i) =>
-    `@group(0) @binding(${i}) var<storage, ${rw.has(n) ? "read_write" : "read"}> ${n}: array<${
-      n === "state" ? "u32" : "vec4<f32>"
-    }>;`
+    `@group(0) @binding(${i}) var<storage, ${rw.has(n) ? "read_write" : "read"}> ${n}: array<vec4<f32>>;`
   );
-  let kv = "";
-  if (s.kv) {
-    const D4 = s.kv.D / 4, C4 = s.kv.H * D4;
-    if (s.N !== 3 * s.kv.H * s.kv.D || s.epilogue !== "store") {
-      throw new RangeError(
-        `Gemv KV append needs a qkv output of ${3 * s.kv.H * s.kv.D} columns and the store epilogue`,
-      );
-    }
-    kv = `
-  let m = i / ${N4}u;
-  let c = i % ${N4}u;
-  if (c >= ${C4}u) {
-    let c2 = (c - ${C4}u) % ${C4}u;
-    let dst = ((state[m * ${STATE_WORDS}u + ${STATE_SLOT}u] * ${s.kv.H}u + c2 / ${D4}u) * ${s.kv.Tmax}u + state[m * ${STATE_WORDS}u + 1u]) * ${D4}u + c2 % ${D4}u;
-    if (c >= ${2 * C4}u) { vc[dst] = v; } else { kc[dst] = v; }
-  }`;
-  }
   return `
 ${decl.join("\n")}
 ${s.epilogue === "gelu" ? GELU_WGSL : ""}
@@ -214,7 +191,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
       : s.epilogue === "gelu"
       ? "out[i] = v;\n  out2[i] = gelu4(v);"
       : "out[i] = v;"
-  }${kv}
+  }
 }
 `;
 }
