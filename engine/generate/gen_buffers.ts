@@ -159,6 +159,10 @@ export class GenBuffers {
           ),
         ),
       ),
+      fcPart: await f(
+        "gen.fc_part",
+        Math.max(...[...Array(R).keys()].map((m) => chooseKSplit(4 * C, C, 264, m + 1) * (m + 1) * 4 * C)),
+      ),
     };
   }
 

@@ -62,6 +62,8 @@ export interface DecodeActs {
   logits: GPUBuffer;
   /** The gemv's partial sums over K splits. */
   part: GPUBuffer;
+  /** The fc gemv's partial sums, which the fcproj gemv reduces (decodeMlp). */
+  fcPart: GPUBuffer;
 }
 
 /** CPU adapters: wte in uniform blocks of BC columns (gemvUboWgsl), NB bound per dispatch. */
@@ -188,34 +190,47 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
         out: V(a.x2),
       },
     )).ops,
-    // fch = LN2(x2)·Wfc + b (S, 4C), fcg = gelu(fch)
-    ...(await decodeLinear(
-      g,
-      `dec.l${l}.fc`,
-      { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" },
-      p + "mlp.c_fc.weight",
-      {
-        A: V(a.x2),
-        bias: g.P(p + "mlp.c_fc.bias"),
-        out: V(a.fch),
-        out2: V(a.fcg),
-      },
-      { ln: [p + "ln_2.weight", p + "ln_2.bias"] },
-    )).ops,
-    // x = x2 + fcg·Wfcproj + b
-    ...(await decodeLinear(
-      g,
-      `dec.l${l}.fcproj`,
-      { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" },
-      p + "mlp.c_proj.weight",
-      {
-        A: V(a.fcg),
-        bias: g.P(p + "mlp.c_proj.bias"),
-        res: V(a.x2),
-        out: V(a.x),
-      },
-    )).ops,
+    ...await decodeMlp(g, l, S),
   ];
+}
+
+/**
+ * The MLP of layer l: x = x2 + gelu(LN2(x2)·Wfc + b)·Wfcproj + b. On GPUs the fc gemv's partial
+ * sums go to acts.fcPart and the fcproj gemv reduces them, adds the bias and applies GELU as it
+ * stages its input (no fc reduce kernel); where fcproj reads its input as uniforms (CPU adapters'
+ * gemvUboLayerWgsl) the fc reduce stores fcg first.
+ */
+async function decodeMlp(g: DecodeGraph, l: number, S: number): Promise<Op[]> {
+  const a = g.acts, C = g.config.n_embd, p = `h.${l}.`;
+  const base = { transA: false, transB: false, bias: true } as const;
+  const fcSpec: MatmulSpec = { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" };
+  const projSpec: MatmulSpec = { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" };
+  const fused = !uboOf(g, p + "mlp.c_proj.weight", projSpec);
+  // fch = LN2(x2)·Wfc + b (S, 4C), fcg = gelu(fch)
+  const fc = await decodeLinear(
+    g,
+    `dec.l${l}.fc`,
+    fcSpec,
+    p + "mlp.c_fc.weight",
+    { A: V(a.x2), bias: g.P(p + "mlp.c_fc.bias"), out: V(a.fch), out2: V(a.fcg) },
+    { ln: [p + "ln_2.weight", p + "ln_2.bias"], ...(fused ? { partialOnly: true, part: a.fcPart } : {}) },
+  );
+  // x = x2 + fcg·Wfcproj + b
+  const proj = await decodeLinear(
+    g,
+    `dec.l${l}.fcproj`,
+    projSpec,
+    p + "mlp.c_proj.weight",
+    { A: V(fused ? a.fcPart : a.fcg), bias: g.P(p + "mlp.c_proj.bias"), res: V(a.x2), out: V(a.x) },
+    fused ? { geluOf: { KS: fc.spec.KS, bias: g.P(p + "mlp.c_fc.bias") } } : {},
+  );
+  return [...fc.ops, ...proj.ops];
+}
+
+/** The uniform-slice weights of `weight` where its gemv reads them (CPU adapters), else undefined. */
+function uboOf(g: DecodeGraph, weight: string, s: MatmulSpec) {
+  const u = g.uboW?.byWeight.get(weight);
+  return u !== undefined && s.M * s.K * 4 <= UNIFORM_BINDING_BYTES ? u : undefined;
 }
 
 /**
@@ -231,11 +246,19 @@ async function decodeLinear(
   s: MatmulSpec,
   weight: string,
   views: Record<string, View>,
-  fuse: { ln?: [string, string]; partialOnly?: boolean } = {},
+  fuse: {
+    ln?: [string, string];
+    partialOnly?: boolean;
+    /** Where the partial sums go (default acts.part). */
+    part?: GPUBuffer;
+    /** views.A is the previous gemv's partial sums, reduced with this bias and GELU as staged. */
+    geluOf?: { KS: number; bias: View };
+  } = {},
 ): Promise<{ ops: Op[]; spec: GemvSpec }> {
   const a = g.acts;
-  const u = g.uboW?.byWeight.get(weight);
-  const ubo = u !== undefined && s.M * s.K * 4 <= UNIFORM_BINDING_BYTES;
+  const u = uboOf(g, weight, s);
+  const ubo = u !== undefined;
+  if (ubo && fuse.geluOf) throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
   const spec: GemvSpec = {
     M: s.M,
     N: s.N,
@@ -244,10 +267,13 @@ async function decodeLinear(
     epilogue: s.epilogue as GemvEpilogue,
     KS: ubo ? 1 : chooseKSplit(s.N, s.K, 264, s.M),
     ln: !!fuse.ln,
-    // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row).
-    staged: !g.cpu && s.M >= 8,
+    geluOf: fuse.geluOf ? { KS: fuse.geluOf.KS } : undefined,
+    // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row); a reduced
+    // input is always staged (each value summed once per workgroup).
+    staged: !!fuse.geluOf || (!g.cpu && s.M >= 8),
   };
-  const all: Record<string, View> = { ...views, B: g.P(weight), part: V(a.part) };
+  const part = V(fuse.part ?? a.part);
+  const all: Record<string, View> = { ...views, B: g.P(weight), part };
   const partial = ubo
     ? await g.op(
       "matmul_fwd",
@@ -255,7 +281,7 @@ async function decodeLinear(
       gemvUboLayerWgsl({ M: s.M, N: s.N, K: s.K, R: u.R, ln: !!fuse.ln }),
       [
         { buffer: views.A.buffer, offset: 0, size: s.M * s.K * 4 },
-        V(a.part),
+        part,
         ...(fuse.ln && u.ln ? [u.ln] : []),
         ...u.slices,
       ],
@@ -265,7 +291,13 @@ async function decodeLinear(
       "matmul_fwd",
       label + ".gemv",
       gemvPartialWgsl(spec),
-      [all.A, all.B, all.part, ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : [])],
+      [
+        all.A,
+        all.B,
+        all.part,
+        ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : []),
+        ...(fuse.geluOf ? [fuse.geluOf.bias] : []),
+      ],
       [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M)],
     );
   if (fuse.partialOnly) return { ops: [partial], spec };

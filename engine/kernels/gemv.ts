@@ -25,6 +25,12 @@ export interface GemvSpec {
   /** Fuse the preceding LayerNorm: x is the raw residual stream, normalised on the fly (bindings lnw, lnb). */
   ln?: boolean;
   /**
+   * Fuse the preceding gemv's reduce and GELU: x holds that gemv's KS K-split partial sums of
+   * this one's input ([KS][M][K]), and binding xb its bias; each staged x value is GELU(Σ + bias),
+   * summed in gemvReduceWgsl's order so it equals the value the reduce would have stored. Staged.
+   */
+  geluOf?: { KS: number };
+  /**
    * Stage each stretch of the (normalised) x rows in workgroup memory and keep UNROLL weight
    * loads in flight per thread (GPUs: the plain loop waits on one load at a time). The products
    * and their order are the same, so the sums are bit-identical to the plain kernel's.
@@ -87,8 +93,24 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   }
   ${lnReduce("sq")}
   ${rows.map((m) => `let rstd${m} = inverseSqrt(lns[${m * T}u] / ${s.K}.0 + 1e-5);`).join(" ")}`;
+  if (s.geluOf && (s.ln || !s.staged)) throw new RangeError("Gemv geluOf is staged and has no LayerNorm");
   const xin = (m: number) =>
-    s.ln ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]` : `x[${xr(m)} + k]`;
+    s.ln
+      ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]`
+      : s.geluOf
+      ? `xgelu(${xr(m)} + k, k)`
+      : `x[${xr(m)} + k]`;
+  // geluOf: the previous gemv's reduce (its partial sums in order, then the bias) and GELU.
+  const xgelu = !s.geluOf ? "" : `${GELU_WGSL}
+fn xgelu(i: u32, k: u32) -> f32 {
+  var v = 0.0;
+  ${
+    s.geluOf.KS <= 64
+      ? [...Array(s.geluOf.KS).keys()].map((ks) => `v = v + x[${ks * s.M * s.K}u + i];`).join(" ")
+      : `for (var ks = 0u; ks < ${s.geluOf.KS}u; ks = ks + 1u) { v = v + x[ks * ${s.M * s.K}u + i]; }`
+  }
+  return gelu4(vec4<f32>(v + xb[k])).x;
+}`;
   // The k loop of thread group g: k = k0 + g, k0 + g + KG, … (staged: the same k, in stretches).
   const fmaAt = (w: string, xv: (m: number) => string) =>
     rows.map((m) => `acc${m} = fma(vec4<f32>(${xv(m)}), ${w}, acc${m});`).join(" ");
@@ -126,6 +148,7 @@ export function gemvPartialWgsl(s: GemvSpec): string {
 @group(0) @binding(2) var<storage, read_write> part: array<vec4<f32>>;
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
+${s.geluOf ? "@group(0) @binding(3) var<storage, read> xb: array<f32>;" : ""}${xgelu}
 ${s.ln ? `var<workgroup> lns: array<f32, ${G * T}>;` : ""}
 ${s.staged ? `var<workgroup> xs: array<f32, ${G * CH}>;` : ""}
 var<workgroup> red: array<vec4<f32>, ${KG * G * 32}>;

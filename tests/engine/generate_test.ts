@@ -189,40 +189,50 @@ Deno.test({
   },
 });
 
-Deno.test({
-  name: "Generator logprobs equal the reference's log-softmax, chosen and top 3",
-  ignore: noGpu,
-  fn: async () => {
-    const params = await trainedParams();
-    const p64 = Float64Array.from(params);
-    const gen = await Generator.create((await testContext())!, config, params, { maxStreams: 2, chunk: 4 });
-    const prompt = [464, 3290, 318, 257];
-    const other = await gen.admit(prompts[3], greedy);
-    const h = await gen.admit(prompt, { temperature: 0.9, top_k: 0, top_p: 1, seed: 7, logprobs: 3 });
-    const out = (await gen.step(3)).get(h)!;
-    assert.equal((await Promise.resolve(out.tokens)).length, 4);
-    assert.equal(out.logprobs!.length, 4);
-    const seq = [...prompt];
-    for (const [i, id] of out.tokens.entries()) {
-      const T = seq.length;
-      const { logits } = referenceForward(config, p64, Int32Array.from([...seq, 0]), 1, T);
-      const row = Array.from(logits.subarray((T - 1) * config.padded_vocab_size).slice(0, config.vocab_size));
-      const mx = Math.max(...row);
-      const lse = mx + Math.log(row.reduce((a, x) => a + Math.exp(x - mx), 0));
-      const lp = out.logprobs![i];
-      assert.ok(
-        Math.abs(lp.logprob - (row[id] - lse)) < 1e-3,
-        `token ${i}: ${lp.logprob} vs ${row[id] - lse}`,
-      );
-      const order = row.map((x, v) => [x, v]).sort((a, b) => b[0] - a[0] || a[1] - b[1]).slice(0, 3);
-      assert.deepEqual(lp.top.map((t) => t.id), order.map((o) => o[1]), `token ${i} top ids`);
-      for (const [k, t] of lp.top.entries()) assert.ok(Math.abs(t.logprob - (order[k][0] - lse)) < 1e-3);
-      seq.push(id);
-    }
-    assert.equal((await gen.step(0)).get(other)!.logprobs, null, "a stream that did not ask gets none");
-    gen.destroy();
-  },
-});
+for (const cpuUniform of [true, false]) {
+  Deno.test({
+    name: `Generator logprobs equal the reference's log-softmax, chosen and top 3${
+      cpuUniform ? "" : " (storage-buffer kernels, as on GPUs: the decode's fused reduces)"
+    }`,
+    ignore: noGpu,
+    fn: async () => {
+      const params = await trainedParams();
+      const p64 = Float64Array.from(params);
+      const gen = await Generator.create((await testContext())!, config, params, {
+        maxStreams: 2,
+        chunk: 4,
+        cpuUniform,
+      });
+      const prompt = [464, 3290, 318, 257];
+      const other = await gen.admit(prompts[3], greedy);
+      const h = await gen.admit(prompt, { temperature: 0.9, top_k: 0, top_p: 1, seed: 7, logprobs: 3 });
+      const out = (await gen.step(3)).get(h)!;
+      assert.equal((await Promise.resolve(out.tokens)).length, 4);
+      assert.equal(out.logprobs!.length, 4);
+      const seq = [...prompt];
+      for (const [i, id] of out.tokens.entries()) {
+        const T = seq.length;
+        const { logits } = referenceForward(config, p64, Int32Array.from([...seq, 0]), 1, T);
+        const row = Array.from(
+          logits.subarray((T - 1) * config.padded_vocab_size).slice(0, config.vocab_size),
+        );
+        const mx = Math.max(...row);
+        const lse = mx + Math.log(row.reduce((a, x) => a + Math.exp(x - mx), 0));
+        const lp = out.logprobs![i];
+        assert.ok(
+          Math.abs(lp.logprob - (row[id] - lse)) < 1e-3,
+          `token ${i}: ${lp.logprob} vs ${row[id] - lse}`,
+        );
+        const order = row.map((x, v) => [x, v]).sort((a, b) => b[0] - a[0] || a[1] - b[1]).slice(0, 3);
+        assert.deepEqual(lp.top.map((t) => t.id), order.map((o) => o[1]), `token ${i} top ids`);
+        for (const [k, t] of lp.top.entries()) assert.ok(Math.abs(t.logprob - (order[k][0] - lse)) < 1e-3);
+        seq.push(id);
+      }
+      assert.equal((await gen.step(0)).get(other)!.logprobs, null, "a stream that did not ask gets none");
+      gen.destroy();
+    },
+  });
+}
 
 Deno.test({
   name:
