@@ -59,6 +59,14 @@ export function runtimeImports(file: string, source: string): string[] {
   return out.filter((s) => s.startsWith(".")).map((s) => normalize(join(dirname(file), s)));
 }
 
+/** The relative modules a file names only for their types (`import type`, `export type`): they load nothing. */
+export function typeImports(file: string, source: string): string[] {
+  const text = source.replace(/\/\*[\s\S]*?\*\//g, "").replace(/^\s*\/\/.*$/gm, "");
+  const statement = /(?:^|\n)\s*(?:import|export)\s+type\s+[^;'"]*?\s*from\s*["']([^"']+)["']/g;
+  return [...text.matchAll(statement)].map((m) => m[1]).filter((s) => s.startsWith("."))
+    .map((s) => normalize(join(dirname(file), s)));
+}
+
 async function graph(): Promise<Map<string, string[]>> {
   const g = new Map<string, string[]>();
   for (const f of await productFiles()) g.set(f, runtimeImports(f, await Deno.readTextFile(join(ROOT, f))));
@@ -121,6 +129,28 @@ Deno.test("Each home imports only the homes below it", async () => {
   assert.deepEqual(broken, []);
 });
 
+Deno.test("Homes import each other one way only, type imports included (model/ names no home, job/ only model/)", async () => {
+  const uses = new Map<string, Set<string>>();
+  for (const f of await productFiles()) {
+    const source = await Deno.readTextFile(join(ROOT, f));
+    for (const d of [...runtimeImports(f, source), ...typeImports(f, source)]) {
+      if (home(d) === home(f)) continue;
+      uses.set(home(f), (uses.get(home(f)) ?? new Set()).add(home(d)));
+    }
+  }
+  const cycles = new Set<string>(), done = new Set<string>();
+  function visit(h: string, path: string[]): void {
+    if (path.includes(h)) return void cycles.add([...path.slice(path.indexOf(h)), h].join(" -> "));
+    if (done.has(h)) return;
+    for (const d of uses.get(h) ?? []) visit(d, [...path, h]);
+    done.add(h);
+  }
+  for (const h of uses.keys()) visit(h, []);
+  assert.deepEqual([...cycles], []);
+  assert.deepEqual([...uses.get("model") ?? []], []);
+  assert.deepEqual([...uses.get("job") ?? []], ["model"]);
+});
+
 Deno.test("The GPU host reaches engine/ only for the shared-memory communicators, never a device", async () => {
   const g = await graph();
   for (const start of [...g.keys()].filter((f) => home(f) === "host")) {
@@ -158,6 +188,7 @@ Deno.test("runtimeImports() skips type-only imports and follows static, bare and
     'import { z } from "zod";',
   ].join("\n");
   assert.deepEqual(runtimeImports("server/x.ts", src), ["b.ts", "server/e.ts", "server/f.ts", "server/g.ts"]);
+  assert.deepEqual(typeImports("server/x.ts", src), ["server/a.ts", "server/d.ts"]);
   assert.equal(relative(ROOT, join(ROOT, "server")), "server");
 });
 
