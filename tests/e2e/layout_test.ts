@@ -1,11 +1,14 @@
 /**
  * The process boundary, checked against the imports. README draws three processes: the HTTP
  * process (main.ts, server/), the GPU host (host/) and one Worker per GPU (worker/, which drives
- * engine/). Pure descriptions (model/), checkpoints (checkpoint/), the data pipeline (data/) and
- * the messages (protocol.ts) are shared. These tests read every product file's imports (the ones
- * that load code at run time: `import type` loads nothing) and check which way they point, so a
- * convenience import that would pull WebGPU code into the HTTP process fails here, not in
- * production. They also keep file names unique, so a name tells you where you are.
+ * engine/). Shared by them: pure descriptions (model/), the job service's domain (job/: the job
+ * record, its configs, the caller-mistake errors), checkpoints (checkpoint/), the data pipeline
+ * (data/, not pure: it downloads, tokenizes on Workers and locks its folders) and the messages
+ * (protocol.ts). These tests read every product file's imports (the ones that load code at run
+ * time: `import type` loads nothing) and check which way they point, so a convenience import that
+ * would pull WebGPU code into the HTTP process fails here, not in production; type imports count
+ * too when the homes are checked for cycles. They also keep file names unique, so a name tells
+ * you where you are.
  */
 
 import assert from "node:assert/strict";
