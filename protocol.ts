@@ -9,7 +9,7 @@
  * loop runs) for `commit_answer`, which its host delivers at once rather than behind the job.
  */
 
-import type { EvalResult, PhaseTimes, RankTimes, TrainConfig } from "./model/job.ts";
+import type { EvalResult, PhaseTimes, RankTimes, TrainConfig } from "./job/job.ts";
 import type { ModelConfig } from "./model/config.ts";
 
 /** Index in the shared flags: non-zero asks the running job to stop and end "cancelled". */

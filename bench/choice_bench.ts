@@ -18,7 +18,7 @@ import { describeDevice, openDevice } from "../engine/device.ts";
 import { presetConfig } from "../model/config.ts";
 import { initParams } from "../model/init.ts";
 import type { ChoiceExample, ChoiceTokens } from "../model/multiple_choice.ts";
-import type { TrainConfig } from "../model/job.ts";
+import type { TrainConfig } from "../job/job.ts";
 import { prepareDataset } from "../data/mod.ts";
 import { choiceWindow, EvalModel, multipleChoice } from "../worker/evaluation.ts";
 import { runTraining } from "../worker/train_loop.ts";

@@ -56,8 +56,8 @@
 import { POSTGRES_BIN, startPostgres } from "../tests/_postgres.ts";
 import { prepareDataset } from "../data/mod.ts";
 import { listCheckpoints, loadCheckpoint } from "../checkpoint/checkpoint.ts";
-import { trainingModel } from "../model/job_config.ts";
-import type { TrainConfig } from "../model/job.ts";
+import { trainingModel } from "../job/job_config.ts";
+import type { TrainConfig } from "../job/job.ts";
 
 const REPO = new URL("..", import.meta.url).pathname.replace(/\/$/, "");
 const USAGE = "deno task bench faults [--only KEY,KEY] [--json FILE] [--model NAME] [--iters N]";

@@ -43,7 +43,7 @@ import { type ModelConfig, TENSOR_ALIGN } from "../model/config.ts";
 // The shard specs are pure (no WebGPU), so they are imported directly rather than through
 // engine/parallel/mod.ts: this module runs in the HTTP process too.
 import { checkTensorParallel, shardLayout, shardSpecs, vocabSizes } from "../model/shard.ts";
-import type { TrainConfig } from "../model/job.ts";
+import type { TrainConfig } from "../job/job.ts";
 import {
   type FileDigest,
   type OpenForWrite,

@@ -9,7 +9,7 @@ import { allTensorShapes, type ModelConfig, paramLayout } from "../model/config.
 import type { ControlState } from "../engine/kernels/adamw.ts";
 // The shard specs are pure (no WebGPU): this module runs in the HTTP process too.
 import { shardSlices, shardSpecs, type Slice, type SplitKind, type VocabSizes } from "../model/shard.ts";
-import type { TrainConfig } from "../model/job.ts";
+import type { TrainConfig } from "../job/job.ts";
 import type { FileDigest, NamedTensor } from "./safetensors.ts";
 
 /** Identifies our manifests. */

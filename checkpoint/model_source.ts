@@ -19,7 +19,7 @@ import {
   mergedModel,
   readManifest,
 } from "./checkpoint.ts";
-import { InvalidJobError, ModelNotFoundError } from "../model/errors.ts";
+import { InvalidJobError, ModelNotFoundError } from "../job/errors.ts";
 import type { ModelSource } from "../protocol.ts";
 import { readSafetensors } from "./safetensors.ts";
 import { splitParams } from "../model/shard.ts";

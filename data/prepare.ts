@@ -140,7 +140,7 @@ const SHARD_CHARS = 1 << 26;
  * The window a prepared split must hold at least one of by default (seq_len + 1 tokens): GPT-2's
  * context, so a dataset prepared with defaults serves training and evaluation at any sequence
  * length a GPT-2 model takes. A check on the data, not a training or evaluation default (those are
- * in model/job_config.ts); part of every dataset's options, so changing it renames and re-prepares
+ * in job/job_config.ts); part of every dataset's options, so changing it renames and re-prepares
  * datasets (a built-in keeps its plain name only with default options).
  */
 export const DEFAULT_PREPARE_SEQ_LEN = 1024;

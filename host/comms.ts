@@ -10,7 +10,7 @@
 import type { JobComm, WorkerJob } from "../protocol.ts";
 import { paramLayout } from "../model/config.ts";
 import { shardLayout } from "../model/shard.ts";
-import { trainingModel } from "../model/job_config.ts";
+import { trainingModel } from "../job/job_config.ts";
 import { createCommBuffer, createControlBuffer, wireDtype } from "../engine/parallel/allreduce.ts";
 import { dataParallelGroups, parallelLayout, tensorParallelGroups } from "../engine/parallel/groups.ts";
 

@@ -16,8 +16,8 @@
 
 import { parseArgs } from "node:util";
 import { EvaluateRequestSchema } from "../server/routes/schemas.ts";
-import { completeEvalConfig, type EvaluateRequest } from "../model/job_config.ts";
-import { InvalidJobError, ModelNotFoundError } from "../model/errors.ts";
+import { completeEvalConfig, type EvaluateRequest } from "../job/job_config.ts";
+import { InvalidJobError, ModelNotFoundError } from "../job/errors.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { loadEvalModel, runEvalConfig, withChoiceExamples } from "../worker/evaluation.ts";

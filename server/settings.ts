@@ -9,8 +9,8 @@ import { type GpuRoles, parseGpuRoles } from "./gpus/roles.ts";
 import { join } from "node:path";
 import { makeConfig, paramLayout, presetConfig } from "../model/config.ts";
 import { parseRange } from "./addresses.ts";
-import { LimitError } from "../model/errors.ts";
-import type { ModelDims } from "../model/job.ts";
+import { LimitError } from "../job/errors.ts";
+import type { ModelDims } from "../job/job.ts";
 
 /** Resource limits; each field's setting is in {@link LIMIT_SETTINGS}. */
 export interface Limits {

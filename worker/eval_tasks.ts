@@ -11,7 +11,7 @@
 
 import type { GpuContext } from "../engine/device.ts";
 import type { Trainer } from "../engine/trainer.ts";
-import type { EvalResult, EvalTaskConfig } from "../model/job.ts";
+import type { EvalResult, EvalTaskConfig } from "../job/job.ts";
 import type { FromWorker } from "../protocol.ts";
 import { type ClozeExample, clozeExample } from "../model/perplexity.ts";
 import type { ChoiceTokens } from "../model/multiple_choice.ts";

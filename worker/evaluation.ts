@@ -17,7 +17,7 @@ import { readBuffers } from "../engine/device.ts";
 import { Trainer } from "../engine/trainer.ts";
 import { TokenScorer } from "../engine/scorer.ts";
 import { EOT_TOKEN, type ModelConfig, validateSeqLen } from "../model/config.ts";
-import type { EvalConfig, EvalResult } from "../model/job.ts";
+import type { EvalConfig, EvalResult } from "../job/job.ts";
 import {
   type ClozeExample,
   clozeExample,

@@ -5,7 +5,7 @@
  */
 import { isChatDataset, loadChatSplit, packChats, type PackedRows } from "../data/mod.ts";
 import { getDataset } from "../data/store.ts";
-import type { TrainConfig } from "../model/job.ts";
+import type { TrainConfig } from "../job/job.ts";
 
 /** Packed splits of a chat dataset and the report of its packing. */
 export interface SftData {

@@ -33,7 +33,7 @@ import {
 } from "../checkpoint/checkpoint.ts";
 import { loadSftData } from "./sft_data.ts";
 import type { FromWorker, JobComm, WorkerJob } from "../protocol.ts";
-import { accumulationSteps, type RankTimes, type TrainConfig } from "../model/job.ts";
+import { accumulationSteps, type RankTimes, type TrainConfig } from "../job/job.ts";
 import {
   DistributedOptimizer,
   GradientReducer,
@@ -43,7 +43,7 @@ import {
   splitU32,
   TensorParallelExchange,
 } from "../engine/parallel/mod.ts";
-import { checkpointLayers, trainingModel } from "../model/job_config.ts";
+import { checkpointLayers, trainingModel } from "../job/job_config.ts";
 import { compileReporter } from "./compile_report.ts";
 import { runEvaluationJob } from "./evaluation.ts";
 import { EvalTasks } from "./eval_tasks.ts";

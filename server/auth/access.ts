@@ -8,8 +8,8 @@
  */
 
 import { existsSync } from "node:fs";
-import type { Job } from "../../model/job.ts";
-import { JobNotFoundError } from "../../model/errors.ts";
+import type { Job } from "../../job/job.ts";
+import { JobNotFoundError } from "../../job/errors.ts";
 import type { JobStore } from "../jobs/job_store.ts";
 import type { Principal } from "./token_auth.ts";
 

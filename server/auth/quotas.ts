@@ -7,7 +7,7 @@
  * fair-share order). The bootstrap token and a server with no token configured have no quotas.
  */
 
-import { QuotaError } from "../../model/errors.ts";
+import { QuotaError } from "../../job/errors.ts";
 import type { JobStore } from "../jobs/job_store.ts";
 import { workersOf } from "../jobs/store_schema.ts";
 import type { Quotas } from "../settings.ts";

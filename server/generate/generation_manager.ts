@@ -11,7 +11,7 @@
  */
 
 import { EOT_TOKEN } from "../../model/config.ts";
-import { GpuUnavailableError, InvalidJobError } from "../../model/errors.ts";
+import { GpuUnavailableError, InvalidJobError } from "../../job/errors.ts";
 import {
   epochMs,
   type FromWorkerGeneration,

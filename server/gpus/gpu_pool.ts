@@ -12,7 +12,7 @@
 
 import type { FromWorker, FromWorkerGeneration, SpawnWorker, ToWorker, WorkerPort } from "../../protocol.ts";
 import type { HostStatus } from "./host_client.ts";
-import type { DeviceBudget } from "../../model/job_config.ts";
+import type { DeviceBudget } from "../../job/job_config.ts";
 
 /** What one GPU slot is doing. */
 export interface GpuState {

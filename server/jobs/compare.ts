@@ -7,7 +7,7 @@
  * store returns.
  */
 
-import type { EvalResult, Job, JobEvent, MetricPoint, TrainConfig } from "../../model/job.ts";
+import type { EvalResult, Job, JobEvent, MetricPoint, TrainConfig } from "../../job/job.ts";
 
 /** One evaluation during training, as its `eval_task` event carries it. */
 export interface EvalTaskPoint {

@@ -4,12 +4,12 @@
  * need. Each refusal is an InvalidJobError naming the request's field.
  */
 
-import { InvalidJobError, ModelNotFoundError } from "../../model/errors.ts";
+import { InvalidJobError, ModelNotFoundError } from "../../job/errors.ts";
 import type { ModelSource } from "../../protocol.ts";
 import { resolveModelSource } from "../../checkpoint/model_source.ts";
 import { listCheckpoints } from "../../checkpoint/checkpoint.ts";
-import type { EvaluateRequest } from "../../model/job_config.ts";
-import type { TrainConfig } from "../../model/job.ts";
+import type { EvaluateRequest } from "../../job/job_config.ts";
+import type { TrainConfig } from "../../job/job.ts";
 import { getDataset } from "../../data/store.ts";
 import { isChatDataset } from "../../data/chat_dataset.ts";
 import { encode } from "gpt-tokenizer/encoding/r50k_base";

@@ -11,7 +11,7 @@
 import { isStoreUnavailable, type JobPatch, type JobStore, LeaseLostError } from "./job_store.ts";
 import type { StoreBacklog } from "./store_backlog.ts";
 import type { LeaseKeeper } from "./leases.ts";
-import type { Job, JobEvent, JobEventType, MetricPoint } from "../../model/job.ts";
+import type { Job, JobEvent, JobEventType, MetricPoint } from "../../job/job.ts";
 
 /** A job whose Worker died this many times without getting further fails instead of resuming again. */
 const MAX_CRASHES_WITHOUT_PROGRESS = 3;

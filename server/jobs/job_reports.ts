@@ -6,7 +6,7 @@
  */
 
 import type { JobPatch } from "./job_store.ts";
-import type { JobEventType, MetricPoint } from "../../model/job.ts";
+import type { JobEventType, MetricPoint } from "../../job/job.ts";
 import { compileLine } from "../../protocol.ts";
 import type { JobReport } from "../gpus/gpu_pool.ts";
 import { evalTaskFigures } from "./compare.ts";

@@ -26,7 +26,7 @@ import type {
   JobStatus,
   MetricPoint,
   TrainConfig,
-} from "../../model/job.ts";
+} from "../../job/job.ts";
 
 import { SqliteJobStore } from "./sqlite_store.ts";
 export {

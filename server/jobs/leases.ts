@@ -12,7 +12,7 @@
  * the files are fenced on the same lease, read from the database at that moment.
  */
 
-import type { Job } from "../../model/job.ts";
+import type { Job } from "../../job/job.ts";
 import type { Claim, HeartbeatResult, HostReport, JobStore, Lease } from "./job_store.ts";
 import { isStoreUnavailable } from "./store_schema.ts";
 

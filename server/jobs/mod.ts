@@ -4,9 +4,9 @@
  * server/generate/mod.ts.
  */
 
-export * from "../../model/job.ts";
-export * from "../../model/errors.ts";
-export * from "../../model/job_config.ts";
+export * from "../../job/job.ts";
+export * from "../../job/errors.ts";
+export * from "../../job/job_config.ts";
 export { isFinished, type JobPatch, JobStore, MIGRATIONS, SCHEMA_VERSION } from "./job_store.ts";
 export { JobRunner, type RunnerOptions } from "./runner.ts";
 export { compareJobs, type Comparison, evalTaskPoints, metricsCsv } from "./compare.ts";

@@ -19,7 +19,7 @@
  */
 
 import { MessageChannel, receiveMessageOnPort, Worker } from "node:worker_threads";
-import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../model/job.ts";
+import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../job/job.ts";
 import type {
   AuditEvent,
   Claim,

@@ -19,7 +19,7 @@
  */
 
 import postgres from "postgres";
-import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../model/job.ts";
+import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../job/job.ts";
 import type {
   AuditEvent,
   Claim,

@@ -29,12 +29,12 @@ import {
   InvalidJobError,
   JobConflictError,
   JobNotFoundError,
-} from "../../model/errors.ts";
+} from "../../job/errors.ts";
 import type { FromWorker, ModelSource, SpawnWorker, WorkerJob } from "../../protocol.ts";
 import type { HostStatus } from "../gpus/host_client.ts";
 import { GpuPool, type GpuSlot, type GpuState, type JobReport } from "../gpus/gpu_pool.ts";
 import { type CheckpointInfo, listCheckpoints } from "../../checkpoint/checkpoint.ts";
-import type { Job } from "../../model/job.ts";
+import type { Job } from "../../job/job.ts";
 import { CommitFence } from "./commit_fence.ts";
 import { ReportRecorder } from "./job_reports.ts";
 import { checkEvaluation, checkTrainConfig, modelSource, resolveResume, unknownModel } from "./job_checks.ts";
@@ -45,7 +45,7 @@ import {
   estimateBytes,
   type EvaluateRequest,
   type TrainRequest,
-} from "../../model/job_config.ts";
+} from "../../job/job_config.ts";
 
 export type { SpawnWorker, WorkerPort } from "../../protocol.ts";
 

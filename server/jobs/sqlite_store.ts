@@ -13,7 +13,7 @@
  */
 
 import { DatabaseSync, type StatementResultingChanges } from "node:sqlite";
-import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../model/job.ts";
+import type { Job, JobEvent, JobEventType, JobStatus, MetricPoint, TrainConfig } from "../../job/job.ts";
 import type {
   AuditEvent,
   Claim,

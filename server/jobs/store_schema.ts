@@ -12,7 +12,7 @@
  * adds users: each job's owner, hashed tokens, owned resources and the audit trail.
  */
 
-import { FINISHED_STATUSES, type JobStatus, type TrainConfig } from "../../model/job.ts";
+import { FINISHED_STATUSES, type JobStatus, type TrainConfig } from "../../job/job.ts";
 import type { Lease } from "./job_store.ts";
 
 const SCHEMA_V1 = `

@@ -18,7 +18,7 @@ import {
   type JobStatus,
   type MetricPoint,
   type TrainConfig,
-} from "../../model/job.ts";
+} from "../../job/job.ts";
 import type {
   AuditEvent,
   Claim,

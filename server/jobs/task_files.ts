@@ -6,7 +6,7 @@
  */
 
 import { readTaskFile } from "../../data/mod.ts";
-import { InvalidJobError } from "../../model/errors.ts";
+import { InvalidJobError } from "../../job/errors.ts";
 import { checkedChoiceJsonl } from "../../model/multiple_choice.ts";
 
 /** The data fields of an evaluation that name something on the server. */

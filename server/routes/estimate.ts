@@ -3,7 +3,7 @@
  * from the same memory plan the engine allocates. It plans for the GPU the query names (`gpu`, a
  * preset), else for the server's first GPU when that reports limits that hold the model, else for
  * the default preset (model/memory_estimate.ts), and says which in `planned_for`. Validates the query and
- * delegates to model/job_config.ts and model/memory_estimate.ts.
+ * delegates to job/job_config.ts and model/memory_estimate.ts.
  */
 
 import { Hono } from "hono";

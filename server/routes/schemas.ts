@@ -118,7 +118,7 @@ function evalDataIssues(r: EvalData, issue: (path: (string | number)[], message:
 /**
  * Body of `POST /evaluate`: a model the server knows, a task, and what to read (texts, or a
  * dataset's split for perplexity; examples for multiple choice). `seq_len` defaults to the model's context capped at
- * DEFAULT_EVAL_MAX_SEQ_LEN (model/job_config.ts) and `stride` to `seq_len` (the non-overlapping
+ * DEFAULT_EVAL_MAX_SEQ_LEN (job/job_config.ts) and `stride` to `seq_len` (the non-overlapping
  * evaluation); both are filled and checked against the model by the runner.
  */
 export const EvaluateRequestSchema = z.strictObject({
@@ -154,7 +154,7 @@ export const TrainRequestSchema = z.strictObject({
   ),
   train_iters: positiveInt.max(10_000_000).default(1000),
   batch_size: positiveInt.max(4096).default(4),
-  // Filled by completeConfig: the model's context capped at DEFAULT_TRAIN_MAX_SEQ_LEN (model/job_config.ts).
+  // Filled by completeConfig: the model's context capped at DEFAULT_TRAIN_MAX_SEQ_LEN (job/job_config.ts).
   seq_len: positiveInt.max(8192).optional(),
   lr: z.number().positive().max(1).default(6e-4),
   min_lr: z.number().min(0).max(1).default(6e-5),

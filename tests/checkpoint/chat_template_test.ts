@@ -11,7 +11,7 @@
 import assert from "node:assert/strict";
 import { presetConfig } from "../../model/config.ts";
 import { readChatTemplate, saveCheckpoint } from "../../checkpoint/checkpoint.ts";
-import type { TrainConfig } from "../../model/job.ts";
+import type { TrainConfig } from "../../job/job.ts";
 import { reshardCheckpoint } from "../../checkpoint/reshard.ts";
 import { CHAT_TEMPLATE, type ChatMessage, encodeChat, prepareDataset, renderChat } from "../../data/mod.ts";
 import { resolveModelSource } from "../../checkpoint/model_source.ts";

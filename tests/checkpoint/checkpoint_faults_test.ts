@@ -25,7 +25,7 @@ import { type FromWorker } from "../../protocol.ts";
 import { JobRunner, JobStore, type TrainConfig } from "../../server/jobs/mod.ts";
 import { type OpenForWrite } from "../../checkpoint/safetensors.ts";
 import { prepareDataset } from "../../data/mod.ts";
-import { trainingModel } from "../../model/job_config.ts";
+import { trainingModel } from "../../job/job_config.ts";
 import { runTraining } from "../../worker/train_loop.ts";
 import { ScriptedWorker } from "../fakes/fake_worker.ts";
 import { noGpu, testContext } from "../_helpers.ts";

@@ -93,6 +93,7 @@ Deno.test("Product files import npm packages only through deno.json's import map
       "worker",
       "engine",
       "model",
+      "job",
       "checkpoint",
       "data",
       "scripts",

@@ -1,11 +1,14 @@
 /**
  * The process boundary, checked against the imports. README draws three processes: the HTTP
  * process (main.ts, server/), the GPU host (host/) and one Worker per GPU (worker/, which drives
- * engine/). Pure descriptions (model/), checkpoints (checkpoint/), the data pipeline (data/) and
- * the messages (protocol.ts) are shared. These tests read every product file's imports (the ones
- * that load code at run time: `import type` loads nothing) and check which way they point, so a
- * convenience import that would pull WebGPU code into the HTTP process fails here, not in
- * production. They also keep file names unique, so a name tells you where you are.
+ * engine/). Shared by them: pure descriptions (model/), the job service's domain (job/: the job
+ * record, its configs, the caller-mistake errors), checkpoints (checkpoint/), the data pipeline
+ * (data/, not pure: it downloads, tokenizes on Workers and locks its folders) and the messages
+ * (protocol.ts). These tests read every product file's imports (the ones that load code at run
+ * time: `import type` loads nothing) and check which way they point, so a convenience import that
+ * would pull WebGPU code into the HTTP process fails here, not in production; type imports count
+ * too when the homes are checked for cycles. They also keep file names unique, so a name tells
+ * you where you are.
  */
 
 import assert from "node:assert/strict";
@@ -20,6 +23,7 @@ const PRODUCT = [
   "worker",
   "engine",
   "model",
+  "job",
   "checkpoint",
   "data",
 ];
@@ -58,6 +62,14 @@ export function runtimeImports(file: string, source: string): string[] {
   return out.filter((s) => s.startsWith(".")).map((s) => normalize(join(dirname(file), s)));
 }
 
+/** The relative modules a file names only for their types (`import type`, `export type`): they load nothing. */
+export function typeImports(file: string, source: string): string[] {
+  const text = source.replace(/\/\*[\s\S]*?\*\//g, "").replace(/^\s*\/\/.*$/gm, "");
+  const statement = /(?:^|\n)\s*(?:import|export)\s+type\s+[^;'"]*?\s*from\s*["']([^"']+)["']/g;
+  return [...text.matchAll(statement)].map((m) => m[1]).filter((s) => s.startsWith("."))
+    .map((s) => normalize(join(dirname(file), s)));
+}
+
 async function graph(): Promise<Map<string, string[]>> {
   const g = new Map<string, string[]>();
   for (const f of await productFiles()) g.set(f, runtimeImports(f, await Deno.readTextFile(join(ROOT, f))));
@@ -86,7 +98,7 @@ function reach(g: Map<string, string[]>, from: string): Map<string, string[]> {
 
 Deno.test("The HTTP process never loads GPU host, Worker or WebGPU code (main.ts and every server/ file)", async () => {
   const g = await graph();
-  const allowed = new Set(["main.ts", "protocol.ts", "server", "model", "checkpoint", "data"]);
+  const allowed = new Set(["main.ts", "protocol.ts", "server", "model", "job", "checkpoint", "data"]);
   const starts = [...g.keys()].filter((f) => f === "main.ts" || home(f) === "server");
   assert.ok(starts.length > 20, `expected the server's files, found ${starts.length}`);
   for (const start of starts) {
@@ -100,13 +112,14 @@ Deno.test("Each home imports only the homes below it", async () => {
   const g = await graph();
   const may: Record<string, string[]> = {
     "model": ["model"],
+    "job": ["job", "model"],
     "data": ["data"],
-    "protocol.ts": ["model"],
-    "checkpoint": ["checkpoint", "model", "protocol.ts"],
+    "protocol.ts": ["model", "job"],
+    "checkpoint": ["checkpoint", "model", "job", "protocol.ts"],
     "engine": ["engine", "model"],
-    "worker": ["worker", "engine", "model", "checkpoint", "data", "protocol.ts"],
-    "host": ["host", "model", "protocol.ts", "engine"],
-    "server": ["server", "model", "checkpoint", "data", "protocol.ts"],
+    "worker": ["worker", "engine", "model", "job", "checkpoint", "data", "protocol.ts"],
+    "host": ["host", "model", "job", "protocol.ts", "engine"],
+    "server": ["server", "model", "job", "checkpoint", "data", "protocol.ts"],
     "main.ts": ["server", "model", "data"],
   };
   const broken: string[] = [];
@@ -117,6 +130,28 @@ Deno.test("Each home imports only the homes below it", async () => {
     }
   }
   assert.deepEqual(broken, []);
+});
+
+Deno.test("Homes import each other one way only, type imports included (model/ names no home, job/ only model/)", async () => {
+  const uses = new Map<string, Set<string>>();
+  for (const f of await productFiles()) {
+    const source = await Deno.readTextFile(join(ROOT, f));
+    for (const d of [...runtimeImports(f, source), ...typeImports(f, source)]) {
+      if (home(d) === home(f)) continue;
+      uses.set(home(f), (uses.get(home(f)) ?? new Set()).add(home(d)));
+    }
+  }
+  const cycles = new Set<string>(), done = new Set<string>();
+  function visit(h: string, path: string[]): void {
+    if (path.includes(h)) return void cycles.add([...path.slice(path.indexOf(h)), h].join(" -> "));
+    if (done.has(h)) return;
+    for (const d of uses.get(h) ?? []) visit(d, [...path, h]);
+    done.add(h);
+  }
+  for (const h of uses.keys()) visit(h, []);
+  assert.deepEqual([...cycles], []);
+  assert.deepEqual([...uses.get("model") ?? []], []);
+  assert.deepEqual([...uses.get("job") ?? []], ["model"]);
 });
 
 Deno.test("The GPU host reaches engine/ only for the shared-memory communicators, never a device", async () => {
@@ -156,6 +191,7 @@ Deno.test("runtimeImports() skips type-only imports and follows static, bare and
     'import { z } from "zod";',
   ].join("\n");
   assert.deepEqual(runtimeImports("server/x.ts", src), ["b.ts", "server/e.ts", "server/f.ts", "server/g.ts"]);
+  assert.deepEqual(typeImports("server/x.ts", src), ["server/a.ts", "server/d.ts"]);
   assert.equal(relative(ROOT, join(ROOT, "server")), "server");
 });
 

@@ -8,7 +8,7 @@
 
 import assert from "node:assert/strict";
 import { paramLayout, presetConfig } from "../../model/config.ts";
-import { completeConfig } from "../../model/job_config.ts";
+import { completeConfig } from "../../job/job_config.ts";
 import { JobRunner, JobStore, type TrainConfig, type TrainRequest } from "../../server/jobs/mod.ts";
 import { saveCheckpoint } from "../../checkpoint/checkpoint.ts";
 import { ScriptedWorker } from "../fakes/fake_worker.ts";

@@ -12,7 +12,7 @@ import {
 import { RingComm } from "../../../engine/parallel/mod.ts";
 import { jobComm, releaseJobComm } from "../../../host/comms.ts";
 import type { WorkerJob } from "../../../protocol.ts";
-import type { TrainConfig } from "../../../model/job.ts";
+import type { TrainConfig } from "../../../job/job.ts";
 
 Deno.test("parallelLayout() completes dp from worldSize / tp and names a bad field", () => {
   assert.deepEqual(parallelLayout(8, { tp: 2 }), { worldSize: 8, tp: 2, dp: 4 });

@@ -5,18 +5,18 @@
  * model whose memory plan (model/plan.ts, the one the engine allocates) exceeds the GPU's memory.
  */
 
-import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "./config.ts";
+import { ConfigError, makeConfig, type ModelConfig, presetConfig, validateSeqLen } from "../model/config.ts";
 import {
   DEFAULT_PLAN_LIMITS,
   type Estimate,
   estimateTraining,
   knownDeviceMemory,
-} from "./memory_estimate.ts";
-import type { PlanLimits } from "./plan.ts";
-import { tensorParallelConfig } from "./shard.ts";
+} from "../model/memory_estimate.ts";
+import type { PlanLimits } from "../model/plan.ts";
+import { tensorParallelConfig } from "../model/shard.ts";
 import { InvalidJobError } from "./errors.ts";
 import type { EvalConfig, ModelDims, TrainConfig } from "./job.ts";
-import type { ChoiceExample, ChoiceScoring } from "./multiple_choice.ts";
+import type { ChoiceExample, ChoiceScoring } from "../model/multiple_choice.ts";
 
 /**
  * A training request before defaults that depend on the model are filled in. `model` may be

@@ -3,10 +3,14 @@
  * arguments, already validated and defaulted by the routes), its status, its latest metrics and
  * the events streamed to clients. Kept apart from the store so routes, runner and Worker share
  * one vocabulary without importing SQLite.
+ *
+ * job/ is the job service's domain, pure and shared by every process: these shapes, the config's
+ * defaults and checks (job_config.ts) and the caller-mistake errors (errors.ts). It reads model/
+ * and nothing else (tests/e2e/layout_test.ts).
  */
 
-import type { LrDecayStyle } from "./schedule.ts";
-import type { ChoiceExample, ChoiceScoring } from "./multiple_choice.ts";
+import type { LrDecayStyle } from "../model/schedule.ts";
+import type { ChoiceExample, ChoiceScoring } from "../model/multiple_choice.ts";
 
 /** Explicit model dimensions (the vocabulary is always GPT-2's, padded to 128). */
 export interface ModelDims {
