@@ -21,8 +21,8 @@
  *           (run-to-run spread on an H200 is large: one server's cold/warm ratio is one sample).
  *           --gap MS idles the server that long before each round, cold and warm alike.
  *           --auth none,user: each count's servers once without any token configured and once
- *           with a user's token in the store (scope generate; every request carries it, so every
- *           request is checked), in turns, and the table has a row per mode (issue 40's figure).
+ *           with a user's token in the store (scope generate, stream quota S; every request carries
+ *           it, so every request is checked), in turns, and the table has a row per mode (issue 40).
  *           --chat: after the warm round, 3 more rounds of each of `/v1/completions` and
  *           `/v1/chat/completions` in turns on the same server, the same prompt text (the chat
  *           template's rendering of one user message, sent to /v1/completions as text), and the
@@ -511,12 +511,20 @@ async function writeModel(dir: string, model: string, chat = false): Promise<voi
   }
 }
 
-/** A user's token (scope generate) made in `home`'s job store, as `deno task tokens create` makes it. */
-function makeUserToken(home: string): string {
+/**
+ * A user's token (scope generate) made in `home`'s job store, as `deno task tokens create` makes
+ * it, the user's stream quota set to `streams` as an admin would (`PUT /admin/users/:name/quotas`):
+ * the figure is the token check's cost, not the quota's (16 streams a user by default).
+ */
+function makeUserToken(home: string, streams: number): string {
   const store = new JobStore(`${home}/jobs.sqlite`);
   try {
-    return new TokenAuth(store).create({ user: "bench", name: "bench", scopes: parseScopes("generate") })
-      .token;
+    const auth = new TokenAuth(store);
+    const { token } = auth.create({ user: "bench", name: "bench", scopes: parseScopes("generate") });
+    if (!store.setQuotas("bench", { streams })) {
+      throw new Error("Could not set the bench user's stream quota");
+    }
+    return token;
   } finally {
     store.close();
   }
@@ -646,7 +654,7 @@ async function oneServer(
   const { model } = o, gap = +arg("gap", "0");
   // A fresh server per count: its own data directory, GPU host, Workers and compiled kernels.
   const home = await freshHome(o.tmp, o.src, model, tag);
-  const token = auth === "user" ? makeUserToken(home) : undefined;
+  const token = auth === "user" ? makeUserToken(home, S) : undefined;
   const ids: RequestStyle = { token, prompt: "ids" };
   const s = await serve(home, o.env, o.relay);
   try {

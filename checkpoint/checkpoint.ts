@@ -126,13 +126,25 @@ export function hfConfig(
 
 /**
  * A `tokenizer_config.json` for GPT-2's tokenizer (transformers' GPT2Tokenizer, the files of the
- * `gpt2` hub model: `<|endoftext|>` as bos, eos and unk) carrying `chat_template`.
+ * `gpt2` hub model: `<|endoftext|>` as bos, eos and unk, and registered as the special token 50256
+ * so that the text `<|endoftext|>` a chat template writes encodes as that one token, as ours does)
+ * carrying `chat_template`.
  */
 export function tokenizerConfig(model: ModelConfig, chatTemplate: string) {
   return {
     tokenizer_class: "GPT2Tokenizer",
     model_max_length: model.n_positions,
     add_prefix_space: false,
+    added_tokens_decoder: {
+      "50256": {
+        content: "<|endoftext|>",
+        lstrip: false,
+        normalized: true,
+        rstrip: false,
+        single_word: false,
+        special: true,
+      },
+    },
     bos_token: "<|endoftext|>",
     eos_token: "<|endoftext|>",
     unk_token: "<|endoftext|>",
