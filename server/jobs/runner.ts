@@ -20,7 +20,7 @@
  */
 
 import { isFinished, type JobStore } from "./job_store.ts";
-import { workersOf } from "./store_schema.ts";
+import { Placement } from "./placement.ts";
 import { StoreBacklog, type StoreState } from "./store_backlog.ts";
 import { JobRecords, type Listener } from "./job_records.ts";
 import type { LeaseKeeper } from "./leases.ts";
@@ -61,12 +61,6 @@ interface Gang {
   outcomes: Map<number, Extract<FromWorker, { type: "done" }>>;
   /** A rank's Worker died: the job resumes (or fails after repeated crashes) once the others ended. */
   crash: string | null;
-}
-
-/** Whether waiting job `a` goes before `b` from another GPU's queue: interrupted first, then the older. */
-function waitedLonger(a: Job, b: Job): boolean {
-  const ai = a.status === "interrupted", bi = b.status === "interrupted";
-  return ai !== bi ? ai : a.created_at < b.created_at;
 }
 
 /** Errors a rank reports because a peer failed first; the peer's own error is the one worth showing. */
@@ -129,6 +123,8 @@ export class JobRunner {
   #backlog: StoreBacklog;
   /** The job's records, events and lease, fenced and kept in order. */
   #records: JobRecords;
+  /** One host's GPU queues: where a job waits, and moves. */
+  #placement: Placement;
   /** Each GPU's queue length when the store last answered (shown while it is away). */
   #queued: number[] = [];
 
@@ -155,6 +151,13 @@ export class JobRunner {
       },
     });
     this.#records = new JobRecords(store, this.#backlog, opts.leases, (id) => this.#leaseLost(id));
+    this.#placement = new Placement({
+      store,
+      records: this.#records,
+      trainSlots: () => this.#trainSlots(),
+      skipOwners: () => this.#opts.skipOwners?.() ?? [],
+      dispatch: (gpu) => this.#dispatch(gpu),
+    });
     this.#fence = new CommitFence({
       leases: opts.leases,
       pool: this.#pool,
@@ -244,7 +247,7 @@ export class JobRunner {
     if (this.#draining) {
       throw new GpuUnavailableError("Server is shutting down: submit again once it is back");
     }
-    const gpu = this.#pickGpu();
+    const gpu = this.#placement.pickGpu();
     const source = req.init_from ? await this.modelSource(req.init_from, "init_from") : null;
     const config = completeConfig(req, this.device(gpu), source);
     await checkTrainConfig(this.#opts, config, this.#trainSlots().length);
@@ -277,7 +280,7 @@ export class JobRunner {
     const source = await this.modelSource(req.model, "model");
     const config = completeEvalConfig(req, source);
     await checkEvaluation(this.#opts, req);
-    const gpu = this.#pickGpu();
+    const gpu = this.#placement.pickGpu();
     const id = `eval_${crypto.randomUUID().replaceAll("-", "").slice(0, 12)}`;
     this.#store.createJob(id, gpu, config, owner);
     const job = this.#store.updateJob(id, {
@@ -438,23 +441,6 @@ export class JobRunner {
     return this.#pool.slots.filter((s) => !this.#opts.trainGpus || this.#opts.trainGpus.includes(s.index));
   }
 
-  #pickGpu(): number {
-    const candidates = this.#trainSlots();
-    // Jobs held by their owner's running quota do not load a GPU: another user's job goes past them.
-    const held = this.#opts.skipOwners?.() ?? [];
-    const waiting = (gpu: number) =>
-      held.length === 0
-        ? this.#store.queueLength(gpu)
-        : this.#store.queue(gpu).filter((j) => j.owner === undefined || !held.includes(j.owner)).length;
-    let best = candidates[0]?.index ?? 0, bestLoad = Infinity;
-    for (const s of candidates) {
-      if (s.state === "unavailable" && candidates.some((o) => o.state !== "unavailable")) continue;
-      const load = waiting(s.index) + (s.job ? 1 : 0);
-      if (load < bestLoad) [best, bestLoad] = [s.index, load];
-    }
-    return best;
-  }
-
   /**
    * Starts the next waiting job on `gpu` if its Worker is free. A data-parallel job first gathers
    * free training GPUs (holding each as it frees up, so smaller jobs cannot starve it) and starts
@@ -475,7 +461,7 @@ export class JobRunner {
     if (!slot || this.#stopped || this.#draining || slot.job) return;
     if (slot.state === "unavailable") {
       // (With several hosts the queue is shared: another host may place those jobs.)
-      if (!this.#opts.leases) this.#rehome(slot);
+      if (!this.#opts.leases) this.#placement.rehome(slot);
       return;
     }
     if (slot.state !== "idle" || slot.reserved) return;
@@ -486,7 +472,7 @@ export class JobRunner {
       this.#startGang(waiting);
       return;
     }
-    const job = this.#next(slot) ?? this.#steal(slot);
+    const job = this.#next(slot) ?? (this.#opts.leases ? null : this.#placement.steal(slot));
     if (!job) return;
     // A data- or tensor-parallel job needs a slot per rank.
     const dp = (job.config.data_parallel ?? 1) * (job.config.tensor_parallel ?? 1);
@@ -567,59 +553,6 @@ export class JobRunner {
       status: "interrupted",
     });
     return { ...job, status: "interrupted" };
-  }
-
-  /**
-   * One host: `slot`, a free training GPU, has nothing it may run in its own queue. It takes the
-   * job another training GPU's queue would run next (fair-share order, owners at their running
-   * quota passed over) when that job needs one GPU; of several such queues, the job waiting
-   * longest (interrupted ones first). The job's recorded GPU becomes this one. A data-parallel job
-   * next in its queue is not passed over (it gathers GPUs from its own queue's turn, as ever), and
-   * a queue whose GPU is free keeps its job (that GPU takes it).
-   */
-  #steal(slot: Slot): Job | null {
-    if (this.#opts.leases) return null; // the shared queue: every host claims from all of it
-    const train = this.#trainSlots();
-    if (!train.includes(slot)) return null;
-    const skip = this.#opts.skipOwners?.() ?? [];
-    let best: Job | null = null;
-    for (const s of train) {
-      if (s === slot || (s.state === "idle" && !s.job && !s.reserved)) continue;
-      const job = this.#store.nextQueued(s.index, skip);
-      if (!job || workersOf(job.config) > 1) continue;
-      if (!best || waitedLonger(job, best)) best = job;
-    }
-    if (!best) return null;
-    this.#records.update(best.id, { gpu: slot.index });
-    this.#records.emit(best.id, "log", {
-      level: "info",
-      message: `Moved from GPU ${best.gpu}'s queue to GPU ${slot.index}, free first`,
-    });
-    return { ...best, gpu: slot.index };
-  }
-
-  /**
-   * One host: GPU `slot` has no device. What waits in its queue moves to the training GPU with the
-   * shortest queue among those that work (a data-parallel job only if they are enough for its
-   * ranks); what none can take fails with the reason instead of queueing forever.
-   */
-  #rehome(slot: Slot): void {
-    const working = this.#trainSlots().filter((s) => s.state !== "unavailable").length;
-    const moved = new Set<number>();
-    for (const job of this.#store.queue(slot.index)) {
-      if (workersOf(job.config) > working) {
-        this.#records.finish(job.id, "failed", job.iteration, slot.error);
-        continue;
-      }
-      const gpu = this.#pickGpu(); // a working one: some is
-      this.#records.update(job.id, { gpu });
-      this.#records.emit(job.id, "log", {
-        level: "warn",
-        message: `GPU ${slot.index} is unavailable (${slot.error}): moved to GPU ${gpu}'s queue`,
-      });
-      moved.add(gpu);
-    }
-    for (const gpu of moved) this.#dispatch(gpu);
   }
 
   /** With several hosts: every idle training GPU looks at the shared queue. */
