@@ -163,10 +163,6 @@ export class GenBuffers {
         "gen.fc_part",
         Math.max(...[...Array(R).keys()].map((m) => chooseKSplit(4 * C, C, 264, m + 1) * (m + 1) * 4 * C)),
       ),
-      qkvPart: await f(
-        "gen.qkv_part",
-        Math.max(...[...Array(R).keys()].map((m) => chooseKSplit(3 * C, C, 264, m + 1) * (m + 1) * 3 * C)),
-      ),
     };
   }
 

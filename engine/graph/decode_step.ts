@@ -42,7 +42,6 @@ import {
   gemvUboLayerWgsl,
   type GemvUboSpec,
   gemvUboWgsl,
-  gemvWorkgroupBytes,
 } from "../kernels/gemv.ts";
 import { grid1d, UNIFORM_BINDING_BYTES } from "../kernels/common.ts";
 
@@ -65,8 +64,6 @@ export interface DecodeActs {
   part: GPUBuffer;
   /** The fc gemv's partial sums, which the fcproj gemv reduces (decodeMlp). */
   fcPart: GPUBuffer;
-  /** The qkv gemv's partial sums, which the decode attention reduces. */
-  qkvPart: GPUBuffer;
 }
 
 /** CPU adapters: wte in uniform blocks of BC columns (gemvUboWgsl), NB bound per dispatch. */
@@ -154,65 +151,19 @@ export async function decodeStep(g: DecodeGraph, kv: KvCache, S: number): Promis
   return ops;
 }
 
-/**
- * Whether a decode step of S rows leaves the two residual reduces (x2 = x + y·Wproj + b, and x =
- * x2 + fcg·Wfcproj + b) to the gemv that normalises their output next (gemv lnOf: the fc gemv, and
- * the next layer's qkv gemv): few rows (each of those gemvs' workgroups sums the whole row), no
- * uniform-slice weights, and the rows fit in workgroup memory.
- */
-export function residualFused(g: DecodeGraph, S: number): boolean {
-  if (S > 4 || g.uboW) return false;
-  const C = g.config.n_embd;
-  const worst: GemvSpec = {
-    M: S,
-    N: 4 * C,
-    K: C,
-    bias: true,
-    epilogue: "gelu",
-    KS: 1,
-    ln: true,
-    lnOf: { KS: 1 },
-    staged: !g.cpu && S >= 8,
-  };
-  return gemvWorkgroupBytes(worst) <= g.ctx.limits.maxComputeWorkgroupStorageSize;
-}
-
-/**
- * Layer l of a decode step: x (S, C) in, x out (through x2), the K and V rows into the cache. With
- * residualFused, layer l > 0 finds x as the previous layer's fcproj partial sums in acts.part (its
- * qkv gemv reduces them and writes x), and the last layer alone reduces its fcproj into x.
- */
+/** Layer l of a decode step: x (S, C) in, x out (through x2), the K and V rows into the cache. */
 export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: number): Promise<Op[]> {
   const c = g.config, a = g.acts, C = c.n_embd, H = c.n_head;
   const spec: DecodeSpec = { S, H, D: C / H, Tmax: c.n_positions };
   const p = `h.${l}.`, base = { transA: false, transB: false, bias: true } as const;
-  const fused = residualFused(g, S);
-  // The previous layer's fcproj reduce, done here (x = x2 + Σ + b, then LN1) when fused.
-  const inFromParts = fused && l > 0
-    ? {
-      KS: chooseKSplit(C, 4 * C, 264, S),
-      res: V(a.x2),
-      bias: g.P(`h.${l - 1}.mlp.c_proj.bias`),
-      out: V(a.x),
-    }
-    : undefined;
   // qkv = LN1(x)·Wqkv + b (S, 3C), the LayerNorm in the gemv's prologue: its K-split partial sums
   const qkv = await decodeLinear(
     g,
     `dec.l${l}.qkv`,
     { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
     p + "attn.c_attn.weight",
-    { A: V(inFromParts ? a.part : a.x), bias: g.P(p + "attn.c_attn.bias") },
-    { ln: [p + "ln_1.weight", p + "ln_1.bias"], partialOnly: true, part: a.qkvPart, lnOf: inFromParts },
-  );
-  // x2 = x + y·Wproj + b (fused: left as partial sums for the fc gemv to reduce)
-  const proj = await decodeLinear(
-    g,
-    `dec.l${l}.proj`,
-    { ...base, M: S, N: C, K: C, epilogue: "residual" },
-    p + "attn.c_proj.weight",
-    { A: V(a.y), bias: g.P(p + "attn.c_proj.bias"), res: V(a.x), out: V(a.x2) },
-    { partialOnly: fused },
+    { A: V(a.x), bias: g.P(p + "attn.c_attn.bias") },
+    { ln: [p + "ln_1.weight", p + "ln_1.bias"], partialOnly: true },
   );
   return [
     ...qkv.ops,
@@ -220,14 +171,26 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
     // adds the bias and appends the row's key and value to the cache first
     await g.op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec, { KS: qkv.spec.KS }), [
       V(g.state),
-      V(a.qkvPart),
+      V(a.part),
       g.P(p + "attn.c_attn.bias"),
       V(kv.kc[l]),
       V(kv.vc[l]),
       V(a.y),
     ], [S, H]),
-    ...proj.ops,
-    ...await decodeMlp(g, l, S, fused ? proj.spec.KS : 0),
+    // x2 = x + y·Wproj + b
+    ...(await decodeLinear(
+      g,
+      `dec.l${l}.proj`,
+      { ...base, M: S, N: C, K: C, epilogue: "residual" },
+      p + "attn.c_proj.weight",
+      {
+        A: V(a.y),
+        bias: g.P(p + "attn.c_proj.bias"),
+        res: V(a.x),
+        out: V(a.x2),
+      },
+    )).ops,
+    ...await decodeMlp(g, l, S),
   ];
 }
 
@@ -235,31 +198,22 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
  * The MLP of layer l: x = x2 + gelu(LN2(x2)·Wfc + b)·Wfcproj + b. On GPUs the fc gemv's partial
  * sums go to acts.fcPart and the fcproj gemv reduces them, adds the bias and applies GELU as it
  * stages its input (no fc reduce kernel); where fcproj reads its input as uniforms (CPU adapters'
- * gemvUboLayerWgsl) the fc reduce stores fcg first. `projKS` > 0 (residualFused): x2 is still
- * the proj gemv's partial sums in acts.part, which the fc gemv reduces (and writes x2), and the
- * fcproj reduce is left to the next layer's qkv gemv (but in the last layer).
+ * gemvUboLayerWgsl) the fc reduce stores fcg first.
  */
-async function decodeMlp(g: DecodeGraph, l: number, S: number, projKS: number): Promise<Op[]> {
+async function decodeMlp(g: DecodeGraph, l: number, S: number): Promise<Op[]> {
   const a = g.acts, C = g.config.n_embd, p = `h.${l}.`;
   const base = { transA: false, transB: false, bias: true } as const;
   const fcSpec: MatmulSpec = { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" };
   const projSpec: MatmulSpec = { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" };
   const fused = !uboOf(g, p + "mlp.c_proj.weight", projSpec);
-  const inFromParts = projKS > 0
-    ? { KS: projKS, res: V(a.x), bias: g.P(p + "attn.c_proj.bias"), out: V(a.x2) }
-    : undefined;
   // fch = LN2(x2)·Wfc + b (S, 4C), fcg = gelu(fch)
   const fc = await decodeLinear(
     g,
     `dec.l${l}.fc`,
     fcSpec,
     p + "mlp.c_fc.weight",
-    { A: V(inFromParts ? a.part : a.x2), bias: g.P(p + "mlp.c_fc.bias"), out: V(a.fch), out2: V(a.fcg) },
-    {
-      ln: [p + "ln_2.weight", p + "ln_2.bias"],
-      lnOf: inFromParts,
-      ...(fused ? { partialOnly: true, part: a.fcPart } : {}),
-    },
+    { A: V(a.x2), bias: g.P(p + "mlp.c_fc.bias"), out: V(a.fch), out2: V(a.fcg) },
+    { ln: [p + "ln_2.weight", p + "ln_2.bias"], ...(fused ? { partialOnly: true, part: a.fcPart } : {}) },
   );
   // x = x2 + fcg·Wfcproj + b
   const proj = await decodeLinear(
@@ -268,10 +222,7 @@ async function decodeMlp(g: DecodeGraph, l: number, S: number, projKS: number): 
     projSpec,
     p + "mlp.c_proj.weight",
     { A: V(fused ? a.fcPart : a.fcg), bias: g.P(p + "mlp.c_proj.bias"), res: V(a.x2), out: V(a.x) },
-    {
-      ...(fused ? { geluOf: { KS: fc.spec.KS, bias: g.P(p + "mlp.c_fc.bias") } } : {}),
-      partialOnly: projKS > 0 && l < g.config.n_layer - 1,
-    },
+    fused ? { geluOf: { KS: fc.spec.KS, bias: g.P(p + "mlp.c_fc.bias") } } : {},
   );
   return [...fc.ops, ...proj.ops];
 }
@@ -302,19 +253,12 @@ async function decodeLinear(
     part?: GPUBuffer;
     /** views.A is the previous gemv's partial sums, reduced with this bias and GELU as staged. */
     geluOf?: { KS: number; bias: View };
-    /**
-     * With ln: views.A is the previous gemv's partial sums; the rows normalised are res + (Σ +
-     * bias), written to `out` too (gemv lnOf).
-     */
-    lnOf?: { KS: number; res: View; bias: View; out: View };
   } = {},
 ): Promise<{ ops: Op[]; spec: GemvSpec }> {
   const a = g.acts;
   const u = uboOf(g, weight, s);
   const ubo = u !== undefined;
-  if (ubo && (fuse.geluOf || fuse.lnOf)) {
-    throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
-  }
+  if (ubo && fuse.geluOf) throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
   const spec: GemvSpec = {
     M: s.M,
     N: s.N,
@@ -324,7 +268,6 @@ async function decodeLinear(
     KS: ubo ? 1 : chooseKSplit(s.N, s.K, 264, s.M),
     ln: !!fuse.ln,
     geluOf: fuse.geluOf ? { KS: fuse.geluOf.KS } : undefined,
-    lnOf: fuse.lnOf ? { KS: fuse.lnOf.KS } : undefined,
     // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row); a reduced
     // input is always staged (each value summed once per workgroup).
     staged: !!fuse.geluOf || (!g.cpu && s.M >= 8),
@@ -354,7 +297,6 @@ async function decodeLinear(
         all.part,
         ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : []),
         ...(fuse.geluOf ? [fuse.geluOf.bias] : []),
-        ...(fuse.lnOf ? [fuse.lnOf.res, fuse.lnOf.bias, fuse.lnOf.out] : []),
       ],
       [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M)],
     );

@@ -31,14 +31,6 @@ export interface GemvSpec {
    */
   geluOf?: { KS: number };
   /**
-   * With `ln`: fuse the preceding gemv's reduce with its residual: x holds that gemv's KS K-split
-   * partial sums ([KS][M][K]), and each row this LayerNorm normalises is res + (Σ + xb), summed in
-   * gemvReduceWgsl's order (the value its residual epilogue would have stored). Every workgroup
-   * sums its rows once into workgroup memory; the first of each row group also writes them to xo,
-   * the residual stream the next layers read. Bindings after lnw, lnb: res, xb, xo.
-   */
-  lnOf?: { KS: number };
-  /**
    * Stage each stretch of the (normalised) x rows in workgroup memory and keep UNROLL weight
    * loads in flight per thread (GPUs: the plain loop waits on one load at a time). The products
    * and their order are the same, so the sums are bit-identical to the plain kernel's.
@@ -67,12 +59,6 @@ function kGroups(M: number): number {
   return M <= 4 ? 8 : 4;
 }
 
-/** Bytes of workgroup memory gemvPartialWgsl(s) declares. */
-export function gemvWorkgroupBytes(s: GemvSpec): number {
-  const G = Math.min(s.M, GEMV_MAX_ROWS), KG = kGroups(G), T = 32 * KG, CH = STAGE_K - (STAGE_K % KG);
-  return 16 * KG * G * 32 + 4 * ((s.ln ? G * T : 0) + (s.staged ? G * CH : 0) + (s.lnOf ? G * s.K : 0));
-}
-
 /** Partial sums: part[ks, m, n]. Grid (ceil(N/128), KS, gemvRowGroups(M)). */
 export function gemvPartialWgsl(s: GemvSpec): string {
   if (!(s.M >= 1)) throw new RangeError(`Gemv needs at least 1 row, got ${s.M}`);
@@ -93,47 +79,24 @@ export function gemvPartialWgsl(s: GemvSpec): string {
     } }
     workgroupBarrier();
   }`;
-  if (s.lnOf && !s.ln) throw new RangeError("Gemv lnOf needs the LayerNorm prologue");
-  // A row's value at k: x itself, or (lnOf) the row summed into workgroup memory.
-  const xat = (m: number, k: string) => s.lnOf ? `xrow[${m * s.K}u + ${k}]` : `x[${xr(m)} + ${k}]`;
-  const sumParts = (KS: number, i: string) =>
-    KS <= 64
-      ? [...Array(KS).keys()].map((ks) => `v = v + x[${ks * s.M * s.K}u + ${i}];`).join(" ")
-      : `for (var ks = 0u; ks < ${KS}u; ks = ks + 1u) { v = v + x[ks * ${s.M * s.K}u + ${i}]; }`;
-  const rowsIn = !s.lnOf ? "" : `
-  for (var k = tid; k < ${s.K}u; k = k + ${T}u) {
-    ${
-    rows.map((m) =>
-      `{ var v = 0.0; ${sumParts(s.lnOf!.KS, `${xr(m)} + k`)} xrow[${m * s.K}u + k] = res[${
-        xr(m)
-      } + k] + (v + xb[k]); }`
-    ).join("\n    ")
-  }
-  }
-  workgroupBarrier();
-  if (wg.x == 0u && wg.y == 0u) {
-    for (var k = tid; k < ${s.K}u; k = k + ${T}u) {
-      ${rows.map((m) => `if (m0 + ${m}u < ${s.M}u) { xo[${xr(m)} + k] = xrow[${m * s.K}u + k]; }`).join(" ")}
-    }
-  }`;
-  const prologue = !s.ln ? "" : `${rowsIn}
+  const prologue = !s.ln ? "" : `
   ${rows.map((m) => `var su${m} = 0.0;`).join(" ")}
   for (var k = tid; k < ${s.K}u; k = k + ${T}u) { ${
-    rows.map((m) => `su${m} = su${m} + ${xat(m, "k")};`).join(" ")
+    rows.map((m) => `su${m} = su${m} + x[${xr(m)} + k];`).join(" ")
   } }
   ${lnReduce("su")}
   ${rows.map((m) => `let mean${m} = lns[${m * T}u] / ${s.K}.0;`).join(" ")}
   workgroupBarrier();
   ${rows.map((m) => `var sq${m} = 0.0;`).join(" ")}
   for (var k = tid; k < ${s.K}u; k = k + ${T}u) {
-    ${rows.map((m) => `let d${m} = ${xat(m, "k")} - mean${m}; sq${m} = sq${m} + d${m} * d${m};`).join(" ")}
+    ${rows.map((m) => `let d${m} = x[${xr(m)} + k] - mean${m}; sq${m} = sq${m} + d${m} * d${m};`).join(" ")}
   }
   ${lnReduce("sq")}
   ${rows.map((m) => `let rstd${m} = inverseSqrt(lns[${m * T}u] / ${s.K}.0 + 1e-5);`).join(" ")}`;
   if (s.geluOf && (s.ln || !s.staged)) throw new RangeError("Gemv geluOf is staged and has no LayerNorm");
   const xin = (m: number) =>
     s.ln
-      ? `(${xat(m, "k")} - mean${m}) * rstd${m} * lnw[k] + lnb[k]`
+      ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]`
       : s.geluOf
       ? `xgelu(${xr(m)} + k, k)`
       : `x[${xr(m)} + k]`;
@@ -141,7 +104,11 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   const xgelu = !s.geluOf ? "" : `${GELU_WGSL}
 fn xgelu(i: u32, k: u32) -> f32 {
   var v = 0.0;
-  ${sumParts(s.geluOf.KS, "i")}
+  ${
+    s.geluOf.KS <= 64
+      ? [...Array(s.geluOf.KS).keys()].map((ks) => `v = v + x[${ks * s.M * s.K}u + i];`).join(" ")
+      : `for (var ks = 0u; ks < ${s.geluOf.KS}u; ks = ks + 1u) { v = v + x[ks * ${s.M * s.K}u + i]; }`
+  }
   return gelu4(vec4<f32>(v + xb[k])).x;
 }`;
   // The k loop of thread group g: k = k0 + g, k0 + g + KG, … (staged: the same k, in stretches).
@@ -182,14 +149,6 @@ fn xgelu(i: u32, k: u32) -> f32 {
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
 ${s.geluOf ? "@group(0) @binding(3) var<storage, read> xb: array<f32>;" : ""}${xgelu}
-${
-    s.lnOf
-      ? `@group(0) @binding(5) var<storage, read> res: array<f32>;
-@group(0) @binding(6) var<storage, read> xb: array<f32>;
-@group(0) @binding(7) var<storage, read_write> xo: array<f32>;
-var<workgroup> xrow: array<f32, ${G * s.K}>;`
-      : ""
-  }
 ${s.ln ? `var<workgroup> lns: array<f32, ${G * T}>;` : ""}
 ${s.staged ? `var<workgroup> xs: array<f32, ${G * CH}>;` : ""}
 var<workgroup> red: array<vec4<f32>, ${KG * G * 32}>;
