@@ -492,3 +492,42 @@ Deno.test({
     gen.destroy();
   },
 });
+
+Deno.test({
+  name:
+    "A decode step on GPUs is 7 kernels a layer: the attention reduces qkv's partial sums and fcproj reduces fc's (no qkv.sum or fc.sum)",
+  ignore: noGpu,
+  fn: async () => {
+    const params = await trainedParams();
+    const labels = async (cpuUniform: boolean) => {
+      const gen = await Generator.create((await testContext())!, config, params, {
+        maxStreams: 2,
+        chunk: 4,
+        cpuUniform,
+      });
+      try {
+        await gen.admit(prompts[0], greedy);
+        await gen.step(0);
+        return (await (await gen.forProfiling()).decode()).map((op) => op.label);
+      } finally {
+        gen.destroy();
+      }
+    };
+    const gpu = await labels(false);
+    const layer = (l: number) =>
+      ["qkv.gemv", "attn", "proj.gemv", "proj.sum", "fc.gemv", "fcproj.gemv", "fcproj.sum"].map((k) =>
+        `dec.l${l}.${k}`
+      );
+    assert.deepEqual(gpu, [
+      "dec.embed",
+      ...Array.from({ length: config.n_layer }, (_, l) => layer(l)).flat(),
+      "dec.lnf",
+      "dec.lm_head",
+      "dec.sample",
+    ]);
+    // Where fcproj reads its input as uniforms (CPU adapters), the fc reduce stays; qkv's never comes back.
+    const cpu = await labels(true);
+    assert.equal(cpu.filter((l) => l.endsWith(".fc.sum")).length, config.n_layer);
+    assert.equal(cpu.filter((l) => l.endsWith(".qkv.sum")).length, 0);
+  },
+});
