@@ -31,12 +31,16 @@ const routes = [
 const view = document.getElementById("view");
 let current = null;
 
-/** What a view gets: its root element, the query of its hash, and clean-up hooks. */
+/**
+ * What a view gets: its root element, the query of its hash, and clean-up hooks. The root is the
+ * view's own element: a view still loading when the user (or a sign-in) moves on renders into a
+ * detached element, never over the view that replaced it.
+ */
 function context(query) {
   const controller = new AbortController();
   const timers = [];
   return {
-    root: view,
+    root: h("div", { class: "view-root" }),
     query,
     signal: controller.signal,
     /** Runs `fn` now and every `ms` until the view is left. */
@@ -62,9 +66,9 @@ function route() {
     const m = path.match(re);
     if (!m) continue;
     document.querySelector(`[data-nav="${nav}"]`)?.classList.add("active");
-    setChildren(view);
+    setChildren(view, ctx.root);
     Promise.resolve(make(m, ctx)).catch((e) => {
-      if (!ctx.signal.aborted) setChildren(view, h("p", { class: "error" }, e.message));
+      if (!ctx.signal.aborted) setChildren(ctx.root, h("p", { class: "error" }, e.message));
     });
     return;
   }

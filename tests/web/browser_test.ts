@@ -127,7 +127,7 @@ Deno.test({
       await fill("save_interval", "0");
       await page.click("#train-submit");
       await page.waitForFunction(
-        () => document.querySelector('[data-error-for="batch_size"]')?.textContent !== "",
+        () => (document.querySelector('[data-error-for="batch_size"]')?.textContent ?? "") !== "",
         { timeout: 10_000 },
       );
       const fieldError = await page.$eval('[data-error-for="batch_size"]', (el) => el.textContent!);
