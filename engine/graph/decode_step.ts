@@ -27,7 +27,7 @@ import {
 import { sampleWgsl } from "../kernels/sample.ts";
 import {
   chooseKSplit,
-  GEMV_MAX_ROWS,
+  GEMV_T_MAX_ROWS,
   GEMV_TRANSPOSED_COLUMNS,
   GEMV_TRANSPOSED_ROWS,
   type GemvEpilogue,
@@ -360,6 +360,7 @@ async function sampleStep(g: DecodeGraph, label: string, S: number, rows: "strea
     rows,
     maxPos: c.n_positions - 1,
     serialReductions: g.cpu,
+    subgroups: !g.cpu && g.ctx.subgroupMinSize > 0,
     direct: g.cpu && g.opts.directSampler,
   });
   return await g.op("elementwise", label, sample, [
@@ -385,7 +386,7 @@ async function lmHead(g: DecodeGraph, label: string, M: number, x: GPUBuffer, ga
       [Math.ceil(Vp / GEMV_TRANSPOSED_COLUMNS / 64)],
     );
   }
-  if (M <= GEMV_MAX_ROWS || g.cpu) {
+  if (M <= GEMV_T_MAX_ROWS || g.cpu) {
     const s = {
       M,
       N: Vp,

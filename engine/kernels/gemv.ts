@@ -237,33 +237,39 @@ export interface GemvTSpec {
   perThread?: boolean;
 }
 
-/** Lanes that share one weight row (a power of two, at most 32), and weight rows per lane group. */
-function gemvTShape(K4: number, perThread = false): { lanes: number; rpg: number } {
+/** Most rows {@link gemvTWgsl} serves (the decode LM head up to 16 streams reads wte once). */
+export const GEMV_T_MAX_ROWS = 16;
+
+/**
+ * Lanes that share one weight row (a power of two, at most 32), and weight rows per lane group:
+ * 4, or 2 above 8 rows (rows × weight rows sums live in registers).
+ */
+function gemvTShape(K4: number, M: number, perThread = false): { lanes: number; rpg: number } {
   if (perThread) return { lanes: 1, rpg: 1 };
   let lanes = 1;
   while (lanes < 32 && lanes < K4) lanes *= 2;
-  return { lanes, rpg: 4 };
+  return { lanes, rpg: M > GEMV_MAX_ROWS ? 2 : 4 };
 }
 
 /** Columns of the output (weight rows) per workgroup of {@link gemvTWgsl}. */
-export function gemvTColumns(s: Pick<GemvTSpec, "K" | "perThread">): number {
+export function gemvTColumns(s: Pick<GemvTSpec, "M" | "K" | "perThread">): number {
   if (s.perThread) return 256;
-  const { lanes, rpg } = gemvTShape(s.K / 4);
+  const { lanes, rpg } = gemvTShape(s.K / 4, s.M);
   return (256 / lanes) * rpg;
 }
 
 /**
- * out[m, n] = Σ_k x[m, k] · W[n, k] for M ≤ 8 rows. Each group of lanes reads weight rows with
- * coalesced vec4 loads (each row once for all M rows), keeps RPG rows × M sums in registers,
- * and sums across lanes in workgroup memory. Grid (ceil(N / gemvTColumns)).
+ * out[m, n] = Σ_k x[m, k] · W[n, k] for M ≤ GEMV_T_MAX_ROWS rows. Each group of lanes reads
+ * weight rows with coalesced vec4 loads (each row once for all M rows), keeps RPG rows × M sums
+ * in registers, and sums across lanes in workgroup memory. Grid (ceil(N / gemvTColumns)).
  */
 export function gemvTWgsl(s: GemvTSpec): string {
   if (s.perThread) return gemvTPerThreadWgsl(s);
-  if (s.M < 1 || s.M > GEMV_MAX_ROWS) {
-    throw new RangeError(`Gemv serves 1 to ${GEMV_MAX_ROWS} rows, got ${s.M}`);
+  if (s.M < 1 || s.M > GEMV_T_MAX_ROWS) {
+    throw new RangeError(`Gemv serves 1 to ${GEMV_T_MAX_ROWS} rows, got ${s.M}`);
   }
   if (s.K % 4 !== 0) throw new RangeError(`Gemv K ${s.K} must be a multiple of 4`);
-  const K4 = s.K / 4, { lanes: LN, rpg: R } = gemvTShape(K4), G = 256 / LN;
+  const K4 = s.K / 4, { lanes: LN, rpg: R } = gemvTShape(K4, s.M), G = 256 / LN;
   const rows = [...Array(s.M).keys()], rr = [...Array(R).keys()];
   const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
   const tree: string[] = [];

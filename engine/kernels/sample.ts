@@ -65,6 +65,15 @@ export interface SampleSpec {
    */
   serialReductions?: boolean;
   /**
+   * GPUs with the "subgroups" feature: workgroup sums, maxima and prefix sums through subgroup
+   * operations and one exchange in workgroup memory (two barriers, not ten), the prefix sums in
+   * parallel instead of by one invocation, and the draw's owner found by a workgroup minimum.
+   * Subgroups must be laid out along the local invocation index (as NVIDIA's and llvmpipe's are).
+   */
+  subgroups?: boolean;
+  /** Logit loads in flight per thread on each pass over the vocabulary (GPUs; default UNROLL_VOCAB). */
+  unroll?: number;
+  /**
    * CPU adapters: one invocation per row, no workgroup memory and no barriers (sampleDirectWgsl).
    * Mesa's OpenGL llvmpipe compiles the workgroup kernel's barriers as coroutines, for minutes;
    * this one compiles in about a second. Same picks as the CPU twin.
@@ -72,8 +81,13 @@ export interface SampleSpec {
   direct?: boolean;
 }
 
-/** Values each pass over a stretch loads before using them on GPUs (loads in flight per thread). */
+/** Values each pass over the candidates loads before using them on GPUs (loads in flight per thread). */
 const UNROLL = 8;
+/**
+ * Logits each pass over the vocabulary loads before using them on GPUs: a thread's ~197 logits
+ * in a few round trips to memory (one workgroup per row has few threads to hide latency with).
+ */
+const UNROLL_VOCAB = 32;
 
 /**
  * WGSL of a pass over `idx` in [from, to): loads U values ahead, then runs `body` on each (as
@@ -155,16 +169,142 @@ fn max_all(v: f32, tid: u32) -> f32 {
 }`;
 
 /**
+ * Workgroup reductions through subgroups: each subgroup reduces in registers, its first lane
+ * leaves the result in workgroup memory, and every invocation combines the WG / subgroup-size
+ * partials in subgroup order (the same value everywhere). Also the exclusive prefix sums (in
+ * local invocation order) the kernel otherwise leaves to one invocation.
+ */
+const SUBGROUP_REDUCTIONS = (WG: number) => `
+var<workgroup> sgf: array<f32, ${WG}>;
+var<workgroup> sgu: array<u32, ${WG}>;
+var<private> sgs: u32;
+var<private> sgl: u32;
+
+fn sum_all(v: f32, tid: u32) -> f32 {
+  let s = subgroupAdd(v);
+  workgroupBarrier();
+  if (sgl == 0u) { sgf[tid / sgs] = s; }
+  workgroupBarrier();
+  var t = 0.0;
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = t + sgf[k]; }
+  return t;
+}
+
+fn max_all(v: f32, tid: u32) -> f32 {
+  let s = subgroupMax(v);
+  workgroupBarrier();
+  if (sgl == 0u) { sgf[tid / sgs] = s; }
+  workgroupBarrier();
+  var t = -3.0e38;
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = max(t, sgf[k]); }
+  return t;
+}
+
+fn min_all_u(v: u32, tid: u32) -> u32 {
+  let s = subgroupMin(v);
+  workgroupBarrier();
+  if (sgl == 0u) { sgu[tid / sgs] = s; }
+  workgroupBarrier();
+  var t = 0xffffffffu;
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = min(t, sgu[k]); }
+  return t;
+}
+
+fn max_all_u(v: u32, tid: u32) -> u32 {
+  let s = subgroupMax(v);
+  workgroupBarrier();
+  if (sgl == 0u) { sgu[tid / sgs] = s; }
+  workgroupBarrier();
+  var t = 0u;
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = max(t, sgu[k]); }
+  return t;
+}
+
+/** Σ v over the invocations before this one; the total lands in wcount. */
+fn prefix_u(v: u32, tid: u32) -> u32 {
+  let inc = subgroupInclusiveAdd(v);
+  workgroupBarrier();
+  if (sgl == sgs - 1u) { sgu[tid / sgs] = inc; }
+  workgroupBarrier();
+  let me = tid / sgs;
+  var before = 0u;
+  var total = 0u;
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) {
+    let t = sgu[k];
+    before = before + select(0u, t, k < me);
+    total = total + t;
+  }
+  if (tid == 0u) { wcount = total; }
+  return before + inc - v;
+}
+
+/** Σ v over the invocations before this one (floats). */
+fn prefix_f(v: f32, tid: u32) -> f32 {
+  let inc = subgroupInclusiveAdd(v);
+  workgroupBarrier();
+  if (sgl == sgs - 1u) { sgf[tid / sgs] = inc; }
+  workgroupBarrier();
+  var before = 0.0;
+  for (var k = 0u; k < tid / sgs; k = k + 1u) { before = before + sgf[k]; }
+  return before + subgroupExclusiveAdd(v);
+}`;
+
+/**
+ * The draw's owner: the thread whose stretch holds u (a uniform draw in [0, total)), and `rest`,
+ * u less the mass before that stretch. Sequential over the workgroup's partial masses by thread
+ * 0 (cheap, deterministic).
+ */
+const DRAW_SERIAL = (WG: number) =>
+  `// Exclusive prefix of chunk masses (sequential over ${WG} values by thread 0).
+    workgroupBarrier();
+    red[tid] = mine;
+    workgroupBarrier();
+    if (tid == 0u) {
+      let st = stream * ${STATE_WORDS}u;
+      let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
+      let u = (f32(r >> 8u) + 0.5) / 16777216.0 * total;
+      var acc = 0.0;
+      var owner = ${WG - 1}u;
+      for (var k = 0u; k < ${WG}u; k = k + 1u) {
+        if (u < acc + red[k] && red[k] > 0.0) { owner = k; break; }
+        acc = acc + red[k];
+      }
+      redi[0] = owner;
+      red[0] = u - acc;
+    }
+    workgroupBarrier();
+    let owner = redi[0];
+    let rest = red[0];
+    workgroupBarrier();`;
+
+/**
+ * The draw's owner with subgroups: every thread draws u, takes its exclusive prefix of the
+ * stretch masses, and the owner is the lowest thread whose stretch ends above u. When rounding
+ * leaves u past every stretch, the last thread with mass owns it and picks its last kept id.
+ */
+const DRAW_SUBGROUPS = `let st = stream * ${STATE_WORDS}u;
+    let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
+    let u = (f32(r >> 8u) + 0.5) / 16777216.0 * total;
+    let before = prefix_f(mine, tid);
+    let found = min_all_u(select(0xffffffffu, tid, mine > 0.0 && u < before + mine), tid);
+    let lastWithMass = max_all_u(select(0u, tid, mine > 0.0), tid);
+    let owner = select(found, lastWithMass, found == 0xffffffffu);
+    let rest = select(u - before, 3.0e38, found == 0xffffffffu);`;
+
+/**
  * The sampling kernel: writes the next token into state and out[row, steps written], and when the
  * row asks for logprobs, lp[row, steps written] (LP_WORDS each). Grid (rows).
  */
 export function sampleWgsl(s: SampleSpec): string {
   if (s.direct) return sampleDirectWgsl(s);
   const WG = s.serialReductions ? WG_CPU : WG_GPU;
+  const sg = !!s.subgroups && !s.serialReductions;
   const per = Math.ceil(s.V / WG);
   const LG = (i: string) => `logits[base + ${i}]`, VAL = (i: string) => `val(${i}, compact, base)`;
   // CPU adapters run each invocation's loop serially anyway: no unrolling there.
-  const U = s.serialReductions ? 1 : UNROLL;
+  const U = s.serialReductions ? 1 : UNROLL, UV = s.serialReductions ? 1 : s.unroll ?? UNROLL_VOCAB;
+  /** The lowest of the workgroup's u32 values `v` (uniform), through `redi`. */
+  const minU = (v: string) => sg ? `min_all_u(${v}, tid)` : `min_tree_u(${v}, tid)`;
   return `
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> state: array<u32>;
@@ -193,10 +333,27 @@ fn idOf(j: u32, compact: bool) -> u32 {
   return j;
 }
 
-${s.serialReductions ? SERIAL_REDUCTIONS(WG) : TREE_REDUCTIONS(WG)}
+${sg ? SUBGROUP_REDUCTIONS(WG) : s.serialReductions ? SERIAL_REDUCTIONS(WG) : TREE_REDUCTIONS(WG)}
+
+fn min_tree_u(v: u32, tid: u32) -> u32 {
+  workgroupBarrier();
+  redi[tid] = v;
+  workgroupBarrier();
+  for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
+    if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
+    workgroupBarrier();
+  }
+  return redi[0];
+}
 
 @compute @workgroup_size(${WG})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+fn main(
+  @builtin(workgroup_id) wg: vec3<u32>,
+  @builtin(local_invocation_index) tid: u32,${
+    sg ? "\n  @builtin(subgroup_size) sgsize: u32,\n  @builtin(subgroup_invocation_id) sglane: u32," : ""
+  }
+) {
+  ${sg ? "sgs = sgsize;\n  sgl = sglane;" : ""}
   ${
     s.rows === "prefill"
       ? "let stream = rowSel[wg.x * 4u + 3u];\n  let row = wg.x;"
@@ -211,19 +368,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let v1 = min(v0 + ${per}u, ${s.V}u);
   var tmax = -3.0e38;
   var targ = 0xffffffffu;
-  ${pass(U, "v", "v0", "v1", LG, "if (x > tmax) { tmax = x; targ = v; }")}
+  ${pass(UV, "v", "v0", "v1", LG, "if (x > tmax) { tmax = x; targ = v; }")}
   let mx = max_all(tmax, tid);
   var choice = 0u;
   if (temp <= 0.0) {
     // Greedy: the lowest id holding the maximum.
-    workgroupBarrier();
-    redi[tid] = select(0xffffffffu, targ, tmax == mx);
-    workgroupBarrier();
-    for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-      if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
-      workgroupBarrier();
-    }
-    choice = redi[0];
+    choice = ${minU("select(0xffffffffu, targ, tmax == mx)")};
   } else {
     let inv = 1.0 / temp;
     // With top-k (k ≤ ${WG}) the k-th largest of the threads' maxima, L, bounds the cut from below
@@ -240,7 +390,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var zfull = 0.0;
     if (nucleusOnly) {
       var zf = 0.0;
-      ${pass(U, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
+      ${pass(UV, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
       zfull = sum_all(zf, tid);
     }
     var bounded = false;
@@ -249,10 +399,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       red[tid] = tmax;
       workgroupBarrier();
       var above = 0u;
-      for (var t = 0u; t < ${WG}u; t = t + 1u) {
+      ${
+    sg
+      ? `// Four maxima per load: the threads above this one (larger, or equal at a lower index).
+      let tm = vec4<f32>(tmax);
+      for (var t = 0u; t < ${WG}u; t = t + 4u) {
+        let o = vec4<f32>(red[t], red[t + 1u], red[t + 2u], red[t + 3u]);
+        let ti = vec4<u32>(t, t + 1u, t + 2u, t + 3u);
+        let a = select(vec4<u32>(0u), vec4<u32>(1u), (o > tm) | ((o == tm) & (ti < vec4<u32>(tid))));
+        above = above + a.x + a.y + a.z + a.w;
+      }`
+      : `for (var t = 0u; t < ${WG}u; t = t + 1u) {
         let o = red[t];
         if (o > tmax || (o == tmax && t < tid)) { above = above + 1u; }
-      }
+      }`
+  }
       if (above == topk - 1u) { wbound = tmax; }
       bound = workgroupUniformLoad(&wbound);
       bounded = true;
@@ -272,19 +433,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     if (bounded) {
       var cnt = 0u;
-      ${pass(U, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
-      redi[tid] = cnt;
+      ${pass(UV, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
+      ${
+    sg ? "let first = prefix_u(cnt, tid);" : `redi[tid] = cnt;
       workgroupBarrier();
       if (tid == 0u) {
         var acc = 0u;
         for (var k = 0u; k < ${WG}u; k = k + 1u) { let c = redi[k]; redi[k] = acc; acc = acc + c; }
         wcount = acc;
-      }
+      }`
+  }
       count = workgroupUniformLoad(&wcount);
       if (count <= ${CAP}u) {
         compact = true;
-        var at = redi[tid];
-        ${pass(U, "v", "v0", "v1", LG, "if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }")}
+        var at = ${sg ? "first" : "redi[tid]"};
+        ${pass(UV, "v", "v0", "v1", LG, "if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }")}
       }
       workgroupBarrier();
     }
@@ -313,7 +476,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       var a = bound;
       if (!compact) {
         var lo2 = lo;
-        ${pass(U, "v", "v0", "v1", LG, "lo2 = min(lo2, x);")}
+        ${pass(UV, "v", "v0", "v1", LG, "lo2 = min(lo2, x);")}
         workgroupBarrier();
         red[tid] = lo2;
         workgroupBarrier();
@@ -368,27 +531,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var mine = 0.0;
     ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { mine = mine + exp((x - mx) * inv); }")}
     let total = sum_all(mine, tid);
-    // Exclusive prefix of chunk masses (sequential over ${WG} values by thread 0: cheap, deterministic).
-    workgroupBarrier();
-    red[tid] = mine;
-    workgroupBarrier();
-    if (tid == 0u) {
-      let st = stream * ${STATE_WORDS}u;
-      let r = pcg(pcg(state[st + 2u]) ^ pcg(state[st + 1u] + 0x68e31da4u));
-      let u = (f32(r >> 8u) + 0.5) / 16777216.0 * total;
-      var acc = 0.0;
-      var owner = ${WG - 1}u;
-      for (var k = 0u; k < ${WG}u; k = k + 1u) {
-        if (u < acc + red[k] && red[k] > 0.0) { owner = k; break; }
-        acc = acc + red[k];
-      }
-      redi[0] = owner;
-      red[0] = u - acc;
-    }
-    workgroupBarrier();
-    let owner = redi[0];
-    let rest = red[0];
-    workgroupBarrier();
+    ${sg ? DRAW_SUBGROUPS : DRAW_SERIAL(WG)}
     if (tid == owner) {
       var acc = 0.0;
       var pick = 0xffffffffu;
@@ -412,7 +555,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   if (nlp > 0u) {
     // Log-softmax of the raw logits: lse = mx + log Σ exp(x − mx).
     var z1 = 0.0;
-    ${pass(U, "v", "v0", "v1", LG, "z1 = z1 + exp(x - mx);")}
+    ${pass(UV, "v", "v0", "v1", LG, "z1 = z1 + exp(x - mx);")}
     let lse = mx + log(sum_all(z1, tid));
     let n = state[stream * ${STATE_WORDS}u + 3u];
     let o = (stream * ${s.chunk}u + min(n, ${s.chunk - 1}u)) * ${LP_WORDS}u;
@@ -421,16 +564,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var i = 0u; i < min(nlp - 1u, ${LOGPROBS_MAX}u); i = i + 1u) {
       var bv = -3.0e38;
       var bi = 0xffffffffu;
-      ${pass(U, "v", "v0", "v1", LG, "if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
+      ${pass(UV, "v", "v0", "v1", LG, "if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
       let top = max_all(bv, tid);
-      workgroupBarrier();
-      redi[tid] = select(0xffffffffu, bi, bv == top);
-      workgroupBarrier();
-      for (var k = ${WG / 2}u; k > 0u; k = k >> 1u) {
-        if (tid < k) { redi[tid] = min(redi[tid], redi[tid + k]); }
-        workgroupBarrier();
-      }
-      let id = redi[0];
+      let id = ${minU("select(0xffffffffu, bi, bv == top)")};
       if (tid == 0u && n < ${s.chunk}u) {
         lp[o + 2u + 2u * i] = bitcast<f32>(id);
         lp[o + 3u + 2u * i] = top - lse;

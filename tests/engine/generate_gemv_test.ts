@@ -134,14 +134,16 @@ Deno.test({
   fn: async () => {
     const ctx = (await testContext())!;
     const cache = new PipelineCache(ctx);
-    const N = 300, K = 64, X = 6;
+    const N = 300, K = 64, X = 16;
     const x = randomFloats(X * K, 31), W = randomFloats(N * K, 32);
     for (
-      const [M, perThread, gather] of [[3, false, false], [5, false, true], [3, true, true], [
-        9,
-        true,
-        false,
-      ]] as const
+      const [M, perThread, gather] of [
+        [3, false, false],
+        [5, false, true],
+        [3, true, true],
+        [9, true, false],
+        [16, false, false],
+      ] as const
     ) {
       const sel = new Uint32Array(M * 4);
       const rows = Array.from({ length: M }, (_, m) => gather ? (m * 5 + 1) % X : m % X);

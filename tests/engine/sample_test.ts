@@ -7,7 +7,8 @@
  * the compacted top-k path (k ≤ 256, few candidates), the fallback over the vocabulary (k > 256;
  * or more candidates than workgroup memory holds), top-p with and without top-k (peaked logits,
  * whose nucleus is bounded by the threads' maxima, and nearly flat ones), and greedy, with
- * the workgroup reductions of GPUs (a tree) and of CPU adapters (one invocation), and the direct
+ * the workgroup reductions of GPUs (a tree, or subgroups where the adapter has them) and of CPU
+ * adapters (one invocation), and the direct
  * kernel of CPU adapters (one invocation per row, no barriers).
  */
 
@@ -67,12 +68,23 @@ async function gpuPicks(
   pos: number[],
   serialReductions: boolean,
   direct = false,
+  subgroups = false,
 ): Promise<number[]> {
   const ctx = (await testContext())!;
   const pipeline = await createPipeline(
     ctx,
     "sample test",
-    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20, serialReductions, direct }),
+    sampleWgsl({
+      V,
+      Vp,
+      streams: S,
+      chunk: 1,
+      rows: "stream",
+      maxPos: 1 << 20,
+      serialReductions,
+      direct,
+      subgroups,
+    }),
   );
   const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
   const buf = (data: ArrayBufferView<ArrayBuffer>) => {
@@ -128,6 +140,7 @@ Deno.test({
   name: "the sampling kernel picks what its CPU twin picks: top-k compacted and not, top-p, greedy",
   ignore: noGpu,
   fn: async () => {
+    const ctx = (await testContext())!;
     const cases: [string, Params, (l: Float32Array<ArrayBuffer>) => void][] = [
       ["top-k 40 (compacted)", { temperature: 0.8, top_k: 40, top_p: 1 }, () => {}],
       ["top-k 1", { temperature: 1, top_k: 1, top_p: 1 }, () => {}],
@@ -173,6 +186,11 @@ Deno.test({
       assert.deepEqual(direct, want, `${what}, direct kernel`);
       const got = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false);
       assert.deepEqual(got, want, what);
+      // GPUs with subgroups: reductions, prefix sums and the draw's owner through subgroups.
+      if (ctx.subgroupMinSize > 0) {
+        const sub = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false, false, true);
+        assert.deepEqual(sub, want, `${what}, subgroup reductions`);
+      }
       assert.ok(got.every((t) => t < V), `${what}: a padded id was picked`);
       if (p.top_k > 1 && p.temperature > 0) {
         // Not a degenerate draw: the picks spread over several ids.
