@@ -10,7 +10,7 @@
 
 import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
 import { planSegments, type SegmentRange } from "./segments.ts";
-import { dropoutSite } from "./rng.ts";
+import { DROPOUT_SLOT_BYTES, dropoutSite } from "./rng.ts";
 import { shardLayout, shardSpecs } from "./shard.ts";
 import {
   CONTROL_BYTES,
@@ -324,7 +324,7 @@ function addStateBuffers(p: PlanParts): void {
   p.buffers.push(
     {
       label: "dropout",
-      bytes: dropoutSite.count(p.c.n_layer) * 16,
+      bytes: dropoutSite.count(p.c.n_layer) * DROPOUT_SLOT_BYTES,
       dtype: "u32",
       category: "workspace",
       usage: "uniform",

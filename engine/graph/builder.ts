@@ -20,7 +20,7 @@ import {
   RECOMPUTED_ACTS,
   resLabel,
 } from "../../model/plan.ts";
-import { dropoutSite } from "../../model/rng.ts";
+import { DROPOUT_SLOT_BYTES, dropoutSite } from "../../model/rng.ts";
 import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type View } from "../ops.ts";
 import {
   type AttentionSpec,
@@ -505,7 +505,7 @@ export function op(
   code: string,
   views: View[],
   grid: [number, number, number] | [number, number] | [number],
-  o: { uniform?: GPUBuffer; flops?: number } = {},
+  o: { uniform?: GPUBuffer | View; flops?: number } = {},
 ): Op {
   return g.batch.defer(code, { label, phase, kind, views, grid, ...o });
 }
@@ -513,6 +513,11 @@ export function op(
 /** The exchange summing `count` f32 of `buffer` over the tensor-parallel group. */
 export function allreduce(label: string, buffer: GPUBuffer, count: number): Sync {
   return { sync: "allreduce", label, buffer, count };
+}
+
+/** A dropout site's slot of the dropout uniform, which an op reading that site binds at group 1. */
+export function dropSlot(g: GraphBuilder, site: number): View {
+  return { buffer: g.dropUniform, offset: site * DROPOUT_SLOT_BYTES, size: 16 };
 }
 
 /** A dropout site's setting for a kernel (undefined when the probability is 0). */
