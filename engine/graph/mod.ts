@@ -21,7 +21,7 @@ import { type Backprop, createBackprop, createBuilder, type GraphBuilder } from 
 import { type GpuModel, type GraphOptions, type ModelShape, opsOf, type Step } from "./program.ts";
 import { embeddingBackward, embeddingForward } from "./embedding_block.ts";
 import { layerBackward, layerForward } from "./layer.ts";
-import { evalLoss, headBackward, headForward, inferenceLoss } from "./head.ts";
+import { evalLoss, headBackward, headForward, inferenceLoss, writeChunkRows } from "./head.ts";
 import { castWeights, checksumSteps, optimizerSteps } from "./optimizer.ts";
 
 export { checkFits, CPU_MATMUL_MIN_MACS, createBufferPool } from "./builder.ts";
@@ -75,6 +75,7 @@ export async function buildModel(
     checksum = checksumSteps(g, t);
   }
   await compile(g);
+  writeChunkRows(g);
   return {
     shape,
     layout: g.layout,
