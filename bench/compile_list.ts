@@ -4,9 +4,9 @@
  * defaults and completeConfig (dropout 0.1, periodic evaluation…), mapped to Trainer options by
  * worker/train_loop.ts's jobTrainerOptions, and the Trainer is created with a compile listener as
  * the job's. A job compiles one build: the training plan, whose batch holds the forward, the
- * training loss, backward, the optimizer, the evaluation loss (evalLoss: validation and eval_tasks),
- * the f16 weight cast (fp16) and the checksum (data- or tensor-parallel jobs read it); eval_tasks
- * run on that plan, nothing else compiles.
+ * training loss, backward, the optimizer, the evaluation loss (evalLoss: validation and eval_tasks)
+ * and the f16 weight cast (fp16); eval_tasks run on that plan, nothing else compiles. (The
+ * parameters' checksum, which only data- or tensor-parallel jobs read, compiles at its first use.)
  *
  * Prints one line per distinct pipeline (first label, WGSL lines, creation ms, the op lists that
  * dispatch it), then the groups of near-duplicates: pipelines whose labels differ only by layer or
@@ -250,6 +250,7 @@ const usedBy = new Map<string, Set<string>>();
 const opsOf = new Map<string, number>();
 for (const [name, ops] of Object.entries(lists)) {
   for (const op of ops) {
+    if (!op.pipeline) continue; // compiled on first use (the checksum), not by the build
     const code = pipelineCode.get(op.pipeline) ?? "?";
     if (!usedBy.has(code)) usedBy.set(code, new Set());
     usedBy.get(code)!.add(name);

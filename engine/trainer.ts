@@ -560,6 +560,7 @@ export class Trainer {
       { buffer: m.control, bytes: CONTROL_BYTES },
     ];
     const sum = opts.checksum && m.checksumParts;
+    if (sum) await m.compileChecksum();
     if (sum) ranges.push({ buffer: m.checksumParts!, bytes: m.checksum.length * NORM_GROUPS * 4 });
     const profiled = this.#profilePending && this.#queryBuf;
     if (profiled) ranges.push({ buffer: this.#queryBuf! });

@@ -85,6 +85,8 @@ export interface GraphBuilder {
   nChunks: number;
   chunks: Chunk[];
   batch: OpBatch;
+  /** The pipeline cache the batch compiles through (a later batch of the plan uses it too). */
+  cache: PipelineCache;
   /** Every buffer of the plan, in allocation order. */
   buffers: GPUBuffer[];
   memoryBytes: number;
@@ -185,7 +187,7 @@ export async function createBuilder(
   });
   const { layout, headRows } = plan, groupSize = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
-  const batch = (opts.cache ?? new PipelineCache(ctx)).batch();
+  const cache = opts.cache ?? new PipelineCache(ctx), batch = cache.batch();
   // CPU adapters: every buffer can also be bound as a uniform buffer (see kernels/matmul_ubo.ts).
   const cpuUniform = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
   const cpuDirect = isCpuAdapter(ctx) && opts.kernels?.cpuDirect !== false;
@@ -223,6 +225,7 @@ export async function createBuilder(
       return { i, r0, n: Math.min(headRows, BT - r0) };
     }),
     batch,
+    cache,
     buffers,
     memoryBytes,
     cpuUniform,
