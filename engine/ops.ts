@@ -61,7 +61,8 @@ export interface OpOptions {
   phase: Phase;
   kind: OpKind;
   views: View[];
-  uniform?: GPUBuffer;
+  /** The uniform at group 1: a whole buffer, or a range of one (a dropout site's slot). */
+  uniform?: GPUBuffer | View;
   grid: [number, number, number] | [number, number] | [number];
   flops?: number;
 }
@@ -190,7 +191,8 @@ function scratchOp(
     return m;
   };
   const views = o.views.map((v) => ({ buffer: mirror(v.buffer, v.size ?? v.buffer.size - (v.offset ?? 0)) }));
-  const uniform = o.uniform ? mirror(o.uniform, o.uniform.size) : undefined;
+  const u = o.uniform && uniformView(o.uniform);
+  const uniform = u ? mirror(u.buffer, u.size ?? u.buffer.size - (u.offset ?? 0)) : undefined;
   return { ...makeOp(ctx, pipeline, { ...o, views, uniform }), buffers };
 }
 
@@ -228,13 +230,22 @@ export function makeOp(ctx: GpuContext, pipeline: GPUComputePipeline, o: OpOptio
     device.createBindGroup({ label: o.label, layout: pipeline.getBindGroupLayout(0), entries }),
   ];
   if (o.uniform) {
+    const { buffer, offset, size } = uniformView(o.uniform);
     bindGroups.push(device.createBindGroup({
       label: o.label + ".uniform",
       layout: pipeline.getBindGroupLayout(1),
-      entries: [{ binding: 0, resource: { buffer: o.uniform } }],
+      entries: [{
+        binding: 0,
+        resource: size === undefined ? { buffer } : { buffer, offset: offset ?? 0, size },
+      }],
     }));
   }
   return { label: o.label, phase: o.phase, kind: o.kind, pipeline, bindGroups, grid, flops: o.flops ?? 0 };
+}
+
+/** An op's uniform as a view (a bare buffer binds whole). */
+function uniformView(u: GPUBuffer | View): View {
+  return "buffer" in u ? u : { buffer: u };
 }
 
 /** Records the dispatches of `ops` into an open compute pass. */

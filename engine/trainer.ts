@@ -28,7 +28,7 @@ import type { ZeroModel } from "./parallel/zero.ts";
 import type { StagedRun } from "./parallel/data_parallel.ts";
 import { type CompileListener, encodeOps, type Op } from "./ops.ts";
 import { createReadback, type Readback } from "./readback.ts";
-import { dropoutKey, dropoutSite, dropThreshold, pcg } from "../model/rng.ts";
+import { DROPOUT_SLOT_BYTES, dropoutKey, dropoutSite, dropThreshold, pcg } from "../model/rng.ts";
 import { splitParams } from "../model/shard.ts";
 import { type AdamWConfig, type LrSchedule } from "../model/schedule.ts";
 import {
@@ -341,16 +341,17 @@ export class Trainer {
     const M = this.#model.microBatches, G = M * (dataParallel?.size ?? 1);
     const tpRank = this.opts.tensorParallel?.rank ?? 0;
     const g = (dataParallel?.rank ?? 0) * M + micro;
-    const n = dropoutSite.count(config.n_layer);
-    const u = new Uint32Array(n * 4);
+    const n = dropoutSite.count(config.n_layer), slot = DROPOUT_SLOT_BYTES / 4;
+    // Each site's vec4 at the start of its slot (the slot an op of that site binds).
+    const u = new Uint32Array(n * slot);
     const f = new Float32Array(u.buffer);
     for (let s = 0; s < n; s++) {
-      const p = train ? (s > 0 && (s - 1) % 3 === 0 ? attnDropout : hiddenDropout) : 0;
-      u[4 * s] = dropoutKey(seed, step * G + g, s);
+      const p = train ? (s > 0 && (s - 1) % 3 === 0 ? attnDropout : hiddenDropout) : 0, at = slot * s;
+      u[at] = dropoutKey(seed, step * G + g, s);
       // Tensor-parallel ranks hold different heads: their attention masks must differ too.
-      if (tpRank > 0 && s > 0 && (s - 1) % 3 === 0) u[4 * s] = (u[4 * s] ^ pcg(0x5eed + tpRank)) >>> 0;
-      u[4 * s + 1] = dropThreshold(p);
-      f[4 * s + 2] = 1 / (1 - p);
+      if (tpRank > 0 && s > 0 && (s - 1) % 3 === 0) u[at] = (u[at] ^ pcg(0x5eed + tpRank)) >>> 0;
+      u[at + 1] = dropThreshold(p);
+      f[at + 2] = 1 / (1 - p);
     }
     write(this.#ctx.device.queue, this.#model.dropUniform, u);
   }
@@ -559,6 +560,7 @@ export class Trainer {
       { buffer: m.control, bytes: CONTROL_BYTES },
     ];
     const sum = opts.checksum && m.checksumParts;
+    if (sum) await m.compileChecksum();
     if (sum) ranges.push({ buffer: m.checksumParts!, bytes: m.checksum.length * NORM_GROUPS * 4 });
     const profiled = this.#profilePending && this.#queryBuf;
     if (profiled) ranges.push({ buffer: this.#queryBuf! });

@@ -10,7 +10,7 @@
 
 import { ConfigError, type ModelConfig, type ParamLayout, paramLayout } from "./config.ts";
 import { planSegments, type SegmentRange } from "./segments.ts";
-import { dropoutSite } from "./rng.ts";
+import { DROPOUT_SLOT_BYTES, dropoutSite } from "./rng.ts";
 import { shardLayout, shardSpecs } from "./shard.ts";
 import {
   CONTROL_BYTES,
@@ -324,7 +324,7 @@ function addStateBuffers(p: PlanParts): void {
   p.buffers.push(
     {
       label: "dropout",
-      bytes: dropoutSite.count(p.c.n_layer) * 16,
+      bytes: dropoutSite.count(p.c.n_layer) * DROPOUT_SLOT_BYTES,
       dtype: "u32",
       category: "workspace",
       usage: "uniform",
@@ -369,7 +369,23 @@ function addActivationBuffers(p: PlanParts): void {
   addBuffer(p, "lnfs", BT * 2, "f32", "activations");
   addBuffer(p, "logits", o.hiddenOnly ? 1 : p.headRows * p.Vl, "f32", "logits");
   addBuffer(p, "losses", o.hiddenOnly ? 1 : BT, "f32", "logits");
+  if (!o.hiddenOnly && p.headRows < BT) {
+    // The LM head's chunks: each chunk's first row in its own slot, bound by its loss kernels.
+    p.buffers.push({
+      label: "ceRows",
+      bytes: Math.ceil(BT / p.headRows) * CE_ROWS_SLOT_BYTES,
+      dtype: "u32",
+      category: "workspace",
+      usage: "uniform",
+    });
+  }
 }
+
+/**
+ * Bytes per LM-head chunk in the "ceRows" uniform: chunk i's first row (u32) at i · this, where its
+ * loss kernel binds it (uniform offsets align to 256 bytes at most), so one pipeline serves every chunk.
+ */
+export const CE_ROWS_SLOT_BYTES = 256;
 
 /** Training's gradients, optimizer state and backward workspace; split-K partials; tensor-parallel buffers. */
 function addWorkspaceBuffers(p: PlanParts): void {

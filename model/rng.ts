@@ -31,6 +31,13 @@ export const dropoutSite = {
   count: (nLayer: number) => 3 * nLayer + 1,
 };
 
+/**
+ * Bytes per site in the dropout uniform: a site's vec4 (key, threshold, bitcast scale, unused) at
+ * site · DROPOUT_SLOT_BYTES, where an op binds it (uniform binding offsets align to 256 bytes at
+ * most), so kernels never name their site and one pipeline serves every layer.
+ */
+export const DROPOUT_SLOT_BYTES = 256;
+
 /** The per-step key of one dropout site. */
 export function dropoutKey(seed: number, step: number, site: number): number {
   return pcg((pcg(seed >>> 0) ^ pcg((step >>> 0) ^ pcg(site + 0x9e3779b9))) >>> 0);

@@ -12,7 +12,13 @@
 import { describeDevice, type GpuContext } from "../engine/device.ts";
 import { ConfigError, type ModelConfig } from "../model/config.ts";
 import type { LrSchedule } from "../model/schedule.ts";
-import { type StepStats, type TrainBatch, Trainer, type TrainerState } from "../engine/trainer.ts";
+import {
+  type StepStats,
+  type TrainBatch,
+  Trainer,
+  type TrainerOptions,
+  type TrainerState,
+} from "../engine/trainer.ts";
 import {
   DEFAULT_SPLIT,
   evalBatches,
@@ -324,6 +330,33 @@ async function startingState(
   return {};
 }
 
+/**
+ * The Trainer options a job's config decides on one rank (the parallel places, test hooks and the
+ * compile listener are the run's): shared with bench/compile_list.ts, which builds what a job builds.
+ */
+export function jobTrainerOptions(
+  ctx: GpuContext,
+  c: TrainConfig,
+  model: ModelConfig,
+): TrainerOptions {
+  return {
+    config: model,
+    batchSize: c.batch_size,
+    seqLen: c.seq_len,
+    schedule: scheduleOf(c),
+    adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
+    attnDropout: c.attention_dropout,
+    hiddenDropout: c.hidden_dropout,
+    seed: c.seed,
+    // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
+    profile: ctx.hasTimestamps,
+    checkpointLayers: checkpointLayers(c),
+    precision: c.precision ?? "fp32",
+    microBatches: accumulationSteps(c),
+    lossMask: c.objective === "sft",
+  };
+}
+
 /** Builds the run's trainer (compile reports on the way) and its gradient reducer or distributed optimizer. */
 async function createTrainer(
   run: Run,
@@ -353,25 +386,12 @@ async function createTrainer(
     send: (r) => run.post({ type: "compile", id: job.id, ...r }),
   });
   const trainer = run.trainer = await Trainer.create(ctx, {
-    config: model,
-    batchSize: c.batch_size,
-    seqLen: c.seq_len,
-    schedule: scheduleOf(c),
-    adamw: { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: c.weight_decay, clip_grad: c.clip_grad },
-    attnDropout: c.attention_dropout,
-    hiddenDropout: c.hidden_dropout,
-    seed: c.seed,
-    // Kernel timestamps give the forward/backward/optimizer breakdown; read only at log steps.
-    profile: ctx.hasTimestamps,
+    ...jobTrainerOptions(ctx, c, model),
     debugNonFiniteAt: hooks.nonFiniteAt,
-    checkpointLayers: checkpointLayers(c),
-    precision: c.precision ?? "fp32",
-    microBatches: accumulation,
     dataParallel: dp > 1 ? { rank: ranks.rank, size: dp } : undefined,
     shardedOptimizer: sharded,
     tensorParallel: ranks.tpx ? { rank: ranks.tpRank, size: tp, exchange: ranks.tpx.exchange } : undefined,
     onCompile,
-    lossMask: c.objective === "sft",
   }, state);
   if (sharded) {
     ranks.zero = await DistributedOptimizer.create(ctx, trainer.zeroModel(), {

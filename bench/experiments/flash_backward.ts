@@ -125,10 +125,9 @@ function flashKVPlain(s: AttentionSpec): string {
       soft.push(`let ok${r}_${h} = (iv${h} >= vec4<u32>(${j})) & (iv${h} < vec4<u32>(${T}u));`);
       soft.push(`let p${r}_${h} = select(vec4<f32>(0.0), exp2(s${r}_${h} - lv${h}), ok${r}_${h});`);
       if (s.dropout) {
-        const st = `${s.dropout.site}u`;
         soft.push(
           `let kp${r}_${h} = vec4<f32>(${
-            us.map((u) => `keep(((b * ${H}u + h) * ${T}u + iv${h}[${u}]) * ${T}u + ${j}, ${st})`).join(", ")
+            us.map((u) => `keep(((b * ${H}u + h) * ${T}u + iv${h}[${u}]) * ${T}u + ${j})`).join(", ")
           });`,
         );
         soft.push(`let pd${r}_${h} = p${r}_${h} * kp${r}_${h};`);

@@ -20,7 +20,7 @@ import {
   RECOMPUTED_ACTS,
   resLabel,
 } from "../../model/plan.ts";
-import { dropoutSite } from "../../model/rng.ts";
+import { DROPOUT_SLOT_BYTES, dropoutSite } from "../../model/rng.ts";
 import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type View } from "../ops.ts";
 import {
   type AttentionSpec,
@@ -85,6 +85,8 @@ export interface GraphBuilder {
   nChunks: number;
   chunks: Chunk[];
   batch: OpBatch;
+  /** The pipeline cache the batch compiles through (a later batch of the plan uses it too). */
+  cache: PipelineCache;
   /** Every buffer of the plan, in allocation order. */
   buffers: GPUBuffer[];
   memoryBytes: number;
@@ -185,7 +187,7 @@ export async function createBuilder(
   });
   const { layout, headRows } = plan, groupSize = plan.checkpointLayers;
   const nChunks = Math.ceil(BT / headRows);
-  const batch = (opts.cache ?? new PipelineCache(ctx)).batch();
+  const cache = opts.cache ?? new PipelineCache(ctx), batch = cache.batch();
   // CPU adapters: every buffer can also be bound as a uniform buffer (see kernels/matmul_ubo.ts).
   const cpuUniform = isCpuAdapter(ctx) && opts.kernels?.cpuMatmul !== false;
   const cpuDirect = isCpuAdapter(ctx) && opts.kernels?.cpuDirect !== false;
@@ -223,6 +225,7 @@ export async function createBuilder(
       return { i, r0, n: Math.min(headRows, BT - r0) };
     }),
     batch,
+    cache,
     buffers,
     memoryBytes,
     cpuUniform,
@@ -505,7 +508,7 @@ export function op(
   code: string,
   views: View[],
   grid: [number, number, number] | [number, number] | [number],
-  o: { uniform?: GPUBuffer; flops?: number } = {},
+  o: { uniform?: GPUBuffer | View; flops?: number } = {},
 ): Op {
   return g.batch.defer(code, { label, phase, kind, views, grid, ...o });
 }
@@ -513,6 +516,11 @@ export function op(
 /** The exchange summing `count` f32 of `buffer` over the tensor-parallel group. */
 export function allreduce(label: string, buffer: GPUBuffer, count: number): Sync {
   return { sync: "allreduce", label, buffer, count };
+}
+
+/** A dropout site's slot of the dropout uniform, which an op reading that site binds at group 1. */
+export function dropSlot(g: GraphBuilder, site: number): View {
+  return { buffer: g.dropUniform, offset: site * DROPOUT_SLOT_BYTES, size: 16 };
 }
 
 /** A dropout site's setting for a kernel (undefined when the probability is 0). */

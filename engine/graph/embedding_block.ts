@@ -12,6 +12,7 @@ import { dropoutMaskWgsl } from "../kernels/common.ts";
 import {
   allreduce,
   type Backprop,
+  dropSlot,
   elemGrid,
   gradView,
   type GraphBuilder,
@@ -47,7 +48,7 @@ export function embeddingForward(g: GraphBuilder): Step[] {
       embeddingForwardWgsl(emb),
       [whole(g.tokens), param(g, "wte.weight"), param(g, "wpe.weight"), whole(out)],
       elemGrid(g, (BT * C) / 4),
-      { uniform: emb.dropout ? g.dropUniform : undefined },
+      { uniform: emb.dropout ? dropSlot(g, dropoutSite.embedding) : undefined },
     ),
   ];
   if (!g.tp.on) return steps;
@@ -59,10 +60,10 @@ export function embeddingForward(g: GraphBuilder): Step[] {
         "forward",
         "embedding",
         "embedding_drop",
-        dropoutMaskWgsl((BT * C) / 4, dropoutSite.embedding, g.nSites),
+        dropoutMaskWgsl((BT * C) / 4),
         [whole(g.partial!), whole(g.res[0])],
         elemGrid(g, (BT * C) / 4),
-        { uniform: g.dropUniform },
+        { uniform: dropSlot(g, dropoutSite.embedding) },
       ),
     );
   }
@@ -81,6 +82,6 @@ export function embeddingBackward(g: GraphBuilder, t: Backprop): Op {
     embeddingBackwardWgsl({ ...embeddingSpec(g), dropout: hidden ? { nSites: g.nSites } : undefined }),
     [whole(g.tokens), whole(t.dres), gradView(g, t, "wte.weight"), gradView(g, t, "wpe.weight")],
     elemGrid(g, ((T + WTE_PARTITIONS) * C) / 4),
-    { uniform: hidden ? g.dropUniform : undefined },
+    { uniform: hidden ? dropSlot(g, dropoutSite.embedding) : undefined },
   );
 }

@@ -24,6 +24,7 @@ import {
   whole,
 } from "./builder.ts";
 import { STAT, type Step } from "./program.ts";
+import { CE_ROWS_SLOT_BYTES } from "../../model/plan.ts";
 import { matmul, mm } from "./matmul_steps.ts";
 import { layernormBackward, layernormForward } from "./layernorm_steps.ts";
 
@@ -132,14 +133,21 @@ function crossEntropy(g: GraphBuilder, chunk: Chunk, grad: boolean): Step[] {
     throw new RangeError("A loss mask (SFT) is not supported with tensor parallelism: use tensor_parallel 1");
   }
   if (!g.tp.on) {
+    // Several chunks: each binds its first row's slot of ceRows (writeChunkRows), one pipeline for all.
+    const rows = g.nChunks > 1 ? buf(g, "ceRows") : null;
     return [
       op(
         g,
         "forward",
         "cross_entropy",
         `cross_entropy${sfx}`,
-        crossEntropyWgsl({ rows: n, rowBase: r0, totalRows, T, V, Vp, grad, weights }),
-        [rowsView(g, g.logits, 0, n, Vp), ...out, ...(grad ? [whole(g.control)] : [])],
+        crossEntropyWgsl({ rows: n, rowBase: rows ? "uniform" : r0, totalRows, T, V, Vp, grad, weights }),
+        [
+          rowsView(g, g.logits, 0, n, Vp),
+          ...out,
+          ...(grad ? [whole(g.control)] : []),
+          ...(rows ? [{ buffer: rows, offset: i * CE_ROWS_SLOT_BYTES, size: 16 }] : []),
+        ],
         grid,
         gradOpts,
       ),
@@ -166,6 +174,19 @@ function crossEntropy(g: GraphBuilder, chunk: Chunk, grad: boolean): Step[] {
       gradOpts,
     ),
   ];
+}
+
+/**
+ * Writes each LM-head chunk's first row into its slot of the plan's ceRows uniform, if it has one:
+ * constants, written once the build's kernels are compiled (a CPU adapter's warm-up clears every
+ * buffer after).
+ */
+export function writeChunkRows(g: GraphBuilder): void {
+  const rows = g.byLabel.get("ceRows");
+  if (!rows) return;
+  const u = new Uint32Array((g.nChunks * CE_ROWS_SLOT_BYTES) / 4);
+  for (const c of g.chunks) u[(c.i * CE_ROWS_SLOT_BYTES) / 4] = c.r0;
+  g.ctx.device.queue.writeBuffer(rows, 0, u);
 }
 
 /** The mean of the rows' losses into STAT.loss (added over micro-batches). */

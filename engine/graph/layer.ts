@@ -19,7 +19,16 @@ import {
   backwardQSpec,
 } from "../kernels/attention.ts";
 import { dropoutMaskWgsl, grid1d } from "../kernels/common.ts";
-import { allreduce, type Backprop, drop, elemGrid, type GraphBuilder, op, whole } from "./builder.ts";
+import {
+  allreduce,
+  type Backprop,
+  drop,
+  dropSlot,
+  elemGrid,
+  type GraphBuilder,
+  op,
+  whole,
+} from "./builder.ts";
 import { type Step } from "./program.ts";
 import { linear, linearBackward, rowParallel } from "./matmul_steps.ts";
 import { layernormBackward, layernormForward } from "./layernorm_steps.ts";
@@ -140,7 +149,7 @@ function attentionForward(g: GraphBuilder, l: number): Op {
     attentionForwardWgsl(as),
     [whole(a.qkv), whole(a.atty), whole(a.lse)],
     [Math.ceil(T / as.BQ), Hl, B],
-    { uniform: as.dropout ? g.dropUniform : undefined, flops: attentionFlops(as) },
+    { uniform: as.dropout ? dropSlot(g, as.dropout.site) : undefined, flops: attentionFlops(as) },
   );
 }
 
@@ -148,7 +157,7 @@ function attentionForward(g: GraphBuilder, l: number): Op {
 function attentionBackward(g: GraphBuilder, t: Backprop, l: number): Op[] {
   const a = g.acts[l], { B, T, BT, Hl } = g.dims;
   const as = { ...g.attn, dropout: drop(g, g.attnDropout, dropoutSite.attnProbs(l)) };
-  const u = { uniform: as.dropout ? g.dropUniform : undefined };
+  const u = { uniform: as.dropout ? dropSlot(g, as.dropout.site) : undefined };
   const av = [whole(a.qkv), whole(t.datty), whole(a.lse), whole(t.delta), whole(t.dqkv)];
   return [
     op(g, "backward", "attention_bwd", `l${l}.attention.delta`, attentionDeltaWgsl(as), [
@@ -182,13 +191,13 @@ function dropoutBackward(g: GraphBuilder, t: Backprop, out: Step[], label: strin
       "backward",
       "elementwise",
       label,
-      dropoutMaskWgsl((BT * C) / 4, site, g.nSites),
+      dropoutMaskWgsl((BT * C) / 4),
       [
         whole(t.dres),
         whole(t.dtmp),
       ],
       elemGrid(g, (BT * C) / 4),
-      { uniform: g.dropUniform },
+      { uniform: dropSlot(g, site) },
     ),
   );
   return t.dtmp;

@@ -23,6 +23,7 @@ import {
   type Backprop,
   CPU_MATMUL_MIN_MACS,
   drop,
+  dropSlot,
   dtypeOf,
   elemGrid,
   gradView,
@@ -57,7 +58,10 @@ export function matmul(
   const kind = phase === "forward" ? "matmul_fwd" : "matmul_bwd";
   if (g.cpuDirect && matmulDirectError(full) === null) {
     const kernel = matmulDirectKernel(full);
-    const o = { uniform: kernel.uniform ? g.dropUniform : undefined, flops: matmulFlops(spec) };
+    const o = {
+      uniform: kernel.uniform ? dropSlot(g, full.dropout!.site) : undefined,
+      flops: matmulFlops(spec),
+    };
     return [op(g, phase, kind, label, kernel.code, kernel.bindings.map((n) => views[n]), kernel.grid, o)];
   }
   const limits = { maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize, rules: g.tileRules };
@@ -81,7 +85,7 @@ export function matmul(
       kernel.bindings.map((n) => n === "part" ? { buffer: g.matmulPart! } : views[n]),
       kernel.grid,
       {
-        uniform: kernel.uniform ? g.dropUniform : undefined,
+        uniform: kernel.uniform ? dropSlot(g, full.dropout!.site) : undefined,
         flops: kernel.suffix === ".sum" ? 0 : matmulFlops(spec),
       },
     )
@@ -120,7 +124,10 @@ function cpuMatmul(
         return r ? { buffer: v.buffer, offset: (v.offset ?? 0) + r.offset, size: r.size } : v;
       }),
       d.grid,
-      { uniform: d.uniform ? g.dropUniform : undefined, flops: i === 0 ? matmulFlops(spec) : 0 },
+      {
+        uniform: d.uniform ? dropSlot(g, spec.dropout!.site) : undefined,
+        flops: i === 0 ? matmulFlops(spec) : 0,
+      },
     )
   );
 }
@@ -195,7 +202,7 @@ export function rowParallel(g: GraphBuilder, label: string, name: string, io: Pr
       biasDropResidualWgsl(BT, C, d),
       [whole(partial), param(g, b), whole(res), whole(out)],
       elemGrid(g, (BT * C) / 4),
-      { uniform: d ? g.dropUniform : undefined },
+      { uniform: d ? dropSlot(g, d.site) : undefined },
     ),
   ];
 }

@@ -16,12 +16,12 @@
  */
 
 import { type GpuContext, isCpuAdapter } from "../device.ts";
-import type { Op } from "../ops.ts";
+import type { Op, OpBatch } from "../ops.ts";
 import { type Backprop, createBackprop, createBuilder, type GraphBuilder } from "./builder.ts";
 import { type GpuModel, type GraphOptions, type ModelShape, opsOf, type Step } from "./program.ts";
 import { embeddingBackward, embeddingForward } from "./embedding_block.ts";
 import { layerBackward, layerForward } from "./layer.ts";
-import { evalLoss, headBackward, headForward, inferenceLoss } from "./head.ts";
+import { evalLoss, headBackward, headForward, inferenceLoss, writeChunkRows } from "./head.ts";
 import { castWeights, checksumSteps, optimizerSteps } from "./optimizer.ts";
 
 export { checkFits, CPU_MATMUL_MIN_MACS, createBufferPool } from "./builder.ts";
@@ -61,6 +61,7 @@ export async function buildModel(
   const cast = castWeights(g);
   const backward: Step[] = [], backwardMarks: { layer: number; at: number }[] = [];
   let optimizer: Step[] = [], checksum: Op[] = [], t: Backprop | null = null;
+  let checksumBatch: OpBatch | null = null, checksumReady: Promise<void> | null = null;
   if (g.train) {
     t = createBackprop(g);
     const head = headBackward(g, t);
@@ -72,9 +73,14 @@ export async function buildModel(
     }
     backward.push(embeddingBackward(g, t));
     optimizer = optimizerSteps(g, t, cast);
+    // The checksum goes into a batch of its own, compiled on first use (compileChecksum).
+    const main = g.batch;
+    g.batch = checksumBatch = g.cache.batch();
     checksum = checksumSteps(g, t);
+    g.batch = main;
   }
   await compile(g);
+  writeChunkRows(g);
   return {
     shape,
     layout: g.layout,
@@ -102,6 +108,7 @@ export async function buildModel(
     tensorParallel: { rank: g.tp.rank, size: g.tp.size },
     castWeights: cast,
     checksum,
+    compileChecksum: () => checksumReady ??= checksumBatch?.compile() ?? Promise.resolve(),
     checksumParts: t?.normPart ?? null,
     memoryBytes: g.memoryBytes,
     microBatches: g.microBatches,

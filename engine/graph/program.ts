@@ -179,8 +179,11 @@ export interface GpuModel {
   /**
    * Training plans: checksum partials of the parameters (NORM_GROUPS u32 per segment) into
    * `checksumParts`, reusing the optimizer's norm scratch (run after the optimizer, read back).
+   * Compiled on first use, not with the build (only parallel jobs read a checksum): await
+   * `compileChecksum` before recording them.
    */
   checksum: Op[];
+  compileChecksum(): Promise<void>;
   checksumParts: GPUBuffer | null;
   /** Bytes of GPU memory allocated (the plan's total). */
   memoryBytes: number;

@@ -120,7 +120,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       }
       let p = exp(sc - m);
       l = l + p;
-      ${s.dropout ? `let kj = kt + j; let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+      ${s.dropout ? `let kj = kt + j; let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
       ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c}u], o${c});`).join("\n      ")}
     }
     workgroupBarrier();
@@ -187,7 +187,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       }
       let p = select(0.0, exp(sc - m), ok);
       l = l + p;
-      ${s.dropout ? `let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+      ${s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
       ${range(N).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c * S}u], o${c});`).join("\n      ")}
     }
     workgroupBarrier();
@@ -277,7 +277,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       var dp = ${dotExpr((c) => `dOs[qb + ${c}u]`, (c) => `Vown[own + ${c}u]`, D4)};
       ${
     s.dropout
-      ? `let qi = qt + i; let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; dp = dp * kp;`
+      ? `let qi = qt + i; let kp = keep(${dropIdx(s)}); let pd = p * kp; dp = dp * kp;`
       : "let pd = p;"
   }
       let ds = p * (dp - Ds[i]);
@@ -337,7 +337,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let sc = ${dotExpr((c) => `Qown[own + ${c}u]`, (c) => `Ks[kb + ${c}u]`, D4)};
       let p = exp(sc - li);
       var dp = ${dotExpr((c) => `dOown[own + ${c}u]`, (c) => `Vs[kb + ${c}u]`, D4)};
-      ${s.dropout ? `let kj = kt + j; dp = dp * keep(${dropIdx(s)}, ${s.dropout.site}u);` : ""}
+      ${s.dropout ? `let kj = kt + j; dp = dp * keep(${dropIdx(s)});` : ""}
       let ds = p * (dp - di);
       ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c}u], dq${c});`).join("\n      ")}
     }
@@ -384,7 +384,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     let p = exp(sc - m);
     l = l + p;
-    ${s.dropout ? `let pd = p * keep(${dropIdx(s)}, ${s.dropout.site}u);` : "let pd = p;"}
+    ${s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
     ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), qkv[kb + ${2 * C4 + c}u], o${c});`).join("\n    ")}
   }
   let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
@@ -422,11 +422,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let sc = ${dotExpr((c) => `q${c}`, (c) => `k${c}`, D4)};
     let p = exp(sc - lse[lhbase + qi]);
     var dp = ${dotExpr((c) => `do${c}`, (c) => `v${c}`, D4)};
-    ${
-    s.dropout
-      ? `let kp = keep(${dropIdx(s)}, ${s.dropout.site}u); let pd = p * kp; dp = dp * kp;`
-      : "let pd = p;"
-  }
+    ${s.dropout ? `let kp = keep(${dropIdx(s)}); let pd = p * kp; dp = dp * kp;` : "let pd = p;"}
     let ds = p * (dp - delta[lhbase + qi]);
     ${range(D4).map((c) => `dv${c} = fma(vec4<f32>(pd), do${c}, dv${c});`).join("\n    ")}
     ${range(D4).map((c) => `dk${c} = fma(vec4<f32>(ds), q${c}, dk${c});`).join("\n    ")}
@@ -462,7 +458,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     let sc = ${dotExpr((c) => `q${c}`, (c) => `qkv[kb + ${C4 + c}u]`, D4)};
     let p = exp(sc - li);
     var dp = ${dotExpr((c) => `do${c}`, (c) => `qkv[kb + ${2 * C4 + c}u]`, D4)};
-    ${s.dropout ? `dp = dp * keep(${dropIdx(s)}, ${s.dropout.site}u);` : ""}
+    ${s.dropout ? `dp = dp * keep(${dropIdx(s)});` : ""}
     let ds = p * (dp - di);
     ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), qkv[kb + ${C4 + c}u], dq${c});`).join("\n    ")}
   }
@@ -579,7 +575,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     each((r) => {
       const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
       const rest = s.dropout
-        ? `let kp${r} = keep(${idx(r)}, ${s.dropout.site}u); let pd${r} = p${r} * kp${r}; ` +
+        ? `let kp${r} = keep(${idx(r)}); let pd${r} = p${r} * kp${r}; ` +
           `let ds${r} = p${r} * (${sums.at(R + r)} * kp${r} - di);`
         : `let pd${r} = p${r}; let ds${r} = p${r} * (${sums.at(R + r)} - di);`;
       return `${p} ${rest}`;
@@ -659,7 +655,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let kj = kt + j;
       ${
     each((r) => {
-      const dp = s.dropout ? `${sums.at(R + r)} * keep(${idx(r)}, ${s.dropout.site}u)` : sums.at(R + r);
+      const dp = s.dropout ? `${sums.at(R + r)} * keep(${idx(r)})` : sums.at(R + r);
       return `let ds${r} = select(0.0, exp(${sums.at(r)} - li${r}), kj <= qi${r}) * (${dp} - di${r});`;
     }, "\n      ")
   }

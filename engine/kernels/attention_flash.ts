@@ -136,13 +136,12 @@ export function flashForwardWgsl(s: AttentionSpec): string {
       soft.push(`ls[${r}] = ls[${r}] + dot(p${r}_${h}, vec4<f32>(1.0));`);
       let pd = `p${r}_${h}`;
       if (s.dropout) {
-        const st = `${s.dropout.site}u`;
         soft.push(
           `let di${r}_${h} = ((b * ${s.H}u + h) * ${T}u + q0 + qg * 4u + ${r}u) * ${T}u + kt + ${
             h * 4 * L
           }u + c * 4u;`,
         );
-        pd = `p${r}_${h} * vec4<f32>(${range(4).map((e) => `keep(di${r}_${h} + ${e}u, ${st})`).join(", ")})`;
+        pd = `p${r}_${h} * vec4<f32>(${range(4).map((e) => `keep(di${r}_${h} + ${e}u)`).join(", ")})`;
       }
       soft.push(`KP[(qg * 4u + ${r}u) * ${KQ}u + ((${h * L}u + c) ^ px)] = ${pd};`);
     }

@@ -17,6 +17,7 @@ export interface AttentionSpec {
   BQ: number;
   /** Keys per tile (threads of the dK/dV kernel). */
   BKV: number;
+  /** Attention dropout: its site's slot of the dropout uniform is bound at group 1 (see dropWgsl). */
   dropout?: { site: number; nSites: number };
   /**
    * Threads per row: 1 = the plain kernels; 2 or 4 = the subgroup variants (forward, dK/dV,
@@ -180,7 +181,7 @@ export function forwardBindings(s: AttentionSpec): string {
   return `@group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> y: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> lse: array<f32>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}`;
+${s.dropout ? dropWgsl() : ""}`;
 }
 
 /** Bindings of the backward kernels: qkv, dy, lse, delta in, dqkv out (and the dropout uniform). */
@@ -190,7 +191,7 @@ export function backwardBindings(s: AttentionSpec): string {
 @group(0) @binding(2) var<storage, read> lse: array<f32>;
 @group(0) @binding(3) var<storage, read> delta: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}`;
+${s.dropout ? dropWgsl() : ""}`;
 }
 
 /** FLOPs of causal attention forward (QKᵀ and PV over the lower triangle). */

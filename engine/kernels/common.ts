@@ -18,15 +18,16 @@ fn gelu_grad4(x: vec4<f32>) -> vec4<f32> {
 }`;
 
 /**
- * Per-step dropout parameters: one vec4 per dropout site (key, threshold, bitcast scale, unused),
- * bound as a uniform at group 1. `keep(i, site)` returns the multiplier of element i: 0 or 1/(1-p).
+ * Per-step dropout parameters of one site (key, threshold, bitcast scale, unused), bound as a
+ * uniform at group 1: the op binds its site's slot of the plan's dropout uniform (one slot of
+ * DROPOUT_SLOT_BYTES per site, model/rng.ts), so the site is not in the kernel's text and every
+ * layer shares one pipeline. `keep(i)` returns the multiplier of element i: 0 or 1/(1-p).
  */
-export function dropWgsl(nSites: number): string {
+export function dropWgsl(): string {
   return `${PCG_WGSL}
-@group(1) @binding(0) var<uniform> drop: array<vec4<u32>, ${nSites}>;
-fn keep(i: u32, site: u32) -> f32 {
-  let d = drop[site];
-  return select(0.0, bitcast<f32>(d.z), pcg(pcg(i) ^ d.x) >= d.y);
+@group(1) @binding(0) var<uniform> drop: vec4<u32>;
+fn keep(i: u32) -> f32 {
+  return select(0.0, bitcast<f32>(drop.z), pcg(pcg(i) ^ drop.x) >= drop.y);
 }`;
 }
 
@@ -43,19 +44,19 @@ export const LINEAR_WG = "(wg.x + wg.y * nwg.x)";
 /** Bytes of one uniform binding every WebGPU device allows (the minimum maxUniformBufferBindingSize). */
 export const UNIFORM_BINDING_BYTES = 65536;
 
-/** out = src ∘ dropout mask of `site` (the backward of a dropout). Grid1d(n4 / 64). */
-export function dropoutMaskWgsl(n4: number, site: number, nSites: number): string {
+/** out = src ∘ dropout mask of the site bound at group 1 (the backward of a dropout). Grid1d(n4 / 64). */
+export function dropoutMaskWgsl(n4: number): string {
   return `
 @group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> out: array<vec4<f32>>;
-${dropWgsl(nSites)}
+${dropWgsl()}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
   let g = (wg.x + wg.y * nwg.x) * 64u + tid;
   if (g >= ${n4}u) { return; }
   let e = g * 4u;
-  out[g] = src[g] * vec4<f32>(keep(e, ${site}u), keep(e + 1u, ${site}u), keep(e + 2u, ${site}u), keep(e + 3u, ${site}u));
+  out[g] = src[g] * vec4<f32>(keep(e), keep(e + 1u), keep(e + 2u), keep(e + 3u));
 }
 `;
 }

@@ -85,8 +85,12 @@ export function softmaxGradWgsl(
 export interface CrossEntropySpec {
   /** Rows of this chunk of logits. */
   rows: number;
-  /** Global row of the chunk's first row (tokens and losses are indexed globally). */
-  rowBase: number;
+  /**
+   * Global row of the chunk's first row (tokens and losses are indexed globally); "uniform": read
+   * at run time from a vec4<u32> uniform bound after the other bindings (its x), so every chunk of
+   * the LM head shares one pipeline.
+   */
+  rowBase: number | "uniform";
   /** All rows (B·T): the loss is their mean. */
   totalRows: number;
   T: number;
@@ -105,7 +109,7 @@ export function weightWgsl(at: number): string {
 
 /**
  * One workgroup per row: losses[row] and, if grad, dlogits·scale in place (binding 3 the control
- * buffer, group 1 the optimizer uniform). Grid1d(rows).
+ * buffer, group 1 the optimizer uniform; then the chunk's uniform with rowBase "uniform"). Grid1d(rows).
  */
 export function crossEntropyWgsl(s: CrossEntropySpec): string {
   return `
@@ -113,6 +117,7 @@ export function crossEntropyWgsl(s: CrossEntropySpec): string {
 @group(0) @binding(1) var<storage, read> tokens: array<u32>;
 @group(0) @binding(2) var<storage, read_write> losses: array<f32>;
 ${s.grad ? lossScaleBindings(3) : ""}
+${s.rowBase === "uniform" ? `@group(0) @binding(${s.grad ? 4 : 3}) var<uniform> chunk: vec4<u32>;` : ""}
 ${ROW_STATS_DECL}
 @compute @workgroup_size(${WG})
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -120,7 +125,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   let row = wg.x + wg.y * nwg.x;
   if (row >= ${s.rows}u) { return; }
   let base = row * ${s.Vp}u;
-  let grow = row + ${s.rowBase}u;
+  let grow = row + ${s.rowBase === "uniform" ? "chunk.x" : `${s.rowBase}u`};
   ${rowMaxSumWgsl(s.V)}
   let mx = ms[0];
   let lse = mx + log(ss[0]);

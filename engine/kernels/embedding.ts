@@ -6,7 +6,6 @@
  */
 
 import { dropWgsl } from "./common.ts";
-import { dropoutSite } from "../../model/rng.ts";
 
 /** Sizes of the embedding kernels. */
 export interface EmbeddingSpec {
@@ -34,7 +33,7 @@ export function embeddingForwardWgsl(s: EmbeddingSpec): string {
 @group(0) @binding(1) var<storage, read> wte: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> wpe: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> x: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${s.dropout ? dropWgsl() : ""}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
@@ -56,8 +55,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   ${s.positions ?? true ? `v = v + wpe[t * ${C4}u + c];` : "_ = wpe[0]; // bound on every rank, read on one"}
   ${
     s.dropout
-      ? `let e = g * 4u; let st = ${dropoutSite.embedding}u;
-  v = v * vec4<f32>(keep(e, st), keep(e + 1u, st), keep(e + 2u, st), keep(e + 3u, st));`
+      ? `let e = g * 4u;
+  v = v * vec4<f32>(keep(e), keep(e + 1u), keep(e + 2u), keep(e + 3u));`
       : ""
   }
   x[g] = v;
@@ -75,15 +74,13 @@ export const WTE_PARTITIONS = 64;
 export function embeddingBackwardWgsl(s: EmbeddingSpec): string {
   const C4 = s.C / 4, P = WTE_PARTITIONS;
   const mask = (e: string) =>
-    s.dropout
-      ? ` * vec4<f32>(keep(${e}, 0u), keep(${e} + 1u, 0u), keep(${e} + 2u, 0u), keep(${e} + 3u, 0u))`
-      : "";
+    s.dropout ? ` * vec4<f32>(keep(${e}), keep(${e} + 1u), keep(${e} + 2u), keep(${e} + 3u))` : "";
   return `
 @group(0) @binding(0) var<storage, read> tokens: array<u32>;
 @group(0) @binding(1) var<storage, read> dx: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dwte: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> dwpe: array<vec4<f32>>;
-${s.dropout ? dropWgsl(s.dropout.nSites) : ""}
+${s.dropout ? dropWgsl() : ""}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {

@@ -114,10 +114,9 @@ export function epilogueLines(spec: MatmulSpec, col: string): string[] {
       break;
     case "residual":
       if (spec.dropout) {
-        const st = `${spec.dropout.site}u`;
         body.push(`let e = q * 4u;`);
         body.push(
-          `v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`,
+          `v = v * vec4<f32>(keep(e), keep(e + 1u), keep(e + 2u), keep(e + 3u));`,
         );
       }
       body.push(`out[q] = res[q] + v;`);
@@ -172,7 +171,7 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const L: string[] = bindingDecls(matmulBindings(spec), h16);
   L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
   L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
-  if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (spec.dropout) L.push(dropWgsl());
   if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad" || spec.prologueA === "gelu") {
     L.push(GELU_WGSL);
   }
@@ -454,7 +453,7 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   L.push(`var<workgroup> As: array<array<array<array<${wv}, ${TY}>, ${gM}>, ${KR}>, ${NB}>;`);
   L.push(`var<workgroup> Bs: array<array<array<array<${wv}, ${TX}>, ${gN}>, ${KR}>, ${NB}>;`);
   if (kp) L.push(PACK_WGSL);
-  if (!partial && spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (!partial && spec.dropout) L.push(dropWgsl());
   const geluEpi = !partial && (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad");
   if (geluEpi || spec.prologueA === "gelu") L.push(GELU_WGSL);
 
@@ -646,7 +645,7 @@ function splitReduceWgsl(spec: MatmulSpec, S: number): string {
   const MN4 = (spec.M * spec.N) / 4, N4 = spec.N / 4;
   const bindings = ["part", ...matmulBindings(spec).filter((n) => n !== "A" && n !== "B")];
   const L = bindingDecls(bindings, false, ["out", "out2"]);
-  if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (spec.dropout) L.push(dropWgsl());
   if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad") L.push(GELU_WGSL);
   const sum = Array.from({ length: S }, (_, s) => `part[${s ? `q + ${s * MN4}u` : "q"}]`).join(" + ");
   const code = `${L.join("\n")}

@@ -42,7 +42,7 @@ export function matmulDirectKernel(spec: MatmulSpec): MatmulKernel {
   const N4 = N / 4, blocks = (M / 4) * N4;
   const bindings = matmulBindings(spec);
   const L = bindingDecls(bindings, false);
-  if (spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (spec.dropout) L.push(dropWgsl());
   if (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad" || spec.prologueA === "gelu") {
     L.push(GELU_WGSL);
   }

@@ -23,7 +23,7 @@ export interface MatmulSpec {
   /** Add bias[N]. */
   bias: boolean;
   epilogue: MatmulEpilogue;
-  /** For the residual epilogue: apply seeded dropout of this site (uniform at group 1, see dropWgsl). */
+  /** For the residual epilogue: apply seeded dropout of this site (its slot of the uniform at group 1, see dropWgsl). */
   dropout?: { site: number; nSites: number };
   /** Element types in memory of bindings that are not f32 (accumulation is always f32). */
   dtypes?: Partial<Record<MatmulBinding, StorageDtype>>;

@@ -152,7 +152,7 @@ function decls(spec: MatmulSpec, uni: string, uniVec4: number, withEpilogue: boo
         name === "out" || name === "out2" ? "read_write" : "read"
       }> ${name}: array<vec4<f32>>;`
   );
-  if (withEpilogue && spec.dropout) L.push(dropWgsl(spec.dropout.nSites));
+  if (withEpilogue && spec.dropout) L.push(dropWgsl());
   const geluEpi = withEpilogue && (spec.epilogue === "gelu" || spec.epilogue === "gelu_grad");
   if (geluEpi || spec.prologueA === "gelu") L.push(GELU_WGSL);
   return L;
@@ -171,10 +171,9 @@ function epilogue(spec: MatmulSpec, q: string, v: string, e0: number, biasIdx: s
       break;
     case "residual":
       if (spec.dropout) {
-        const st = `${spec.dropout.site}u`;
         lines.push(`let e = ${e0}u + (${q}) * 4u;`);
         lines.push(
-          `v = v * vec4<f32>(keep(e, ${st}), keep(e + 1u, ${st}), keep(e + 2u, ${st}), keep(e + 3u, ${st}));`,
+          `v = v * vec4<f32>(keep(e), keep(e + 1u), keep(e + 2u), keep(e + 3u));`,
         );
       }
       lines.push(`out[${q}] = res[${q}] + v;`);

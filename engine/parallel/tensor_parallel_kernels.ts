@@ -32,7 +32,7 @@ export function biasDropResidualWgsl(
 @group(0) @binding(1) var<storage, read> bias: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> res: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
-${dropout ? dropWgsl(dropout.nSites) : ""}
+${dropout ? dropWgsl() : ""}
 @compute @workgroup_size(64)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
@@ -41,8 +41,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   var v = x[q] + bias[q % ${C4}u];
   ${
     dropout
-      ? `let e = q * 4u; let st = ${dropout.site}u;
-  v = v * vec4<f32>(keep(e, st), keep(e + 1u, st), keep(e + 2u, st), keep(e + 3u, st));`
+      ? `let e = q * 4u;
+  v = v * vec4<f32>(keep(e), keep(e + 1u), keep(e + 2u), keep(e + 3u));`
       : ""
   }
   out[q] = res[q] + v;
