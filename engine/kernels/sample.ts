@@ -300,11 +300,19 @@ export function sampleWgsl(s: SampleSpec): string {
   const WG = s.serialReductions ? WG_CPU : WG_GPU;
   const sg = !!s.subgroups && !s.serialReductions;
   const per = Math.ceil(s.V / WG);
-  const LG = (i: string) => `logits[base + ${i}]`, VAL = (i: string) => `val(${i}, compact, base)`;
+  const LG = (i: string) => `logits[base + ${i}]`, CV = (i: string) => `cval[${i}]`;
   // CPU adapters run each invocation's loop serially anyway: no unrolling there.
   const U = s.serialReductions ? 1 : UNROLL, UV = s.serialReductions ? 1 : s.unroll ?? UNROLL_VOCAB;
   /** The lowest of the workgroup's u32 values `v` (uniform), through `redi`. */
   const minU = (v: string) => sg ? `min_all_u(${v}, tid)` : `min_tree_u(${v}, tid)`;
+  /**
+   * A pass over this thread's stretch [j0, j1) of the candidates (workgroup memory, UNROLL loads
+   * ahead) or, when there are none, of the vocabulary (UV ahead); `body(id)` sees the value as x.
+   */
+  const walk = (body: (id: string) => string) =>
+    `if (compact) { ${pass(U, "j", "j0", "j1", CV, body("cid[j]"))} } else { ${
+      pass(UV, "j", "j0", "j1", LG, body("j"))
+    } }`;
   return `
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
 @group(0) @binding(1) var<storage, read_write> state: array<u32>;
@@ -320,12 +328,6 @@ var<workgroup> cid: array<u32, ${CAP}>;
 var<workgroup> wbound: f32;
 var<workgroup> wcount: u32;
 var<workgroup> wred: f32;
-
-/** Value j of what the sampling passes walk: candidate j, or logit j of the row. */
-fn val(j: u32, compact: bool, base: u32) -> f32 {
-  if (compact) { return cval[j]; }
-  return logits[base + j];
-}
 
 /** The vocabulary id of value j. */
 fn idOf(j: u32, compact: bool) -> u32 {
@@ -490,17 +492,19 @@ fn main(
       for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
         let mid = 0.5 * (a + b);
         var cnt = 0.0;
-        ${pass(U, "j", "j0", "j1", VAL, "cnt = cnt + select(0.0, 1.0, x >= mid);")}
+        ${walk(() => "cnt = cnt + select(0.0, 1.0, x >= mid);")}
         if (sum_all(cnt, tid) >= f32(topk)) { a = mid; } else { b = mid; }
       }
       cut = a;
     }
-    // The kept mass (top-p alone keeps the vocabulary: its mass is zfull, taken above).
-    var z = 0.0;
-    if (!nucleusOnly) {
-      ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
+    // The kept mass, which only the nucleus needs (top-p alone keeps the vocabulary: its mass is
+    // zfull, taken above). Without top-p no pass: the draw sums the same mass below.
+    var zs = zfull;
+    if (!nucleusOnly && topp > 0.0 && topp < 1.0) {
+      var z = 0.0;
+      ${walk(() => "if (x >= cut) { z = z + exp((x - mx) * inv); }")}
+      zs = sum_all(z, tid);
     }
-    let zs = select(sum_all(z, tid), zfull, nucleusOnly);
     if (ranked && topp > 0.0 && topp < 1.0) {
       // Nucleus: the largest kept candidate whose kept mass at or above it reaches top_p.
       var mv = -3.0e38;
@@ -523,13 +527,13 @@ fn main(
       for (var it = 0u; it < ${BISECT}u; it = it + 1u) {
         let mid = 0.5 * (a + b);
         var m = 0.0;
-        ${pass(U, "j", "j0", "j1", VAL, "if (x >= mid && x >= cut) { m = m + exp((x - mx) * inv); }")}
+        ${walk(() => "if (x >= mid && x >= cut) { m = m + exp((x - mx) * inv); }")}
         if (sum_all(m, tid) >= topp * zs) { a = mid; } else { b = mid; }
       }
       cut = max(cut, a);
     }
     var mine = 0.0;
-    ${pass(U, "j", "j0", "j1", VAL, "if (x >= cut) { mine = mine + exp((x - mx) * inv); }")}
+    ${walk(() => "if (x >= cut) { mine = mine + exp((x - mx) * inv); }")}
     let total = sum_all(mine, tid);
     ${sg ? DRAW_SUBGROUPS : DRAW_SERIAL(WG)}
     if (tid == owner) {
@@ -537,13 +541,8 @@ fn main(
       var pick = 0xffffffffu;
       var last = idOf(j0, compact);
       ${
-    pass(
-      U,
-      "j",
-      "j0",
-      "j1",
-      VAL,
-      "if (x >= cut) { last = idOf(j, compact); acc = acc + exp((x - mx) * inv); if (pick == 0xffffffffu && rest < acc) { pick = last; } }",
+    walk((id) =>
+      `if (x >= cut) { last = ${id}; acc = acc + exp((x - mx) * inv); if (pick == 0xffffffffu && rest < acc) { pick = last; } }`
     )
   }
       redi[0] = select(pick, last, pick == 0xffffffffu);
