@@ -168,6 +168,27 @@ fn max_all(v: f32, tid: u32) -> f32 {
   return workgroupUniformLoad(&wred);
 }`;
 
+/** A workgroup reduction through subgroups (see SUBGROUP_REDUCTIONS): `fn name(v, tid) -> type`. */
+function subgroupReduce(
+  WG: number,
+  name: string,
+  type: "f32" | "u32",
+  shared: "sgf" | "sgu",
+  op: string,
+  init: string,
+  combine: (a: string, b: string) => string,
+): string {
+  return `fn ${name}(v: ${type}, tid: u32) -> ${type} {
+  let s = ${op}(v);
+  workgroupBarrier();
+  if (sgl == 0u) { ${shared}[tid / sgs] = s; }
+  workgroupBarrier();
+  var t = ${init};
+  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = ${combine("t", `${shared}[k]`)}; }
+  return t;
+}`;
+}
+
 /**
  * Workgroup reductions through subgroups: each subgroup reduces in registers, its first lane
  * leaves the result in workgroup memory, and every invocation combines the WG / subgroup-size
@@ -180,45 +201,10 @@ var<workgroup> sgu: array<u32, ${WG}>;
 var<private> sgs: u32;
 var<private> sgl: u32;
 
-fn sum_all(v: f32, tid: u32) -> f32 {
-  let s = subgroupAdd(v);
-  workgroupBarrier();
-  if (sgl == 0u) { sgf[tid / sgs] = s; }
-  workgroupBarrier();
-  var t = 0.0;
-  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = t + sgf[k]; }
-  return t;
-}
-
-fn max_all(v: f32, tid: u32) -> f32 {
-  let s = subgroupMax(v);
-  workgroupBarrier();
-  if (sgl == 0u) { sgf[tid / sgs] = s; }
-  workgroupBarrier();
-  var t = -3.0e38;
-  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = max(t, sgf[k]); }
-  return t;
-}
-
-fn min_all_u(v: u32, tid: u32) -> u32 {
-  let s = subgroupMin(v);
-  workgroupBarrier();
-  if (sgl == 0u) { sgu[tid / sgs] = s; }
-  workgroupBarrier();
-  var t = 0xffffffffu;
-  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = min(t, sgu[k]); }
-  return t;
-}
-
-fn max_all_u(v: u32, tid: u32) -> u32 {
-  let s = subgroupMax(v);
-  workgroupBarrier();
-  if (sgl == 0u) { sgu[tid / sgs] = s; }
-  workgroupBarrier();
-  var t = 0u;
-  for (var k = 0u; k < ${WG}u / sgs; k = k + 1u) { t = max(t, sgu[k]); }
-  return t;
-}
+${subgroupReduce(WG, "sum_all", "f32", "sgf", "subgroupAdd", "0.0", (a, b) => `${a} + ${b}`)}
+${subgroupReduce(WG, "max_all", "f32", "sgf", "subgroupMax", "-3.0e38", (a, b) => `max(${a}, ${b})`)}
+${subgroupReduce(WG, "min_all_u", "u32", "sgu", "subgroupMin", "0xffffffffu", (a, b) => `min(${a}, ${b})`)}
+${subgroupReduce(WG, "max_all_u", "u32", "sgu", "subgroupMax", "0u", (a, b) => `max(${a}, ${b})`)}
 
 /** Σ v over the invocations before this one; the total lands in wcount. */
 fn prefix_u(v: u32, tid: u32) -> u32 {
