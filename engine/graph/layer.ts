@@ -30,12 +30,12 @@ import {
   whole,
 } from "./builder.ts";
 import { type Step } from "./program.ts";
-import { linear, linearBackward, rowParallel } from "./matmul_steps.ts";
+import { geluStaging, linear, linearBackward, rowParallel } from "./matmul_steps.ts";
 import { layernormBackward, layernormForward } from "./layernorm_steps.ts";
 
 /** Layer l's forward steps: res[l] (B·T, C) in, res[l + 1] out, the activations in g.acts[l]. */
 export function layerForward(g: GraphBuilder, l: number): Step[] {
-  const a = g.acts[l], w = `h.${l}.`, n = `l${l}.`, { C, Cl } = g.dims;
+  const a = g.acts[l], w = `h.${l}.`, n = `l${l}.`, { C, Cl } = g.dims, staged = geluStaging(g, a.fch);
   return [
     // ln1 = LN(res[l]); qkv = ln1·Wqkv + b (B·T, 3Cl); y = attention(qkv) (B·T, Cl) (+ lse)
     layernormForward(g, `${n}ln1`, g.res[l], w + "ln_1", a.ln1, a.ln1s),
@@ -49,17 +49,24 @@ export function layerForward(g: GraphBuilder, l: number): Step[] {
       out: a.res2,
       site: dropoutSite.attnProj(l),
     }),
-    // ln2 = LN(res2); fch = ln2·Wfc + b (B·T, 4Cl)
+    // ln2 = LN(res2); fch = ln2·Wfc + b (B·T, 4Cl), and in training gelu(fch) into a scratch
     layernormForward(g, `${n}ln2`, a.res2, w + "ln_2", a.ln2, a.ln2s),
-    ...linear(g, `${n}fc`, w + "mlp.c_fc", { x: a.ln2, out: a.fch, K: C, N: 4 * Cl }),
-    // res[l + 1] = res2 + drop(gelu(fch)·Wfcproj + b), gelu applied as fch is loaded (never stored)
+    ...linear(g, `${n}fc`, w + "mlp.c_fc", {
+      x: a.ln2,
+      out: a.fch,
+      K: C,
+      N: 4 * Cl,
+      gelu: staged ?? undefined,
+    }),
+    // res[l + 1] = res2 + drop(gelu(fch)·Wfcproj + b), reading the staged gelu(fch), else applying
+    // gelu as fch is loaded (never stored)
     ...rowParallel(g, `${n}fc_proj`, w + "mlp.c_proj", {
-      x: a.fch,
+      x: staged ?? a.fch,
       K: 4 * Cl,
       res: a.res2,
       out: g.res[l + 1],
       site: dropoutSite.mlpProj(l),
-      gelu: true,
+      gelu: !staged,
     }),
   ];
 }

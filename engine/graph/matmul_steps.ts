@@ -21,6 +21,7 @@ import { biasDropResidualWgsl } from "../parallel/tensor_parallel_kernels.ts";
 import {
   allreduce,
   type Backprop,
+  buf,
   CPU_MATMUL_MIN_MACS,
   drop,
   dropSlot,
@@ -140,19 +141,41 @@ export interface LinearIO {
   out: GPUBuffer;
   K: number;
   N: number;
+  /** (B·T, N) also written with gelu(out) (the MLP's activation, for its projection to read). */
+  gelu?: GPUBuffer;
 }
 
 /**
  * A linear layer `out = x·W + b` with the weight and bias of parameter prefix `name`
  * (column-parallel with tensor parallelism: N is this rank's columns).
  */
-export function linear(g: GraphBuilder, label: string, name: string, { x, out, K, N }: LinearIO): Op[] {
-  return matmul(g, "forward", label, { ...mm(g.dims.BT, N, K), bias: true }, {
+export function linear(g: GraphBuilder, label: string, name: string, { x, out, K, N, gelu }: LinearIO): Op[] {
+  return matmul(g, "forward", label, {
+    ...mm(g.dims.BT, N, K),
+    bias: true,
+    ...(gelu ? { epilogue: "gelu" as const } : {}),
+  }, {
     A: whole(x),
     B: weight(g, name + ".weight"),
     bias: param(g, name + ".bias"),
     out: whole(out),
+    ...(gelu ? { out2: whole(gelu) } : {}),
   });
+}
+
+/**
+ * Where a training forward stores gelu(fch) for the MLP projection to read: the backward's d4
+ * scratch, free until the layer's backward writes it. The tiled projection runs well below its
+ * twins' rate when it applies GELU to every tiled load of fch (each element is loaded C/BN
+ * times; the weight gradient's twin case measured 19.3 against 36.0 TFLOP/s on an H200,
+ * bench/RESULTS.md issue 38), so the fc matmul's epilogue writes it once. Null (GELU applied as
+ * fch is loaded) without a backward, on the CPU adapters' kernels (one pipeline fewer to
+ * compile), or where the scratch's element type is not fch's.
+ */
+export function geluStaging(g: GraphBuilder, fch: GPUBuffer): GPUBuffer | null {
+  if (!g.train || g.cpuDirect || g.cpuUniform) return null;
+  const d4 = buf(g, "d4c");
+  return dtypeOf(g, d4) === dtypeOf(g, fch) ? d4 : null;
 }
 
 /** What a row-parallel output projection reads and writes besides its input. */
