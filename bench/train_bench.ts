@@ -6,6 +6,7 @@
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
+ *                   [--attn-scores] (dQ as a matmul over the dS the dK/dV kernel stores)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
  *
@@ -44,6 +45,7 @@ export interface TrainBenchOptions {
     tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
     flashAttention?: boolean;
     attentionBackwardTiles?: boolean;
+    attentionScores?: boolean;
   };
 }
 
@@ -318,6 +320,7 @@ if (import.meta.main) {
           | "none",
       flashAttention: !args.includes("--no-flash"),
       attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
+      attentionScores: args.includes("--attn-scores"),
     },
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");

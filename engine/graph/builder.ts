@@ -24,6 +24,7 @@ import { DROPOUT_SLOT_BYTES, dropoutSite } from "../../model/rng.ts";
 import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type View } from "../ops.ts";
 import {
   type AttentionSpec,
+  backwardKVSpec,
   chooseAttentionSplit,
   chooseAttentionTiles,
   chooseBackwardTilings,
@@ -31,6 +32,7 @@ import {
   chooseSplitAttentionTiles,
   type FlashTiles,
 } from "../kernels/attention.ts";
+import { scoresPathError, scoresScratchBytes } from "../kernels/attention_dq.ts";
 import { ROW_BLOCK } from "../kernels/layernorm.ts";
 import { MATMUL_TILE_RULES, type TileRule } from "../kernels/matmul.ts";
 import { grid1d, type StorageDtype } from "../kernels/common.ts";
@@ -129,6 +131,12 @@ export interface GraphBuilder {
   /** Split-K partial sums of the backward weight gradients (one matmul at a time, so shared). */
   matmulPart: GPUBuffer | null;
   attn: AttentionSpec;
+  /**
+   * The attention backward's dS scratch (B·Hl·T² f32 over the logits buffer, free once the LM
+   * head's backward has run): the split dK/dV kernel writes dS there and dQ is a matmul over it
+   * (kernels/attention_dq.ts). Null: the dQ kernel recomputes the scores.
+   */
+  dsScratch: View | null;
   /** The FlashAttention-2 style forward's tiles where the device fits it. */
   flashFwd: FlashTiles | null;
   /** Tensor parallelism: the scratch of row-parallel partial sums (B·T, C). */
@@ -206,6 +214,7 @@ export async function createBuilder(
     throw new ConfigError("precision", `"fp16" needs a GPU with shader-f16, which this adapter lacks`);
   }
   const lnw = plan.byLabel.has("lnw") ? buf("lnw") : null;
+  const kernels = kernelChoices(ctx, opts, dims, plan, cpuDirect);
   return {
     ctx,
     shape,
@@ -256,7 +265,8 @@ export async function createBuilder(
     hiddenDropout: shape.hiddenDropout,
     attnDropout: shape.attnDropout,
     matmulPart: plan.byLabel.has("matmul_part") ? buf("matmul_part") : null,
-    ...kernelChoices(ctx, opts, dims, plan, cpuDirect),
+    ...kernels,
+    dsScratch: scoresScratch(opts, train, kernels.attn, buf("logits")),
     partial: tpSize > 1 ? buf("partial") : null,
     layerSteps: [],
     byLabel,
@@ -411,6 +421,21 @@ export async function createBufferPool(
     throw e;
   }
   return { byLabel, bytes, destroy };
+}
+
+/**
+ * The attention backward's dS scratch (see GraphBuilder.dsScratch): the start of the logits
+ * buffer, where the option asks for it, the split dK/dV kernel runs and the scores fit there.
+ */
+function scoresScratch(
+  opts: GraphOptions,
+  train: boolean,
+  attn: AttentionSpec,
+  logits: GPUBuffer,
+): View | null {
+  if (!train || !opts.kernels?.attentionScores || scoresPathError(backwardKVSpec(attn)) !== null) return null;
+  const size = scoresScratchBytes(attn);
+  return size <= logits.size ? { buffer: logits, offset: 0, size } : null;
 }
 
 /** The attention kernels' spec for this rank's heads (tiles for the device, without dropout). */

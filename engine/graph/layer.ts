@@ -18,6 +18,7 @@ import {
   backwardKVSpec,
   backwardQSpec,
 } from "../kernels/attention.ts";
+import { attentionBackwardQScoresWgsl, DQ_SCORES_BQ } from "../kernels/attention_dq.ts";
 import { dropoutMaskWgsl, grid1d } from "../kernels/common.ts";
 import {
   allreduce,
@@ -166,22 +167,50 @@ function attentionBackward(g: GraphBuilder, t: Backprop, l: number): Op[] {
   const as = { ...g.attn, dropout: drop(g, g.attnDropout, dropoutSite.attnProbs(l)) };
   const u = { uniform: as.dropout ? dropSlot(g, as.dropout.site) : undefined };
   const av = [whole(a.qkv), whole(t.datty), whole(a.lse), whole(t.delta), whole(t.dqkv)];
+  // With the dS scratch the dK/dV kernel also stores dS, and dQ = dS·K reads it (one product
+  // instead of three, no shuffles); else the dQ kernel recomputes S, P and dP.
+  const ds = g.dsScratch, kv = { ...as, writeDS: !!ds };
+  const dq = ds
+    ? op(
+      g,
+      "backward",
+      "attention_bwd",
+      `l${l}.attention.dq`,
+      attentionBackwardQScoresWgsl(as),
+      [
+        whole(a.qkv),
+        ds,
+        whole(t.dqkv),
+      ],
+      [Math.ceil(T / DQ_SCORES_BQ), Hl, B],
+      { flops: 0.5 * attentionFlops(as) },
+    )
+    : op(g, "backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
+      Math.ceil(T / backwardQSpec(as).BQ),
+      Hl,
+      B,
+    ], { ...u, flops: 1.5 * attentionFlops(as) });
   return [
     op(g, "backward", "attention_bwd", `l${l}.attention.delta`, attentionDeltaWgsl(as), [
       whole(a.atty),
       whole(t.datty),
       whole(t.delta),
     ], grid1d(Math.ceil((BT * Hl) / 64), g.ctx.limits.maxComputeWorkgroupsPerDimension)),
-    op(g, "backward", "attention_bwd", `l${l}.attention.dkv`, attentionBackwardKVWgsl(as), av, [
-      Math.ceil(T / backwardKVSpec(as).BKV),
-      Hl,
-      B,
-    ], { ...u, flops: 2 * attentionFlops(as) }),
-    op(g, "backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
-      Math.ceil(T / backwardQSpec(as).BQ),
-      Hl,
-      B,
-    ], { ...u, flops: 1.5 * attentionFlops(as) }),
+    op(
+      g,
+      "backward",
+      "attention_bwd",
+      `l${l}.attention.dkv`,
+      attentionBackwardKVWgsl(kv),
+      ds ? [...av, ds] : av,
+      [
+        Math.ceil(T / backwardKVSpec(as).BKV),
+        Hl,
+        B,
+      ],
+      { ...u, flops: 2 * attentionFlops(as) },
+    ),
+    dq,
   ];
 }
 

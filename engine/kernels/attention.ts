@@ -9,7 +9,9 @@
  * 4 rows × several keys per thread, one max and rescale per tile, exp2 with log2 e folded into q).
  * The flash forward lives in attention_flash.ts, the spec and tile choosers in attention_spec.ts
  * (both re-exported here). A flash backward (dS written once for a dQ = dS·K kernel) lives in
- * bench/experiments/flash_backward.ts: the product runs the split backward kernels.
+ * bench/experiments/flash_backward.ts: the product runs the split backward kernels. With `writeDS`
+ * the split dK/dV kernel also stores dS, and dQ becomes a matmul over it (attention_dq.ts; the
+ * `attentionScores` kernel option, off until timed on a GPU).
  *
  * Layout: qkv is (B, T, 3C) with q, k, v in column blocks [0,C), [C,2C), [2C,3C); head h uses
  * columns h·D … h·D+D-1 of each block. Output y is (B, T, C); lse and delta are (B, H, T).
@@ -26,6 +28,7 @@ import {
   header,
 } from "./attention_spec.ts";
 import { flashForwardWgsl } from "./attention_flash.ts";
+import { scoresPathError } from "./attention_dq.ts";
 
 export * from "./attention_spec.ts";
 export {
@@ -58,9 +61,11 @@ export function attentionDeltaWgsl(s: AttentionSpec): string {
   return withStorageDtypes(attentionDeltaPlainWgsl(s), { y: s.dtype, dy: s.gradDtype });
 }
 
-/** dK and dV. Grid (ceil(T/BKV), H, B). */
+/** dK and dV (and with `writeDS` the dS entries for attention_dq.ts). Grid (ceil(T/BKV), H, B). */
 export function attentionBackwardKVWgsl(s: AttentionSpec): string {
-  return withStorageDtypes(attentionBackwardKVPlainWgsl(backwardKVSpec(s)), {
+  const kv = backwardKVSpec(s), err = s.writeDS ? scoresPathError(kv) : null;
+  if (err) throw new RangeError(`writeDS: ${err}`);
+  return withStorageDtypes(attentionBackwardKVPlainWgsl(kv), {
     qkv: s.dtype,
     dy: s.gradDtype,
     dqkv: s.gradDtype,
@@ -581,6 +586,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       return `${p} ${rest}`;
     }, "\n      ")
   }
+      ${s.writeDS ? each((r) => writeDS(s, r, S), "\n      ") : ""}
       ${eachRC((r, c) => `dv${r}_${c} = fma(vec4<f32>(pd${r}), o${c}, dv${r}_${c});`, "\n      ")}
       ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}
     }
@@ -595,6 +601,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
 }
 `;
+}
+
+/** The split dK/dV kernel's store of dS for key row r: lane r mod S of each thread group writes it. */
+function writeDS(s: AttentionSpec, r: number, S: number): string {
+  return `if (part == ${
+    r % S
+  }u && kj${r} < ${s.T}u) { dst[((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}] = ds${r}; }`;
 }
 
 /**

@@ -37,6 +37,11 @@ export interface AttentionSpec {
   bwdKV?: BackwardTiling;
   /** The dQ kernel's own tiling, replacing split, BQ, BKV and qRows for it (see backwardQSpec). */
   bwdQ?: BackwardTiling;
+  /**
+   * Split dK/dV kernel: also write each dS entry it computes to binding 5 (`dst`, f32,
+   * query-major), for the dQ kernel of attention_dq.ts to read instead of recomputing them.
+   */
+  writeDS?: boolean;
   /** Element type of qkv and of the output y in memory (arithmetic is f32); default f32. */
   dtype?: StorageDtype;
   /** Element type of the gradients dy and dqkv in memory; default f32. */
@@ -191,6 +196,7 @@ export function backwardBindings(s: AttentionSpec): string {
 @group(0) @binding(2) var<storage, read> lse: array<f32>;
 @group(0) @binding(3) var<storage, read> delta: array<f32>;
 @group(0) @binding(4) var<storage, read_write> dqkv: array<vec4<f32>>;
+${s.writeDS ? "@group(0) @binding(5) var<storage, read_write> dst: array<f32>;" : ""}
 ${s.dropout ? dropWgsl() : ""}`;
 }
 

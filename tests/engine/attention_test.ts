@@ -25,13 +25,18 @@ import {
   flashBackwardQWgsl,
   flashScratchBytes,
 } from "../../bench/experiments/flash_backward.ts";
+import {
+  attentionBackwardQScoresWgsl,
+  DQ_SCORES_BQ,
+  scoresScratchBytes,
+} from "../../engine/kernels/attention_dq.ts";
 import { grid1d } from "../../engine/kernels/common.ts";
 import { encodeOps, makeOp, type OpKind, PipelineCache } from "../../engine/ops.ts";
 import { attention_backward, attention_forward } from "../reference/cpu_gpt2.ts";
 import { dropThreshold } from "../../model/rng.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
 
-const B = 1, H = 2, T = 40;
+const B = 1, H = 2, T0 = 40;
 
 /** Kernels of one run: the plain/split ones, or flash specs replacing the forward and/or the backward. */
 interface RunOptions {
@@ -49,11 +54,18 @@ interface RunOptions {
   rows?: 1 | 2 | 4;
   /** Tilings of the split backward kernels' own (AttentionSpec.bwdKV, bwdQ). */
   own?: Pick<AttentionSpec, "bwdKV" | "bwdQ">;
+  /**
+   * The dK/dV kernel writes dS (`writeDS`) and dQ is the matmul over it (attention_dq.ts); the
+   * scratch starts as NaN, so an entry read without being written or masked shows.
+   */
+  scores?: boolean;
+  /** Sequence length (default T0). */
+  T?: number;
 }
 
 async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
   const ctx = (await testContext())!;
-  const D = o.D ?? 64, C = H * D;
+  const D = o.D ?? 64, C = H * D, T = o.T ?? T0;
   const wg = ctx.limits.maxComputeWorkgroupStorageSize;
   tiles ??= split > 1 ? chooseSplitAttentionTiles({ T, D }, wg, split) : chooseAttentionTiles({ T, D }, wg);
   const s: AttentionSpec = {
@@ -117,8 +129,25 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
     });
   const av = [bufs.qkv, bufs.dy, bufs.lse, bufs.delta, bufs.dqkv];
   const sb: AttentionSpec = { ...s, ...o.flashBwd };
-  const dst = o.flashBwd ? await upload(ctx, "dst", new Float32Array(flashScratchBytes(s) / 4)) : null;
-  const backward = dst
+  const dst = o.flashBwd
+    ? await upload(ctx, "dst", new Float32Array(flashScratchBytes(s) / 4))
+    : o.scores
+    ? await upload(ctx, "dst", new Float32Array(scoresScratchBytes(s) / 4).fill(NaN))
+    : null;
+  const backward = o.scores
+    ? [
+      await mk("dkv", "attention_bwd", attentionBackwardKVWgsl({ ...s, writeDS: true }), [...av, dst!], [
+        Math.ceil(T / backwardKVSpec(s).BKV),
+        H,
+        B,
+      ]),
+      await mk("dq.flash", "attention_bwd", attentionBackwardQScoresWgsl(s), [bufs.qkv, dst!, bufs.dqkv], [
+        Math.ceil(T / DQ_SCORES_BQ),
+        H,
+        B,
+      ]),
+    ]
+    : dst
     ? [
       await mk("dkv", "attention_bwd", flashBackwardKVWgsl(sb), [...av, dst], [Math.ceil(T / sb.BKV), H, B]),
       await mk("dq.flash", "attention_bwd", flashBackwardQWgsl(sb), [bufs.qkv, dst, bufs.dqkv], [
@@ -226,8 +255,8 @@ Deno.test({
     };
     // The H200's picks where they fit, and tiles that differ between the kernels and from the forward's.
     const picks = [
-      chooseBackwardTilings({ T, D: 64 }, lim),
-      chooseBackwardTilings({ T, D: 64 }, lim, {
+      chooseBackwardTilings({ T: T0, D: 64 }, lim),
+      chooseBackwardTilings({ T: T0, D: 64 }, lim, {
         kv: [{ split: 4, BQ: 16, BKV: 32, rows: 2 }],
         q: [{ split: 4, BQ: 32, BKV: 16, rows: 1 }],
       }),
@@ -239,6 +268,32 @@ Deno.test({
     }
   },
 });
+
+/**
+ * dS stored by the split dK/dV kernel and dQ as the matmul over it: the H200's tilings, several
+ * keys per group with dropout, a T with several query and key tiles and a ragged end (T = 136:
+ * three 64-query tiles, five 32-key tiles), and f16 storage.
+ */
+const scoreCases: Array<[string, number, RunOptions]> = [
+  ["split 8, 4 keys per group (the H200's tiling)", 0, { own: { bwdKV: BACKWARD_KV_TILINGS[0] } }],
+  ["split 4, 2 rows, dropout", 0.2, { rows: 2 }],
+  ["split 4, T=136, dropout", 0.2, { T: 136 }],
+  ["split 4, D=32, f16 storage", 0, { D: 32, half: true }],
+];
+for (const [label, p, o] of scoreCases) {
+  Deno.test({
+    name: `attention's dQ from stored dS (${label}) matches float64`,
+    ignore: noGpu,
+    async fn() {
+      const ctx = (await testContext())!;
+      const split = o.own?.bwdKV?.split ?? 4;
+      if (!ctx.hasSubgroups || ctx.subgroupMinSize < split || (o.half && !ctx.hasF16)) return;
+      const e = await run(4, p, undefined, { ...o, scores: true });
+      const tol = o.half ? 3e-3 : 1e-5;
+      assert.ok(e.dqkv < tol, `dqkv rel err ${e.dqkv}`);
+    },
+  });
+}
 
 Deno.test("chooseBackwardTilings() keeps to the device's subgroup size, threads and workgroup memory", () => {
   const big = { maxWorkgroupBytes: 49152, maxThreads: 1024, subgroupMinSize: 32 };

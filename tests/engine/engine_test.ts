@@ -10,6 +10,8 @@ import { referenceAdamWStep, referenceForward, referenceLossAndGrads } from "../
 import { initParams } from "../../model/init.ts";
 import { learningRate, type LrSchedule } from "../../model/schedule.ts";
 import { Trainer, type TrainerOptions } from "../../engine/trainer.ts";
+import { buildModel, destroyModel } from "../../engine/graph/mod.ts";
+import { opsOf } from "../../engine/graph/program.ts";
 import { noGpu, relNorm, testContext } from "../_helpers.ts";
 
 const config = makeConfig({ n_layer: 2, n_head: 4, n_embd: 64, n_positions: 32 });
@@ -68,11 +70,13 @@ Deno.test({
 // The GPUs' kernels too (tiled matmuls, GELU staged for the MLP's weight gradient, the split
 // attention backward on its own tilings), which a CPU adapter otherwise replaces.
 const gpuKernels = { cpuDirect: false, cpuMatmul: false } as const;
-for (const [dropout, kernels] of [[0], [0.1], [0.1, gpuKernels]] as const) {
+// And the attention backward's dQ as a matmul over the dS its dK/dV kernel stores (attention_dq.ts).
+const scoreKernels = { ...gpuKernels, attentionScores: true } as const;
+for (const [dropout, kernels] of [[0], [0.1], [0.1, gpuKernels], [0.1, scoreKernels]] as const) {
   Deno.test({
     name: `Trainer.trainStep() gradients of every tensor match the CPU reference (dropout ${dropout}${
       kernels ? ", the GPUs' kernels" : ""
-    })`,
+    }${kernels && "attentionScores" in kernels ? ", dQ from stored dS" : ""})`,
     ignore: noGpu,
     fn: async () => {
       const tr = await trainer(dropout, 7, kernels);
@@ -105,6 +109,22 @@ for (const [dropout, kernels] of [[0], [0.1], [0.1, gpuKernels]] as const) {
     },
   });
 }
+
+Deno.test({
+  name: "attentionScores: the dQ kernel does one product over the stored dS instead of three",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    if (!ctx.hasSubgroups) return;
+    const shape = { config, B, T, attnDropout: 0.1, hiddenDropout: 0.1 };
+    for (const [kernels, share] of [[gpuKernels, 0.75], [scoreKernels, 0.25]] as const) {
+      const m = await buildModel(ctx, shape, { kernels });
+      const flops = (label: string) => opsOf(m.program.backward).find((o) => o.label === label)!.flops;
+      assert.equal(flops("l1.attention.dq") / flops("l1.attention.dkv"), share, JSON.stringify(kernels));
+      destroyModel(m);
+    }
+  },
+});
 
 Deno.test({
   name: "Trainer 10-step AdamW loss trajectory matches the CPU reference",
