@@ -1,7 +1,8 @@
 /**
  * Attention benchmark: the causal attention forward and backward of gpt2-124M and gpt2-345M
  * (B = 8, T = 1024, D = 64, H = 12 / 16), the kernels the engine runs today (engine/graph/'s
- * choice) against the flash kernels (every tiling the device fits), timed by timestamp queries
+ * choice) against the flash kernels (every tiling the device fits) and the dK/dV kernel storing dS
+ * for dQ as a matmul over it (attention_dq.ts), timed by timestamp queries
  * (median over ≥ 20 repetitions after warmup). Every flash result is compared on the GPU with
  * today's kernels on the same inputs (max |difference| / max |value| of y, lse and dqkv) and a
  * tiling that disagrees is reported and never chosen.
@@ -36,6 +37,12 @@ import {
   type FlashLimits,
   type FlashTiles,
 } from "../engine/kernels/attention.ts";
+import {
+  attentionBackwardQScoresWgsl,
+  DQ_SCORES_BQ,
+  scoresPathError,
+  scoresScratchBytes,
+} from "../engine/kernels/attention_dq.ts";
 import {
   flashBackwardCandidates,
   flashBackwardFits,
@@ -363,6 +370,38 @@ async function main(args: string[]): Promise<void> {
           pick.bwdQ ? tname(pick.bwdQ) : "shared"
         }`;
         print(row("backward", label, tm, 2.5 * flops, rel, rel.dqkv <= tol), tbNow.median_ms);
+        // The pick's dK/dV kernel storing dS, and dQ as the matmul over it (attention_dq.ts),
+        // against the pick: the pair, and each kernel alone against its counterpart alone.
+        if (scoresPathError(backwardKVSpec(sp)) === null && bufs.dst.size >= scoresScratchBytes(p)) {
+          const label = "stored dS: delta + dK/dV (pick, writeDS) + dQ = dS·K";
+          try {
+            const okvS = await op("dkv.ds", attentionBackwardKVWgsl({ ...sp, writeDS: true }), [
+              ...bviews,
+              bufs.dqkv2,
+              bufs.dst,
+            ], [Math.ceil(p.T / backwardKVSpec(sp).BKV), p.H, p.B]);
+            const oqS = await op(
+              "dq.ds",
+              attentionBackwardQScoresWgsl(sp),
+              [bufs.qkv, bufs.dst, bufs.dqkv2],
+              [
+                Math.ceil(p.T / DQ_SCORES_BQ),
+                p.H,
+                p.B,
+              ],
+            );
+            const tS = await timer.timeAdaptive([delta, okvS, oqS], policy);
+            const relS = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            print(row("backward", label, tS, 2.5 * flops, relS, relS.dqkv <= tol), tm.median_ms);
+            const alone = async (o: Op) => (await timer.timeAdaptive([o], policy)).median_ms.toFixed(3);
+            console.log(
+              `  alone, ms: dK/dV pick ${await alone(okv)}, with writeDS ${await alone(okvS)}; ` +
+                `dQ pick ${await alone(oq)}, dQ = dS·K ${await alone(oqS)}`,
+            );
+          } catch (e) {
+            print(failed("backward", label, e));
+          }
+        }
       }
       for (const kv of args.includes("--no-flash-bwd") ? [] : cands.kv) {
         for (const q of cands.q) {

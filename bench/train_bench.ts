@@ -45,8 +45,9 @@ export interface TrainBenchOptions {
     tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
     flashAttention?: boolean;
     attentionBackwardTiles?: boolean;
-    attentionScores?: boolean;
   };
+  /** The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores). */
+  attentionScores?: boolean;
 }
 
 /** One model's measured figures. */
@@ -115,6 +116,7 @@ export async function benchTraining(
     precision: o.precision,
     f16Math: o.f16Math,
     kernels: o.kernels,
+    attentionScores: o.attentionScores,
     lossMask: o.sft,
   });
   console.error(
@@ -320,8 +322,8 @@ if (import.meta.main) {
           | "none",
       flashAttention: !args.includes("--no-flash"),
       attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
-      attentionScores: args.includes("--attn-scores"),
     },
+    attentionScores: args.includes("--attn-scores"),
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const objectives = arg(args, "objectives", "plain").split(",");

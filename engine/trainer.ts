@@ -69,6 +69,8 @@ export interface TrainerOptions {
   chunks?: ChunkOptions;
   /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
   checkpointLayers?: number;
+  /** The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores). */
+  attentionScores?: boolean;
   /** Hears of each kernel compiled while the model is built, with their total. */
   onCompile?: CompileListener;
   /** Micro-batches per optimizer step, their gradients accumulated on the GPU (default 1). */
@@ -234,6 +236,7 @@ export class Trainer {
     }, {
       ...opts.chunks,
       checkpointLayers: opts.checkpointLayers,
+      attentionScores: opts.attentionScores,
       precision: opts.precision,
       f16Math: opts.f16Math,
       microBatches: opts.microBatches,

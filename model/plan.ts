@@ -102,6 +102,31 @@ export interface PlanOptions extends ChunkOptions {
    * weights (f32 bits; see kernels/cross_entropy.ts). Default false.
    */
   lossMask?: boolean;
+  /**
+   * A training plan's logits buffer also holds the attention backward's dS (B·(H/tp)·T² f32,
+   * written by the dK/dV kernel for a dQ matmul to read once the LM head's backward is done with
+   * the logits; engine/kernels/attention_dq.ts): it is sized to fit them where they take at most
+   * SCORES_MAX_BYTES and the device's binding limit (see scoresFloats). Default false.
+   */
+  attentionScores?: boolean;
+}
+
+/** Most bytes of dS a plan's logits buffer grows to hold (PlanOptions.attentionScores). */
+export const SCORES_MAX_BYTES = 2 ** 30;
+
+/**
+ * f32 elements of the attention backward's dS that a plan's logits buffer holds
+ * (PlanOptions.attentionScores): B·(H/tp)·T² for a training plan with the option, where they fit
+ * SCORES_MAX_BYTES and the binding limit; else 0.
+ */
+export function scoresFloats(
+  limits: PlanLimits,
+  shape: { config: ModelConfig; B: number; T: number },
+  o: PlanOptions,
+): number {
+  if (!o.attentionScores || !(o.train ?? true)) return 0;
+  const n = shape.B * (shape.config.n_head / (o.tensorParallel ?? 1)) * shape.T ** 2;
+  return n * 4 <= Math.min(SCORES_MAX_BYTES, limits.maxStorageBufferBindingSize) ? n : 0;
 }
 
 /** Training precisions. */
@@ -255,6 +280,7 @@ export function planModel(
     segments,
     Vl,
     headRows,
+    scores: scoresFloats(limits, shape, o),
     o,
     buffers: [],
   };
@@ -296,6 +322,8 @@ interface PlanParts {
   /** One rank's vocabulary columns of the logits. */
   Vl: number;
   headRows: number;
+  /** f32 elements of dS the logits buffer also holds (scoresFloats). */
+  scores: number;
   o: PlanOptions;
   buffers: PlannedBuffer[];
 }
@@ -367,7 +395,7 @@ function addActivationBuffers(p: PlanParts): void {
   if (train) addBuffer(p, "lnw", BT * C, act, "activations");
   addBuffer(p, "lnf", BT * C, act, "activations");
   addBuffer(p, "lnfs", BT * 2, "f32", "activations");
-  addBuffer(p, "logits", o.hiddenOnly ? 1 : p.headRows * p.Vl, "f32", "logits");
+  addBuffer(p, "logits", o.hiddenOnly ? 1 : Math.max(p.headRows * p.Vl, p.scores), "f32", "logits");
   addBuffer(p, "losses", o.hiddenOnly ? 1 : BT, "f32", "logits");
   if (!o.hiddenOnly && p.headRows < BT) {
     // The LM head's chunks: each chunk's first row in its own slot, bound by its loss kernels.

@@ -425,7 +425,8 @@ export async function createBufferPool(
 
 /**
  * The attention backward's dS scratch (see GraphBuilder.dsScratch): the start of the logits
- * buffer, where the option asks for it, the split dK/dV kernel runs and the scores fit there.
+ * buffer, where the plan sized it for them (PlanOptions.attentionScores) and the split dK/dV
+ * kernel runs (not the CPU adapters' kernels).
  */
 function scoresScratch(
   opts: GraphOptions,
@@ -433,7 +434,7 @@ function scoresScratch(
   attn: AttentionSpec,
   logits: GPUBuffer,
 ): View | null {
-  if (!train || !opts.kernels?.attentionScores || scoresPathError(backwardKVSpec(attn)) !== null) return null;
+  if (!train || !opts.attentionScores || scoresPathError(backwardKVSpec(attn)) !== null) return null;
   const size = scoresScratchBytes(attn);
   return size <= logits.size ? { buffer: logits, offset: 0, size } : null;
 }

@@ -108,12 +108,6 @@ export interface BuildOptions {
      * default true), or false: both on the forward's shared tiling.
      */
     attentionBackwardTiles?: boolean;
-    /**
-     * The attention backward writes dS once (over the logits buffer, free by then) and computes
-     * dQ as a matmul over it instead of recomputing the scores (kernels/attention_dq.ts), where the
-     * split dK/dV kernel runs and the scores fit (default false: not yet timed on a GPU).
-     */
-    attentionScores?: boolean;
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
     /**

@@ -30,10 +30,16 @@ function batch(seed: number): Uint16Array {
   return out;
 }
 
-async function trainer(dropout: number, seed = 7, kernels?: TrainerOptions["kernels"]): Promise<Trainer> {
+async function trainer(
+  dropout: number,
+  seed = 7,
+  kernels?: TrainerOptions["kernels"],
+  attentionScores?: boolean,
+): Promise<Trainer> {
   const ctx = (await testContext())!;
   const opts: TrainerOptions = {
     kernels,
+    attentionScores,
     config,
     batchSize: B,
     seqLen: T,
@@ -70,16 +76,14 @@ Deno.test({
 // The GPUs' kernels too (tiled matmuls, GELU staged for the MLP's weight gradient, the split
 // attention backward on its own tilings), which a CPU adapter otherwise replaces.
 const gpuKernels = { cpuDirect: false, cpuMatmul: false } as const;
-// And the attention backward's dQ as a matmul over the dS its dK/dV kernel stores (attention_dq.ts).
-const scoreKernels = { ...gpuKernels, attentionScores: true } as const;
-for (const [dropout, kernels] of [[0], [0.1], [0.1, gpuKernels], [0.1, scoreKernels]] as const) {
+for (const [dropout, kernels, scores] of [[0], [0.1], [0.1, gpuKernels], [0.1, gpuKernels, true]] as const) {
   Deno.test({
     name: `Trainer.trainStep() gradients of every tensor match the CPU reference (dropout ${dropout}${
       kernels ? ", the GPUs' kernels" : ""
-    }${kernels && "attentionScores" in kernels ? ", dQ from stored dS" : ""})`,
+    }${scores ? ", dQ from stored dS" : ""})`,
     ignore: noGpu,
     fn: async () => {
-      const tr = await trainer(dropout, 7, kernels);
+      const tr = await trainer(dropout, 7, kernels, scores);
       const tokens = batch(2);
       const params = Float64Array.from(initParams(config, 7));
       const ref = referenceLossAndGrads(config, params, tokens, B, T, {
@@ -117,10 +121,14 @@ Deno.test({
     const ctx = (await testContext())!;
     if (!ctx.hasSubgroups) return;
     const shape = { config, B, T, attnDropout: 0.1, hiddenDropout: 0.1 };
-    for (const [kernels, share] of [[gpuKernels, 0.75], [scoreKernels, 0.25]] as const) {
-      const m = await buildModel(ctx, shape, { kernels });
+    for (const [attentionScores, share] of [[false, 0.75], [true, 0.25]] as const) {
+      const m = await buildModel(ctx, shape, { kernels: gpuKernels, attentionScores });
       const flops = (label: string) => opsOf(m.program.backward).find((o) => o.label === label)!.flops;
-      assert.equal(flops("l1.attention.dq") / flops("l1.attention.dkv"), share, JSON.stringify(kernels));
+      assert.equal(
+        flops("l1.attention.dq") / flops("l1.attention.dkv"),
+        share,
+        `attentionScores ${attentionScores}`,
+      );
       destroyModel(m);
     }
   },
