@@ -1,9 +1,10 @@
 /**
  * The generator's GPU buffers apart from the KV cache (kv_slots.ts), and how its plans are built
  * over them: the parameters, each row's state and sampling, the tokens and logprobs a chunk
- * writes, the prefill's selection, the decode activations (sized for every row at once), and on
- * CPU adapters the weights copied for the uniform-buffer kernels. Every plan's ops are deferred
- * into one batch and compiled together (`inBatch`).
+ * writes, the prefill's selection, the decode activations (sized for every row at once), on CPU
+ * adapters the weights copied for their kernels, and with `lmHead` "f16" wte rounded to f16 for
+ * the decode LM head. Every plan's ops are deferred into one batch and compiled together
+ * (`inBatch`).
  */
 
 import { type ModelConfig, paramLayout } from "../../model/config.ts";
