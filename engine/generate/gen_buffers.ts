@@ -125,9 +125,8 @@ export class GenBuffers {
     const { ctx, config } = this, layout = paramLayout(config);
     const C = config.n_embd, Vp = config.padded_vocab_size;
     if (!(C * GEMV_TRANSPOSED_ROWS <= 8192 && Vp % GEMV_TRANSPOSED_COLUMNS === 0)) return;
-    const uniform = this.opts.cpuUniform;
     if (this.cpuHead) await this.#cpuHeadWeights(params, layout, alloc);
-    if (uniform) this.uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
+    if (this.opts.cpuUniform) this.uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
   }
 
   /** wte transposed (gemvTransposedWgsl) and, with cpuUniform, in uniform blocks (gemvUboWgsl). */
