@@ -83,6 +83,9 @@ async function engine(): Promise<void> {
   const chunk = +arg("chunk", "16"), ahead = arg("ahead", "1") === "1" ? chunk : 0;
   const lmHead = arg("lm-head", "f32");
   if (lmHead !== "f32" && lmHead !== "f16") throw new RangeError(`--lm-head "${lmHead}" must be f32 or f16`);
+  if (cpu && lmHead === "f16") {
+    console.log("A CPU adapter's LM head kernels read wte: --lm-head f16 changes nothing");
+  }
   for (const model of models) {
     const config = presetConfig(model);
     const gen = await Generator.create(ctx, config, initParams(config, 1), {
