@@ -33,7 +33,8 @@
  *
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
- *                                   [--calls (each step call's time)]
+ *                                   [--calls (each step call's time)] [--lm-head f32|f16 (wte's copy the
+ *                                   decode LM head reads up to 16 streams, GeneratorOptions.lmHead)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
  *                                 [--auth none|user|none,user] [--chat]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16] [--cold-load]
@@ -80,12 +81,18 @@ async function engine(): Promise<void> {
   const batches = list(arg("batches", cpu ? "1,4" : "1,16,64")).map(Number);
   const newTokens = +arg("new", cpu ? "32" : "128");
   const chunk = +arg("chunk", "16"), ahead = arg("ahead", "1") === "1" ? chunk : 0;
+  const lmHead = arg("lm-head", "f32");
+  if (lmHead !== "f32" && lmHead !== "f16") throw new RangeError(`--lm-head "${lmHead}" must be f32 or f16`);
+  if (cpu && lmHead === "f16") {
+    console.log("A CPU adapter's LM head kernels read wte: --lm-head f16 changes nothing");
+  }
   for (const model of models) {
     const config = presetConfig(model);
     const gen = await Generator.create(ctx, config, initParams(config, 1), {
       maxStreams: Math.max(...batches),
       chunk,
       submitEvery: +arg("every", "4"),
+      lmHead,
     });
     if (!cpu) {
       console.log(
@@ -123,13 +130,14 @@ async function engine(): Promise<void> {
         scenario: "engine",
         model,
         batch: B,
+        lm_head: lmHead,
         tokens_per_s: r.tokens / (r.ms / 1000),
         ttft_ms: r.ttft,
       };
       results.set(B, res.tokens_per_s);
       console.log(JSON.stringify(res));
       console.log(
-        `${model} batch ${B}: ${res.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
+        `${model} batch ${B} (LM head ${lmHead}): ${res.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
           `time to first token (batched prefill of ${B} × 32 tokens) ${r.ttft.toFixed(1)} ms`,
       );
       if (r.profile) {

@@ -95,6 +95,9 @@ export class Generator {
         `n_positions ${config.n_positions} needs more workgroup memory than the device has`,
       );
     }
+    if (opts.lmHead !== undefined && opts.lmHead !== "f32" && opts.lmHead !== "f16") {
+      throw new RangeError(`LM head weights "${opts.lmHead}" must be "f32" or "f16"`);
+    }
     // A layer's cache must fit one binding: that bounds the streams.
     const perLayerSlot = config.n_positions * config.n_embd * 4;
     const byBinding = Math.floor(ctx.limits.maxStorageBufferBindingSize / perLayerSlot) - 1;
@@ -108,6 +111,7 @@ export class Generator {
       submitEvery: Math.max(1, Math.floor(opts.submitEvery ?? 4)),
       prefillPieces: Math.max(1, Math.floor(opts.prefillPieces ?? (isCpuAdapter(ctx) ? 1 : 6))),
       prerecord: opts.prerecord ?? true,
+      lmHead: opts.lmHead ?? "f32",
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
       kernels: opts.kernels ?? {},

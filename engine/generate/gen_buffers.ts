@@ -1,9 +1,10 @@
 /**
  * The generator's GPU buffers apart from the KV cache (kv_slots.ts), and how its plans are built
  * over them: the parameters, each row's state and sampling, the tokens and logprobs a chunk
- * writes, the prefill's selection, the decode activations (sized for every row at once), and on
- * CPU adapters the weights copied for the uniform-buffer kernels. Every plan's ops are deferred
- * into one batch and compiled together (`inBatch`).
+ * writes, the prefill's selection, the decode activations (sized for every row at once), on CPU
+ * adapters the weights copied for their kernels, and with `lmHead` "f16" wte rounded to f16 for
+ * the decode LM head. Every plan's ops are deferred into one batch and compiled together
+ * (`inBatch`).
  */
 
 import { type ModelConfig, paramLayout } from "../../model/config.ts";
@@ -19,6 +20,7 @@ import {
   gemvUboBlocks,
   gemvUboColumns,
   gemvUboLayerRows,
+  packF16,
 } from "../kernels/gemv.ts";
 import type { DecodeActs, UboHead, UboLayers } from "../graph/decode_step.ts";
 import type { GeneratorOptions } from "./gen_types.ts";
@@ -36,6 +38,8 @@ export class GenBuffers {
   readonly cache: PipelineCache;
   /** A CPU adapter (llvmpipe, lavapipe, SwiftShader): kernels without barriers where it matters. */
   readonly cpu: boolean;
+  /** The LM head runs CPU adapters' kernels (a CPU adapter, unless `kernels.cpuHead` is false). */
+  readonly cpuHead: boolean;
   params!: GPUBuffer;
   /** Each row's state (STATE_WORDS), the copy the state remap reads, and the remap's table. */
   state!: GPUBuffer;
@@ -48,6 +52,8 @@ export class GenBuffers {
   acts!: DecodeActs;
   /** CPU adapters: wte transposed ([C, Vp]) for the LM head of small batches (see gemvTransposedWgsl). */
   wteT: GPUBuffer | null = null;
+  /** With `lmHead` "f16" (not on CPU adapters' head kernels): wte in f16, packed two to a u32 (packF16). */
+  wte16: GPUBuffer | null = null;
   /**
    * CPU adapters: wte in uniform blocks for the decode LM head (gemvUboWgsl), each dispatch's
    * first block (one u32 per uniform offset alignment), and the blocks bound per dispatch.
@@ -68,6 +74,7 @@ export class GenBuffers {
     this.opts = opts;
     this.cache = new PipelineCache(ctx);
     this.cpu = isCpuAdapter(ctx);
+    this.cpuHead = this.cpu && opts.kernels.cpuHead !== false;
   }
 
   /** Uploads `params` (flat layout, checked by the caller) and allocates every buffer but the KV cache. */
@@ -100,15 +107,35 @@ export class GenBuffers {
     g.lp = await alloc("gen.lp", rows * opts.chunk * LP_WORDS * 4);
     g.sel = await alloc("gen.sel", PREFILL_ROWS * SEL_WORDS * 4);
     if (g.cpu) await g.#cpuWeights(params, alloc);
+    if (opts.lmHead === "f16" && !g.cpuHead) {
+      const wte = paramLayout(config).byName.get("wte.weight")!;
+      const half = packF16(params, wte.offset, wte.size);
+      g.wte16 = await alloc("gen.wte16", half.byteLength);
+      ctx.device.queue.writeBuffer(g.wte16, 0, half);
+    }
     await g.#allocActs(alloc);
     return g;
   }
 
-  /** CPU adapters: wte transposed, and (with cpuUniform) wte and the layers' weights in uniform blocks. */
+  /**
+   * CPU adapters: for the LM head's CPU kernels wte transposed, and (with cpuUniform) wte in
+   * uniform blocks; with cpuUniform the layers' weights in uniform slices.
+   */
   async #cpuWeights(params: Float32Array, alloc: Alloc): Promise<void> {
     const { ctx, config } = this, layout = paramLayout(config);
     const C = config.n_embd, Vp = config.padded_vocab_size;
     if (!(C * GEMV_TRANSPOSED_ROWS <= 8192 && Vp % GEMV_TRANSPOSED_COLUMNS === 0)) return;
+    if (this.cpuHead) await this.#cpuHeadWeights(params, layout, alloc);
+    if (this.opts.cpuUniform) this.uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
+  }
+
+  /** wte transposed (gemvTransposedWgsl) and, with cpuUniform, in uniform blocks (gemvUboWgsl). */
+  async #cpuHeadWeights(
+    params: Float32Array,
+    layout: ReturnType<typeof paramLayout>,
+    alloc: Alloc,
+  ): Promise<void> {
+    const { ctx, config } = this, C = config.n_embd, Vp = config.padded_vocab_size;
     const wte = layout.byName.get("wte.weight")!, t = new Float32Array(C * Vp);
     for (let v = 0; v < Vp; v++) {
       const row = wte.offset + v * C;
@@ -130,7 +157,6 @@ export class GenBuffers {
       ctx.device.queue.writeBuffer(bb, 0, base);
       this.ubo = { blocks: wb, base: bb, align, BC, NB, count };
     }
-    if (uniform) this.uboW = await uboLayerWeights(ctx, config, params, layout, alloc);
   }
 
   /** The decode activations, one row per stream (and the spare row), and the LM head's logits. */

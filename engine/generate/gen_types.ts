@@ -58,6 +58,13 @@ export interface GeneratorOptions {
    * when the chunk being read is at least as long (its GPU time covers the recording). Default true.
    */
   prerecord?: boolean;
+  /**
+   * Weights the decode LM head reads over up to GEMV_T_MAX_ROWS rows on GPUs: "f32" (default) wte
+   * itself; "f16" a copy of wte rounded to f16 at load (Vp × C halves), half the bytes a step
+   * reads, summed in f32 (gemvTWgsl's `weights`). A prefill's head, larger batches and CPU
+   * adapters' head kernels read wte.
+   */
+  lmHead?: "f32" | "f16";
   /** Hears of each kernel compiled, with the total of the plan being built (see OpBatch.compile). */
   onCompile?: CompileListener;
   /**
@@ -67,10 +74,16 @@ export interface GeneratorOptions {
    */
   readback?: Readback | null;
   /**
-   * Kernel choices of the prefill plans (see BuildOptions.kernels), for tests and benchmarks:
-   * e.g. the GPUs' tiled kernels on a CPU adapter, or other matmul tile rules.
+   * Kernel choices, for tests and benchmarks: of the prefill plans (see BuildOptions.kernels), e.g.
+   * the GPUs' tiled kernels on a CPU adapter, or other matmul tile rules; and `cpuHead` false, on
+   * a CPU adapter the LM head the GPUs run (gemvTWgsl, tiled above GEMV_T_MAX_ROWS rows) instead
+   * of wte transposed, in uniform blocks or per thread.
    */
-  kernels?: { tileRules?: NonNullable<GraphOptions["kernels"]>["tileRules"]; cpuDirect?: boolean };
+  kernels?: {
+    tileRules?: NonNullable<GraphOptions["kernels"]>["tileRules"];
+    cpuDirect?: boolean;
+    cpuHead?: boolean;
+  };
 }
 
 /** Where the last `step` spent its time (wall-clock ms on the JS thread). */

@@ -38,6 +38,7 @@ import {
   type GemvSpec,
   gemvTColumns,
   gemvTransposedWgsl,
+  type GemvTSpec,
   gemvTWgsl,
   gemvUboLayerWgsl,
   type GemvUboSpec,
@@ -98,6 +99,8 @@ export interface DecodeGraph {
   readonly opts: { chunk: number; directSampler: boolean };
   /** A CPU adapter: kernels without barriers, serial reductions. */
   readonly cpu: boolean;
+  /** The LM head runs CPU adapters' kernels (wteT, ubo, per-thread gemvT). */
+  readonly cpuHead: boolean;
   readonly acts: DecodeActs;
   /** Each row's state, sampling parameters, chunk tokens and logprobs; the prefill's selection. */
   readonly state: GPUBuffer;
@@ -106,6 +109,8 @@ export interface DecodeGraph {
   readonly lp: GPUBuffer;
   readonly sel: GPUBuffer;
   readonly wteT: GPUBuffer | null;
+  /** wte in f16 for the decode LM head (packF16), or null: it reads wte. */
+  readonly wte16: GPUBuffer | null;
   readonly ubo: UboHead | null;
   readonly uboW: UboLayers | null;
   op(
@@ -373,7 +378,11 @@ async function sampleStep(g: DecodeGraph, label: string, S: number, rows: "strea
   ], [S]);
 }
 
-/** The LM head over `M` rows of `x` (gathered through sel for a prefill) into the logits. */
+/**
+ * The LM head over `M` rows of `x` (gathered through sel for a prefill) into the logits. A decode
+ * step of up to GEMV_T_MAX_ROWS rows reads wte's f16 copy where there is one; a prefill's head
+ * runs once per prompt batch and reads wte.
+ */
 async function lmHead(g: DecodeGraph, label: string, M: number, x: GPUBuffer, gather: boolean): Promise<Op> {
   const c = g.config, Vp = c.padded_vocab_size, C = c.n_embd, logits = g.acts.logits;
   if (g.wteT && M <= GEMV_TRANSPOSED_ROWS) {
@@ -386,19 +395,21 @@ async function lmHead(g: DecodeGraph, label: string, M: number, x: GPUBuffer, ga
       [Math.ceil(Vp / GEMV_TRANSPOSED_COLUMNS / 64)],
     );
   }
-  if (M <= GEMV_T_MAX_ROWS || g.cpu) {
-    const s = {
+  if (M <= GEMV_T_MAX_ROWS || g.cpuHead) {
+    const w16 = gather ? null : g.wte16;
+    const s: GemvTSpec = {
       M,
       N: Vp,
       K: C,
       gather: gather ? { selStride: SEL_WORDS } : undefined,
-      perThread: g.cpu,
+      perThread: g.cpuHead,
+      weights: w16 ? "f16" : "f32",
     };
     return await g.op(
       "matmul_fwd",
       label,
       gemvTWgsl(s),
-      [V(x), g.P("wte.weight"), V(logits), ...(gather ? [V(g.sel)] : [])],
+      [V(x), w16 ? V(w16) : g.P("wte.weight"), V(logits), ...(gather ? [V(g.sel)] : [])],
       [Math.ceil(Vp / gemvTColumns(s))],
     );
   }

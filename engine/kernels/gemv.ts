@@ -235,6 +235,22 @@ export interface GemvTSpec {
    * (llvmpipe runs barriers as coroutine switches), uncoalesced on GPUs.
    */
   perThread?: boolean;
+  /**
+   * How W is stored: "f32" (default) as floats; "f16" rounded to halves, 4 per vec2<u32> as
+   * pack2x16float packs them (element k of a row in the low half of word k/2; see packF16), half
+   * the bytes to read, unpacked and summed in f32. Needs no shader-f16. Not with `perThread`.
+   */
+  weights?: "f32" | "f16";
+}
+
+/**
+ * `n` floats of `src` from `offset` rounded to f16 (to nearest, ties to even) and packed two to a
+ * u32 word, the first in the low half, as pack2x16float does: the f16 weights of gemvTWgsl.
+ */
+export function packF16(src: Float32Array, offset: number, n: number): Uint32Array<ArrayBuffer> {
+  const h = new Float16Array(n + (n % 2));
+  h.set(src.subarray(offset, offset + n));
+  return new Uint32Array(h.buffer);
 }
 
 /** Most rows {@link gemvTWgsl} serves (the decode LM head up to 16 streams reads wte once). */
@@ -261,9 +277,12 @@ export function gemvTColumns(s: Pick<GemvTSpec, "M" | "K" | "perThread">): numbe
 /**
  * out[m, n] = Σ_k x[m, k] · W[n, k] for M ≤ GEMV_T_MAX_ROWS rows. Each group of lanes reads
  * weight rows with coalesced vec4 loads (each row once for all M rows), keeps RPG rows × M sums
- * in registers, and sums across lanes in workgroup memory. Grid (ceil(N / gemvTColumns)).
+ * in registers, and sums across lanes in workgroup memory; with `weights` "f16" each load is 4
+ * halves, unpacked to f32. Grid (ceil(N / gemvTColumns)).
  */
 export function gemvTWgsl(s: GemvTSpec): string {
+  const f16 = s.weights === "f16";
+  if (s.perThread && f16) throw new RangeError("The per-thread gemv reads f32 weights only");
   if (s.perThread) return gemvTPerThreadWgsl(s);
   if (s.M < 1 || s.M > GEMV_T_MAX_ROWS) {
     throw new RangeError(`Gemv serves 1 to ${GEMV_T_MAX_ROWS} rows, got ${s.M}`);
@@ -272,6 +291,11 @@ export function gemvTWgsl(s: GemvTSpec): string {
   const K4 = s.K / 4, { lanes: LN, rpg: R } = gemvTShape(K4, s.M), G = 256 / LN;
   const rows = [...Array(s.M).keys()], rr = [...Array(R).keys()];
   const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
+  // Weight row r's 4 values at k (one 16-byte load, or one 8-byte load of 4 halves).
+  const load = (r: number) =>
+    f16
+      ? `let h${r} = W[w${r} + k]; let v${r} = vec4<f32>(unpack2x16float(h${r}.x), unpack2x16float(h${r}.y));`
+      : `let v${r} = W[w${r} + k];`;
   const tree: string[] = [];
   for (let st = LN / 2; st >= 1; st /= 2) {
     tree.push(
@@ -286,7 +310,7 @@ export function gemvTWgsl(s: GemvTSpec): string {
   }
   return `
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> W: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> W: array<${f16 ? "vec2<u32>" : "vec4<f32>"}>;
 @group(0) @binding(2) var<storage, read_write> out: array<f32>;
 ${s.gather ? "@group(0) @binding(3) var<storage, read> sel: array<u32>;" : ""}
 var<workgroup> red: array<f32, ${G * s.M * LN}>;
@@ -301,9 +325,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   for (var k = lane; k < ${K4}u; k = k + ${LN}u) {
     ${rows.map((m) => `let x${m} = x[xb${m} + k];`).join(" ")}
     ${
-    rr.map((r) =>
-      `let v${r} = W[w${r} + k]; ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`
-    ).join("\n    ")
+    rr.map((r) => `${load(r)} ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`).join(
+      "\n    ",
+    )
   }
   }
   ${
@@ -333,7 +357,7 @@ export const GEMV_TRANSPOSED_ROWS = 4;
  * by k mod 4, fused multiply-adds in k order, added left to right), so a stream's logits do not
  * depend on which kernel its batch size picks. Grid (ceil(N / 16 / 64)).
  */
-export function gemvTransposedWgsl(s: Omit<GemvTSpec, "perThread">): string {
+export function gemvTransposedWgsl(s: Omit<GemvTSpec, "perThread" | "weights">): string {
   const C4 = GEMV_TRANSPOSED_COLUMNS / 4, N4 = s.N / 4, K4 = s.K / 4, rows = [...Array(s.M).keys()];
   if (s.M < 1 || s.M > GEMV_TRANSPOSED_ROWS) {
     throw new RangeError(`The transposed gemv serves 1 to ${GEMV_TRANSPOSED_ROWS} rows, got ${s.M}`);

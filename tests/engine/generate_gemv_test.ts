@@ -1,7 +1,8 @@
 /**
  * The decode matmuls against a float64 product: the skinny gemv in row groups (13 rows: two
  * groups, the second partial) with the LayerNorm prologue, and the LM-head gemv over a weight
- * stored [N, K], cooperative and per-thread, with and without gathering rows through sel.
+ * stored [N, K], cooperative and per-thread, with and without gathering rows through sel, and
+ * over that weight rounded to f16 (against the float64 product of the rounded weights).
  */
 
 import assert from "node:assert/strict";
@@ -19,6 +20,7 @@ import {
   gemvUboBlocks,
   gemvUboLayerWgsl,
   gemvUboWgsl,
+  packF16,
 } from "../../engine/kernels/gemv.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
 
@@ -169,6 +171,49 @@ Deno.test({
       );
       Object.values(bufs).forEach((b) => b.destroy());
     }
+  },
+});
+
+Deno.test({
+  name: "gemvTWgsl() over f16 weights matches x · f16(W)ᵀ, with rows gathered through sel",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // K = 72: 18 vec4s over 32 lanes (some idle); N = 301 (odd: the packed rows end mid-word).
+    const N = 301, K = 72, X = 16;
+    const x = randomFloats(X * K, 61), W = randomFloats(N * K, 62);
+    const W16 = Float32Array.from(Float16Array.from(W));
+    const packed = packF16(W, 0, N * K);
+    assert.equal(packed.length, Math.ceil((N * K) / 2));
+    const wb = await upload(ctx, "W16", packed);
+    for (const M of [1, 5, 16]) {
+      for (const gather of [false, true]) {
+        const sel = new Uint32Array(M * 4);
+        const rows = Array.from({ length: M }, (_, m) => gather ? (m * 5 + 3) % X : m);
+        rows.forEach((r, m) => (sel[m * 4] = r));
+        const xs = Float32Array.from(rows.flatMap((r) => Array.from(x.subarray(r * K, (r + 1) * K))));
+        const bufs = {
+          x: await upload(ctx, "x", gather ? x : xs),
+          out: await upload(ctx, "out", new Float32Array(M * N)),
+          sel: await upload(ctx, "sel", sel),
+        };
+        const s = { M, N, K, gather: gather ? { selStride: 4 } : undefined, weights: "f16" as const };
+        const views = [bufs.x, wb, bufs.out, ...(gather ? [bufs.sel] : [])];
+        submit(ctx, [
+          await kernelOp(ctx, cache, "gemvT16", gemvTWgsl(s), views, [Math.ceil(N / gemvTColumns(s))]),
+        ]);
+        const got = (await readFloats(ctx, bufs.out)).subarray(0, M * N); // the buffer is padded to 16 bytes
+        const ref = product(M, N, K, xs, (k, n) => W16[n * K + k]);
+        assert.ok(relNorm(got, ref) < 1e-5, `M=${M} gather=${gather}: rel err ${relNorm(got, ref)}`);
+        // The rounding shows: against the f32 weights' product the error is the f16's, not the sums'.
+        const ref32 = product(M, N, K, xs, (k, n) => W[n * K + k]);
+        assert.ok(relNorm(got, ref32) > 1e-4, `M=${M} gather=${gather}: the f32 weights were read`);
+        Object.values(bufs).forEach((b) => b.destroy());
+      }
+    }
+    wb.destroy();
+    assert.throws(() => gemvTWgsl({ M: 1, N, K, perThread: true, weights: "f16" }), RangeError);
   },
 });
 
