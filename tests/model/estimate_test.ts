@@ -28,6 +28,7 @@ import {
   type ChunkOptions,
   planModel,
   type Precision,
+  scoresFloats,
 } from "../../model/plan.ts";
 import { Trainer } from "../../engine/trainer.ts";
 import {
@@ -158,6 +159,52 @@ Deno.test("planModel() for inference plans no gradients, moments or backward scr
   const cats = new Set(plan.buffers.map((b) => b.category));
   assert.ok(!cats.has("gradients") && !cats.has("optimizer") && !cats.has("weights"));
   assert.equal(plan.headRows, 32);
+});
+
+Deno.test("planModel() with attentionScores sizes the logits for dS where it fits 1 GiB and the binding limit", () => {
+  const big = { maxStorageBufferBindingSize: 2 ** 31 - 4, maxBufferSize: 2 ** 31 - 4 };
+  const logits = (limits: typeof big, model: string, B: number, o = {}) =>
+    planModel(limits, { config: presetConfig(model), B, T: 1024 }, { attentionScores: true, ...o })
+      .byLabel.get("logits")!.bytes;
+  const chunk = 2048 * 50304 * 4; // 4 chunks of the 8·1024 rows' logits under HEAD_CHUNK_BYTES
+  // 124M: 8·12·1024² f32 of dS (402.7 MB) fit the chunk's 412 MB; 345M's 537 MB grow the buffer.
+  assert.equal(logits(big, "gpt2-124M", 8), chunk);
+  assert.equal(logits(big, "gpt2-345M", 8), 8 * 16 * 1024 ** 2 * 4);
+  assert.equal(
+    scoresFloats(big, { config: presetConfig("gpt2-345M"), B: 8, T: 1024 }, { attentionScores: true }),
+    8 * 16 * 1024 ** 2,
+  );
+  // Tensor parallelism halves the heads; above 1 GiB (345M at batch 24) or the binding limit: no dS.
+  // (A rank's chunk holds twice the rows of half the vocabulary: the same 412 MB.)
+  assert.equal(
+    scoresFloats(big, { config: presetConfig("gpt2-345M"), B: 8, T: 1024 }, {
+      attentionScores: true,
+      tensorParallel: 2,
+    }),
+    8 * 8 * 1024 ** 2,
+  );
+  assert.equal(logits(big, "gpt2-345M", 8, { tensorParallel: 2 }), chunk);
+  assert.equal(
+    scoresFloats(big, { config: presetConfig("gpt2-345M"), B: 24, T: 1024 }, { attentionScores: true }),
+    0,
+  );
+  const small = { maxStorageBufferBindingSize: 2 ** 28, maxBufferSize: 2 ** 30 };
+  assert.equal(
+    scoresFloats(small, { config: presetConfig("gpt2-124M"), B: 8, T: 1024 }, { attentionScores: true }),
+    0,
+  );
+  // Off by default, and never in a plan without training.
+  assert.equal(
+    planModel(big, { config: presetConfig("gpt2-345M"), B: 8, T: 1024 }).byLabel.get("logits")!.bytes,
+    chunk,
+  );
+  assert.equal(
+    scoresFloats(big, { config: presetConfig("gpt2-345M"), B: 8, T: 1024 }, {
+      attentionScores: true,
+      train: false,
+    }),
+    0,
+  );
 });
 
 function request(over: Partial<TrainRequest>): TrainRequest {
