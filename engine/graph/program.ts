@@ -66,7 +66,10 @@ export interface LayerActs {
   res2: GPUBuffer;
   ln2: GPUBuffer;
   ln2s: GPUBuffer;
-  /** MLP pre-activation (B·T, 4C); gelu(fch) is computed where it is read. */
+  /**
+   * MLP pre-activation (B·T, 4C); gelu(fch) is computed where it is read, or in training staged
+   * in the backward's d4 scratch for the projection (see geluStaging in matmul_steps.ts).
+   */
   fch: GPUBuffer;
 }
 
