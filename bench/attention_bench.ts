@@ -39,7 +39,8 @@ import {
 } from "../engine/kernels/attention.ts";
 import {
   attentionBackwardQScoresWgsl,
-  DQ_SCORES_BQ,
+  DQ_SCORES_TILES,
+  dqScoresTileError,
   scoresPathError,
   scoresScratchBytes,
 } from "../engine/kernels/attention_dq.ts";
@@ -380,23 +381,37 @@ async function main(args: string[]): Promise<void> {
               bufs.dqkv2,
               bufs.dst,
             ], [Math.ceil(p.T / backwardKVSpec(sp).BKV), p.H, p.B]);
-            const oqS = await op(
-              "dq.ds",
-              attentionBackwardQScoresWgsl(sp),
-              [bufs.qkv, bufs.dst, bufs.dqkv2],
-              [
-                Math.ceil(p.T / DQ_SCORES_BQ),
-                p.H,
-                p.B,
-              ],
-            );
-            const tS = await timer.timeAdaptive([delta, okvS, oqS], policy);
+            const dqLim = { maxWorkgroupBytes: lim.maxWorkgroupBytes, maxThreads: lim.maxThreads };
+            const tiles = DQ_SCORES_TILES.filter((t) => dqScoresTileError(t, p.D, dqLim) === null);
+            const oqs: Op[] = [];
+            for (const t of tiles) {
+              oqs.push(
+                await op(`dq.ds ${t.BQ}x${t.BK}c${t.CP}`, attentionBackwardQScoresWgsl(sp, t), [
+                  bufs.qkv,
+                  bufs.dst,
+                  bufs.dqkv2,
+                ], [Math.ceil(p.T / t.BQ), p.H, p.B]),
+              );
+            }
+            const alone = async (o: Op) => (await timer.timeAdaptive([o], policy)).median_ms;
+            // The pair writes dS once; then each dQ tiling alone, and the pair with the fastest.
+            await timer.timeAdaptive([delta, okvS, oqs[0]], { ...policy, minReps: 2, maxReps: 2 });
+            const dqMs: number[] = [];
+            for (const [i, t] of tiles.entries()) {
+              dqMs.push(await alone(oqs[i]));
+              console.log(`  dQ = dS·K ${t.BQ}x${t.BK} c${t.CP} alone: ${dqMs[i].toFixed(3)} ms`);
+            }
+            const bi = dqMs.indexOf(Math.min(...dqMs)), t = tiles[bi];
+            const tS = await timer.timeAdaptive([delta, okvS, oqs[bi]], policy);
             const relS = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
-            print(row("backward", label, tS, 2.5 * flops, relS, relS.dqkv <= tol), tm.median_ms);
-            const alone = async (o: Op) => (await timer.timeAdaptive([o], policy)).median_ms.toFixed(3);
+            print(
+              row("backward", `${label} ${t.BQ}x${t.BK}c${t.CP}`, tS, 2.5 * flops, relS, relS.dqkv <= tol),
+              tm.median_ms,
+            );
             console.log(
-              `  alone, ms: dK/dV pick ${await alone(okv)}, with writeDS ${await alone(okvS)}; ` +
-                `dQ pick ${await alone(oq)}, dQ = dS·K ${await alone(oqS)}`,
+              `  alone, ms: dK/dV pick ${(await alone(okv)).toFixed(3)}, with writeDS ${
+                (await alone(okvS)).toFixed(3)
+              }; dQ pick ${(await alone(oq)).toFixed(3)}`,
             );
           } catch (e) {
             print(failed("backward", label, e));

@@ -32,7 +32,12 @@ import {
   chooseSplitAttentionTiles,
   type FlashTiles,
 } from "../kernels/attention.ts";
-import { scoresPathError, scoresScratchBytes } from "../kernels/attention_dq.ts";
+import {
+  chooseDqScoresTile,
+  type DqScoresTile,
+  scoresPathError,
+  scoresScratchBytes,
+} from "../kernels/attention_dq.ts";
 import { ROW_BLOCK } from "../kernels/layernorm.ts";
 import { MATMUL_TILE_RULES, type TileRule } from "../kernels/matmul.ts";
 import { grid1d, type StorageDtype } from "../kernels/common.ts";
@@ -134,9 +139,9 @@ export interface GraphBuilder {
   /**
    * The attention backward's dS scratch (B·Hl·T² f32 over the logits buffer, free once the LM
    * head's backward has run): the split dK/dV kernel writes dS there and dQ is a matmul over it
-   * (kernels/attention_dq.ts). Null: the dQ kernel recomputes the scores.
+   * (kernels/attention_dq.ts) on `tile`. Null: the dQ kernel recomputes the scores.
    */
-  dsScratch: View | null;
+  dsScratch: { view: View; tile: DqScoresTile } | null;
   /** The FlashAttention-2 style forward's tiles where the device fits it. */
   flashFwd: FlashTiles | null;
   /** Tensor parallelism: the scratch of row-parallel partial sums (B·T, C). */
@@ -266,7 +271,7 @@ export async function createBuilder(
     attnDropout: shape.attnDropout,
     matmulPart: plan.byLabel.has("matmul_part") ? buf("matmul_part") : null,
     ...kernels,
-    dsScratch: scoresScratch(opts, train, kernels.attn, buf("logits")),
+    dsScratch: scoresScratch(ctx, opts, train, kernels.attn, buf("logits")),
     partial: tpSize > 1 ? buf("partial") : null,
     layerSteps: [],
     byLabel,
@@ -426,17 +431,22 @@ export async function createBufferPool(
 /**
  * The attention backward's dS scratch (see GraphBuilder.dsScratch): the start of the logits
  * buffer, where the plan sized it for them (PlanOptions.attentionScores) and the split dK/dV
- * kernel runs (not the CPU adapters' kernels).
+ * kernel runs (not the CPU adapters' kernels), with the first dQ tiling the device fits.
  */
 function scoresScratch(
+  ctx: GpuContext,
   opts: GraphOptions,
   train: boolean,
   attn: AttentionSpec,
   logits: GPUBuffer,
-): View | null {
+): GraphBuilder["dsScratch"] {
   if (!train || !opts.attentionScores || scoresPathError(backwardKVSpec(attn)) !== null) return null;
+  const tile = chooseDqScoresTile(attn.D, {
+    maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize,
+    maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+  }, opts.kernels?.dqScoresTiles);
   const size = scoresScratchBytes(attn);
-  return size <= logits.size ? { buffer: logits, offset: 0, size } : null;
+  return tile && size <= logits.size ? { view: { buffer: logits, offset: 0, size }, tile } : null;
 }
 
 /** The attention kernels' spec for this rank's heads (tiles for the device, without dropout). */

@@ -18,7 +18,7 @@ import {
   backwardKVSpec,
   backwardQSpec,
 } from "../kernels/attention.ts";
-import { attentionBackwardQScoresWgsl, DQ_SCORES_BQ } from "../kernels/attention_dq.ts";
+import { attentionBackwardQScoresWgsl } from "../kernels/attention_dq.ts";
 import { dropoutMaskWgsl, grid1d } from "../kernels/common.ts";
 import {
   allreduce,
@@ -176,13 +176,13 @@ function attentionBackward(g: GraphBuilder, t: Backprop, l: number): Op[] {
       "backward",
       "attention_bwd",
       `l${l}.attention.dq`,
-      attentionBackwardQScoresWgsl(as),
+      attentionBackwardQScoresWgsl(as, ds.tile),
       [
         whole(a.qkv),
-        ds,
+        ds.view,
         whole(t.dqkv),
       ],
-      [Math.ceil(T / DQ_SCORES_BQ), Hl, B],
+      [Math.ceil(T / ds.tile.BQ), Hl, B],
       { flops: 0.5 * attentionFlops(as) },
     )
     : op(g, "backward", "attention_bwd", `l${l}.attention.dq`, attentionBackwardQWgsl(as), av, [
@@ -202,7 +202,7 @@ function attentionBackward(g: GraphBuilder, t: Backprop, l: number): Op[] {
       "attention_bwd",
       `l${l}.attention.dkv`,
       attentionBackwardKVWgsl(kv),
-      ds ? [...av, ds] : av,
+      ds ? [...av, ds.view] : av,
       [
         Math.ceil(T / backwardKVSpec(as).BKV),
         Hl,

@@ -10,6 +10,7 @@ import type { ModelPlan, PlanOptions } from "../../model/plan.ts";
 import type { FlatBuffer } from "../flat.ts";
 import type { CompileListener, Op, PipelineCache } from "../ops.ts";
 import type { TileRule } from "../kernels/matmul.ts";
+import type { DqScoresTile } from "../kernels/attention_dq.ts";
 
 /**
  * A point of a tensor-parallel step where the ranks exchange data through the host: the ops
@@ -111,6 +112,8 @@ export interface BuildOptions {
      * default true), or false: both on the forward's shared tiling.
      */
     attentionBackwardTiles?: boolean;
+    /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
+    dqScoresTiles?: readonly DqScoresTile[];
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
     /**

@@ -12,9 +12,59 @@
 import { withStorageDtypes } from "./common.ts";
 import { type AttentionSpec, header } from "./attention_spec.ts";
 
-/** Queries per workgroup, and keys per tile of the loop over keys. */
-export const DQ_SCORES_BQ = 64;
-export const DQ_SCORES_BK = 32;
+/**
+ * The dQ kernel's tiling: BQ queries per workgroup, BK keys per tile of the loop over keys, and
+ * CP vec4 columns of dq per thread (each thread holds 4 queries × CP vec4).
+ */
+export interface DqScoresTile {
+  BQ: number;
+  BK: number;
+  CP: number;
+}
+
+/** Tilings to choose from, preferred first (the first is the untimed default; see chooseDqScoresTile). */
+export const DQ_SCORES_TILES: readonly DqScoresTile[] = [
+  { BQ: 64, BK: 32, CP: 2 },
+  { BQ: 64, BK: 16, CP: 2 },
+  { BQ: 32, BK: 32, CP: 2 },
+  { BQ: 128, BK: 16, CP: 4 },
+  { BQ: 64, BK: 32, CP: 4 },
+  { BQ: 64, BK: 64, CP: 2 },
+  { BQ: 32, BK: 16, CP: 1 },
+];
+
+/** Threads of a tiling at head size D: (BQ / 4) query groups × (D/4 / CP) column groups. */
+export function dqScoresThreads(t: DqScoresTile, D: number): number {
+  return (t.BQ / 4) * (D / 4 / t.CP);
+}
+
+/** Workgroup bytes of a tiling: the padded dS tile and the K tile. */
+export function dqScoresBytes(t: DqScoresTile, D: number): number {
+  return t.BQ * (t.BK / 4 + 1) * 16 + t.BK * D * 4;
+}
+
+/** Why a tiling does not fit head size D and the device's limits, or null. */
+export function dqScoresTileError(
+  t: DqScoresTile,
+  D: number,
+  lim: { maxWorkgroupBytes: number; maxThreads: number },
+): string | null {
+  if (t.BQ % 4 || t.BK % 4 || (D / 4) % t.CP) {
+    return `BQ ${t.BQ} and BK ${t.BK} multiples of 4, CP ${t.CP} divides D/4`;
+  }
+  if (dqScoresThreads(t, D) > lim.maxThreads) return `${dqScoresThreads(t, D)} threads`;
+  if (dqScoresBytes(t, D) > lim.maxWorkgroupBytes) return `${dqScoresBytes(t, D)} bytes of workgroup memory`;
+  return null;
+}
+
+/** The first tiling of `candidates` that fits, or null. */
+export function chooseDqScoresTile(
+  D: number,
+  lim: { maxWorkgroupBytes: number; maxThreads: number },
+  candidates: readonly DqScoresTile[] = DQ_SCORES_TILES,
+): DqScoresTile | null {
+  return candidates.find((t) => dqScoresTileError(t, D, lim) === null) ?? null;
+}
 
 /** Bytes of the dS scratch: B·H·T² f32 (only the causal blocks are written and read). */
 export function scoresScratchBytes(s: Pick<AttentionSpec, "B" | "H" | "T">): number {
@@ -29,29 +79,19 @@ export function scoresPathError(s: Pick<AttentionSpec, "T" | "D" | "split" | "di
   return null;
 }
 
-/** Vec4 columns of dq per thread: 2 where D/4 is even, else 1. */
-function columnsPerThread(D4: number): number {
-  return D4 % 2 === 0 ? 2 : 1;
-}
-
-/** Threads of the kernel: (BQ / 4) query groups × (D/4 / columns) column groups. */
-export function dqScoresThreads(D: number): number {
-  const D4 = D / 4;
-  return (DQ_SCORES_BQ / 4) * (D4 / columnsPerThread(D4));
-}
-
 /**
- * dQ from stored dS. A workgroup owns BQ queries of one head (heaviest tiles first); thread
- * (qg, cg) holds 4 queries × CP vec4 columns of dq. Per key tile, dS (BQ × BK, queries' rows of
- * vec4 along keys, padded against bank conflicts) and K (BK × D) go through workgroup memory,
- * and each vec4 of dS read serves CP · 4 multiply-adds per query. Grid (ceil(T/BQ), H, B).
+ * dQ from stored dS on tiling `t`. A workgroup owns BQ queries of one head (heaviest tiles
+ * first); thread (qg, cg) holds 4 queries × CP vec4 columns of dq. Per key tile, dS (BQ × BK,
+ * queries' rows of vec4 along keys, padded against bank conflicts) and K (BK × D) go through
+ * workgroup memory, and each vec4 of dS read serves CP · 4 multiply-adds per query.
+ * Grid (ceil(T/BQ), H, B).
  */
-export function attentionBackwardQScoresWgsl(s: AttentionSpec): string {
-  const err = scoresPathError(s);
-  if (err) throw new RangeError(`dQ from stored scores: ${err}`);
+export function attentionBackwardQScoresWgsl(s: AttentionSpec, t: DqScoresTile = DQ_SCORES_TILES[0]): string {
+  const err = scoresPathError(s) ?? ((s.D / 4) % t.CP || t.BQ % 4 || t.BK % 4 ? "bad tiling" : null);
+  if (err) throw new RangeError(`dQ from stored scores: ${err} (${JSON.stringify(t)})`);
   const { D4, C4, R4, scale } = header(s);
-  const { T, H } = s, BQ = DQ_SCORES_BQ, BK = DQ_SCORES_BK, BK4 = BK / 4, T4 = T / 4;
-  const CP = columnsPerThread(D4), CG = D4 / CP, NT = (BQ / 4) * CG, ROW = BK4 + 1;
+  const { T, H } = s, { BQ, BK, CP } = t, BK4 = BK / 4, T4 = T / 4;
+  const CG = D4 / CP, NT = (BQ / 4) * CG, ROW = BK4 + 1;
   const nQT = Math.ceil(T / BQ);
   const range = (n: number) => [...Array(n).keys()];
   const rs = range(4), cs = range(CP);

@@ -27,7 +27,9 @@ import {
 } from "../../bench/experiments/flash_backward.ts";
 import {
   attentionBackwardQScoresWgsl,
-  DQ_SCORES_BQ,
+  DQ_SCORES_TILES,
+  type DqScoresTile,
+  dqScoresTileError,
   scoresScratchBytes,
 } from "../../engine/kernels/attention_dq.ts";
 import { grid1d } from "../../engine/kernels/common.ts";
@@ -58,7 +60,7 @@ interface RunOptions {
    * The dK/dV kernel writes dS (`writeDS`) and dQ is the matmul over it (attention_dq.ts); the
    * scratch starts as NaN, so an entry read without being written or masked shows.
    */
-  scores?: boolean;
+  scores?: boolean | DqScoresTile;
   /** Sequence length (default T0). */
   T?: number;
 }
@@ -129,6 +131,7 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
     });
   const av = [bufs.qkv, bufs.dy, bufs.lse, bufs.delta, bufs.dqkv];
   const sb: AttentionSpec = { ...s, ...o.flashBwd };
+  const dqTile = typeof o.scores === "object" ? o.scores : DQ_SCORES_TILES[0];
   const dst = o.flashBwd
     ? await upload(ctx, "dst", new Float32Array(flashScratchBytes(s) / 4))
     : o.scores
@@ -141,8 +144,12 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
         H,
         B,
       ]),
-      await mk("dq.flash", "attention_bwd", attentionBackwardQScoresWgsl(s), [bufs.qkv, dst!, bufs.dqkv], [
-        Math.ceil(T / DQ_SCORES_BQ),
+      await mk("dq.flash", "attention_bwd", attentionBackwardQScoresWgsl(s, dqTile), [
+        bufs.qkv,
+        dst!,
+        bufs.dqkv,
+      ], [
+        Math.ceil(T / dqTile.BQ),
         H,
         B,
       ]),
@@ -280,6 +287,10 @@ const scoreCases: Array<[string, number, RunOptions]> = [
   ["split 4, T=136, dropout", 0.2, { T: 136 }],
   ["split 4, D=32, f16 storage", 0, { D: 32, half: true }],
 ];
+// Every dQ tiling the bench chooses from, at T = 136 with dropout (lavapipe: those that fit it).
+for (const t of DQ_SCORES_TILES) {
+  scoreCases.push([`dQ tiling ${t.BQ}x${t.BK}, ${t.CP} columns, T=136, dropout`, 0.2, { T: 136, scores: t }]);
+}
 for (const [label, p, o] of scoreCases) {
   Deno.test({
     name: `attention's dQ from stored dS (${label}) matches float64`,
@@ -288,7 +299,13 @@ for (const [label, p, o] of scoreCases) {
       const ctx = (await testContext())!;
       const split = o.own?.bwdKV?.split ?? 4;
       if (!ctx.hasSubgroups || ctx.subgroupMinSize < split || (o.half && !ctx.hasF16)) return;
-      const e = await run(4, p, undefined, { ...o, scores: true });
+      const lim = {
+        maxWorkgroupBytes: ctx.limits.maxComputeWorkgroupStorageSize,
+        maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+      };
+      const misfit = typeof o.scores === "object" ? dqScoresTileError(o.scores, o.D ?? 64, lim) : null;
+      if (misfit) return console.log(`not run: this adapter does not fit the tiling (${misfit})`);
+      const e = await run(4, p, undefined, { scores: true, ...o });
       const tol = o.half ? 3e-3 : 1e-5;
       assert.ok(e.dqkv < tol, `dqkv rel err ${e.dqkv}`);
     },
