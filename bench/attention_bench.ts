@@ -11,7 +11,10 @@
  * causal half, backward 5 (QKᵀ, dO·Vᵀ, dV, dK, dQ), whatever a kernel recomputes.
  *
  *   deno task bench attention [--tiny] [--json F] [--models gpt2-124M,gpt2-345M] [--precision fp32,fp16]
- *                             [--reps N] [--no-flash-bwd]
+ *                             [--reps N] [--no-flash-bwd] [--quick]
+ *
+ * `--quick`: today's kernels, chooseBackwardTilings's pick and the stored-dS pair only (no flash
+ * tilings, no per-kernel tiling sweep), for a device session with little time.
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -128,7 +131,7 @@ async function main(args: string[]): Promise<void> {
       lim.subgroupMinSize || "n/a (no subgroups: flash row maxima through workgroup memory)"
     }`,
   );
-  const tiny = args.includes("--tiny");
+  const tiny = args.includes("--tiny"), quick = args.includes("--quick");
   const minReps = +arg(args, "reps", tiny ? "5" : "20");
   const jsonPath = arg(args, "json", "");
   const precisions = arg(args, "precision", ctx.hasF16 && !tiny ? "fp32,fp16" : "fp32").split(",");
@@ -255,7 +258,7 @@ async function main(args: string[]): Promise<void> {
       const tNow = await timer.timeAdaptive([fwdNow], policy);
       const fwdLabel = split > 1 ? `split ${split} ${now.BQ}x${now.BKV}` : `plain ${now.BQ}x${now.BKV}`;
       print(row("forward", `now: ${fwdLabel}`, tNow, flops, null, true));
-      for (const t of cands.fwd) {
+      for (const t of quick ? [] : cands.fwd) {
         if (!flashForwardFits(p, t, lim)) continue;
         const s = { ...base, ...t };
         try {
@@ -309,7 +312,7 @@ async function main(args: string[]): Promise<void> {
         }
       }
       const tname = (t: BackwardTiling) => `S${t.split} ${t.BQ}x${t.BKV} r${t.rows}`;
-      for (const which of ["dK/dV", "dQ"] as const) {
+      for (const which of quick ? [] : ["dK/dV", "dQ"] as const) {
         const kv = which === "dK/dV";
         for (const t of tilings) {
           const one = chooseBackwardTilings(p, { ...lim, subgroupMinSize: lim.subgroupMinSize ?? 0 }, {
@@ -418,7 +421,7 @@ async function main(args: string[]): Promise<void> {
           }
         }
       }
-      for (const kv of args.includes("--no-flash-bwd") ? [] : cands.kv) {
+      for (const kv of args.includes("--no-flash-bwd") || quick ? [] : cands.kv) {
         for (const q of cands.q) {
           if (!flashBackwardFits(p, kv, q, blim)) continue;
           const label = `flash kv ${flashName(kv)} | q ${flashName(q)}`;
