@@ -83,7 +83,7 @@ export function issueParam(issue: Issue): string | null {
  *   `code` the first zod issue's; a body that is not JSON is Hono's "Malformed JSON in request
  *   body"; an InvalidJobError has code "invalid_value".
  * - "openai": the OpenAI-compatible generation routes' (generate.ts: `/v1/completions`, ...):
- *   `Invalid parameters: a, b` naming each parameter once (the first as `param`), a body that is
+ *   `Invalid parameters: a (problem), b (problem)` naming each parameter once (the first as `param`), a body that is
  *   not JSON is "Invalid JSON body" (param "body"), and these and an InvalidJobError have code null.
  */
 export type ErrorStyle = "detailed" | "openai";
@@ -109,10 +109,22 @@ function parameterName(issue: Issue): string {
   return issue.path.join(".") || "body";
 }
 
-/** An ApiError 400 in OpenAI's wording: `Invalid parameters: a, b`, param the first, code null. */
+/**
+ * An ApiError 400 in OpenAI's wording, each parameter once with why:
+ * `Invalid parameters: a (problem), b (unknown parameter)`, param the first, code null.
+ */
 export function parametersError(issues: readonly Issue[]): ApiError {
-  const names = [...new Set(issues.map(parameterName))];
-  return new ApiError(400, `Invalid parameters: ${names.join(", ")}`, { param: names[0] ?? null });
+  const why = new Map<string, string>();
+  for (const i of issues) {
+    const named: [string, string][] = i.code === "unrecognized_keys"
+      ? i.keys.map((k) => [[...i.path, k].join("."), "unknown parameter"])
+      : [[parameterName(i), i.message]];
+    for (const [name, problem] of named) if (!why.has(name)) why.set(name, problem);
+  }
+  const parts = [...why].map(([name, problem]) => `${name} (${problem})`);
+  return new ApiError(400, `Invalid parameters: ${parts.join(", ")}`, {
+    param: why.keys().next().value ?? null,
+  });
 }
 
 function validationError(c: Context, what: string, issues: readonly Issue[]): ApiError {

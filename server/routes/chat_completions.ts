@@ -152,7 +152,7 @@ export function chatRoutes(manager: GenerationManager, auth?: Pick<Auth, "access
     async (c) => {
       const r = c.req.valid("json");
       const bad = checkMessages(r.messages, true);
-      if (bad) throw new ApiError(400, `Invalid parameters: ${bad[0]}: ${bad[1]}`, { param: bad[0] });
+      if (bad) throw new ApiError(400, `Invalid parameters: ${bad[0]} (${bad[1]})`, { param: bad[0] });
       const run = await startChat(c, r, manager, hold);
       if (!r.stream) {
         try {

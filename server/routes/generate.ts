@@ -9,7 +9,7 @@
  * - `GET /v1/models`, `GET /v1/models/{id}`: the checkpoints and model directories that can be loaded.
  * - `POST /tokenize`, `POST /detokenize`: GPT-2 tokens of a text and back (vLLM's shapes).
  * Every error of these routes is OpenAI's `{error: {message, type, param, code}}`, in the
- * "openai" ErrorStyle of api_errors.ts (`Invalid parameters: a, b`, code null); too many waiting
+ * "openai" ErrorStyle of api_errors.ts (`Invalid parameters: a (why), b (why)`, code null); too many waiting
  * requests is 429 with Retry-After. Streams send a keepalive comment while no token
  * comes; a client that disconnects cancels its generation through `onAbort`. A model another user
  * owns answers as an unknown one (404), and each user's open streams count against their quota.
@@ -95,7 +95,10 @@ export const CompletionRequestSchema = z.strictObject({
     z.array(z.string().max(MAX_PROMPT_CHARS)).length(1),
     tokenList,
     z.array(tokenList).length(1),
-  ]).default(""),
+  ], {
+    error:
+      "expected a text, a list of token ids (0-50256), or a list holding one of either: one prompt per request",
+  }).default(""),
   ...samplingShape,
   max_tokens: samplingShape.max_tokens.default(16),
   stop: z.union([z.string().min(1).max(256), stopList]).nullable().optional(),

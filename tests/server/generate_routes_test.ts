@@ -264,13 +264,17 @@ Deno.test("unknown models are 404 and out-of-range parameters are 400 naming the
     const bad = await t.app.request("/generate?model=tiny&temperature=-1&top_p=1.5&top_k=2.5&max_tokens=0");
     assertEquals(bad.status, 400);
     const err = (await bad.json()).error;
-    assertEquals(err.message, "Invalid parameters: max_tokens, temperature, top_k, top_p");
+    assertEquals(
+      err.message,
+      "Invalid parameters: max_tokens (Too small: expected number to be >=1), temperature (Too small: expected number to be >=0), " +
+        "top_k (Invalid input: expected int, received number), top_p (Too big: expected number to be <=1)",
+    );
     assertEquals(err.param, "max_tokens");
     const long = await t.app.request("/generate?model=tiny&max_tokens=64");
     assertEquals(long.status, 400);
     assertEquals((await long.json()).error.param, "max_tokens");
     const unknown = await t.app.request("/generate?model=tiny&temprature=1");
-    assertEquals((await unknown.json()).error.message, "Invalid parameters: temprature");
+    assertEquals((await unknown.json()).error.message, "Invalid parameters: temprature (unknown parameter)");
     const post = (body: unknown) =>
       t.app.request("/v1/completions", {
         method: "POST",
@@ -279,13 +283,16 @@ Deno.test("unknown models are 404 and out-of-range parameters are 400 naming the
       });
     const oa = await post({ model: "tiny", n: 9, top_p: 0 });
     assertEquals(oa.status, 400);
-    assertEquals((await oa.json()).error.message, "Invalid parameters: top_p, n");
+    assertEquals(
+      (await oa.json()).error.message,
+      "Invalid parameters: top_p (Too small: expected number to be >0), n (Too big: expected number to be <=8)",
+    );
     // Unknown fields are refused, byte for byte in OpenAI's error shape.
     const extra = await post({ model: "tiny", prompt: "x", frobnicate: true });
     assertEquals(extra.status, 400);
     assertEquals(
       await extra.text(),
-      '{"error":{"message":"Invalid parameters: frobnicate","type":"invalid_request_error","param":"frobnicate","code":null}}',
+      '{"error":{"message":"Invalid parameters: frobnicate (unknown parameter)","type":"invalid_request_error","param":"frobnicate","code":null}}',
     );
     const penalty = await post({ model: "tiny", presence_penalty: 0.5 });
     assertEquals((await penalty.json()).error.param, "presence_penalty");
