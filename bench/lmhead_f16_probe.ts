@@ -9,8 +9,15 @@
  * adapter both runs use the GPUs' head kernels (kernels.cpuHead false), else the f16 head would
  * not run.
  *
+ * With `--torch` (needs `--load`), transformers scores both decodes too (bench/torch_greedy.py on the
+ * checkpoint as a Hugging Face folder): top-1 agreement per position, teacher-forced, of transformers
+ * with our fp32 decode, of an f16-rounded head with the fp32 head, and transformers' own greedy
+ * decode's first departure from each of ours. That is the evidence issue 38 asks for before f16
+ * becomes the default.
+ *
  *   deno run -A bench/lmhead_f16_probe.ts [--model gpt2-124M (gpt2-tiny on CPU adapters)]
- *                                          [--load ID [--root $GPT2_HOME or ./.gpt2]] [--tokens 256] [--seed 1]
+ *                                          [--load ID [--root $GPT2_HOME or ./.gpt2] [--torch [--python python3]]]
+ *                                          [--tokens 256] [--seed 1]
  */
 
 import { encode } from "gpt-tokenizer/encoding/r50k_base";
@@ -19,6 +26,7 @@ import { initParams } from "../model/init.ts";
 import { describeDevice, type GpuContext, openDevice, readFloats } from "../engine/device.ts";
 import { Generator, type GeneratorOptions, isCpuAdapter } from "../engine/generator.ts";
 import { loadWeights, resolveModelSource } from "../checkpoint/model_source.ts";
+import type { ModelSource } from "../protocol.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -73,9 +81,13 @@ async function decode(
 const ctx = await openDevice();
 console.log(describeDevice(ctx));
 const load = Deno.args.includes("--load") ? arg("load", "") : null;
-let config: ModelConfig, params: Float32Array, weights: string;
+let config: ModelConfig, params: Float32Array, weights: string, source: ModelSource | null = null;
+const torch = Deno.args.includes("--torch");
+if (torch && !load) {
+  throw new Error("--torch needs --load: transformers scores a saved model, not random weights");
+}
 if (load) {
-  const source = await resolveModelSource(arg("root", Deno.env.get("GPT2_HOME") || "./.gpt2"), load);
+  source = await resolveModelSource(arg("root", Deno.env.get("GPT2_HOME") || "./.gpt2"), load);
   config = source.config;
   params = await loadWeights(source);
   weights = `${source.kind} "${source.id}"`;
@@ -124,7 +136,66 @@ console.log(
   }%; first decode step: ` +
     `max |logit f16 − f32| ${maxDiff.toExponential(3)} (max |logit| ${maxLogit.toFixed(3)})`,
 );
+const peer = torch && source ? await transformersScores(source, prompts, f32.tokens, f16.tokens) : null;
 console.log(
-  JSON.stringify({ probe: "lmhead_f16", weights, agree, max_logit_diff: maxDiff, prompts: perPrompt }),
+  JSON.stringify({ probe: "lmhead_f16", weights, agree, max_logit_diff: maxDiff, prompts: perPrompt, peer }),
 );
 ctx.device.destroy();
+
+/** bench/torch_greedy.py on the model as a Hugging Face folder (a checkpoint is merged into one first). */
+async function transformersScores(
+  src: ModelSource,
+  prompts: number[][],
+  t32: number[][],
+  t16: number[][],
+): Promise<Record<string, unknown>> {
+  const tmp = await Deno.makeTempDir({ prefix: "lmhead_f16_" });
+  try {
+    let hf = src.path;
+    if (src.kind === "checkpoint") {
+      hf = `${tmp}/hf`;
+      const out = await new Deno.Command(Deno.execPath(), {
+        args: [
+          "run",
+          "-A",
+          new URL("../scripts/reshard.ts", import.meta.url).pathname,
+          src.path,
+          "--tensor-parallel",
+          "1",
+          "--out",
+          hf,
+        ],
+      }).output();
+      if (!out.success) throw new Error(`reshard: ${new TextDecoder().decode(out.stderr)}`);
+    }
+    await Deno.writeTextFile(`${tmp}/tokens.json`, JSON.stringify({ prompts, f32: t32, f16: t16 }));
+    const py = await new Deno.Command(arg("python", "python3"), {
+      args: [
+        new URL("torch_greedy.py", import.meta.url).pathname,
+        "--model",
+        hf,
+        "--input",
+        `${tmp}/tokens.json`,
+      ],
+    }).output();
+    if (!py.success) throw new Error(`torch_greedy.py: ${new TextDecoder().decode(py.stderr)}`);
+    const r = JSON.parse(new TextDecoder().decode(py.stdout).trim().split("\n").at(-1)!);
+    const pct = (x: number) => `${(x * 100).toFixed(1)}%`;
+    console.log(
+      `transformers, teacher-forced top-1 per position: with our fp32 decode ${pct(r.hf_vs_ours_f32)}; ` +
+        `f16-rounded head with the fp32 head ${pct(r.f16_vs_f32_head)}; with our f16 decode ${
+          pct(r.hf16_vs_ours_f16)
+        }`,
+    );
+    for (const [i, p] of (r.prompts as Record<string, number | null>[]).entries()) {
+      console.log(
+        `  prompt ${i}: transformers' greedy departs from ours (fp32) at ${
+          p.hf_greedy_first_divergence_f32 ?? "never"
+        }, (f16) at ${p.hf_greedy_first_divergence_f16 ?? "never"}`,
+      );
+    }
+    return r;
+  } finally {
+    await Deno.remove(tmp, { recursive: true }).catch(() => {});
+  }
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 38's pending H200 measurements, one device call per part (each fits the 600 s limit):
+#
+#   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores, attention kernels
+#   source .device/env.sh; bash bench/issue38_next.sh decode    # decode with the f32 and f16 LM head, peers in the call
+#   source .device/env.sh; bash bench/issue38_next.sh head      # a trained 124M; f16 head's agreement with fp32 and transformers
+#   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
+#
+# Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
+# that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
+# section "Issue 38, a second session with no GPU lent".
+set -u
+part=${1:?usage: bench/issue38_next.sh train|decode|head|compile}
+out=${OUT:-/tmp/issue38}
+mkdir -p "$out"
+export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
+mkdir -p "$XDG_RUNTIME_DIR"
+log="$out/$part.log"
+run() { # seconds, command...
+  local t=$1
+  shift
+  echo "=== $(date -u +%FT%TZ) $*" | tee -a "$log"
+  timeout "$t" "$@" 2>&1 | tee -a "$log"
+  echo "=== exit ${PIPESTATUS[0]}" | tee -a "$log"
+}
+case $part in
+  train)
+    run 220 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --torch
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --attn-scores
+    run 200 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    ;;
+  decode)
+    run 280 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --torch
+    run 200 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --lm-head f16
+    ;;
+  head)
+    home=./.gpt2-ft-bench
+    run 330 deno run -A bench/finetune_eval_bench.ts --phase base --home "$home"
+    id=$(deno eval "console.log(JSON.parse(Deno.readTextFileSync('$home/finetune_eval_bench.json')).base.id)")
+    run 240 deno run -A bench/lmhead_f16_probe.ts --load "$id" --root "$home" --tokens 256 --torch
+    ;;
+  compile)
+    cache=$(mktemp -d)
+    run 300 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
+      --model gpt2-124M --batch 8 --seq 1024
+    run 200 deno run -A bench/compile_list.ts --model gpt2-124M --batch 8 --seq 1024
+    ;;
+  *)
+    echo "unknown part \"$part\": expected train, decode, head or compile" >&2
+    exit 2
+    ;;
+esac
