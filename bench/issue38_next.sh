@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 38's pending H200 measurements, one device call per part (each fits the 600 s limit):
+# Issue 38's pending H200 measurements, one device call per part (each fits the 600 s limit;
+# five parts, up to 40 minutes at their timeouts, more than one session's 30: the parts come in order of use):
 #
-#   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores, attention kernels
+#   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
+#   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
 #   source .device/env.sh; bash bench/issue38_next.sh decode    # decode with the f32 and f16 LM head, peers in the call
 #   source .device/env.sh; bash bench/issue38_next.sh head      # a trained 124M; f16 head's agreement with fp32 and transformers
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
@@ -10,7 +12,7 @@
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|decode|head|compile}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|compile}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -27,7 +29,13 @@ case $part in
   train)
     run 220 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --torch
     run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --attn-scores
-    run 200 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile
+    ;;
+  variants)
+    # The plan cuts the logits into 512 MiB chunks (4 of 2048 rows at 8 x 1024); an H200 binds 2 GiB.
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
+      --head-chunk-rows 8192
+    run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   decode)
     run 280 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --torch
@@ -46,7 +54,7 @@ case $part in
     run 200 deno run -A bench/compile_list.ts --model gpt2-124M --batch 8 --seq 1024
     ;;
   *)
-    echo "unknown part \"$part\": expected train, decode, head or compile" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head or compile" >&2
     exit 2
     ;;
 esac

@@ -7,6 +7,7 @@
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
  *                   [--attn-scores] (dQ as a matmul over the dS the dK/dV kernel stores)
+ *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
  *
@@ -48,6 +49,8 @@ export interface TrainBenchOptions {
   };
   /** The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores). */
   attentionScores?: boolean;
+  /** Rows of one LM head chunk (ChunkOptions.headChunkRows); default the plan's. */
+  headChunkRows?: number;
 }
 
 /** One model's measured figures. */
@@ -117,6 +120,7 @@ export async function benchTraining(
     f16Math: o.f16Math,
     kernels: o.kernels,
     attentionScores: o.attentionScores,
+    ...(o.headChunkRows ? { chunks: { headChunkRows: o.headChunkRows } } : {}),
     lossMask: o.sft,
   });
   console.error(
@@ -324,6 +328,7 @@ if (import.meta.main) {
       attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
     },
     attentionScores: args.includes("--attn-scores"),
+    headChunkRows: args.includes("--head-chunk-rows") ? +arg(args, "head-chunk-rows", "0") : undefined,
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const objectives = arg(args, "objectives", "plain").split(",");
