@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Issue 38's pending H200 measurements, one device call per part (each fits the 600 s limit;
-# five parts, up to 40 minutes at their timeouts, more than one session's 30: the parts come in order of use):
+# six parts, up to 50 minutes at their timeouts, more than one session's 30: the parts come in order of use):
 #
 #   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
 #   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
 #   source .device/env.sh; bash bench/issue38_next.sh decode    # decode with the f32 and f16 LM head, peers in the call
 #   source .device/env.sh; bash bench/issue38_next.sh head      # a trained 124M; f16 head's agreement with fp32 and transformers
+#   source .device/env.sh; bash bench/issue38_next.sh splits    # split-K counts chosen inside the step, then confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|compile}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -47,6 +48,12 @@ case $part in
     id=$(deno eval "console.log(JSON.parse(Deno.readTextFileSync('$home/finetune_eval_bench.json')).base.id)")
     run 240 deno run -A bench/lmhead_f16_probe.ts --load "$id" --root "$home" --tokens 256 --torch
     ;;
+  splits)
+    run 420 deno run -A bench/split_sweep.ts --models gpt2-124M,gpt2-345M --splits 2,3,5,6,7,8,11,12 \
+      --emit "$out/split_rules.json"
+    [ -s "$out/split_rules.json" ] && run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 \
+      --seq 1024 --steps 10 --no-profile --tile-rules-json "$out/split_rules.json"
+    ;;
   compile)
     cache=$(mktemp -d)
     run 300 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
@@ -54,7 +61,7 @@ case $part in
     run 200 deno run -A bench/compile_list.ts --model gpt2-124M --batch 8 --seq 1024
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head or compile" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits or compile" >&2
     exit 2
     ;;
 esac

@@ -119,16 +119,16 @@ export function gpt2MatmulShapes(
     epilogue: "residual",
   });
   add("fc", BT, 4 * C, C, false, false, { A: act, B: w, out: act }, { bias: true });
+  // fc_proj reads gelu(fch), which the fc matmul's epilogue stages (engine/graph/, training on GPU kernels).
   add("fc_proj", BT, C, 4 * C, false, false, { A: act, B: w, res: "f32", out: "f32" }, {
     bias: true,
     epilogue: "residual",
-    prologueA: "gelu",
   });
   add("lm_head", rows, Vp, C, false, true, { A: act, B: w, out: "f32" }, {}, chunks);
   // backward
   add("lm_head.dx", rows, C, Vp, false, false, { A: "f32", B: w, out: "f32" }, {}, chunks);
   add("lm_head.dw", Vp, C, rows, true, false, { A: "f32", B: act, out: "f32" }, {}, chunks);
-  add("fc_proj.dw", 4 * C, C, BT, true, false, { A: act, B: "f32", out: "f32" }, { prologueA: "gelu" });
+  add("fc_proj.dw", 4 * C, C, BT, true, false, { A: act, B: "f32", out: "f32" });
   add("fc_proj.dx", BT, 4 * C, C, false, true, { A: "f32", B: w, aux: act, out: act }, {
     epilogue: "gelu_grad",
   });
