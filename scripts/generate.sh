@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Streams generated text to the terminal (GET /generate, server-sent events). Usage:
 #   scripts/generate.sh MODEL "PROMPT" [NAME=VALUE ...]
-#   scripts/generate.sh job_0123456789ab "The state of the union is" max_tokens=100 temperature=0.8 top_k=40
-# MODEL is a job id (its newest checkpoint), "<job id>/iter_N", or a directory under $GPT2_HOME/models/
-# (see GET /v1/models). Other parameters: top_p, seed, stop (repeatable), ignore_eos=true.
-# Prints the text as it arrives, then the finish reason, token counts and timings on stderr.
+#   scripts/generate.sh job_0123456789ab "The state of the union is" max_tokens=40 temperature=0.8 top_k=40
+# MODEL is a job id (its newest checkpoint), "<job id>/iter_0000060" (a checkpoint's full name), or a
+# directory under $GPT2_HOME/models/ (see GET /v1/models). Other parameters: top_p, seed, stop (repeatable),
+# ignore_eos=true.
+# Prints the text as it arrives, then a line with the finish reason, token counts and timings
+# (without jq, deno prints the same). GPT2_URL (default http://127.0.0.1:8080) names the server.
 # Exits non-zero on an HTTP error (404 unknown model, 400 naming bad parameters).
 set -euo pipefail
 . "$(dirname "$0")/_common.sh"
@@ -29,7 +31,11 @@ render() {
         buf = lines.pop() ?? "";
         for (const line of lines.filter(Boolean)) {
           const d = JSON.parse(line);
-          const s = "text" in d ? d.text : `\n[${d.finish_reason}] ${d.prompt_tokens} prompt + ${d.completion_tokens} new tokens\n`;
+          const t = d.timings ?? {};
+          const s = "text" in d ? d.text : `\n[${d.finish_reason}${d.error ? ": " + d.error : ""}] ` +
+            `${d.prompt_tokens} prompt + ${d.completion_tokens} new tokens` +
+            (d.truncated_tokens > 0 ? ` (prompt cut by ${d.truncated_tokens})` : "") +
+            `, first token ${Math.floor(t.ttft_ms ?? 0)} ms, ${Math.floor((t.tokens_per_s ?? 0) * 10) / 10} tokens/s\n`;
           Deno.stdout.writeSync(new TextEncoder().encode(s));
         }
       }'
