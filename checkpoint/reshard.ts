@@ -174,7 +174,7 @@ export async function reshardByName(
     throw new ReshardError(
       400,
       "checkpoint",
-      `Invalid checkpoint "${req.checkpoint}": expected "<job id>" or "<job id>/iter_N"`,
+      `Invalid checkpoint "${req.checkpoint}": expected "<job id>" or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)`,
     );
   }
   const all = await listCheckpoints(checkpointDir(job));
@@ -183,7 +183,7 @@ export async function reshardByName(
     throw new ReshardError(
       404,
       "checkpoint",
-      `Checkpoint "${req.checkpoint}" not found: expected a job id with saved checkpoints or "<job id>/iter_N"`,
+      `Checkpoint "${req.checkpoint}" not found: expected a job id with saved checkpoints or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)`,
     );
   }
   const name = req.name ?? `${job}-tp${req.tensor_parallel}`;

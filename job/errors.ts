@@ -31,7 +31,7 @@ export class InvalidJobError extends Error {
 export class ModelNotFoundError extends Error {
   constructor(readonly id: string) {
     super(
-      `Model "${id}" not found: expected a job id, "<job id>/iter_N" or a directory under models/ (see GET /v1/models)`,
+      `Model "${id}" not found: expected a job id, "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it) or a directory under models/ (see GET /v1/models)`,
     );
     this.name = "ModelNotFoundError";
   }

@@ -153,6 +153,8 @@ class Batcher {
   #opts: GenerationServiceOptions;
   #gen: Promise<Generator>;
   #loadMs = 0;
+  /** Requests that arrived before the model was loaded: only they report its load time. */
+  #waitedForLoad = new Set<string>();
   /** Until the model is loaded (or its load failed), and again while a deferred warm-up runs. */
   #loading = true;
   /** Settles when the load (or the deferred warm-up) is done. */
@@ -260,6 +262,7 @@ class Batcher {
   }
 
   add(req: WorkerGeneration): void {
+    if (this.#loadMs === 0) this.#waitedForLoad.add(req.id);
     this.#waiting.push(req);
     if (!this.#running) this.#run();
   }
@@ -284,6 +287,7 @@ class Batcher {
   }
 
   #done(id: string, reason: Done["reason"], error: string | null, completion_tokens: number): void {
+    this.#waitedForLoad.delete(id);
     this.#post({ type: "gen_done", id, reason, error, completion_tokens });
   }
 
@@ -383,7 +387,7 @@ class Batcher {
         this.#post({
           type: "gen_started",
           id: req.id,
-          load_ms: this.#loadMs,
+          load_ms: this.#waitedForLoad.delete(req.id) ? this.#loadMs : 0,
           stamps: { sent_at, relayed_at, received_at, admitted_at },
         });
       } catch (e) {

@@ -53,6 +53,11 @@ export interface GenerateParams {
   ignore_eos: boolean;
   /** Log-probabilities per token: null or absent for none, else the count of top ones (0 … 5). */
   logprobs?: number | null;
+  /**
+   * What a prompt too long for the context beside max_tokens names when it may not be cut (a
+   * 400 naming this parameter); absent: the prompt is cut from the left, and the cut is reported.
+   */
+  whole?: string;
   /** When the request reached this process (performance.now()); default: when it is started. */
   arrived?: number;
   /**
@@ -529,12 +534,17 @@ export class GenerationManager {
     return listModelSources(this.#root);
   }
 
-  /** One model by id (ModelNotFoundError: 404). */
+  /**
+   * One model by id (ModelNotFoundError: 404), under the id asked for (a job's id as `models()`
+   * lists it, or one of its checkpoints), created when it was saved.
+   */
   async model(id: string): Promise<ModelInfo> {
     const m = await resolveModelSource(this.#root, id);
-    const all = await listModelSources(this.#root);
-    return all.find((x) => x.id === m.id) ??
-      { id: m.id, kind: m.kind, created: Math.floor(Date.now() / 1000), config: m.config };
+    const listed = (await listModelSources(this.#root)).find((x) => x.id === id || x.id === m.id);
+    if (listed) return { ...listed, id };
+    const saved = m.kind === "checkpoint" ? Date.parse(m.version) : Number(m.version);
+    const created = Math.floor((Number.isFinite(saved) ? saved : Date.now()) / 1000);
+    return { id, kind: m.kind, created, config: m.config };
   }
 
   /**
@@ -611,6 +621,16 @@ export class GenerationManager {
     const prompt = typeof p.prompt === "string"
       ? encodePrompt(p.prompt, ctxLen - max_tokens)
       : fitPromptTokens(p.prompt, ctxLen - max_tokens);
+    if (p.whole !== undefined && prompt.truncated > 0) {
+      const len = prompt.tokens.length + prompt.truncated;
+      throw new InvalidJobError(
+        p.whole,
+        `${p.whole} take ${len} tokens, but model "${model.id}" has a context of ${ctxLen} tokens and ` +
+          `max_tokens ${max_tokens} leaves ${
+            ctxLen - max_tokens
+          } for them: shorten the ${p.whole} or lower max_tokens`,
+      );
+    }
     const bad = prompt.tokens.find((t) => !(Number.isInteger(t) && t >= 0 && t <= EOT_TOKEN));
     if (bad !== undefined) {
       throw new InvalidJobError("prompt", `Prompt token ${bad} is outside the vocabulary`);

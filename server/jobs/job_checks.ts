@@ -26,7 +26,7 @@ export interface CheckContext {
 export function unknownModel(id: string, field: string): InvalidJobError {
   return new InvalidJobError(
     field,
-    `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_N" or a folder under models/ ` +
+    `Unknown model "${id}" in ${field}: expected a job id, "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it) or a folder under models/ ` +
       "(see GET /v1/models)",
   );
 }
@@ -53,7 +53,7 @@ export async function resolveResume(root: string, spec: string): Promise<string>
   ) {
     throw new InvalidJobError(
       "resume_from",
-      `Invalid resume_from "${spec}": expected "<job id>" or "<job id>/iter_N"`,
+      `Invalid resume_from "${spec}": expected "<job id>" or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)`,
     );
   }
   const all = await listCheckpoints(`${root}/checkpoints/${jobId}`);

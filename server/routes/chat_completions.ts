@@ -40,10 +40,10 @@ const neutral = <T extends z.ZodType>(t: T, ok: (v: z.infer<T>) => boolean, what
 export const ChatCompletionRequestSchema = z.strictObject({
   model: z.string().min(1).max(300),
   // Roles and contents are checked by checkMessages (data/chat.ts) for messages.N.* errors.
-  messages: z.array(z.object({
+  messages: z.array(z.strictObject({
     role: z.string().max(32),
     content: z.string().max(MAX_CONTENT_CHARS),
-    name: z.string().max(64).optional(),
+    name: z.never({ error: "not supported: the chat template renders no participant names" }).optional(),
   })).min(1).max(1000),
   max_tokens: z.number().int().min(1).max(8192).nullable().optional(),
   max_completion_tokens: z.number().int().min(1).max(8192).nullable().optional(),
@@ -67,6 +67,12 @@ export const ChatCompletionRequestSchema = z.strictObject({
     "an empty logit_bias",
   ),
   user: z.string().max(256).optional(),
+}).refine((r) => r.stream_options == null || r.stream === true, {
+  path: ["stream_options"],
+  message: "only allowed when stream is true",
+}).refine((r) => r.top_logprobs == null || r.logprobs === true, {
+  path: ["top_logprobs"],
+  message: "only allowed when logprobs is true",
 });
 
 /** OpenAI's finish reasons: the end-of-text token is a "stop", a time limit a "length". */
@@ -224,6 +230,8 @@ async function startChat(
       stop: r.stop == null ? [] : typeof r.stop === "string" ? [r.stop] : r.stop,
       ignore_eos: r.ignore_eos ?? false,
       logprobs: wantLp ? r.top_logprobs ?? 0 : null,
+      // Cut from the left, a conversation would lose its first turn's role marker: refused instead.
+      whole: "messages",
       arrived: arrived(c),
       rehearsal: isRehearsal(c),
     }, n);

@@ -46,7 +46,7 @@ export function checkpointRoutes(runner: JobRunner, auth: Auth): Hono {
     if (RESHARD_SOURCE.test(req.checkpoint) && !auth.access.modelAllowed(p, req.checkpoint)) {
       throw new ApiError(
         404,
-        `Checkpoint "${req.checkpoint}" not found: expected a job id with saved checkpoints or "<job id>/iter_N"`,
+        `Checkpoint "${req.checkpoint}" not found: expected a job id with saved checkpoints or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)`,
         { param: "checkpoint", code: CODES[404] },
       );
     }

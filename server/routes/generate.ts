@@ -42,26 +42,44 @@ const tokenId = z.number().int().min(0).max(50256);
 const tokenList = z.array(tokenId).max(65536);
 const stopList = z.array(z.string().min(1).max(256)).max(8);
 
-/** Sampling and length parameters shared by both routes (JSON numbers). */
+/** An optional JSON field where null means absent, as in OpenAI's API: `dflt` then. */
+const orNull = <T extends z.ZodType, D extends z.output<T> | undefined>(t: T, dflt: D) =>
+  t.nullish().transform((v) => (v ?? dflt) as z.output<T> | D);
+
+/** Sampling and length parameters of `POST /v1/completions` (JSON numbers; null is absent). */
 const samplingShape = {
-  max_tokens: z.number().int().min(1).max(8192).optional(),
-  temperature: z.number().min(0).max(10).default(1),
-  top_k: z.number().int().min(0).max(50257).default(0),
-  top_p: z.number().gt(0).max(1).default(1),
-  seed: z.number().int().min(0).max(2 ** 32 - 1).optional(),
-  ignore_eos: z.boolean().default(false),
+  max_tokens: orNull(z.number().int().min(1).max(8192), 16),
+  temperature: orNull(z.number().min(0).max(10), 1),
+  top_k: orNull(z.number().int().min(0).max(50257), 0),
+  top_p: orNull(z.number().gt(0).max(1), 1),
+  seed: orNull(z.number().int().min(0).max(2 ** 32 - 1), undefined),
+  ignore_eos: orNull(z.boolean(), false),
 };
 
 /**
  * A query as Hono's validator gives it (a repeated key as an array), as `GET /generate` reads it:
- * every `stop` given, the first value of any other key.
+ * every `stop` given, the first value of any other key; a key given empty (`temperature=`) is
+ * absent, not 0 (an empty prompt stays a prompt).
  */
 function firstValues(query: unknown): unknown {
   if (typeof query !== "object" || query === null) return query;
   return Object.fromEntries(
-    Object.entries(query).map(([k, v]) => [k, k === "stop" ? [v].flat() : Array.isArray(v) ? v[0] : v]),
+    Object.entries(query)
+      .map(([k, v]) => [k, k === "stop" ? [v].flat() : Array.isArray(v) ? v[0] : v])
+      .filter(([k, v]) => k === "prompt" || v !== ""),
   );
 }
+
+/** A number in a query string ("hot" is refused as not a number, not as NaN). */
+const queryNumber = () =>
+  z.coerce.number({
+    error: (issue) =>
+      issue.code !== "invalid_type"
+        ? undefined
+        : issue.expected === "int"
+        ? "expected a whole number"
+        : "expected a number",
+  });
 
 /** Query of `GET /generate` (strings coerced). */
 export const GenerateQuerySchema = z.preprocess(
@@ -69,11 +87,11 @@ export const GenerateQuerySchema = z.preprocess(
   z.strictObject({
     model: z.string().min(1).max(300),
     prompt: z.string().max(MAX_PROMPT_CHARS).default(""),
-    max_tokens: z.coerce.number().int().min(1).max(8192).optional(),
-    temperature: z.coerce.number().min(0).max(10).default(1),
-    top_k: z.coerce.number().int().min(0).max(50257).default(0),
-    top_p: z.coerce.number().gt(0).max(1).default(1),
-    seed: z.coerce.number().int().min(0).max(2 ** 32 - 1).optional(),
+    max_tokens: queryNumber().int().min(1).max(8192).optional(),
+    temperature: queryNumber().min(0).max(10).default(1),
+    top_k: queryNumber().int().min(0).max(50257).default(0),
+    top_p: queryNumber().gt(0).max(1).default(1),
+    seed: queryNumber().int().min(0).max(2 ** 32 - 1).optional(),
     stop: stopList.default([]),
     ignore_eos: z.enum(["true", "false", "1", "0"]).transform((v) => v === "true" || v === "1").default(
       false,
@@ -100,13 +118,14 @@ export const CompletionRequestSchema = z.strictObject({
       "expected a text, a list of token ids (0-50256), or a list holding one of either: one prompt per request",
   }).default(""),
   ...samplingShape,
-  max_tokens: samplingShape.max_tokens.default(16),
-  stop: z.union([z.string().min(1).max(256), stopList]).nullable().optional(),
-  stream: z.boolean().default(false),
-  stream_options: z.strictObject({ include_usage: z.boolean().default(false) }).nullable().optional(),
-  n: z.number().int().min(1).max(8).default(1),
+  stop: z.union([z.string().min(1).max(256), stopList], {
+    error: "expected a string or a list of up to 8 strings, each of 1 to 256 characters",
+  }).nullable().optional(),
+  stream: orNull(z.boolean(), false),
+  stream_options: z.strictObject({ include_usage: orNull(z.boolean(), false) }).nullable().optional(),
+  n: orNull(z.number().int().min(1).max(8), 1),
   logprobs: z.number().int().min(0).max(5).nullable().optional(),
-  echo: z.boolean().default(false),
+  echo: orNull(z.boolean(), false),
   best_of: neutral(z.number().int(), (v) => v === 1, "best_of 1"),
   presence_penalty: neutral(z.number(), (v) => v === 0, "presence_penalty 0"),
   frequency_penalty: neutral(z.number(), (v) => v === 0, "frequency_penalty 0"),
@@ -117,6 +136,9 @@ export const CompletionRequestSchema = z.strictObject({
   ),
   suffix: neutral(z.string(), (v) => v === "", "an empty suffix"),
   user: z.string().max(256).optional(),
+}).refine((r) => r.stream_options == null || r.stream, {
+  path: ["stream_options"],
+  message: "only allowed when stream is true",
 });
 
 /** Body of `POST /tokenize`. */
@@ -473,11 +495,14 @@ async function startCompletion(
     model: gens[0].model.id,
   };
   const wantLp = r.logprobs !== null && r.logprobs !== undefined;
-  const echoText = r.echo ? (typeof prompt === "string" ? prompt : decodeTokens(gens[0].prompt)) : "";
+  // The echo is the prompt the model read: what was kept of a cut one, nothing of an empty one
+  // (whose model input is the end-of-text token alone), so text, logprobs and usage agree.
+  const seen = prompt.length === 0 ? [] : gens[0].prompt;
+  const echoText = r.echo ? decodeTokens(seen) : "";
   const lps = gens.map(() => new LogprobsBuilder(0));
   const echoLp = (i: number) => {
     if (!wantLp || !r.echo) return;
-    for (const id of gens[i].prompt) lps[i].add(id, null);
+    for (const id of seen) lps[i].add(id, null);
   };
   return { r, prompt, gens, release, cancelAll, head, wantLp, echoText, lps, echoLp };
 }

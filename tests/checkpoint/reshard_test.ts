@@ -383,12 +383,14 @@ Deno.test("POST /checkpoints/reshard refuses bad bodies, unknown checkpoints, a 
     });
     await apiError(await t.post({ checkpoint: "../job_a", tensor_parallel: 2 }), 400, {
       param: "checkpoint",
-      message: 'Invalid checkpoint "../job_a": expected "<job id>" or "<job id>/iter_N"',
+      message:
+        'Invalid checkpoint "../job_a": expected "<job id>" or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)',
     });
     await apiError(await t.post({ checkpoint: "job_b", tensor_parallel: 2 }), 404, {
       param: "checkpoint",
       code: "checkpoint_not_found",
-      message: 'Checkpoint "job_b" not found: expected a job id with saved checkpoints or "<job id>/iter_N"',
+      message:
+        'Checkpoint "job_b" not found: expected a job id with saved checkpoints or "<job id>/iter_0001000" (a checkpoint as GET /jobs/:id/checkpoints names it)',
     });
     await apiError(await t.post({ checkpoint: "job_a/iter_0000999", tensor_parallel: 2 }), 404, {
       param: "checkpoint",

@@ -168,6 +168,28 @@ Deno.test({
       });
       assert.equal(order.status, 400);
       assert.equal((await order.json()).error.param, "messages.1.role");
+      // A conversation longer than the context is refused, not cut (a cut would lose its first
+      // turn's role marker); parameters the server would ignore are refused too.
+      const refused = async (body: Record<string, unknown>, param: string, message: RegExp) => {
+        const res = await post("/v1/chat/completions", { model: id, ...body });
+        assert.equal(res.status, 400);
+        const err = (await res.json()).error;
+        assert.deepEqual([err.param, err.message.match(message) !== null], [param, true], err.message);
+      };
+      const long = [{ role: "user", content: "word ".repeat(2000) }];
+      await refused(
+        { messages: long },
+        "messages",
+        /^messages take \d+ tokens, but model .* has a context of/,
+      );
+      const hi = [{ role: "user", content: "Hi" }];
+      await refused({ messages: hi, top_logprobs: 2 }, "top_logprobs", /only allowed when logprobs is true/);
+      await refused(
+        { messages: hi, stream_options: { include_usage: true } },
+        "stream_options",
+        /stream is true/,
+      );
+      await refused({ messages: [{ ...hi[0], name: "ann" }] }, "messages.0.name", /no participant names/);
 
       const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused" });
       const messages = [{ role: "user" as const, content: "What color is the sky?" }];

@@ -267,7 +267,7 @@ Deno.test("unknown models are 404 and out-of-range parameters are 400 naming the
     assertEquals(
       err.message,
       "Invalid parameters: max_tokens (Too small: expected number to be >=1), temperature (Too small: expected number to be >=0), " +
-        "top_k (Invalid input: expected int, received number), top_p (Too big: expected number to be <=1)",
+        "top_k (expected a whole number), top_p (Too big: expected number to be <=1)",
     );
     assertEquals(err.param, "max_tokens");
     const long = await t.app.request("/generate?model=tiny&max_tokens=64");
@@ -443,6 +443,59 @@ Deno.test("POST /v1/completions: n choices as seeded streams, token-array prompt
   }
 });
 
+Deno.test("parameters as clients send them: empty query values are absent, null is absent, echo is what the model read", async () => {
+  const t = await setup();
+  try {
+    // GET /generate: `temperature=` is no temperature (1), not 0; a word is not a number.
+    const emptyP = t.app.request("/generate?model=tiny&prompt=a&temperature=&seed=&max_tokens=2");
+    await until(() => t.worker.generations.length === 1, "the request with empty values");
+    const g = t.worker.generations[0];
+    assertEquals([g.temperature, g.max_tokens], [1, 2]);
+    t.worker.send({ id: g.id, ...done("length", 0) } as FromWorker);
+    assertEquals((await emptyP).status, 200), await (await emptyP).text();
+    const hot = await t.app.request("/generate?model=tiny&temperature=hot&top_k=1.5");
+    assertEquals(
+      (await hot.json()).error.message,
+      "Invalid parameters: temperature (expected a number), top_k (expected a whole number)",
+    );
+    // POST /v1/completions: null is absent, as in OpenAI's API; an empty token prompt echoes nothing.
+    const nullP = postJson(t.app, "/v1/completions", {
+      model: "tiny",
+      prompt: [],
+      max_tokens: null,
+      temperature: null,
+      top_p: null,
+      seed: null,
+      n: null,
+      stream: null,
+      echo: true,
+    });
+    await until(() => t.worker.generations.length === 2, "the request with nulls");
+    const h = t.worker.generations[1];
+    assertEquals([h.max_tokens, h.temperature, h.top_p, h.prompt], [16, 1, 1, [50256]]);
+    t.worker.send({ type: "gen_tokens", id: h.id, tokens: [15496] });
+    t.worker.send({ id: h.id, ...done("length", 1) } as FromWorker);
+    const res = await (await nullP).json();
+    assertEquals(res.choices[0].text, "Hello");
+    // Refused, saying why: stream_options without a stream, nine stop strings.
+    const opts = await postJson(t.app, "/v1/completions", {
+      model: "tiny",
+      stream_options: { include_usage: true },
+    });
+    assertEquals(
+      (await opts.json()).error.message,
+      "Invalid parameters: stream_options (only allowed when stream is true)",
+    );
+    const stops = await postJson(t.app, "/v1/completions", { model: "tiny", stop: [..."abcdefghi"] });
+    assertMatch(
+      (await stops.json()).error.message,
+      /^Invalid parameters: stop \(expected a string or a list of up to 8/,
+    );
+  } finally {
+    await t.cleanup();
+  }
+});
+
 Deno.test("requests past the waiting cap get 429 with Retry-After; a started one no longer counts", async () => {
   const t = await setup({ maxWaiting: 2 });
   try {
@@ -518,6 +571,11 @@ Deno.test("GET /v1/models/{id}, POST /tokenize and /detokenize", async () => {
       "checkpoint",
       64,
     ]);
+    // A job's id is answered under that id (as /v1/models lists it), with its saved time.
+    const job = await (await t.app.request("/v1/models/job_0123456789ab")).json();
+    const listed = (await (await t.app.request("/v1/models")).json()).data[0];
+    assertEquals([job.id, job.created], ["job_0123456789ab", listed.created]);
+    assertEquals(m.created, listed.created);
     const none = await t.app.request("/v1/models/nope");
     assertEquals(none.status, 404);
     assertEquals((await none.json()).error.code, "model_not_found");

@@ -118,6 +118,11 @@ Deno.test({
       await svc.generate(req("warm")); // loads the model
       await until(() => msgs.some((m) => m.type === "gen_done"), "the warm-up", 60_000);
       await until(() => !svc.busy, "the engine to go idle");
+      const loadMs = (m: FromWorker) => m.type === "gen_started" ? m.load_ms : null;
+      assert.ok(
+        msgs.map(loadMs).some((ms) => ms !== null && ms > 0),
+        "the request that loaded the model reports it",
+      );
       msgs.length = 0;
       await svc.generate(req("a"));
       await svc.generate(req("b"));
@@ -125,6 +130,7 @@ Deno.test({
       const firstTokens = msgs.findIndex((m) => m.type === "gen_tokens");
       const started = msgs.filter((m, i) => m.type === "gen_started" && i < firstTokens);
       assert.equal(started.length, 2, "both admitted before the first token came");
+      assert.deepEqual(started.map(loadMs), [0, 0], "a loaded model's requests waited for no load");
       for (const id of ["a", "b"]) {
         const done = msgs.find((m) => m.type === "gen_done" && m.id === id) as Extract<
           FromWorker,
