@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Cancels a job (idempotent). Usage: scripts/cancel.sh JOB_ID
-# A queued job is cancelled at once; a running one stops before its next step.
-# Exits non-zero on an HTTP error (404 unknown job, 409 already finished).
+# A queued job is cancelled at once; a running one stops before its next step, keeping the checkpoints
+# it saved (none is written on cancel). Cancelling a cancelled job again is answered as before.
+# Exits non-zero on an HTTP error (404 unknown job, 409 already succeeded or failed).
 set -euo pipefail
 . "$(dirname "$0")/_common.sh"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Lists jobs, or shows one job with its checkpoints. Usage:
-#   scripts/jobs.sh            # one line per job: id, status, iteration, loss
+#   scripts/jobs.sh            # the newest 100 jobs, one line each: id, status, iteration, loss, val loss, tokens/s
 #   scripts/jobs.sh JOB_ID     # the job as JSON, then its checkpoints
 # Exits non-zero on an HTTP error (404 for an unknown job).
 set -euo pipefail

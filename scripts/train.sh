@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Submits a training job. Usage:
-#   scripts/train.sh                                  # gpt2-tiny on sotu with defaults
+#   scripts/train.sh                                  # gpt2-tiny on sotu with defaults (1000 iterations)
 #   scripts/train.sh '{"model":"gpt2-small-test","train_iters":500}'
 #   scripts/train.sh @config.json
 # Prints the job id and how to follow it; exits non-zero on an HTTP error (e.g. 400 with zod's issues).
