@@ -180,7 +180,7 @@ export async function loadUsableCheckpoint(
   }
   throw new Error(
     `Cannot resume: ${
-      paths.length === 1 ? "its checkpoint is" : `none of its ${paths.length} checkpoints is`
+      paths.length === 1 ? "its checkpoint is not" : `none of its ${paths.length} checkpoints is`
     } usable: ${skipped.map((u) => u.reason).join("; ")}`,
   );
 }

@@ -10,7 +10,7 @@
  *   deno task eval --model gpt2 --task multiple_choice --jsonl data/tasks/example_choice.jsonl
  *
  * `--model` is any model the server knows under `--home` (default $GPT2_HOME or ./.gpt2): a job id,
- * "<job id>/iter_N", or a Hugging Face folder under models/. Exit status: 0 done, 1 the
+ * "<job id>/iter_0001000" (a checkpoint by its full name), or a Hugging Face folder under models/. Exit status: 0 done, 1 the
  * evaluation failed, 2 bad arguments.
  */
 
@@ -19,6 +19,9 @@ import { EvaluateRequestSchema } from "../server/routes/schemas.ts";
 import { completeEvalConfig, type EvaluateRequest } from "../job/job_config.ts";
 import { InvalidJobError, ModelNotFoundError } from "../job/errors.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
+import { checkEvaluation } from "../server/jobs/job_checks.ts";
+import { getDataset } from "../data/store.ts";
+import { isBuiltinName } from "../data/builtin.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { loadEvalModel, runEvalConfig, withChoiceExamples } from "../worker/evaluation.ts";
 import { type ChoiceExample, parseChoiceJsonl } from "../model/multiple_choice.ts";
@@ -40,19 +43,29 @@ const int = (name: string, v: string | undefined): number | undefined => {
   return Number(v);
 };
 
+/** The text of the file an option names (a bad argument when it cannot be read). */
+async function readArg(flag: string, path: string): Promise<string> {
+  try {
+    return await Deno.readTextFile(path);
+  } catch (e) {
+    return usage(`Cannot read --${flag} "${path}": ${(e as Error).message}`);
+  }
+}
+
 /** The `POST /evaluate` body the arguments describe (texts read from their files). */
 async function requestOf(values: Record<string, string | string[] | boolean | undefined>) {
   const texts: string[] = [...(values.text as string[] ?? [])];
-  for (const f of values["text-file"] as string[] ?? []) texts.push(await Deno.readTextFile(f));
+  for (const f of values["text-file"] as string[] ?? []) texts.push(await readArg("text-file", f));
   let examples: ChoiceExample[] | undefined;
   if (typeof values.jsonl === "string" && values.task === "multiple_choice") {
+    const text = await readArg("jsonl", values.jsonl);
     try {
-      examples = parseChoiceJsonl(await Deno.readTextFile(values.jsonl), values.jsonl);
+      examples = parseChoiceJsonl(text, values.jsonl);
     } catch (e) {
       usage((e as Error).message);
     }
   } else if (typeof values.jsonl === "string") {
-    const lines = (await Deno.readTextFile(values.jsonl)).split("\n");
+    const lines = (await readArg("jsonl", values.jsonl)).split("\n");
     for (const [i, line] of lines.entries()) {
       if (line.trim() === "") continue;
       let text: unknown;
@@ -124,6 +137,14 @@ if (import.meta.main) {
   const req: EvaluateRequest = checked.data;
   const home = values.home ?? Deno.env.get("GPT2_HOME") ?? "./.gpt2";
   try {
+    // The server's submission checks, so a mistake is a bad argument (2) naming the same field.
+    await checkEvaluation({
+      root: home,
+      datasetExists: async (id) =>
+        isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
+      splitTokens: async (id) =>
+        isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
+    }, req);
     const source = await resolveModelSource(home, req.model);
     const config = completeEvalConfig(req, source);
     const evaluate = await withChoiceExamples(home, config.evaluate!).catch((e) =>

@@ -7,7 +7,10 @@
 import { InvalidJobError, ModelNotFoundError } from "../../job/errors.ts";
 import type { ModelSource } from "../../protocol.ts";
 import { resolveModelSource } from "../../checkpoint/model_source.ts";
-import { listCheckpoints } from "../../checkpoint/checkpoint.ts";
+import { listCheckpoints, mergedModel, readManifest } from "../../checkpoint/checkpoint.ts";
+import { resolveModel } from "../../job/job_config.ts";
+import { DEFAULT_SPLIT, parseSplitWeights } from "../../data/split.ts";
+import { isBuiltinName } from "../../data/builtin.ts";
 import type { EvaluateRequest } from "../../job/job_config.ts";
 import type { TrainConfig } from "../../job/job.ts";
 import { getDataset } from "../../data/store.ts";
@@ -58,8 +61,39 @@ export async function resolveResume(root: string, spec: string): Promise<string>
   }
   const all = await listCheckpoints(`${root}/checkpoints/${jobId}`);
   const found = name ? all.find((c) => c.name === name) : all.at(-1);
-  if (!found) throw new InvalidJobError("resume_from", `Unknown checkpoint "${spec}"`);
+  if (!found) {
+    // A job without checkpoints is answered as an unknown one (as another user's job is).
+    const has = all.length > 0 ? `: job "${jobId}" has ${all.map((c) => c.name).join(", ")}` : "";
+    throw new InvalidJobError("resume_from", `Unknown checkpoint "${spec}"${has}`);
+  }
   return found.path;
+}
+
+/**
+ * What a resumed run must agree with in its checkpoint: the same architecture, and iterations
+ * left to train (refused at submission, not when the job fails after queueing).
+ */
+async function checkResume(root: string, config: TrainConfig): Promise<void> {
+  const path = await resolveResume(root, config.resume_from!);
+  const manifest = await readManifest(path).catch(() => null);
+  if (!manifest) return; // an unreadable checkpoint is passed over at start, for an older one
+  const saved = mergedModel(manifest), want = resolveModel(config);
+  for (const k of ["n_layer", "n_head", "n_embd", "n_positions"] as const) {
+    if (saved[k] !== want[k]) {
+      throw new InvalidJobError(
+        "model",
+        `resume_from "${config.resume_from}" is a model with ${k} ${saved[k]}, this job's has ${want[k]}: ` +
+          `resume with the checkpoint's model, or use init_from to fine-tune another`,
+      );
+    }
+  }
+  if (config.train_iters <= manifest.iteration) {
+    throw new InvalidJobError(
+      "train_iters",
+      `train_iters ${config.train_iters} is not past resume_from "${config.resume_from}", saved at ` +
+        `iteration ${manifest.iteration}: nothing would be trained`,
+    );
+  }
 }
 
 /** Checks a completed training config on a server with `trainers` GPUs that take training. */
@@ -79,6 +113,19 @@ export async function checkTrainConfig(
   }
   if (!(await ctx.datasetExists(config.dataset))) {
     throw new InvalidJobError("dataset", `Unknown dataset "${config.dataset}"`);
+  }
+  try {
+    parseSplitWeights(config.split);
+  } catch (e) {
+    throw new InvalidJobError("split", (e as Error).message);
+  }
+  // A built-in is cut at the job's split; a prepared dataset keeps the split it was prepared with.
+  if (!isBuiltinName(config.dataset) && config.split.replaceAll(" ", "") !== DEFAULT_SPLIT.join(",")) {
+    throw new InvalidJobError(
+      "split",
+      `Dataset "${config.dataset}" keeps the split it was prepared with; split applies to the built-in ` +
+        `datasets only: prepare it again (POST /datasets) with the split you want`,
+    );
   }
   const sft = config.objective === "sft";
   if (sft && !isChatDataset(await getDataset(ctx.root, config.dataset).catch(() => undefined))) {
@@ -101,7 +148,7 @@ export async function checkTrainConfig(
   for (const [i, t] of (config.eval_tasks ?? []).entries()) {
     await checkEvalData(ctx.root, t, `eval_tasks.${i}.`, ctx.datasetExists);
   }
-  if (config.resume_from) await resolveResume(ctx.root, config.resume_from);
+  if (config.resume_from) await checkResume(ctx.root, config);
 }
 
 /** Checks an evaluation request's texts, examples file and dataset (its model is checked apart). */

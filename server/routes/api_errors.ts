@@ -68,6 +68,20 @@ export interface ErrorBody {
 
 type Issue = z.core.$ZodIssue;
 
+/**
+ * An issue as a user can act on it: a union none of whose options matched ("Invalid input") is
+ * replaced by the issues of the one option whose type matched (an object given for `string |
+ * {n_layer, …}` reports the missing field), when there is exactly one.
+ */
+function actionable(issue: Issue): Issue[] {
+  if (issue.code !== "invalid_union") return [issue];
+  const typed = issue.errors.filter((b) =>
+    !(b.length === 1 && b[0].code === "invalid_type" && b[0].path.length === 0)
+  );
+  if (typed.length !== 1 || typed[0].length === 0) return [issue];
+  return typed[0].map((b) => ({ ...b, path: [...issue.path, ...b.path] }) as Issue);
+}
+
 /** The parameter an issue is about: its path joined by ".", or the first unknown key. */
 export function issueParam(issue: Issue): string | null {
   const path = issue.path.map(String).join(".");
@@ -115,7 +129,7 @@ function parameterName(issue: Issue): string {
  */
 export function parametersError(issues: readonly Issue[]): ApiError {
   const why = new Map<string, string>();
-  for (const i of issues) {
+  for (const i of issues.flatMap(actionable)) {
     const named: [string, string][] = i.code === "unrecognized_keys"
       ? i.keys.map((k) => [[...i.path, k].join("."), "unknown parameter"])
       : [[parameterName(i), i.message]];
@@ -132,7 +146,8 @@ function validationError(c: Context, what: string, issues: readonly Issue[]): Ap
 }
 
 /** An ApiError 400 describing zod's issues: `Invalid <what>: a: problem; b: problem`, param of the first. */
-export function zodError(what: string, issues: readonly Issue[]): ApiError {
+export function zodError(what: string, raw: readonly Issue[]): ApiError {
+  const issues = raw.flatMap(actionable);
   const parts = issues.slice(0, 10).map((i) => {
     const p = issueParam(i);
     return p ? `${p}: ${i.message}` : i.message;

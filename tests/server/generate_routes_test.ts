@@ -489,7 +489,7 @@ Deno.test("parameters as clients send them: empty query values are absent, null 
     const stops = await postJson(t.app, "/v1/completions", { model: "tiny", stop: [..."abcdefghi"] });
     assertMatch(
       (await stops.json()).error.message,
-      /^Invalid parameters: stop \(expected a string or a list of up to 8/,
+      /^Invalid parameters: stop \(Too big: expected array to have <=8 items\)$/,
     );
   } finally {
     await t.cleanup();

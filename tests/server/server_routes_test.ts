@@ -118,6 +118,12 @@ Deno.test("POST /train returns 400 naming an unknown model, dataset, seq_len or 
     await apiError(await t.post("/train", { model: "gpt2-tiny", seq_len: 65 }), 400, { param: "seq_len" });
     const dims = await t.post("/train", { model: { n_layer: 2, n_head: 3, n_embd: 64, n_positions: 64 } });
     await apiError(dims, 400, { param: "n_embd" });
+    // A union of a preset name and dimensions names the missing dimension, not "Invalid input".
+    await apiError(await t.post("/train", { model: { n_layer: 2, n_head: 4, n_embd: 64 } }), 400, {
+      param: "model.n_positions",
+      message:
+        "Invalid training config: model.n_positions: Invalid input: expected number, received undefined",
+    });
     await apiError(await t.post("/train", { resume_from: "job_000000000000" }), 400, {
       param: "resume_from",
       message: 'Unknown checkpoint "job_000000000000"',
