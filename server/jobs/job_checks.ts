@@ -119,13 +119,27 @@ export async function checkTrainConfig(
   } catch (e) {
     throw new InvalidJobError("split", (e as Error).message);
   }
-  // A built-in is cut at the job's split; a prepared dataset keeps the split it was prepared with.
+  // A built-in is cut at the job's split; a prepared dataset keeps the split it was prepared with,
+  // so another one (other than the default, which means "the dataset's own") is refused.
   if (!isBuiltinName(config.dataset) && config.split.replaceAll(" ", "") !== DEFAULT_SPLIT.join(",")) {
-    throw new InvalidJobError(
-      "split",
-      `Dataset "${config.dataset}" keeps the split it was prepared with; split applies to the built-in ` +
-        `datasets only: prepare it again (POST /datasets) with the split you want`,
-    );
+    const info = await getDataset(ctx.root, config.dataset).catch(() => undefined);
+    const own = info?.options?.split;
+    const ratios = (w: readonly number[]) => w.map((x) => x / (w[0] + w[1] + w[2]));
+    const same = (a: readonly number[], b: readonly number[]) =>
+      ratios(a).every((x, i) => Math.abs(x - ratios(b)[i]) < 1e-9);
+    let ownWeights: [number, number, number] | null = null;
+    try {
+      ownWeights = parseSplitWeights((own ?? DEFAULT_SPLIT) as string | number[]);
+    } catch { /* an unreadable record: refuse below */ }
+    if (!ownWeights || !same(parseSplitWeights(config.split), ownWeights)) {
+      throw new InvalidJobError(
+        "split",
+        `Dataset "${config.dataset}" keeps the split it was prepared with (${
+          ownWeights?.join(",") ?? "unknown"
+        }); ` +
+          `split applies to the built-in datasets only: prepare it again (POST /datasets) with the split you want`,
+      );
+    }
   }
   const sft = config.objective === "sft";
   if (sft && !isChatDataset(await getDataset(ctx.root, config.dataset).catch(() => undefined))) {

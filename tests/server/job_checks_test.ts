@@ -9,6 +9,7 @@ import { completeConfig } from "../../job/job_config.ts";
 import { TrainRequestSchema } from "../../server/routes/schemas.ts";
 import { InvalidJobError } from "../../job/errors.ts";
 import { fakeCheckpoint } from "../_auth.ts";
+import { prepareDataset } from "../../data/mod.ts";
 
 async function withRoot(fn: (root: string) => Promise<void>) {
   const root = await Deno.makeTempDir({ prefix: "gpt2_checks_" });
@@ -46,9 +47,24 @@ Deno.test("split: weights that sum to 0 are refused; a prepared dataset keeps th
     assertEquals([f, m], ["split", 'Invalid split "0,0,0": weights sum to 0']);
     await check({ split: "90,10,0" }); // a built-in is cut at the job's split
     await check({ dataset: "mydocs" }); // the default: the dataset's own split
-    const [f2, m2] = await refusal(check({ dataset: "mydocs", split: "100,0,0" }));
-    assertEquals(f2, "split");
-    assertEquals(m2.startsWith('Dataset "mydocs" keeps the split it was prepared with'), true);
+    const texts = Array.from(
+      { length: 40 },
+      (_, i) => `Document ${i}: ${"the people of the nation ".repeat(20)}`,
+    );
+    await prepareDataset(root, { texts }, {
+      id: "mydocs",
+      min_tokens: 0,
+      dedup: false,
+      split: "8,1,1",
+      seq_len: 16,
+    });
+    await check({ dataset: "mydocs", split: "8,1,1" }); // its own split, as it was prepared
+    await check({ dataset: "mydocs", split: "80,10,10" }); // the same proportions
+    assertEquals(await refusal(check({ dataset: "mydocs", split: "100,0,0" })), [
+      "split",
+      'Dataset "mydocs" keeps the split it was prepared with (8,1,1); split applies to the built-in datasets ' +
+      "only: prepare it again (POST /datasets) with the split you want",
+    ]);
   });
 });
 
