@@ -65,10 +65,14 @@ export async function reshardCheckpoint(
 ): Promise<ReshardResult> {
   const label = opts.label ?? src;
   if (!(await exists(`${src}/manifest.json`))) {
+    // A job's folder holds its checkpoints: name one of them.
+    const inside = (await Array.fromAsync(Deno.readDir(src)).catch(() => []))
+      .filter((e) => e.isDirectory && /^iter_\d+$/.test(e.name)).map((e) => e.name).sort();
     throw new ReshardError(
       404,
       "checkpoint",
-      `Checkpoint "${label}" not found: no manifest.json in "${src}"`,
+      `Checkpoint "${label}" not found: no manifest.json in "${src}"` +
+        (inside.length ? `; it holds checkpoints: give one of them, e.g. "${src}/${inside.at(-1)}"` : ""),
     );
   }
   let manifest: CheckpointManifest;
