@@ -22,7 +22,7 @@
  */
 
 import { resolve } from "node:path";
-import { datasetsDir, getDataset, isBuiltinName } from "./data/mod.ts";
+import { datasetsDir } from "./data/mod.ts";
 import {
   type ClusterConfig,
   readClusterConfig,
@@ -32,6 +32,7 @@ import {
 import { GenerationManager } from "./server/generate/mod.ts";
 import { GpuHostClient, trainingGpus } from "./server/gpus/mod.ts";
 import {
+  datasetLookups,
   JobRunner,
   JobStore,
   removeStaleCheckpointTemporaries,
@@ -115,10 +116,7 @@ if (import.meta.main) {
     spawn: host.spawn,
     host: () => host.status,
     trainGpus: trainingGpus(roles),
-    datasetExists: async (id) =>
-      isBuiltinName(id) || (await getDataset(data, id).catch(() => undefined)) !== undefined,
-    splitTokens: async (id) =>
-      isBuiltinName(id) ? null : (await getDataset(data, id).catch(() => undefined))?.splits ?? null,
+    ...datasetLookups(data),
   });
   const generation = new GenerationManager(runner.pool, data, { roles });
   const access = new Access(store, (id) => runner.checkpointDir(id));

@@ -19,9 +19,7 @@ import { EvaluateRequestSchema } from "../server/routes/schemas.ts";
 import { completeEvalConfig, type EvaluateRequest } from "../job/job_config.ts";
 import { InvalidJobError, ModelNotFoundError } from "../job/errors.ts";
 import { resolveModelSource } from "../checkpoint/model_source.ts";
-import { checkEvaluation } from "../server/jobs/job_checks.ts";
-import { getDataset } from "../data/store.ts";
-import { isBuiltinName } from "../data/builtin.ts";
+import { checkEvaluation, datasetLookups } from "../server/jobs/job_checks.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { loadEvalModel, runEvalConfig, withChoiceExamples } from "../worker/evaluation.ts";
 import { type ChoiceExample, parseChoiceJsonl } from "../model/multiple_choice.ts";
@@ -138,13 +136,7 @@ if (import.meta.main) {
   const home = values.home ?? Deno.env.get("GPT2_HOME") ?? "./.gpt2";
   try {
     // The server's submission checks, so a mistake is a bad argument (2) naming the same field.
-    await checkEvaluation({
-      root: home,
-      datasetExists: async (id) =>
-        isBuiltinName(id) || (await getDataset(home, id).catch(() => undefined)) !== undefined,
-      splitTokens: async (id) =>
-        isBuiltinName(id) ? null : (await getDataset(home, id).catch(() => undefined))?.splits ?? null,
-    }, req);
+    await checkEvaluation({ root: home, ...datasetLookups(home) }, req);
     const source = await resolveModelSource(home, req.model);
     const config = completeEvalConfig(req, source);
     const evaluate = await withChoiceExamples(home, config.evaluate!).catch((e) =>

@@ -25,6 +25,15 @@ export interface CheckContext {
   splitTokens?: (id: string) => Promise<{ train: number; valid: number; test: number } | null>;
 }
 
+/** The dataset lookups of the checks over `root`'s prepared datasets and the built-ins (which have no counts until prepared). */
+export function datasetLookups(root: string): Omit<CheckContext, "root"> {
+  const info = (id: string) => getDataset(root, id).catch(() => undefined);
+  return {
+    datasetExists: async (id) => isBuiltinName(id) || (await info(id)) !== undefined,
+    splitTokens: async (id) => isBuiltinName(id) ? null : (await info(id))?.splits ?? null,
+  };
+}
+
 /** The error naming `id` unknown in `field`, as {@link modelSource} words it: the same for a model that is another user's. */
 export function unknownModel(id: string, field: string): InvalidJobError {
   return new InvalidJobError(

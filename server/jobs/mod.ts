@@ -9,6 +9,7 @@ export * from "../../job/errors.ts";
 export * from "../../job/job_config.ts";
 export { isFinished, type JobPatch, JobStore, MIGRATIONS, SCHEMA_VERSION } from "./job_store.ts";
 export { JobRunner, type RunnerOptions } from "./runner.ts";
+export { datasetLookups } from "./job_checks.ts";
 export { compareJobs, type Comparison, evalTaskPoints, metricsCsv } from "./compare.ts";
 /** The start-up clean-up of what a dead writer left in the jobs' checkpoint folders (main.ts). */
 export { removeStaleCheckpointTemporaries, removeStaleTemporaries } from "../../checkpoint/checkpoint.ts";
