@@ -106,18 +106,21 @@ export class QuotaBook {
   }
 
   /** Holds one of `p`'s generation streams (QuotaError past `streams`); call the answer to give it back. */
-  openStream(p: Principal): () => void {
+  openStream(p: Principal, request?: { needs: number; held: number }): () => void {
     const user = p.user;
     if (user === null) return () => {};
     const q = this.of(user);
     const open = this.#streams.get(user) ?? 0;
     if (open >= q.streams) {
-      throw new QuotaError(
-        "streams",
-        `Quota "streams" reached: user "${user}" has ${open} generation streams open (limit ${q.streams}); ` +
-          "it frees when one of them ends",
-        1,
-      );
+      // A request of n choices holds its streams one by one: say what it needs, beside what was open before it.
+      const before = open - (request?.held ?? 0);
+      const message = request && request.needs > q.streams
+        ? `Quota "streams": this request needs ${request.needs} generation streams (n = ${request.needs}), ` +
+          `more than user "${user}"'s limit of ${q.streams}: lower n`
+        : `Quota "streams" reached: user "${user}" has ${before} generation streams open (limit ${q.streams})` +
+          (request && request.needs > 1 ? ` and this request needs ${request.needs}` : "") +
+          "; it frees when one of them ends";
+      throw new QuotaError("streams", message, 1);
     }
     this.#streams.set(user, open + 1);
     let held = true;

@@ -228,6 +228,11 @@ export class JobRunner {
     this.#records.emit(id, "log", { level: "info", message: "Cancel requested through another host" });
   }
 
+  /** Whether dataset `id` exists (a built-in, or prepared under the data directory). */
+  datasetExists(id: string): Promise<boolean> {
+    return this.#opts.datasetExists(id);
+  }
+
   /** Directory of a job's checkpoints. */
   checkpointDir(id: string): string {
     return `${this.#opts.root}/checkpoints/${id}`;

@@ -76,8 +76,12 @@ const AuditQuerySchema = z.strictObject({
 
 const TokensQuerySchema = z.strictObject({ user: z.string().max(64).optional() });
 
-/** The routes above, over `store` and `auth`. */
-export function adminRoutes(store: JobStore, auth: Auth): Hono {
+/** The routes above, over `store` and `auth`; `exists` says whether a dataset or checkpoint may be shared. */
+export function adminRoutes(
+  store: JobStore,
+  auth: Auth,
+  exists?: (kind: "dataset" | "checkpoint", id: string) => Promise<boolean>,
+): Hono {
   const app = new Hono();
 
   app.get("/auth/me", (c) => {
@@ -161,8 +165,12 @@ export function adminRoutes(store: JobStore, auth: Auth): Hono {
     return c.json({ name, quotas: auth.quotas.of(name), own_quotas: quotas });
   });
 
-  app.post("/admin/shares", jsonBody(ShareSchema, "share request"), (c) => {
+  app.post("/admin/shares", jsonBody(ShareSchema, "share request"), async (c) => {
     const { kind, id } = c.req.valid("json");
+    // Only what exists: a share of a name nobody holds yet would go to whoever takes it next.
+    if (exists && !(await exists(kind, id))) {
+      throw new ApiError(404, `No ${kind} "${id}" to share`, { param: "id", code: `${kind}_not_found` });
+    }
     auth.access.share(kind, id);
     audit(store, c, "share", `${kind}/${id}`);
     return c.json({ kind, id, shared: true }, 201);

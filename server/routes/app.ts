@@ -29,6 +29,7 @@ import { adminRoutes, type Auth } from "./admin.ts";
 import { TokenAuth } from "../auth/token_auth.ts";
 import { Access } from "../auth/access.ts";
 import { QuotaBook } from "../auth/quotas.ts";
+import { listCheckpoints } from "../../checkpoint/checkpoint.ts";
 import { defaultQuotas } from "../settings.ts";
 import { AddressRanges } from "../addresses.ts";
 import { webRoutes } from "./web.ts";
@@ -193,7 +194,17 @@ export function createApp(opts: AppOptions): Hono {
   app.use("*", requireJson);
   useLimits(app, limits, trusted);
   app.route("/", healthRoutes(opts.runner, startedAt, metrics));
-  app.route("/", adminRoutes(store, auth));
+  app.route(
+    "/",
+    adminRoutes(
+      store,
+      auth,
+      (kind, id) =>
+        kind === "dataset"
+          ? opts.runner.datasetExists(id)
+          : listCheckpoints(opts.runner.checkpointDir(id)).then((c) => c.length > 0),
+    ),
+  );
   app.route("/", jobRoutes(opts.runner, limits, aliases, auth));
   app.route("/", estimateRoutes(opts.runner));
   app.route("/", checkpointRoutes(opts.runner, auth));

@@ -154,7 +154,9 @@ export function authGuard(
     if (typeof got === "string") {
       opts.failures.fail(address);
       const [message, code] = WORDS[got];
-      throw unauthorized(message, code, "invalid_token");
+      // Another scheme (Basic, Token, a bare token) is said so, without echoing what was sent.
+      const how = m ? message : 'Authorization is not "Bearer <token>": send "Authorization: Bearer <token>"';
+      throw unauthorized(how, code, "invalid_token");
     }
     if (!allowed(got, cls)) {
       throw new ApiError(

@@ -137,7 +137,9 @@ function holdStreams(auth: Pick<Auth, "access" | "quotas"> | undefined): Hold {
     if (!auth || isRehearsal(c)) return () => {};
     const releases = [] as Array<() => void>;
     try {
-      for (let i = 0; i < n; i++) releases.push(auth.quotas.openStream(principalOf(c)));
+      for (let i = 0; i < n; i++) {
+        releases.push(auth.quotas.openStream(principalOf(c), { needs: n, held: i }));
+      }
     } catch (e) {
       releases.forEach((r) => r());
       throw e;

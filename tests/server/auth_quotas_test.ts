@@ -75,7 +75,11 @@ Deno.test("streams: a user past their generation streams gets 429 until one ends
       e.message,
       'Quota "streams" reached: user "alice" has 1 generation streams open (limit 1); it frees when one of them ends',
     );
-    await apiError(await t.call(alice, "POST", "/v1/completions", { ...body, n: 2 }), 429);
+    const two = await apiError(await t.call(alice, "POST", "/v1/completions", { ...body, n: 2 }), 429);
+    assert.equal(
+      two.message,
+      'Quota "streams": this request needs 2 generation streams (n = 2), more than user "alice"\'s limit of 1: lower n',
+    );
     // Bob's streams are his own.
     const second = t.call(bob, "POST", "/v1/completions", body);
     await until(() => worker.generations.length >= 2, "bob's generation");
@@ -266,6 +270,18 @@ Deno.test("what an admin shares every user may use (a checkpoint and its models)
     await fakeCheckpoint(t.root, id);
     assert.equal((await t.call(bob, "GET", `/v1/models/${id}`)).status, 404);
     await apiError(await t.call(bob, "POST", "/admin/shares", { kind: "checkpoint", id }), 403);
+    // Only what exists: a name shared before anyone holds it would go to whoever takes it next.
+    await apiError(
+      await t.call(BOOT, "POST", "/admin/shares", { kind: "checkpoint", id: "job_ffffffffffff" }),
+      404,
+      {
+        message: 'No checkpoint "job_ffffffffffff" to share',
+        param: "id",
+      },
+    );
+    await apiError(await t.call(BOOT, "POST", "/admin/shares", { kind: "dataset", id: "later" }), 404, {
+      code: "dataset_not_found",
+    });
     const shared = await t.call(BOOT, "POST", "/admin/shares", { kind: "checkpoint", id });
     assert.equal(shared.status, 201);
     const models = (await (await t.call(bob, "GET", "/v1/models")).json()).data.map((m: { id: string }) =>

@@ -65,7 +65,10 @@ Deno.test("a token with any printable characters works; 401 keeps WWW-Authentica
     const wrong = await t.app.request("/jobs", { headers: { Authorization: `Bearer ${token}x` } });
     assert(wrong.headers.get("WWW-Authenticate")!.startsWith("Bearer "));
     await apiError(wrong, 401, { message: "Invalid bearer token", code: "invalid_api_key" });
-    await apiError(await t.app.request("/jobs", { headers: { Authorization: `Basic ${token}` } }), 401);
+    await apiError(await t.app.request("/jobs", { headers: { Authorization: `Basic ${token}` } }), 401, {
+      message: 'Authorization is not "Bearer <token>": send "Authorization: Bearer <token>"',
+      code: "invalid_api_key",
+    });
   } finally {
     await t.cleanup();
   }
