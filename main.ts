@@ -138,6 +138,7 @@ if (import.meta.main) {
     corsOrigins: config.corsOrigins,
     trustedProxies: config.trustedProxies,
     home: data,
+    homeName: cluster.sharedDir === null ? "$GPT2_HOME" : "$GPT2_SHARED_DIR",
     extra: [datasets],
     draining: { active: () => runner.draining, retryAfterSeconds: config.shutdownSeconds },
   });
@@ -148,7 +149,8 @@ if (import.meta.main) {
       port: config.port,
       onListen: ({ hostname, port }) => {
         const host = hostname.includes(":") ? `[${hostname}]` : hostname;
-        console.log(`GPT-2 server listening on http://${host}:${port}/ (data in ${home})`);
+        const where = cluster.sharedDir === null ? `data in ${home}` : `checkpoints and datasets in ${data}`;
+        console.log(`GPT-2 server listening on http://${host}:${port}/ (${where})`);
       },
     }, app.fetch);
   } catch (e) {

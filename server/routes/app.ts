@@ -79,6 +79,8 @@ export interface AppOptions {
   trustedProxies?: string[];
   /** The data directory: cut from error messages. */
   home?: string;
+  /** The variable `home` is shown as in messages (default "$GPT2_HOME"; "$GPT2_SHARED_DIR" on a cluster's shared folder). */
+  homeName?: string;
   /** Called with the app's Prometheus registry to add collectors (server/routes/metrics.ts). */
   metrics?: MetricsHook[];
 }
@@ -179,7 +181,7 @@ export function createApp(opts: AppOptions): Hono {
   const startedAt = opts.startedAt ?? Date.now();
   const metrics = createMetrics(opts.runner, startedAt, opts.generation);
   for (const hook of opts.metrics ?? []) metrics.register(hook);
-  const aliases = opts.home ? pathAliases(opts.home, "$GPT2_HOME") : [];
+  const aliases = opts.home ? pathAliases(opts.home, opts.homeName ?? "$GPT2_HOME") : [];
   const render = errorHandler(aliases);
 
   const app = new Hono();
