@@ -47,6 +47,8 @@ export {
   packSignature,
 } from "./minhash.ts";
 export {
+  checkReplace,
+  DatasetExistsError,
   type DatasetPlan,
   type DatasetSource,
   planDataset,

@@ -300,8 +300,43 @@ export async function planDataset(
       ? baseName
       : `${baseName.replace(/[^A-Za-z0-9._-]/g, "_").slice(0, 40) || "data"}-${sourceKey.slice(0, 8)}`);
   checkDatasetId(id);
+  if (options.id !== undefined && kind !== "builtin" && isBuiltinName(options.id)) {
+    throw new DatasetExistsError(
+      options.id,
+      `Dataset id "${options.id}" is a built-in dataset's: choose another id`,
+    );
+  }
 
   return { id, kind, describe, ...(resolvedPath ? { resolvedPath } : {}), sourceKey, opts };
+}
+
+/** A named dataset id that holds other data (or a built-in's): preparing over it needs `force`. */
+export class DatasetExistsError extends Error {
+  constructor(readonly id: string, message: string) {
+    super(message);
+    this.name = "DatasetExistsError";
+  }
+}
+
+/**
+ * Refuses to replace dataset `id`, named by the caller, when it was prepared from another source
+ * or with other options (`force` replaces it): jobs that read it, or will resume on it, would
+ * silently train on other data. A derived id names its source, so it is prepared again as before.
+ */
+export function checkReplace(
+  id: string,
+  named: boolean,
+  existing: object | undefined,
+  sourceKey: string,
+  force: boolean | undefined,
+): void {
+  const key = (existing as { source_key?: string } | undefined)?.source_key;
+  if (!named || force || existing === undefined || key === sourceKey) return;
+  throw new DatasetExistsError(
+    id,
+    `Dataset "${id}" exists, prepared from another source or with other options: choose another id, ` +
+      `or set force (--force) to replace it`,
+  );
 }
 
 /** The work folder of a preparation: stable for one id and source key, so a rerun finds it. */
@@ -357,14 +392,21 @@ export async function prepareDataset(
   const started = performance.now();
   const plan = await planDataset(root, source, options);
   const { id, resolvedPath, sourceKey, describe, opts } = plan;
+  const existing = await getDataset(root, id).catch(() => undefined);
+  checkReplace(
+    id,
+    options.id !== undefined,
+    existing as { source_key?: string } | undefined,
+    sourceKey,
+    options.force,
+  );
   if (options.format === "chat") {
     const file = (source as { path: string }).path;
     const chat = { id, resolvedPath: resolvedPath!, file, sourceKey, describe, split: opts.split };
     return await prepareChatDataset(root, { ...chat, onError: options.on_error ?? "refuse" }, options.force);
   }
-  if (!options.force) {
-    const existing = await getDataset(root, id).catch(() => undefined);
-    if (existing && (existing as { source_key?: string }).source_key === sourceKey) return existing;
+  if (!options.force && existing && (existing as { source_key?: string }).source_key === sourceKey) {
+    return existing;
   }
   const shardChars = shardCharsOf(options);
 

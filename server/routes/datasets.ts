@@ -33,6 +33,8 @@ import { audit } from "./admin.ts";
 import { ApiError, errorHandler, jsonBody, pathAliases, scrubPaths } from "./api_errors.ts";
 import {
   BUILTIN_NAMES,
+  checkReplace,
+  DatasetExistsError,
   type DatasetInfo,
   type DatasetSource,
   getDataset,
@@ -227,8 +229,20 @@ async function createDataset(
       budgetSetting: LIMIT_SETTINGS.maxDownloadBytes,
     },
   };
-  const id = await planId(root, source, prepOptions, kind);
+  const plan = await planOf(root, source, prepOptions, kind);
+  const id = plan.id;
   await claimDataset(c, st, id, kind, rest.id !== undefined);
+  try {
+    checkReplace(
+      id,
+      rest.id !== undefined,
+      await getDataset(root, id).catch(() => undefined),
+      plan.sourceKey,
+      rest.force,
+    );
+  } catch (e) {
+    throw new ApiError(409, (e as Error).message, { param: "id", code: "conflict" });
+  }
   const same = jobs.get(id);
   if (same?.status === "running") {
     c.header("Location", `/datasets/${id}`);
@@ -246,10 +260,13 @@ async function createDataset(
   return await startPreparation(c, st, id, source, prepOptions);
 }
 
-/** The dataset id of a request: 403 for a path outside the sources folder, 400 for a bad source or option. */
-async function planId(root: string, source: DatasetSource, prepOptions: PrepareOptions, kind: string) {
+/**
+ * The plan of a request (its dataset id and source key): 403 for a path outside the sources
+ * folder, 400 for a bad source, option or id, naming it.
+ */
+async function planOf(root: string, source: DatasetSource, prepOptions: PrepareOptions, kind: string) {
   try {
-    return (await planDataset(root, source, prepOptions)).id;
+    return await planDataset(root, source, prepOptions);
   } catch (e) {
     if (e instanceof PathOutsideRootError) {
       throw new ApiError(403, `Path "${e.path}" is outside the sources folder: put sources under it`, {
@@ -257,7 +274,13 @@ async function planId(root: string, source: DatasetSource, prepOptions: PrepareO
         code: "path_outside_sources",
       });
     }
-    throw new ApiError(400, (e as Error).message, { param: kind === "builtin" ? "builtin" : null });
+    const message = (e as Error).message;
+    const param = e instanceof DatasetExistsError || /^Invalid dataset id/.test(message)
+      ? "id"
+      : /^Invalid split/.test(message)
+      ? "split"
+      : kind;
+    throw new ApiError(400, message, { param });
   }
 }
 

@@ -119,12 +119,28 @@ Deno.test("prepareDataset failures are clear and leave the previous dataset inta
   await withRoot(async (root) => {
     const good = await prepareDataset(root, { texts: makeDocs(6, 100, 8) }, { ...SMALL, id: "keep" });
     const before = await Deno.readFile(join(root, "datasets", "keep", "train.bin"));
+    // A named id holding other data is not prepared over without force; a built-in's is not taken.
     await assert.rejects(
-      () => prepareDataset(root, { texts: makeDocs(3, 30, 9) }, { ...SMALL, id: "keep", seq_len: 1024 }),
+      () => prepareDataset(root, { texts: makeDocs(3, 100, 9) }, { ...SMALL, id: "keep" }),
+      /^DatasetExistsError: Dataset "keep" exists, prepared from another source or with other options: .*force/,
+    );
+    await assert.rejects(
+      () => prepareDataset(root, { texts: makeDocs(3, 100, 9) }, { ...SMALL, id: "sotu" }),
+      /Dataset id "sotu" is a built-in dataset's: choose another id/,
+    );
+    // With force, a preparation that fails still leaves the previous dataset as it was.
+    await assert.rejects(
+      () =>
+        prepareDataset(root, { texts: makeDocs(3, 30, 9) }, {
+          ...SMALL,
+          id: "keep",
+          seq_len: 1024,
+          force: true,
+        }),
       /Split "train" gets \d+ tokens .* seq_len \+ 1 = 1025/,
     );
     await assert.rejects(
-      () => prepareDataset(root, { texts: ["tiny", "also tiny"] }, { ...SMALL, id: "keep" }),
+      () => prepareDataset(root, { texts: ["tiny", "also tiny"] }, { ...SMALL, id: "keep", force: true }),
       /No documents left to train on: 2 read, 0 empty after cleaning, 2 under 16 tokens/,
     );
     assert.deepEqual(await Deno.readFile(join(root, "datasets", "keep", "train.bin")), before);

@@ -37,6 +37,22 @@ Deno.test("datasetRoutes POST /datasets answers 201 with id, documents, tokens a
     const one = await app.request("/datasets/mine");
     assert.equal(one.status, 200);
     assert.equal((await one.json()).tokens, body.tokens);
+    // The same id with other texts is not prepared over (jobs reading it would train on other data)
+    // unless asked to; a built-in's id is not taken.
+    await apiError(await post(app, { texts: makeDocs(6, 100, 4), id: "mine", ...OPTS }), 409, {
+      param: "id",
+      message: /^Dataset "mine" exists, prepared from another source or with other options: .*force/,
+    });
+    assert.equal((await (await app.request("/datasets/mine")).json()).tokens, body.tokens);
+    assert.equal((await post(app, { texts: makeDocs(6, 100, 3), id: "mine", ...OPTS })).status, 201); // the same: reused
+    assert.equal(
+      (await post(app, { texts: makeDocs(6, 100, 4), id: "mine", force: true, ...OPTS })).status,
+      201,
+    );
+    await apiError(await post(app, { texts: makeDocs(6, 100, 4), id: "sotu", ...OPTS }), 400, {
+      param: "id",
+      message: 'Dataset id "sotu" is a built-in dataset\'s: choose another id',
+    });
   });
 });
 
