@@ -201,6 +201,18 @@ export async function reshardByName(
       `Name "${name}" is a training job's id: choose another name for the resharded copy`,
     );
   }
+  // A name holds copies of one run: another run's would mix with them (the newest of both answers for the name).
+  const srcRun = (await readManifest(found.path).catch(() => null))?.job_id;
+  for (const held of await listCheckpoints(checkpointDir(name))) {
+    const run = (await readManifest(held.path).catch(() => null))?.job_id;
+    if (run !== undefined && srcRun !== undefined && run !== srcRun) {
+      throw new ReshardError(
+        409,
+        "name",
+        `Name "${name}" holds copies of another run (job "${run}"): choose another name for this one's`,
+      );
+    }
+  }
   const source = `${job}/${found.name}`;
   const dst = `${checkpointDir(name)}/${found.name}`;
   if (await exists(dst)) {

@@ -56,7 +56,7 @@ export async function openSource(run: SourceRun): Promise<OpenedSource> {
       if (!opts.allow_partial) {
         throw new Error(
           `Cannot prepare dataset "${id}": source file "${issue.file}" was cut at ${at} (${issue.reason}); ` +
-            `nothing was published. Set allow_partial to publish the documents read as a partial dataset`,
+            `nothing was published. Set allow_partial (--allow-partial) to publish the documents read as a partial dataset`,
         );
       }
       cuts.push(issue);

@@ -12,8 +12,9 @@ export const DEFAULT_SPLIT: readonly [number, number, number] = [949, 50, 1];
 
 /** Parse split weights: "949,50,1", "98,2" (missing weights are 0) or an array. */
 export function parseSplitWeights(spec: string | readonly number[]): [number, number, number] {
+  // "1,,1" is a mistake, not 1,1,0: an empty field is refused.
   const parts = typeof spec === "string"
-    ? spec.split(/[,/ ]+/).filter((s) => s !== "").map(Number)
+    ? spec.trim().split(/ *[,/] *| +/).map((s) => s === "" ? NaN : Number(s))
     : [...spec];
   if (parts.length < 1 || parts.length > 3 || parts.some((w) => !Number.isFinite(w) || w < 0)) {
     throw new Error(

@@ -160,8 +160,11 @@ export async function checkTrainConfig(
   }
   const splits = await ctx.splitTokens?.(config.dataset);
   for (const split of ["train", "valid", "test"] as const) {
-    // A split weighted 0 is empty on purpose and simply not evaluated; SFT pads its packed rows.
-    if (!splits || sft || splits[split] === 0 || splits[split] > config.seq_len) continue;
+    // A split weighted 0 is empty on purpose and simply not evaluated (not the training split);
+    // SFT pads its packed rows.
+    if (!splits || sft || (splits[split] === 0 && split !== "train") || splits[split] > config.seq_len) {
+      continue;
+    }
     throw new InvalidJobError(
       "seq_len",
       `The ${split} split of dataset "${config.dataset}" has ${splits[split]} tokens, ` +

@@ -343,7 +343,10 @@ async function startPreparation(
     return c.json({ ...summary(result), id: rid, documents, tokens, splits }, 201);
   }
   if (finished && job.status === "failed") {
-    throw new ApiError(422, `Cannot prepare dataset "${id}": ${job.error}`, { code: "preparation_failed" });
+    const said = job.error!.startsWith(`Cannot prepare dataset "${id}"`); // the data layer's own words
+    throw new ApiError(422, said ? job.error! : `Cannot prepare dataset "${id}": ${job.error}`, {
+      code: "preparation_failed",
+    });
   }
   c.header("Location", `/datasets/${id}`);
   return c.json(st.jobView(job), 202);

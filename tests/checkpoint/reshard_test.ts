@@ -355,6 +355,13 @@ Deno.test("POST /checkpoints/reshard writes checkpoints/<name>/iter_N at the ask
         code: "conflict",
       },
     );
+    // Another run's checkpoint under a name holding this run's copies would mix two runs under one name.
+    await saved(t.root, "job_c", 30);
+    await apiError(await t.post({ checkpoint: "job_c", tensor_parallel: 2, name: "small-tp4" }), 409, {
+      message:
+        'Name "small-tp4" holds copies of another run (job "job_a"): choose another name for this one\'s',
+      param: "name",
+    });
   } finally {
     await t.cleanup();
   }

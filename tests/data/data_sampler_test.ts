@@ -9,6 +9,8 @@ Deno.test("splitSizes divides tokens by weights and sums to the total", () => {
   assert.deepEqual(splitSizes(1000, parseSplitWeights("98,2"), 4), { train: 980, valid: 20, test: 0 });
   assert.deepEqual(parseSplitWeights("949, 50, 1"), [949, 50, 1]);
   assert.throws(() => parseSplitWeights("a,b"), /Invalid split "a,b"/);
+  assert.throws(() => parseSplitWeights("1,,1"), /Invalid split "1,,1"/); // a missing weight, not 1,1,0
+  assert.deepEqual(parseSplitWeights("90/5/5"), [90, 5, 5]);
 });
 
 Deno.test("splitSizes names a split too small for one sequence", () => {

@@ -202,10 +202,12 @@ Deno.test("datasetRoutes: a source file cut for time fails with 422 naming file 
     const app = datasetRoutes(root, { workers: 1, waitMs: 60_000 });
     const failed = await post(app, { path: "web.jsonl", max_file_ms: 5, id: "cut", ...OPTS });
     assert.equal(failed.status, 422);
+    const cut = (await failed.json()).error.message;
     assert.match(
-      (await failed.json()).error.message,
-      /source file "web\.jsonl" was cut at line \d+ \(timed out/,
+      cut,
+      /^Cannot prepare dataset "cut": source file "web\.jsonl" was cut at line \d+ \(timed out/,
     );
+    assert.match(cut, /Set allow_partial \(--allow-partial\)/);
     assert.equal((await app.request("/datasets/cut")).status, 200); // the failed job, not a dataset
     const res = await post(app, {
       path: "web.jsonl",

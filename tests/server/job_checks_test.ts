@@ -45,6 +45,15 @@ Deno.test("split: weights that sum to 0 are refused; a prepared dataset keeps th
       checkTrainConfig(ctx(root), config({ model: "gpt2-tiny", dataset: "sotu", ...req }), 1);
     const [f, m] = await refusal(check({ split: "0,0,0" }));
     assertEquals([f, m], ["split", 'Invalid split "0,0,0": weights sum to 0']);
+    // A dataset prepared without a training split (for evaluation) cannot be trained on.
+    const noTrain = { ...ctx(root), splitTokens: () => Promise.resolve({ train: 0, valid: 500, test: 500 }) };
+    assertEquals(
+      await refusal(checkTrainConfig(noTrain, config({ model: "gpt2-tiny", dataset: "mydocs" }), 1)),
+      [
+        "seq_len",
+        'The train split of dataset "mydocs" has 0 tokens, fewer than one sequence of seq_len + 1 = 65',
+      ],
+    );
     await check({ split: "90,10,0" }); // a built-in is cut at the job's split
     await check({ dataset: "mydocs" }); // the default: the dataset's own split
     const texts = Array.from(
