@@ -13,7 +13,7 @@ import { makeOp, type Op, type OpBatch, type OpKind, PipelineCache, type View } 
 import { REMAP_WORDS, SEL_WORDS } from "../kernels/decode.ts";
 import { LP_WORDS, PARAM_WORDS, STATE_WORDS } from "../kernels/sample.ts";
 import {
-  chooseKSplit,
+  gemvKSplit,
   GEMV_MAX_ROWS,
   GEMV_TRANSPOSED_COLUMNS,
   GEMV_TRANSPOSED_ROWS,
@@ -181,13 +181,13 @@ export class GenBuffers {
         "gen.part",
         Math.max(
           ...[...Array(R).keys()].flatMap((m) =>
-            shapes.map(([n, k]) => chooseKSplit(n, k, 264, m + 1) * (m + 1) * n)
+            shapes.map(([n, k]) => gemvKSplit(n, k, m + 1) * (m + 1) * n)
           ),
         ),
       ),
       fcPart: await f(
         "gen.fc_part",
-        Math.max(...[...Array(R).keys()].map((m) => chooseKSplit(4 * C, C, 264, m + 1) * (m + 1) * 4 * C)),
+        Math.max(...[...Array(R).keys()].map((m) => gemvKSplit(4 * C, C, m + 1) * (m + 1) * 4 * C)),
       ),
     };
   }

@@ -26,11 +26,12 @@ import {
 } from "../kernels/decode.ts";
 import { sampleWgsl } from "../kernels/sample.ts";
 import {
-  chooseKSplit,
   GEMV_T_MAX_ROWS,
   GEMV_TRANSPOSED_COLUMNS,
   GEMV_TRANSPOSED_ROWS,
   type GemvEpilogue,
+  gemvGroupRows,
+  gemvKSplit,
   gemvPartialWgsl,
   gemvReduceBindings,
   gemvReduceWgsl,
@@ -39,6 +40,7 @@ import {
   gemvTColumns,
   gemvTransposedWgsl,
   type GemvTSpec,
+  gemvTuning,
   gemvTWgsl,
   gemvUboLayerWgsl,
   type GemvUboSpec,
@@ -264,18 +266,19 @@ async function decodeLinear(
   const u = uboOf(g, weight, s);
   const ubo = u !== undefined;
   if (ubo && fuse.geluOf) throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
+  const tune = gemvTuning(s.M);
   const spec: GemvSpec = {
     M: s.M,
     N: s.N,
     K: s.K,
     bias: s.bias,
     epilogue: s.epilogue as GemvEpilogue,
-    KS: ubo ? 1 : chooseKSplit(s.N, s.K, 264, s.M),
+    KS: ubo ? 1 : gemvKSplit(s.N, s.K, s.M, tune),
     ln: !!fuse.ln,
     geluOf: fuse.geluOf ? { KS: fuse.geluOf.KS } : undefined,
-    // Staging pays from 8 rows (H200: 1.3-1.7x at 16 and 64 rows, 0.75x at one row); a reduced
-    // input is always staged (each value summed once per workgroup).
-    staged: !!fuse.geluOf || (!g.cpu && s.M >= 8),
+    // A reduced input is always staged (each value summed once per workgroup).
+    staged: !!fuse.geluOf || (!g.cpu && tune.staged),
+    ...(ubo ? {} : { unroll: tune.unroll, groupRows: tune.groupRows }),
   };
   const part = V(fuse.part ?? a.part);
   const all: Record<string, View> = { ...views, B: g.P(weight), part };
@@ -303,7 +306,7 @@ async function decodeLinear(
         ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : []),
         ...(fuse.geluOf ? [fuse.geluOf.bias] : []),
       ],
-      [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M)],
+      [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M, gemvGroupRows(spec))],
     );
   if (fuse.partialOnly) return { ops: [partial], spec };
   const sum = await g.op(

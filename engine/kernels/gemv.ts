@@ -36,23 +36,59 @@ export interface GemvSpec {
    * and their order are the same, so the sums are bit-identical to the plain kernel's.
    */
   staged?: boolean;
+  /** Weight loads in flight per thread in the staged loop (default 4); the sums are the same. */
+  unroll?: number;
+  /** Rows one workgroup serves (default and at most GEMV_MAX_ROWS; 16 where `rows16`). */
+  groupRows?: number;
 }
 
-/** k values of x staged per pass of the staged gemv, and weight loads in flight per thread. */
-const STAGE_K = 128, UNROLL = 4;
+/** k values of x staged per pass of the staged gemv. */
+const STAGE_K = 128;
+/** Default weight loads in flight per thread of the staged gemv. */
+export const GEMV_UNROLL = 4;
 
 /** Rows one workgroup serves (the gemv partial's row group, the transposed gemv's M). */
 export const GEMV_MAX_ROWS = 8;
 
-/** Row groups of the gemv partial for M rows. */
-export function gemvRowGroups(M: number): number {
-  return Math.ceil(M / GEMV_MAX_ROWS);
+/** Most rows one workgroup of the gemv partial can serve (`groupRows`). */
+export const GEMV_GROUP_ROWS_MAX = 16;
+
+/** Rows per workgroup of a gemv partial: its `groupRows`, else up to GEMV_MAX_ROWS. */
+export function gemvGroupRows(s: Pick<GemvSpec, "M" | "groupRows">): number {
+  return Math.min(s.M, s.groupRows ?? GEMV_MAX_ROWS);
+}
+
+/** Row groups of the gemv partial for M rows (`groupRows` rows each, default GEMV_MAX_ROWS). */
+export function gemvRowGroups(M: number, groupRows = GEMV_MAX_ROWS): number {
+  return Math.ceil(M / Math.min(M, groupRows));
 }
 
 /** K-splits that give about `target` workgroups (two per SM on an H200), over all row groups. */
-export function chooseKSplit(N: number, K: number, target = 264, M = 1): number {
-  const colBlocks = Math.ceil(N / 128) * gemvRowGroups(M);
+export function chooseKSplit(N: number, K: number, target = 264, M = 1, groupRows = GEMV_MAX_ROWS): number {
+  const colBlocks = Math.ceil(N / 128) * gemvRowGroups(M, groupRows);
   return Math.max(1, Math.min(Math.ceil(target / colBlocks), Math.floor(K / 32)));
+}
+
+/** How the decode gemv of M rows is cut: workgroups aimed at, weight loads in flight, rows per workgroup. */
+export interface GemvTuning {
+  target: number;
+  unroll: number;
+  groupRows: number;
+  /** Stage x in workgroup memory (a reduced input always is). */
+  staged: boolean;
+}
+
+/**
+ * The decode gemv's tuning for M rows (GPUs). Staging pays from 8 rows (H200: 1.3-1.7x at 16 and
+ * 64 rows, 0.75x at one row).
+ */
+export function gemvTuning(M: number): GemvTuning {
+  return { target: 264, unroll: GEMV_UNROLL, groupRows: GEMV_MAX_ROWS, staged: M >= 8 };
+}
+
+/** K-splits of the decode gemv of M rows on tuning `t` (default gemvTuning(M)). */
+export function gemvKSplit(N: number, K: number, M: number, t: GemvTuning = gemvTuning(M)): number {
+  return chooseKSplit(N, K, t.target, M, t.groupRows);
 }
 
 function kGroups(M: number): number {
@@ -63,7 +99,14 @@ function kGroups(M: number): number {
 export function gemvPartialWgsl(s: GemvSpec): string {
   if (!(s.M >= 1)) throw new RangeError(`Gemv needs at least 1 row, got ${s.M}`);
   if (s.N % 4 !== 0) throw new RangeError(`Gemv N ${s.N} must be a multiple of 4`);
-  const G = Math.min(s.M, GEMV_MAX_ROWS); // rows per workgroup
+  const G = gemvGroupRows(s); // rows per workgroup
+  if (!(G >= 1 && G <= GEMV_GROUP_ROWS_MAX)) {
+    throw new RangeError(`Gemv groupRows ${s.groupRows} must be 1 to ${GEMV_GROUP_ROWS_MAX}`);
+  }
+  const UNROLL = s.unroll ?? GEMV_UNROLL;
+  if (!(UNROLL >= 1 && UNROLL <= 16 && Number.isInteger(UNROLL))) {
+    throw new RangeError(`Gemv unroll ${s.unroll} must be an integer 1 to 16`);
+  }
   const KG = kGroups(G), N4 = s.N / 4, Kc = Math.ceil(s.K / s.KS), T = 32 * KG;
   const rows = [...Array(G).keys()];
   // Row m of the group is x row m0 + m (clamped: a partial last group reads a valid row, writes nothing).
