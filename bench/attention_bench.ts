@@ -374,6 +374,39 @@ async function main(args: string[]): Promise<void> {
           pick.bwdQ ? tname(pick.bwdQ) : "shared"
         }`;
         print(row("backward", label, tm, 2.5 * flops, rel, rel.dqkv <= tol), tbNow.median_ms);
+        // The pick with its loops written out 2 and 4 rows per trip (BackwardTiling.unroll).
+        for (const unroll of [2, 4] as const) {
+          if (!pick.bwdKV || !pick.bwdQ) break;
+          const su: AttentionSpec = {
+            ...now,
+            bwdKV: { ...pick.bwdKV, unroll },
+            bwdQ: { ...pick.bwdQ, unroll },
+          };
+          const ulabel = `pick, unroll ${unroll}`;
+          try {
+            const ukv = await op(`dkv.u${unroll}`, attentionBackwardKVWgsl(su), [...bviews, bufs.dqkv2], [
+              Math.ceil(p.T / backwardKVSpec(su).BKV),
+              p.H,
+              p.B,
+            ]);
+            const uq = await op(`dq.u${unroll}`, attentionBackwardQWgsl(su), [...bviews, bufs.dqkv2], [
+              Math.ceil(p.T / backwardQSpec(su).BQ),
+              p.H,
+              p.B,
+            ]);
+            const tu = await timer.timeAdaptive([delta, ukv, uq], policy);
+            const urel = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            print(row("backward", ulabel, tu, 2.5 * flops, urel, urel.dqkv <= tol), tm.median_ms);
+            const a = async (o: Op) => (await timer.timeAdaptive([o], policy)).median_ms.toFixed(3);
+            console.log(
+              `  alone, ms: dK/dV ${await a(ukv)} (pick ${await a(okv)}), dQ ${await a(uq)} (pick ${await a(
+                oq,
+              )})`,
+            );
+          } catch (e) {
+            print(failed("backward", ulabel, e));
+          }
+        }
         // The pick's dK/dV kernel storing dS, and dQ as the matmul over it (attention_dq.ts),
         // against the pick: the pair, and each kernel alone against its counterpart alone.
         if (scoresPathError(backwardKVSpec(sp)) === null && bufs.dst.size >= scoresScratchBytes(p)) {

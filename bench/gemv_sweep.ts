@@ -86,7 +86,13 @@ async function linear(
     }),
   ];
   if (o.reduce) {
-    const all: Record<string, GPUBuffer> = { part, out: buf(M * N), bias: buf(N), res: buf(M * N), out2: buf(M * N) };
+    const all: Record<string, GPUBuffer> = {
+      part,
+      out: buf(M * N),
+      bias: buf(N),
+      res: buf(M * N),
+      out2: buf(M * N),
+    };
     ops.push(
       makeOp(ctx, await cache.get(label + ".sum", gemvReduceWgsl(spec)), {
         label: label + ".sum",
@@ -144,7 +150,9 @@ for (const M of nums(arg("rows", "1,16"))) {
     }
     const whole = (await timer.time(parts.flatMap((p) => p.ops), REPS)).median_ms * 1000;
     const each: string[] = [];
-    for (const p of parts) each.push(`${p.name} ${((await timer.time(p.ops, REPS)).median_ms * 1000).toFixed(1)}`);
+    for (const p of parts) {
+      each.push(`${p.name} ${((await timer.time(p.ops, REPS)).median_ms * 1000).toFixed(1)}`);
+    }
     const mark = key(t) === key(today) ? "  <- today" : "";
     console.log(`${key(t).padEnd(44)} layer ${whole.toFixed(1)} us  (${each.join(", ")})${mark}`);
     if (!best[M] || whole < best[M].us) best[M] = { t, us: whole };
@@ -152,5 +160,7 @@ for (const M of nums(arg("rows", "1,16"))) {
   }
 }
 console.log("\nfastest per row count:");
-for (const [M, b] of Object.entries(best)) console.log(`${M} rows: ${key(b.t)}, ${b.us.toFixed(1)} us a layer`);
+for (const [M, b] of Object.entries(best)) {
+  console.log(`${M} rows: ${key(b.t)}, ${b.us.toFixed(1)} us a layer`);
+}
 console.log(JSON.stringify(best));

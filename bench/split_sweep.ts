@@ -110,8 +110,13 @@ if (import.meta.main) {
       });
       console.log(`${model} splits ${col}: ${r.ms_per_step.toFixed(1)} ms/step (wall clock)`);
       for (const s of shapes) {
-        const o = r.ops?.find((x) => x.kind === s.op);
-        if (o && !table.get(s.op)!.has(col)) table.get(s.op)!.set(col, { ms: o.ms, tflops: o.tflops });
+        // The LM head runs in chunks (lm_head.dx.0, .1, …): their times add up, at their rates' mean.
+        const os = r.ops?.filter((x) => x.kind === s.op || new RegExp(`^${s.op}\\.\\d+$`).test(x.kind)) ?? [];
+        if (os.length && !table.get(s.op)!.has(col)) {
+          const ms = os.reduce((a, o) => a + o.ms, 0);
+          const flops = os.reduce((a, o) => a + o.tflops * o.ms, 0);
+          table.get(s.op)!.set(col, { ms, tflops: flops / ms });
+        }
       }
     }
     console.log(`\n${model}, ${B} × ${T}: GPU ms per step of each matmul (timestamp queries), by K slices`);

@@ -7,6 +7,7 @@
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
  *                   [--attn-scores] (dQ as a matmul over the dS the dK/dV kernel stores)
+ *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
@@ -326,6 +327,9 @@ if (import.meta.main) {
           | "none",
       flashAttention: !args.includes("--no-flash"),
       attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
+      ...(args.includes("--attn-unroll")
+        ? { attentionUnroll: +arg(args, "attn-unroll", "1") as 1 | 2 | 4 }
+        : {}),
     },
     attentionScores: args.includes("--attn-scores"),
     headChunkRows: args.includes("--head-chunk-rows") ? +arg(args, "head-chunk-rows", "0") : undefined,

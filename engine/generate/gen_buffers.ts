@@ -13,10 +13,10 @@ import { makeOp, type Op, type OpBatch, type OpKind, PipelineCache, type View } 
 import { REMAP_WORDS, SEL_WORDS } from "../kernels/decode.ts";
 import { LP_WORDS, PARAM_WORDS, STATE_WORDS } from "../kernels/sample.ts";
 import {
-  gemvKSplit,
   GEMV_MAX_ROWS,
   GEMV_TRANSPOSED_COLUMNS,
   GEMV_TRANSPOSED_ROWS,
+  gemvKSplit,
   gemvUboBlocks,
   gemvUboColumns,
   gemvUboLayerRows,

@@ -25,6 +25,7 @@ import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type Vie
 import {
   type AttentionSpec,
   backwardKVSpec,
+  type BackwardTiling,
   chooseAttentionSplit,
   chooseAttentionTiles,
   chooseBackwardTilings,
@@ -330,6 +331,7 @@ function kernelChoices(
       plan,
       cpuDirect,
       opts.kernels?.attentionBackwardTiles !== false,
+      opts.kernels?.attentionUnroll,
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
     // its fused backward measured slower, so the backward keeps today's kernels).
@@ -449,6 +451,19 @@ function scoresScratch(
   return tile && size <= logits.size ? { view: { buffer: logits, offset: 0, size }, tile } : null;
 }
 
+/** Backward tilings with their loops' unroll replaced, where one is given. */
+function withUnroll<T extends { bwdKV?: BackwardTiling; bwdQ?: BackwardTiling }>(
+  t: T,
+  unroll?: 1 | 2 | 4,
+): T {
+  if (!unroll) return t;
+  return {
+    ...t,
+    ...(t.bwdKV ? { bwdKV: { ...t.bwdKV, unroll } } : {}),
+    ...(t.bwdQ ? { bwdQ: { ...t.bwdQ, unroll } } : {}),
+  };
+}
+
 /** The attention kernels' spec for this rank's heads (tiles for the device, without dropout). */
 function attentionSpec(
   ctx: GpuContext,
@@ -457,6 +472,7 @@ function attentionSpec(
   plan: ModelPlan,
   cpuDirect: boolean,
   ownBackwardTiles: boolean,
+  unroll?: 1 | 2 | 4,
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -471,11 +487,14 @@ function attentionSpec(
     gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     direct: cpuDirect,
     ...(split > 1 && !cpuDirect && ownBackwardTiles
-      ? chooseBackwardTilings({ T, D }, {
-        maxWorkgroupBytes: wgBytes,
-        maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
-        subgroupMinSize: ctx.subgroupMinSize,
-      })
+      ? withUnroll(
+        chooseBackwardTilings({ T, D }, {
+          maxWorkgroupBytes: wgBytes,
+          maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
+          subgroupMinSize: ctx.subgroupMinSize,
+        }),
+        unroll,
+      )
       : {}),
     ...(split > 1
       ? chooseSplitAttentionTiles({ T, D }, wgBytes, split, ctx.limits.maxComputeInvocationsPerWorkgroup)

@@ -112,6 +112,8 @@ export interface BuildOptions {
      * default true), or false: both on the forward's shared tiling.
      */
     attentionBackwardTiles?: boolean;
+    /** Their loops' rows per trip, replacing the tilings' own (BackwardTiling.unroll). */
+    attentionUnroll?: 1 | 2 | 4;
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */

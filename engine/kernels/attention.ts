@@ -504,6 +504,24 @@ function packedRowSums(name: string, vals: string[], S: number): { code: string;
   };
 }
 
+/**
+ * A loop of `v` over [from, to) with `body` (which reads `v`) written out U times per trip, so
+ * that U rows' loads, shuffles and exps are independent work in one basic block (WGSL loops get a
+ * counter from the compiler, which keeps the driver from unrolling them), then the rest one at a
+ * time. `to` must be uniform where the body shuffles.
+ */
+function unrolledLoop(v: string, from: string, to: string, U: number, body: string): string {
+  if (![1, 2, 4].includes(U)) throw new RangeError(`unroll ${U} must be 1, 2 or 4`);
+  const one = `for (; ${v}b < ${to}; ${v}b = ${v}b + 1u) { let ${v} = ${v}b;${body}\n    }`;
+  if (U === 1) return `for (var ${v} = ${from}; ${v} < ${to}; ${v} = ${v} + 1u) {${body}\n    }`;
+  const copies = [...Array(U).keys()].map((u) => `{ let ${v} = ${v}b + ${u}u;${body}\n      }`);
+  return `var ${v}b = ${from};
+    for (; ${v}b + ${U - 1}u < ${to}; ${v}b = ${v}b + ${U}u) {
+      ${copies.join("\n      ")}
+    }
+    ${one}`;
+}
+
 /** Rows per thread group of the split backward kernels, checked against the tile. */
 function splitRows(R: number, tile: number, what: string): number {
   if (![1, 2, 4].includes(R) || tile % R) {
@@ -568,7 +586,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     workgroupBarrier();
     let i0 = u32(clamp(i32(kFirst) - i32(qt), 0, ${s.BQ}));
     let i1 = min(${s.BQ}u, ${s.T}u - qt);
-    for (var i = i0; i < i1; i = i + 1u) {
+    ${
+    unrolledLoop(
+      "i",
+      "i0",
+      "i1",
+      s.kvUnroll ?? 1,
+      `
       let qb = i * ${D4}u + part;
       ${range(N).map((c) => `let q${c} = Qs[qb + ${c * S}u];`).join(" ")}
       ${range(N).map((c) => `let o${c} = dOs[qb + ${c * S}u];`).join(" ")}
@@ -577,19 +601,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let li = Ls[i];
       let di = Ds[i];
       ${
-    each((r) => {
-      const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
-      const rest = s.dropout
-        ? `let kp${r} = keep(${idx(r)}); let pd${r} = p${r} * kp${r}; ` +
-          `let ds${r} = p${r} * (${sums.at(R + r)} * kp${r} - di);`
-        : `let pd${r} = p${r}; let ds${r} = p${r} * (${sums.at(R + r)} - di);`;
-      return `${p} ${rest}`;
-    }, "\n      ")
-  }
+        each((r) => {
+          const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
+          const rest = s.dropout
+            ? `let kp${r} = keep(${idx(r)}); let pd${r} = p${r} * kp${r}; ` +
+              `let ds${r} = p${r} * (${sums.at(R + r)} * kp${r} - di);`
+            : `let pd${r} = p${r}; let ds${r} = p${r} * (${sums.at(R + r)} - di);`;
+          return `${p} ${rest}`;
+        }, "\n      ")
+      }
       ${s.writeDS ? each((r) => writeDS(s, r, S), "\n      ") : ""}
       ${eachRC((r, c) => `dv${r}_${c} = fma(vec4<f32>(pd${r}), o${c}, dv${r}_${c});`, "\n      ")}
-      ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}
-    }
+      ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}`,
+    )
+  }
   }
   ${
     each((r) =>
@@ -660,20 +685,27 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     }
     workgroupBarrier();
     let jn = min(qLast + 1u - kt, ${s.BKV}u);
-    for (var j = 0u; j < jn; j = j + 1u) {
+    ${
+    unrolledLoop(
+      "j",
+      "0u",
+      "jn",
+      s.qUnroll ?? 1,
+      `
       let kb = j * ${D4}u + part;
       ${range(N).map((c) => `let k${c} = Ks[kb + ${c * S}u];`).join(" ")}
       ${range(N).map((c) => `let v${c} = Vs[kb + ${c * S}u];`).join(" ")}
       ${sums.code}
       let kj = kt + j;
       ${
-    each((r) => {
-      const dp = s.dropout ? `${sums.at(R + r)} * keep(${idx(r)})` : sums.at(R + r);
-      return `let ds${r} = select(0.0, exp(${sums.at(r)} - li${r}), kj <= qi${r}) * (${dp} - di${r});`;
-    }, "\n      ")
+        each((r) => {
+          const dp = s.dropout ? `${sums.at(R + r)} * keep(${idx(r)})` : sums.at(R + r);
+          return `let ds${r} = select(0.0, exp(${sums.at(r)} - li${r}), kj <= qi${r}) * (${dp} - di${r});`;
+        }, "\n      ")
+      }
+      ${eachRC((r, c) => `dq${r}_${c} = fma(vec4<f32>(ds${r}), k${c}, dq${r}_${c});`, "\n      ")}`,
+    )
   }
-      ${eachRC((r, c) => `dq${r}_${c} = fma(vec4<f32>(ds${r}), k${c}, dq${r}_${c});`, "\n      ")}
-    }
   }
   ${
     each((r) =>

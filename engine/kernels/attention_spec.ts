@@ -33,6 +33,10 @@ export interface AttentionSpec {
   kvRows?: 1 | 2 | 4;
   /** Split backward kernels: queries per group of S threads in the dQ kernel (default 1), as kvRows. */
   qRows?: 1 | 2 | 4;
+  /** Split dK/dV kernel: query rows written out per trip of its loop (default 1; see BackwardTiling.unroll). */
+  kvUnroll?: 1 | 2 | 4;
+  /** Split dQ kernel: key rows written out per trip of its loop (default 1). */
+  qUnroll?: 1 | 2 | 4;
   /** The dK/dV kernel's own tiling, replacing split, BQ, BKV and kvRows for it (see backwardKVSpec). */
   bwdKV?: BackwardTiling;
   /** The dQ kernel's own tiling, replacing split, BQ, BKV and qRows for it (see backwardQSpec). */
@@ -69,18 +73,23 @@ export interface BackwardTiling {
   BQ: number;
   BKV: number;
   rows: 1 | 2 | 4;
+  /**
+   * Rows of the loop (queries for dK/dV, keys for dQ) written out per trip, default 1: their
+   * loads, shuffles and exps are independent, so they overlap; the sums are the same.
+   */
+  unroll?: 1 | 2 | 4;
 }
 
 /** The spec the dK/dV kernel runs: `s` with its own tiling applied (its grid is ceil(T/BKV), H, B). */
 export function backwardKVSpec(s: AttentionSpec): AttentionSpec {
   const t = s.bwdKV;
-  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, kvRows: t.rows } : s;
+  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, kvRows: t.rows, kvUnroll: t.unroll } : s;
 }
 
 /** The spec the dQ kernel runs: `s` with its own tiling applied (its grid is ceil(T/BQ), H, B). */
 export function backwardQSpec(s: AttentionSpec): AttentionSpec {
   const t = s.bwdQ;
-  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, qRows: t.rows } : s;
+  return t ? { ...s, split: t.split, BQ: t.BQ, BKV: t.BKV, qRows: t.rows, qUnroll: t.unroll } : s;
 }
 
 /**

@@ -268,6 +268,14 @@ Deno.test({
         q: [{ split: 4, BQ: 32, BKV: 16, rows: 1 }],
       }),
     ];
+    // The loops written out 2 and 4 rows per trip (with the ragged tiles' rest one at a time).
+    for (const unroll of [2, 4] as const) {
+      const p = picks[unroll / 2 - 1];
+      picks.push({
+        ...(p.bwdKV ? { bwdKV: { ...p.bwdKV, unroll } } : {}),
+        ...(p.bwdQ ? { bwdQ: { ...p.bwdQ, unroll } } : {}),
+      });
+    }
     for (const own of picks) {
       assert.ok(own.bwdKV && own.bwdQ, `no tiling fits ${JSON.stringify(lim)}`);
       const e = await run(4, 0.2, { BQ: 32, BKV: 32 }, { own });
