@@ -8,12 +8,15 @@
 #   source .device/env.sh; bash bench/issue38_next.sh head      # a trained 124M; f16 head's agreement with fp32 and transformers
 #   source .device/env.sh; bash bench/issue38_next.sh splits    # split-K counts chosen inside the step, then confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
+#   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
+#   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
+#   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|learn}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -60,8 +63,24 @@ case $part in
       --model gpt2-124M --batch 8 --seq 1024
     run 200 deno run -A bench/compile_list.ts --model gpt2-124M --batch 8 --seq 1024
     ;;
+  gemv)
+    run 200 deno run -A bench/gemv_sweep.ts --rows 1,16 --targets 132,264,528,1056,2112 --unrolls 4,8 \
+      --group-rows 8,16
+    run 280 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --torch
+    ;;
+  unroll)
+    run 200 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    for u in 1 2 4; do
+      run 120 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
+        --attn-unroll $u
+    done
+    run 200 deno run -A bench/split_sweep.ts --models gpt2-124M --splits 2,3,5,6,8 --emit "$out/split_rules_head.json"
+    ;;
+  learn)
+    run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
+    ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits or compile" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll or learn" >&2
     exit 2
     ;;
 esac
