@@ -374,8 +374,8 @@ async function main(args: string[]): Promise<void> {
           pick.bwdQ ? tname(pick.bwdQ) : "shared"
         }`;
         print(row("backward", label, tm, 2.5 * flops, rel, rel.dqkv <= tol), tbNow.median_ms);
-        // The pick with its loops written out 2 and 4 rows per trip (BackwardTiling.unroll).
-        for (const unroll of [2, 4] as const) {
+        // The pick with its loops written out 1, 2 and 4 rows per trip (BackwardTiling.unroll), but its own.
+        for (const unroll of ([1, 2, 4] as const).filter((u) => u !== (pick.bwdKV?.unroll ?? 1))) {
           if (!pick.bwdKV || !pick.bwdQ) break;
           const su: AttentionSpec = {
             ...now,

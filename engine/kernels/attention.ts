@@ -564,7 +564,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let b = wg.z;
   let part = tid % ${S}u;
   let kFirst = wg.x * ${s.BKV}u;
-  ${each((r) => `let kj${r} = kFirst + ${r * G}u + tid / ${S}u;`)}
+  ${
+    // Storing dS: a group's R keys are consecutive, so its lane 0 writes them as one vector.
+    each((r) =>
+      s.writeDS
+        ? `let kj${r} = kFirst + (tid / ${S}u) * ${R}u + ${r}u;`
+        : `let kj${r} = kFirst + ${r * G}u + tid / ${S}u;`
+    )}
   ${each((r) => `let krow${r} = (b * ${s.T}u + min(kj${r}, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;`)}
   ${eachRC((r, c) => `let k${r}_${c} = qkv[krow${r} + ${C4}u + ${col(c)}];`)}
   ${eachRC((r, c) => `let v${r}_${c} = qkv[krow${r} + ${2 * C4}u + ${col(c)}];`)}
@@ -610,7 +616,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
           return `${p} ${rest}`;
         }, "\n      ")
       }
-      ${s.writeDS ? each((r) => writeDS(s, r, S), "\n      ") : ""}
+      ${s.writeDS ? writeDS(s, R) : ""}
       ${eachRC((r, c) => `dv${r}_${c} = fma(vec4<f32>(pd${r}), o${c}, dv${r}_${c});`, "\n      ")}
       ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}`,
     )
@@ -628,11 +634,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 `;
 }
 
-/** The split dK/dV kernel's store of dS for key row r: lane r mod S of each thread group writes it. */
-function writeDS(s: AttentionSpec, r: number, S: number): string {
-  return `if (part == ${
-    r % S
-  }u && kj${r} < ${s.T}u) { dst[((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}] = ds${r}; }`;
+/**
+ * The split dK/dV kernel's store of dS (writeDS): lane 0 of each thread group writes its R
+ * consecutive keys' entries as one vector (R ≤ 4; T a multiple of 4, so they are in T together).
+ */
+function writeDS(s: AttentionSpec, R: number): string {
+  const vals = [...Array(R).keys()].map((r) => `ds${r}`).join(", ");
+  const v = R === 1 ? vals : `vec${R}<f32>(${vals})`;
+  return `if (part == 0u && kj0 < ${s.T}u) { dst[(((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj0) / ${R}u] = ${v}; }`;
 }
 
 /**
