@@ -38,6 +38,7 @@ import {
   gemvRowGroups,
   type GemvSpec,
   gemvTColumns,
+  gemvTLanes,
   gemvTransposedWgsl,
   type GemvTSpec,
   gemvTuning,
@@ -407,6 +408,8 @@ async function lmHead(g: DecodeGraph, label: string, M: number, x: GPUBuffer, ga
       gather: gather ? { selStride: SEL_WORDS } : undefined,
       perThread: g.cpuHead,
       weights: w16 ? "f16" : "f32",
+      // Lane sums by subgroup shuffles where a subgroup holds a row's lanes (the same sums).
+      shuffle: !g.cpuHead && g.ctx.hasSubgroups && g.ctx.subgroupMinSize >= gemvTLanes(C),
     };
     return await g.op(
       "matmul_fwd",

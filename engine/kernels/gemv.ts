@@ -284,6 +284,14 @@ export interface GemvTSpec {
    * the bytes to read, unpacked and summed in f32. Needs no shader-f16. Not with `perThread`.
    */
   weights?: "f32" | "f16";
+  /**
+   * Sum across a weight row's lanes by subgroup shuffles instead of workgroup memory (GPUs whose
+   * subgroups hold at least gemvTLanes(K) invocations): a butterfly that halves the values each
+   * lane holds at every step, so each lane ends with whole sums and there is no barrier. Its
+   * additions pair the same lanes in the same order as the workgroup-memory tree: the sums are
+   * bit-identical. Not with `perThread`.
+   */
+  shuffle?: boolean;
 }
 
 /**
@@ -308,6 +316,11 @@ function gemvTShape(K4: number, M: number, perThread = false): { lanes: number; 
   let lanes = 1;
   while (lanes < 32 && lanes < K4) lanes *= 2;
   return { lanes, rpg: M > GEMV_MAX_ROWS ? 2 : 4 };
+}
+
+/** Lanes that share one weight row of {@link gemvTWgsl} at this K (the subgroup size `shuffle` needs). */
+export function gemvTLanes(K: number): number {
+  return gemvTShape(K / 4, 1).lanes;
 }
 
 /** Columns of the output (weight rows) per workgroup of {@link gemvTWgsl}. */
@@ -339,6 +352,7 @@ export function gemvTWgsl(s: GemvTSpec): string {
     f16
       ? `let h${r} = W[w${r} + k]; let v${r} = vec4<f32>(unpack2x16float(h${r}.x), unpack2x16float(h${r}.y));`
       : `let v${r} = W[w${r} + k];`;
+  if (s.shuffle) return gemvTShuffleWgsl(s, LN, R, load);
   const tree: string[] = [];
   for (let st = LN / 2; st >= 1; st /= 2) {
     tree.push(
@@ -382,6 +396,78 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     ${rows.map((m) => `out[${m * s.N}u + n0 + ${r}u] = red[(g * ${s.M}u + ${m}u) * ${LN}u];`).join(" ")}
   }
   workgroupBarrier();`).join("")
+  }
+}
+`;
+}
+
+/**
+ * gemvTWgsl with its lane sums taken by a subgroup butterfly (GemvTSpec.shuffle). The k loop's
+ * bounds are the same for every lane (a lane past K skips the body), so the shuffles run in
+ * uniform control flow.
+ */
+function gemvTShuffleWgsl(s: GemvTSpec, LN: number, R: number, load: (r: number) => string): string {
+  const K4 = s.K / 4, G = 256 / LN, MR = s.M * R;
+  const rows = [...Array(s.M).keys()], rr = [...Array(R).keys()];
+  const xrow = (m: number) => s.gather ? `sel[${m * s.gather.selStride}u]` : `${m}u`;
+  // Value q = r·M + m, padded with zeros to a power of two.
+  let cur: string[] = rr.flatMap((r) => rows.map((m) => `a${r}_${m}`));
+  let Qp = 1;
+  while (Qp < MR) Qp *= 2;
+  while (cur.length < Qp) cur.push("0.0");
+  const steps: string[] = [], base: string[] = [];
+  let plainMask = 0;
+  for (let off = LN / 2; off >= 1; off /= 2) {
+    const next: string[] = [];
+    if (cur.length > 1) {
+      const half = cur.length / 2, hi = `hi${off}`;
+      steps.push(`let ${hi} = (lane & ${off}u) != 0u;`);
+      for (let i = 0; i < half; i++) {
+        steps.push(
+          `let b${off}_${i} = select(${cur[i]}, ${cur[i + half]}, ${hi}) + subgroupShuffleXor(select(${
+            cur[i + half]
+          }, ${cur[i]}, ${hi}), ${off}u);`,
+        );
+        next.push(`b${off}_${i}`);
+      }
+      base.push(`select(0u, ${half}u, ${hi})`);
+    } else {
+      steps.push(`let b${off}_0 = ${cur[0]} + subgroupShuffleXor(${cur[0]}, ${off}u);`);
+      next.push(`b${off}_0`);
+      plainMask |= off;
+    }
+    cur = next;
+  }
+  const body = `${rows.map((m) => `let x${m} = x[xb${m} + k];`).join(" ")}
+      ${
+    rr.map((r) => `${load(r)} ${rows.map((m) => `a${r}_${m} += dot(x${m}, v${r});`).join(" ")}`).join(
+      "\n      ",
+    )
+  }`;
+  const writes = cur.map((v, j) =>
+    `{ let q = qb + ${j}u; if (q < ${MR}u) { let r = q / ${s.M}u; if (n0 + r < ${s.N}u) { out[(q % ${s.M}u) * ${s.N}u + n0 + r] = ${v}; } } }`
+  );
+  return `
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> W: array<${s.weights === "f16" ? "vec2<u32>" : "vec4<f32>"}>;
+@group(0) @binding(2) var<storage, read_write> out: array<f32>;
+${s.gather ? "@group(0) @binding(3) var<storage, read> sel: array<u32>;" : ""}
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+  let lane = tid % ${LN}u;
+  let g = tid / ${LN}u;
+  let n0 = (wg.x * ${G}u + g) * ${R}u;
+  ${rows.map((m) => `let xb${m} = ${xrow(m)} * ${K4}u;`).join("\n  ")}
+  ${rr.map((r) => `let w${r} = min(n0 + ${r}u, ${s.N - 1}u) * ${K4}u;`).join("\n  ")}
+  ${rr.flatMap((r) => rows.map((m) => `var a${r}_${m} = 0.0;`)).join(" ")}
+  for (var k0 = 0u; k0 < ${K4}u; k0 = k0 + ${LN}u) {
+    let k = k0 + lane;
+    ${K4 % LN ? `if (k < ${K4}u) {\n      ${body}\n    }` : body}
+  }
+  ${steps.join("\n  ")}
+  let qb = ${base.length ? base.join(" + ") : "0u"};
+  if ((lane & ${plainMask}u) == 0u) {
+    ${writes.join("\n    ")}
   }
 }
 `;

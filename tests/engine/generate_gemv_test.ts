@@ -16,6 +16,7 @@ import {
   gemvRowGroups,
   type GemvSpec,
   gemvTColumns,
+  gemvTLanes,
   gemvTransposedWgsl,
   gemvTWgsl,
   gemvUboBlocks,
@@ -181,6 +182,70 @@ Deno.test({
       );
       Object.values(bufs).forEach((b) => b.destroy());
     }
+  },
+});
+
+Deno.test({
+  name: "gemvTWgsl() summing its lanes by subgroup shuffles gives the workgroup-memory sums bit for bit",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    if (!ctx.hasSubgroups) return console.log("not run: no subgroups on this adapter");
+    const cache = new PipelineCache(ctx);
+    const N = 150, X = 16;
+    // K = 32: as many lanes as lavapipe's subgroups (8); K = 24: 6 vec4s over 8 lanes (two lanes
+    // idle in the loop); K = 8: 2 lanes, where the butterfly runs out of lanes before values. With
+    // the H200's 32-lane subgroups, K = 256 too.
+    const Ks = [32, 24, 8, ...(ctx.subgroupMinSize >= 32 ? [256] : [])];
+    let ran = 0;
+    for (const K of Ks) {
+      if (gemvTLanes(K) > ctx.subgroupMinSize) continue;
+      const x = randomFloats(X * K, 71 + K), W = randomFloats(N * K, 72 + K);
+      const W16 = packF16(W, 0, N * K);
+      for (
+        const [M, gather, f16] of [[1, false, false], [3, true, false], [9, false, true], [
+          16,
+          true,
+          false,
+        ]] as const
+      ) {
+        const sel = new Uint32Array(M * 4);
+        const rows = Array.from({ length: M }, (_, m) => gather ? (m * 7 + 2) % X : m);
+        rows.forEach((r, m) => (sel[m * 4] = r));
+        const xs = Float32Array.from(rows.flatMap((r) => Array.from(x.subarray(r * K, (r + 1) * K))));
+        const bufs = {
+          x: await upload(ctx, "x", gather ? x : xs),
+          W: await upload(ctx, "W", f16 ? W16 : W),
+          out: await upload(ctx, "out", new Float32Array(M * N)),
+          sel: await upload(ctx, "sel", sel),
+        };
+        const views = [bufs.x, bufs.W, bufs.out, ...(gather ? [bufs.sel] : [])];
+        const outs: Float32Array[] = [];
+        for (const shuffle of [false, true]) {
+          const s = {
+            M,
+            N,
+            K,
+            gather: gather ? { selStride: 4 } : undefined,
+            weights: f16 ? "f16" as const : "f32" as const,
+            shuffle,
+          };
+          submit(ctx, [
+            await kernelOp(ctx, cache, "gemvT", gemvTWgsl(s), views, [Math.ceil(N / gemvTColumns(s))]),
+          ]);
+          outs.push((await readFloats(ctx, bufs.out)).slice(0, M * N));
+          ctx.device.queue.writeBuffer(bufs.out, 0, new Float32Array(M * N)); // the next variant writes every value
+        }
+        const Wr = f16 ? Float32Array.from(Float16Array.from(W)) : W;
+        const ref = product(M, N, K, xs, (k, n) => Wr[n * K + k]);
+        const what = `K=${K} M=${M} gather=${gather} f16=${f16}`;
+        assert.ok(relNorm(outs[1], ref) < 1e-5, `${what}: rel err ${relNorm(outs[1], ref)}`);
+        assert.deepEqual(outs[1], outs[0], `${what}: shuffled sums differ from the tree's`);
+        Object.values(bufs).forEach((b) => b.destroy());
+        ran++;
+      }
+    }
+    assert.ok(ran > 0, `no K fits subgroups of ${ctx.subgroupMinSize}`);
   },
 });
 
