@@ -151,8 +151,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let cb = (slot * ${s.H}u + h) * ${s.Tmax}u;${prologue}
   var m = -3.0e38;
   for (var j = tid; j < n; j = j + ${WG}u) {
+    let kb = (cb + j) * ${D4}u;
+    // Written out (a WGSL loop keeps its loads one at a time); the same additions in the same order.
     var d = 0.0;
-    for (var c = 0u; c < ${D4}u; c = c + 1u) { d = d + dot(${q("c")}, kc[(cb + j) * ${D4}u + c]); }
+    ${[...Array(D4).keys()].map((c) => `d = d + dot(${q(`${c}u`)}, kc[kb + ${c}u]);`).join(" ")}
     d = d * ${scale};
     sc[j] = d;
     m = max(m, d);
@@ -171,7 +173,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let c = tid % ${D4}u;
   let grp = tid / ${D4}u;
   var acc = vec4<f32>(0.0);
-  for (var j = grp; j < n; j = j + ${G}u) { acc = acc + sc[j] * vc[(cb + j) * ${D4}u + c]; }
+  // Four keys' value loads in flight per trip, added in key order as one at a time would.
+  var j = grp;
+  for (; j + ${3 * G}u < n; j = j + ${4 * G}u) {
+    ${[0, 1, 2, 3].map((u) => `let v${u} = vc[(cb + j + ${u * G}u) * ${D4}u + c];`).join(" ")}
+    ${[0, 1, 2, 3].map((u) => `acc = acc + sc[j + ${u * G}u] * v${u};`).join(" ")}
+  }
+  for (; j < n; j = j + ${G}u) { acc = acc + sc[j] * vc[(cb + j) * ${D4}u + c]; }
   part[tid] = acc;
   workgroupBarrier();
   if (grp == 0u) {

@@ -122,17 +122,31 @@ export function gemvPartialWgsl(s: GemvSpec): string {
     } }
     workgroupBarrier();
   }`;
+  // The k loops over the row written out (ceil(K/T) trips known here: their loads all in flight),
+  // in the loop's order; a trip past K adds 0.
+  const trips = [...Array(Math.ceil(s.K / T)).keys()];
+  const kAt = (t: number) => `(tid + ${t * T}u)`;
+  const xAt = (m: number, t: number) =>
+    (t + 1) * T <= s.K
+      ? `x[${xr(m)} + ${kAt(t)}]`
+      : `select(0.0, x[${xr(m)} + min(${kAt(t)}, ${s.K - 1}u)], ${kAt(t)} < ${s.K}u)`;
   const prologue = !s.ln ? "" : `
   ${rows.map((m) => `var su${m} = 0.0;`).join(" ")}
-  for (var k = tid; k < ${s.K}u; k = k + ${T}u) { ${
-    rows.map((m) => `su${m} = su${m} + x[${xr(m)} + k];`).join(" ")
-  } }
+  ${trips.map((t) => rows.map((m) => `su${m} = su${m} + ${xAt(m, t)};`).join(" ")).join("\n  ")}
   ${lnReduce("su")}
   ${rows.map((m) => `let mean${m} = lns[${m * T}u] / ${s.K}.0;`).join(" ")}
   workgroupBarrier();
   ${rows.map((m) => `var sq${m} = 0.0;`).join(" ")}
-  for (var k = tid; k < ${s.K}u; k = k + ${T}u) {
-    ${rows.map((m) => `let d${m} = x[${xr(m)} + k] - mean${m}; sq${m} = sq${m} + d${m} * d${m};`).join(" ")}
+  ${
+    trips.map((t) =>
+      rows.map((m) => {
+        const d = `(${xAt(m, t)} - mean${m})`;
+        // Past K the deviation is not 0 (0 - mean): select 0 instead of its square.
+        return (t + 1) * T <= s.K
+          ? `{ let d = ${d}; sq${m} = sq${m} + d * d; }`
+          : `{ let d = ${d}; sq${m} = sq${m} + select(0.0, d * d, ${kAt(t)} < ${s.K}u); }`;
+      }).join(" ")
+    ).join("\n  ")
   }
   ${lnReduce("sq")}
   ${rows.map((m) => `let rstd${m} = inverseSqrt(lns[${m * T}u] / ${s.K}.0 + 1e-5);`).join(" ")}`;
