@@ -6,7 +6,8 @@
  *   deno task bench [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024] [--steps 10] [--torch]
  *                   [--precision fp32|fp16] [--checkpoint N] [--no-profile] [--no-f16-math]
  *                   [--tile-rules all|split-k|none] [--no-flash] [--shared-attn-tiles]
- *                   [--attn-scores] (dQ as a matmul over the dS the dK/dV kernel stores)
+ *                   [--attn-scores | --no-attn-scores] (dQ as a matmul over the dS the dK/dV kernel
+ *                   stores; default: where the split kernels run)
  *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
@@ -331,7 +332,11 @@ if (import.meta.main) {
         ? { attentionUnroll: +arg(args, "attn-unroll", "1") as 1 | 2 | 4 }
         : {}),
     },
-    attentionScores: args.includes("--attn-scores"),
+    attentionScores: args.includes("--no-attn-scores")
+      ? false
+      : args.includes("--attn-scores")
+      ? true
+      : undefined,
     headChunkRows: args.includes("--head-chunk-rows") ? +arg(args, "head-chunk-rows", "0") : undefined,
   };
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");

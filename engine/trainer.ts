@@ -69,7 +69,10 @@ export interface TrainerOptions {
   chunks?: ChunkOptions;
   /** Activation checkpointing: layers per group recomputed in backward (0 or absent: none). */
   checkpointLayers?: number;
-  /** The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores). */
+  /**
+   * The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores); default:
+   * on for GPUs that run the split kernels (scoresByDefault in engine/graph/builder.ts).
+   */
   attentionScores?: boolean;
   /** Hears of each kernel compiled while the model is built, with their total. */
   onCompile?: CompileListener;

@@ -98,6 +98,17 @@ export interface DeviceBudget {
   max_buffer_bytes: number | null;
 }
 
+/**
+ * Whether the engine stores the attention backward's dS on this device (engine/graph/builder.ts
+ * scoresByDefault: a GPU, not a CPU adapter, with subgroups, and a head size the split kernels
+ * take), so that its estimate counts the logits buffer at the size the engine allocates.
+ */
+export function storesScores(device: DeviceBudget | null, config: ModelConfig): boolean {
+  const a = device?.adapter ?? "";
+  const D = config.n_embd / config.n_head;
+  return /\bsubgroups\b/.test(a) && !/llvmpipe|lavapipe|swiftshader|software/i.test(a) && (D / 4) % 2 === 0;
+}
+
 /** Resolves a job's model: a preset name or explicit dimensions. Throws ConfigError naming the field. */
 export function resolveModel(config: Pick<TrainConfig, "model" | "seq_len">): ModelConfig {
   const model = typeof config.model === "string" ? presetConfig(config.model) : makeConfig(config.model);
@@ -162,6 +173,7 @@ export function estimateJob(
       dataParallel: q.data_parallel,
       distributedOptimizer: q.distributed_optimizer ?? false,
       limits: planLimits(device),
+      chunks: { attentionScores: storesScores(device, config) },
     });
     const memory = knownDeviceMemory(device?.adapter ?? null);
     return {
@@ -178,8 +190,9 @@ export function estimateJob(
 
 /** The plan's GPU bytes for a complete config on `device` (default limits without one). */
 export function estimateBytes(config: TrainConfig, device: DeviceBudget | null): number {
+  const model = resolveModel(config);
   return estimateTraining({
-    config: resolveModel(config),
+    config: model,
     batchSize: config.batch_size,
     seqLen: config.seq_len,
     precision: config.precision ?? "fp32",
@@ -187,6 +200,7 @@ export function estimateBytes(config: TrainConfig, device: DeviceBudget | null):
     dataParallel: config.data_parallel ?? 1,
     distributedOptimizer: (config.data_parallel ?? 1) > 1 && (config.distributed_optimizer ?? false),
     limits: planLimits(device),
+    chunks: { attentionScores: storesScores(device, model) },
   }).bytes_per_gpu.total;
 }
 
@@ -285,13 +299,15 @@ export function completeConfig(
 function checkFitsDevice(config: TrainConfig, device: DeviceBudget): void {
   let est: Estimate;
   try {
+    const model = resolveModel(config);
     est = estimateTraining({
-      config: resolveModel(config),
+      config: model,
       batchSize: config.batch_size,
       seqLen: config.seq_len,
       precision: config.precision ?? "fp32",
       checkpointLayers: checkpointLayers(config),
       limits: planLimits(device),
+      chunks: { attentionScores: storesScores(device, model) },
     });
   } catch (e) {
     if (e instanceof ConfigError) {

@@ -106,7 +106,8 @@ export interface PlanOptions extends ChunkOptions {
    * A training plan's logits buffer also holds the attention backward's dS (B·(H/tp)·T² f32,
    * written by the dK/dV kernel for a dQ matmul to read once the LM head's backward is done with
    * the logits; engine/kernels/attention_dq.ts): it is sized to fit them where they take at most
-   * SCORES_MAX_BYTES and the device's binding limit (see scoresFloats). Default false.
+   * SCORES_MAX_BYTES and the device's binding limit (see scoresFloats). Default false here;
+   * the engine's buildGraph turns it on for GPUs that run the split kernels (scoresByDefault).
    */
   attentionScores?: boolean;
 }

@@ -31,6 +31,7 @@ import {
   scoresFloats,
 } from "../../model/plan.ts";
 import { Trainer } from "../../engine/trainer.ts";
+import { estimateJob, storesScores } from "../../job/job_config.ts";
 import {
   completeConfig,
   InvalidJobError,
@@ -205,6 +206,32 @@ Deno.test("planModel() with attentionScores sizes the logits for dS where it fit
     }),
     0,
   );
+});
+
+Deno.test("A job's estimate counts the dS the engine stores on a GPU with subgroups, not on CPU adapters", () => {
+  const h200 = {
+    adapter: "NVIDIA H200 [subgroups, timestamp-query, shader-f16] storage binding 2.00 GiB",
+    max_binding_bytes: 2 ** 31 - 4,
+    max_buffer_bytes: 2 ** 32,
+  };
+  const cpu = { ...h200, adapter: "llvmpipe (LLVM 15.0.6, 256 bits) [subgroups, timestamp-query]" };
+  const plain = { ...h200, adapter: "NVIDIA H200 [timestamp-query]" };
+  const m345 = presetConfig("gpt2-345M");
+  assert.equal(storesScores(h200, m345), true);
+  assert.equal(storesScores(cpu, m345), false);
+  assert.equal(storesScores(plain, m345), false);
+  assert.equal(storesScores(null, m345), false);
+  const q = { model: "gpt2-345M", batch_size: 8, seq_len: 1024, precision: "fp32" as const };
+  const q2 = {
+    ...q,
+    checkpoint_activations: false,
+    checkpoint_num_layers: 0,
+    tensor_parallel: 1,
+    data_parallel: 1,
+  };
+  // 345M at 8 × 1024: dS (537 MB) outgrows the logits chunk (412 MB) on the H200 alone.
+  const grown = estimateJob(q2, h200).buffer_bytes - estimateJob(q2, cpu).buffer_bytes;
+  assert.equal(grown, 8 * 16 * 1024 ** 2 * 4 - 2048 * 50304 * 4);
 });
 
 function request(over: Partial<TrainRequest>): TrainRequest {
