@@ -120,16 +120,39 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   var dw = vec4<f32>(0.0);
   var db = vec4<f32>(0.0);
   let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
-  for (var r = blk * ${ROW_BLOCK}u; r < r1; r = r + 1u) {
-    let st = stats[r];
-    let g = dy[r * ${C4}u + c];
-    dw = dw + g * (x[r * ${C4}u + c] - vec4<f32>(st.x)) * st.y;
-    db = db + g;
+  ${
+    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", 4, (r, u) => ({
+      load:
+        `let st${u} = stats[${r}]; let g${u} = dy[(${r}) * ${C4}u + c]; let x${u} = x[(${r}) * ${C4}u + c];`,
+      add: `dw = dw + g${u} * (x${u} - vec4<f32>(st${u}.x)) * st${u}.y; db = db + g${u};`,
+    }))
   }
   part[blk * ${C4}u + c] = dw;
   part[${dbBase4}u + blk * ${C4}u + c] = db;
 }
 `;
+}
+
+/**
+ * A loop over rows [from, to) that issues U rows' loads before it adds them (a WGSL loop gets a
+ * counter from the compiler and its loads then wait one at a time), the adds in row order as one
+ * row at a time would do them, so the sums are the same; the rest one row at a time.
+ */
+function rowLoop(
+  v: string,
+  from: string,
+  to: string,
+  U: number,
+  body: (row: string, u: number) => { load: string; add: string },
+): string {
+  const us = [...Array(U).keys()].map((u) => body(`${v} + ${u}u`, u));
+  const one = body(v, 0);
+  return `var ${v} = ${from};
+  for (; ${v} + ${U - 1}u < ${to}; ${v} = ${v} + ${U}u) {
+    ${us.map((b) => b.load).join("\n    ")}
+    ${us.map((b) => b.add).join("\n    ")}
+  }
+  for (; ${v} < ${to}; ${v} = ${v} + 1u) { ${one.load} ${one.add} }`;
 }
 
 /** Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N]. Grid (ceil(N4/64), blocks). */
@@ -149,7 +172,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   if (c >= ${N4}u) { return; }
   var acc = vec4<f32>(0.0);
   let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
-  for (var r = blk * ${ROW_BLOCK}u; r < r1; r = r + 1u) { acc = acc + src[r * ${N4}u + c]; }
+  ${
+    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", 8, (r, u) => ({
+      load: `let v${u} = src[(${r}) * ${N4}u + c];`,
+      add: `acc = acc + v${u};`,
+    }))
+  }
   part[blk * ${N4}u + c] = acc;
 }
 `;
@@ -166,7 +194,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   let c = gid.x;
   if (c >= ${N4}u) { return; }
   var acc = vec4<f32>(0.0);
-  for (var r = 0u; r < ${blocks}u; r = r + 1u) { acc = acc + part[r * ${N4}u + c]; }
+  ${
+    rowLoop("r", "0u", `${blocks}u`, 8, (r, u) => ({
+      load: `let v${u} = part[(${r}) * ${N4}u + c];`,
+      add: `acc = acc + v${u};`,
+    }))
+  }
   out[c] = ${accumulate ? "out[c] + " : ""}acc;
 }
 `;
