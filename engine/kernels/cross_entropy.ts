@@ -28,10 +28,21 @@ var<workgroup> ss: array<f32, ${WG}>;`;
  */
 export function rowMaxSumWgsl(n: number): string {
   return `// Online max and sum of exponentials per thread, then merged.
+  // Four columns' loads at a time (a WGSL loop's loads otherwise wait one by one), taken in order.
   var m = -1e30;
   var sum = 0.0;
-  for (var v = tid; v < ${n}u; v = v + ${WG}u) {
-    let x = logits[base + v];
+  var vm = tid;
+  for (; vm + ${3 * WG}u < ${n}u; vm = vm + ${4 * WG}u) {
+    ${[0, 1, 2, 3].map((u) => `let x${u} = logits[base + vm + ${u * WG}u];`).join(" ")}
+    ${
+    [0, 1, 2, 3].map((u) =>
+      `if (x${u} > m) { sum = sum * exp(m - x${u}); m = x${u}; } sum = sum + exp(x${u} - m);`
+    )
+      .join("\n    ")
+  }
+  }
+  for (; vm < ${n}u; vm = vm + ${WG}u) {
+    let x = logits[base + vm];
     if (x > m) { sum = sum * exp(m - x); m = x; }
     sum = sum + exp(x - m);
   }
@@ -74,7 +85,19 @@ export function softmaxGradWgsl(
   weight?: string,
 ): string {
   return `let inv = (1.0 / ${totalRows}.0) * ctl.scale * hp.grad_mul${weight ? ` * ${weight}` : ""};
-  for (var v = tid; v < ${cols}u; v = v + ${WG}u) {
+  var vg = tid;
+  for (; vg + ${3 * WG}u < ${cols}u; vg = vg + ${4 * WG}u) {
+    ${[0, 1, 2, 3].map((u) => `let l${u} = logits[base + vg + ${u * WG}u];`).join(" ")}
+    ${
+    [0, 1, 2, 3].map((u) =>
+      `{ let v = vg + ${
+        u * WG
+      }u; var d = 0.0; if (v < ${real}u) { d = (exp(l${u} - lse) - select(0.0, 1.0, ${id} == tgt)) * inv; } logits[base + v] = d; }`
+    ).join("\n    ")
+  }
+  }
+  for (; vg < ${cols}u; vg = vg + ${WG}u) {
+    let v = vg;
     var d = 0.0;
     if (v < ${real}u) { d = (exp(logits[base + v] - lse) - select(0.0, 1.0, ${id} == tgt)) * inv; }
     logits[base + v] = d;
