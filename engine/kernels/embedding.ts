@@ -75,6 +75,12 @@ export function embeddingBackwardWgsl(s: EmbeddingSpec): string {
   const C4 = s.C / 4, P = WTE_PARTITIONS;
   const mask = (e: string) =>
     s.dropout ? ` * vec4<f32>(keep(${e}), keep(${e} + 1u), keep(${e} + 2u), keep(${e} + 3u))` : "";
+  const tokAt = (bt: string) =>
+    `tokens[((${bt}) / ${s.T}u) * ${s.T + 1}u + (${bt}) % ${s.T}u]${s.vocab ? ` - ${s.vocab.lo}u` : ""}`;
+  const visit = `if (${s.vocab ? `tok < ${s.vocab.rows}u && ` : ""}tok % ${P}u == p) {
+      let i = bt * ${C4}u + c;
+      dwte[tok * ${C4}u + c] = dwte[tok * ${C4}u + c] + dx[i]${mask("i * 4u")};
+    }`;
   return `
 @group(0) @binding(0) var<storage, read> tokens: array<u32>;
 @group(0) @binding(1) var<storage, read> dx: array<vec4<f32>>;
@@ -100,13 +106,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
   if (h >= ${P * C4}u) { return; }
   let p = h / ${C4}u;
   let c = h % ${C4}u;
-  for (var bt = 0u; bt < ${s.B * s.T}u; bt = bt + 1u) {
-    let tok = tokens[(bt / ${s.T}u) * ${s.T + 1}u + bt % ${s.T}u]${s.vocab ? ` - ${s.vocab.lo}u` : ""};
-    if (${s.vocab ? `tok < ${s.vocab.rows}u && ` : ""}tok % ${P}u == p) {
-      let i = bt * ${C4}u + c;
-      dwte[tok * ${C4}u + c] = dwte[tok * ${C4}u + c] + dx[i]${mask("i * 4u")};
-    }
+  // The scan over the tokens reads 8 of them at a time (one at a time, each load waits), then
+  // visits them in order: the same additions.
+  let BT = ${s.B * s.T}u;
+  var bt0 = 0u;
+  for (; bt0 + 7u < BT; bt0 = bt0 + 8u) {
+    ${[...Array(8).keys()].map((u) => `let tk${u} = ${tokAt(`bt0 + ${u}u`)};`).join("\n    ")}
+    ${[...Array(8).keys()].map((u) => `{ let bt = bt0 + ${u}u; let tok = tk${u}; ${visit} }`).join("\n    ")}
   }
+  for (var bt = bt0; bt < BT; bt = bt + 1u) { let tok = ${tokAt("bt")}; ${visit} }
 }
 `;
 }
