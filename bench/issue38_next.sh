@@ -11,12 +11,13 @@
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
+#   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|learn}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -76,11 +77,17 @@ case $part in
     done
     run 200 deno run -A bench/split_sweep.ts --models gpt2-124M --splits 2,3,5,6,8 --emit "$out/split_rules_head.json"
     ;;
+  final)
+    run 220 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --torch
+    cache=$(mktemp -d)
+    run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
+      --model gpt2-124M --batch 8 --seq 1024
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll or learn" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, learn or final" >&2
     exit 2
     ;;
 esac
