@@ -4,8 +4,16 @@
  *
  *   engine  the Generator alone, B streams decoded together (continuous-batching steps of a
  *           16-token chunk, --chunk; the next chunk queued ahead of each readback unless
- *           --ahead 0), aggregate tokens/s and the batch's time to first token; --torch adds
- *           the PyTorch CUDA-graph peer (bench/torch_decode.py) in the same run.
+ *           --ahead 0), read back as the server reads them (a lone stream's chunks through the
+ *           canvas path, engine/readback.ts; --readback mapasync for mapAsync only), and the chunk
+ *           left to run ahead queued once the tokens are out, as the server does (runAhead).
+ *           Per batch: the batch's time to first token (the prefill and its readback), the
+ *           aggregate tokens/s from admission to the last token (`tokens_per_s`), and the decode
+ *           rate alone, the tokens after each stream's first over the time after the first step
+ *           (`decode_tokens_per_s`): what bench/torch_decode.py's CUDA-graph peer times (decode
+ *           steps from a filled cache, no prefill), so --torch's ratios are of that rate. --repeat
+ *           N times N runs after the warm-up and reports their median (and min, max). --torch adds
+ *           the peers (fp32 and bf16) in the same run.
  *   http    what users meet: for each stream count S a fresh `deno task serve` subprocess (the serve
  *           task's flags, PORT=0, a new GPT2_HOME holding the model under models/<name>, every
  *           limit at its default), one client (127.0.0.1) sending S concurrent streaming
@@ -33,6 +41,7 @@
  *
  *   deno task bench generate engine [--models gpt2-124M,gpt2-345M] [--batches 1,16,64] [--torch] [--profile]
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
+ *                                   [--readback canvas|mapasync] [--repeat 3]
  *                                   [--calls (each step call's time)] [--lm-head f32|f16 (wte's copy the
  *                                   decode LM head reads up to 16 streams, GeneratorOptions.lmHead)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
@@ -48,6 +57,7 @@ import { presetConfig } from "../model/config.ts";
 import { describeDevice, openDevice } from "../engine/device.ts";
 import { Generator, isCpuAdapter } from "../engine/generator.ts";
 import { profileDecode } from "./generator_profile.ts";
+import { createReadback } from "../engine/readback.ts";
 import { initParams } from "../model/init.ts";
 import { exportTensors, hfConfig } from "../checkpoint/checkpoint.ts";
 import { writeSafetensors } from "../checkpoint/safetensors.ts";
@@ -81,8 +91,19 @@ async function engine(): Promise<void> {
   const batches = list(arg("batches", cpu ? "1,4" : "1,16,64")).map(Number);
   const newTokens = +arg("new", cpu ? "32" : "128");
   const chunk = +arg("chunk", "16"), ahead = arg("ahead", "1") === "1" ? chunk : 0;
+  const repeat = Math.max(1, Math.floor(+arg("repeat", "1")));
   const lmHead = arg("lm-head", "f32");
   if (lmHead !== "f32" && lmHead !== "f16") throw new RangeError(`--lm-head "${lmHead}" must be f32 or f16`);
+  const readbackPath = arg("readback", "canvas");
+  if (readbackPath !== "canvas" && readbackPath !== "mapasync") {
+    throw new RangeError(`--readback "${readbackPath}" must be canvas or mapasync`);
+  }
+  // As the server makes it (worker/serving.ts): the canvas path where its round trip is exact.
+  const readback = await createReadback(ctx, { canvas: readbackPath === "canvas" });
+  console.log(
+    `readback: ${readback.canvas ? "canvas path for a lone stream's chunks" : "mapAsync"}` +
+      (readbackPath === "canvas" && !readback.canvas ? ` (canvas off: ${readback.fallbackReason})` : ""),
+  );
   if (cpu && lmHead === "f16") {
     console.log("A CPU adapter's LM head kernels read wte: --lm-head f16 changes nothing");
   }
@@ -93,69 +114,98 @@ async function engine(): Promise<void> {
       chunk,
       submitEvery: +arg("every", "4"),
       lmHead,
+      readback,
     });
     if (!cpu) {
       console.log(
         `${model}: every batch bucket's decode kernels compiled in ${(await gen.warm()).toFixed(0)} ms`,
       );
     }
-    const run = async (B: number, n: number) => {
+    const run = async (B: number, n: number, profiled = false) => {
       const hs = [];
       for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }, n));
       const t0 = performance.now();
-      let got = 0;
+      let first = 0;
       // The prefill's first tokens (the first chunk then runs ahead).
-      for (const o of (await gen.step(0, ahead)).values()) got += o.tokens.length;
+      for (const o of (await gen.step(0, ahead)).values()) first += o.tokens.length;
       const ttft = performance.now() - t0;
+      await gen.runAhead();
       const calls: string[] = [];
+      let got = first;
       while (got < B * n) {
         const c0 = performance.now();
         for (const o of (await gen.step(chunk, ahead)).values()) got += o.tokens.length;
         const t = gen.timing;
         calls.push(`${(performance.now() - c0).toFixed(1)} (${t.steps} steps, map ${t.mapMs.toFixed(1)})`);
+        // The server hands the tokens out here, then queues the chunk left to run ahead.
+        await gen.runAhead();
       }
       if (Deno.args.includes("--calls")) {
         console.log(`  batch ${B}, ${n} tokens, each call in ms: ${calls.join(", ")}`);
       }
       const ms = performance.now() - t0;
-      const profile = Deno.args.includes("--profile") && ctx.hasTimestamps ? await profileDecode(gen) : null;
+      // Kernel by kernel after the timed run, the streams still at its end (one step replayed).
+      const profile = profiled && Deno.args.includes("--profile") && ctx.hasTimestamps
+        ? await profileDecode(gen)
+        : null;
       for (const h of hs) gen.release(h);
-      return { tokens: got, ms, ttft, profile };
+      return { tokens: got, ms, ttft, decode: (got - first) / ((ms - ttft) / 1000), profile };
     };
     const results = new Map<number, number>();
     for (const B of batches) {
       await run(B, newTokens); // warm-up: compiles this batch's plans (and lets the GPU's clocks rise)
-      const r = await run(B, newTokens);
+      const runs: Awaited<ReturnType<typeof run>>[] = [];
+      for (let i = 0; i < repeat; i++) runs.push(await run(B, newTokens, i === repeat - 1));
+      const pick = (f: (r: (typeof runs)[number]) => number) => {
+        const xs = runs.map(f).sort((a, b) => a - b);
+        return { median: median(xs), min: xs[0], max: xs[xs.length - 1] };
+      };
+      const total = pick((r) => r.tokens / (r.ms / 1000)), decode = pick((r) => r.decode);
+      const ttft = pick((r) => r.ttft);
+      const profile = runs[runs.length - 1].profile;
       const res = {
         scenario: "engine",
         model,
         batch: B,
         lm_head: lmHead,
-        tokens_per_s: r.tokens / (r.ms / 1000),
-        ttft_ms: r.ttft,
+        readback: readback.canvas ? "canvas" : "mapasync",
+        runs: repeat,
+        tokens_per_s: total.median,
+        decode_tokens_per_s: decode.median,
+        decode_tokens_per_s_min: decode.min,
+        decode_tokens_per_s_max: decode.max,
+        ttft_ms: ttft.median,
       };
-      results.set(B, res.tokens_per_s);
+      results.set(B, res.decode_tokens_per_s);
       console.log(JSON.stringify(res));
+      const spread = repeat > 1 ? ` (${repeat} runs, ${decode.min.toFixed(0)}-${decode.max.toFixed(0)})` : "";
       console.log(
-        `${model} batch ${B} (LM head ${lmHead}): ${res.tokens_per_s.toFixed(0)} tokens/s aggregate, ` +
-          `time to first token (batched prefill of ${B} × 32 tokens) ${r.ttft.toFixed(1)} ms`,
+        `${model} batch ${B} (LM head ${lmHead}): decoding ${
+          res.decode_tokens_per_s.toFixed(0)
+        } tokens/s${spread}; ` +
+          `${
+            res.tokens_per_s.toFixed(0)
+          } tokens/s from admission (the prefill of ${B} × 32 tokens included), ` +
+          `time to first token ${res.ttft_ms.toFixed(1)} ms`,
       );
-      if (r.profile) {
+      if (profile) {
         // Kernel families: the label without its layer, e.g. "dec.l3.fc.gemv" -> "fc.gemv".
         const fam = new Map<string, { n: number; ms: number }>();
-        for (const k of r.profile) {
+        for (const k of profile) {
           const key = k.label.replace(/^dec\.(l\d+\.)?/, "");
           const f = fam.get(key) ?? { n: 0, ms: 0 };
           f.n++;
           f.ms += k.ms;
           fam.set(key, f);
         }
-        const total = r.profile.reduce((a, k) => a + k.ms, 0);
+        const sum = profile.reduce((a, k) => a + k.ms, 0);
         console.log(
-          `  one decode step, kernel by kernel: ${r.profile.length} kernels, ${
-            total.toFixed(3)
-          } ms of GPU time ` +
-            `(the timed run: ${(r.ms / (r.tokens / B)).toFixed(3)} ms per token per stream)`,
+          `  one decode step, kernel by kernel: ${profile.length} kernels, ${
+            sum.toFixed(3)
+          } ms of GPU time, ` +
+            `each kernel in a pass of its own (the timed runs: ${
+              (1000 / (res.decode_tokens_per_s / B)).toFixed(3)
+            } ms a decode step)`,
         );
         for (const [k, f] of [...fam].sort((a, b) => b[1].ms - a[1].ms)) {
           console.log(
@@ -178,9 +228,12 @@ async function engine(): Promise<void> {
           const ours = results.get(p.batch);
           console.log(`  PyTorch CUDA graph ${dtype}: ${JSON.stringify(p)}`);
           if (!ours) continue;
+          // Both decode rates: the peer replays decode steps from a filled cache, no prefill.
           const ratio = ours / p.tokens_per_s;
           console.log(
-            `  ${model} batch ${p.batch}: ours ${ours.toFixed(0)} tokens/s, ${dtype} CUDA-graph peer ` +
+            `  ${model} batch ${p.batch}: ours ${
+              ours.toFixed(0)
+            } tokens/s decoding, ${dtype} CUDA-graph peer ` +
               `${p.tokens_per_s.toFixed(0)}: ${ratio.toFixed(2)}×`,
           );
           if (dtype === "bf16" && model === "gpt2-124M" && p.batch === 1) {
@@ -190,6 +243,7 @@ async function engine(): Promise<void> {
       }
     }
   }
+  readback.destroy();
   ctx.device.destroy();
 }
 
