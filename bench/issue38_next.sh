@@ -4,7 +4,7 @@
 #
 #   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
 #   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
-#   source .device/env.sh; bash bench/issue38_next.sh decode    # decode with the f32 and f16 LM head, peers in the call
+#   source .device/env.sh; bash bench/issue38_next.sh decode    # decode rates: readbacks, residual reduces fused, peers
 #   source .device/env.sh; bash bench/issue38_next.sh head      # a trained 124M; f16 head's agreement with fp32 and transformers
 #   source .device/env.sh; bash bench/issue38_next.sh splits    # split-K counts chosen inside the step, then confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
@@ -43,8 +43,14 @@ case $part in
     run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   decode)
-    run 280 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --torch
-    run 200 deno task bench generate engine --models gpt2-124M --batches 1,16 --profile --lm-head f16
+    # The decode rate (after each stream's first token, as the CUDA-graph peers time it), 5 runs each:
+    # the server's readback (canvas for a lone stream) with the peers, mapAsync, then the residual
+    # reduces fused at 1 and at up to 2 rows; each a fresh process on the same warm machine.
+    run 200 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --profile --torch
+    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --readback mapasync
+    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 1 --profile
+    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 2
+    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5
     ;;
   head)
     home=./.gpt2-ft-bench

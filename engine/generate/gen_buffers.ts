@@ -189,6 +189,16 @@ export class GenBuffers {
         "gen.fc_part",
         Math.max(...[...Array(R).keys()].map((m) => gemvKSplit(4 * C, C, m + 1) * (m + 1) * 4 * C)),
       ),
+      // Only decode buckets of up to kernels.residualRows rows use it (residualFused).
+      qkvPart: await f(
+        "gen.qkv_part",
+        Math.max(
+          0,
+          ...[...Array(Math.min(R, this.opts.kernels.residualRows ?? 0)).keys()].map((m) =>
+            gemvKSplit(3 * C, C, m + 1) * (m + 1) * 3 * C
+          ),
+        ),
+      ),
     };
   }
 

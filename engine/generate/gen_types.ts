@@ -83,6 +83,12 @@ export interface GeneratorOptions {
     tileRules?: NonNullable<GraphOptions["kernels"]>["tileRules"];
     cpuDirect?: boolean;
     cpuHead?: boolean;
+    /**
+     * Decode steps of at most this many rows leave the two residual reduces of each layer to the
+     * gemv that normalises their sum next (graph/decode_step.ts residualFused): two kernels a layer
+     * fewer, the same values. Default 0 (off).
+     */
+    residualRows?: number;
   };
 }
 

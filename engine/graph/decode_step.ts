@@ -46,6 +46,7 @@ import {
   gemvUboLayerWgsl,
   type GemvUboSpec,
   gemvUboWgsl,
+  gemvWorkgroupBytes,
 } from "../kernels/gemv.ts";
 import { grid1d, UNIFORM_BINDING_BYTES } from "../kernels/common.ts";
 
@@ -68,6 +69,11 @@ export interface DecodeActs {
   part: GPUBuffer;
   /** The fc gemv's partial sums, which the fcproj gemv reduces (decodeMlp). */
   fcPart: GPUBuffer;
+  /**
+   * Where residualFused: the qkv gemv's partial sums, which the decode attention reduces (part
+   * then holds the proj and fcproj partial sums that the next gemv reduces). Otherwise unused.
+   */
+  qkvPart: GPUBuffer;
 }
 
 /** CPU adapters: wte in uniform blocks of BC columns (gemvUboWgsl), NB bound per dispatch. */
@@ -99,7 +105,7 @@ export interface KvCache {
 export interface DecodeGraph {
   readonly ctx: GpuContext;
   readonly config: ModelConfig;
-  readonly opts: { chunk: number; directSampler: boolean };
+  readonly opts: { chunk: number; directSampler: boolean; kernels: { residualRows?: number } };
   /** A CPU adapter: kernels without barriers, serial reductions. */
   readonly cpu: boolean;
   /** The LM head runs CPU adapters' kernels (wteT, ubo, per-thread gemvT). */
@@ -159,19 +165,65 @@ export async function decodeStep(g: DecodeGraph, kv: KvCache, S: number): Promis
   return ops;
 }
 
-/** Layer l of a decode step: x (S, C) in, x out (through x2), the K and V rows into the cache. */
+/**
+ * Whether a decode step of S rows leaves its two residual reduces (x2 = x + y·Wproj + b, and x =
+ * x2 + fcg·Wfcproj + b) to the gemv that normalises their output next (gemv lnOf: the fc gemv, and
+ * the next layer's qkv gemv), two kernels a layer fewer: at most `kernels.residualRows` rows
+ * (GeneratorOptions; each workgroup of those gemvs sums its rows' partial sums once, work that
+ * grows with the rows: on an H200, 4 rows ran 12% slower this way), GPU kernels (not the
+ * uniform-slice weights), and the rows fitting in workgroup memory.
+ */
+export function residualFused(g: DecodeGraph, S: number): boolean {
+  if (S > (g.opts.kernels.residualRows ?? 0) || g.uboW) return false;
+  const C = g.config.n_embd, tune = gemvTuning(S);
+  const worst: GemvSpec = {
+    M: S,
+    N: 4 * C,
+    K: C,
+    bias: true,
+    epilogue: "gelu",
+    KS: 1,
+    ln: true,
+    lnOf: { KS: 1 },
+    staged: !g.cpu && tune.staged,
+    groupRows: tune.groupRows,
+  };
+  return gemvWorkgroupBytes(worst) <= g.ctx.limits.maxComputeWorkgroupStorageSize;
+}
+
+/**
+ * Layer l of a decode step: x (S, C) in, x out (through x2), the K and V rows into the cache.
+ * Where residualFused, layer l > 0 finds x as the previous layer's fcproj partial sums in
+ * acts.part (its qkv gemv reduces them and writes x), and the last layer alone reduces its fcproj
+ * into x for the final LayerNorm.
+ */
 export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: number): Promise<Op[]> {
   const c = g.config, a = g.acts, C = c.n_embd, H = c.n_head;
   const spec: DecodeSpec = { S, H, D: C / H, Tmax: c.n_positions };
   const p = `h.${l}.`, base = { transA: false, transB: false, bias: true } as const;
+  const fused = residualFused(g, S);
+  // The previous layer's fcproj reduce, done here when fused: x = x2 + (Σ + b), then LN1.
+  const inFromParts = fused && l > 0
+    ? { KS: gemvKSplit(C, 4 * C, S), res: V(a.x2), bias: g.P(`h.${l - 1}.mlp.c_proj.bias`), out: V(a.x) }
+    : undefined;
   // qkv = LN1(x)·Wqkv + b (S, 3C), the LayerNorm in the gemv's prologue: its K-split partial sums
+  const qkvPart = fused ? a.qkvPart : a.part;
   const qkv = await decodeLinear(
     g,
     `dec.l${l}.qkv`,
     { ...base, M: S, N: 3 * C, K: C, epilogue: "store" },
     p + "attn.c_attn.weight",
-    { A: V(a.x), bias: g.P(p + "attn.c_attn.bias") },
-    { ln: [p + "ln_1.weight", p + "ln_1.bias"], partialOnly: true },
+    { A: V(inFromParts ? a.part : a.x), bias: g.P(p + "attn.c_attn.bias") },
+    { ln: [p + "ln_1.weight", p + "ln_1.bias"], partialOnly: true, part: qkvPart, lnOf: inFromParts },
+  );
+  // x2 = x + y·Wproj + b (fused: left as partial sums in acts.part for the fc gemv to reduce)
+  const proj = await decodeLinear(
+    g,
+    `dec.l${l}.proj`,
+    { ...base, M: S, N: C, K: C, epilogue: "residual" },
+    p + "attn.c_proj.weight",
+    { A: V(a.y), bias: g.P(p + "attn.c_proj.bias"), res: V(a.x), out: V(a.x2) },
+    { partialOnly: fused },
   );
   return [
     ...qkv.ops,
@@ -179,26 +231,14 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
     // adds the bias and appends the row's key and value to the cache first
     await g.op("attention_fwd", `dec.l${l}.attn`, attentionDecodeWgsl(spec, { KS: qkv.spec.KS }), [
       V(g.state),
-      V(a.part),
+      V(qkvPart),
       g.P(p + "attn.c_attn.bias"),
       V(kv.kc[l]),
       V(kv.vc[l]),
       V(a.y),
     ], [S, H]),
-    // x2 = x + y·Wproj + b
-    ...(await decodeLinear(
-      g,
-      `dec.l${l}.proj`,
-      { ...base, M: S, N: C, K: C, epilogue: "residual" },
-      p + "attn.c_proj.weight",
-      {
-        A: V(a.y),
-        bias: g.P(p + "attn.c_proj.bias"),
-        res: V(a.x),
-        out: V(a.x2),
-      },
-    )).ops,
-    ...await decodeMlp(g, l, S),
+    ...proj.ops,
+    ...await decodeMlp(g, l, S, fused ? proj.spec.KS : 0),
   ];
 }
 
@@ -206,22 +246,31 @@ export async function decodeLayer(g: DecodeGraph, kv: KvCache, l: number, S: num
  * The MLP of layer l: x = x2 + gelu(LN2(x2)·Wfc + b)·Wfcproj + b. On GPUs the fc gemv's partial
  * sums go to acts.fcPart and the fcproj gemv reduces them, adds the bias and applies GELU as it
  * stages its input (no fc reduce kernel); where fcproj reads its input as uniforms (CPU adapters'
- * gemvUboLayerWgsl) the fc reduce stores fcg first.
+ * gemvUboLayerWgsl) the fc reduce stores fcg first. `projKS` > 0 (residualFused): x2 is still the
+ * proj gemv's partial sums in acts.part, which the fc gemv reduces (writing x2), and the fcproj
+ * reduce is left to the next layer's qkv gemv (but in the last layer).
  */
-async function decodeMlp(g: DecodeGraph, l: number, S: number): Promise<Op[]> {
+async function decodeMlp(g: DecodeGraph, l: number, S: number, projKS: number): Promise<Op[]> {
   const a = g.acts, C = g.config.n_embd, p = `h.${l}.`;
   const base = { transA: false, transB: false, bias: true } as const;
   const fcSpec: MatmulSpec = { ...base, M: S, N: 4 * C, K: C, epilogue: "gelu" };
   const projSpec: MatmulSpec = { ...base, M: S, N: C, K: 4 * C, epilogue: "residual" };
   const fused = !uboOf(g, p + "mlp.c_proj.weight", projSpec);
+  const inFromParts = projKS > 0
+    ? { KS: projKS, res: V(a.x), bias: g.P(p + "attn.c_proj.bias"), out: V(a.x2) }
+    : undefined;
   // fch = LN2(x2)·Wfc + b (S, 4C), fcg = gelu(fch)
   const fc = await decodeLinear(
     g,
     `dec.l${l}.fc`,
     fcSpec,
     p + "mlp.c_fc.weight",
-    { A: V(a.x2), bias: g.P(p + "mlp.c_fc.bias"), out: V(a.fch), out2: V(a.fcg) },
-    { ln: [p + "ln_2.weight", p + "ln_2.bias"], ...(fused ? { partialOnly: true, part: a.fcPart } : {}) },
+    { A: V(inFromParts ? a.part : a.x2), bias: g.P(p + "mlp.c_fc.bias"), out: V(a.fch), out2: V(a.fcg) },
+    {
+      ln: [p + "ln_2.weight", p + "ln_2.bias"],
+      lnOf: inFromParts,
+      ...(fused ? { partialOnly: true, part: a.fcPart } : {}),
+    },
   );
   // x = x2 + fcg·Wfcproj + b
   const proj = await decodeLinear(
@@ -230,7 +279,10 @@ async function decodeMlp(g: DecodeGraph, l: number, S: number): Promise<Op[]> {
     projSpec,
     p + "mlp.c_proj.weight",
     { A: V(fused ? a.fcPart : a.fcg), bias: g.P(p + "mlp.c_proj.bias"), res: V(a.x2), out: V(a.x) },
-    fused ? { geluOf: { KS: fc.spec.KS, bias: g.P(p + "mlp.c_fc.bias") } } : {},
+    {
+      ...(fused ? { geluOf: { KS: fc.spec.KS, bias: g.P(p + "mlp.c_fc.bias") } } : {}),
+      partialOnly: projKS > 0 && l < g.config.n_layer - 1,
+    },
   );
   return [...fc.ops, ...proj.ops];
 }
@@ -261,12 +313,19 @@ async function decodeLinear(
     part?: GPUBuffer;
     /** views.A is the previous gemv's partial sums, reduced with this bias and GELU as staged. */
     geluOf?: { KS: number; bias: View };
+    /**
+     * With ln: views.A is the previous gemv's partial sums; the rows normalised are res + (Σ +
+     * bias), written to `out` too (gemv lnOf).
+     */
+    lnOf?: { KS: number; res: View; bias: View; out: View };
   } = {},
 ): Promise<{ ops: Op[]; spec: GemvSpec }> {
   const a = g.acts;
   const u = uboOf(g, weight, s);
   const ubo = u !== undefined;
-  if (ubo && fuse.geluOf) throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
+  if (ubo && (fuse.geluOf || fuse.lnOf)) {
+    throw new RangeError(`${label}: a uniform-slice gemv cannot reduce its input`);
+  }
   const tune = gemvTuning(s.M);
   const spec: GemvSpec = {
     M: s.M,
@@ -277,6 +336,7 @@ async function decodeLinear(
     KS: ubo ? 1 : gemvKSplit(s.N, s.K, s.M, tune),
     ln: !!fuse.ln,
     geluOf: fuse.geluOf ? { KS: fuse.geluOf.KS } : undefined,
+    lnOf: fuse.lnOf ? { KS: fuse.lnOf.KS } : undefined,
     // A reduced input is always staged (each value summed once per workgroup).
     staged: !!fuse.geluOf || (!g.cpu && tune.staged),
     ...(ubo ? {} : { unroll: tune.unroll, groupRows: tune.groupRows }),
@@ -306,6 +366,7 @@ async function decodeLinear(
         all.part,
         ...(fuse.ln ? [g.P(fuse.ln[0]), g.P(fuse.ln[1])] : []),
         ...(fuse.geluOf ? [fuse.geluOf.bias] : []),
+        ...(fuse.lnOf ? [fuse.lnOf.res, fuse.lnOf.bias, fuse.lnOf.out] : []),
       ],
       [Math.ceil(s.N / 128), spec.KS, gemvRowGroups(s.M, gemvGroupRows(spec))],
     );

@@ -31,6 +31,15 @@ export interface GemvSpec {
    */
   geluOf?: { KS: number };
   /**
+   * With `ln`: fuse the preceding gemv's reduce and its residual add. x holds that gemv's KS K-split
+   * partial sums ([KS][M][K]); each row this LayerNorm normalises is res + (Σ + xb), summed in
+   * gemvReduceWgsl's order, so it equals what that reduce's residual epilogue would have stored.
+   * Every workgroup sums its rows once into workgroup memory, and the first of each row group
+   * (wg.x = wg.y = 0) also writes them to xo: the residual stream the layers after read.
+   * Bindings after lnw, lnb: res, xb, xo.
+   */
+  lnOf?: { KS: number };
+  /**
    * Stage each stretch of the (normalised) x rows in workgroup memory and keep UNROLL weight
    * loads in flight per thread (GPUs: the plain loop waits on one load at a time). The products
    * and their order are the same, so the sums are bit-identical to the plain kernel's.
@@ -95,6 +104,12 @@ function kGroups(M: number): number {
   return M <= 4 ? 8 : 4;
 }
 
+/** Bytes of workgroup memory gemvPartialWgsl(s) declares. */
+export function gemvWorkgroupBytes(s: GemvSpec): number {
+  const G = gemvGroupRows(s), KG = kGroups(G), T = 32 * KG, CH = STAGE_K - (STAGE_K % KG);
+  return 16 * KG * G * 32 + 4 * ((s.ln ? G * T : 0) + (s.staged ? G * CH : 0) + (s.lnOf ? G * s.K : 0));
+}
+
 /** Partial sums: part[ks, m, n]. Grid (ceil(N/128), KS, gemvRowGroups(M)). */
 export function gemvPartialWgsl(s: GemvSpec): string {
   if (!(s.M >= 1)) throw new RangeError(`Gemv needs at least 1 row, got ${s.M}`);
@@ -126,11 +141,48 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   // in the loop's order; a trip past K adds 0.
   const trips = [...Array(Math.ceil(s.K / T)).keys()];
   const kAt = (t: number) => `(tid + ${t * T}u)`;
+  if (s.lnOf && !s.ln) throw new RangeError("Gemv lnOf needs the LayerNorm prologue");
+  // Row m's value at k: x itself, or (lnOf) the row summed into workgroup memory.
+  const xOf = (m: number, k: string) => s.lnOf ? `xrow[${m * s.K}u + ${k}]` : `x[${xr(m)} + ${k}]`;
   const xAt = (m: number, t: number) =>
     (t + 1) * T <= s.K
-      ? `x[${xr(m)} + ${kAt(t)}]`
-      : `select(0.0, x[${xr(m)} + min(${kAt(t)}, ${s.K - 1}u)], ${kAt(t)} < ${s.K}u)`;
-  const prologue = !s.ln ? "" : `
+      ? xOf(m, kAt(t))
+      : `select(0.0, ${xOf(m, `min(${kAt(t)}, ${s.K - 1}u)`)}, ${kAt(t)} < ${s.K}u)`;
+  // lnOf: the previous gemv's reduce, its partial sums in order, then its bias and the residual
+  // (res + (Σ + xb), as gemvReduceWgsl's residual epilogue adds them), trips written out.
+  const sumParts = (KS: number, i: string) =>
+    KS <= 64
+      ? [...Array(KS).keys()].map((ks) => `v = v + x[${ks * s.M * s.K}u + ${i}];`).join(" ")
+      : `for (var ks = 0u; ks < ${KS}u; ks = ks + 1u) { v = v + x[ks * ${s.M * s.K}u + ${i}]; }`;
+  const onTrip = (t: number, body: string) =>
+    (t + 1) * T <= s.K ? body : `if (${kAt(t)} < ${s.K}u) { ${body} }`;
+  const rowsIn = !s.lnOf ? "" : `
+  ${
+    trips.map((t) =>
+      onTrip(
+        t,
+        rows.map((m) =>
+          `{ var v = 0.0; ${sumParts(s.lnOf!.KS, `${xr(m)} + ${kAt(t)}`)} xrow[${m * s.K}u + ${
+            kAt(t)
+          }] = res[${xr(m)} + ${kAt(t)}] + (v + xb[${kAt(t)}]); }`
+        ).join(" "),
+      )
+    ).join("\n  ")
+  }
+  workgroupBarrier();
+  if (wg.x == 0u && wg.y == 0u) {
+    ${
+    trips.map((t) =>
+      onTrip(
+        t,
+        rows.map((m) =>
+          `if (m0 + ${m}u < ${s.M}u) { xo[${xr(m)} + ${kAt(t)}] = xrow[${m * s.K}u + ${kAt(t)}]; }`
+        ).join(" "),
+      )
+    ).join("\n    ")
+  }
+  }`;
+  const prologue = !s.ln ? "" : `${rowsIn}
   ${rows.map((m) => `var su${m} = 0.0;`).join(" ")}
   ${trips.map((t) => rows.map((m) => `su${m} = su${m} + ${xAt(m, t)};`).join(" ")).join("\n  ")}
   ${lnReduce("su")}
@@ -153,7 +205,7 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   if (s.geluOf && (s.ln || !s.staged)) throw new RangeError("Gemv geluOf is staged and has no LayerNorm");
   const xin = (m: number) =>
     s.ln
-      ? `(x[${xr(m)} + k] - mean${m}) * rstd${m} * lnw[k] + lnb[k]`
+      ? `(${xOf(m, "k")} - mean${m}) * rstd${m} * lnw[k] + lnb[k]`
       : s.geluOf
       ? `xgelu(${xr(m)} + k, k)`
       : `x[${xr(m)} + k]`;
@@ -161,11 +213,7 @@ export function gemvPartialWgsl(s: GemvSpec): string {
   const xgelu = !s.geluOf ? "" : `${GELU_WGSL}
 fn xgelu(i: u32, k: u32) -> f32 {
   var v = 0.0;
-  ${
-    s.geluOf.KS <= 64
-      ? [...Array(s.geluOf.KS).keys()].map((ks) => `v = v + x[${ks * s.M * s.K}u + i];`).join(" ")
-      : `for (var ks = 0u; ks < ${s.geluOf.KS}u; ks = ks + 1u) { v = v + x[ks * ${s.M * s.K}u + i]; }`
-  }
+  ${sumParts(s.geluOf.KS, "i")}
   return gelu4(vec4<f32>(v + xb[k])).x;
 }`;
   // The k loop of thread group g: k = k0 + g, k0 + g + KG, … (staged: the same k, in stretches).
@@ -206,6 +254,14 @@ fn xgelu(i: u32, k: u32) -> f32 {
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
 ${s.geluOf ? "@group(0) @binding(3) var<storage, read> xb: array<f32>;" : ""}${xgelu}
+${
+    s.lnOf
+      ? `@group(0) @binding(5) var<storage, read> res: array<f32>;
+@group(0) @binding(6) var<storage, read> xb: array<f32>;
+@group(0) @binding(7) var<storage, read_write> xo: array<f32>;
+var<workgroup> xrow: array<f32, ${G * s.K}>;`
+      : ""
+  }
 ${s.ln ? `var<workgroup> lns: array<f32, ${G * T}>;` : ""}
 ${s.staged ? `var<workgroup> xs: array<f32, ${G * CH}>;` : ""}
 var<workgroup> red: array<vec4<f32>, ${KG * G * 32}>;

@@ -3,7 +3,9 @@
  * fused into the kernels that read them"): with the GPUs' kernels a layer is 7 dispatches — the
  * qkv reduce happens in the attention kernel and the fc reduce in the fcproj gemv — and the step
  * adds the embedding, the final LayerNorm, the LM head and the sampler (88 for gpt2-124M). A CPU
- * adapter's uniform-buffer kernels keep the fc reduce.
+ * adapter's uniform-buffer kernels keep the fc reduce. With `kernels.residualRows`, steps of that
+ * many rows or fewer leave the proj and fcproj reduces to the gemv after them: 5 a layer, the last
+ * layer's fcproj reduce kept (65 for gpt2-124M), and the same tokens and logprobs bit for bit.
  */
 
 import assert from "node:assert/strict";
@@ -11,6 +13,7 @@ import { makeConfig } from "../../model/config.ts";
 import { initParams } from "../../model/init.ts";
 import { Generator, type GeneratorOptions, isCpuAdapter } from "../../engine/generator.ts";
 import { noGpu, testContext } from "../_helpers.ts";
+import type { StreamOutput } from "../../engine/generate/gen_types.ts";
 
 const config = makeConfig({ n_layer: 3, n_head: 4, n_embd: 64, n_positions: 64 });
 
@@ -70,5 +73,80 @@ Deno.test({
     const layer = (await stepLabels(1, {})).filter((l) => l.startsWith("dec.l0."));
     assert.equal(layer.includes("dec.l0.fc.sum"), isCpuAdapter(ctx), layer.join(" "));
     assert.equal(layer.length, isCpuAdapter(ctx) ? 8 : 7, layer.join(" "));
+  },
+});
+
+Deno.test({
+  name:
+    "with kernels.residualRows a decode step of that many rows runs 5 kernels a layer (the proj and fcproj reduces in the next gemv), more rows 7",
+  ignore: noGpu,
+  fn: async () => {
+    const L = config.n_layer;
+    for (const [streams, fused] of [[1, true], [2, true], [3, false]] as const) {
+      const labels = await stepLabels(streams, {
+        cpuUniform: false,
+        kernels: { cpuHead: false, residualRows: 2 },
+      });
+      const what = `${streams} streams: ${labels.join(" ")}`;
+      assert.equal(labels.length, fused ? 5 * L + 1 + 4 : 7 * L + 4, what);
+      if (!fused) continue;
+      const layer = (l: number) =>
+        labels.filter((x) => x.startsWith(`dec.l${l}.`)).map((x) => x.split(".").slice(2).join("."));
+      assert.deepEqual(layer(1), ["qkv.gemv", "attn", "proj.gemv", "fc.gemv", "fcproj.gemv"], what);
+      assert.deepEqual(layer(L - 1), [
+        "qkv.gemv",
+        "attn",
+        "proj.gemv",
+        "fc.gemv",
+        "fcproj.gemv",
+        "fcproj.sum",
+      ], what);
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "decoding with the residual reduces in the next gemv gives the same tokens and logprobs bit for bit, 1 and 2 streams",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    // Every parameter moved off its initial value, so the biases (0 at init) take part.
+    const params = initParams(config, 3).map((v, i) => v + 0.02 * Math.sin(i * 12.9898));
+    const run = async (residualRows: number) => {
+      const gen = await Generator.create(ctx, config, params, {
+        maxStreams: 2,
+        chunk: 6,
+        cpuUniform: false,
+        kernels: { cpuHead: false, residualRows },
+      });
+      try {
+        const outs: StreamOutput[][] = [];
+        for (const streams of [1, 2]) {
+          const hs = [];
+          for (let i = 0; i < streams; i++) {
+            hs.push(
+              await gen.admit([5 + i, 17, 42, 9], {
+                temperature: 1.3,
+                top_k: 0,
+                top_p: 1,
+                seed: 11 + i,
+                logprobs: 2,
+              }),
+            );
+          }
+          const first = await gen.step(0);
+          const next = await gen.step(5);
+          outs.push(hs.flatMap((h) => [first.get(h)!, next.get(h)!]));
+          for (const h of hs) gen.release(h);
+        }
+        return outs;
+      } finally {
+        gen.destroy();
+      }
+    };
+    const plain = await run(0), fused = await run(2);
+    assert.equal(plain[0][1].tokens.length, 5);
+    assert.deepEqual(fused, plain);
   },
 });

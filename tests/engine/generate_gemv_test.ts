@@ -142,6 +142,85 @@ Deno.test({
 });
 
 Deno.test({
+  name:
+    "gemvPartialWgsl() lnOf (the previous gemv's residual reduce in its LayerNorm prologue) equals the reduce kernel then the plain LayerNorm gemv, bit for bit, and writes the reduced rows",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const cache = new PipelineCache(ctx);
+    // The previous gemv's output width is this one's K: 200 (one trip of 256 threads, partial),
+    // 600 (three trips, the last partial) and 512 (two whole trips); 1 to 3 rows, 1 to 5 splits.
+    for (const [M, K, KSprev] of [[1, 200, 3], [3, 600, 5], [2, 512, 1]] as const) {
+      const N = 136, KS = 2;
+      const parts = randomFloats(KSprev * M * K, 31), res = randomFloats(M * K, 32), xb = randomFloats(K, 33);
+      const W = randomFloats(K * N, 34), bias = randomFloats(N, 35);
+      const lnw = randomFloats(K, 36), lnb = randomFloats(K, 37);
+      const bufs: Record<string, GPUBuffer> = {
+        prev: await upload(ctx, "prev", parts),
+        res: await upload(ctx, "res", res),
+        xb: await upload(ctx, "xb", xb),
+        x: await upload(ctx, "x", new Float32Array(M * K)),
+        xo: await upload(ctx, "xo", new Float32Array(M * K)),
+        W: await upload(ctx, "W", W),
+        part: await upload(ctx, "part", new Float32Array(KS * M * N)),
+        part2: await upload(ctx, "part2", new Float32Array(KS * M * N)),
+        bias: await upload(ctx, "bias", bias),
+        lnw: await upload(ctx, "lnw", lnw),
+        lnb: await upload(ctx, "lnb", lnb),
+      };
+      // The unfused pair: the previous gemv's reduce with its residual into x, then the gemv on x.
+      const prev: GemvSpec = { M, N: K, K: 1, bias: true, epilogue: "residual", KS: KSprev };
+      const prevViews: Record<string, GPUBuffer> = {
+        part: bufs.prev,
+        out: bufs.x,
+        bias: bufs.xb,
+        res: bufs.res,
+      };
+      const spec: GemvSpec = { M, N, K, bias: true, epilogue: "store", KS, ln: true };
+      const fused: GemvSpec = { ...spec, lnOf: { KS: KSprev } };
+      const grid: [number, number, number] = [Math.ceil(N / 128), KS, gemvRowGroups(M, gemvGroupRows(spec))];
+      const b = (names: string[]) => names.map((n) => bufs[n]);
+      submit(ctx, [
+        await kernelOp(
+          ctx,
+          cache,
+          "prev.sum",
+          gemvReduceWgsl(prev),
+          gemvReduceBindings(prev).map((n) => prevViews[n]),
+          [
+            Math.ceil((M * K) / 4 / 64),
+          ],
+        ),
+        await kernelOp(ctx, cache, "gemv", gemvPartialWgsl(spec), b(["x", "W", "part", "lnw", "lnb"]), grid),
+        await kernelOp(
+          ctx,
+          cache,
+          "gemv.lnOf",
+          gemvPartialWgsl(fused),
+          b(["prev", "W", "part2", "lnw", "lnb", "res", "xb", "xo"]),
+          grid,
+        ),
+      ]);
+      const what = `M ${M} K ${K} KS ${KSprev}`;
+      const x = await readFloats(ctx, bufs.x);
+      assert.deepEqual(await readFloats(ctx, bufs.xo), x, `${what}: the reduced rows written back`);
+      for (let i = 0; i < M * K; i++) {
+        let v = 0;
+        for (let ks = 0; ks < KSprev; ks++) v = Math.fround(v + parts[ks * M * K + i]);
+        const want = Math.fround(res[i] + Math.fround(v + xb[i % K]));
+        if (x[i] !== want) assert.fail(`${what}: the reduce's row value ${i} is ${x[i]}, want ${want}`);
+      }
+      assert.deepEqual(
+        await readFloats(ctx, bufs.part2),
+        await readFloats(ctx, bufs.part),
+        `${what}: partial sums`,
+      );
+      Object.values(bufs).forEach((b) => b.destroy());
+    }
+  },
+});
+
+Deno.test({
   name: "gemvTWgsl() matches x · Wᵀ, cooperative and per-thread, with rows gathered through sel",
   ignore: noGpu,
   fn: async () => {
