@@ -10,6 +10,8 @@
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
+#   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
+#   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
@@ -17,7 +19,7 @@
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|tiles|tiles124|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -89,11 +91,23 @@ case $part in
     run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
       --model gpt2-124M --batch 8 --seq 1024
     ;;
+  tiles)
+    # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed
+    # in a fresh process; merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
+    run 420 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
+    [ -s "$out/tile_rules_345M.json" ] && run 150 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
+      --steps 10 --no-profile --tile-rules-json "$out/tile_rules_345M.json"
+    ;;
+  tiles124)
+    run 300 deno run -A bench/tile_sweep.ts --models gpt2-124M --emit "$out/tile_rules_124M.json"
+    [ -s "$out/tile_rules_124M.json" ] && run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 \
+      --steps 10 --no-profile --tile-rules-json "$out/tile_rules_124M.json"
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, tiles, tiles124, learn or final" >&2
     exit 2
     ;;
 esac
