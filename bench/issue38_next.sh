@@ -94,9 +94,15 @@ case $part in
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed
     # in a fresh process; merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
-    run 420 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
-    [ -s "$out/tile_rules_345M.json" ] && run 150 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
+    run 300 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
+    # 345M's LM head dx has no split-K count measured in the step yet (124M's: 4).
+    run 120 deno run -A bench/split_sweep.ts --models gpt2-345M --splits 2,3,4,6,8 --emit "$out/split_rules_345M.json"
+    [ -s "$out/tile_rules_345M.json" ] && run 60 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
       --steps 10 --no-profile --tile-rules-json "$out/tile_rules_345M.json"
+    python3 -c 'import json,sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), []), indent=2))' \
+      "$out/split_rules_345M.json" "$out/tile_rules_345M.json" >"$out/both_345M.json" &&
+      run 60 deno task bench train --models gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
+        --tile-rules-json "$out/both_345M.json"
     ;;
   tiles124)
     run 300 deno run -A bench/tile_sweep.ts --models gpt2-124M --emit "$out/tile_rules_124M.json"
