@@ -13,8 +13,9 @@
  *   deno task bench attention [--tiny] [--json F] [--models gpt2-124M,gpt2-345M] [--precision fp32,fp16]
  *                             [--reps N] [--no-flash-bwd] [--quick]
  *
- * `--quick`: today's kernels, chooseBackwardTilings's pick and the stored-dS pair only (no flash
- * tilings, no per-kernel tiling sweep), for a device session with little time.
+ * `--quick`: today's kernels, chooseBackwardTilings's pick and the stored-dS pair (also with its
+ * tile fills written out) only (no flash tilings, no per-kernel tiling sweep), for a device session
+ * with little time.
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -448,6 +449,37 @@ async function main(args: string[]): Promise<void> {
               `  alone, ms: dK/dV pick ${(await alone(okv)).toFixed(3)}, with writeDS ${
                 (await alone(okvS)).toFixed(3)
               }; dQ pick ${(await alone(oq)).toFixed(3)}`,
+            );
+            // The same kernels with their tile fills written out (AttentionSpec.writtenFills): the
+            // same values, each thread's fill loads in flight together.
+            const sw: AttentionSpec = { ...sp, writtenFills: true };
+            const okvW = await op("dkv.ds.fills", attentionBackwardKVWgsl({ ...sw, writeDS: true }), [
+              ...bviews,
+              bufs.dqkv2,
+              bufs.dst,
+            ], [Math.ceil(p.T / backwardKVSpec(sw).BKV), p.H, p.B]);
+            const oqW = await op(`dq.ds.fills ${t.BQ}x${t.BK}c${t.CP}`, attentionBackwardQScoresWgsl(sw, t), [
+              bufs.qkv,
+              bufs.dst,
+              bufs.dqkv2,
+            ], [Math.ceil(p.T / t.BQ), p.H, p.B]);
+            const tW = await timer.timeAdaptive([delta, okvW, oqW], policy);
+            const relW = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            print(
+              row(
+                "backward",
+                `${label} ${t.BQ}x${t.BK}c${t.CP}, fills written out`,
+                tW,
+                2.5 * flops,
+                relW,
+                relW.dqkv <= tol,
+              ),
+              tS.median_ms,
+            );
+            console.log(
+              `  alone, ms: dK/dV with writeDS, fills written out ${(await alone(okvW)).toFixed(3)} (loops ${
+                (await alone(okvS)).toFixed(3)
+              }); dQ = dS·K ${(await alone(oqW)).toFixed(3)} (loops ${dqMs[bi].toFixed(3)})`,
             );
           } catch (e) {
             print(failed("backward", label, e));

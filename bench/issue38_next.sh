@@ -10,6 +10,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
+#   source .device/env.sh; bash bench/issue38_next.sh fills     # the attention backward's tile fills written out
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
@@ -19,7 +20,7 @@
 # that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
 # section "Issue 38, a second session with no GPU lent".
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|tiles|tiles124|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|tiles|tiles124|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -91,6 +92,12 @@ case $part in
     run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
       --model gpt2-124M --batch 8 --seq 1024
     ;;
+  fills)
+    # The attention backward's tile fills written out (AttentionSpec.writtenFills): alone, then in the step.
+    run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile --attn-fills
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile
+    ;;
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed
     # in a fresh process; merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
@@ -113,7 +120,7 @@ case $part in
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, tiles, tiles124, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, tiles, tiles124, learn or final" >&2
     exit 2
     ;;
 esac

@@ -9,6 +9,7 @@
  *                   [--attn-scores | --no-attn-scores] (dQ as a matmul over the dS the dK/dV kernel
  *                   stores; default: where the split kernels run)
  *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
+ *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
@@ -331,6 +332,7 @@ if (import.meta.main) {
       ...(args.includes("--attn-unroll")
         ? { attentionUnroll: +arg(args, "attn-unroll", "1") as 1 | 2 | 4 }
         : {}),
+      ...(args.includes("--attn-fills") ? { attentionFills: true } : {}),
     },
     attentionScores: args.includes("--no-attn-scores")
       ? false

@@ -335,6 +335,7 @@ function kernelChoices(
       cpuDirect,
       opts.kernels?.attentionBackwardTiles !== false,
       opts.kernels?.attentionUnroll,
+      opts.kernels?.attentionFills ?? false,
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
     // its fused backward measured slower, so the backward keeps today's kernels).
@@ -481,6 +482,7 @@ function attentionSpec(
   cpuDirect: boolean,
   ownBackwardTiles: boolean,
   unroll?: 1 | 2 | 4,
+  writtenFills = false,
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -494,6 +496,7 @@ function attentionSpec(
     dtype: fp16 ? "f16" : "f32",
     gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     direct: cpuDirect,
+    ...(writtenFills ? { writtenFills } : {}),
     ...(split > 1 && !cpuDirect && ownBackwardTiles
       ? withUnroll(
         chooseBackwardTilings({ T, D }, {

@@ -114,6 +114,8 @@ export interface BuildOptions {
     attentionBackwardTiles?: boolean;
     /** Their loops' rows per trip, replacing the tilings' own (BackwardTiling.unroll). */
     attentionUnroll?: 1 | 2 | 4;
+    /** The attention backward's tile fills written out (AttentionSpec.writtenFills; default false). */
+    attentionFills?: boolean;
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */

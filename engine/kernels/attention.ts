@@ -522,6 +522,21 @@ function unrolledLoop(v: string, from: string, to: string, U: number, body: stri
     ${one}`;
 }
 
+/**
+ * A tile fill: `body` (which reads `e`) for e = tid, tid + NT, … below `count`, as a loop or, with
+ * `written` (AttentionSpec.writtenFills), one block per trip, the last guarded when NT does not
+ * divide `count`, so the trips' loads are independent work in one basic block.
+ */
+export function tileFill(count: number, NT: number, written: boolean, body: string): string {
+  if (!written) return `for (var e = tid; e < ${count}u; e = e + ${NT}u) {${body}\n    }`;
+  return [...Array(Math.ceil(count / NT)).keys()].map((t) => {
+    const last = (t + 1) * NT > count;
+    return `{ let e = tid + ${t * NT}u;${last ? ` if (e < ${count}u) {` : ""}${body}${
+      last ? " }" : ""
+    }\n    }`;
+  }).join("\n    ");
+}
+
 /** Rows per thread group of the split backward kernels, checked against the tile. */
 function splitRows(R: number, tile: number, what: string): number {
   if (![1, 2, 4].includes(R) || tile % R) {
@@ -579,16 +594,28 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let lhbase = (b * ${s.H}u + h) * ${s.T}u;
   for (var qt = (kFirst / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
     workgroupBarrier();
-    for (var e = tid; e < ${s.BQ * D4}u; e = e + ${NT}u) {
+    ${
+    tileFill(
+      s.BQ * D4,
+      NT,
+      !!s.writtenFills,
+      `
       let qr = min(qt + e / ${D4}u, ${s.T - 1}u);
       Qs[e] = qkv[(b * ${s.T}u + qr) * ${R4}u + h * ${D4}u + e % ${D4}u] * ${scale};
-      dOs[e] = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];
-    }
-    for (var e = tid; e < ${s.BQ}u; e = e + ${NT}u) {
+      dOs[e] = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];`,
+    )
+  }
+    ${
+    tileFill(
+      s.BQ,
+      NT,
+      !!s.writtenFills,
+      `
       let qr = min(qt + e, ${s.T - 1}u);
       Ls[e] = lse[lhbase + qr];
-      Ds[e] = delta[lhbase + qr];
-    }
+      Ds[e] = delta[lhbase + qr];`,
+    )
+  }
     workgroupBarrier();
     let i0 = u32(clamp(i32(kFirst) - i32(qt), 0, ${s.BQ}));
     let i1 = min(${s.BQ}u, ${s.T}u - qt);
@@ -686,12 +713,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qLast = min(wg.x * ${s.BQ}u + ${s.BQ - 1}u, ${s.T - 1}u);
   for (var kt = 0u; kt <= qLast; kt = kt + ${s.BKV}u) {
     workgroupBarrier();
-    for (var e = tid; e < ${s.BKV * D4}u; e = e + ${NT}u) {
+    ${
+    tileFill(
+      s.BKV * D4,
+      NT,
+      !!s.writtenFills,
+      `
       let kr = min(kt + e / ${D4}u, ${s.T - 1}u);
       let src = (b * ${s.T}u + kr) * ${R4}u + h * ${D4}u + e % ${D4}u;
       Ks[e] = qkv[src + ${C4}u];
-      Vs[e] = qkv[src + ${2 * C4}u];
-    }
+      Vs[e] = qkv[src + ${2 * C4}u];`,
+    )
+  }
     workgroupBarrier();
     let jn = min(qLast + 1u - kt, ${s.BKV}u);
     ${

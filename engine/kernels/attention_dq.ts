@@ -11,6 +11,7 @@
 
 import { withStorageDtypes } from "./common.ts";
 import { type AttentionSpec, header } from "./attention_spec.ts";
+import { tileFill } from "./attention.ts";
 
 /**
  * The dQ kernel's tiling: BQ queries per workgroup, BK keys per tile of the loop over keys, and
@@ -137,17 +138,29 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qLast = min(q0 + ${BQ - 1}u, ${T - 1}u);
   for (var kt = 0u; kt <= qLast; kt = kt + ${BK}u) {
     workgroupBarrier();
-    for (var e = tid; e < ${BQ * BK4}u; e = e + ${NT}u) {
+    ${
+    tileFill(
+      BQ * BK4,
+      NT,
+      !!s.writtenFills,
+      `
       let qi = q0 + e / ${BK4}u;
       let j = kt + (e % ${BK4}u) * 4u;
       let ok = (vec4<u32>(j) + vec4<u32>(0u, 1u, 2u, 3u) <= vec4<u32>(qi)) & vec4<bool>(qi < ${T}u);
       let src = (bh * ${T}u + min(qi, ${T - 1}u)) * ${T4}u + min(j, ${T - 4}u) / 4u;
-      dSs[(e / ${BK4}u) * ${ROW}u + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);
-    }
-    for (var e = tid; e < ${BK * D4}u; e = e + ${NT}u) {
+      dSs[(e / ${BK4}u) * ${ROW}u + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);`,
+    )
+  }
+    ${
+    tileFill(
+      BK * D4,
+      NT,
+      !!s.writtenFills,
+      `
       let kr = b * ${T}u + min(kt + e / ${D4}u, ${T - 1}u);
-      Ks[e] = qkv[kr * ${R4}u + ${C4}u + h * ${D4}u + e % ${D4}u];
-    }
+      Ks[e] = qkv[kr * ${R4}u + ${C4}u + h * ${D4}u + e % ${D4}u];`,
+    )
+  }
     workgroupBarrier();
     ${fmas.join("\n    ")}
   }

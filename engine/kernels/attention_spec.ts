@@ -37,6 +37,12 @@ export interface AttentionSpec {
   kvUnroll?: 1 | 2 | 4;
   /** Split dQ kernel: key rows written out per trip of its loop (default 1). */
   qUnroll?: 1 | 2 | 4;
+  /**
+   * The split backward kernels' and the dS·K kernel's tile fills (storage to workgroup memory)
+   * written out, one block per trip of the fill loop, so each thread's loads of a tile are in
+   * flight together (the loop's counter otherwise keeps them one at a time). Same values.
+   */
+  writtenFills?: boolean;
   /** The dK/dV kernel's own tiling, replacing split, BQ, BKV and kvRows for it (see backwardKVSpec). */
   bwdKV?: BackwardTiling;
   /** The dQ kernel's own tiling, replacing split, BQ, BKV and qRows for it (see backwardQSpec). */

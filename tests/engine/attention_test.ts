@@ -63,6 +63,8 @@ interface RunOptions {
   scores?: boolean | DqScoresTile;
   /** Sequence length (default T0). */
   T?: number;
+  /** The backward kernels' tile fills written out (AttentionSpec.writtenFills). */
+  fills?: boolean;
 }
 
 async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
@@ -82,6 +84,7 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
     ...(o.direct ? { direct: true } : {}),
     ...(o.rows ? { kvRows: o.rows, qRows: o.rows } : {}),
     ...o.own,
+    ...(o.fills ? { writtenFills: true } : {}),
   };
   const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
@@ -203,7 +206,7 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
   const yRef = new Float64Array(B * T * C), dRef = new Float64Array(B * T * 3 * C);
   attention_forward(yRef, att, attDrop, q64, B, T, C, H, p, key);
   attention_backward(dRef, dy64, q64, att, attDrop, B, T, C, H, p, key);
-  return { y: relNorm(y, yRef), dqkv: relNorm(dqkv, dRef) };
+  return { y: relNorm(y, yRef), dqkv: relNorm(dqkv, dRef), dqkvRaw: dqkv };
 }
 
 const cases: [1 | 2 | 4, number, { BQ: number; BKV: number }?][] = [
@@ -280,6 +283,28 @@ Deno.test({
       assert.ok(own.bwdKV && own.bwdQ, `no tiling fits ${JSON.stringify(lim)}`);
       const e = await run(4, 0.2, { BQ: 32, BKV: 32 }, { own });
       assert.ok(e.dqkv < 1e-5, `${JSON.stringify(own)}: dqkv rel err ${e.dqkv}`);
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "attention's backward with its tile fills written out (writtenFills) gives the loops' dqkv bit for bit: split kernels and stored dS, T=136, dropout",
+  ignore: noGpu,
+  async fn() {
+    const ctx = (await testContext())!;
+    if (!ctx.hasSubgroups || ctx.subgroupMinSize < 8) return;
+    const own = {
+      bwdKV: BACKWARD_KV_TILINGS[0],
+      bwdQ: { split: 4 as const, BQ: 32, BKV: 16, rows: 2 as const },
+    };
+    // T = 136: ragged query and key tiles; the dQ tiling 32x16 c1's fills of 128 and 256 over 128
+    // threads, the dK/dV tiling's of 512 and 32 (one partial trip) over 128.
+    for (const o of [{ own }, { own, scores: true }, { own, scores: DQ_SCORES_TILES[1] }]) {
+      const loops = await run(4, 0.2, undefined, { T: 136, ...o });
+      const written = await run(4, 0.2, undefined, { T: 136, ...o, fills: true });
+      assert.ok(written.dqkv < 1e-5, `${JSON.stringify(o)}: dqkv rel err ${written.dqkv}`);
+      assert.deepEqual(written.dqkvRaw, loops.dqkvRaw, `${JSON.stringify(o)}: the same dqkv`);
     }
   },
 });
