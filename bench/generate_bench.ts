@@ -43,7 +43,8 @@
  *                                   [--chunk 16] [--ahead 1] [--every 4 (steps per submission)]
  *                                   [--readback canvas|mapasync] [--repeat 3] [--residual-rows 0 (decode
  *                                   steps of up to N rows reduce their residuals in the next gemv,
- *                                   GeneratorOptions.kernels.residualRows)]
+ *                                   GeneratorOptions.kernels.residualRows)] [--written-sampler (the
+ *                                   sampler's pass rests written out, kernels.writtenSampler)]
  *                                   [--calls (each step call's time)] [--lm-head f32|f16 (wte's copy the
  *                                   decode LM head reads up to 16 streams, GeneratorOptions.lmHead)]
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
@@ -117,7 +118,10 @@ async function engine(): Promise<void> {
       submitEvery: +arg("every", "4"),
       lmHead,
       readback,
-      kernels: { residualRows: +arg("residual-rows", "0") },
+      kernels: {
+        residualRows: +arg("residual-rows", "0"),
+        writtenSampler: Deno.args.includes("--written-sampler"),
+      },
     });
     if (!cpu) {
       console.log(

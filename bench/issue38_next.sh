@@ -53,7 +53,9 @@ case $part in
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --readback mapasync
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 1 --profile
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 2
+    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --written-sampler
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5
+    run 60 deno run -A bench/sample_probe.ts --streams 1,16 --variants all
     ;;
   head)
     home=./.gpt2-ft-bench

@@ -37,6 +37,13 @@ const variants = arg("variants", "default") === "all"
     ...(subgroups
       ? [8, 16, 32].map((u) => ({ name: `subgroups, vocab unroll ${u}`, spec: { subgroups, unroll: u } }))
       : []),
+    // The passes' rests and the rank loops written out (SampleSpec.writtenRest).
+    ...(subgroups
+      ? [16, 32].map((u) => ({
+        name: `subgroups, vocab unroll ${u}, rests written out`,
+        spec: { subgroups, unroll: u, writtenRest: true },
+      }))
+      : [{ name: "tree, vocab unroll 32, rests written out", spec: { unroll: 32, writtenRest: true } }]),
   ]
   : [{ name: subgroups ? "subgroups" : "tree", spec: { subgroups } }];
 const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;

@@ -89,6 +89,11 @@ export interface GeneratorOptions {
      * fewer, the same values. Default 0 (off).
      */
     residualRows?: number;
+    /**
+     * The sampler's passes written out to their ends and its rank loops 4 candidates a trip
+     * (SampleSpec.writtenRest): the same picks and logprobs. Default false.
+     */
+    writtenSampler?: boolean;
   };
 }
 

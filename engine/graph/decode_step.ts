@@ -105,7 +105,11 @@ export interface KvCache {
 export interface DecodeGraph {
   readonly ctx: GpuContext;
   readonly config: ModelConfig;
-  readonly opts: { chunk: number; directSampler: boolean; kernels: { residualRows?: number } };
+  readonly opts: {
+    chunk: number;
+    directSampler: boolean;
+    kernels: { residualRows?: number; writtenSampler?: boolean };
+  };
   /** A CPU adapter: kernels without barriers, serial reductions. */
   readonly cpu: boolean;
   /** The LM head runs CPU adapters' kernels (wteT, ubo, per-thread gemvT). */
@@ -432,6 +436,7 @@ async function sampleStep(g: DecodeGraph, label: string, S: number, rows: "strea
     serialReductions: g.cpu,
     subgroups: !g.cpu && g.ctx.subgroupMinSize > 0,
     direct: g.cpu && g.opts.directSampler,
+    writtenRest: g.opts.kernels.writtenSampler ?? false,
   });
   return await g.op("elementwise", label, sample, [
     V(g.acts.logits),

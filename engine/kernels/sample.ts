@@ -74,6 +74,12 @@ export interface SampleSpec {
   /** Logit loads in flight per thread on each pass over the vocabulary (GPUs; default UNROLL_VOCAB). */
   unroll?: number;
   /**
+   * GPUs: the rest of each pass (fewer values than its unroll) written out, its loads in flight
+   * together and the uses guarded in order, and the candidates' rank loops 4 values a trip,
+   * instead of loops that load one value at a time. The same picks, sums and logprobs.
+   */
+  writtenRest?: boolean;
+  /**
    * CPU adapters: one invocation per row, no workgroup memory and no barriers (sampleDirectWgsl).
    * Mesa's OpenGL llvmpipe compiles the workgroup kernel's barriers as coroutines, for minutes;
    * this one compiles in about a second. Same picks as the CPU twin.
@@ -101,6 +107,7 @@ function pass(
   to: string,
   load: (i: string) => string,
   body: string,
+  writtenRest = false,
 ): string {
   const b = `${idx}_b`;
   if (U === 1) {
@@ -110,14 +117,42 @@ function pass(
   }
   const loads = Array.from({ length: U }, (_, u) => `let x${u} = ${load(`${b} + ${u}u`)};`).join(" ");
   const uses = Array.from({ length: U }, (_, u) => `{ let ${idx} = ${b} + ${u}u; let x = x${u}; ${body} }`);
+  // The rest: U − 1 loads at clamped indexes (in range: `to` − 1, or 0 for an empty range), then
+  // each use in order where its index is below `to`.
+  const rest = !writtenRest
+    ? `for (; ${b} < ${to}; ${b} = ${b} + 1u) { let ${idx} = ${b}; let x = ${load(b)}; ${body} }`
+    : `{
+      let ${b}_l = max(${to}, 1u) - 1u;
+      ${
+      Array.from({ length: U - 1 }, (_, u) => `let r${u} = ${load(`min(${b} + ${u}u, ${b}_l)`)};`).join(" ")
+    }
+      ${
+      Array.from({ length: U - 1 }, (_, u) =>
+        `if (${b} + ${u}u < ${to}) { let ${idx} = ${b} + ${u}u; let x = r${u}; ${body} }`).join("\n      ")
+    }
+    }`;
   return `{
     var ${b} = ${from};
     for (; ${b} + ${U - 1}u < ${to}; ${b} = ${b} + ${U}u) {
       ${loads}
       ${uses.join("\n      ")}
     }
-    for (; ${b} < ${to}; ${b} = ${b} + 1u) { let ${idx} = ${b}; let x = ${load(b)}; ${body} }
+    ${rest}
   }`;
+}
+
+/**
+ * A loop over the candidates cval[0 … n) with `body` seeing each as y, in order (writtenRest):
+ * four loads a trip, then the rest one at a time.
+ */
+function rankLoop(j: string, n: string, body: string): string {
+  const one = `for (; ${j} < ${n}; ${j} = ${j} + 1u) { let y = cval[${j}]; ${body} }`;
+  return `var ${j} = 0u;
+        for (; ${j} + 3u < ${n}; ${j} = ${j} + 4u) {
+          let y0 = cval[${j}]; let y1 = cval[${j} + 1u]; let y2 = cval[${j} + 2u]; let y3 = cval[${j} + 3u];
+          ${[0, 1, 2, 3].map((u) => `{ let y = y${u}; ${body} }`).join(" ")}
+        }
+        ${one}`;
 }
 
 const TREE_REDUCTIONS = (WG: number) => `
@@ -289,6 +324,9 @@ export function sampleWgsl(s: SampleSpec): string {
   const LG = (i: string) => `logits[base + ${i}]`, CV = (i: string) => `cval[${i}]`;
   // CPU adapters run each invocation's loop serially anyway: no unrolling there.
   const U = s.serialReductions ? 1 : UNROLL, UV = s.serialReductions ? 1 : s.unroll ?? UNROLL_VOCAB;
+  const wr = !!s.writtenRest && !s.serialReductions;
+  const P = (U: number, idx: string, from: string, to: string, load: (i: string) => string, body: string) =>
+    pass(U, idx, from, to, load, body, wr);
   /** The lowest of the workgroup's u32 values `v` (uniform), through `redi`. */
   const minU = (v: string) => sg ? `min_all_u(${v}, tid)` : `min_tree_u(${v}, tid)`;
   /**
@@ -296,8 +334,8 @@ export function sampleWgsl(s: SampleSpec): string {
    * ahead) or, when there are none, of the vocabulary (UV ahead); `body(id)` sees the value as x.
    */
   const walk = (body: (id: string) => string) =>
-    `if (compact) { ${pass(U, "j", "j0", "j1", CV, body("cid[j]"))} } else { ${
-      pass(UV, "j", "j0", "j1", LG, body("j"))
+    `if (compact) { ${P(U, "j", "j0", "j1", CV, body("cid[j]"))} } else { ${
+      P(UV, "j", "j0", "j1", LG, body("j"))
     } }`;
   return `
 @group(0) @binding(0) var<storage, read> logits: array<f32>;
@@ -356,7 +394,7 @@ fn main(
   let v1 = min(v0 + ${per}u, ${s.V}u);
   var tmax = -3.0e38;
   var targ = 0xffffffffu;
-  ${pass(UV, "v", "v0", "v1", LG, "if (x > tmax) { tmax = x; targ = v; }")}
+  ${P(UV, "v", "v0", "v1", LG, "if (x > tmax) { tmax = x; targ = v; }")}
   let mx = max_all(tmax, tid);
   var choice = 0u;
   if (temp <= 0.0) {
@@ -378,7 +416,7 @@ fn main(
     var zfull = 0.0;
     if (nucleusOnly) {
       var zf = 0.0;
-      ${pass(UV, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
+      ${P(UV, "v", "v0", "v1", LG, "zf = zf + exp((x - mx) * inv);")}
       zfull = sum_all(zf, tid);
     }
     var bounded = false;
@@ -421,7 +459,7 @@ fn main(
     }
     if (bounded) {
       var cnt = 0u;
-      ${pass(UV, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
+      ${P(UV, "v", "v0", "v1", LG, "cnt = cnt + select(0u, 1u, x >= bound);")}
       ${
     sg ? "let first = prefix_u(cnt, tid);" : `redi[tid] = cnt;
       workgroupBarrier();
@@ -435,7 +473,7 @@ fn main(
       if (count <= ${CAP}u) {
         compact = true;
         var at = ${sg ? "first" : "redi[tid]"};
-        ${pass(UV, "v", "v0", "v1", LG, "if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }")}
+        ${P(UV, "v", "v0", "v1", LG, "if (x >= bound) { cval[at] = x; cid[at] = v; at = at + 1u; }")}
       }
       workgroupBarrier();
     }
@@ -456,7 +494,11 @@ fn main(
       if (tid < count) {
         let c = cval[tid];
         var ge = 0u;
-        for (var j = 0u; j < count; j = j + 1u) { ge = ge + select(0u, 1u, cval[j] >= c); }
+        ${
+    wr
+      ? rankLoop("j", "count", "ge = ge + select(0u, 1u, y >= c);")
+      : "for (var j = 0u; j < count; j = j + 1u) { ge = ge + select(0u, 1u, cval[j] >= c); }"
+  }
         if (ge >= topk) { mv = c; }
       }
       cut = max_all(mv, tid);
@@ -464,7 +506,7 @@ fn main(
       var a = bound;
       if (!compact) {
         var lo2 = lo;
-        ${pass(UV, "v", "v0", "v1", LG, "lo2 = min(lo2, x);")}
+        ${P(UV, "v", "v0", "v1", LG, "lo2 = min(lo2, x);")}
         workgroupBarrier();
         red[tid] = lo2;
         workgroupBarrier();
@@ -498,10 +540,14 @@ fn main(
         let c = cval[tid];
         if (c >= cut) {
           var m = 0.0;
-          for (var j = 0u; j < count; j = j + 1u) {
+          ${
+    wr
+      ? rankLoop("j", "count", "if (y >= c && y >= cut) { m = m + exp((y - mx) * inv); }")
+      : `for (var j = 0u; j < count; j = j + 1u) {
             let y = cval[j];
             if (y >= c && y >= cut) { m = m + exp((y - mx) * inv); }
-          }
+          }`
+  }
           if (m >= topp * zs) { mv = c; }
         }
       }
@@ -540,7 +586,7 @@ fn main(
   if (nlp > 0u) {
     // Log-softmax of the raw logits: lse = mx + log Σ exp(x − mx).
     var z1 = 0.0;
-    ${pass(UV, "v", "v0", "v1", LG, "z1 = z1 + exp(x - mx);")}
+    ${P(UV, "v", "v0", "v1", LG, "z1 = z1 + exp(x - mx);")}
     let lse = mx + log(sum_all(z1, tid));
     let n = state[stream * ${STATE_WORDS}u + 3u];
     let o = (stream * ${s.chunk}u + min(n, ${s.chunk - 1}u)) * ${LP_WORDS}u;
@@ -549,7 +595,7 @@ fn main(
     for (var i = 0u; i < min(nlp - 1u, ${LOGPROBS_MAX}u); i = i + 1u) {
       var bv = -3.0e38;
       var bi = 0xffffffffu;
-      ${pass(UV, "v", "v0", "v1", LG, "if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
+      ${P(UV, "v", "v0", "v1", LG, "if ((x < pv || (x == pv && v > pi)) && x > bv) { bv = x; bi = v; }")}
       let top = max_all(bv, tid);
       let id = ${minU("select(0xffffffffu, bi, bv == top)")};
       if (tid == 0u && n < ${s.chunk}u) {

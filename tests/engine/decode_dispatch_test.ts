@@ -128,8 +128,9 @@ Deno.test({
             hs.push(
               await gen.admit([5 + i, 17, 42, 9], {
                 temperature: 1.3,
-                top_k: 0,
-                top_p: 1,
+                // The second stream through the sampler's compacted, ranked paths.
+                top_k: i === 1 ? 40 : 0,
+                top_p: i === 1 ? 0.9 : 1,
                 seed: 11 + i,
                 logprobs: 2,
               }),

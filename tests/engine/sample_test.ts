@@ -14,7 +14,13 @@
 
 import assert from "node:assert/strict";
 import { createPipeline, readBuffers } from "../../engine/device.ts";
-import { PARAM_WORDS, sampleWgsl, STATE_WORDS } from "../../engine/kernels/sample.ts";
+import {
+  LP_WORDS,
+  PARAM_WORDS,
+  type SampleSpec,
+  sampleWgsl,
+  STATE_WORDS,
+} from "../../engine/kernels/sample.ts";
 import { pcg } from "../../model/rng.ts";
 import { noGpu, testContext } from "../_helpers.ts";
 
@@ -69,22 +75,26 @@ async function gpuPicks(
   serialReductions: boolean,
   direct = false,
   subgroups = false,
+  writtenRest = false,
 ): Promise<number[]> {
+  const spec = { serialReductions, direct, subgroups, writtenRest };
+  return (await runSampler(logits, params, seeds, pos, spec, 0)).picks;
+}
+
+/** Runs the kernel once over S rows with `logprobs` (0 … 5) asked of each: picks and the lp words. */
+async function runSampler(
+  logits: Float32Array<ArrayBuffer>,
+  params: Params[],
+  seeds: number[],
+  pos: number[],
+  spec: Pick<SampleSpec, "serialReductions" | "direct" | "subgroups" | "writtenRest">,
+  logprobs: number,
+): Promise<{ picks: number[]; lp: Uint32Array }> {
   const ctx = (await testContext())!;
   const pipeline = await createPipeline(
     ctx,
     "sample test",
-    sampleWgsl({
-      V,
-      Vp,
-      streams: S,
-      chunk: 1,
-      rows: "stream",
-      maxPos: 1 << 20,
-      serialReductions,
-      direct,
-      subgroups,
-    }),
+    sampleWgsl({ V, Vp, streams: S, chunk: 1, rows: "stream", maxPos: 1 << 20, ...spec }),
   );
   const usage = GPUBufferUsage.STORAGE | GPUBufferUsage.COPY_SRC | GPUBufferUsage.COPY_DST;
   const buf = (data: ArrayBufferView<ArrayBuffer>) => {
@@ -100,8 +110,15 @@ async function gpuPicks(
     pf[r * PARAM_WORDS] = params[r].temperature;
     prm[r * PARAM_WORDS + 1] = params[r].top_k;
     pf[r * PARAM_WORDS + 2] = params[r].top_p;
+    prm[r * PARAM_WORDS + 3] = logprobs > 0 ? logprobs + 1 : 0;
   }
-  const bufs = [buf(logits), buf(state), buf(prm), buf(new Uint32Array(S)), buf(new Float32Array(16))];
+  const bufs = [
+    buf(logits),
+    buf(state),
+    buf(prm),
+    buf(new Uint32Array(S)),
+    buf(new Float32Array(S * LP_WORDS)),
+  ];
   try {
     const group = ctx.device.createBindGroup({
       layout: pipeline.getBindGroupLayout(0),
@@ -114,8 +131,11 @@ async function gpuPicks(
     pass.dispatchWorkgroups(S);
     pass.end();
     ctx.device.queue.submit([enc.finish()]);
-    const [out] = await readBuffers(ctx, [{ buffer: bufs[3], bytes: S * 4 }]);
-    return Array.from(new Uint32Array(out));
+    const [out, lp] = await readBuffers(ctx, [
+      { buffer: bufs[3], bytes: S * 4 },
+      { buffer: bufs[4], bytes: S * LP_WORDS * 4 },
+    ]);
+    return { picks: Array.from(new Uint32Array(out)), lp: new Uint32Array(lp) };
   } finally {
     for (const b of bufs) b.destroy();
   }
@@ -190,11 +210,58 @@ Deno.test({
       if (ctx.subgroupMinSize > 0) {
         const sub = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false, false, true);
         assert.deepEqual(sub, want, `${what}, subgroup reductions`);
+        // The passes' rests and the rank loops written out (SampleSpec.writtenRest).
+        const written = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false, false, true, true);
+        assert.deepEqual(written, want, `${what}, subgroup reductions, rests written out`);
       }
+      const writtenTree = await gpuPicks(logits, Array(S).fill(p), seeds, pos, false, false, false, true);
+      assert.deepEqual(writtenTree, want, `${what}, rests written out`);
       assert.ok(got.every((t) => t < V), `${what}: a padded id was picked`);
       if (p.top_k > 1 && p.temperature > 0) {
         // Not a degenerate draw: the picks spread over several ids.
         assert.ok(new Set(got).size > 1, `${what}: every row picked the same id`);
+      }
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "the sampling kernel with its passes' rests written out (writtenRest) reports the same picks and logprobs, top 5, bit for bit",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    const settings: Params[] = [
+      { temperature: 0.8, top_k: 40, top_p: 1 },
+      { temperature: 1, top_k: 40, top_p: 0.8 },
+      { temperature: 1, top_k: 0, top_p: 0.9 },
+      { temperature: 0, top_k: 0, top_p: 1 },
+    ];
+    for (const [i, p] of settings.entries()) {
+      const logits = randomLogits(300 + i);
+      const seeds = Array.from({ length: S }, (_, r) => pcg(11 * r + i) >>> 0);
+      const pos = Array.from({ length: S }, (_, r) => r + i);
+      for (const subgroups of ctx.subgroupMinSize > 0 ? [false, true] : [false]) {
+        const spec = { serialReductions: false, subgroups };
+        const loops = await runSampler(logits, Array(S).fill(p), seeds, pos, spec, 5);
+        const written = await runSampler(
+          logits,
+          Array(S).fill(p),
+          seeds,
+          pos,
+          { ...spec, writtenRest: true },
+          5,
+        );
+        const what = `${JSON.stringify(p)}, subgroups ${subgroups}`;
+        assert.deepEqual(written.picks, loops.picks, `${what}: picks`);
+        assert.deepEqual(written.lp, loops.lp, `${what}: logprobs`);
+        // Filled in: each row's chosen logprob and its top 5 (ids below V, logprobs ≤ 0).
+        const f = new Float32Array(loops.lp.buffer);
+        for (let r = 0; r < S; r++) {
+          const o = r * LP_WORDS;
+          assert.ok(f[o] <= 0 && f[o] > -100, `${what}: row ${r}'s chosen logprob ${f[o]}`);
+          for (let k = 0; k < 5; k++) assert.ok(loops.lp[o + 2 + 2 * k] < V && f[o + 3 + 2 * k] <= 0);
+        }
       }
     }
   },
