@@ -10,7 +10,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
-#   source .device/env.sh; bash bench/issue38_next.sh fills     # the attention backward's tile fills written out
+#   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills and LayerNorm rows written out
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
@@ -98,7 +98,8 @@ case $part in
     # The attention backward's tile fills written out (AttentionSpec.writtenFills): alone, then in the step.
     run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile --attn-fills
-    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ln-written
+    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10
     ;;
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed

@@ -10,6 +10,7 @@
  *                   stores; default: where the split kernels run)
  *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
  *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
+ *                   [--ln-written] (the LayerNorm kernels' row trips written out, kernels.layernormWritten)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
@@ -333,6 +334,7 @@ if (import.meta.main) {
         ? { attentionUnroll: +arg(args, "attn-unroll", "1") as 1 | 2 | 4 }
         : {}),
       ...(args.includes("--attn-fills") ? { attentionFills: true } : {}),
+      ...(args.includes("--ln-written") ? { layernormWritten: true } : {}),
     },
     attentionScores: args.includes("--no-attn-scores")
       ? false

@@ -32,7 +32,8 @@ export function layernormForward(
   out: GPUBuffer,
   st: GPUBuffer,
 ): Op {
-  return op(g, "forward", "layernorm", label, layernormForwardWgsl(g.dims.C, dtypeOf(g, out)), [
+  const written = g.opts.kernels?.layernormWritten ?? false;
+  return op(g, "forward", "layernorm", label, layernormForwardWgsl(g.dims.C, dtypeOf(g, out), written), [
     whole(x),
     param(g, name + ".weight"),
     param(g, name + ".bias"),
@@ -59,13 +60,21 @@ export function layernormBackward(
   const { C, BT } = g.dims, { blocks, part } = t;
   const partBytes = blocks * C * 4, dbOffset = lnBiasPartialOffset(C, BT) * 4;
   return [
-    op(g, "backward", "layernorm", label + ".dx", layernormBackwardWgsl(C, accumulate), [
-      whole(dy),
-      whole(x),
-      param(g, name + ".weight"),
-      whole(st),
-      whole(t.dres),
-    ], rowsGrid(g)),
+    op(
+      g,
+      "backward",
+      "layernorm",
+      label + ".dx",
+      layernormBackwardWgsl(C, accumulate, g.opts.kernels?.layernormWritten),
+      [
+        whole(dy),
+        whole(x),
+        param(g, name + ".weight"),
+        whole(st),
+        whole(t.dres),
+      ],
+      rowsGrid(g),
+    ),
     op(g, "backward", "layernorm", label + ".dw_part", layernormParamPartialWgsl(C, BT), [
       whole(dy),
       whole(x),

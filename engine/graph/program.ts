@@ -116,6 +116,8 @@ export interface BuildOptions {
     attentionUnroll?: 1 | 2 | 4;
     /** The attention backward's tile fills written out (AttentionSpec.writtenFills; default false). */
     attentionFills?: boolean;
+    /** The LayerNorm kernels' row trips written out, x read once (layernorm.ts; default false). */
+    layernormWritten?: boolean;
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */

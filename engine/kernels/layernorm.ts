@@ -23,10 +23,66 @@ function rowReduce(v: string, arr: string, out: string): string {
   workgroupBarrier();`;
 }
 
+/**
+ * A row's trips written out (`written`, PlanOptions kernels.layernormWritten): thread tid's
+ * columns c = tid + t·WG, each trip's loads taken once into registers and kept for every pass
+ * (at a clamped column where the last trip runs past the row), each use guarded in order, so the
+ * loads are in flight together and x is read once, with the loops' arithmetic in the loops' order.
+ */
+function rowTrips(C4: number): { t: number; c: string; guard: (body: string) => string; at: string }[] {
+  return [...Array(Math.ceil(C4 / WG)).keys()].map((t) => {
+    const c = `(tid + ${t * WG}u)`, partial = (t + 1) * WG > C4;
+    return {
+      t,
+      c,
+      guard: (body: string) => (partial ? `if (${c} < ${C4}u) { ${body} }` : body),
+      at: partial ? `min(${c}, ${C4 - 1}u)` : c,
+    };
+  });
+}
+
 /** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
-export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32"): string {
+export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32", written = false): string {
   const C4 = C / 4;
-  return withStorageDtypes(layernormForwardCode(C, C4), { out: outDtype });
+  return withStorageDtypes(
+    written ? layernormForwardWrittenCode(C, C4) : layernormForwardCode(C, C4),
+    { out: outDtype },
+  );
+}
+
+function layernormForwardWrittenCode(C: number, C4: number): string {
+  const trips = rowTrips(C4);
+  const each = (f: (r: ReturnType<typeof rowTrips>[number]) => string) => trips.map(f).join("\n  ");
+  return `
+@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> bias: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> stats: array<vec2<f32>>; // (mean, rstd) per row
+var<workgroup> as_: array<f32, ${WG}>;
+var<workgroup> bs_: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
+  let base = row * ${C4}u;
+  ${each((r) => `let v${r.t} = x[base + ${r.at}];`)}
+  var a_ = 0.0;
+  ${each((r) => r.guard(`a_ = a_ + v${r.t}.x + v${r.t}.y + v${r.t}.z + v${r.t}.w;`))}
+  ${rowReduce("a_", "as_", "a_sum")}
+  let mean = a_sum / ${C}.0;
+  var b_ = 0.0;
+  ${each((r) => r.guard(`{ let d = v${r.t} - vec4<f32>(mean); b_ = b_ + dot(d, d); }`))}
+  ${rowReduce("b_", "bs_", "b_sum")}
+  let rstd = inverseSqrt(b_sum / ${C}.0 + 1e-5);
+  ${
+    each((r) =>
+      r.guard(`out[base + ${r.c}] = (v${r.t} - vec4<f32>(mean)) * rstd * w[${r.c}] + bias[${r.c}];`)
+    )
+  }
+  if (tid == 0u) { stats[row] = vec2<f32>(mean, rstd); }
+}
+`;
 }
 
 function layernormForwardCode(C: number, C4: number): string {
@@ -63,8 +119,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
  * dx of LayerNorm: dx = rstd·(g − mean(g) − x̂·mean(g·x̂)) with g = dy·w.
  * `accumulate` adds into dx (the residual stream's gradient) instead of storing.
  */
-export function layernormBackwardWgsl(C: number, accumulate: boolean): string {
+export function layernormBackwardWgsl(C: number, accumulate: boolean, written = false): string {
   const C4 = C / 4;
+  if (written) return layernormBackwardWrittenCode(C, C4, accumulate);
   return `
 @group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
@@ -96,6 +153,50 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
     let xh = (x[base + c] - vec4<f32>(st.x)) * st.y;
     let d = st.y * (g - vec4<f32>(mg) - xh * mgx);
     ${accumulate ? "dx[base + c] = dx[base + c] + d;" : "dx[base + c] = d;"}
+  }
+}
+`;
+}
+
+/** layernormBackwardWgsl with the row's trips written out (see rowTrips): dy, x and w read once. */
+function layernormBackwardWrittenCode(C: number, C4: number, accumulate: boolean): string {
+  const trips = rowTrips(C4);
+  const each = (f: (r: ReturnType<typeof rowTrips>[number]) => string) => trips.map(f).join("\n  ");
+  return `
+@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(4) var<storage, read_write> dx: array<vec4<f32>>;
+var<workgroup> as_: array<f32, ${WG}>;
+var<workgroup> bs_: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
+  let base = row * ${C4}u;
+  let st = stats[row];
+  ${each((r) => `let g${r.t} = dy[base + ${r.at}] * w[${r.at}];`)}
+  ${each((r) => `let xh${r.t} = (x[base + ${r.at}] - vec4<f32>(st.x)) * st.y;`)}
+  var a_ = 0.0;
+  var b_ = 0.0;
+  ${
+    each((r) =>
+      r.guard(`a_ = a_ + g${r.t}.x + g${r.t}.y + g${r.t}.z + g${r.t}.w; b_ = b_ + dot(g${r.t}, xh${r.t});`)
+    )
+  }
+  ${rowReduce("a_", "as_", "a_sum")}
+  ${rowReduce("b_", "bs_", "b_sum")}
+  let mg = a_sum / ${C}.0;
+  let mgx = b_sum / ${C}.0;
+  ${
+    each((r) =>
+      r.guard(
+        `{ let d = st.y * (g${r.t} - vec4<f32>(mg) - xh${r.t} * mgx); ${
+          accumulate ? `dx[base + ${r.c}] = dx[base + ${r.c}] + d;` : `dx[base + ${r.c}] = d;`
+        } }`,
+      )
+    )
   }
 }
 `;

@@ -115,6 +115,27 @@ for (const [dropout, kernels, scores] of [[0], [0.1], [0.1, gpuKernels], [0.1, g
 }
 
 Deno.test({
+  name:
+    "Trainer.trainStep() with the attention fills and the LayerNorm rows written out gives the same loss and gradients bit for bit (the GPUs' kernels, stored dS, dropout)",
+  ignore: noGpu,
+  fn: async () => {
+    const tokens = batch(2);
+    const run = async (kernels: TrainerOptions["kernels"]) => {
+      const tr = await trainer(0.1, 7, kernels, true);
+      tr.trainStep(tokens);
+      const out = { loss: (await tr.lastStats()).loss, grads: await tr.gradients() };
+      tr.destroy();
+      return out;
+    };
+    const loops = await run(gpuKernels);
+    const written = await run({ ...gpuKernels, attentionFills: true, layernormWritten: true });
+    assert.equal(written.loss, loops.loss);
+    assert.ok(written.grads.some((g) => g !== 0));
+    assert.deepEqual(written.grads, loops.grads);
+  },
+});
+
+Deno.test({
   name: "attentionScores: the dQ kernel does one product over the stored dS instead of three",
   ignore: noGpu,
   fn: async () => {
