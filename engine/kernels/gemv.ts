@@ -253,10 +253,10 @@ fn xgelu(i: u32, k: u32) -> f32 {
 @group(0) @binding(2) var<storage, read_write> part: array<vec4<f32>>;
 ${s.ln ? "@group(0) @binding(3) var<storage, read> lnw: array<f32>;" : ""}
 ${s.ln ? "@group(0) @binding(4) var<storage, read> lnb: array<f32>;" : ""}
-${s.geluOf ? "@group(0) @binding(3) var<storage, read> xb: array<f32>;" : ""}${xgelu}
-${
+${s.geluOf ? "@group(0) @binding(3) var<storage, read> xb: array<f32>;" : ""}${xgelu}${
     s.lnOf
-      ? `@group(0) @binding(5) var<storage, read> res: array<f32>;
+      ? `
+@group(0) @binding(5) var<storage, read> res: array<f32>;
 @group(0) @binding(6) var<storage, read> xb: array<f32>;
 @group(0) @binding(7) var<storage, read_write> xo: array<f32>;
 var<workgroup> xrow: array<f32, ${G * s.K}>;`
