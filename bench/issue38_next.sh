@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Issue 38's pending H200 measurements, one device call per part (each fits the 600 s limit;
-# six parts, up to 50 minutes at their timeouts, more than one session's 30: the parts come in order of use):
+# Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). Pending now,
+# in this order (about 25 of a session's 30 minutes): decode, fills, tiles, then final once the
+# options that won are made defaults (bench/RESULTS.md, "Issue 38, a fourth session with no GPU
+# lent", says what each measures and what to do with it). The earlier parts stay for reruns.
 #
 #   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
 #   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
@@ -17,8 +19,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
-# that a slow one leaves the others' figures. What to do with the figures: bench/RESULTS.md, the
-# section "Issue 38, a second session with no GPU lent".
+# that a slow one leaves the others' figures.
 set -u
 part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|tiles|tiles124|learn|final}
 out=${OUT:-/tmp/issue38}
@@ -55,6 +56,7 @@ case $part in
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 2
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --written-sampler
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5
+    run 60 deno task bench generate engine --models gpt2-124M --batches 1 --repeat 5 --chunk 32
     run 60 deno run -A bench/sample_probe.ts --streams 1,16 --variants all
     ;;
   head)
