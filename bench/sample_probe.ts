@@ -39,7 +39,7 @@ const variants = arg("variants", "default") === "all"
       : []),
     // The passes' rests and the rank loops written out (SampleSpec.writtenRest).
     ...(subgroups
-      ? [16, 32].map((u) => ({
+      ? [16, 32, 64, 128].map((u) => ({
         name: `subgroups, vocab unroll ${u}, rests written out`,
         spec: { subgroups, unroll: u, writtenRest: true },
       }))
