@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). Pending now,
-# in this order (about 25 of a session's 30 minutes): decode, fills, tiles, then final once the
+# in this order (about 27 of a session's 30 minutes): decode, fills, tiles, split345, then final once the
 # options that won are made defaults (bench/RESULTS.md, "Issue 38, a fourth session with no GPU
 # lent", says what each measures and what to do with it). The earlier parts stay for reruns.
 #
@@ -14,6 +14,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
 #   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills and LayerNorm rows written out
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
+#   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
@@ -21,7 +22,7 @@
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|tiles|tiles124|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|tiles|split345|tiles124|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -106,14 +107,17 @@ case $part in
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed
     # in a fresh process; merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
-    run 300 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
-    # 345M's LM head dx has no split-K count measured in the step yet (124M's: 4).
-    run 120 deno run -A bench/split_sweep.ts --models gpt2-345M --splits 2,3,4,6,8 --emit "$out/split_rules_345M.json"
-    [ -s "$out/tile_rules_345M.json" ] && run 60 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
+    run 440 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
+    [ -s "$out/tile_rules_345M.json" ] && run 80 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
       --steps 10 --no-profile --tile-rules-json "$out/tile_rules_345M.json"
+    ;;
+  split345)
+    # 345M's LM head dx has no split-K count measured in the step yet (124M's: 4); then with the tile rules.
+    run 150 deno run -A bench/split_sweep.ts --models gpt2-345M --splits 2,3,4,6,8 --emit "$out/split_rules_345M.json"
+    [ -s "$out/tile_rules_345M.json" ] || echo '[]' >"$out/tile_rules_345M.json"
     python3 -c 'import json,sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), []), indent=2))' \
       "$out/split_rules_345M.json" "$out/tile_rules_345M.json" >"$out/both_345M.json" &&
-      run 60 deno task bench train --models gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
+      run 80 deno task bench train --models gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
         --tile-rules-json "$out/both_345M.json"
     ;;
   tiles124)
@@ -125,7 +129,7 @@ case $part in
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, tiles, tiles124, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, tiles, split345, tiles124, learn or final" >&2
     exit 2
     ;;
 esac

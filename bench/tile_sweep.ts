@@ -48,7 +48,7 @@ function arg(name: string, def: string): string {
 /**
  * The candidate tiles, tried on every shape: the second kernel generation on 128 × 128 blocks of
  * 8 × 8 per thread with each depth, buffering, warp shape and transposing load, the half-size
- * blocks, and the first generation's 128 × 128.
+ * blocks, and the first generation's 128 × 128 at depths 8, 16 and 32.
  */
 export function sweepTiles(): MatmulTile[] {
   const g2 = { gen: 2 } as const;
@@ -63,7 +63,11 @@ export function sweepTiles(): MatmulTile[] {
     { BM: 128, BN: 128, BK: 8, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 16 },
     { BM: 128, BN: 64, BK: 16, TM: 8, TN: 4, ...g2, buffers: 2, warpN: 8 },
     { BM: 64, BN: 128, BK: 16, TM: 4, TN: 8, ...g2, buffers: 2, warpN: 8 },
+    { BM: 128, BN: 128, BK: 8, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 8, transposeLoad: "k" },
+    // The first generation, which the isolated sweep picked for several forward shapes.
     { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8 },
+    { BM: 128, BN: 128, BK: 8, TM: 8, TN: 8 },
+    { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8 },
   ];
 }
 
