@@ -12,7 +12,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
-#   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills and LayerNorm rows written out
+#   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills, LayerNorm rows, column sums' loads
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
@@ -98,11 +98,14 @@ case $part in
       --model gpt2-124M --batch 8 --seq 1024
     ;;
   fills)
-    # The attention backward's tile fills written out (AttentionSpec.writtenFills): alone, then in the step.
-    run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
-    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile --attn-fills
-    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ln-written
-    run 150 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10
+    # Each option in the step, the same call's default first (with --profile: the kernels' times),
+    # then the attention kernels alone (with and without the fills written out).
+    tb="deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10"
+    run 110 $tb
+    run 110 $tb --attn-fills
+    run 110 $tb --ln-written
+    run 110 $tb --colsum-unroll 32
+    run 150 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed

@@ -11,6 +11,7 @@
  *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
  *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
  *                   [--ln-written] (the LayerNorm kernels' row trips written out, kernels.layernormWritten)
+ *                   [--colsum-unroll 8|16|32] (loads in flight of the bias and LayerNorm column sums)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
@@ -335,6 +336,9 @@ if (import.meta.main) {
         : {}),
       ...(args.includes("--attn-fills") ? { attentionFills: true } : {}),
       ...(args.includes("--ln-written") ? { layernormWritten: true } : {}),
+      ...(args.includes("--colsum-unroll")
+        ? { columnSumUnroll: +arg(args, "colsum-unroll", "8") as 8 | 16 | 32 }
+        : {}),
     },
     attentionScores: args.includes("--no-attn-scores")
       ? false

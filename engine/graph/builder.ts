@@ -668,3 +668,8 @@ export function gradView(g: GraphBuilder, t: Backprop, name: string): View {
   const p = g.layout.byName.get(name)!;
   return flatView(t.grads, p.offset, p.size);
 }
+
+/** Loads in flight per thread of the column sums (PlanOptions kernels.columnSumUnroll, default 8). */
+export function colsumUnroll(g: GraphBuilder): number {
+  return g.opts.kernels?.columnSumUnroll ?? 8;
+}

@@ -14,6 +14,7 @@ import {
 } from "../kernels/layernorm.ts";
 import {
   type Backprop,
+  colsumUnroll,
   dtypeOf,
   gradView,
   type GraphBuilder,
@@ -75,17 +76,25 @@ export function layernormBackward(
       ],
       rowsGrid(g),
     ),
-    op(g, "backward", "layernorm", label + ".dw_part", layernormParamPartialWgsl(C, BT), [
-      whole(dy),
-      whole(x),
-      whole(st),
-      whole(part),
-    ], [Math.ceil(C / 4 / 64), blocks]),
-    op(g, "backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks, g.accumulate), [
+    op(
+      g,
+      "backward",
+      "layernorm",
+      label + ".dw_part",
+      layernormParamPartialWgsl(C, BT, colsumUnroll(g) / 2),
+      [
+        whole(dy),
+        whole(x),
+        whole(st),
+        whole(part),
+      ],
+      [Math.ceil(C / 4 / 64), blocks],
+    ),
+    op(g, "backward", "reduce", label + ".dw", reduceRowsWgsl(C, blocks, g.accumulate, colsumUnroll(g)), [
       { buffer: part, offset: 0, size: partBytes },
       gradView(g, t, name + ".weight"),
     ], [Math.ceil(C / 4 / 64)]),
-    op(g, "backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks, g.accumulate), [
+    op(g, "backward", "reduce", label + ".db", reduceRowsWgsl(C, blocks, g.accumulate, colsumUnroll(g)), [
       { buffer: part, offset: dbOffset, size: partBytes },
       gradView(g, t, name + ".bias"),
     ], [Math.ceil(C / 4 / 64)]),

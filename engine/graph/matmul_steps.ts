@@ -22,6 +22,7 @@ import {
   allreduce,
   type Backprop,
   buf,
+  colsumUnroll,
   CPU_MATMUL_MIN_MACS,
   drop,
   dropSlot,
@@ -297,11 +298,19 @@ export function colsum(
 ): Op[] {
   const { blocks, part } = t;
   return [
-    op(g, "backward", "reduce", label + ".part", colsumPartialWgsl(N, g.dims.BT, dtypeOf(g, src)), [
-      whole(src),
-      whole(part),
-    ], [Math.ceil(N / 4 / 64), blocks]),
-    op(g, "backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks, g.accumulate), [
+    op(
+      g,
+      "backward",
+      "reduce",
+      label + ".part",
+      colsumPartialWgsl(N, g.dims.BT, dtypeOf(g, src), colsumUnroll(g)),
+      [
+        whole(src),
+        whole(part),
+      ],
+      [Math.ceil(N / 4 / 64), blocks],
+    ),
+    op(g, "backward", "reduce", label + ".sum", reduceRowsWgsl(N, blocks, g.accumulate, colsumUnroll(g)), [
       { buffer: part, offset: 0, size: blocks * N * 4 },
       out,
     ], [Math.ceil(N / 4 / 64)]),

@@ -118,6 +118,12 @@ export interface BuildOptions {
     attentionFills?: boolean;
     /** The LayerNorm kernels' row trips written out, x read once (layernorm.ts; default false). */
     layernormWritten?: boolean;
+    /**
+     * Loads in flight per thread of the column sums behind the bias and LayerNorm weight gradients
+     * (colsumPartialWgsl, reduceRowsWgsl; the LayerNorm partials take half as many rows, each of
+     * three loads): default 8. The same sums in the same order at any count.
+     */
+    columnSumUnroll?: 8 | 16 | 32;
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */

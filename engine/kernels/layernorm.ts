@@ -206,7 +206,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
  * Partial sums of dw = Σ dy·x̂ and db = Σ dy over blocks of ROW_BLOCK rows: writes dw partials
  * [blocks, C] at 0 and db partials at lnBiasPartialOffset. One thread per column vec4; grid (ceil(C4/64), blocks).
  */
-export function layernormParamPartialWgsl(C: number, rows: number): string {
+export function layernormParamPartialWgsl(C: number, rows: number, unroll = 4): string {
   const C4 = C / 4, dbBase4 = lnBiasPartialOffset(C, rows) / 4;
   return `
 @group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
@@ -222,7 +222,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   var db = vec4<f32>(0.0);
   let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
   ${
-    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", 4, (r, u) => ({
+    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", unroll, (r, u) => ({
       load:
         `let st${u} = stats[${r}]; let g${u} = dy[(${r}) * ${C4}u + c]; let x${u} = x[(${r}) * ${C4}u + c];`,
       add: `dw = dw + g${u} * (x${u} - vec4<f32>(st${u}.x)) * st${u}.y; db = db + g${u};`,
@@ -256,13 +256,21 @@ function rowLoop(
   for (; ${v} < ${to}; ${v} = ${v} + 1u) { ${one.load} ${one.add} }`;
 }
 
-/** Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N]. Grid (ceil(N4/64), blocks). */
-export function colsumPartialWgsl(N: number, rows: number, srcDtype: StorageDtype = "f32"): string {
+/**
+ * Partial column sums of src [rows, N] over ROW_BLOCK-row blocks → part [blocks, N], `unroll` rows'
+ * loads in flight per thread (the same sums). Grid (ceil(N4/64), blocks).
+ */
+export function colsumPartialWgsl(
+  N: number,
+  rows: number,
+  srcDtype: StorageDtype = "f32",
+  unroll = 8,
+): string {
   const N4 = N / 4;
-  return withStorageDtypes(colsumPartialCode(N4, rows), { src: srcDtype });
+  return withStorageDtypes(colsumPartialCode(N4, rows, unroll), { src: srcDtype });
 }
 
-function colsumPartialCode(N4: number, rows: number): string {
+function colsumPartialCode(N4: number, rows: number, unroll: number): string {
   return `
 @group(0) @binding(0) var<storage, read> src: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read_write> part: array<vec4<f32>>;
@@ -274,7 +282,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   var acc = vec4<f32>(0.0);
   let r1 = min(${rows}u, (blk + 1u) * ${ROW_BLOCK}u);
   ${
-    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", 8, (r, u) => ({
+    rowLoop("r", `blk * ${ROW_BLOCK}u`, "r1", unroll, (r, u) => ({
       load: `let v${u} = src[(${r}) * ${N4}u + c];`,
       add: `acc = acc + v${u};`,
     }))
@@ -284,8 +292,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
 `;
 }
 
-/** out[c] = Σ_blk part[blk, c] for `blocks` rows of N. Grid (ceil(N4/64)). */
-export function reduceRowsWgsl(N: number, blocks: number, accumulate = false): string {
+/** out[c] = Σ_blk part[blk, c] for `blocks` rows of N, `unroll` loads in flight per thread. Grid (ceil(N4/64)). */
+export function reduceRowsWgsl(N: number, blocks: number, accumulate = false, unroll = 8): string {
   const N4 = N / 4;
   return `
 @group(0) @binding(0) var<storage, read> part: array<vec4<f32>>;
@@ -296,7 +304,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
   if (c >= ${N4}u) { return; }
   var acc = vec4<f32>(0.0);
   ${
-    rowLoop("r", "0u", `${blocks}u`, 8, (r, u) => ({
+    rowLoop("r", "0u", `${blocks}u`, unroll, (r, u) => ({
       load: `let v${u} = part[(${r}) * ${N4}u + c];`,
       add: `acc = acc + v${u};`,
     }))

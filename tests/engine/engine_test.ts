@@ -116,7 +116,7 @@ for (const [dropout, kernels, scores] of [[0], [0.1], [0.1, gpuKernels], [0.1, g
 
 Deno.test({
   name:
-    "Trainer.trainStep() with the attention fills and the LayerNorm rows written out gives the same loss and gradients bit for bit (the GPUs' kernels, stored dS, dropout)",
+    "Trainer.trainStep() with the attention fills and the LayerNorm rows written out, and 16 loads in flight in the column sums, gives the same loss and gradients bit for bit (the GPUs' kernels, stored dS, dropout)",
   ignore: noGpu,
   fn: async () => {
     const tokens = batch(2);
@@ -128,7 +128,12 @@ Deno.test({
       return out;
     };
     const loops = await run(gpuKernels);
-    const written = await run({ ...gpuKernels, attentionFills: true, layernormWritten: true });
+    const written = await run({
+      ...gpuKernels,
+      attentionFills: true,
+      layernormWritten: true,
+      columnSumUnroll: 16,
+    });
     assert.equal(written.loss, loops.loss);
     assert.ok(written.grads.some((g) => g !== 0));
     assert.deepEqual(written.grads, loops.grads);

@@ -8,19 +8,25 @@
 import assert from "node:assert/strict";
 import { type GpuContext, readFloats } from "../../engine/device.ts";
 import { encodeOps, makeOp, PipelineCache } from "../../engine/ops.ts";
-import { layernormBackwardWgsl, layernormForwardWgsl } from "../../engine/kernels/layernorm.ts";
+import {
+  colsumPartialWgsl,
+  layernormBackwardWgsl,
+  layernormForwardWgsl,
+  reduceRowsWgsl,
+  ROW_BLOCK,
+} from "../../engine/kernels/layernorm.ts";
 import { noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
 
 const ROWS = 5;
 
-async function runKernel(ctx: GpuContext, code: string, bufs: GPUBuffer[]): Promise<void> {
+async function runKernel(ctx: GpuContext, code: string, bufs: GPUBuffer[], grid: [number, number?] = [ROWS]) {
   const cache = new PipelineCache(ctx);
   const op = makeOp(ctx, await cache.get("ln", code), {
     label: "ln",
     phase: "forward",
     kind: "layernorm",
     views: bufs.map((buffer) => ({ buffer })),
-    grid: [ROWS],
+    grid: grid[1] === undefined ? [grid[0]] : [grid[0], grid[1], 1],
   });
   const enc = ctx.device.createCommandEncoder();
   encodeOps(enc, [op]);
@@ -100,5 +106,34 @@ Deno.test({
         );
       }
     }
+  },
+});
+
+Deno.test({
+  name:
+    "the column sums with 8, 16 and 32 loads in flight per thread give the same sums bit for bit (PlanOptions kernels.columnSumUnroll)",
+  ignore: noGpu,
+  fn: async () => {
+    const ctx = (await testContext())!;
+    // 3,200 rows: 100 blocks of ROW_BLOCK, so the reduce's unrolled trips and its rest both run.
+    const rows = 100 * ROW_BLOCK, N = 136, blocks = rows / ROW_BLOCK;
+    const src = randomFloats(rows * N, 41);
+    const sums: Float32Array[] = [];
+    for (const unroll of [8, 16, 32]) {
+      const s = await upload(ctx, "src", src), part = await upload(ctx, "part", new Float32Array(blocks * N));
+      const out = await upload(ctx, "out", new Float32Array(N));
+      await runKernel(ctx, colsumPartialWgsl(N, rows, "f32", unroll), [s, part], [
+        Math.ceil(N / 4 / 64),
+        blocks,
+      ]);
+      await runKernel(ctx, reduceRowsWgsl(N, blocks, false, unroll), [part, out], [Math.ceil(N / 4 / 64)]);
+      sums.push(await readFloats(ctx, out));
+      [s, part, out].forEach((b) => b.destroy());
+    }
+    const ref = new Float64Array(N);
+    for (let r = 0; r < rows; r++) for (let c = 0; c < N; c++) ref[c] += src[r * N + c];
+    assert.ok(relNorm(sums[0], ref) < 1e-5, `rel err ${relNorm(sums[0], ref)}`);
+    assert.deepEqual(sums[1], sums[0], "16 loads in flight");
+    assert.deepEqual(sums[2], sums[0], "32 loads in flight");
   },
 });
