@@ -57,7 +57,8 @@ case $part in
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 2
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --written-sampler
     run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5
-    run 60 deno task bench generate engine --models gpt2-124M --batches 1 --repeat 5 --chunk 32
+    # The server's chunk (DEFAULT_GENERATION_OPTIONS.chunk 32; the bench's default is 16).
+    run 80 deno task bench generate engine --models gpt2-124M --batches 1,16 --repeat 5 --chunk 32
     run 60 deno run -A bench/sample_probe.ts --streams 1,16 --variants all
     ;;
   head)
