@@ -31,7 +31,7 @@ import {
   type TileRule,
 } from "../engine/kernels/matmul.ts";
 import { type BenchShape, gpt2MatmulShapes } from "./matmul_bench.ts";
-import { benchTraining, type TrainBenchOptions } from "./train_bench.ts";
+import { benchTraining, type TrainBenchOptions, type TrainBenchResult } from "./train_bench.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -60,6 +60,19 @@ export function ruleFor(s: BenchShape, tile: MatmulTile, note?: string, tflops?:
     ...(tflops !== undefined ? { tflops: Math.round(tflops * 100) / 100 } : {}),
     ...(note ? { note } : {}),
   };
+}
+
+/** A matmul's GPU time in a step and its rate: the LM head's chunks (lm_head.dx.0, .1, …) added up. */
+export function matmulTime(r: TrainBenchResult, op: string): { ms: number; tflops: number } | null {
+  const os = r.ops?.filter((x) => x.kind === op || new RegExp(`^${op}\\.\\d+$`).test(x.kind)) ?? [];
+  if (!os.length) return null;
+  const ms = os.reduce((a, o) => a + o.ms, 0);
+  return { ms, tflops: os.reduce((a, o) => a + o.tflops * o.ms, 0) / ms };
+}
+
+/** A table cell: "ms (TFLOP/s)", why it did not run, or "-" when it was not measured. */
+export function cellText(v: { ms: number; tflops: number } | string | undefined): string {
+  return v === undefined ? "-" : typeof v === "string" ? v : `${v.ms.toFixed(2)} (${v.tflops.toFixed(1)})`;
 }
 
 if (import.meta.main) {
@@ -110,13 +123,8 @@ if (import.meta.main) {
       });
       console.log(`${model} splits ${col}: ${r.ms_per_step.toFixed(1)} ms/step (wall clock)`);
       for (const s of shapes) {
-        // The LM head runs in chunks (lm_head.dx.0, .1, …): their times add up, at their rates' mean.
-        const os = r.ops?.filter((x) => x.kind === s.op || new RegExp(`^${s.op}\\.\\d+$`).test(x.kind)) ?? [];
-        if (os.length && !table.get(s.op)!.has(col)) {
-          const ms = os.reduce((a, o) => a + o.ms, 0);
-          const flops = os.reduce((a, o) => a + o.tflops * o.ms, 0);
-          table.get(s.op)!.set(col, { ms, tflops: flops / ms });
-        }
+        const t = matmulTime(r, s.op);
+        if (t && !table.get(s.op)!.has(col)) table.get(s.op)!.set(col, t);
       }
     }
     console.log(`\n${model}, ${B} × ${T}: GPU ms per step of each matmul (timestamp queries), by K slices`);
@@ -125,15 +133,7 @@ if (import.meta.main) {
     );
     for (const s of shapes) {
       const row = table.get(s.op)!;
-      const cell = (c: string) => {
-        const v = row.get(c);
-        return (v === undefined
-          ? "-"
-          : typeof v === "string"
-          ? v
-          : `${v.ms.toFixed(2)} (${v.tflops.toFixed(1)})`)
-          .padStart(12);
-      };
+      const cell = (c: string) => cellText(row.get(c)).padStart(12);
       const label = `${s.op} s${pick.get(s.op)!.splitK ?? 1}`;
       console.log(`  ${label.padEnd(16)} ${cell("pick")} ${splits.map((c) => cell(String(c))).join(" ")}`);
       let best: { col: string; ms: number; tflops: number } | null = null;

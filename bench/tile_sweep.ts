@@ -37,7 +37,7 @@ import {
   tileThreads,
 } from "../engine/kernels/matmul.ts";
 import { type BenchShape, gpt2MatmulShapes } from "./matmul_bench.ts";
-import { ruleFor } from "./split_sweep.ts";
+import { cellText, matmulTime, ruleFor } from "./split_sweep.ts";
 import { benchTraining, type TrainBenchOptions } from "./train_bench.ts";
 
 function arg(name: string, def: string): string {
@@ -149,13 +149,8 @@ if (import.meta.main) {
       const name = col === "pick" ? "pick" : `${col} ${tileName(all[+col])}`;
       console.log(`${model} tile ${name}: ${r.ms_per_step.toFixed(1)} ms/step (wall clock)`);
       for (const s of shapes) {
-        // The LM head runs in chunks (lm_head.dx.0, .1, …): their times add up.
-        const os = r.ops?.filter((x) => x.kind === s.op || new RegExp(`^${s.op}\\.\\d+$`).test(x.kind)) ?? [];
-        if (os.length && !table.get(s.op)!.has(col)) {
-          const ms = os.reduce((a, o) => a + o.ms, 0);
-          const flops = os.reduce((a, o) => a + o.tflops * o.ms, 0);
-          table.get(s.op)!.set(col, { ms, tflops: flops / ms });
-        }
+        const t = matmulTime(r, s.op);
+        if (t && !table.get(s.op)!.has(col)) table.get(s.op)!.set(col, t);
       }
     }
     console.log(`\n${model}, ${B} × ${T}: GPU ms per step of each matmul (timestamp queries), by tile`);
@@ -163,15 +158,7 @@ if (import.meta.main) {
     console.log(`  ${"op".padEnd(14)} ${columns.map((c) => c.padStart(13)).join(" ")}`);
     for (const s of shapes) {
       const row = table.get(s.op)!;
-      const cell = (c: string) => {
-        const v = row.get(c);
-        return (v === undefined
-          ? "-"
-          : typeof v === "string"
-          ? v
-          : `${v.ms.toFixed(2)} (${v.tflops.toFixed(1)})`)
-          .padStart(13);
-      };
+      const cell = (c: string) => cellText(row.get(c)).padStart(13);
       console.log(`  ${s.op.padEnd(14)} ${columns.map(cell).join(" ")}`);
       const p = row.get("pick");
       let best: { col: string; ms: number; tflops: number } | null = null;

@@ -41,18 +41,8 @@ function rowTrips(C4: number): { t: number; c: string; guard: (body: string) => 
   });
 }
 
-/** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
-export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32", written = false): string {
-  const C4 = C / 4;
-  return withStorageDtypes(
-    written ? layernormForwardWrittenCode(C, C4) : layernormForwardCode(C, C4),
-    { out: outDtype },
-  );
-}
-
-function layernormForwardWrittenCode(C: number, C4: number): string {
-  const trips = rowTrips(C4);
-  const each = (f: (r: ReturnType<typeof rowTrips>[number]) => string) => trips.map(f).join("\n  ");
+/** The forward kernels' bindings and the start of main, one workgroup per row (up to `base`). */
+function lnForwardHead(C4: number): string {
   return `
 @group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;
@@ -65,7 +55,40 @@ var<workgroup> bs_: array<f32, ${WG}>;
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) tid: u32) {
   let row = wg.x + wg.y * nwg.x;
+  let base = row * ${C4}u;`;
+}
+
+/** The backward dx kernels' bindings and the start of main (up to the row's statistics `st`). */
+function lnBackwardHead(C4: number): string {
+  return `
+@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> w: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> stats: array<vec2<f32>>;
+@group(0) @binding(4) var<storage, read_write> dx: array<vec4<f32>>;
+var<workgroup> as_: array<f32, ${WG}>;
+var<workgroup> bs_: array<f32, ${WG}>;
+@compute @workgroup_size(${WG})
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let row = wg.x + wg.y * nwg.x;
   let base = row * ${C4}u;
+  let st = stats[row];`;
+}
+
+/** out = (x - mean) * rstd * w + b, saving mean and rstd. One workgroup per row; grid1d(rows). */
+export function layernormForwardWgsl(C: number, outDtype: StorageDtype = "f32", written = false): string {
+  const C4 = C / 4;
+  return withStorageDtypes(
+    written ? layernormForwardWrittenCode(C, C4) : layernormForwardCode(C, C4),
+    { out: outDtype },
+  );
+}
+
+function layernormForwardWrittenCode(C: number, C4: number): string {
+  const trips = rowTrips(C4);
+  const each = (f: (r: ReturnType<typeof rowTrips>[number]) => string) => trips.map(f).join("\n  ");
+  return `${lnForwardHead(C4)}
   ${each((r) => `let v${r.t} = x[base + ${r.at}];`)}
   var a_ = 0.0;
   ${each((r) => r.guard(`a_ = a_ + v${r.t}.x + v${r.t}.y + v${r.t}.z + v${r.t}.w;`))}
@@ -86,19 +109,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 }
 
 function layernormForwardCode(C: number, C4: number): string {
-  return `
-@group(0) @binding(0) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> w: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> bias: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read_write> out: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read_write> stats: array<vec2<f32>>; // (mean, rstd) per row
-var<workgroup> as_: array<f32, ${WG}>;
-var<workgroup> bs_: array<f32, ${WG}>;
-@compute @workgroup_size(${WG})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) tid: u32) {
-  let row = wg.x + wg.y * nwg.x;
-  let base = row * ${C4}u;
+  return `${lnForwardHead(C4)}
   var a_ = 0.0;
   for (var c = tid; c < ${C4}u; c = c + ${WG}u) { let v = x[base + c]; a_ = a_ + v.x + v.y + v.z + v.w; }
   ${rowReduce("a_", "as_", "a_sum")}
@@ -122,20 +133,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 export function layernormBackwardWgsl(C: number, accumulate: boolean, written = false): string {
   const C4 = C / 4;
   if (written) return layernormBackwardWrittenCode(C, C4, accumulate);
-  return `
-@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> w: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> stats: array<vec2<f32>>;
-@group(0) @binding(4) var<storage, read_write> dx: array<vec4<f32>>;
-var<workgroup> as_: array<f32, ${WG}>;
-var<workgroup> bs_: array<f32, ${WG}>;
-@compute @workgroup_size(${WG})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) tid: u32) {
-  let row = wg.x + wg.y * nwg.x;
-  let base = row * ${C4}u;
-  let st = stats[row];
+  return `${lnBackwardHead(C4)}
   var a_ = 0.0;
   var b_ = 0.0;
   for (var c = tid; c < ${C4}u; c = c + ${WG}u) {
@@ -162,20 +160,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3
 function layernormBackwardWrittenCode(C: number, C4: number, accumulate: boolean): string {
   const trips = rowTrips(C4);
   const each = (f: (r: ReturnType<typeof rowTrips>[number]) => string) => trips.map(f).join("\n  ");
-  return `
-@group(0) @binding(0) var<storage, read> dy: array<vec4<f32>>;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> w: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> stats: array<vec2<f32>>;
-@group(0) @binding(4) var<storage, read_write> dx: array<vec4<f32>>;
-var<workgroup> as_: array<f32, ${WG}>;
-var<workgroup> bs_: array<f32, ${WG}>;
-@compute @workgroup_size(${WG})
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) tid: u32) {
-  let row = wg.x + wg.y * nwg.x;
-  let base = row * ${C4}u;
-  let st = stats[row];
+  return `${lnBackwardHead(C4)}
   ${each((r) => `let g${r.t} = dy[base + ${r.at}] * w[${r.at}];`)}
   ${each((r) => `let xh${r.t} = (x[base + ${r.at}] - vec4<f32>(st.x)) * st.y;`)}
   var a_ = 0.0;
