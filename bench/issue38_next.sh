@@ -3,6 +3,7 @@
 # in this order (about 27 of a session's 30 minutes): decode, fills, tiles, split345, then final once the
 # options that won are made defaults (bench/RESULTS.md, "Issue 38, a fourth session with no GPU
 # lent", says what each measures and what to do with it). The earlier parts stay for reruns.
+# `deno run -A bench/issue38_compare.ts $OUT` then prints each option against the same call's default.
 #
 #   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
 #   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
