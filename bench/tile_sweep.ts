@@ -96,6 +96,8 @@ if (import.meta.main) {
   const ctx = await openDevice();
   console.log(describeDevice(ctx));
   const cpu = isCpuAdapter(ctx);
+  // Named in each emitted rule's note: the table may come to hold rules measured on other GPUs.
+  const gpu = ctx.adapterInfo.description || ctx.adapterInfo.vendor || "this adapter";
   const models = arg("models", cpu ? "gpt2-tiny" : "gpt2-345M").split(",");
   const B = +arg("batch", cpu ? "4" : "8"), T = +arg("seq", cpu ? "64" : "1024");
   const steps = +arg("steps", cpu ? "1" : "3");
@@ -166,7 +168,7 @@ if (import.meta.main) {
         if (col !== "pick" && typeof v !== "string" && (!best || v.ms < best.ms)) best = { col, ...v };
       }
       if (best && typeof p === "object" && best.ms < p.ms * (1 - minGain)) {
-        const note = `measured inside the training step (bench/tile_sweep.ts), ${
+        const note = `measured inside the training step (bench/tile_sweep.ts) on ${gpu}, ${
           new Date().toISOString().slice(0, 10)
         }, issue 38: ${best.ms.toFixed(2)} ms against the pick's ${p.ms.toFixed(2)}`;
         emitted.push(ruleFor(s, tileOf(s, best.col), note, best.tflops));
