@@ -47,6 +47,11 @@
  *                                   sampler's pass rests written out, kernels.writtenSampler)]
  *                                   [--calls (each step call's time)] [--lm-head f32|f16 (wte's copy the
  *                                   decode LM head reads up to 16 streams, GeneratorOptions.lmHead)]
+ *                                   [--variants "default;--residual-rows 1;--chunk 32" [--rounds 2]] (each
+ *                                   variant's flags before the others, one Generator per variant and round,
+ *                                   every round each variant once in an order turned by one each round;
+ *                                   then each variant's median decode rate over all its runs against the
+ *                                   first's, bench/variants.ts; --torch compares the first with the peers)
  *   deno task bench generate http [--model gpt2-124M] [--streams 1,4,16,64] [--torch] [--log] [--repeat 1] [--gap 0]
  *                                 [--auth none|user|none,user] [--chat]
  *   deno task bench generate train [--model gpt2-124M] [--train-model gpt2-345M] [--streams 16] [--cold-load]
@@ -73,6 +78,16 @@ import { parseGpuRoles, trainingGpus } from "../server/gpus/roles.ts";
 import { parseScopes, TokenAuth } from "../server/auth/mod.ts";
 import { CHAT_TEMPLATE, type ChatMessage, renderChat } from "../data/chat.ts";
 import { tokenizerConfig } from "../checkpoint/checkpoint.ts";
+import {
+  baseArgs,
+  parseRounds,
+  parseVariants,
+  roundOrder,
+  type Sample,
+  summarize,
+  summaryLines,
+  variantArgs,
+} from "./variants.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -86,6 +101,49 @@ const promptOf = (n: number, salt: number) =>
   Array.from({ length: n }, (_, i) => (i * 7919 + salt * 104729) % 50000);
 const sampling = { temperature: 0.8, top_k: 40, top_p: 1 };
 
+/** How one variant of the engine scenario decodes (its flags first, then the command's). */
+export interface EngineOptions {
+  chunk: number;
+  /** Steps queued ahead of each readback (0: none). */
+  ahead: number;
+  every: number;
+  lmHead: "f32" | "f16";
+  readback: "canvas" | "mapasync";
+  residualRows: number;
+  writtenSampler: boolean;
+}
+
+/** The engine scenario's decode options from flags (a variant's first; bad values name the flag). */
+export function engineOptions(a: readonly string[]): EngineOptions {
+  const get = (name: string, def: string) => {
+    const i = a.indexOf(`--${name}`);
+    return i >= 0 && i + 1 < a.length ? a[i + 1] : def;
+  };
+  const chunk = +get("chunk", "16");
+  if (!Number.isInteger(chunk) || chunk < 1) {
+    throw new RangeError(`--chunk "${get("chunk", "")}" must be ≥ 1`);
+  }
+  const lmHead = get("lm-head", "f32");
+  if (lmHead !== "f32" && lmHead !== "f16") throw new RangeError(`--lm-head "${lmHead}" must be f32 or f16`);
+  const readback = get("readback", "canvas");
+  if (readback !== "canvas" && readback !== "mapasync") {
+    throw new RangeError(`--readback "${readback}" must be canvas or mapasync`);
+  }
+  const residualRows = +get("residual-rows", "0");
+  if (!Number.isInteger(residualRows) || residualRows < 0) {
+    throw new RangeError(`--residual-rows "${get("residual-rows", "")}" must be a whole number ≥ 0`);
+  }
+  return {
+    chunk,
+    ahead: get("ahead", "1") === "1" ? chunk : 0,
+    every: +get("every", "4"),
+    lmHead,
+    readback,
+    residualRows,
+    writtenSampler: a.includes("--written-sampler"),
+  };
+}
+
 async function engine(): Promise<void> {
   const ctx = await openDevice();
   console.log(describeDevice(ctx));
@@ -93,138 +151,102 @@ async function engine(): Promise<void> {
   const models = list(arg("models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M"));
   const batches = list(arg("batches", cpu ? "1,4" : "1,16,64")).map(Number);
   const newTokens = +arg("new", cpu ? "32" : "128");
-  const chunk = +arg("chunk", "16"), ahead = arg("ahead", "1") === "1" ? chunk : 0;
   const repeat = Math.max(1, Math.floor(+arg("repeat", "1")));
-  const lmHead = arg("lm-head", "f32");
-  if (lmHead !== "f32" && lmHead !== "f16") throw new RangeError(`--lm-head "${lmHead}" must be f32 or f16`);
-  const readbackPath = arg("readback", "canvas");
-  if (readbackPath !== "canvas" && readbackPath !== "mapasync") {
-    throw new RangeError(`--readback "${readbackPath}" must be canvas or mapasync`);
-  }
-  // As the server makes it (worker/serving.ts): the canvas path where its round trip is exact.
-  const readback = await createReadback(ctx, { canvas: readbackPath === "canvas" });
-  console.log(
-    `readback: ${readback.canvas ? "canvas path for a lone stream's chunks" : "mapAsync"}` +
-      (readbackPath === "canvas" && !readback.canvas ? ` (canvas off: ${readback.fallbackReason})` : ""),
-  );
-  if (cpu && lmHead === "f16") {
-    console.log("A CPU adapter's LM head kernels read wte: --lm-head f16 changes nothing");
-  }
+  const variants = parseVariants(Deno.args), base = baseArgs(Deno.args);
+  const optionsOf = new Map(variants.map((v) => [v.name, engineOptions(variantArgs(v, base))]));
+  const rounds = parseRounds(Deno.args, variants.length), several = variants.length > 1;
   for (const model of models) {
     const config = presetConfig(model);
-    const gen = await Generator.create(ctx, config, initParams(config, 1), {
-      maxStreams: Math.max(...batches),
-      chunk,
-      submitEvery: +arg("every", "4"),
-      lmHead,
-      readback,
-      kernels: {
-        residualRows: +arg("residual-rows", "0"),
-        writtenSampler: Deno.args.includes("--written-sampler"),
-      },
-    });
-    if (!cpu) {
-      console.log(
-        `${model}: every batch bucket's decode kernels compiled in ${(await gen.warm()).toFixed(0)} ms`,
-      );
-    }
-    const run = async (B: number, n: number, profiled = false) => {
-      const hs = [];
-      for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }, n));
-      const t0 = performance.now();
-      let first = 0;
-      // The prefill's first tokens (the first chunk then runs ahead).
-      for (const o of (await gen.step(0, ahead)).values()) first += o.tokens.length;
-      const ttft = performance.now() - t0;
-      await gen.runAhead();
-      const calls: string[] = [];
-      let got = first;
-      while (got < B * n) {
-        const c0 = performance.now();
-        for (const o of (await gen.step(chunk, ahead)).values()) got += o.tokens.length;
-        const t = gen.timing;
-        calls.push(`${(performance.now() - c0).toFixed(1)} (${t.steps} steps, map ${t.mapMs.toFixed(1)})`);
-        // The server hands the tokens out here, then queues the chunk left to run ahead.
-        await gen.runAhead();
-      }
-      if (Deno.args.includes("--calls")) {
-        console.log(`  batch ${B}, ${n} tokens, each call in ms: ${calls.join(", ")}`);
-      }
-      const ms = performance.now() - t0;
-      // Kernel by kernel after the timed run, the streams still at its end (one step replayed).
-      const profile = profiled && Deno.args.includes("--profile") && ctx.hasTimestamps
-        ? await profileDecode(gen)
-        : null;
-      for (const h of hs) gen.release(h);
-      return { tokens: got, ms, ttft, decode: (got - first) / ((ms - ttft) / 1000), profile };
-    };
-    const results = new Map<number, number>();
-    for (const B of batches) {
-      await run(B, newTokens); // warm-up: compiles this batch's plans (and lets the GPU's clocks rise)
-      const runs: Awaited<ReturnType<typeof run>>[] = [];
-      for (let i = 0; i < repeat; i++) runs.push(await run(B, newTokens, i === repeat - 1));
-      const pick = (f: (r: (typeof runs)[number]) => number) => {
-        const xs = runs.map(f).sort((a, b) => a - b);
-        return { median: median(xs), min: xs[0], max: xs[xs.length - 1] };
-      };
-      const total = pick((r) => r.tokens / (r.ms / 1000)), decode = pick((r) => r.decode);
-      const ttft = pick((r) => r.ttft);
-      const profile = runs[runs.length - 1].profile;
-      const res = {
-        scenario: "engine",
-        model,
-        batch: B,
-        lm_head: lmHead,
-        readback: readback.canvas ? "canvas" : "mapasync",
-        runs: repeat,
-        tokens_per_s: total.median,
-        decode_tokens_per_s: decode.median,
-        decode_tokens_per_s_min: decode.min,
-        decode_tokens_per_s_max: decode.max,
-        ttft_ms: ttft.median,
-      };
-      results.set(B, res.decode_tokens_per_s);
-      console.log(JSON.stringify(res));
-      const spread = repeat > 1 ? ` (${repeat} runs, ${decode.min.toFixed(0)}-${decode.max.toFixed(0)})` : "";
-      console.log(
-        `${model} batch ${B} (LM head ${lmHead}): decoding ${
-          res.decode_tokens_per_s.toFixed(0)
-        } tokens/s${spread}; ` +
-          `${
-            res.tokens_per_s.toFixed(0)
-          } tokens/s from admission (the prefill of ${B} × 32 tokens included), ` +
-          `time to first token ${res.ttft_ms.toFixed(1)} ms`,
-      );
-      if (profile) {
-        // Kernel families: the label without its layer, e.g. "dec.l3.fc.gemv" -> "fc.gemv".
-        const fam = new Map<string, { n: number; ms: number }>();
-        for (const k of profile) {
-          const key = k.label.replace(/^dec\.(l\d+\.)?/, "");
-          const f = fam.get(key) ?? { n: 0, ms: 0 };
-          f.n++;
-          f.ms += k.ms;
-          fam.set(key, f);
-        }
-        const sum = profile.reduce((a, k) => a + k.ms, 0);
-        console.log(
-          `  one decode step, kernel by kernel: ${profile.length} kernels, ${
-            sum.toFixed(3)
-          } ms of GPU time, ` +
-            `each kernel in a pass of its own (the timed runs: ${
-              (1000 / (res.decode_tokens_per_s / B)).toFixed(3)
-            } ms a decode step)`,
-        );
-        for (const [k, f] of [...fam].sort((a, b) => b[1].ms - a[1].ms)) {
+    const params = initParams(config, 1);
+    const samples: Sample[] = [];
+    for (let round = 0; round < rounds; round++) {
+      for (const v of roundOrder(variants, round)) {
+        const o = optionsOf.get(v.name)!, tag = several ? ` [${v.name}]` : "";
+        if (several) console.log(`variant ${v.name}, round ${round + 1} of ${rounds}:`);
+        // As the server makes it (worker/serving.ts): the canvas path where its round trip is exact.
+        const readback = await createReadback(ctx, { canvas: o.readback === "canvas" });
+        if (round === 0) {
           console.log(
-            `    ${k.padEnd(16)} ${String(f.n).padStart(3)} × ${
-              (f.ms / f.n * 1000).toFixed(1).padStart(7)
-            } µs = ${f.ms.toFixed(3)} ms`,
+            `readback${tag}: ${readback.canvas ? "canvas path for a lone stream's chunks" : "mapAsync"}` +
+              (o.readback === "canvas" && !readback.canvas
+                ? ` (canvas off: ${readback.fallbackReason})`
+                : ""),
+          );
+          if (cpu && o.lmHead === "f16") {
+            console.log("A CPU adapter's LM head kernels read wte: --lm-head f16 changes nothing");
+          }
+        }
+        const gen = await Generator.create(ctx, config, params, {
+          maxStreams: Math.max(...batches),
+          chunk: o.chunk,
+          submitEvery: o.every,
+          lmHead: o.lmHead,
+          readback,
+          kernels: { residualRows: o.residualRows, writtenSampler: o.writtenSampler },
+        });
+        if (!cpu) {
+          console.log(
+            `${model}${tag}: every batch bucket's decode kernels compiled in ${
+              (await gen.warm()).toFixed(0)
+            } ms`,
           );
         }
+        const run = async (B: number, n: number, profiled = false) => {
+          const hs = [];
+          for (let i = 0; i < B; i++) hs.push(await gen.admit(promptOf(32, i), { ...sampling, seed: i }, n));
+          const t0 = performance.now();
+          let first = 0;
+          // The prefill's first tokens (the first chunk then runs ahead).
+          for (const out of (await gen.step(0, o.ahead)).values()) first += out.tokens.length;
+          const ttft = performance.now() - t0;
+          await gen.runAhead();
+          const calls: string[] = [];
+          let got = first;
+          while (got < B * n) {
+            const c0 = performance.now();
+            for (const out of (await gen.step(o.chunk, o.ahead)).values()) got += out.tokens.length;
+            const t = gen.timing;
+            calls.push(
+              `${(performance.now() - c0).toFixed(1)} (${t.steps} steps, map ${t.mapMs.toFixed(1)})`,
+            );
+            // The server hands the tokens out here, then queues the chunk left to run ahead.
+            await gen.runAhead();
+          }
+          if (Deno.args.includes("--calls")) {
+            console.log(`  batch ${B}, ${n} tokens, each call in ms: ${calls.join(", ")}`);
+          }
+          const ms = performance.now() - t0;
+          // Kernel by kernel after the timed run, the streams still at its end (one step replayed).
+          const profile = profiled && Deno.args.includes("--profile") && ctx.hasTimestamps
+            ? await profileDecode(gen)
+            : null;
+          for (const h of hs) gen.release(h);
+          return { tokens: got, ms, ttft, decode: (got - first) / ((ms - ttft) / 1000), profile };
+        };
+        for (const B of batches) {
+          await run(B, newTokens); // warm-up: compiles this batch's plans (and lets the GPU's clocks rise)
+          const runs: Awaited<ReturnType<typeof run>>[] = [];
+          for (let i = 0; i < repeat; i++) {
+            runs.push(await run(B, newTokens, i === repeat - 1 && round === rounds - 1));
+          }
+          for (const r of runs) samples.push({ variant: v.name, key: `batch ${B}`, value: r.decode });
+          printEngineBatch(model, B, o, v.name, several, runs);
+        }
+        gen.destroy();
+        readback.destroy();
       }
     }
-    gen.destroy();
+    if (several) {
+      console.log("");
+      const rows = summarize(samples, variants.map((v) => v.name), true);
+      for (const line of summaryLines(rows, `${model} decode tokens/s`, true)) console.log(line);
+    }
     if (Deno.args.includes("--torch")) {
+      // The first variant's decode rate (the median over all its runs) against each peer.
+      const ours = new Map(batches.map((B) => {
+        const xs = samples.filter((s) => s.variant === variants[0].name && s.key === `batch ${B}`);
+        return [B, median(xs.map((s) => s.value))];
+      }));
       for (const dtype of ["fp32", "bf16"] as const) {
         const peer = await torchPeer(model, batches, newTokens, dtype);
         if (typeof peer === "string") {
@@ -232,16 +254,15 @@ async function engine(): Promise<void> {
           continue;
         }
         for (const p of peer.values()) {
-          const ours = results.get(p.batch);
+          const mine = ours.get(p.batch);
           console.log(`  PyTorch CUDA graph ${dtype}: ${JSON.stringify(p)}`);
-          if (!ours) continue;
+          if (!mine) continue;
           // Both decode rates: the peer replays decode steps from a filled cache, no prefill.
-          const ratio = ours / p.tokens_per_s;
+          const ratio = mine / p.tokens_per_s;
           console.log(
-            `  ${model} batch ${p.batch}: ours ${
-              ours.toFixed(0)
-            } tokens/s decoding, ${dtype} CUDA-graph peer ` +
-              `${p.tokens_per_s.toFixed(0)}: ${ratio.toFixed(2)}×`,
+            `  ${model} batch ${p.batch}: ours${several ? ` (${variants[0].name})` : ""} ${
+              mine.toFixed(0)
+            } tokens/s decoding, ${dtype} CUDA-graph peer ${p.tokens_per_s.toFixed(0)}: ${ratio.toFixed(2)}×`,
           );
           if (dtype === "bf16" && model === "gpt2-124M" && p.batch === 1) {
             console.log(`ratio vs bf16 CUDA-graph peer (1 stream decode): ${ratio.toFixed(2)}`);
@@ -250,8 +271,81 @@ async function engine(): Promise<void> {
       }
     }
   }
-  readback.destroy();
   ctx.device.destroy();
+}
+
+/** One batch's runs of one variant: a JSON line, a readable line, and the profile if it was taken. */
+function printEngineBatch(
+  model: string,
+  B: number,
+  o: EngineOptions,
+  variant: string,
+  several: boolean,
+  runs: {
+    tokens: number;
+    ms: number;
+    ttft: number;
+    decode: number;
+    profile: { label: string; ms: number }[] | null;
+  }[],
+): void {
+  const pick = (f: (r: (typeof runs)[number]) => number) => {
+    const xs = runs.map(f).sort((a, b) => a - b);
+    return { median: median(xs), min: xs[0], max: xs[xs.length - 1] };
+  };
+  const total = pick((r) => r.tokens / (r.ms / 1000)), decode = pick((r) => r.decode);
+  const ttft = pick((r) => r.ttft);
+  const profile = runs[runs.length - 1].profile;
+  const res = {
+    scenario: "engine",
+    model,
+    batch: B,
+    ...(several ? { variant } : {}),
+    lm_head: o.lmHead,
+    readback: o.readback,
+    runs: runs.length,
+    tokens_per_s: total.median,
+    decode_tokens_per_s: decode.median,
+    decode_tokens_per_s_min: decode.min,
+    decode_tokens_per_s_max: decode.max,
+    ttft_ms: ttft.median,
+  };
+  console.log(JSON.stringify(res));
+  const spread = runs.length > 1
+    ? ` (${runs.length} runs, ${decode.min.toFixed(0)}-${decode.max.toFixed(0)})`
+    : "";
+  console.log(
+    `${model}${several ? ` [${variant}]` : ""} batch ${B} (LM head ${o.lmHead}): decoding ${
+      res.decode_tokens_per_s.toFixed(0)
+    } tokens/s${spread}; ${
+      res.tokens_per_s.toFixed(0)
+    } tokens/s from admission (the prefill of ${B} × 32 tokens included), ` +
+      `time to first token ${res.ttft_ms.toFixed(1)} ms`,
+  );
+  if (!profile) return;
+  // Kernel families: the label without its layer, e.g. "dec.l3.fc.gemv" -> "fc.gemv".
+  const fam = new Map<string, { n: number; ms: number }>();
+  for (const k of profile) {
+    const key = k.label.replace(/^dec\.(l\d+\.)?/, "");
+    const f = fam.get(key) ?? { n: 0, ms: 0 };
+    f.n++;
+    f.ms += k.ms;
+    fam.set(key, f);
+  }
+  const sum = profile.reduce((a, k) => a + k.ms, 0);
+  console.log(
+    `  one decode step, kernel by kernel: ${profile.length} kernels, ${sum.toFixed(3)} ms of GPU time, ` +
+      `each kernel in a pass of its own (the timed runs: ${
+        (1000 / (res.decode_tokens_per_s / B)).toFixed(3)
+      } ms a decode step)`,
+  );
+  for (const [k, f] of [...fam].sort((a, b) => b[1].ms - a[1].ms)) {
+    console.log(
+      `    ${k.padEnd(16)} ${String(f.n).padStart(3)} × ${(f.ms / f.n * 1000).toFixed(1).padStart(7)} µs = ${
+        f.ms.toFixed(3)
+      } ms`,
+    );
+  }
 }
 
 /** What bench/torch_decode.py prints per batch. */
@@ -1081,7 +1175,9 @@ async function train(): Promise<void> {
   }
 }
 
-if (scenario === "engine") await engine();
-else if (scenario === "http") await http();
-else await train();
-Deno.exit(0);
+if (import.meta.main) {
+  if (scenario === "engine") await engine();
+  else if (scenario === "http") await http();
+  else await train();
+  Deno.exit(0);
+}

@@ -3,9 +3,13 @@
  * one folder) and prints each option against the default run of the same call: the decode rate's
  * median and range per batch (generate engine's JSON lines), and each model's ms per step (train
  * bench lines), so the next step (which defaults to flip) can be read off. No GPU.
+ * Commands run with `--variants` (bench/variants.ts) compare in their own process; their summary
+ * rows (`{"variant_summary": …}` lines) are printed as they are, each log's in turn.
  *
  *   deno run -A bench/issue38_compare.ts DIR
  */
+
+import type { SummaryRow } from "./variants.ts";
 
 /** One command of a log: its flags (after the scenario) and what it printed. */
 export interface LoggedRun {
@@ -76,6 +80,18 @@ export function stepTimes(runs: LoggedRun[]): Map<string, Map<string, number>> {
   return out;
 }
 
+/** The summary rows of the commands run with --variants, with the unit each names. */
+export function variantRows(runs: LoggedRun[]): Array<SummaryRow & { unit: string; command: string }> {
+  const out: Array<SummaryRow & { unit: string; command: string }> = [];
+  for (const r of runs) {
+    for (const line of r.lines) {
+      if (!line.startsWith('{"variant_summary"')) continue;
+      out.push({ ...JSON.parse(line).variant_summary, command: r.command });
+    }
+  }
+  return out;
+}
+
 if (import.meta.main) {
   const dir = Deno.args[0] ?? "/tmp/issue38";
   const read = (name: string) => {
@@ -121,5 +137,21 @@ if (import.meta.main) {
       }
     }
   }
-  if (!rates.size && !steps.size) console.log(`nothing to compare in ${dir}`);
+  let rows = 0;
+  for (const name of ["decode.log", "fills.log", "tiles.log", "split345.log", "final.log"]) {
+    let command = "";
+    for (const r of variantRows(read(name))) {
+      if (r.command !== command) console.log(`${name}: ${(command = r.command)}\n  (${r.unit})`);
+      const f = (n: number) => (n >= 100 ? n.toFixed(1) : n.toFixed(3));
+      console.log(
+        `  ${r.key.padEnd(24)} ${r.variant.padEnd(44)} ${f(r.median)} (${f(r.min)}-${f(r.max)}, ${r.runs})${
+          r.ratio === null
+            ? ""
+            : `  ${r.ratio.toFixed(3)}x${r.clear ? " (every run past the first's range)" : ""}`
+        }`,
+      );
+      rows++;
+    }
+  }
+  if (!rates.size && !steps.size && !rows) console.log(`nothing to compare in ${dir}`);
 }

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). Pending now,
-# in this order (about 27 of a session's 30 minutes): decode, fills, tiles, split345, then final once the
-# options that won are made defaults (bench/RESULTS.md, "Issue 38, a fourth session with no GPU
-# lent", says what each measures and what to do with it). The earlier parts stay for reruns.
-# `deno run -A bench/issue38_compare.ts $OUT` then prints each option against the same call's default.
+# in this order (about 20 of a session's 30 minutes): decode, fills, tiles, split345, then final once the
+# options that won are made defaults (bench/RESULTS.md, "Issue 38, a fifth session with no GPU lent",
+# says what each measures and what to do with it). The earlier parts stay for reruns.
+# decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
+# every round runs each option once, in an order turned each round, and the summary gives each one's
+# median against the default's of the same process), so one call measures what took one call per option.
+# `deno run -A bench/issue38_compare.ts $OUT` then prints every summary of the parts' logs.
 #
 #   source .device/env.sh; bash bench/issue38_next.sh train     # the step with and without --attn-scores
 #   source .device/env.sh; bash bench/issue38_next.sh variants  # one LM head chunk of 8192 rows; the attention kernels alone
@@ -49,17 +52,11 @@ case $part in
     run 250 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   decode)
-    # The decode rate (after each stream's first token, as the CUDA-graph peers time it), 5 runs each:
-    # the server's readback (canvas for a lone stream) with the peers, mapAsync, then the residual
-    # reduces fused at 1 and at up to 2 rows; each a fresh process on the same warm machine.
-    run 200 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --profile --torch
-    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --readback mapasync
-    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 1 --profile
-    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --residual-rows 2
-    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --written-sampler
-    run 100 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5
-    # The server's chunk (DEFAULT_GENERATION_OPTIONS.chunk 32; the bench's default is 16).
-    run 80 deno task bench generate engine --models gpt2-124M --batches 1,16 --repeat 5 --chunk 32
+    # The decode rate (after each stream's first token, as the CUDA-graph peers time it) of every
+    # option against the default, in one process: 3 rounds, each round every variant once (a fresh
+    # Generator) with 5 timed runs per batch; the peers (fp32, bf16) in the same call, against the default.
+    run 480 deno task bench generate engine --models gpt2-124M --batches 1,2,16 --repeat 5 --rounds 3 --profile \
+      --torch --variants "default;--readback mapasync;--residual-rows 1;--residual-rows 2;--written-sampler;--residual-rows 2 --written-sampler;--chunk 32"
     run 60 deno run -A bench/sample_probe.ts --streams 1,16 --variants all
     ;;
   head)
@@ -100,30 +97,28 @@ case $part in
       --model gpt2-124M --batch 8 --seq 1024
     ;;
   fills)
-    # Each option in the step, the same call's default first (with --profile: the kernels' times),
-    # then the attention kernels alone (with and without the fills written out).
-    tb="deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10"
-    run 110 $tb
-    run 110 $tb --attn-fills
-    run 110 $tb --ln-written
-    run 110 $tb --colsum-unroll 32
+    # Each option in the step against the default, in one process (2 rounds, each with a profiled step:
+    # the kernel families' times), the PyTorch peer once per model in the same call; then the
+    # attention kernels alone.
+    run 450 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --rounds 2 --torch \
+      --variants "default;--attn-fills;--ln-written;--colsum-unroll 32;--attn-fills --ln-written --colsum-unroll 32"
     run 150 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   tiles)
-    # Every matmul tile of 345M's step chosen inside the step (12 runs of the step), then confirmed
-    # in a fresh process; merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
+    # Every matmul tile of 345M's step chosen inside the step (one step per candidate); split345
+    # confirms what it emits. Merge what holds with bench/merge_tile_rules.ts (no GPU) and commit.
     run 440 deno run -A bench/tile_sweep.ts --models gpt2-345M --emit "$out/tile_rules_345M.json"
-    [ -s "$out/tile_rules_345M.json" ] && run 80 deno task bench train --models gpt2-345M --batch 8 --seq 1024 \
-      --steps 10 --no-profile --tile-rules-json "$out/tile_rules_345M.json"
     ;;
   split345)
-    # 345M's LM head dx has no split-K count measured in the step yet (124M's: 4); then with the tile rules.
+    # 345M's LM head dx has no split-K count measured in the step yet (124M's: 4); then the step with
+    # the tile rules, with both, and without, in one process (3 rounds).
     run 150 deno run -A bench/split_sweep.ts --models gpt2-345M --splits 2,3,4,6,8 --emit "$out/split_rules_345M.json"
     [ -s "$out/tile_rules_345M.json" ] || echo '[]' >"$out/tile_rules_345M.json"
+    [ -s "$out/split_rules_345M.json" ] || echo '[]' >"$out/split_rules_345M.json"
     python3 -c 'import json,sys; print(json.dumps(sum((json.load(open(f)) for f in sys.argv[1:]), []), indent=2))' \
       "$out/split_rules_345M.json" "$out/tile_rules_345M.json" >"$out/both_345M.json" &&
-      run 80 deno task bench train --models gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile \
-        --tile-rules-json "$out/both_345M.json"
+      run 300 deno task bench train --models gpt2-345M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 3 \
+        --variants "default;--tile-rules-json $out/tile_rules_345M.json;--tile-rules-json $out/both_345M.json"
     ;;
   tiles124)
     run 300 deno run -A bench/tile_sweep.ts --models gpt2-124M --emit "$out/tile_rules_124M.json"

@@ -15,6 +15,10 @@
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
  *                   [--objectives plain,sft] (each model under each objective, in turns, --rounds 2 times)
+ *                   [--variants "default;--attn-fills;--colsum-unroll 32" [--rounds 2]] (each variant's
+ *                   flags before the others, all in this process, every round each variant once in an
+ *                   order turned by one each round; then each variant's median ms/step and profiled kernel
+ *                   families against the first variant's: bench/variants.ts)
  *
  * Memory: beside each run it prints the plan's estimate per category (model/memory_estimate.ts, the same
  * plan the engine allocates), the bytes allocated, and the GPU memory measured by nvidia-smi
@@ -30,8 +34,18 @@ import { presetConfig } from "../model/config.ts";
 import { describeDevice, type GpuContext, openDevice } from "../engine/device.ts";
 import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
-import { type OpTiming, Trainer } from "../engine/trainer.ts";
+import { type OpTiming, Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul.ts";
+import {
+  baseArgs,
+  parseRounds,
+  parseVariants,
+  roundOrder,
+  type Sample,
+  summarize,
+  summaryLines,
+  variantArgs,
+} from "./variants.ts";
 
 /** How one benchmark run trains. */
 export interface TrainBenchOptions {
@@ -47,11 +61,7 @@ export interface TrainBenchOptions {
   /** SFT: the loss over masked targets only (Trainer's lossMask), batches with a mask. */
   sft?: boolean;
   /** Kernel choices (see BuildOptions.kernels). */
-  kernels?: {
-    tileRules?: "all" | "split-k" | "none" | readonly TileRule[];
-    flashAttention?: boolean;
-    attentionBackwardTiles?: boolean;
-  };
+  kernels?: TrainerOptions["kernels"];
   /** The attention backward's dQ as a matmul over stored dS (PlanOptions.attentionScores). */
   attentionScores?: boolean;
   /** Rows of one LM head chunk (ChunkOptions.headChunkRows); default the plan's. */
@@ -83,9 +93,11 @@ export interface TrainBenchResult {
   /** GPU memory used after the timed steps minus before (nvidia-smi), or null where unavailable. */
   measured_bytes: number | null;
   torch?: { tokens_per_s: number; ms_per_step: number } | { error: string };
+  /** With --variants: the variant's name (its flags, or "default"). */
+  variant?: string;
 }
 
-function arg(args: string[], name: string, def: string): string {
+function arg(args: readonly string[], name: string, def: string): string {
   const i = args.indexOf(`--${name}`);
   return i >= 0 && i + 1 < args.length ? args[i + 1] : def;
 }
@@ -303,6 +315,38 @@ export function printResult(r: TrainBenchResult): void {
   }
 }
 
+/** The options of one run from the command's flags (a variant's flags come first and win). */
+export function trainOptions(args: readonly string[]): TrainBenchOptions {
+  const a = [...args];
+  const precision = arg(a, "precision", "fp32") as Precision;
+  if (precision !== "fp32" && precision !== "fp16") throw new Error(`Unknown --precision "${precision}"`);
+  return {
+    precision,
+    checkpointLayers: +arg(a, "checkpoint", "0"),
+    profile: !a.includes("--no-profile"),
+    ops: a.includes("--ops"),
+    f16Math: !a.includes("--no-f16-math"),
+    kernels: {
+      tileRules: a.includes("--tile-rules-json")
+        ? [
+          ...JSON.parse(Deno.readTextFileSync(arg(a, "tile-rules-json", ""))) as TileRule[],
+          ...MATMUL_TILE_RULES,
+        ]
+        : arg(a, "tile-rules", "all") as "all" | "split-k" | "none",
+      flashAttention: !a.includes("--no-flash"),
+      attentionBackwardTiles: !a.includes("--shared-attn-tiles"),
+      ...(a.includes("--attn-unroll") ? { attentionUnroll: +arg(a, "attn-unroll", "1") as 1 | 2 | 4 } : {}),
+      ...(a.includes("--attn-fills") ? { attentionFills: true } : {}),
+      ...(a.includes("--ln-written") ? { layernormWritten: true } : {}),
+      ...(a.includes("--colsum-unroll")
+        ? { columnSumUnroll: +arg(a, "colsum-unroll", "8") as 8 | 16 | 32 }
+        : {}),
+    },
+    attentionScores: a.includes("--no-attn-scores") ? false : a.includes("--attn-scores") ? true : undefined,
+    headChunkRows: a.includes("--head-chunk-rows") ? +arg(a, "head-chunk-rows", "0") : undefined,
+  };
+}
+
 if (import.meta.main) {
   const args = Deno.args;
   const ctx = await openDevice();
@@ -311,56 +355,40 @@ if (import.meta.main) {
   const models = arg(args, "models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M").split(",");
   const B = +arg(args, "batch", cpu ? "4" : "8"), T = +arg(args, "seq", cpu ? "64" : "1024");
   const steps = +arg(args, "steps", cpu ? "3" : "10");
-  const precision = arg(args, "precision", "fp32") as Precision;
-  if (precision !== "fp32" && precision !== "fp16") throw new Error(`Unknown --precision "${precision}"`);
-  const opts: TrainBenchOptions = {
-    precision,
-    checkpointLayers: +arg(args, "checkpoint", "0"),
-    profile: !args.includes("--no-profile"),
-    ops: args.includes("--ops"),
-    f16Math: !args.includes("--no-f16-math"),
-    kernels: {
-      tileRules: args.includes("--tile-rules-json")
-        ? [
-          ...JSON.parse(Deno.readTextFileSync(arg(args, "tile-rules-json", ""))) as TileRule[],
-          ...MATMUL_TILE_RULES,
-        ]
-        : (args.includes("--tile-rules") ? args[args.indexOf("--tile-rules") + 1] : "all") as
-          | "all"
-          | "split-k"
-          | "none",
-      flashAttention: !args.includes("--no-flash"),
-      attentionBackwardTiles: !args.includes("--shared-attn-tiles"),
-      ...(args.includes("--attn-unroll")
-        ? { attentionUnroll: +arg(args, "attn-unroll", "1") as 1 | 2 | 4 }
-        : {}),
-      ...(args.includes("--attn-fills") ? { attentionFills: true } : {}),
-      ...(args.includes("--ln-written") ? { layernormWritten: true } : {}),
-      ...(args.includes("--colsum-unroll")
-        ? { columnSumUnroll: +arg(args, "colsum-unroll", "8") as 8 | 16 | 32 }
-        : {}),
-    },
-    attentionScores: args.includes("--no-attn-scores")
-      ? false
-      : args.includes("--attn-scores")
-      ? true
-      : undefined,
-    headChunkRows: args.includes("--head-chunk-rows") ? +arg(args, "head-chunk-rows", "0") : undefined,
-  };
+  const variants = parseVariants(args), base = baseArgs(args);
+  // Every variant's flags are read before anything runs, so a bad one fails the call at once.
+  const optionsOf = new Map(variants.map((v) => [v.name, trainOptions(variantArgs(v, base))]));
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const objectives = arg(args, "objectives", "plain").split(",");
   for (const o of objectives) if (o !== "plain" && o !== "sft") throw new Error(`Unknown objective "${o}"`);
-  const rounds = objectives.length > 1 ? +arg(args, "rounds", "2") : 1;
+  if (objectives.length > 1 && variants.length > 1) {
+    throw new Error("--objectives and --variants: one at a time");
+  }
+  const rounds = objectives.length > 1 ? +arg(args, "rounds", "2") : parseRounds(args, variants.length);
   const results: TrainBenchResult[] = [];
+  const samples: Sample[] = [];
   for (const model of models) {
     for (let round = 0; round < rounds; round++) {
-      for (const objective of objectives) {
-        const r = await benchTraining(ctx, model, B, T, steps, { ...opts, sft: objective === "sft" });
-        if (args.includes("--torch") && round === 0 && objective === objectives[0]) {
-          r.torch = await runTorch(model, B, T, steps);
+      for (const v of roundOrder(variants, round)) {
+        for (const objective of objectives) {
+          const r = await benchTraining(ctx, model, B, T, steps, {
+            ...optionsOf.get(v.name)!,
+            sft: objective === "sft",
+          });
+          if (args.includes("--torch") && round === 0 && v === variants[0] && objective === objectives[0]) {
+            r.torch = await runTorch(model, B, T, steps);
+          }
+          if (variants.length > 1) {
+            r.variant = v.name;
+            console.log(`\nvariant ${v.name}, round ${round + 1} of ${rounds}:`);
+            samples.push({ variant: v.name, key: model, value: r.ms_per_step });
+            for (const k of r.kernels) {
+              samples.push({ variant: v.name, key: `${model} ${k.kind}`, value: k.ms });
+            }
+          }
+          printResult(r);
+          results.push(r);
         }
-        printResult(r);
-        results.push(r);
       }
     }
     if (objectives.length > 1) {
@@ -373,6 +401,30 @@ if (import.meta.main) {
             ? ` (sft / plain ${(best("sft") / best("plain")).toFixed(3)})`
             : ""),
       );
+    }
+  }
+  if (variants.length > 1) {
+    // ms per step first (the keys that are model names), then each kernel family's profiled ms.
+    const rows = summarize(samples, variants.map((v) => v.name), false);
+    const whole = rows.filter((r) => models.includes(r.key)),
+      parts = rows.filter((r) => !models.includes(r.key));
+    console.log("");
+    for (
+      const line of summaryLines([...whole, ...parts], "ms per step; kernel families: profiled GPU ms", false)
+    ) {
+      console.log(line);
+    }
+    // The peer ran once per model, in this call: each variant's median step against it.
+    for (const r of results) {
+      if (!r.torch || "error" in r.torch) continue;
+      for (const w of whole.filter((w) => w.key === r.model)) {
+        console.log(
+          `${r.model} [${w.variant}]: ${((B * T) / (w.median / 1000)).toFixed(0)} tokens/s (median step), ` +
+            `PyTorch fp32 eager ${r.torch.tokens_per_s.toFixed(0)}: ${
+              (r.torch.ms_per_step / w.median).toFixed(3)
+            }× (same call)`,
+        );
+      }
     }
   }
   const out = arg(args, "json", "");
