@@ -481,6 +481,32 @@ async function main(args: string[]): Promise<void> {
                 (await alone(okvS)).toFixed(3)
               }); dQ = dS·K ${(await alone(oqW)).toFixed(3)} (loops ${dqMs[bi].toFixed(3)})`,
             );
+            // The dK/dV kernel with its sums reduce-scattered (AttentionSpec.scatterSums): the same
+            // values, fewer shuffles and one exp per thread instead of one per key.
+            const sc: AttentionSpec = { ...sp, scatterSums: true };
+            const okvC = await op("dkv.ds.scatter", attentionBackwardKVWgsl({ ...sc, writeDS: true }), [
+              ...bviews,
+              bufs.dqkv2,
+              bufs.dst,
+            ], [Math.ceil(p.T / backwardKVSpec(sc).BKV), p.H, p.B]);
+            const tC = await timer.timeAdaptive([delta, okvC, oqs[bi]], policy);
+            const relC = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+            print(
+              row(
+                "backward",
+                `${label} ${t.BQ}x${t.BK}c${t.CP}, sums reduce-scattered`,
+                tC,
+                2.5 * flops,
+                relC,
+                relC.dqkv <= tol,
+              ),
+              tS.median_ms,
+            );
+            console.log(
+              `  alone, ms: dK/dV with writeDS, sums reduce-scattered ${
+                (await alone(okvC)).toFixed(3)
+              } (butterfly ${(await alone(okvS)).toFixed(3)})`,
+            );
           } catch (e) {
             print(failed("backward", label, e));
           }

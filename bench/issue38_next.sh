@@ -16,7 +16,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh compile   # the training job's pipelines on a cold driver cache
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
-#   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills, LayerNorm rows, column sums' loads
+#   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills and scattered sums, LayerNorm rows, column sums' loads
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
@@ -101,7 +101,7 @@ case $part in
     # the kernel families' times), the PyTorch peer once per model in the same call; then the
     # attention kernels alone.
     run 450 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --rounds 2 --torch \
-      --variants "default;--attn-fills;--ln-written;--colsum-unroll 32;--attn-fills --ln-written --colsum-unroll 32"
+      --variants "default;--attn-fills;--attn-scatter;--ln-written;--colsum-unroll 32;--attn-fills --attn-scatter --ln-written --colsum-unroll 32"
     run 150 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   tiles)

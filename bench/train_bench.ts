@@ -10,6 +10,7 @@
  *                   stores; default: where the split kernels run)
  *                   [--attn-unroll 1|2|4] (the split attention backward's loops, rows per trip)
  *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
+ *                   [--attn-scatter] (the dK/dV kernel's sums reduce-scattered, AttentionSpec.scatterSums)
  *                   [--ln-written] (the LayerNorm kernels' row trips written out, kernels.layernormWritten)
  *                   [--colsum-unroll 8|16|32] (loads in flight of the bias and LayerNorm column sums)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
@@ -337,6 +338,7 @@ export function trainOptions(args: readonly string[]): TrainBenchOptions {
       attentionBackwardTiles: !a.includes("--shared-attn-tiles"),
       ...(a.includes("--attn-unroll") ? { attentionUnroll: +arg(a, "attn-unroll", "1") as 1 | 2 | 4 } : {}),
       ...(a.includes("--attn-fills") ? { attentionFills: true } : {}),
+      ...(a.includes("--attn-scatter") ? { attentionScatter: true } : {}),
       ...(a.includes("--ln-written") ? { layernormWritten: true } : {}),
       ...(a.includes("--colsum-unroll")
         ? { columnSumUnroll: +arg(a, "colsum-unroll", "8") as 8 | 16 | 32 }

@@ -56,6 +56,31 @@ export function relNorm(a: ArrayLike<number>, b: ArrayLike<number>): number {
   return Math.sqrt(num / Math.max(den, 1e-30));
 }
 
+/**
+ * Asserts two float arrays hold the same values bit for bit (NaN equal to NaN), naming the first
+ * index that differs and how many do. node:assert's deepEqual builds a diff of the whole arrays
+ * when they differ, which takes minutes for a model's gradients: a failing test would look hung.
+ */
+export function assertSameFloats(a: Float32Array, b: Float32Array, what: string): void {
+  if (a.length !== b.length) throw new Error(`${what}: ${a.length} values against ${b.length}`);
+  const ua = new Uint32Array(a.buffer, a.byteOffset, a.length),
+    ub = new Uint32Array(b.buffer, b.byteOffset, b.length);
+  let first = -1, count = 0;
+  for (let i = 0; i < ua.length; i++) {
+    if (ua[i] !== ub[i] && !(Number.isNaN(a[i]) && Number.isNaN(b[i]))) {
+      if (first < 0) first = i;
+      count++;
+    }
+  }
+  if (first >= 0) {
+    throw new Error(
+      `${what}: ${count} of ${a.length} values differ, the first at ${first} (${a[first]} against ${
+        b[first]
+      })`,
+    );
+  }
+}
+
 /** Deterministic pseudo-random floats in [-1, 1). */
 export function randomFloats(n: number, seed: number): Float32Array {
   const out = new Float32Array(n);

@@ -335,7 +335,10 @@ function kernelChoices(
       cpuDirect,
       opts.kernels?.attentionBackwardTiles !== false,
       opts.kernels?.attentionUnroll,
-      opts.kernels?.attentionFills ?? false,
+      {
+        writtenFills: opts.kernels?.attentionFills ?? false,
+        scatterSums: opts.kernels?.attentionScatter ?? false,
+      },
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
     // its fused backward measured slower, so the backward keeps today's kernels).
@@ -482,7 +485,7 @@ function attentionSpec(
   cpuDirect: boolean,
   ownBackwardTiles: boolean,
   unroll?: 1 | 2 | 4,
-  writtenFills = false,
+  { writtenFills, scatterSums }: Pick<AttentionSpec, "writtenFills" | "scatterSums"> = {},
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -497,6 +500,7 @@ function attentionSpec(
     gradDtype: plan.byLabel.get("datty")?.dtype === "f16" ? "f16" : "f32",
     direct: cpuDirect,
     ...(writtenFills ? { writtenFills } : {}),
+    ...(scatterSums ? { scatterSums } : {}),
     ...(split > 1 && !cpuDirect && ownBackwardTiles
       ? withUnroll(
         chooseBackwardTilings({ T, D }, {

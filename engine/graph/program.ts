@@ -116,6 +116,8 @@ export interface BuildOptions {
     attentionUnroll?: 1 | 2 | 4;
     /** The attention backward's tile fills written out (AttentionSpec.writtenFills; default false). */
     attentionFills?: boolean;
+    /** The dK/dV kernel's score and dP sums reduce-scattered (AttentionSpec.scatterSums; default false). */
+    attentionScatter?: boolean;
     /** The LayerNorm kernels' row trips written out, x read once (layernorm.ts; default false). */
     layernormWritten?: boolean;
     /**

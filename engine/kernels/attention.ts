@@ -565,7 +565,8 @@ function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
     ...range(R).map((r) => dotExpr((c) => `q${c}`, (c) => `k${r}_${c}`, N)),
     ...range(R).map((r) => dotExpr((c) => `o${c}`, (c) => `v${r}_${c}`, N)),
   ], S);
-  const idx = (r: number) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}`;
+  const idx = (r: number | string) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}`;
+  const scatter = !!s.scatterSums && R > 1 && S > 1;
   return `
 ${backwardBindings(s)}
 var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
@@ -629,12 +630,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let qb = i * ${D4}u + part;
       ${range(N).map((c) => `let q${c} = Qs[qb + ${c * S}u];`).join(" ")}
       ${range(N).map((c) => `let o${c} = dOs[qb + ${c * S}u];`).join(" ")}
-      ${sums.code}
+      ${scatter ? "" : sums.code}
       let qi = qt + i;
       let li = Ls[i];
       let di = Ds[i];
       ${
-        each((r) => {
+        scatter ? scatteredScores(s, R, S, G, idx) : each((r) => {
           const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
           const rest = s.dropout
             ? `let kp${r} = keep(${idx(r)}); let pd${r} = p${r} * kp${r}; ` +
@@ -659,6 +660,84 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
 }
 `;
+}
+
+/**
+ * The split dK/dV kernel's scores and dP reduce-scattered (AttentionSpec.scatterSums): each thread
+ * starts with the partial sums of its columns for R keys, as R pairs (score, dP). At each shuffle
+ * distance m = 1, 2, … below S, while a thread holds more than one pair, the thread whose bit m is
+ * clear keeps the first half of its pairs and sends the second, its partner the reverse, and each
+ * adds what it receives to what it kept: the butterfly's sum of the same two threads' values, with
+ * half the values moved. Once one pair is left the levels go on as the butterfly. Each thread then
+ * holds whole sums of R / 2^levels keys (one at S = 8, R = 4), takes their exp and dS, and the
+ * halving levels run backwards to gather every key's (pd, ds) again, in key order, as
+ * `pd${r}`/`ds${r}`. Uniform control flow (the loop bounds are uniform per workgroup).
+ */
+function scatteredScores(
+  s: AttentionSpec,
+  R: number,
+  S: number,
+  G: number,
+  idx: (r: number | string) => string,
+): string {
+  const { D4 } = header(s), N = D4 / S;
+  const range = (n: number) => [...Array(n).keys()];
+  const out: string[] = [];
+  let names = range(R).map((r) => {
+    out.push(
+      `let x_${r} = vec2<f32>(${dotExpr((c) => `q${c}`, (c) => `k${r}_${c}`, N)}, ${
+        dotExpr((c) => `o${c}`, (c) => `v${r}_${c}`, N)
+      });`,
+    );
+    return `x_${r}`;
+  });
+  const halvings: { m: number; half: number }[] = [];
+  for (let m = 1; m < S; m *= 2) {
+    const half = names.length / 2;
+    if (names.length > 1) {
+      out.push(`let h${m} = (part & ${m}u) != 0u;`);
+      names = range(half).map((i) => {
+        const keep = `select(${names[i]}, ${names[half + i]}, h${m})`;
+        const send = `select(${names[half + i]}, ${names[i]}, h${m})`;
+        out.push(`let x${m}_${i} = ${keep} + subgroupShuffleXor(${send}, ${m}u);`);
+        return `x${m}_${i}`;
+      });
+      halvings.push({ m, half });
+    } else {
+      out.push(`let x${m}_0 = ${names[0]} + subgroupShuffleXor(${names[0]}, ${m}u);`);
+      names = [`x${m}_0`];
+    }
+  }
+  // The first key this thread holds whole sums of: each halving's upper half adds its size.
+  const base = halvings.map(({ m, half }) => `select(0u, ${half}u, h${m})`).join(" + ") || "0u";
+  let list = names.map((y, i) => {
+    // The key's index as the kernel numbers them (see kj${r}): consecutive per group with dS stored.
+    const r = `(${base} + ${i}u)`;
+    const kj = s.writeDS ? `kFirst + (tid / ${S}u) * ${R}u + ${r}` : `kFirst + ${r} * ${G}u + tid / ${S}u`;
+    out.push(`let kjs${i} = ${kj};`);
+    out.push(`let ps${i} = select(0.0, exp(${y}.x - li), qi >= kjs${i});`);
+    if (s.dropout) {
+      out.push(`let kps${i} = keep(${idx(`s${i}`)});`);
+      out.push(`let z_${i} = vec2<f32>(ps${i} * kps${i}, ps${i} * (${y}.y * kps${i} - di));`);
+    } else {
+      out.push(`let z_${i} = vec2<f32>(ps${i}, ps${i} * (${y}.y - di));`);
+    }
+    return `z_${i}`;
+  });
+  for (const { m } of [...halvings].reverse()) {
+    const got = list.map((z, i) => {
+      out.push(`let w${m}_${i} = subgroupShuffleXor(${z}, ${m}u);`);
+      return `w${m}_${i}`;
+    });
+    const first = list.map((z, i) => `select(${z}, ${got[i]}, h${m})`);
+    const second = list.map((z, i) => `select(${got[i]}, ${z}, h${m})`);
+    list = [...first, ...second].map((e, i) => {
+      out.push(`let g${m}_${i} = ${e};`);
+      return `g${m}_${i}`;
+    });
+  }
+  for (let r = 0; r < R; r++) out.push(`let pd${r} = ${list[r]}.x; let ds${r} = ${list[r]}.y;`);
+  return out.join("\n      ");
 }
 
 /**

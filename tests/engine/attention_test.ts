@@ -36,7 +36,7 @@ import { grid1d } from "../../engine/kernels/common.ts";
 import { encodeOps, makeOp, type OpKind, PipelineCache } from "../../engine/ops.ts";
 import { attention_backward, attention_forward } from "../reference/cpu_gpt2.ts";
 import { dropThreshold } from "../../model/rng.ts";
-import { noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
+import { assertSameFloats, noGpu, randomFloats, relNorm, testContext, upload } from "../_helpers.ts";
 
 const B = 1, H = 2, T0 = 40;
 
@@ -65,6 +65,8 @@ interface RunOptions {
   T?: number;
   /** The backward kernels' tile fills written out (AttentionSpec.writtenFills). */
   fills?: boolean;
+  /** The dK/dV kernel's sums reduce-scattered (AttentionSpec.scatterSums). */
+  scatter?: boolean;
 }
 
 async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
@@ -85,6 +87,7 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
     ...(o.rows ? { kvRows: o.rows, qRows: o.rows } : {}),
     ...o.own,
     ...(o.fills ? { writtenFills: true } : {}),
+    ...(o.scatter ? { scatterSums: true } : {}),
   };
   const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
@@ -304,7 +307,30 @@ Deno.test({
       const loops = await run(4, 0.2, undefined, { T: 136, ...o });
       const written = await run(4, 0.2, undefined, { T: 136, ...o, fills: true });
       assert.ok(written.dqkv < 1e-5, `${JSON.stringify(o)}: dqkv rel err ${written.dqkv}`);
-      assert.deepEqual(written.dqkvRaw, loops.dqkvRaw, `${JSON.stringify(o)}: the same dqkv`);
+      assertSameFloats(written.dqkvRaw, loops.dqkvRaw, `${JSON.stringify(o)}: dqkv`);
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "attention's dK/dV with its sums reduce-scattered (scatterSums) gives the butterfly's dqkv bit for bit: split 8 and 4, 4 and 2 keys per group, stored dS, T=136, dropout",
+  ignore: noGpu,
+  async fn() {
+    const ctx = (await testContext())!;
+    if (!ctx.hasSubgroups || ctx.subgroupMinSize < 8) return;
+    const h200 = {
+      bwdKV: BACKWARD_KV_TILINGS[0],
+      bwdQ: { split: 4 as const, BQ: 32, BKV: 16, rows: 2 as const },
+    };
+    // Split 8 with 4 keys (two halvings, then one level as the butterfly), split 4 with 2 keys
+    // (one halving, one butterfly level), each with the keys spaced (no dS) and consecutive (dS).
+    const two = { bwdKV: { split: 4 as const, BQ: 32, BKV: 32, rows: 2 as const }, bwdQ: h200.bwdQ };
+    for (const o of [{ own: h200 }, { own: h200, scores: true }, { own: two }, { own: two, scores: true }]) {
+      const butterfly = await run(4, 0.2, undefined, { T: 136, ...o });
+      const scattered = await run(4, 0.2, undefined, { T: 136, ...o, scatter: true });
+      assert.ok(scattered.dqkv < 1e-5, `${JSON.stringify(o)}: dqkv rel err ${scattered.dqkv}`);
+      assertSameFloats(scattered.dqkvRaw, butterfly.dqkvRaw, `${JSON.stringify(o)}: dqkv`);
     }
   },
 });
