@@ -14,8 +14,8 @@
  *                             [--reps N] [--no-flash-bwd] [--quick]
  *
  * `--quick`: today's kernels, chooseBackwardTilings's pick and the stored-dS pair (also with its
- * tile fills written out) only (no flash tilings, no per-kernel tiling sweep), for a device session
- * with little time.
+ * tile fills written out, and with the dK/dV kernel's sums reduce-scattered at a few tilings) only
+ * (no flash tilings, no per-kernel tiling sweep), for a device session with little time.
  *
  * Imports nothing from npm, so it runs on the GPU machine with `deno run -A --no-config --no-check`.
  */
@@ -59,6 +59,21 @@ import { grid1d, type StorageDtype } from "../engine/kernels/common.ts";
 import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
+/**
+ * dK/dV tilings timed with their sums reduce-scattered (AttentionSpec.scatterSums) in --quick: the
+ * pick (BACKWARD_KV_TILINGS' first), a longer query tile, more keys a workgroup, fewer keys per
+ * group, and 4 threads a key (which spilled with the butterfly's 4 exps and 24 shuffles a row).
+ */
+const SCATTER_KV_TILINGS: BackwardTiling[] = [
+  { split: 8, BQ: 32, BKV: 64, rows: 4, unroll: 4 },
+  { split: 8, BQ: 64, BKV: 64, rows: 4, unroll: 4 },
+  { split: 8, BQ: 32, BKV: 128, rows: 4, unroll: 4 },
+  { split: 8, BQ: 32, BKV: 64, rows: 2, unroll: 4 },
+  { split: 8, BQ: 32, BKV: 64, rows: 4, unroll: 2 },
+  { split: 4, BQ: 32, BKV: 64, rows: 4, unroll: 2 },
+  { split: 4, BQ: 32, BKV: 64, rows: 2, unroll: 4 },
+];
+
 function arg(args: string[], name: string, def: string): string {
   const i = args.indexOf(`--${name}`);
   return i >= 0 && i + 1 < args.length ? args[i + 1] : def;
@@ -82,6 +97,8 @@ interface Row {
   rel_err: { y?: number; lse?: number; dqkv?: number } | null;
   ok: boolean;
   error?: string;
+  /** One kernel of the pass timed alone (not a candidate for the pass's best). */
+  alone?: boolean;
 }
 
 /** Buffers of one problem, filled with values in [-0.5, 0.5) (f16 where the spec stores f16). */
@@ -348,7 +365,7 @@ async function main(args: string[]): Promise<void> {
             const tm = await timer.timeAdaptive([o], policy);
             const alone = kv ? dkvAlone : dqAlone;
             print(
-              row("backward", label, tm, (kv ? 2 : 1.5) * flops, rel, rel.dqkv <= tol),
+              { ...row("backward", label, tm, (kv ? 2 : 1.5) * flops, rel, rel.dqkv <= tol), alone: true },
               alone.median_ms,
             );
           } catch (e) {
@@ -507,6 +524,42 @@ async function main(args: string[]): Promise<void> {
                 (await alone(okvC)).toFixed(3)
               } (butterfly ${(await alone(okvS)).toFixed(3)})`,
             );
+            // With fewer shuffles and exps a row, another tiling may be fastest: a few near the
+            // pick, each storing dS with its sums reduce-scattered, alone and checked by the pair.
+            for (const kt of SCATTER_KV_TILINGS) {
+              const one = chooseBackwardTilings(p, { ...lim, subgroupMinSize: lim.subgroupMinSize ?? 0 }, {
+                kv: [kt],
+                q: [],
+              });
+              if (!one.bwdKV) continue;
+              const st: AttentionSpec = { ...sp, bwdKV: one.bwdKV, scatterSums: true, writeDS: true };
+              const klabel = `dK/dV ${tname(kt)} u${kt.unroll ?? 1}, writeDS, sums reduce-scattered`;
+              try {
+                const ok = await op(klabel, attentionBackwardKVWgsl(st), [...bviews, bufs.dqkv2, bufs.dst], [
+                  Math.ceil(p.T / backwardKVSpec(st).BKV),
+                  p.H,
+                  p.B,
+                ]);
+                await timer.timeAdaptive([delta, ok, oqs[bi]], { ...policy, minReps: 2, maxReps: 2 });
+                const r = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
+                print(
+                  {
+                    ...row(
+                      "backward",
+                      klabel,
+                      await timer.timeAdaptive([ok], policy),
+                      2 * flops,
+                      r,
+                      r.dqkv <= tol,
+                    ),
+                    alone: true,
+                  },
+                  (await timer.timeAdaptive([okvS], policy)).median_ms,
+                );
+              } catch (e) {
+                print(failed("backward", klabel, e));
+              }
+            }
           } catch (e) {
             print(failed("backward", label, e));
           }
@@ -547,7 +600,7 @@ async function main(args: string[]): Promise<void> {
         }
       }
       const best = (pass: Row["pass"]) =>
-        rows.filter((r) => r.pass === pass && r.ok).sort((a, b) => a.median_ms - b.median_ms)[0];
+        rows.filter((r) => r.pass === pass && r.ok && !r.alone).sort((a, b) => a.median_ms - b.median_ms)[0];
       const bf = best("forward"), bb = best("backward");
       console.log(
         `  best: forward ${bf.kernels} ${bf.tflops.toFixed(1)} TF/s (${
