@@ -44,6 +44,7 @@ import {
 import {
   attentionBackwardQScoresWgsl,
   DQ_SCORES_TILES,
+  type DqScoresTile,
   dqScoresTileError,
   scoresPathError,
   scoresScratchBytes,
@@ -58,6 +59,9 @@ import {
 import { grid1d, type StorageDtype } from "../engine/kernels/common.ts";
 import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
+
+/** A dQ = dS·K tiling's name: "32x16c1", "64x16c2q8" (8 queries a thread). */
+const dqName = (t: DqScoresTile) => `${t.BQ}x${t.BK}c${t.CP}${(t.RQ ?? 4) === 8 ? "q8" : ""}`;
 
 /**
  * dK/dV tilings timed with their sums reduce-scattered (AttentionSpec.scatterSums) in --quick: the
@@ -440,7 +444,7 @@ async function main(args: string[]): Promise<void> {
             const oqs: Op[] = [];
             for (const t of tiles) {
               oqs.push(
-                await op(`dq.ds ${t.BQ}x${t.BK}c${t.CP}`, attentionBackwardQScoresWgsl(sp, t), [
+                await op(`dq.ds ${dqName(t)}`, attentionBackwardQScoresWgsl(sp, t), [
                   bufs.qkv,
                   bufs.dst,
                   bufs.dqkv2,
@@ -453,13 +457,13 @@ async function main(args: string[]): Promise<void> {
             const dqMs: number[] = [];
             for (const [i, t] of tiles.entries()) {
               dqMs.push(await alone(oqs[i]));
-              console.log(`  dQ = dS·K ${t.BQ}x${t.BK} c${t.CP} alone: ${dqMs[i].toFixed(3)} ms`);
+              console.log(`  dQ = dS·K ${dqName(t)} alone: ${dqMs[i].toFixed(3)} ms`);
             }
             const bi = dqMs.indexOf(Math.min(...dqMs)), t = tiles[bi];
             const tS = await timer.timeAdaptive([delta, okvS, oqs[bi]], policy);
             const relS = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
             print(
-              row("backward", `${label} ${t.BQ}x${t.BK}c${t.CP}`, tS, 2.5 * flops, relS, relS.dqkv <= tol),
+              row("backward", `${label} ${dqName(t)}`, tS, 2.5 * flops, relS, relS.dqkv <= tol),
               tm.median_ms,
             );
             console.log(
@@ -475,7 +479,7 @@ async function main(args: string[]): Promise<void> {
               bufs.dqkv2,
               bufs.dst,
             ], [Math.ceil(p.T / backwardKVSpec(sw).BKV), p.H, p.B]);
-            const oqW = await op(`dq.ds.fills ${t.BQ}x${t.BK}c${t.CP}`, attentionBackwardQScoresWgsl(sw, t), [
+            const oqW = await op(`dq.ds.fills ${dqName(t)}`, attentionBackwardQScoresWgsl(sw, t), [
               bufs.qkv,
               bufs.dst,
               bufs.dqkv2,
@@ -485,7 +489,7 @@ async function main(args: string[]): Promise<void> {
             print(
               row(
                 "backward",
-                `${label} ${t.BQ}x${t.BK}c${t.CP}, fills written out`,
+                `${label} ${dqName(t)}, fills written out`,
                 tW,
                 2.5 * flops,
                 relW,
@@ -511,7 +515,7 @@ async function main(args: string[]): Promise<void> {
             print(
               row(
                 "backward",
-                `${label} ${t.BQ}x${t.BK}c${t.CP}, sums reduce-scattered`,
+                `${label} ${dqName(t)}, sums reduce-scattered`,
                 tC,
                 2.5 * flops,
                 relC,

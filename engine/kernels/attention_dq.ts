@@ -15,12 +15,14 @@ import { tileFill } from "./attention.ts";
 
 /**
  * The dQ kernel's tiling: BQ queries per workgroup, BK keys per tile of the loop over keys, and
- * CP vec4 columns of dq per thread (each thread holds 4 queries × CP vec4).
+ * CP vec4 columns of dq per thread (each thread holds RQ queries × CP vec4; RQ 4 by default, or 8:
+ * each vec4 of K read from workgroup memory then serves twice the multiply-adds).
  */
 export interface DqScoresTile {
   BQ: number;
   BK: number;
   CP: number;
+  RQ?: 4 | 8;
 }
 
 /** Tilings to choose from, preferred first (the first that fits is used; see chooseDqScoresTile). */
@@ -33,16 +35,25 @@ export const DQ_SCORES_TILES: readonly DqScoresTile[] = [
   { BQ: 32, BK: 32, CP: 2 },
   { BQ: 64, BK: 32, CP: 4 },
   { BQ: 64, BK: 64, CP: 2 },
+  // 8 queries a thread (an 8 × 8 register tile at CP 2, as the tiled matmuls'), unmeasured yet.
+  { BQ: 64, BK: 16, CP: 2, RQ: 8 },
+  { BQ: 64, BK: 32, CP: 2, RQ: 8 },
+  { BQ: 128, BK: 16, CP: 2, RQ: 8 },
+  { BQ: 32, BK: 16, CP: 1, RQ: 8 },
 ];
 
-/** Threads of a tiling at head size D: (BQ / 4) query groups × (D/4 / CP) column groups. */
+/** Threads of a tiling at head size D: (BQ / RQ) query groups × (D/4 / CP) column groups. */
 export function dqScoresThreads(t: DqScoresTile, D: number): number {
-  return (t.BQ / 4) * (D / 4 / t.CP);
+  return (t.BQ / (t.RQ ?? 4)) * (D / 4 / t.CP);
 }
 
-/** Workgroup bytes of a tiling: the padded dS tile and the K tile. */
+/**
+ * Workgroup bytes of a tiling: the padded dS tile (one vec4 more per row, and at RQ 8 one more per
+ * query group: see attentionBackwardQScoresWgsl) and the K tile.
+ */
 export function dqScoresBytes(t: DqScoresTile, D: number): number {
-  return t.BQ * (t.BK / 4 + 1) * 16 + t.BK * D * 4;
+  const groupPad = (t.RQ ?? 4) === 8 ? t.BQ / 8 : 0;
+  return (t.BQ * (t.BK / 4 + 1) + groupPad) * 16 + t.BK * D * 4;
 }
 
 /** Why a tiling does not fit head size D and the device's limits, or null. */
@@ -51,8 +62,10 @@ export function dqScoresTileError(
   D: number,
   lim: { maxWorkgroupBytes: number; maxThreads: number },
 ): string | null {
-  if (t.BQ % 4 || t.BK % 4 || (D / 4) % t.CP) {
-    return `BQ ${t.BQ} and BK ${t.BK} multiples of 4, CP ${t.CP} divides D/4`;
+  const RQ = t.RQ ?? 4;
+  if (RQ !== 4 && RQ !== 8) return `RQ ${RQ} must be 4 or 8`;
+  if (t.BQ % RQ || t.BK % 4 || (D / 4) % t.CP) {
+    return `BQ ${t.BQ} a multiple of RQ ${RQ}, BK ${t.BK} of 4, CP ${t.CP} divides D/4`;
   }
   if (dqScoresThreads(t, D) > lim.maxThreads) return `${dqScoresThreads(t, D)} threads`;
   if (dqScoresBytes(t, D) > lim.maxWorkgroupBytes) return `${dqScoresBytes(t, D)} bytes of workgroup memory`;
@@ -83,23 +96,35 @@ export function scoresPathError(s: Pick<AttentionSpec, "T" | "D" | "split" | "di
 
 /**
  * dQ from stored dS on tiling `t`. A workgroup owns BQ queries of one head (heaviest tiles
- * first); thread (qg, cg) holds 4 queries × CP vec4 columns of dq. Per key tile, dS (BQ × BK,
+ * first); thread (qg, cg) holds RQ queries × CP vec4 columns of dq. Per key tile, dS (BQ × BK,
  * queries' rows of vec4 along keys, padded against bank conflicts) and K (BK × D) go through
- * workgroup memory, and each vec4 of dS read serves CP · 4 multiply-adds per query.
+ * workgroup memory, and each vec4 of dS read serves CP · 4 multiply-adds per query, each vec4 of
+ * K RQ. At RQ 8 the query groups of one warp are 8 rows apart, a multiple of 32 banks whatever
+ * the row's padding, so each group's rows start one vec4 further (row i at i·ROW + i/8).
  * Grid (ceil(T/BQ), H, B).
  */
 export function attentionBackwardQScoresWgsl(s: AttentionSpec, t: DqScoresTile = DQ_SCORES_TILES[0]): string {
-  const err = scoresPathError(s) ?? ((s.D / 4) % t.CP || t.BQ % 4 || t.BK % 4 ? "bad tiling" : null);
+  const RQ = t.RQ ?? 4;
+  const err = scoresPathError(s) ??
+    ((s.D / 4) % t.CP || t.BQ % RQ || t.BK % 4 || (RQ !== 4 && RQ !== 8) ? "bad tiling" : null);
   if (err) throw new RangeError(`dQ from stored scores: ${err} (${JSON.stringify(t)})`);
   const { D4, C4, R4, scale } = header(s);
   const { T, H } = s, { BQ, BK, CP } = t, BK4 = BK / 4, T4 = T / 4;
-  const CG = D4 / CP, NT = (BQ / 4) * CG, ROW = BK4 + 1;
+  const CG = D4 / CP, NT = (BQ / RQ) * CG, ROW = BK4 + 1;
+  // Row i of the dS tile starts at i·ROW (RQ 4, as before) or i·ROW + i/8 (RQ 8).
+  const rowAt = (i: string) => (RQ === 8 ? `(${i}) * ${ROW}u + (${i}) / 8u` : `(${i}) * ${ROW}u`);
   const nQT = Math.ceil(T / BQ);
   const range = (n: number) => [...Array(n).keys()];
-  const rs = range(4), cs = range(CP);
+  const rs = range(RQ), cs = range(CP);
   const fmas: string[] = [];
   for (let j4 = 0; j4 < BK4; j4++) {
-    for (const r of rs) fmas.push(`s${r} = dSs[(qg * 4u + ${r}u) * ${ROW}u + ${j4}u];`);
+    for (const r of rs) {
+      fmas.push(
+        RQ === 8
+          ? `s${r} = dSs[qg * ${8 * ROW + 1}u + ${r * ROW + j4}u];`
+          : `s${r} = dSs[(qg * 4u + ${r}u) * ${ROW}u + ${j4}u];`,
+      );
+    }
     for (let c = 0; c < 4; c++) {
       for (const p of cs) fmas.push(`k${p} = Ks[${(j4 * 4 + c) * D4}u + cg * ${CP}u + ${p}u];`);
       for (const r of rs) {
@@ -110,7 +135,7 @@ export function attentionBackwardQScoresWgsl(s: AttentionSpec, t: DqScoresTile =
     }
   }
   const out = rs.map((r) =>
-    `{ let qi = q0 + qg * 4u + ${r}u; if (qi < ${T}u) { ${
+    `{ let qi = q0 + qg * ${RQ}u + ${r}u; if (qi < ${T}u) { ${
       cs.map((p) =>
         `dqkv[(b * ${T}u + qi) * ${R4}u + h * ${D4}u + cg * ${CP}u + ${p}u] = dq${r}_${p} * ${scale};`
       )
@@ -121,7 +146,7 @@ export function attentionBackwardQScoresWgsl(s: AttentionSpec, t: DqScoresTile =
 @group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> dst: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> dqkv: array<vec4<f32>>;
-var<workgroup> dSs: array<vec4<f32>, ${BQ * ROW}>;
+var<workgroup> dSs: array<vec4<f32>, ${BQ * ROW + (RQ === 8 ? BQ / 8 : 0)}>;
 var<workgroup> Ks: array<vec4<f32>, ${BK * D4}>;
 
 @compute @workgroup_size(${NT})
@@ -148,7 +173,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let j = kt + (e % ${BK4}u) * 4u;
       let ok = (vec4<u32>(j) + vec4<u32>(0u, 1u, 2u, 3u) <= vec4<u32>(qi)) & vec4<bool>(qi < ${T}u);
       let src = (bh * ${T}u + min(qi, ${T - 1}u)) * ${T4}u + min(j, ${T - 4}u) / 4u;
-      dSs[(e / ${BK4}u) * ${ROW}u + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);`,
+      dSs[${rowAt(`e / ${BK4}u`)} + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);`,
     )
   }
     ${

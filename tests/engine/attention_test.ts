@@ -348,7 +348,11 @@ const scoreCases: Array<[string, number, RunOptions]> = [
 ];
 // Every dQ tiling the bench chooses from, at T = 136 with dropout (lavapipe: those that fit it).
 for (const t of DQ_SCORES_TILES) {
-  scoreCases.push([`dQ tiling ${t.BQ}x${t.BK}, ${t.CP} columns, T=136, dropout`, 0.2, { T: 136, scores: t }]);
+  scoreCases.push([
+    `dQ tiling ${t.BQ}x${t.BK}, ${t.CP} columns, ${t.RQ ?? 4} queries a thread, T=136, dropout`,
+    0.2,
+    { T: 136, scores: t },
+  ]);
 }
 for (const [label, p, o] of scoreCases) {
   Deno.test({
