@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). Pending now,
-# in this order (about 20 of a session's 30 minutes): decode, fills, tiles, split345, then final once the
+# in this order (about 20 of a session's 30 minutes): fills, decode, tiles, split345, then final once the
 # options that won are made defaults (bench/RESULTS.md, "Issue 38, a fifth session with no GPU lent",
 # says what each measures and what to do with it). The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
