@@ -78,16 +78,7 @@ import { parseGpuRoles, trainingGpus } from "../server/gpus/roles.ts";
 import { parseScopes, TokenAuth } from "../server/auth/mod.ts";
 import { CHAT_TEMPLATE, type ChatMessage, renderChat } from "../data/chat.ts";
 import { tokenizerConfig } from "../checkpoint/checkpoint.ts";
-import {
-  baseArgs,
-  parseRounds,
-  parseVariants,
-  roundOrder,
-  type Sample,
-  summarize,
-  summaryLines,
-  variantArgs,
-} from "./variants.ts";
+import { planVariants, roundOrder, type Sample, summarize, summaryLines } from "./variants.ts";
 
 function arg(name: string, def: string): string {
   const i = Deno.args.indexOf(`--${name}`);
@@ -152,16 +143,14 @@ async function engine(): Promise<void> {
   const batches = list(arg("batches", cpu ? "1,4" : "1,16,64")).map(Number);
   const newTokens = +arg("new", cpu ? "32" : "128");
   const repeat = Math.max(1, Math.floor(+arg("repeat", "1")));
-  const variants = parseVariants(Deno.args), base = baseArgs(Deno.args);
-  const optionsOf = new Map(variants.map((v) => [v.name, engineOptions(variantArgs(v, base))]));
-  const rounds = parseRounds(Deno.args, variants.length), several = variants.length > 1;
+  const { variants, rounds } = planVariants(Deno.args, engineOptions), several = variants.length > 1;
   for (const model of models) {
     const config = presetConfig(model);
     const params = initParams(config, 1);
     const samples: Sample[] = [];
     for (let round = 0; round < rounds; round++) {
       for (const v of roundOrder(variants, round)) {
-        const o = optionsOf.get(v.name)!, tag = several ? ` [${v.name}]` : "";
+        const o = v.options, tag = several ? ` [${v.name}]` : "";
         if (several) console.log(`variant ${v.name}, round ${round + 1} of ${rounds}:`);
         // As the server makes it (worker/serving.ts): the canvas path where its round trip is exact.
         const readback = await createReadback(ctx, { canvas: o.readback === "canvas" });

@@ -37,16 +37,7 @@ import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
 import { type OpTiming, Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul.ts";
-import {
-  baseArgs,
-  parseRounds,
-  parseVariants,
-  roundOrder,
-  type Sample,
-  summarize,
-  summaryLines,
-  variantArgs,
-} from "./variants.ts";
+import { planVariants, roundOrder, type Sample, summarize, summaryLines } from "./variants.ts";
 
 /** How one benchmark run trains. */
 export interface TrainBenchOptions {
@@ -357,26 +348,21 @@ if (import.meta.main) {
   const models = arg(args, "models", cpu ? "gpt2-tiny" : "gpt2-124M,gpt2-345M").split(",");
   const B = +arg(args, "batch", cpu ? "4" : "8"), T = +arg(args, "seq", cpu ? "64" : "1024");
   const steps = +arg(args, "steps", cpu ? "3" : "10");
-  const variants = parseVariants(args), base = baseArgs(args);
-  // Every variant's flags are read before anything runs, so a bad one fails the call at once.
-  const optionsOf = new Map(variants.map((v) => [v.name, trainOptions(variantArgs(v, base))]));
+  const plan = planVariants(args, trainOptions), variants = plan.variants;
   if (cpu) console.log("CPU adapter: benchmarking gpt2-tiny only (pass --models to override)");
   const objectives = arg(args, "objectives", "plain").split(",");
   for (const o of objectives) if (o !== "plain" && o !== "sft") throw new Error(`Unknown objective "${o}"`);
   if (objectives.length > 1 && variants.length > 1) {
     throw new Error("--objectives and --variants: one at a time");
   }
-  const rounds = objectives.length > 1 ? +arg(args, "rounds", "2") : parseRounds(args, variants.length);
+  const rounds = objectives.length > 1 ? +arg(args, "rounds", "2") : plan.rounds;
   const results: TrainBenchResult[] = [];
   const samples: Sample[] = [];
   for (const model of models) {
     for (let round = 0; round < rounds; round++) {
       for (const v of roundOrder(variants, round)) {
         for (const objective of objectives) {
-          const r = await benchTraining(ctx, model, B, T, steps, {
-            ...optionsOf.get(v.name)!,
-            sft: objective === "sft",
-          });
+          const r = await benchTraining(ctx, model, B, T, steps, { ...v.options, sft: objective === "sft" });
           if (args.includes("--torch") && round === 0 && v === variants[0] && objective === objectives[0]) {
             r.torch = await runTorch(model, B, T, steps);
           }

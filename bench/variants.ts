@@ -79,6 +79,21 @@ export function parseRounds(args: readonly string[], variants: number): number {
   return n;
 }
 
+/**
+ * A command's variants, each with the options its flags give (every variant's read up front, so a bad
+ * one fails the call before anything runs), and the rounds (`--rounds`).
+ */
+export function planVariants<O>(
+  args: readonly string[],
+  optionsOf: (flags: readonly string[]) => O,
+): { variants: Array<Variant & { options: O }>; rounds: number } {
+  const variants = parseVariants(args), base = baseArgs(args);
+  return {
+    variants: variants.map((v) => ({ ...v, options: optionsOf(variantArgs(v, base)) })),
+    rounds: parseRounds(args, variants.length),
+  };
+}
+
 /** A figure of one run: which variant, which measurement (e.g. "gpt2-345M" or "batch 16"), its value. */
 export interface Sample {
   variant: string;

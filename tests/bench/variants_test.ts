@@ -9,6 +9,7 @@ import {
   baseArgs,
   parseRounds,
   parseVariants,
+  planVariants,
   roundOrder,
   summarize,
   summaryLines,
@@ -78,6 +79,23 @@ Deno.test("--variants: a variant's flags win over the command's, and every round
   assert.deepEqual(roundOrder(["a", "b", "c"], 0), ["a", "b", "c"]);
   assert.deepEqual(roundOrder(["a", "b", "c"], 1), ["b", "c", "a"]);
   assert.deepEqual(roundOrder(["a", "b", "c"], 3), ["a", "b", "c"]);
+});
+
+Deno.test("--variants: a plan reads every variant's options up front, so a bad one fails before anything runs", () => {
+  const plan = planVariants(
+    ["--variants", "default;--residual-rows 2", "--rounds", "3", "--chunk", "8"],
+    engineOptions,
+  );
+  assert.equal(plan.rounds, 3);
+  assert.deepEqual(plan.variants.map((v) => [v.name, v.options.residualRows, v.options.chunk]), [
+    ["default", 0, 8],
+    ["--residual-rows 2", 2, 8],
+  ]);
+  assert.throws(
+    () => planVariants(["--variants", "default;--readback poll"], engineOptions),
+    /--readback "poll" must be canvas or mapasync/,
+  );
+  assert.equal(planVariants([], trainOptions).rounds, 1);
 });
 
 Deno.test("--variants: the summary's medians, ranges and ratios to the first variant", () => {
