@@ -40,7 +40,8 @@ export function decodeRates(
 ): Map<string, Map<number, { median: number; min: number; max: number }>> {
   const out = new Map<string, Map<number, { median: number; min: number; max: number }>>();
   for (const r of runs) {
-    if (!/generate engine/.test(r.command)) continue;
+    // Commands with --variants compare in their own process: variantRows reads their summaries.
+    if (!/generate engine/.test(r.command) || /--variants\b/.test(r.command)) continue;
     const name = variantOf(r.command, /.*generate engine --models \S+ --batches \S+( --repeat \d+)?/);
     // A variant run twice (the default at the start and the end of a call) keeps both: "default #2".
     let v = name;
@@ -65,7 +66,7 @@ export function decodeRates(
 export function stepTimes(runs: LoggedRun[]): Map<string, Map<string, number>> {
   const out = new Map<string, Map<string, number>>();
   for (const r of runs) {
-    if (!/bench train/.test(r.command)) continue;
+    if (!/bench train/.test(r.command) || /--variants\b/.test(r.command)) continue;
     const name = variantOf(r.command, /.*bench train --models \S+ --batch \d+ --seq \d+ --steps \d+/);
     let v = name;
     for (let k = 2; out.has(v); k++) v = `${name} #${k}`;

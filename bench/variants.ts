@@ -111,7 +111,10 @@ export interface SummaryRow {
   max: number;
   /** This median over the first variant's (for the same key), or null for the first variant itself. */
   ratio: number | null;
-  /** Every run of this variant beats every run of the first one (in the direction `higherIsBetter`). */
+  /**
+   * Every run of this variant beats every run of the first one (in the direction `higherIsBetter`),
+   * each having run at least twice.
+   */
   clear: boolean;
 }
 
@@ -144,7 +147,8 @@ export function summarize(
         min: lo,
         max: hi,
         ratio: first ? null : m / median(base),
-        clear: !first && (higherIsBetter ? lo > Math.max(...base) : hi < Math.min(...base)),
+        clear: !first && xs.length > 1 && base.length > 1 &&
+          (higherIsBetter ? lo > Math.max(...base) : hi < Math.min(...base)),
       });
     }
   }

@@ -21,6 +21,13 @@ Task bench deno run -A bench/mod.ts 'generate'
 === exit 0
 `;
 
+const variantLog =
+  `=== 2026-12-06T01:03:00Z deno task bench train --models gpt2-124M --rounds 2 --variants default;--attn-scatter
+gpt2-124M  batch 8 seq 1024 fp32: 199.0 ms/step, 41161 tokens/s, loss 8.463
+{"variant_summary":{"variant":"default","key":"gpt2-124M","runs":2,"median":199,"min":198,"max":200,"ratio":null,"clear":false,"unit":"ms per step"}}
+=== exit 0
+`;
+
 const trainLog =
   `=== 2026-12-06T01:00:00Z deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10
 gpt2-124M  batch 8 seq 1024 fp32: 199.3 ms/step, 41099 tokens/s, loss 8.463
@@ -41,6 +48,7 @@ Deno.test("issue38_compare reads the decode rates and steps of issue38_next.sh's
   assert.equal(rates.get("--residual-rows 1")!.get(1)!.median, 1180);
   assert.equal(rates.get("default #2")!.get(16)!.median, 12000);
   assert.equal(rates.get("default")!.size, 1, "the peer's JSON line is not a decode rate of ours");
+  assert.equal(stepTimes(logRuns(variantLog)).size, 0, "a --variants command is read by variantRows alone");
   const steps = stepTimes(logRuns(trainLog));
   assert.deepEqual([...steps.keys()], ["default", "--attn-fills"]);
   assert.equal(steps.get("default")!.get("gpt2-345M"), 545.4);

@@ -129,7 +129,18 @@ Deno.test("--variants: the summary's medians, ranges and ratios to the first var
     true,
   );
   assert.equal(up[0].median, 11, "an even count's median is the mean of the middle two");
-  assert.equal(up[1].clear, true);
+  assert.equal(up[1].clear, false, "one run of b is not a range");
+  const two = summarize(
+    [
+      { variant: "a", key: "batch 1", value: 10 },
+      { variant: "a", key: "batch 1", value: 12 },
+      { variant: "b", key: "batch 1", value: 13 },
+      { variant: "b", key: "batch 1", value: 14 },
+    ],
+    ["a", "b"],
+    true,
+  );
+  assert.equal(two[1].clear, true);
 
   // The summary's JSON lines are what issue38_compare reads back from a log.
   const lines = summaryLines(rows, "ms per step", false);
