@@ -565,7 +565,7 @@ function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
     ...range(R).map((r) => dotExpr((c) => `q${c}`, (c) => `k${r}_${c}`, N)),
     ...range(R).map((r) => dotExpr((c) => `o${c}`, (c) => `v${r}_${c}`, N)),
   ], S);
-  const idx = (r: number | string) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}`;
+  const idx = (r: number) => `((b * ${s.H}u + h) * ${s.T}u + qi) * ${s.T}u + kj${r}`;
   const scatter = !!s.scatterSums && R > 1 && S > 1;
   return `
 ${backwardBindings(s)}
@@ -580,13 +580,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let b = wg.z;
   let part = tid % ${S}u;
   let kFirst = wg.x * ${s.BKV}u;
-  ${
-    // Storing dS: a group's R keys are consecutive, so its lane 0 writes them as one vector.
-    each((r) =>
-      s.writeDS
-        ? `let kj${r} = kFirst + (tid / ${S}u) * ${R}u + ${r}u;`
-        : `let kj${r} = kFirst + ${r * G}u + tid / ${S}u;`
-    )}
+  ${scatter ? `let perm = ${scatterPerm(R, S)};\n  ` : ""}${
+    // Storing dS: a group's R keys are consecutive, so its lane 0 writes them as one vector. With
+    // the sums reduce-scattered, a thread holds its group's keys in the order of scatterPerm.
+    each((r) => {
+      const slot = scatter ? `(${r}u ^ perm)` : `${r}u`;
+      return s.writeDS
+        ? `let kj${r} = kFirst + (tid / ${S}u) * ${R}u + ${slot};`
+        : scatter
+        ? `let kj${r} = kFirst + ${slot} * ${G}u + tid / ${S}u;`
+        : `let kj${r} = kFirst + ${r * G}u + tid / ${S}u;`;
+    })}
   ${each((r) => `let krow${r} = (b * ${s.T}u + min(kj${r}, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;`)}
   ${eachRC((r, c) => `let k${r}_${c} = qkv[krow${r} + ${C4}u + ${col(c)}];`)}
   ${eachRC((r, c) => `let v${r}_${c} = qkv[krow${r} + ${2 * C4}u + ${col(c)}];`)}
@@ -635,7 +639,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       let li = Ls[i];
       let di = Ds[i];
       ${
-        scatter ? scatteredScores(s, R, S, G, idx) : each((r) => {
+        scatter ? scatteredScores(s, R, S, idx) : each((r) => {
           const p = `let p${r} = select(0.0, exp(${sums.at(r)} - li), qi >= kj${r});`;
           const rest = s.dropout
             ? `let kp${r} = keep(${idx(r)}); let pd${r} = p${r} * kp${r}; ` +
@@ -663,23 +667,39 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 }
 
 /**
- * The split dK/dV kernel's scores and dP reduce-scattered (AttentionSpec.scatterSums): each thread
- * starts with the partial sums of its columns for R keys, as R pairs (score, dP). At each shuffle
- * distance m = 1, 2, … below S, while a thread holds more than one pair, the thread whose bit m is
- * clear keeps the first half of its pairs and sends the second, its partner the reverse, and each
- * adds what it receives to what it kept: the butterfly's sum of the same two threads' values, with
- * half the values moved. Once one pair is left the levels go on as the butterfly. Each thread then
- * holds whole sums of R / 2^levels keys (one at S = 8, R = 4), takes their exp and dS, and the
- * halving levels run backwards to gather every key's (pd, ds) again, in key order, as
- * `pd${r}`/`ds${r}`. Uniform control flow (the loop bounds are uniform per workgroup).
+ * The halvings of a reduce-scatter of R pairs over S threads: at shuffle distance m (1, 2, …) while
+ * more than one pair is left, each thread keeps `half` of them.
  */
-function scatteredScores(
-  s: AttentionSpec,
-  R: number,
-  S: number,
-  G: number,
-  idx: (r: number | string) => string,
-): string {
+function scatterHalvings(R: number, S: number): { m: number; half: number }[] {
+  const out: { m: number; half: number }[] = [];
+  for (let m = 1, c = R; m < S && c > 1; m *= 2, c /= 2) out.push({ m, half: c / 2 });
+  return out;
+}
+
+/**
+ * The order in which a thread of a group holds its R keys when their sums are reduce-scattered:
+ * slot i holds key i ^ perm, perm having `half` set where the thread's bit m is (for each halving).
+ * A thread then always keeps its first slots and sends the rest, and its partner, whose order
+ * differs in that bit, sends the very keys it keeps: no selects. Thread 0 of a group holds them in
+ * key order (perm 0), so its store of dS is unchanged.
+ */
+function scatterPerm(R: number, S: number): string {
+  const terms = scatterHalvings(R, S).map(({ m, half }) => `select(0u, ${half}u, (part & ${m}u) != 0u)`);
+  return terms.length ? terms.join(" | ") : "0u";
+}
+
+/**
+ * The split dK/dV kernel's scores and dP reduce-scattered (AttentionSpec.scatterSums): each thread
+ * starts with the partial sums of its columns for its R keys, as R pairs (score, dP), its keys in
+ * the order of scatterPerm. At each shuffle distance m = 1, 2, … below S, while a thread holds more
+ * than one pair, it keeps the first half of its pairs, sends the second, and adds what its partner
+ * sends to what it kept: the butterfly's sum of the same two threads' values, with half the values
+ * moved. Once one pair is left the levels go on as the butterfly. Each thread then holds whole sums
+ * of its first R / 2^halvings slots (one at S = 8, R = 4), takes their exp and dS, and the halving
+ * levels run backwards to gather every slot's (pd, ds) again, as `pd${r}`/`ds${r}` of key `kj${r}`.
+ * Uniform control flow (the loop bounds are uniform per workgroup).
+ */
+function scatteredScores(s: AttentionSpec, R: number, S: number, idx: (r: number) => string): string {
   const { D4 } = header(s), N = D4 / S;
   const range = (n: number) => [...Array(n).keys()];
   const out: string[] = [];
@@ -691,33 +711,23 @@ function scatteredScores(
     );
     return `x_${r}`;
   });
-  const halvings: { m: number; half: number }[] = [];
+  const halvings = scatterHalvings(R, S);
   for (let m = 1; m < S; m *= 2) {
     const half = names.length / 2;
-    if (names.length > 1) {
-      out.push(`let h${m} = (part & ${m}u) != 0u;`);
-      names = range(half).map((i) => {
-        const keep = `select(${names[i]}, ${names[half + i]}, h${m})`;
-        const send = `select(${names[half + i]}, ${names[i]}, h${m})`;
-        out.push(`let x${m}_${i} = ${keep} + subgroupShuffleXor(${send}, ${m}u);`);
+    names = names.length > 1
+      ? range(half).map((i) => {
+        out.push(`let x${m}_${i} = ${names[i]} + subgroupShuffleXor(${names[half + i]}, ${m}u);`);
         return `x${m}_${i}`;
+      })
+      : [names[0]].map((y) => {
+        out.push(`let x${m}_0 = ${y} + subgroupShuffleXor(${y}, ${m}u);`);
+        return `x${m}_0`;
       });
-      halvings.push({ m, half });
-    } else {
-      out.push(`let x${m}_0 = ${names[0]} + subgroupShuffleXor(${names[0]}, ${m}u);`);
-      names = [`x${m}_0`];
-    }
   }
-  // The first key this thread holds whole sums of: each halving's upper half adds its size.
-  const base = halvings.map(({ m, half }) => `select(0u, ${half}u, h${m})`).join(" + ") || "0u";
   let list = names.map((y, i) => {
-    // The key's index as the kernel numbers them (see kj${r}): consecutive per group with dS stored.
-    const r = `(${base} + ${i}u)`;
-    const kj = s.writeDS ? `kFirst + (tid / ${S}u) * ${R}u + ${r}` : `kFirst + ${r} * ${G}u + tid / ${S}u`;
-    out.push(`let kjs${i} = ${kj};`);
-    out.push(`let ps${i} = select(0.0, exp(${y}.x - li), qi >= kjs${i});`);
+    out.push(`let ps${i} = select(0.0, exp(${y}.x - li), qi >= kj${i});`);
     if (s.dropout) {
-      out.push(`let kps${i} = keep(${idx(`s${i}`)});`);
+      out.push(`let kps${i} = keep(${idx(i)});`);
       out.push(`let z_${i} = vec2<f32>(ps${i} * kps${i}, ps${i} * (${y}.y * kps${i} - di));`);
     } else {
       out.push(`let z_${i} = vec2<f32>(ps${i}, ps${i} * (${y}.y - di));`);
@@ -725,16 +735,13 @@ function scatteredScores(
     return `z_${i}`;
   });
   for (const { m } of [...halvings].reverse()) {
-    const got = list.map((z, i) => {
-      out.push(`let w${m}_${i} = subgroupShuffleXor(${z}, ${m}u);`);
-      return `w${m}_${i}`;
-    });
-    const first = list.map((z, i) => `select(${z}, ${got[i]}, h${m})`);
-    const second = list.map((z, i) => `select(${got[i]}, ${z}, h${m})`);
-    list = [...first, ...second].map((e, i) => {
-      out.push(`let g${m}_${i} = ${e};`);
-      return `g${m}_${i}`;
-    });
+    list = [
+      ...list,
+      ...list.map((z, i) => {
+        out.push(`let w${m}_${i} = subgroupShuffleXor(${z}, ${m}u);`);
+        return `w${m}_${i}`;
+      }),
+    ];
   }
   for (let r = 0; r < R; r++) out.push(`let pd${r} = ${list[r]}.x; let ds${r} = ${list[r]}.y;`);
   return out.join("\n      ");

@@ -47,8 +47,9 @@ export interface AttentionSpec {
    * Split dK/dV kernel: each query row's score and dP sums reduce-scattered over the S threads of a
    * group (each shuffle level halves the values a thread sends, until one key's pair is left, so a
    * thread takes the exp of one key instead of all R), then the probabilities and dS gathered back:
-   * 14 shuffled values a row instead of 24 at S = 8, R = 4. The same additions in the same order as
-   * the butterfly, so the same values bit for bit. Needs kvRows > 1 (no effect at 1).
+   * 14 shuffled values a row instead of 24 at S = 8, R = 4, and no selects (each thread holds its
+   * keys in an order of its own). The same additions in the same order as the butterfly, so the
+   * same values bit for bit. Needs kvRows > 1 (no effect at 1).
    */
   scatterSums?: boolean;
   /** The dK/dV kernel's own tiling, replacing split, BQ, BKV and kvRows for it (see backwardKVSpec). */
