@@ -114,7 +114,9 @@ export class Generator {
       lmHead: opts.lmHead ?? "f32",
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
-      kernels: opts.kernels ?? {},
+      // The decode kernels' choices, every default here (bench/RESULTS.md, issue 38, names what
+      // decides each): residual reduces left to the next gemv at up to 0 rows, loop-written sampler off.
+      kernels: { residualRows: 0, writtenSampler: false, ...opts.kernels },
     };
     const g = new Generator(await GenBuffers.create(ctx, config, params, full));
     await g.#grow(Math.min(maxStreams, 4));
