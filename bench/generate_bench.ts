@@ -144,6 +144,7 @@ async function engine(): Promise<void> {
   const newTokens = +arg("new", cpu ? "32" : "128");
   const repeat = Math.max(1, Math.floor(+arg("repeat", "1")));
   const { variants, rounds } = planVariants(Deno.args, engineOptions), several = variants.length > 1;
+  const readbacks = new Map<EngineOptions["readback"], Awaited<ReturnType<typeof createReadback>>>();
   for (const model of models) {
     const config = presetConfig(model);
     const params = initParams(config, 1);
@@ -153,7 +154,11 @@ async function engine(): Promise<void> {
         const o = v.options, tag = several ? ` [${v.name}]` : "";
         if (several) console.log(`variant ${v.name}, round ${round + 1} of ${rounds}:`);
         // As the server makes it (worker/serving.ts): the canvas path where its round trip is exact.
-        const readback = await createReadback(ctx, { canvas: o.readback === "canvas" });
+        // One per way of reading back, made once and shared by the variants that read that way.
+        const readback = readbacks.get(o.readback) ??
+          readbacks.set(o.readback, await createReadback(ctx, { canvas: o.readback === "canvas" })).get(
+            o.readback,
+          )!;
         if (round === 0) {
           console.log(
             `readback${tag}: ${readback.canvas ? "canvas path for a lone stream's chunks" : "mapAsync"}` +
@@ -222,7 +227,6 @@ async function engine(): Promise<void> {
           printEngineBatch(model, B, o, v.name, several, runs);
         }
         gen.destroy();
-        readback.destroy();
       }
     }
     if (several) {
@@ -260,6 +264,7 @@ async function engine(): Promise<void> {
       }
     }
   }
+  for (const r of readbacks.values()) r.destroy();
   ctx.device.destroy();
 }
 
