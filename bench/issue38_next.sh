@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). Pending now,
-# in this order (about 20 of a session's 30 minutes): fills, decode, tiles, split345, then final once the
+# in this order (about 25 of a session's 30 minutes): fills, decode, attn, tiles, split345, then final once the
 # options that won are made defaults (bench/RESULTS.md, "Issue 38, a fifth session with no GPU lent",
 # says what each measures and what to do with it). The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
@@ -17,6 +17,7 @@
 #   source .device/env.sh; bash bench/issue38_next.sh gemv      # the decode gemv's tunings, then decode with its profile
 #   source .device/env.sh; bash bench/issue38_next.sh unroll    # the attention backward's loops 1, 2, 4 rows per trip
 #   source .device/env.sh; bash bench/issue38_next.sh fills     # attention fills and scattered sums, LayerNorm rows, column sums' loads
+#   source .device/env.sh; bash bench/issue38_next.sh attn      # the attention kernels alone: dQ and dK/dV tilings
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
@@ -26,7 +27,7 @@
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|tiles|split345|tiles124|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -100,11 +101,14 @@ case $part in
     ;;
   fills)
     # Each option in the step against the default, in one process (2 rounds, each with a profiled step:
-    # the kernel families' times), the PyTorch peer once per model in the same call; then the
-    # attention kernels alone.
-    run 450 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --rounds 2 --torch \
+    # the kernel families' times), the PyTorch peer once per model in the same call.
+    run 540 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --rounds 2 --torch \
       --variants "default;--attn-fills;--attn-scatter;--ln-written;--colsum-unroll 32;--attn-fills --attn-scatter --ln-written --colsum-unroll 32"
-    run 150 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    ;;
+  attn)
+    # The attention kernels alone: the pick, the stored-dS pair with every dQ tiling (8 queries a thread
+    # among them), fills written out, the dK/dV sums reduce-scattered at seven tilings.
+    run 540 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
   tiles)
     # Every matmul tile of 345M's step chosen inside the step (one step per candidate); split345
@@ -131,7 +135,7 @@ case $part in
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, tiles, split345, tiles124, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, learn or final" >&2
     exit 2
     ;;
 esac
