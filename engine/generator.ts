@@ -114,9 +114,10 @@ export class Generator {
       lmHead: opts.lmHead ?? "f32",
       onCompile: opts.onCompile ?? (() => {}),
       readback: opts.readback ?? null,
-      // The decode kernels' choices, every default here (bench/RESULTS.md, issue 38, names what
-      // decides each): residual reduces left to the next gemv at up to 0 rows, loop-written sampler off.
-      kernels: { residualRows: 0, writtenSampler: false, ...opts.kernels },
+      // The decode kernels' choices, every default here (bench/RESULTS.md, issue 38): the residual
+      // reduces left to the next gemv in one-row steps (1.08x at one stream on the H200, every run
+      // above the default's; no gain at 2 or 16 rows), the sampler's loops as they were.
+      kernels: { residualRows: 1, writtenSampler: false, ...opts.kernels },
     };
     const g = new Generator(await GenBuffers.create(ctx, config, params, full));
     await g.#grow(Math.min(maxStreams, 4));

@@ -24,6 +24,7 @@ import { DROPOUT_SLOT_BYTES, dropoutSite } from "../../model/rng.ts";
 import { type Op, type OpBatch, type OpKind, type Phase, PipelineCache, type View } from "../ops.ts";
 import {
   type AttentionSpec,
+  BACKWARD_Q_TILINGS,
   backwardKVSpec,
   type BackwardTiling,
   chooseAttentionSplit,
@@ -32,6 +33,7 @@ import {
   chooseFlashForward,
   chooseSplitAttentionTiles,
   type FlashTiles,
+  SCATTER_KV_TILINGS,
 } from "../kernels/attention.ts";
 import {
   chooseDqScoresTile,
@@ -335,9 +337,11 @@ function kernelChoices(
       cpuDirect,
       opts.kernels?.attentionBackwardTiles !== false,
       opts.kernels?.attentionUnroll,
+      // Both measured faster in the training step on the H200 (bench/RESULTS.md, issue 38, fifth
+      // session); they keep every value. The split kernels they change run on GPUs only.
       {
-        writtenFills: opts.kernels?.attentionFills ?? false,
-        scatterSums: opts.kernels?.attentionScatter ?? false,
+        writtenFills: opts.kernels?.attentionFills ?? true,
+        scatterSums: opts.kernels?.attentionScatter ?? true,
       },
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
@@ -507,7 +511,7 @@ function attentionSpec(
           maxWorkgroupBytes: wgBytes,
           maxThreads: ctx.limits.maxComputeInvocationsPerWorkgroup,
           subgroupMinSize: ctx.subgroupMinSize,
-        }),
+        }, scatterSums ? { kv: SCATTER_KV_TILINGS, q: BACKWARD_Q_TILINGS } : undefined),
         unroll,
       )
       : {}),
@@ -673,7 +677,16 @@ export function gradView(g: GraphBuilder, t: Backprop, name: string): View {
   return flatView(t.grads, p.offset, p.size);
 }
 
-/** Loads in flight per thread of the column sums (PlanOptions kernels.columnSumUnroll, default 8). */
+/**
+ * Loads in flight per thread of the column sums (PlanOptions kernels.columnSumUnroll): 32 on GPUs
+ * (measured faster in the step on the H200, issue 38), 8 on CPU adapters, whose compiler takes long
+ * over kernels written out. The same sums at any count.
+ */
 export function colsumUnroll(g: GraphBuilder): number {
-  return g.opts.kernels?.columnSumUnroll ?? 8;
+  return g.opts.kernels?.columnSumUnroll ?? (isCpuAdapter(g.ctx) ? 8 : 32);
+}
+
+/** LayerNorm rows in registers (PlanOptions kernels.layernormWritten): on GPUs by default, as colsumUnroll. */
+export function layernormWritten(g: GraphBuilder): boolean {
+  return g.opts.kernels?.layernormWritten ?? !isCpuAdapter(g.ctx);
 }

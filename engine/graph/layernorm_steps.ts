@@ -18,6 +18,7 @@ import {
   dtypeOf,
   gradView,
   type GraphBuilder,
+  layernormWritten,
   op,
   param,
   rowsGrid,
@@ -33,7 +34,7 @@ export function layernormForward(
   out: GPUBuffer,
   st: GPUBuffer,
 ): Op {
-  const written = g.opts.kernels?.layernormWritten ?? false;
+  const written = layernormWritten(g);
   return op(g, "forward", "layernorm", label, layernormForwardWgsl(g.dims.C, dtypeOf(g, out), written), [
     whole(x),
     param(g, name + ".weight"),
@@ -66,7 +67,7 @@ export function layernormBackward(
       "backward",
       "layernorm",
       label + ".dx",
-      layernormBackwardWgsl(C, accumulate, g.opts.kernels?.layernormWritten),
+      layernormBackwardWgsl(C, accumulate, layernormWritten(g)),
       [
         whole(dy),
         whole(x),

@@ -172,6 +172,17 @@ export const BACKWARD_KV_TILINGS: readonly BackwardTiling[] = [
   { split: 4, BQ: 32, BKV: 64, rows: 2 },
 ];
 
+/**
+ * dK/dV tilings with the sums reduce-scattered (AttentionSpec.scatterSums), preferred first: 4
+ * threads a key and 2 keys a group, timed alone on the H200 at 1.189 against 1.290 ms a 124M layer
+ * and 1.527 against 1.653 for 345M (bench attention --quick, issue 38, fifth session), then the
+ * butterfly's own.
+ */
+export const SCATTER_KV_TILINGS: readonly BackwardTiling[] = [
+  { split: 4, BQ: 32, BKV: 64, rows: 2, unroll: 4 },
+  ...BACKWARD_KV_TILINGS,
+];
+
 /** dQ tilings, fastest first (see chooseBackwardTilings). */
 export const BACKWARD_Q_TILINGS: readonly BackwardTiling[] = [
   // Unroll 4: 1.056 -> 0.876 ms a 124M layer alone (same run); the step 212.9 -> 210.3 ms.

@@ -38,11 +38,14 @@ async function stepLabels(streams: number, opts: Partial<GeneratorOptions>): Pro
 
 Deno.test({
   name:
-    "a decode step runs 7 kernels a layer and 4 more with the GPUs' kernels (the qkv and fc reduces fused)",
+    "a decode step runs 7 kernels a layer and 4 more with the GPUs' kernels (the qkv and fc reduces fused), the residual reduces kept",
   ignore: noGpu,
   fn: async () => {
     for (const streams of [1, 3]) {
-      const labels = await stepLabels(streams, { cpuUniform: false, kernels: { cpuHead: false } });
+      const labels = await stepLabels(streams, {
+        cpuUniform: false,
+        kernels: { cpuHead: false, residualRows: 0 },
+      });
       assert.equal(labels.length, 7 * config.n_layer + 4, `${streams} streams: ${labels.join(" ")}`);
       const layer = labels.filter((l) => l.startsWith("dec.l1.")).map((l) => l.slice("dec.l1.".length));
       assert.deepEqual(layer, [
@@ -72,16 +75,20 @@ Deno.test({
     const ctx = (await testContext())!;
     const layer = (await stepLabels(1, {})).filter((l) => l.startsWith("dec.l0."));
     assert.equal(layer.includes("dec.l0.fc.sum"), isCpuAdapter(ctx), layer.join(" "));
-    assert.equal(layer.length, isCpuAdapter(ctx) ? 8 : 7, layer.join(" "));
+    // GPUs: a one-row step also leaves its residual reduces to the next gemv by default (residualRows 1).
+    assert.equal(layer.length, isCpuAdapter(ctx) ? 8 : 5, layer.join(" "));
   },
 });
 
 Deno.test({
   name:
-    "with kernels.residualRows a decode step of that many rows runs 5 kernels a layer (the proj and fcproj reduces in the next gemv), more rows 7",
+    "with kernels.residualRows a decode step of that many rows runs 5 kernels a layer (the proj and fcproj reduces in the next gemv), more rows 7; by default one row",
   ignore: noGpu,
   fn: async () => {
     const L = config.n_layer;
+    const byDefault = async (streams: number) =>
+      (await stepLabels(streams, { cpuUniform: false, kernels: { cpuHead: false } })).length;
+    assert.deepEqual([await byDefault(1), await byDefault(2)], [5 * L + 1 + 4, 7 * L + 4]);
     for (const [streams, fused] of [[1, true], [2, true], [3, false]] as const) {
       const labels = await stepLabels(streams, {
         cpuUniform: false,

@@ -127,7 +127,14 @@ Deno.test({
       tr.destroy();
       return out;
     };
-    const loops = await run(gpuKernels);
+    // The loops as they were (each choice named: GPUs now default to the written-out kernels).
+    const loops = await run({
+      ...gpuKernels,
+      attentionFills: false,
+      layernormWritten: false,
+      columnSumUnroll: 8,
+      attentionScatter: false,
+    });
     const written = await run({
       ...gpuKernels,
       attentionFills: true,
