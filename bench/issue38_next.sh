@@ -94,7 +94,7 @@ case $part in
     run 200 deno run -A bench/split_sweep.ts --models gpt2-124M --splits 2,3,5,6,8 --emit "$out/split_rules_head.json"
     ;;
   final)
-    run 220 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --torch
+    run 220 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --torch --ops
     cache=$(mktemp -d)
     run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
       --model gpt2-124M --batch 8 --seq 1024
