@@ -43,6 +43,41 @@ export {
   ft,
 } from "./attention_flash.ts";
 
+const range = (n: number) => [...Array(n).keys()];
+
+/**
+ * One WGSL line per vec4 column c < n, joined by `sep`: a newline and that many spaces of indent,
+ * or the string given (" " keeps them on one line).
+ */
+function cols(n: number, f: (c: number) => string, sep: number | string): string {
+  return range(n).map(f).join(typeof sep === "number" ? "\n" + " ".repeat(sep) : sep);
+}
+
+/**
+ * One key of the forward's online softmax: the running max m, sum l and output columns o0…o(n-1)
+ * take score `sc`, rescaled when it raises the max; `ok` (a bool expression) masks the key without
+ * branching away, `pd` declares the key's weight in the output from `p`, `v(c)` is the key's value
+ * column c. Lines after the first are indented by `ind` spaces.
+ */
+function onlineSoftmaxStep(
+  o: { n: number; ok?: string; pd: string; v: (c: number) => string },
+  ind: number,
+): string {
+  const nl = "\n" + " ".repeat(ind);
+  return [
+    `if (${o.ok ? `${o.ok} && ` : ""}sc > m) {`,
+    `  let corr = exp(m - sc);`,
+    `  l = l * corr;`,
+    `  ${cols(o.n, (c) => `o${c} = o${c} * corr;`, " ")}`,
+    `  m = sc;`,
+    `}`,
+    `let p = ${o.ok ? `select(0.0, exp(sc - m), ${o.ok})` : "exp(sc - m)"};`,
+    `l = l + p;`,
+    o.pd,
+    cols(o.n, (c) => `o${c} = fma(vec4<f32>(pd), ${o.v(c)}, o${c});`, ind),
+  ].join(nl);
+}
+
 function dotExpr(a: (c: number) => string, b: (c: number) => string, D4: number): string {
   const terms: string[] = [];
   for (let c = 0; c < D4; c++) terms.push(`dot(${a(c)}, ${b(c)})`);
@@ -87,7 +122,6 @@ function attentionForwardPlainWgsl(s: AttentionSpec): string {
   if (s.flash) return flashForwardWgsl(s);
   if ((s.split ?? 1) > 1) return attentionForwardSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${forwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
@@ -100,8 +134,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qi = wg.x * ${s.BQ}u + tid;
   let qok = qi < ${s.T}u;
   let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
-  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
-  ${range(D4).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`, 2)}
+  ${cols(D4, (c) => `var o${c} = vec4<f32>(0.0);`, 2)}
   var m = -1e30;
   var l = 0.0;
   let kvEnd = min(${s.T}u, wg.x * ${s.BQ}u + ${s.BQ}u);
@@ -117,23 +151,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     for (var j = 0u; j < jn; j = j + 1u) {
       let kb = j * ${D4}u;
       let sc = ${dotExpr((c) => `q${c}`, (c) => `Ks[kb + ${c}u]`, D4)};
-      if (sc > m) {
-        let corr = exp(m - sc);
-        l = l * corr;
-        ${range(D4).map((c) => `o${c} = o${c} * corr;`).join(" ")}
-        m = sc;
-      }
-      let p = exp(sc - m);
-      l = l + p;
-      ${s.dropout ? `let kj = kt + j; let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
-      ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c}u], o${c});`).join("\n      ")}
+      ${
+    onlineSoftmaxStep({
+      n: D4,
+      pd: s.dropout ? `let kj = kt + j; let pd = p * keep(${dropIdx(s)});` : "let pd = p;",
+      v: (c) => `Vs[kb + ${c}u]`,
+    }, 6)
+  }
     }
     workgroupBarrier();
   }
   if (qok) {
     let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
     let inv = 1.0 / l;
-    ${range(D4).map((c) => `y[orow + ${c}u] = o${c} * inv;`).join("\n    ")}
+    ${cols(D4, (c) => `y[orow + ${c}u] = o${c} * inv;`, 4)}
     lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l);
   }
 }
@@ -149,7 +180,6 @@ function attentionForwardSplitWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
   const S = s.split!, N = D4 / S, NT = s.BQ * S;
   if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
-  const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   return `
 ${forwardBindings(s)}
@@ -164,8 +194,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qi = wg.x * ${s.BQ}u + tid / ${S}u;
   let qok = qi < ${s.T}u;
   let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
-  ${range(N).map((c) => `let q${c} = qkv[qrow + ${col(c)}] * ${scale};`).join("\n  ")}
-  ${range(N).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(N, (c) => `let q${c} = qkv[qrow + ${col(c)}] * ${scale};`, 2)}
+  ${cols(N, (c) => `var o${c} = vec4<f32>(0.0);`, 2)}
   var m = -1e30;
   var l = 0.0;
   let qLast = min(wg.x * ${s.BQ}u + ${s.BQ - 1}u, ${s.T - 1}u);
@@ -184,23 +214,21 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       ${rowSum("sc", S)}
       let kj = kt + j;
       let ok = kj <= qi;
-      if (ok && sc > m) {
-        let corr = exp(m - sc);
-        l = l * corr;
-        ${range(N).map((c) => `o${c} = o${c} * corr;`).join(" ")}
-        m = sc;
-      }
-      let p = select(0.0, exp(sc - m), ok);
-      l = l + p;
-      ${s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
-      ${range(N).map((c) => `o${c} = fma(vec4<f32>(pd), Vs[kb + ${c * S}u], o${c});`).join("\n      ")}
+      ${
+    onlineSoftmaxStep({
+      n: N,
+      ok: "ok",
+      pd: s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;",
+      v: (c) => `Vs[kb + ${c * S}u]`,
+    }, 6)
+  }
     }
     workgroupBarrier();
   }
   if (qok) {
     let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
     let inv = 1.0 / l;
-    ${range(N).map((c) => `y[orow + ${col(c)}] = o${c} * inv;`).join("\n    ")}
+    ${cols(N, (c) => `y[orow + ${col(c)}] = o${c} * inv;`, 4)}
     if (part == 0u) { lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l); }
   }
 }
@@ -237,7 +265,6 @@ function attentionBackwardKVPlainWgsl(s: AttentionSpec): string {
   if ((s.split ?? 1) > 1) return attentionBackwardKVSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1; // padded row stride of the per-thread rows, against bank conflicts
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${backwardBindings(s)}
 var<workgroup> Qs: array<vec4<f32>, ${s.BQ * D4}>;
@@ -255,10 +282,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let kok = kj < ${s.T}u;
   let krow = (b * ${s.T}u + min(kj, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
   let own = tid * ${P}u;
-  ${range(D4).map((c) => `Kown[own + ${c}u] = qkv[krow + ${C4 + c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `Vown[own + ${c}u] = qkv[krow + ${2 * C4 + c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
-  ${range(D4).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `Kown[own + ${c}u] = qkv[krow + ${C4 + c}u];`, 2)}
+  ${cols(D4, (c) => `Vown[own + ${c}u] = qkv[krow + ${2 * C4 + c}u];`, 2)}
+  ${cols(D4, (c) => `var dk${c} = vec4<f32>(0.0);`, 2)}
+  ${cols(D4, (c) => `var dv${c} = vec4<f32>(0.0);`, 2)}
   let lhbase = (b * ${s.H}u + h) * ${s.T}u;
   for (var qt = (wg.x * ${s.BKV}u / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
     workgroupBarrier();
@@ -286,13 +313,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       : "let pd = p;"
   }
       let ds = p * (dp - Ds[i]);
-      ${range(D4).map((c) => `dv${c} = fma(vec4<f32>(pd), dOs[qb + ${c}u], dv${c});`).join("\n      ")}
-      ${range(D4).map((c) => `dk${c} = fma(vec4<f32>(ds), Qs[qb + ${c}u], dk${c});`).join("\n      ")}
+      ${cols(D4, (c) => `dv${c} = fma(vec4<f32>(pd), dOs[qb + ${c}u], dv${c});`, 6)}
+      ${cols(D4, (c) => `dk${c} = fma(vec4<f32>(ds), Qs[qb + ${c}u], dk${c});`, 6)}
     }
   }
   if (kok) {
-    ${range(D4).map((c) => `dqkv[krow + ${C4 + c}u] = dk${c};`).join("\n    ")}
-    ${range(D4).map((c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`).join("\n    ")}
+    ${cols(D4, (c) => `dqkv[krow + ${C4 + c}u] = dk${c};`, 4)}
+    ${cols(D4, (c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`, 4)}
   }
 }
 `;
@@ -304,7 +331,6 @@ function attentionBackwardQPlainWgsl(s: AttentionSpec): string {
   if ((s.split ?? 1) > 1) return attentionBackwardQSplitWgsl(s);
   const { D4, C4, R4, scale } = header(s);
   const P = D4 + 1;
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${backwardBindings(s)}
 var<workgroup> Ks: array<vec4<f32>, ${s.BKV * D4}>;
@@ -321,9 +347,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qrow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${R4}u + h * ${D4}u;
   let orow = (b * ${s.T}u + min(qi, ${s.T - 1}u)) * ${C4}u + h * ${D4}u;
   let own = tid * ${P}u;
-  ${range(D4).map((c) => `Qown[own + ${c}u] = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
-  ${range(D4).map((c) => `dOown[own + ${c}u] = dy[orow + ${c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `Qown[own + ${c}u] = qkv[qrow + ${c}u] * ${scale};`, 2)}
+  ${cols(D4, (c) => `dOown[own + ${c}u] = dy[orow + ${c}u];`, 2)}
+  ${cols(D4, (c) => `var dq${c} = vec4<f32>(0.0);`, 2)}
   let li = lse[(b * ${s.H}u + h) * ${s.T}u + min(qi, ${s.T - 1}u)];
   let di = delta[(b * ${s.H}u + h) * ${s.T}u + min(qi, ${s.T - 1}u)];
   let kvEnd = min(${s.T}u, wg.x * ${s.BQ}u + ${s.BQ}u);
@@ -344,11 +370,11 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       var dp = ${dotExpr((c) => `dOown[own + ${c}u]`, (c) => `Vs[kb + ${c}u]`, D4)};
       ${s.dropout ? `let kj = kt + j; dp = dp * keep(${dropIdx(s)});` : ""}
       let ds = p * (dp - di);
-      ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c}u], dq${c});`).join("\n      ")}
+      ${cols(D4, (c) => `dq${c} = fma(vec4<f32>(ds), Ks[kb + ${c}u], dq${c});`, 6)}
     }
   }
   if (qok) {
-    ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n    ")}
+    ${cols(D4, (c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`, 4)}
   }
 }
 `;
@@ -363,7 +389,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
  */
 function attentionForwardDirectWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${forwardBindings(s)}
 
@@ -374,27 +399,24 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let qi = wg.x * ${s.BQ}u + tid;
   if (qi >= ${s.T}u) { return; }
   let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
-  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
-  ${range(D4).map((c) => `var o${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`, 2)}
+  ${cols(D4, (c) => `var o${c} = vec4<f32>(0.0);`, 2)}
   var m = -1e30;
   var l = 0.0;
   for (var kj = 0u; kj <= qi; kj = kj + 1u) {
     let kb = (b * ${s.T}u + kj) * ${R4}u + h * ${D4}u;
     let sc = ${dotExpr((c) => `q${c}`, (c) => `qkv[kb + ${C4 + c}u]`, D4)};
-    if (sc > m) {
-      let corr = exp(m - sc);
-      l = l * corr;
-      ${range(D4).map((c) => `o${c} = o${c} * corr;`).join(" ")}
-      m = sc;
-    }
-    let p = exp(sc - m);
-    l = l + p;
-    ${s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;"}
-    ${range(D4).map((c) => `o${c} = fma(vec4<f32>(pd), qkv[kb + ${2 * C4 + c}u], o${c});`).join("\n    ")}
+    ${
+    onlineSoftmaxStep({
+      n: D4,
+      pd: s.dropout ? `let pd = p * keep(${dropIdx(s)});` : "let pd = p;",
+      v: (c) => `qkv[kb + ${2 * C4 + c}u]`,
+    }, 4)
+  }
   }
   let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
   let inv = 1.0 / l;
-  ${range(D4).map((c) => `y[orow + ${c}u] = o${c} * inv;`).join("\n  ")}
+  ${cols(D4, (c) => `y[orow + ${c}u] = o${c} * inv;`, 2)}
   lse[(b * ${s.H}u + h) * ${s.T}u + qi] = m + log(l);
 }
 `;
@@ -403,7 +425,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 /** dK and dV for CPU adapters: the plain kernel without workgroup tiles (see attentionForwardDirectWgsl). */
 function attentionBackwardKVDirectWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${backwardBindings(s)}
 
@@ -414,26 +435,26 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   let kj = wg.x * ${s.BKV}u + tid;
   if (kj >= ${s.T}u) { return; }
   let krow = (b * ${s.T}u + kj) * ${R4}u + h * ${D4}u;
-  ${range(D4).map((c) => `let k${c} = qkv[krow + ${C4 + c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `let v${c} = qkv[krow + ${2 * C4 + c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `var dk${c} = vec4<f32>(0.0);`).join("\n  ")}
-  ${range(D4).map((c) => `var dv${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `let k${c} = qkv[krow + ${C4 + c}u];`, 2)}
+  ${cols(D4, (c) => `let v${c} = qkv[krow + ${2 * C4 + c}u];`, 2)}
+  ${cols(D4, (c) => `var dk${c} = vec4<f32>(0.0);`, 2)}
+  ${cols(D4, (c) => `var dv${c} = vec4<f32>(0.0);`, 2)}
   let lhbase = (b * ${s.H}u + h) * ${s.T}u;
   for (var qi = kj; qi < ${s.T}u; qi = qi + 1u) {
     let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
     let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
-    ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n    ")}
-    ${range(D4).map((c) => `let do${c} = dy[orow + ${c}u];`).join("\n    ")}
+    ${cols(D4, (c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`, 4)}
+    ${cols(D4, (c) => `let do${c} = dy[orow + ${c}u];`, 4)}
     let sc = ${dotExpr((c) => `q${c}`, (c) => `k${c}`, D4)};
     let p = exp(sc - lse[lhbase + qi]);
     var dp = ${dotExpr((c) => `do${c}`, (c) => `v${c}`, D4)};
     ${s.dropout ? `let kp = keep(${dropIdx(s)}); let pd = p * kp; dp = dp * kp;` : "let pd = p;"}
     let ds = p * (dp - delta[lhbase + qi]);
-    ${range(D4).map((c) => `dv${c} = fma(vec4<f32>(pd), do${c}, dv${c});`).join("\n    ")}
-    ${range(D4).map((c) => `dk${c} = fma(vec4<f32>(ds), q${c}, dk${c});`).join("\n    ")}
+    ${cols(D4, (c) => `dv${c} = fma(vec4<f32>(pd), do${c}, dv${c});`, 4)}
+    ${cols(D4, (c) => `dk${c} = fma(vec4<f32>(ds), q${c}, dk${c});`, 4)}
   }
-  ${range(D4).map((c) => `dqkv[krow + ${C4 + c}u] = dk${c};`).join("\n  ")}
-  ${range(D4).map((c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`).join("\n  ")}
+  ${cols(D4, (c) => `dqkv[krow + ${C4 + c}u] = dk${c};`, 2)}
+  ${cols(D4, (c) => `dqkv[krow + ${2 * C4 + c}u] = dv${c};`, 2)}
 }
 `;
 }
@@ -441,7 +462,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
 /** dQ for CPU adapters: the plain kernel without workgroup tiles (see attentionForwardDirectWgsl). */
 function attentionBackwardQDirectWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
-  const range = (n: number) => [...Array(n).keys()];
   return `
 ${backwardBindings(s)}
 
@@ -453,9 +473,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   if (qi >= ${s.T}u) { return; }
   let qrow = (b * ${s.T}u + qi) * ${R4}u + h * ${D4}u;
   let orow = (b * ${s.T}u + qi) * ${C4}u + h * ${D4}u;
-  ${range(D4).map((c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`).join("\n  ")}
-  ${range(D4).map((c) => `let do${c} = dy[orow + ${c}u];`).join("\n  ")}
-  ${range(D4).map((c) => `var dq${c} = vec4<f32>(0.0);`).join("\n  ")}
+  ${cols(D4, (c) => `let q${c} = qkv[qrow + ${c}u] * ${scale};`, 2)}
+  ${cols(D4, (c) => `let do${c} = dy[orow + ${c}u];`, 2)}
+  ${cols(D4, (c) => `var dq${c} = vec4<f32>(0.0);`, 2)}
   let li = lse[(b * ${s.H}u + h) * ${s.T}u + qi];
   let di = delta[(b * ${s.H}u + h) * ${s.T}u + qi];
   for (var kj = 0u; kj <= qi; kj = kj + 1u) {
@@ -465,9 +485,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
     var dp = ${dotExpr((c) => `do${c}`, (c) => `qkv[kb + ${2 * C4 + c}u]`, D4)};
     ${s.dropout ? `dp = dp * keep(${dropIdx(s)});` : ""}
     let ds = p * (dp - di);
-    ${range(D4).map((c) => `dq${c} = fma(vec4<f32>(ds), qkv[kb + ${C4 + c}u], dq${c});`).join("\n    ")}
+    ${cols(D4, (c) => `dq${c} = fma(vec4<f32>(ds), qkv[kb + ${C4 + c}u], dq${c});`, 4)}
   }
-  ${range(D4).map((c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`).join("\n  ")}
+  ${cols(D4, (c) => `dqkv[qrow + ${c}u] = dq${c} * ${scale};`, 2)}
 }
 `;
 }
@@ -556,7 +576,6 @@ function attentionBackwardKVSplitWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
   const S = s.split!, N = D4 / S, R = splitRows(s.kvRows ?? 1, s.BKV, "BKV"), G = s.BKV / R, NT = G * S;
   if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
-  const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   const each = (f: (r: number) => string, sep = "\n  ") => range(R).map(f).join(sep);
   const eachRC = (f: (r: number, c: number) => string, sep = "\n  ") =>
@@ -632,8 +651,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       s.kvUnroll ?? 1,
       `
       let qb = i * ${D4}u + part;
-      ${range(N).map((c) => `let q${c} = Qs[qb + ${c * S}u];`).join(" ")}
-      ${range(N).map((c) => `let o${c} = dOs[qb + ${c * S}u];`).join(" ")}
+      ${cols(N, (c) => `let q${c} = Qs[qb + ${c * S}u];`, " ")}
+      ${cols(N, (c) => `let o${c} = dOs[qb + ${c * S}u];`, " ")}
       ${scatter ? "" : sums.code}
       let qi = qt + i;
       let li = Ls[i];
@@ -657,8 +676,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${
     each((r) =>
       `if (kj${r} < ${s.T}u) {
-    ${range(N).map((c) => `dqkv[krow${r} + ${C4}u + ${col(c)}] = dk${r}_${c};`).join("\n    ")}
-    ${range(N).map((c) => `dqkv[krow${r} + ${2 * C4}u + ${col(c)}] = dv${r}_${c};`).join("\n    ")}
+    ${cols(N, (c) => `dqkv[krow${r} + ${C4}u + ${col(c)}] = dk${r}_${c};`, 4)}
+    ${cols(N, (c) => `dqkv[krow${r} + ${2 * C4}u + ${col(c)}] = dv${r}_${c};`, 4)}
   }`
     )
   }
@@ -701,7 +720,6 @@ function scatterPerm(R: number, S: number): string {
  */
 function scatteredScores(s: AttentionSpec, R: number, S: number, idx: (r: number) => string): string {
   const { D4 } = header(s), N = D4 / S;
-  const range = (n: number) => [...Array(n).keys()];
   const out: string[] = [];
   let names = range(R).map((r) => {
     out.push(
@@ -767,7 +785,6 @@ function attentionBackwardQSplitWgsl(s: AttentionSpec): string {
   const { D4, C4, R4, scale } = header(s);
   const S = s.split!, N = D4 / S, R = splitRows(s.qRows ?? 1, s.BQ, "BQ"), G = s.BQ / R, NT = G * S;
   if (D4 % S) throw new Error(`split ${S} does not divide D/4 = ${D4}`);
-  const range = (n: number) => [...Array(n).keys()];
   const col = (c: number) => `${c * S}u + part`;
   const each = (f: (r: number) => string, sep = "\n  ") => range(R).map(f).join(sep);
   const eachRC = (f: (r: number, c: number) => string, sep = "\n  ") =>
@@ -821,8 +838,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       s.qUnroll ?? 1,
       `
       let kb = j * ${D4}u + part;
-      ${range(N).map((c) => `let k${c} = Ks[kb + ${c * S}u];`).join(" ")}
-      ${range(N).map((c) => `let v${c} = Vs[kb + ${c * S}u];`).join(" ")}
+      ${cols(N, (c) => `let k${c} = Ks[kb + ${c * S}u];`, " ")}
+      ${cols(N, (c) => `let v${c} = Vs[kb + ${c * S}u];`, " ")}
       ${sums.code}
       let kj = kt + j;
       ${
@@ -838,7 +855,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${
     each((r) =>
       `if (qi${r} < ${s.T}u) {
-    ${range(N).map((c) => `dqkv[qrow${r} + ${col(c)}] = dq${r}_${c} * ${scale};`).join("\n    ")}
+    ${cols(N, (c) => `dqkv[qrow${r} + ${col(c)}] = dq${r}_${c} * ${scale};`, 4)}
   }`
     )
   }
