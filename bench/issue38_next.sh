@@ -21,13 +21,14 @@
 #   source .device/env.sh; bash bench/issue38_next.sh tiles     # 345M's matmul tiles chosen inside the step, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
+#   source .device/env.sh; bash bench/issue38_next.sh chunks    # the LM head's chunk of rows, 2048/4096/8192, matmuls by shape
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -131,11 +132,17 @@ case $part in
     [ -s "$out/tile_rules_124M.json" ] && run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 \
       --steps 10 --no-profile --tile-rules-json "$out/tile_rules_124M.json"
     ;;
+  chunks)
+    # The LM head's chunk of rows (today 512 MiB of logits: 2048 rows at 50,304) against 4096 and
+    # 8192, with the matmuls by shape: the LM head dx at 2048 rows is the slowest training matmul.
+    run 240 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ops --rounds 2 \
+      --variants "default;--head-chunk-rows 4096;--head-chunk-rows 8192"
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, learn or final" >&2
     exit 2
     ;;
 esac
