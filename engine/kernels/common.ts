@@ -41,6 +41,29 @@ export function grid1d(n: number, maxPerDim = 65535): [number, number, number] {
 /** WGSL expression of the linear workgroup id for a {@link grid1d} dispatch. */
 export const LINEAR_WG = "(wg.x + wg.y * nwg.x)";
 
+/** Words of 4 bytes that one workgroup of {@link zeroWordsWgsl} clears (256 threads, 4 each). */
+export const ZERO_WORDS_PER_GROUP = 1024;
+
+/**
+ * Sets the first `n` 32-bit words of a buffer binding to zero, whatever they hold (f32, f16 pairs):
+ * a dispatch of grid1d(ceil(n / ZERO_WORDS_PER_GROUP)). A kernel this small compiles in a few
+ * milliseconds, so it is cheaper than a second variant of a large kernel that stores instead of
+ * accumulating.
+ */
+export function zeroWordsWgsl(n: number): string {
+  return `@group(0) @binding(0) var<storage, read_write> out: array<u32>;
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) tid: u32) {
+  let base = ${LINEAR_WG} * ${ZERO_WORDS_PER_GROUP}u + tid;
+  for (var j = 0u; j < 4u; j = j + 1u) {
+    let i = base + j * 256u;
+    if (i < ${n}u) { out[i] = 0u; }
+  }
+}
+`;
+}
+
 /** Bytes of one uniform binding every WebGPU device allows (the minimum maxUniformBufferBindingSize). */
 export const UNIFORM_BINDING_BYTES = 65536;
 
