@@ -2,7 +2,8 @@
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). fills, attn and
 # decode ran on 2026-12-05 and their winners are the defaults (bench/RESULTS.md, "Issue 38, a fifth
 # session"); learn and final ran on an H100 in the sixth session, tiles and split345 (and the same for 124M)
-# in the seventh, whose rules are merged. Pending now, in this order: final on an H200, then learn.
+# in the seventh, whose rules are merged. Pending now: final on an H200, then learn, in one call (about
+# 4 minutes: `bash bench/issue38_next.sh final; bash bench/issue38_next.sh learn`).
 # The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
 # every round runs each option once, in an order turned each round, and the summary gives each one's
