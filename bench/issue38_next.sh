@@ -3,7 +3,7 @@
 # decode ran on 2026-12-05 and their winners are the defaults (bench/RESULTS.md, "Issue 38, a fifth
 # session"); learn and final ran on an H100 in the sixth session, tiles and split345 (and the same for 124M)
 # in the seventh, whose rules are merged. Pending now: final on an H200, then learn, in one call (about
-# 4 minutes: `bash bench/issue38_next.sh final; bash bench/issue38_next.sh learn`).
+# 4 minutes: `bash bench/issue38_next.sh final; bash bench/issue38_next.sh learn`), then dx124.
 # The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
 # every round runs each option once, in an order turned each round, and the summary gives each one's
@@ -24,13 +24,14 @@
 #   source .device/env.sh; bash bench/issue38_next.sh split345  # 345M's LM head dx split counts, with the tile rules
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh chunks    # the LM head's chunk of rows, 2048/4096/8192, matmuls by shape
+#   source .device/env.sh; bash bench/issue38_next.sh dx124     # split-K of 124M's attn_proj.dx, confirmed in the step
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -140,11 +141,20 @@ case $part in
     run 240 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ops --rounds 2 \
       --variants "default;--head-chunk-rows 4096;--head-chunk-rows 8192"
     ;;
+  dx124)
+    # 124M's attn_proj.dx (8192 x 768 x 768, 384 blocks of 128 x 128) is 0.3% under 36 TFLOP/s: K
+    # split 2 or 3 fills the SMs' second wave; then the step with what it emits, against without.
+    run 120 deno run -A bench/split_sweep.ts --models gpt2-124M --only '^attn_proj\.dx$' --splits 2,3 \
+      --emit "$out/split_rules_dx124.json"
+    [ -s "$out/split_rules_dx124.json" ] && [ "$(cat "$out/split_rules_dx124.json")" != "[]" ] &&
+      run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
+        --variants "default;--tile-rules-json $out/split_rules_dx124.json"
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, learn or final" >&2
     exit 2
     ;;
 esac

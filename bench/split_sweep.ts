@@ -10,6 +10,7 @@
  *
  *   deno run -A bench/split_sweep.ts [--models gpt2-124M,gpt2-345M] [--batch 8] [--seq 1024]
  *                                    [--splits 2,3,4,5,6,7,8,11,12] [--steps 3] [--emit rules.json]
+ *                                    [--only REGEX (backward op names instead, e.g. '^attn_proj\.dx$')]
  *
  * `--emit F` writes the best count of each shape as tile rules (the pick's tile, its splitK), with
  * their rates and a note, for `deno task bench train --tile-rules-json F` to confirm and for
@@ -38,9 +39,14 @@ function arg(name: string, def: string): string {
   return i >= 0 && i + 1 < Deno.args.length ? Deno.args[i + 1] : def;
 }
 
-/** The shapes whose split count is worth choosing: transposed-A weight gradients of few blocks, and lm_head.dx. */
-export function splitShapes(shapes: BenchShape[]): BenchShape[] {
+/**
+ * The shapes whose split count is worth choosing: transposed-A weight gradients of few blocks, and
+ * lm_head.dx; with `only`, instead every backward matmul (.dx, .dw: a training step splits K only
+ * in the backward pass) whose op name it matches.
+ */
+export function splitShapes(shapes: BenchShape[], only?: RegExp): BenchShape[] {
   return shapes.filter((s) => {
+    if (only) return /\.(dx|dw)$/.test(s.op) && only.test(s.op);
     const blocks = Math.ceil(s.spec.M / 128) * Math.ceil(s.spec.N / 128);
     return s.op === "lm_head.dx" || (s.spec.transA && !s.spec.transB && blocks < 264);
   });
@@ -84,6 +90,7 @@ if (import.meta.main) {
   const B = +arg("batch", cpu ? "4" : "8"), T = +arg("seq", cpu ? "64" : "1024");
   const steps = +arg("steps", cpu ? "2" : "3");
   const splits = arg("splits", "2,3,4,5,6,7,8,11,12").split(",").map(Number);
+  const onlyArg = arg("only", ""), only = onlyArg ? new RegExp(onlyArg) : undefined;
   if (splits.some((s) => !Number.isInteger(s) || s < 1)) {
     throw new Error(`--splits: positive integers, got ${splits}`);
   }
@@ -97,7 +104,9 @@ if (import.meta.main) {
     const BT = B * T;
     const shapes = splitShapes(
       gpt2MatmulShapes(model, config, BT, headChunkRows(ctx.limits, config, BT), "fp32"),
+      only,
     );
+    if (shapes.length === 0) throw new Error(`--only ${only}: no backward matmul of ${model} matches`);
     // The plan's split-K scratch (model/plan.ts, training): what a slice count must fit in.
     const scratch = 4 * Math.min(MATMUL_PART_FLOATS, 8 * 4 * config.n_embd ** 2);
     const pick = new Map(

@@ -10,7 +10,7 @@ import { presetConfig } from "../../model/config.ts";
 import { MATMUL_PART_FLOATS } from "../../model/plan.ts";
 import { chooseTile, MATMUL_TILE_RULES, tileName } from "../../engine/kernels/matmul.ts";
 import { gpt2MatmulShapes } from "../../bench/matmul_bench.ts";
-import { ruleFor } from "../../bench/split_sweep.ts";
+import { ruleFor, splitShapes } from "../../bench/split_sweep.ts";
 import { sweepRefusal, sweepTiles, withPickSplit } from "../../bench/tile_sweep.ts";
 import { mergeTileRules } from "../../bench/merge_tile_rules.ts";
 
@@ -86,4 +86,14 @@ Deno.test("merge_tile_rules puts measured rules first, each in place of the tabl
     ["NN", 16, 1],
   ]);
   assert.throws(() => mergeTileRules(table, [table[0], table[0]]), RangeError);
+});
+
+Deno.test("split_sweep's shapes: few-block weight gradients and the LM head dx, or with --only the backward ops it names", () => {
+  const shapes = gpt2MatmulShapes("gpt2-124M", presetConfig("gpt2-124M"), 8192, 2048, "fp32");
+  const ops = (only?: RegExp) => splitShapes(shapes, only).map((s) => s.op).sort();
+  assert.deepEqual(ops(), ["attn_proj.dw", "fc.dw", "fc_proj.dw", "lm_head.dx", "qkv.dw"]);
+  assert.deepEqual(ops(/^attn_proj\.dx$/), ["attn_proj.dx"]);
+  // A forward matmul never splits K in a training step, so --only leaves it out.
+  assert.deepEqual(ops(/^attn_proj/), ["attn_proj.dw", "attn_proj.dx"]);
+  assert.deepEqual(ops(/^qkv$/), []);
 });
