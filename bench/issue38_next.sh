@@ -25,13 +25,15 @@
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh chunks    # the LM head's chunk of rows, 2048/4096/8192, matmuls by shape
 #   source .device/env.sh; bash bench/issue38_next.sh dx124     # split-K of 124M's attn_proj.dx, confirmed in the step
+#   source .device/env.sh; bash bench/issue38_next.sh n768      # 124M's attn_proj and dx on blocks 96 wide or tall, confirmed
+#   source .device/env.sh; bash bench/issue38_next.sh attnpeer  # PyTorch's fp32 attention beside ours alone
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -150,11 +152,26 @@ case $part in
       run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
         --variants "default;--tile-rules-json $out/split_rules_dx124.json"
     ;;
+  n768)
+    # 124M's attn_proj and its dx (8192 x 768 x 768) with the blocks 96 wide or tall (tile_sweep's
+    # candidates 14-18) against the pick inside the step, then the step with what it emits, against without.
+    run 200 deno run -A bench/tile_sweep.ts --models gpt2-124M --only '^attn_proj(\.dx)?$' \
+      --candidates 14,15,16,17,18 --emit "$out/tile_rules_n768.json"
+    [ -s "$out/tile_rules_n768.json" ] && [ "$(cat "$out/tile_rules_n768.json")" != "[]" ] &&
+      run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
+        --variants "default;--tile-rules-json $out/tile_rules_n768.json"
+    ;;
+  attnpeer)
+    # PyTorch's fp32 scaled-dot-product attention (memory-efficient, math, default; TF32 off and on)
+    # beside ours alone, in one call: what the attention backward target of 30 TFLOP/s compares with.
+    run 120 python3 bench/torch_attention.py
+    run 400 deno task bench attention --models gpt2-124M,gpt2-345M --quick
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, learn or final" >&2
     exit 2
     ;;
 esac

@@ -48,7 +48,7 @@ function arg(name: string, def: string): string {
 /**
  * The candidate tiles, tried on every shape: the second kernel generation on 128 × 128 blocks of
  * 8 × 8 per thread with each depth, buffering, warp shape and transposing load, the half-size
- * blocks, and the first generation's 128 × 128 at depths 8, 16 and 32.
+ * blocks, the first generation's 128 × 128 at depths 8, 16 and 32, and blocks 96 wide or tall.
  */
 export function sweepTiles(): MatmulTile[] {
   const g2 = { gen: 2 } as const;
@@ -68,6 +68,14 @@ export function sweepTiles(): MatmulTile[] {
     { BM: 128, BN: 128, BK: 16, TM: 8, TN: 8 },
     { BM: 128, BN: 128, BK: 8, TM: 8, TN: 8 },
     { BM: 128, BN: 128, BK: 32, TM: 8, TN: 8 },
+    // Blocks 96 wide or tall at depth 24 (192 threads), for N = 768: 124M's attn_proj and its dx
+    // run 384 blocks of 128 × 128, about 1.45 waves of an H100's or H200's 132 SMs at 2 blocks
+    // each; 128 × 96 makes 512 blocks (1.94 waves), 64 × 96 1024 blocks at 4 an SM.
+    { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8 },
+    { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 4 },
+    { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 4, transposeLoad: "k" },
+    { BM: 96, BN: 128, BK: 24, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 8 },
+    { BM: 64, BN: 96, BK: 24, TM: 8, TN: 4, ...g2, buffers: 2, warpN: 8 },
   ];
 }
 

@@ -269,6 +269,28 @@ Deno.test({
 });
 
 Deno.test({
+  name: "matmulWgsl() runs blocks 96 wide at depth 24 (192 threads) in both generations and layouts",
+  ignore: noGpu,
+  fn: async () => {
+    // 768 / 96 = 8 column blocks: 512 workgroups for 124M's 8192 × 768 × 768, about two full waves
+    // where 128 × 128's 384 leave the second half empty.
+    const tiles: MatmulTile[] = [
+      { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8 },
+      { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8, gen: 2, buffers: 2, warpN: 4 },
+      { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8, gen: 2, buffers: 2, warpN: 4, transposeLoad: "k" },
+    ];
+    for (const tile of tiles) {
+      for (const transB of [false, true]) {
+        for (const [M, N, K] of [[256, 192, 96], [200, 100, 52]]) {
+          const err = await run({ ...base, M, N, K, transA: false, transB }, tile);
+          assert.ok(err < 1e-5, `${tileName(tile)} ${M}x${N}x${K} transB=${transB}: rel err ${err}`);
+        }
+      }
+    }
+  },
+});
+
+Deno.test({
   name: "matmulKernels() split-K sums its slices and applies every epilogue in the reduction",
   ignore: noGpu,
   fn: async () => {
