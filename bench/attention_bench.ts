@@ -66,7 +66,8 @@ const dqName = (t: DqScoresTile) => `${t.BQ}x${t.BK}c${t.CP}${(t.RQ ?? 4) === 8 
 /**
  * dK/dV tilings timed with their sums reduce-scattered (AttentionSpec.scatterSums) in --quick: the
  * pick (BACKWARD_KV_TILINGS' first), a longer query tile, more keys a workgroup, fewer keys per
- * group, and 4 threads a key (which spilled with the butterfly's 4 exps and 24 shuffles a row).
+ * group, 4 threads a key (which spilled with the butterfly's 4 exps and 24 shuffles a row), and
+ * 4 threads a key with half the keys a workgroup.
  */
 const SCATTER_KV_TILINGS: BackwardTiling[] = [
   { split: 8, BQ: 32, BKV: 64, rows: 4, unroll: 4 },
@@ -76,6 +77,10 @@ const SCATTER_KV_TILINGS: BackwardTiling[] = [
   { split: 8, BQ: 32, BKV: 64, rows: 4, unroll: 2 },
   { split: 4, BQ: 32, BKV: 64, rows: 4, unroll: 2 },
   { split: 4, BQ: 32, BKV: 64, rows: 2, unroll: 4 },
+  // Half the keys a workgroup (64 threads): at ~180 registers a thread, 5 workgroups of 2 warps fit
+  // an SM where 2 of 4 do, at the cost of reading each query tile for half as many keys.
+  { split: 4, BQ: 32, BKV: 32, rows: 2, unroll: 4 },
+  { split: 4, BQ: 64, BKV: 32, rows: 2, unroll: 4 },
 ];
 
 function arg(args: string[], name: string, def: string): string {
