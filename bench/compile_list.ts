@@ -27,7 +27,8 @@
  *
  * Options: `--model`, `--batch`, `--seq`, `--set key=json` (any other field of the /train request,
  * repeatable: `--set attention_dropout=0 --set precision='"fp16"'`), `--emulate h200|none`,
- * `--validate`, `--json <file>` (every pipeline with its WGSL), `--quiet` (groups and totals only).
+ * `--validate`, `--json <file>` (every pipeline with its WGSL), `--quiet` (groups and totals only),
+ * `--uniform-dims` (matmuls read their sizes from a uniform: GraphOptions.kernels.uniformDims).
  */
 import { type GpuContext, isCpuAdapter, openDevice } from "../engine/device.ts";
 import { Trainer } from "../engine/trainer.ts";
@@ -229,8 +230,10 @@ console.log(
     }, dp ${config.data_parallel} tp ${config.tensor_parallel}`,
 );
 const t0 = performance.now();
+const base = jobTrainerOptions(ctx, config, model);
 const trainer = await Trainer.create(ctx, {
-  ...jobTrainerOptions(ctx, config, model),
+  ...base,
+  ...(args.includes("--uniform-dims") ? { kernels: { ...base.kernels, uniformDims: true } } : {}),
   onCompile: (p) => progress.push(p),
 });
 const buildMs = performance.now() - t0;

@@ -27,13 +27,14 @@
 #   source .device/env.sh; bash bench/issue38_next.sh dx124     # split-K of 124M's attn_proj.dx, confirmed in the step
 #   source .device/env.sh; bash bench/issue38_next.sh n768      # 124M's attn_proj and dx on blocks 96 wide or tall, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh attnpeer  # PyTorch's fp32 attention beside ours alone
+#   source .device/env.sh; bash bench/issue38_next.sh dims      # matmul sizes in a uniform: the step and the cold compile
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|dims|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -167,11 +168,23 @@ case $part in
     run 120 python3 bench/torch_attention.py
     run 400 deno task bench attention --models gpt2-124M,gpt2-345M --quick
     ;;
+  dims)
+    # The matmuls' sizes read from a uniform (GraphOptions.kernels.uniformDims), so shapes that share
+    # a tile, layout and epilogue share a pipeline: the step against the default in one process
+    # (2 rounds, matmuls by shape), then the training job's cold compile without and with.
+    run 300 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ops --rounds 2 \
+      --variants "default;--uniform-dims"
+    for flag in "" --uniform-dims; do
+      cache=$(mktemp -d)
+      run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
+        --model gpt2-124M --batch 8 --seq 1024 --quiet $flag
+    done
+    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, dims, learn or final" >&2
     exit 2
     ;;
 esac

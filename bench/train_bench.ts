@@ -331,6 +331,7 @@ export function trainOptions(args: readonly string[]): TrainBenchOptions {
       ...(a.includes("--attn-fills") ? { attentionFills: true } : {}),
       ...(a.includes("--attn-scatter") ? { attentionScatter: true } : {}),
       ...(a.includes("--ln-written") ? { layernormWritten: true } : {}),
+      ...(a.includes("--uniform-dims") ? { uniformDims: true } : {}),
       ...(a.includes("--colsum-unroll")
         ? { columnSumUnroll: +arg(a, "colsum-unroll", "8") as 8 | 16 | 32 }
         : {}),

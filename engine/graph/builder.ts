@@ -102,6 +102,10 @@ export interface GraphBuilder {
   memoryBytes: number;
   /** CPU adapters: large matmuls read an operand as a uniform buffer (kernels/matmul_ubo.ts). */
   cpuUniform: boolean;
+  /** Tiled matmuls read their sizes from a uniform where they can (GraphOptions.kernels.uniformDims). */
+  uniformDims: boolean;
+  /** The sizes' uniforms made so far (dimsUniform), by their values. */
+  dimsUniforms: Map<string, GPUBuffer>;
   /** CPU adapters: the kernels without barriers (kernels/matmul_direct.ts, direct attention). */
   cpuDirect: boolean;
   /** Weights and activations in f16 (precision "fp16"). */
@@ -249,6 +253,8 @@ export async function createBuilder(
     buffers,
     memoryBytes,
     cpuUniform,
+    uniformDims: opts.kernels?.uniformDims ?? false,
+    dimsUniforms: new Map(),
     cpuDirect,
     fp16,
     f16Math: fp16 && (opts.f16Math ?? true),
@@ -590,6 +596,26 @@ export function op(
 /** The exchange summing `count` f32 of `buffer` over the tensor-parallel group. */
 export function allreduce(label: string, buffer: GPUBuffer, count: number): Sync {
   return { sync: "allreduce", label, buffer, count };
+}
+
+/**
+ * The uniform a matmul kernel reading its sizes binds at group 1 (MatmulKernel.dims): one 16-byte
+ * buffer per distinct value, made and written once, destroyed with the model.
+ */
+export function dimsUniform(g: GraphBuilder, dims: readonly number[]): GPUBuffer {
+  const key = dims.join(",");
+  let b = g.dimsUniforms.get(key);
+  if (!b) {
+    b = g.ctx.device.createBuffer({
+      label: `matmul_dims.${key}`,
+      size: 16,
+      usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST,
+    });
+    g.ctx.device.queue.writeBuffer(b, 0, new Uint32Array(dims));
+    g.dimsUniforms.set(key, b);
+    g.buffers.push(b);
+  }
+  return b;
 }
 
 /** A dropout site's slot of the dropout uniform, which an op reading that site binds at group 1. */

@@ -24,6 +24,7 @@ import {
   buf,
   colsumUnroll,
   CPU_MATMUL_MIN_MACS,
+  dimsUniform,
   drop,
   dropSlot,
   dtypeOf,
@@ -54,7 +55,7 @@ export function matmul(
   // Each binding's element type is its buffer's, as planned.
   const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(g, v.buffer)]));
   const math = g.f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
-  const full: MatmulSpec = { ...spec, dtypes, math };
+  const full: MatmulSpec = { ...spec, dtypes, math, ...(g.uniformDims ? { uniformDims: true } : {}) };
   const ubo = g.cpuUniform ? cpuMatmul(g, phase, label, full, views) : null;
   if (ubo) return ubo;
   const kind = phase === "forward" ? "matmul_fwd" : "matmul_bwd";
@@ -87,7 +88,11 @@ export function matmul(
       kernel.bindings.map((n) => n === "part" ? { buffer: g.matmulPart! } : views[n]),
       kernel.grid,
       {
-        uniform: kernel.uniform ? dropSlot(g, full.dropout!.site) : undefined,
+        uniform: kernel.uniform
+          ? dropSlot(g, full.dropout!.site)
+          : kernel.dims
+          ? dimsUniform(g, kernel.dims)
+          : undefined,
         flops: kernel.suffix === ".sum" ? 0 : matmulFlops(spec),
       },
     )

@@ -122,7 +122,7 @@ export async function buildModel(
  * Compiles every kernel of the build, against a known total (the buffers are freed if one fails).
  * On a CPU adapter each is also dispatched once, since Mesa compiles at the first dispatch: on
  * buffers that hold nothing yet (a shared parameter buffer only feeds a forward pass, which never
- * writes it), cleared again after.
+ * writes it), cleared again after (all but the matmuls' size uniforms).
  */
 async function compile(g: GraphBuilder): Promise<void> {
   const { ctx, opts, train, buffers } = g;
@@ -134,8 +134,10 @@ async function compile(g: GraphBuilder): Promise<void> {
     throw e;
   }
   if (warm) {
+    // The matmuls' size uniforms hold their values from the start (dimsUniform).
+    const sizes = new Set(g.dimsUniforms.values());
     const enc = ctx.device.createCommandEncoder();
-    for (const b of buffers) enc.clearBuffer(b);
+    for (const b of buffers) if (!sizes.has(b)) enc.clearBuffer(b);
     ctx.device.queue.submit([enc.finish()]);
   }
 }

@@ -128,6 +128,11 @@ export interface BuildOptions {
     columnSumUnroll?: 8 | 16 | 32;
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
+    /**
+     * Tiled matmuls read their sizes from a uniform where they can (MatmulSpec.uniformDims), so
+     * shapes that share a tile, layout and epilogue compile one pipeline (default false).
+     */
+    uniformDims?: boolean;
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
     /**

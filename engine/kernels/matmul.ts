@@ -48,6 +48,7 @@ import {
   type MatmulTile,
   splitSlices,
   tileName,
+  uniformDimsError,
 } from "./matmul_spec.ts";
 
 export * from "./matmul_spec.ts";
@@ -80,6 +81,7 @@ export function matmulKernels(spec: MatmulSpec, tile: MatmulTile): MatmulKernel[
       bindings: matmulBindings(spec),
       grid: [x, y, 1],
       uniform: !!spec.dropout,
+      ...kernelDims(spec, tile),
     }];
   }
   const [x, y] = matmulGrid(spec, tile);
@@ -90,6 +92,7 @@ export function matmulKernels(spec: MatmulSpec, tile: MatmulTile): MatmulKernel[
       bindings: ["A", "B", "part"],
       grid: [x, y, S],
       uniform: false,
+      ...kernelDims(spec, tile),
     },
     {
       suffix: ".sum",
@@ -156,6 +159,35 @@ export function finish(code: string, spec: MatmulSpec, h16: boolean, bindings: s
   return h16 && !out.startsWith("enable f16;") ? `enable f16;\n${out}` : out;
 }
 
+/** A kernel's sizes as its code reads them (see sizeExprs). */
+interface SizeExprs {
+  /** Read from the uniform `dims` (MatmulSpec.uniformDims) rather than written in. */
+  dyn: boolean;
+  M: string;
+  N: string;
+  K: string;
+  /** The split-K slice (K without split-K). */
+  Kc: string;
+  /** The uniform's declaration where the sizes are read from it. */
+  decl: string[];
+}
+
+/** M, N, K and the split-K slice as WGSL expressions: literals, or with uniformDims the uniform's fields. */
+function sizeExprs(spec: MatmulSpec, tile: MatmulTile): SizeExprs {
+  if (spec.uniformDims && uniformDimsError(spec, tile) === null) {
+    const decl = ["@group(1) @binding(0) var<uniform> dims: vec4<u32>;"];
+    return { dyn: true, M: "dims.x", N: "dims.y", K: "dims.z", Kc: "dims.w", decl };
+  }
+  const { Kc } = splitSlices(spec, tile);
+  return { dyn: false, M: `${spec.M}u`, N: `${spec.N}u`, K: `${spec.K}u`, Kc: `${Kc}u`, decl: [] };
+}
+
+/** The values a kernel's `dims` uniform holds, where it reads one. */
+function kernelDims(spec: MatmulSpec, tile: MatmulTile): { dims?: [number, number, number, number] } {
+  if (!sizeExprs(spec, tile).dyn) return {};
+  return { dims: [spec.M, spec.N, spec.K, splitSlices(spec, tile).Kc] };
+}
+
 /** Generation 1: one flat workgroup buffer per operand, two barriers per k-tile. */
 function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const { M, N, K, transA, transB } = spec;
@@ -168,7 +200,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
   const h16 = spec.math === "f16";
   /** The tile element type: f16 tiles with f16 math, else f32. */
   const tv = h16 ? "vec4<f16>" : "vec4<f32>";
-  const L: string[] = bindingDecls(matmulBindings(spec), h16);
+  const d = sizeExprs(spec, tile);
+  const L: string[] = [...bindingDecls(matmulBindings(spec), h16), ...d.decl];
   L.push(`var<workgroup> As: array<${tv}, ${aVec4s}>;`);
   L.push(`var<workgroup> Bs: array<${tv}, ${bVec4s}>;`);
   if (spec.dropout) L.push(dropWgsl());
@@ -185,8 +218,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     if (!transA) {
       // A [M,K]: vec4 along k. Tile = BM rows × BK/4 vec4.
       loadA.push(`{ let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
-      const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      const read = pro(`A[((m0 + row) * ${K}u + k0 + kq * 4u) / 4u]`);
+      const cond = [guardM ? `m0 + row < ${d.M}` : "", guardK ? `k0 + kq * 4u < ${d.K}` : ""].filter(Boolean);
+      const read = pro(`A[((m0 + row) * ${d.K} + k0 + kq * 4u) / 4u]`);
       loadA.push(
         `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
@@ -198,8 +231,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     } else {
       // A stored [K,M]: vec4 along m. Tile = BK rows × BM/4 vec4.
       loadA.push(`{ let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`);
-      const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      const read = pro(`A[((k0 + kr) * ${M}u + m0) / 4u + mq]`);
+      const cond = [guardM ? `m0 + mq * 4u < ${d.M}` : "", guardK ? `k0 + kr < ${d.K}` : ""].filter(Boolean);
+      const read = pro(`A[((k0 + kr) * ${d.M} + m0) / 4u + mq]`);
       loadA.push(
         `  ra${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
@@ -211,8 +244,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     if (!transB) {
       // B [K,N]: vec4 along n. Tile = BK rows × BN/4 vec4.
       loadB.push(`{ let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`);
-      const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      const read = `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`;
+      const cond = [guardN ? `n0 + nq * 4u < ${d.N}` : "", guardK ? `k0 + kr < ${d.K}` : ""].filter(Boolean);
+      const read = `B[((k0 + kr) * ${d.N} + n0) / 4u + nq]`;
       loadB.push(
         `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
@@ -220,8 +253,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     } else {
       // B stored [N,K]: vec4 along k. Tile = BN rows × BK/4 vec4.
       loadB.push(`{ let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`);
-      const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      const read = `B[((n0 + col) * ${K}u + k0 + kq * 4u) / 4u]`;
+      const cond = [guardN ? `n0 + col < ${d.N}` : "", guardK ? `k0 + kq * 4u < ${d.K}` : ""].filter(Boolean);
+      const read = `B[((n0 + col) * ${d.K} + k0 + kq * 4u) / 4u]`;
       loadB.push(
         `  rb${s} = ${cond.length ? `select(${tv}(0.0), ${read}, ${cond.join(" && ")})` : read}; }`,
       );
@@ -247,8 +280,8 @@ function gen1Wgsl(spec: MatmulSpec, tile: MatmulTile): string {
     : flushLines;
 
   // Epilogue per accumulator vec4.
-  const epi = epilogue(spec, tile, guardM, guardN);
-  const nTiles = Math.ceil(K / BK);
+  const epi = epilogue(spec, tile, guardM, guardN, d);
+  const nTiles = d.dyn ? `(${d.K} / ${BK}u)` : `${Math.ceil(K / BK)}u`;
   return finish(matmulCode(), spec, h16, matmulBindings(spec));
   function matmulCode(): string {
     return `${L.join("\n")}
@@ -266,9 +299,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${storeA.join("\n  ")}
   ${storeB.join("\n  ")}
   workgroupBarrier();
-  for (var t = 0u; t < ${nTiles}u; t = t + 1u) {
+  for (var t = 0u; t < ${nTiles}; t = t + 1u) {
     k0 = (t + 1u) * ${BK}u;
-    let more = t + 1u < ${nTiles}u;
+    let more = t + 1u < ${nTiles};
     if (more) {
       ${loadA.join("\n      ")}
       ${loadB.join("\n      ")}
@@ -404,9 +437,9 @@ function epilogue(
   tile: MatmulTile,
   guardM: boolean,
   guardN: boolean,
+  d: SizeExprs,
   part = false,
 ): string[] {
-  const { M, N } = spec;
   const { BM, BN, TM, TN } = tile;
   const gM = TM / 4, gN = TN / 4;
   const epi: string[] = [];
@@ -415,12 +448,14 @@ function epilogue(
       for (let h = 0; h < gN; h++) {
         const row = `(m0 + ${g * (BM / gM)}u + ty * 4u + ${i}u)`;
         const col = `(n0 + ${h * (BN / gN)}u + tx * 4u)`;
-        const conds = [guardM ? `${row} < ${M}u` : "", guardN ? `${col} < ${N}u` : ""].filter(Boolean);
-        const body = part ? [`part[((wg.z * ${M}u + ${row}) * ${N}u + ${col}) / 4u] = acc${g}_${i}_${h};`] : [
-          `let q = (${row} * ${N}u + ${col}) / 4u;`,
-          `var v = acc${g}_${i}_${h};`,
-          ...epilogueLines(spec, col),
-        ];
+        const conds = [guardM ? `${row} < ${d.M}` : "", guardN ? `${col} < ${d.N}` : ""].filter(Boolean);
+        const body = part
+          ? [`part[((wg.z * ${d.M} + ${row}) * ${d.N} + ${col}) / 4u] = acc${g}_${i}_${h};`]
+          : [
+            `let q = (${row} * ${d.N} + ${col}) / 4u;`,
+            `var v = acc${g}_${i}_${h};`,
+            ...epilogueLines(spec, col),
+          ];
         epi.push(conds.length ? `if (${conds.join(" && ")}) { ${body.join(" ")} }` : `{ ${body.join(" ")} }`);
       }
     }
@@ -438,7 +473,6 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   const { M, N, K, transA, transB } = spec;
   const { BM, BN, BK, TM, TN } = tile;
   const NB = tile.buffers ?? 1, warpN = tile.warpN ?? 0, byRows = (tile.transposeLoad ?? "mn") === "mn";
-  const { Kc } = splitSlices(spec, tile);
   const TX = BN / TN, TY = BM / TM, THREADS = TX * TY;
   const gM = TM / 4, gN = TN / 4;
   const guardM = M % BM !== 0, guardN = N % BN !== 0, guardK = K % BK !== 0;
@@ -449,7 +483,8 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
   // (row r at k, r at k+1, r+1 at k, r+1 at k+1), so a row's pair is a swizzle.
   const kp = !!tile.kPairs, KR = kp ? BK / 2 : BK, wv = kp ? "array<vec4<f16>, 2>" : tv;
   const bindings = partial ? ["A", "B", "part"] : matmulBindings(spec);
-  const L: string[] = bindingDecls(bindings, h16);
+  const d = sizeExprs(spec, tile);
+  const L: string[] = [...bindingDecls(bindings, h16), ...d.decl];
   L.push(`var<workgroup> As: array<array<array<array<${wv}, ${TY}>, ${gM}>, ${KR}>, ${NB}>;`);
   L.push(`var<workgroup> Bs: array<array<array<array<${wv}, ${TX}>, ${gN}>, ${KR}>, ${NB}>;`);
   if (kp) L.push(PACK_WGSL);
@@ -471,13 +506,13 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       if (s % 2) continue;
       const linP = `(${(s / 2) * THREADS}u + tid)`;
       const at = `let kp = ${linP} / ${BM / 4}u; let mq = ${linP} % ${BM / 4}u;`;
-      const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kp * 2u < ${K}u` : ""].filter(
+      const cond = [guardM ? `m0 + mq * 4u < ${d.M}` : "", guardK ? `k0 + kp * 2u < ${d.K}` : ""].filter(
         Boolean,
       );
       for (const r of [0, 1]) {
         loadA.push(
           `{ ${at}`,
-          guarded(`ra${s + r}`, pro(`A[((k0 + kp * 2u + ${r}u) * ${M}u + m0) / 4u + mq]`), cond),
+          guarded(`ra${s + r}`, pro(`A[((k0 + kp * 2u + ${r}u) * ${d.M} + m0) / 4u + mq]`), cond),
         );
       }
       storeA.push((b) => [`{ ${at} As[${b}][kp][mq / ${TY}u][mq % ${TY}u] = pk4(ra${s}, ra${s + 1}); }`]);
@@ -488,8 +523,8 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       const at = byRows
         ? `let row = ${lin} % ${BM}u; let kq = ${lin} / ${BM}u;`
         : `let row = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
-      const cond = [guardM ? `m0 + row < ${M}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${K}u + k0) / 4u + kq]`), cond));
+      const cond = [guardM ? `m0 + row < ${d.M}` : "", guardK ? `k0 + kq * 4u < ${d.K}` : ""].filter(Boolean);
+      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((m0 + row) * ${d.K} + k0) / 4u + kq]`), cond));
       storeA.push((b) => [
         `{ ${at} let mq = row / 4u;`,
         ...(kp
@@ -502,8 +537,8 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
     } else {
       // A stored [K,M]: vec4 along m.
       const at = `let kr = ${lin} / ${BM / 4}u; let mq = ${lin} % ${BM / 4}u;`;
-      const cond = [guardM ? `m0 + mq * 4u < ${M}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((k0 + kr) * ${M}u + m0) / 4u + mq]`), cond));
+      const cond = [guardM ? `m0 + mq * 4u < ${d.M}` : "", guardK ? `k0 + kr < ${d.K}` : ""].filter(Boolean);
+      loadA.push(`{ ${at}`, guarded(`ra${s}`, pro(`A[((k0 + kr) * ${d.M} + m0) / 4u + mq]`), cond));
       storeA.push((b) => [`{ ${at} As[${b}][kr][mq / ${TY}u][mq % ${TY}u] = ra${s}; }`]);
     }
   }
@@ -514,13 +549,13 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
       if (s % 2) continue;
       const linP = `(${(s / 2) * THREADS}u + tid)`;
       const at = `let kp = ${linP} / ${BN / 4}u; let nq = ${linP} % ${BN / 4}u;`;
-      const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kp * 2u < ${K}u` : ""].filter(
+      const cond = [guardN ? `n0 + nq * 4u < ${d.N}` : "", guardK ? `k0 + kp * 2u < ${d.K}` : ""].filter(
         Boolean,
       );
       for (const r of [0, 1]) {
         loadB.push(
           `{ ${at}`,
-          guarded(`rb${s + r}`, `B[((k0 + kp * 2u + ${r}u) * ${N}u + n0) / 4u + nq]`, cond),
+          guarded(`rb${s + r}`, `B[((k0 + kp * 2u + ${r}u) * ${d.N} + n0) / 4u + nq]`, cond),
         );
       }
       storeB.push((b) => [`{ ${at} Bs[${b}][kp][nq / ${TX}u][nq % ${TX}u] = pk4(rb${s}, rb${s + 1}); }`]);
@@ -529,16 +564,16 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
     if (!transB) {
       // B [K,N]: vec4 along n.
       const at = `let kr = ${lin} / ${BN / 4}u; let nq = ${lin} % ${BN / 4}u;`;
-      const cond = [guardN ? `n0 + nq * 4u < ${N}u` : "", guardK ? `k0 + kr < ${K}u` : ""].filter(Boolean);
-      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((k0 + kr) * ${N}u + n0) / 4u + nq]`, cond));
+      const cond = [guardN ? `n0 + nq * 4u < ${d.N}` : "", guardK ? `k0 + kr < ${d.K}` : ""].filter(Boolean);
+      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((k0 + kr) * ${d.N} + n0) / 4u + nq]`, cond));
       storeB.push((b) => [`{ ${at} Bs[${b}][kr][nq / ${TX}u][nq % ${TX}u] = rb${s}; }`]);
     } else {
       // B stored [N,K]: vec4 along k, stored transposed as 4 scalars (with k pairs: as two pairs of one column).
       const at = byRows
         ? `let col = ${lin} % ${BN}u; let kq = ${lin} / ${BN}u;`
         : `let col = ${lin} / ${BK / 4}u; let kq = ${lin} % ${BK / 4}u;`;
-      const cond = [guardN ? `n0 + col < ${N}u` : "", guardK ? `k0 + kq * 4u < ${K}u` : ""].filter(Boolean);
-      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${K}u + k0) / 4u + kq]`, cond));
+      const cond = [guardN ? `n0 + col < ${d.N}` : "", guardK ? `k0 + kq * 4u < ${d.K}` : ""].filter(Boolean);
+      loadB.push(`{ ${at}`, guarded(`rb${s}`, `B[((n0 + col) * ${d.K} + k0) / 4u + kq]`, cond));
       storeB.push((b) => [
         `{ ${at} let nq = col / 4u;`,
         ...(kp
@@ -579,8 +614,8 @@ function gen2Wgsl(spec: MatmulSpec, tile: MatmulTile, partial: boolean): string 
     ]
     : [`let tx = tid % ${TX}u;`, `let ty = tid / ${TX}u;`];
   const kRange = partial
-    ? [`let kBeg = wg.z * ${Kc}u;`, `let nT = (min(${K}u, kBeg + ${Kc}u) - kBeg + ${BK - 1}u) / ${BK}u;`]
-    : [`let kBeg = 0u;`, `let nT = ${Math.ceil(K / BK)}u;`];
+    ? [`let kBeg = wg.z * ${d.Kc};`, `let nT = (min(${d.K}, kBeg + ${d.Kc}) - kBeg + ${BK - 1}u) / ${BK}u;`]
+    : [`let kBeg = 0u;`, `let nT = ${d.dyn ? `${d.K} / ${BK}u` : `${Math.ceil(K / BK)}u`};`];
   const ind = (lines: string[], n: number) => lines.join("\n" + " ".repeat(n));
   const loop = NB === 1
     ? `for (var t = 0u; t < nT; t = t + 1u) {
@@ -634,7 +669,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${ind(stores(0), 2)}
   workgroupBarrier();
   ${loop}
-  ${ind(epilogue(spec, tile, guardM, guardN, partial), 2)}
+  ${ind(epilogue(spec, tile, guardM, guardN, d, partial), 2)}
 }
 `;
   return finish(code, spec, h16, bindings);

@@ -31,6 +31,13 @@ export interface MatmulSpec {
   math?: "f32" | "f16";
   /** Apply GELU to every element of A as it is loaded. */
   prologueA?: "gelu";
+  /**
+   * Read M, N, K and the split-K slice from a uniform at group 1 (`dims`: vec4<u32>) instead of
+   * writing them into the code, where uniformDimsError allows it: shapes that share a tile, a
+   * layout and an epilogue then share one pipeline, compiled once (MatmulKernel.dims holds the
+   * values to bind). Elsewhere the kernel is generated as without it.
+   */
+  uniformDims?: boolean;
 }
 
 /** Names of a matmul's storage bindings. */
@@ -82,6 +89,8 @@ export interface MatmulKernel {
   grid: [number, number, number];
   /** Binds the dropout uniform at group 1. */
   uniform: boolean;
+  /** Binds a uniform at group 1 holding these (M, N, K, split-K slice) as a vec4<u32> (MatmulSpec.uniformDims). */
+  dims?: [number, number, number, number];
 }
 
 /** One measured choice: the fields present must match the matmul; absent fields match anything. */
@@ -199,6 +208,19 @@ export function checkTile(spec: MatmulSpec, tile: MatmulTile): void {
   if (!Number.isInteger(s) || s < 1) {
     throw new RangeError(`Matmul tile splitK ${s} must be a positive integer`);
   }
+}
+
+/**
+ * Why `tile` cannot read `spec`'s sizes from a uniform (MatmulSpec.uniformDims), or null: the
+ * group-1 uniform holds the dropout slot where there is dropout, and a guarded block or k-tile
+ * would put the sizes in the code anyway.
+ */
+export function uniformDimsError(spec: MatmulSpec, tile: MatmulTile): string | null {
+  if (spec.dropout) return "its group-1 uniform is the dropout slot";
+  if (spec.M % tile.BM || spec.N % tile.BN || spec.K % tile.BK) {
+    return `${spec.M}x${spec.N}x${spec.K} is not a multiple of the ${tile.BM}x${tile.BN}x${tile.BK} blocks`;
+  }
+  return null;
 }
 
 /** Threads of one workgroup of a tile. */

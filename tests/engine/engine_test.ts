@@ -149,6 +149,35 @@ Deno.test({
 });
 
 Deno.test({
+  name:
+    "Trainer.trainStep() with the matmuls' sizes in a uniform compiles fewer pipelines and gives the same loss and gradients bit for bit (the GPUs' kernels, dropout)",
+  ignore: noGpu,
+  fn: async () => {
+    const tokens = batch(2);
+    const run = async (uniformDims: boolean) => {
+      const tr = await trainer(0.1, 7, { ...gpuKernels, uniformDims }, true);
+      const pipelines = new Set([...tr.model.forward, ...tr.model.loss, ...tr.model.backward].map((o) =>
+        o.pipeline
+      ))
+        .size;
+      tr.trainStep(tokens);
+      const out = { loss: (await tr.lastStats()).loss, grads: await tr.gradients(), pipelines };
+      tr.destroy();
+      return out;
+    };
+    const literal = await run(false), uniform = await run(true);
+    assert.equal(uniform.loss, literal.loss);
+    assert.ok(uniform.grads.some((g) => g !== 0));
+    assertSameFloats(uniform.grads, literal.grads, "the gradients");
+    // Shapes that share a tile, layout and epilogue share a pipeline (e.g. the weight gradients).
+    assert.ok(
+      uniform.pipelines < literal.pipelines,
+      `${uniform.pipelines} pipelines with the sizes in a uniform, ${literal.pipelines} without`,
+    );
+  },
+});
+
+Deno.test({
   name: "attentionScores: the dQ kernel does one product over the stored dS instead of three",
   ignore: noGpu,
   fn: async () => {

@@ -70,14 +70,21 @@ async function run(spec: MatmulSpec, tile: MatmulTile = chooseTile(spec)) {
   ctx.device.queue.writeBuffer(uniform, 0, u);
   const cache = new PipelineCache(ctx);
   const ops = [];
+  const dimsBuffers: GPUBuffer[] = [];
   for (const k of matmulKernels(spec, tile)) {
+    let dims: GPUBuffer | undefined;
+    if (k.dims) {
+      dims = ctx.device.createBuffer({ size: 16, usage: GPUBufferUsage.UNIFORM | GPUBufferUsage.COPY_DST });
+      ctx.device.queue.writeBuffer(dims, 0, new Uint32Array(k.dims));
+      dimsBuffers.push(dims);
+    }
     ops.push(makeOp(ctx, await cache.get("matmul" + k.suffix, k.code), {
       label: "matmul" + k.suffix,
       phase: "forward",
       kind: "matmul_fwd",
       views: k.bindings.map((n) => ({ buffer: bufs[n] })),
       grid: k.grid,
-      uniform: k.uniform ? uniform : undefined,
+      uniform: k.uniform ? uniform : dims,
     }));
   }
   const enc = ctx.device.createCommandEncoder();
@@ -106,6 +113,7 @@ async function run(spec: MatmulSpec, tile: MatmulTile = chooseTile(spec)) {
   }
   Object.values(bufs).forEach((b) => b.destroy());
   uniform.destroy();
+  dimsBuffers.forEach((b) => b.destroy());
   return relNorm(got, ref);
 }
 
@@ -286,6 +294,72 @@ Deno.test({
           assert.ok(err < 1e-5, `${tileName(tile)} ${M}x${N}x${K} transB=${transB}: rel err ${err}`);
         }
       }
+    }
+  },
+});
+
+Deno.test({
+  name:
+    "uniformDims: shapes of one tile share one kernel, reading their sizes from the uniform, and match float64",
+  ignore: noGpu,
+  fn: async () => {
+    const g1: MatmulTile = { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4 };
+    const g2: MatmulTile = { BM: 32, BN: 32, BK: 16, TM: 4, TN: 4, gen: 2, buffers: 2, warpN: 8 };
+    const split: MatmulTile = { ...g2, buffers: 1, splitK: 3 };
+    const cases: Array<[MatmulTile, Partial<MatmulSpec>]> = [
+      [g1, { transB: true }],
+      [{ BM: 64, BN: 64, BK: 16, TM: 4, TN: 4 }, { bias: true }],
+      [{ BM: 64, BN: 64, BK: 16, TM: 4, TN: 4 }, { epilogue: "gelu", bias: true }],
+      [g1, { epilogue: "residual", bias: true }],
+      [g2, { transA: true }],
+      [g2, { epilogue: "gelu_grad", transB: true }],
+      // The weight gradient's split-K partial sums: slices of 64, 64 and 32 of K = 160.
+      [split, { transA: true, epilogue: "accumulate" }],
+    ];
+    for (const [tile, c] of cases) {
+      const a: MatmulSpec = {
+        ...base,
+        M: 64,
+        N: 128,
+        K: 160,
+        transA: false,
+        transB: false,
+        ...c,
+        uniformDims: true,
+      };
+      const b: MatmulSpec = { ...a, M: 128, N: 64, K: 64 };
+      const [ka, kb] = [matmulKernels(a, tile)[0], matmulKernels(b, tile)[0]];
+      assert.equal(ka.code, kb.code, `${tileName(tile)} ${JSON.stringify(c)}: one kernel for both shapes`);
+      assert.ok(ka.code.includes("var<uniform> dims"));
+      assert.deepEqual(ka.dims, [64, 128, 160, (tile.splitK ?? 1) > 1 ? 64 : 160]);
+      for (const spec of [a, b]) {
+        const err = await run(spec, tile);
+        assert.ok(
+          err < 1e-5,
+          `${tileName(tile)} ${JSON.stringify(c)} ${spec.M}x${spec.N}x${spec.K}: rel err ${err}`,
+        );
+      }
+    }
+    // A guarded shape, or one with dropout (its group-1 uniform), keeps its sizes in the code.
+    for (
+      const spec of [
+        { ...base, M: 52, N: 96, K: 160, transA: false, transB: false, uniformDims: true },
+        {
+          ...base,
+          M: 64,
+          N: 96,
+          K: 160,
+          transA: false,
+          transB: false,
+          epilogue: "residual" as const,
+          dropout: { site: 0, nSites: 1 },
+          uniformDims: true,
+        },
+      ]
+    ) {
+      const k = matmulKernels(spec, g2)[0];
+      assert.ok(!k.code.includes("dims") && k.dims === undefined, `${JSON.stringify(spec)}: literal sizes`);
+      assert.ok(await run(spec, g2) < 1e-5);
     }
   },
 });
