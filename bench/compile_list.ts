@@ -28,7 +28,8 @@
  * Options: `--model`, `--batch`, `--seq`, `--set key=json` (any other field of the /train request,
  * repeatable: `--set attention_dropout=0 --set precision='"fp16"'`), `--emulate h200|none`,
  * `--validate`, `--json <file>` (every pipeline with its WGSL), `--quiet` (groups and totals only),
- * `--uniform-dims` (matmuls read their sizes from a uniform: GraphOptions.kernels.uniformDims).
+ * `--uniform-dims all|none|weight-gradients` (which matmuls read their sizes from a uniform:
+ * GraphOptions.kernels.uniformDims; default weight-gradients).
  */
 import { type GpuContext, isCpuAdapter, openDevice } from "../engine/device.ts";
 import { Trainer } from "../engine/trainer.ts";
@@ -233,7 +234,14 @@ const t0 = performance.now();
 const base = jobTrainerOptions(ctx, config, model);
 const trainer = await Trainer.create(ctx, {
   ...base,
-  ...(args.includes("--uniform-dims") ? { kernels: { ...base.kernels, uniformDims: true } } : {}),
+  ...(args.includes("--uniform-dims")
+    ? {
+      kernels: {
+        ...base.kernels,
+        uniformDims: arg("uniform-dims", "all") as "weight-gradients" | "all" | "none",
+      },
+    }
+    : {}),
   onCompile: (p) => progress.push(p),
 });
 const buildMs = performance.now() - t0;

@@ -172,12 +172,15 @@ case $part in
     # The matmuls' sizes read from a uniform (GraphOptions.kernels.uniformDims), so shapes that share
     # a tile, layout and epilogue share a pipeline: the step against the default in one process
     # (2 rounds, matmuls by shape), then the training job's cold compile without and with.
+    # The first run (all against none, 2026-12-05) slowed the forward matmuls and the input
+    # gradients by up to 8%, so the default is now the weight gradients alone: confirmed here
+    # against none, with the PyTorch peer once per model.
     run 300 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 10 --ops --rounds 2 \
-      --variants "default;--uniform-dims"
-    for flag in "" --uniform-dims; do
+      --torch --variants "--uniform-dims none;default"
+    for which in none weight-gradients; do
       cache=$(mktemp -d)
       run 120 env XDG_CACHE_HOME="$cache" __GL_SHADER_DISK_CACHE=0 deno run -A bench/compile_list.ts \
-        --model gpt2-124M --batch 8 --seq 1024 --quiet $flag
+        --model gpt2-124M --batch 8 --seq 1024 --quiet --uniform-dims $which
     done
     ;;
   learn)

@@ -12,6 +12,8 @@
  *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
  *                   [--attn-scatter] (the dK/dV kernel's sums reduce-scattered, AttentionSpec.scatterSums)
  *                   [--ln-written] (the LayerNorm kernels' row trips written out, kernels.layernormWritten)
+ *                   [--uniform-dims all|none|weight-gradients] (which matmuls read their sizes from a
+ *                   uniform, kernels.uniformDims)
  *                   [--colsum-unroll 8|16|32] (loads in flight of the bias and LayerNorm column sums)
  *                   [--head-chunk-rows N] (rows of one LM head chunk, a multiple of 64; default: 512 MiB of logits)
  *                   [--ops] (the matmuls by shape) [--tile-rules-json F] (rules before the measured ones)
@@ -331,7 +333,9 @@ export function trainOptions(args: readonly string[]): TrainBenchOptions {
       ...(a.includes("--attn-fills") ? { attentionFills: true } : {}),
       ...(a.includes("--attn-scatter") ? { attentionScatter: true } : {}),
       ...(a.includes("--ln-written") ? { layernormWritten: true } : {}),
-      ...(a.includes("--uniform-dims") ? { uniformDims: true } : {}),
+      ...(a.includes("--uniform-dims")
+        ? { uniformDims: arg(a, "uniform-dims", "all") as "weight-gradients" | "all" | "none" }
+        : {}),
       ...(a.includes("--colsum-unroll")
         ? { columnSumUnroll: +arg(a, "colsum-unroll", "8") as 8 | 16 | 32 }
         : {}),

@@ -102,8 +102,8 @@ export interface GraphBuilder {
   memoryBytes: number;
   /** CPU adapters: large matmuls read an operand as a uniform buffer (kernels/matmul_ubo.ts). */
   cpuUniform: boolean;
-  /** Tiled matmuls read their sizes from a uniform where they can (GraphOptions.kernels.uniformDims). */
-  uniformDims: boolean;
+  /** Which tiled matmuls read their sizes from a uniform where they can (GraphOptions.kernels.uniformDims). */
+  uniformDims: "weight-gradients" | "all" | "none";
   /** The sizes' uniforms made so far (dimsUniform), by their values. */
   dimsUniforms: Map<string, GPUBuffer>;
   /** CPU adapters: the kernels without barriers (kernels/matmul_direct.ts, direct attention). */
@@ -253,7 +253,7 @@ export async function createBuilder(
     buffers,
     memoryBytes,
     cpuUniform,
-    uniformDims: opts.kernels?.uniformDims ?? false,
+    uniformDims: opts.kernels?.uniformDims ?? "weight-gradients",
     dimsUniforms: new Map(),
     cpuDirect,
     fp16,

@@ -55,7 +55,8 @@ export function matmul(
   // Each binding's element type is its buffer's, as planned.
   const dtypes = Object.fromEntries(Object.entries(views).map(([n, v]) => [n, dtypeOf(g, v.buffer)]));
   const math = g.f16Math && dtypes.A === "f16" && dtypes.B === "f16" ? "f16" : "f32";
-  const full: MatmulSpec = { ...spec, dtypes, math, ...(g.uniformDims ? { uniformDims: true } : {}) };
+  const uniformDims = g.uniformDims === "all" || (g.uniformDims === "weight-gradients" && spec.transA);
+  const full: MatmulSpec = { ...spec, dtypes, math, ...(uniformDims ? { uniformDims } : {}) };
   const ubo = g.cpuUniform ? cpuMatmul(g, phase, label, full, views) : null;
   if (ubo) return ubo;
   const kind = phase === "forward" ? "matmul_fwd" : "matmul_bwd";

@@ -129,10 +129,13 @@ export interface BuildOptions {
     /** With PlanOptions.attentionScores: the dQ tilings to choose from (default DQ_SCORES_TILES). */
     dqScoresTiles?: readonly DqScoresTile[];
     /**
-     * Tiled matmuls read their sizes from a uniform where they can (MatmulSpec.uniformDims), so
-     * shapes that share a tile, layout and epilogue compile one pipeline (default false).
+     * Which tiled matmuls read their sizes from a uniform where they can (MatmulSpec.uniformDims),
+     * so that shapes sharing a tile, layout and epilogue compile one pipeline: "weight-gradients"
+     * (default: the matmuls reading A stored [K, M], which ran as fast or faster so on the H100,
+     * bench/RESULTS.md, issue 38's eighth session), "all" (the forward ones and the input
+     * gradients ran up to 8% slower so) or "none".
      */
-    uniformDims?: boolean;
+    uniformDims?: "weight-gradients" | "all" | "none";
     /** CPU adapters: the uniform-buffer matmul for large matmuls (default true; kernels/matmul_ubo.ts). */
     cpuMatmul?: boolean;
     /**
