@@ -2,9 +2,10 @@
 # Issue 38's H200 measurements, one device call per part (each fits the 600 s limit). fills, attn and
 # decode ran on 2026-12-05 and their winners are the defaults (bench/RESULTS.md, "Issue 38, a fifth
 # session"); learn and final ran on an H100 in the sixth session, tiles and split345 (and the same for 124M)
-# in the seventh, whose rules are merged. Pending now: final on an H200, then learn, in one call (about
-# 4 minutes: `bash bench/issue38_next.sh final; bash bench/issue38_next.sh learn`), then dx124.
-# The earlier parts stay for reruns.
+# in the seventh, whose rules are merged; final, learn, n768, dx124, attnpeer and dims on H100s in the
+# eighth. Pending: final on an H200 (the ratio lines and the cold compile on the issue's GPU).
+# Pack .device (../shared/device/pack.sh) after a first deno run has filled node_modules: the GPU
+# machine cannot reach npm. The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
 # every round runs each option once, in an order turned each round, and the summary gives each one's
 # median against the default's of the same process), so one call measures what took one call per option.
