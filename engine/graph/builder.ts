@@ -348,6 +348,7 @@ function kernelChoices(
       {
         writtenFills: opts.kernels?.attentionFills ?? true,
         scatterSums: opts.kernels?.attentionScatter ?? true,
+        prefetchFills: opts.kernels?.attentionPrefetch ?? false,
       },
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
@@ -495,7 +496,10 @@ function attentionSpec(
   cpuDirect: boolean,
   ownBackwardTiles: boolean,
   unroll?: 1 | 2 | 4,
-  { writtenFills, scatterSums }: Pick<AttentionSpec, "writtenFills" | "scatterSums"> = {},
+  { writtenFills, scatterSums, prefetchFills }: Pick<
+    AttentionSpec,
+    "writtenFills" | "scatterSums" | "prefetchFills"
+  > = {},
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -511,6 +515,7 @@ function attentionSpec(
     direct: cpuDirect,
     ...(writtenFills ? { writtenFills } : {}),
     ...(scatterSums ? { scatterSums } : {}),
+    ...(prefetchFills ? { prefetchFills } : {}),
     ...(split > 1 && !cpuDirect && ownBackwardTiles
       ? withUnroll(
         chooseBackwardTilings({ T, D }, {
