@@ -40,14 +40,12 @@ import {
   flashForwardFits,
   type FlashLimits,
   type FlashTiles,
-  SCATTER_KV_TILINGS as STEP_SCATTER_KV_TILINGS,
 } from "../engine/kernels/attention.ts";
 import {
   attentionBackwardQScoresWgsl,
   DQ_SCORES_TILES,
   type DqScoresTile,
   dqScoresTileError,
-  dqScoresTileName,
   scoresPathError,
   scoresScratchBytes,
 } from "../engine/kernels/attention_dq.ts";
@@ -62,8 +60,8 @@ import { grid1d, type StorageDtype } from "../engine/kernels/common.ts";
 import { makeOp, type Op, PipelineCache, type View } from "../engine/ops.ts";
 import { GpuDiff, GpuTimer, type Timing } from "./_gpu_bench.ts";
 
-/** A dQ = dS·K tiling's name: "32x16c1", "64x16c2q8" (8 queries a thread), "…p" (prefetch). */
-const dqName = (t: DqScoresTile) => dqScoresTileName(t);
+/** A dQ = dS·K tiling's name: "32x16c1", "64x16c2q8" (8 queries a thread). */
+const dqName = (t: DqScoresTile) => `${t.BQ}x${t.BK}c${t.CP}${(t.RQ ?? 4) === 8 ? "q8" : ""}`;
 
 /**
  * dK/dV tilings timed with their sums reduce-scattered (AttentionSpec.scatterSums) in --quick: the
@@ -450,18 +448,12 @@ async function main(args: string[]): Promise<void> {
             const tiles = DQ_SCORES_TILES.filter((t) => dqScoresTileError(t, p.D, dqLim) === null);
             const oqs: Op[] = [];
             for (const t of tiles) {
-              // With the fills written out, as the step runs them (a prefetching tiling's are anyway).
               oqs.push(
-                await op(
-                  `dq.ds ${dqName(t)}`,
-                  attentionBackwardQScoresWgsl({ ...sp, writtenFills: true }, t),
-                  [
-                    bufs.qkv,
-                    bufs.dst,
-                    bufs.dqkv2,
-                  ],
-                  [Math.ceil(p.T / t.BQ), p.H, p.B],
-                ),
+                await op(`dq.ds ${dqName(t)}`, attentionBackwardQScoresWgsl(sp, t), [
+                  bufs.qkv,
+                  bufs.dst,
+                  bufs.dqkv2,
+                ], [Math.ceil(p.T / t.BQ), p.H, p.B]),
               );
             }
             const alone = async (o: Op) => (await timer.timeAdaptive([o], policy)).median_ms;
@@ -470,7 +462,7 @@ async function main(args: string[]): Promise<void> {
             const dqMs: number[] = [];
             for (const [i, t] of tiles.entries()) {
               dqMs.push(await alone(oqs[i]));
-              console.log(`  dQ = dS·K ${dqName(t)} alone (fills written out): ${dqMs[i].toFixed(3)} ms`);
+              console.log(`  dQ = dS·K ${dqName(t)} alone: ${dqMs[i].toFixed(3)} ms`);
             }
             const bi = dqMs.indexOf(Math.min(...dqMs)), t = tiles[bi];
             const tS = await timer.timeAdaptive([delta, okvS, oqs[bi]], policy);
@@ -575,51 +567,6 @@ async function main(args: string[]): Promise<void> {
                 );
               } catch (e) {
                 print(failed("backward", klabel, e));
-              }
-            }
-            // The step's dK/dV kernel (the scatter pick, fills written out, storing dS) against the
-            // same with the next query tile prefetched into registers (AttentionSpec.prefetchFills),
-            // each alone and checked by the pair with the dQ tiling picked above.
-            const one = chooseBackwardTilings(p, { ...lim, subgroupMinSize: lim.subgroupMinSize ?? 0 }, {
-              kv: [STEP_SCATTER_KV_TILINGS[0]],
-              q: [],
-            });
-            if (one.bwdKV) {
-              const kvAlone: number[] = [];
-              for (const prefetchFills of [false, true]) {
-                const st: AttentionSpec = {
-                  ...sp,
-                  bwdKV: one.bwdKV,
-                  scatterSums: true,
-                  writeDS: true,
-                  writtenFills: true,
-                  prefetchFills,
-                };
-                const klabel = `dK/dV ${tname(one.bwdKV)} u${one.bwdKV.unroll ?? 1} as in the step${
-                  prefetchFills ? ", next tile prefetched" : ""
-                }`;
-                try {
-                  const ok = await op(
-                    klabel,
-                    attentionBackwardKVWgsl(st),
-                    [...bviews, bufs.dqkv2, bufs.dst],
-                    [
-                      Math.ceil(p.T / backwardKVSpec(st).BKV),
-                      p.H,
-                      p.B,
-                    ],
-                  );
-                  await timer.timeAdaptive([delta, ok, oqs[bi]], { ...policy, minReps: 2, maxReps: 2 });
-                  const r = { dqkv: await diff.rel(V(bufs.dqkv2), V(bufs.dqkv), n4q, base.gradDtype) };
-                  const tk = await timer.timeAdaptive([ok], policy);
-                  kvAlone.push(tk.median_ms);
-                  print(
-                    { ...row("backward", klabel, tk, 2 * flops, r, r.dqkv <= tol), alone: true },
-                    kvAlone[0],
-                  );
-                } catch (e) {
-                  print(failed("backward", klabel, e));
-                }
               }
             }
           } catch (e) {

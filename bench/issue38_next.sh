@@ -29,14 +29,13 @@
 #   source .device/env.sh; bash bench/issue38_next.sh n768      # 124M's attn_proj and dx on blocks 96 wide or tall, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh attnpeer  # PyTorch's fp32 attention beside ours alone
 #   source .device/env.sh; bash bench/issue38_next.sh dims      # matmul sizes in a uniform: the step and the cold compile
-#   source .device/env.sh; bash bench/issue38_next.sh prefetch  # attention fills prefetched into registers: alone, in the step
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
 #
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|dims|prefetch|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|dims|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -185,19 +184,11 @@ case $part in
         --model gpt2-124M --batch 8 --seq 1024 --quiet --uniform-dims $which
     done
     ;;
-  prefetch)
-    # The attention backward's next tile loaded into registers during the current one's arithmetic:
-    # the kernels alone (fp32, the dQ tilings with their fills written out as the step has them),
-    # then the step with each against the default, in one process.
-    run 200 deno task bench attention --models gpt2-124M,gpt2-345M --precision fp32 --quick
-    run 330 deno task bench train --models gpt2-124M,gpt2-345M --batch 8 --seq 1024 --steps 6 --rounds 2 \
-      --no-profile --variants "default;--attn-prefetch;--dq-tile 32x16c1p;--dq-tile 128x16c2q8;--dq-tile 128x16c2q8p"
-    ;;
   learn)
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, dims, prefetch, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, dims, learn or final" >&2
     exit 2
     ;;
 esac

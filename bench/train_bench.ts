@@ -12,8 +12,6 @@
  *                   [--attn-fills] (the attention backward's tile fills written out, AttentionSpec.writtenFills)
  *                   [--attn-scatter] (the dK/dV kernel's sums reduce-scattered, AttentionSpec.scatterSums)
  *                   [--ln-written] (the LayerNorm kernels' row trips written out, kernels.layernormWritten)
- *                   [--attn-prefetch] (the dK/dV kernel's next query tile prefetched, AttentionSpec.prefetchFills)
- *                   [--dq-tile 128x16c2q8p] (the dQ = dS·K kernel's tiling, kernels.dqScoresTiles)
  *                   [--uniform-dims all|none|weight-gradients] (which matmuls read their sizes from a
  *                   uniform, kernels.uniformDims)
  *                   [--colsum-unroll 8|16|32] (loads in flight of the bias and LayerNorm column sums)
@@ -41,7 +39,6 @@ import { type Estimate, estimateTraining } from "../model/memory_estimate.ts";
 import type { Precision } from "../model/plan.ts";
 import { type OpTiming, Trainer, type TrainerOptions } from "../engine/trainer.ts";
 import { MATMUL_TILE_RULES, type TileRule } from "../engine/kernels/matmul.ts";
-import { parseDqScoresTile } from "../engine/kernels/attention_dq.ts";
 import { planVariants, roundOrder, type Sample, summarize, summaryLines } from "./variants.ts";
 
 /** How one benchmark run trains. */
@@ -335,9 +332,7 @@ export function trainOptions(args: readonly string[]): TrainBenchOptions {
       ...(a.includes("--attn-unroll") ? { attentionUnroll: +arg(a, "attn-unroll", "1") as 1 | 2 | 4 } : {}),
       ...(a.includes("--attn-fills") ? { attentionFills: true } : {}),
       ...(a.includes("--attn-scatter") ? { attentionScatter: true } : {}),
-      ...(a.includes("--attn-prefetch") ? { attentionPrefetch: true } : {}),
       ...(a.includes("--ln-written") ? { layernormWritten: true } : {}),
-      ...(a.includes("--dq-tile") ? { dqScoresTiles: [parseDqScoresTile(arg(a, "dq-tile", ""))] } : {}),
       ...(a.includes("--uniform-dims")
         ? { uniformDims: arg(a, "uniform-dims", "all") as "weight-gradients" | "all" | "none" }
         : {}),

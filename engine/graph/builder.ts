@@ -348,7 +348,6 @@ function kernelChoices(
       {
         writtenFills: opts.kernels?.attentionFills ?? true,
         scatterSums: opts.kernels?.attentionScatter ?? true,
-        prefetchFills: opts.kernels?.attentionPrefetch ?? false,
       },
     ),
     // FlashAttention-2 style forward where the device fits it (measured 2.1× today's on an H200;
@@ -496,10 +495,7 @@ function attentionSpec(
   cpuDirect: boolean,
   ownBackwardTiles: boolean,
   unroll?: 1 | 2 | 4,
-  { writtenFills, scatterSums, prefetchFills }: Pick<
-    AttentionSpec,
-    "writtenFills" | "scatterSums" | "prefetchFills"
-  > = {},
+  { writtenFills, scatterSums }: Pick<AttentionSpec, "writtenFills" | "scatterSums"> = {},
 ): AttentionSpec {
   const { B, T, Hl, D } = dims;
   const split = chooseAttentionSplit(D, ctx.hasSubgroups);
@@ -515,7 +511,6 @@ function attentionSpec(
     direct: cpuDirect,
     ...(writtenFills ? { writtenFills } : {}),
     ...(scatterSums ? { scatterSums } : {}),
-    ...(prefetchFills ? { prefetchFills } : {}),
     ...(split > 1 && !cpuDirect && ownBackwardTiles
       ? withUnroll(
         chooseBackwardTilings({ T, D }, {

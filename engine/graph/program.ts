@@ -118,8 +118,6 @@ export interface BuildOptions {
     attentionFills?: boolean;
     /** The dK/dV kernel's score and dP sums reduce-scattered (AttentionSpec.scatterSums; default false). */
     attentionScatter?: boolean;
-    /** The dK/dV kernel's next query tile prefetched into registers (AttentionSpec.prefetchFills; default false). */
-    attentionPrefetch?: boolean;
     /** The LayerNorm kernels' row trips written out, x read once (layernorm.ts; default false). */
     layernormWritten?: boolean;
     /**

@@ -616,35 +616,31 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${eachRC((r, c) => `var dk${r}_${c} = vec4<f32>(0.0);`)}
   ${eachRC((r, c) => `var dv${r}_${c} = vec4<f32>(0.0);`)}
   let lhbase = (b * ${s.H}u + h) * ${s.T}u;
-  ${
-    s.prefetchFills
-      ? prefetchedQueryTiles(s, NT, D4, C4, R4, scale)
-      : `for (var qt = (kFirst / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
+  for (var qt = (kFirst / ${s.BQ}u) * ${s.BQ}u; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
     workgroupBarrier();
     ${
-        tileFill(
-          s.BQ * D4,
-          NT,
-          !!s.writtenFills,
-          `
+    tileFill(
+      s.BQ * D4,
+      NT,
+      !!s.writtenFills,
+      `
       let qr = min(qt + e / ${D4}u, ${s.T - 1}u);
       Qs[e] = qkv[(b * ${s.T}u + qr) * ${R4}u + h * ${D4}u + e % ${D4}u] * ${scale};
       dOs[e] = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];`,
-        )
-      }
+    )
+  }
     ${
-        tileFill(
-          s.BQ,
-          NT,
-          !!s.writtenFills,
-          `
+    tileFill(
+      s.BQ,
+      NT,
+      !!s.writtenFills,
+      `
       let qr = min(qt + e, ${s.T - 1}u);
       Ls[e] = lse[lhbase + qr];
       Ds[e] = delta[lhbase + qr];`,
-        )
-      }
-    workgroupBarrier();`
+    )
   }
+    workgroupBarrier();
     let i0 = u32(clamp(i32(kFirst) - i32(qt), 0, ${s.BQ}));
     let i1 = min(${s.BQ}u, ${s.T}u - qt);
     ${
@@ -675,7 +671,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
       ${eachRC((r, c) => `dv${r}_${c} = fma(vec4<f32>(pd${r}), o${c}, dv${r}_${c});`, "\n      ")}
       ${eachRC((r, c) => `dk${r}_${c} = fma(vec4<f32>(ds${r}), q${c}, dk${r}_${c});`, "\n      ")}`,
     )
-  }${s.prefetchFills ? prefetchedTileEnd(s, NT, D4) : ""}
+  }
   }
   ${
     each((r) =>
@@ -687,81 +683,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   }
 }
 `;
-}
-
-/**
- * The split dK/dV kernel's query tiles with prefetch (AttentionSpec.prefetchFills): the first tile
- * loaded and stored before the loop, and each trip's head: the next tile's loads into registers
- * (pq*, po*, pl*, pd*), uniform per workgroup. prefetchedTileEnd stores them after the trip's rows.
- */
-function prefetchedQueryTiles(
-  s: AttentionSpec,
-  NT: number,
-  D4: number,
-  C4: number,
-  R4: number,
-  scale: number,
-): string {
-  const { load, store, decl } = queryTileSlots(s, NT, D4, C4, R4, scale);
-  return `${decl}
-  let qt0 = (kFirst / ${s.BQ}u) * ${s.BQ}u;
-  ${load("qt0")}
-  ${store}
-  workgroupBarrier();
-  for (var qt = qt0; qt < ${s.T}u; qt = qt + ${s.BQ}u) {
-    let more = qt + ${s.BQ}u < ${s.T}u;
-    if (more) {
-    ${load(`(qt + ${s.BQ}u)`)}
-    }`;
-}
-
-/** The end of a prefetching trip: every thread past its rows, then the next tile stored. */
-function prefetchedTileEnd(s: AttentionSpec, NT: number, D4: number): string {
-  const { store } = queryTileSlots(s, NT, D4, 0, 0, 0);
-  return `
-    workgroupBarrier();
-    if (more) {
-    ${store}
-    }
-    workgroupBarrier();`;
-}
-
-/** The register slots of one query tile's fill: thread tid takes elements tid, tid + NT, …. */
-function queryTileSlots(s: AttentionSpec, NT: number, D4: number, C4: number, R4: number, scale: number) {
-  const rows = s.BQ * D4;
-  const slot = (count: number, t: number, body: string) => {
-    const last = (t + 1) * NT > count;
-    return `{ let e = tid + ${t * NT}u;${last ? ` if (e < ${count}u) {` : ""} ${body}${last ? " }" : ""} }`;
-  };
-  const nQ = Math.ceil(rows / NT), nL = Math.ceil(s.BQ / NT);
-  const decl = [
-    ...range(nQ).map((t) => `var pq${t}: vec4<f32>; var po${t}: vec4<f32>;`),
-    ...range(nL).map((t) => `var pl${t}: f32; var pd${t}: f32;`),
-  ].join(" ");
-  const load = (qt: string) =>
-    [
-      ...range(nQ).map((t) =>
-        slot(
-          rows,
-          t,
-          `let qr = min(${qt} + e / ${D4}u, ${s.T - 1}u);
-      pq${t} = qkv[(b * ${s.T}u + qr) * ${R4}u + h * ${D4}u + e % ${D4}u] * ${scale};
-      po${t} = dy[(b * ${s.T}u + qr) * ${C4}u + h * ${D4}u + e % ${D4}u];`,
-        )
-      ),
-      ...range(nL).map((t) =>
-        slot(
-          s.BQ,
-          t,
-          `let qr = min(${qt} + e, ${s.T - 1}u); pl${t} = lse[lhbase + qr]; pd${t} = delta[lhbase + qr];`,
-        )
-      ),
-    ].join("\n    ");
-  const store = [
-    ...range(nQ).map((t) => slot(rows, t, `Qs[e] = pq${t}; dOs[e] = po${t};`)),
-    ...range(nL).map((t) => slot(s.BQ, t, `Ls[e] = pl${t}; Ds[e] = pd${t};`)),
-  ].join("\n    ");
-  return { decl, load, store };
 }
 
 /**

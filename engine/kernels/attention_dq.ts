@@ -23,13 +23,6 @@ export interface DqScoresTile {
   BK: number;
   CP: number;
   RQ?: 4 | 8;
-  /**
-   * Load the next key tile's dS and K into registers while the current tile's multiply-adds run,
-   * then store them (one workgroup buffer, two barriers a tile, as the tiled matmuls' first
-   * generation): the loads' latency hides behind the arithmetic instead of stalling after each
-   * barrier. The same sums in the same order.
-   */
-  prefetch?: boolean;
 }
 
 /** Tilings to choose from, preferred first (the first that fits is used; see chooseDqScoresTile). */
@@ -47,29 +40,7 @@ export const DQ_SCORES_TILES: readonly DqScoresTile[] = [
   { BQ: 64, BK: 32, CP: 2, RQ: 8 },
   { BQ: 128, BK: 16, CP: 2, RQ: 8 },
   { BQ: 32, BK: 16, CP: 1, RQ: 8 },
-  // The next key tile loaded into registers during the current one's multiply-adds, unmeasured yet.
-  { BQ: 32, BK: 16, CP: 1, prefetch: true },
-  { BQ: 128, BK: 16, CP: 2, RQ: 8, prefetch: true },
-  { BQ: 64, BK: 16, CP: 2, RQ: 8, prefetch: true },
 ];
-
-/** A tiling's name: "32x16c1", "64x16c2q8" (8 queries a thread), "…p" with prefetch. */
-export function dqScoresTileName(t: DqScoresTile): string {
-  return `${t.BQ}x${t.BK}c${t.CP}${(t.RQ ?? 4) === 8 ? "q8" : ""}${t.prefetch ? "p" : ""}`;
-}
-
-/** The tiling a name of dqScoresTileName's form names (a RangeError names what is wrong). */
-export function parseDqScoresTile(name: string): DqScoresTile {
-  const m = /^(\d+)x(\d+)c(\d+)(q8)?(p)?$/.exec(name);
-  if (!m) throw new RangeError(`dQ tiling "${name}": expected BQxBKcCP[q8][p], e.g. 128x16c2q8p`);
-  return {
-    BQ: +m[1],
-    BK: +m[2],
-    CP: +m[3],
-    ...(m[4] ? { RQ: 8 as const } : {}),
-    ...(m[5] ? { prefetch: true } : {}),
-  };
-}
 
 /** Threads of a tiling at head size D: (BQ / RQ) query groups × (D/4 / CP) column groups. */
 export function dqScoresThreads(t: DqScoresTile, D: number): number {
@@ -171,78 +142,6 @@ export function attentionBackwardQScoresWgsl(s: AttentionSpec, t: DqScoresTile =
         .join(" ")
     } } }`
   );
-  // The fills of the key tile at `kt` (an expression), as register loads and workgroup stores
-  // (prefetch), or in place.
-  const dsAt = (e: string, kt: string) =>
-    `let qi = q0 + ${e} / ${BK4}u;
-      let j = ${kt} + (${e} % ${BK4}u) * 4u;
-      let ok = (vec4<u32>(j) + vec4<u32>(0u, 1u, 2u, 3u) <= vec4<u32>(qi)) & vec4<bool>(qi < ${T}u);
-      let src = (bh * ${T}u + min(qi, ${T - 1}u)) * ${T4}u + min(j, ${T - 4}u) / 4u;`;
-  const kAt = (e: string, kt: string) =>
-    `let kr = b * ${T}u + min(${kt} + ${e} / ${D4}u, ${T - 1}u);
-      let ksrc = kr * ${R4}u + ${C4}u + h * ${D4}u + ${e} % ${D4}u;`;
-  const slots = (count: number) =>
-    range(Math.ceil(count / NT)).map((t) => ({ t, last: (t + 1) * NT > count }));
-  const dsSlots = slots(BQ * BK4), kSlots = slots(BK * D4);
-  const slotBlock = (count: number, t: number, last: boolean, body: string) =>
-    `{ let e = tid + ${t * NT}u;${last ? ` if (e < ${count}u) {` : ""} ${body}${last ? " }" : ""} }`;
-  const pfLoad = (kt: string) =>
-    [
-      ...dsSlots.map(({ t, last }) =>
-        slotBlock(BQ * BK4, t, last, `${dsAt("e", kt)} rs${t} = select(vec4<f32>(0.0), dst[src], ok);`)
-      ),
-      ...kSlots.map(({ t, last }) => slotBlock(BK * D4, t, last, `${kAt("e", kt)} rk${t} = qkv[ksrc];`)),
-    ].join("\n    ");
-  const pfStore = [
-    ...dsSlots.map(({ t, last }) =>
-      slotBlock(BQ * BK4, t, last, `dSs[${rowAt(`e / ${BK4}u`)} + e % ${BK4}u] = rs${t};`)
-    ),
-    ...kSlots.map(({ t, last }) => slotBlock(BK * D4, t, last, `Ks[e] = rk${t};`)),
-  ].join("\n    ");
-  const loop = t.prefetch
-    ? `${dsSlots.map(({ t }) => `var rs${t}: vec4<f32>;`).join(" ")} ${
-      kSlots.map(({ t }) => `var rk${t}: vec4<f32>;`).join(" ")
-    }
-  ${pfLoad("0u")}
-  ${pfStore}
-  workgroupBarrier();
-  for (var kt = 0u; kt <= qLast; kt = kt + ${BK}u) {
-    let more = kt + ${BK}u <= qLast;
-    if (more) {
-    ${pfLoad(`(kt + ${BK}u)`)}
-    }
-    ${fmas.join("\n    ")}
-    workgroupBarrier();
-    if (more) {
-    ${pfStore}
-    }
-    workgroupBarrier();
-  }`
-    : `for (var kt = 0u; kt <= qLast; kt = kt + ${BK}u) {
-    workgroupBarrier();
-    ${
-      tileFill(
-        BQ * BK4,
-        NT,
-        !!s.writtenFills,
-        `
-      ${dsAt("e", "kt")}
-      dSs[${rowAt(`e / ${BK4}u`)} + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);`,
-      )
-    }
-    ${
-      tileFill(
-        BK * D4,
-        NT,
-        !!s.writtenFills,
-        `
-      ${kAt("e", "kt")}
-      Ks[e] = qkv[ksrc];`,
-      )
-    }
-    workgroupBarrier();
-    ${fmas.join("\n    ")}
-  }`;
   const code = `
 @group(0) @binding(0) var<storage, read> qkv: array<vec4<f32>>;
 @group(0) @binding(1) var<storage, read> dst: array<vec4<f32>>;
@@ -262,7 +161,34 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) t
   ${rs.map((r) => `var s${r}: vec4<f32>;`).join(" ")}
   ${cs.map((p) => `var k${p}: vec4<f32>;`).join(" ")}
   let qLast = min(q0 + ${BQ - 1}u, ${T - 1}u);
-  ${loop}
+  for (var kt = 0u; kt <= qLast; kt = kt + ${BK}u) {
+    workgroupBarrier();
+    ${
+    tileFill(
+      BQ * BK4,
+      NT,
+      !!s.writtenFills,
+      `
+      let qi = q0 + e / ${BK4}u;
+      let j = kt + (e % ${BK4}u) * 4u;
+      let ok = (vec4<u32>(j) + vec4<u32>(0u, 1u, 2u, 3u) <= vec4<u32>(qi)) & vec4<bool>(qi < ${T}u);
+      let src = (bh * ${T}u + min(qi, ${T - 1}u)) * ${T4}u + min(j, ${T - 4}u) / 4u;
+      dSs[${rowAt(`e / ${BK4}u`)} + e % ${BK4}u] = select(vec4<f32>(0.0), dst[src], ok);`,
+    )
+  }
+    ${
+    tileFill(
+      BK * D4,
+      NT,
+      !!s.writtenFills,
+      `
+      let kr = b * ${T}u + min(kt + e / ${D4}u, ${T - 1}u);
+      Ks[e] = qkv[kr * ${R4}u + ${C4}u + h * ${D4}u + e % ${D4}u];`,
+    )
+  }
+    workgroupBarrier();
+    ${fmas.join("\n    ")}
+  }
   ${out.join("\n  ")}
 }
 `;

@@ -44,12 +44,6 @@ export interface AttentionSpec {
    */
   writtenFills?: boolean;
   /**
-   * Split dK/dV kernel: the next query tile (Q, dO, lse, delta) loaded into registers while the
-   * current one's rows run, then stored (two barriers a tile), so the loads' latency hides behind the
-   * arithmetic; about 34 more registers a thread. Same values.
-   */
-  prefetchFills?: boolean;
-  /**
    * Split dK/dV kernel: each query row's score and dP sums reduce-scattered over the S threads of a
    * group (each shuffle level halves the values a thread sends, until one key's pair is left, so a
    * thread takes the exp of one key instead of all R), then the probabilities and dS gathered back:

@@ -19,7 +19,6 @@ import {
   chooseAttentionTiles,
   chooseBackwardTilings,
   chooseSplitAttentionTiles,
-  SCATTER_KV_TILINGS,
 } from "../../engine/kernels/attention.ts";
 import {
   flashBackwardKVWgsl,
@@ -68,8 +67,6 @@ interface RunOptions {
   fills?: boolean;
   /** The dK/dV kernel's sums reduce-scattered (AttentionSpec.scatterSums). */
   scatter?: boolean;
-  /** The dK/dV kernel's next query tile prefetched into registers (AttentionSpec.prefetchFills). */
-  prefetch?: boolean;
 }
 
 async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: number }, o: RunOptions = {}) {
@@ -91,7 +88,6 @@ async function run(split: 1 | 2 | 4 | 8, p: number, tiles?: { BQ: number; BKV: n
     ...o.own,
     ...(o.fills ? { writtenFills: true } : {}),
     ...(o.scatter ? { scatterSums: true } : {}),
-    ...(o.prefetch ? { prefetchFills: true } : {}),
   };
   const sf: AttentionSpec = { ...s, ...o.flashFwd };
   const key = 0x1234567;
@@ -318,41 +314,6 @@ Deno.test({
 
 Deno.test({
   name:
-    "attention's backward with the next tile prefetched into registers (prefetchFills, the dQ tilings' prefetch) gives the fills' dqkv bit for bit: the H100's tilings, stored dS, T=136, dropout",
-  ignore: noGpu,
-  async fn() {
-    const ctx = (await testContext())!;
-    if (!ctx.hasSubgroups || ctx.subgroupMinSize < 4) return;
-    // The step's dK/dV tiling (S4 32x64 r2 u4, sums reduce-scattered): at T = 136 two query tiles
-    // and a ragged third; the Q/dO fill of 512 over 128 threads, lse/delta's 32 (one partial slot).
-    const own = { bwdKV: SCATTER_KV_TILINGS[0], bwdQ: BACKWARD_Q_TILINGS[0] };
-    for (
-      const [o, dq] of [
-        [{ own, scatter: true }, DQ_SCORES_TILES[0]],
-        [{ own, scatter: true, scores: true }, DQ_SCORES_TILES[0]],
-      ] as const
-    ) {
-      const fills = await run(4, 0.2, undefined, {
-        T: 136,
-        ...o,
-        fills: true,
-        scores: o.scores ? dq : undefined,
-      });
-      const pre = await run(4, 0.2, undefined, {
-        T: 136,
-        ...o,
-        fills: true,
-        prefetch: true,
-        scores: o.scores ? { ...dq, prefetch: true } : undefined,
-      });
-      assert.ok(pre.dqkv < 1e-5, `${JSON.stringify(o)}: dqkv rel err ${pre.dqkv}`);
-      assertSameFloats(pre.dqkvRaw, fills.dqkvRaw, `${JSON.stringify(o)}: dqkv`);
-    }
-  },
-});
-
-Deno.test({
-  name:
     "attention's dK/dV with its sums reduce-scattered (scatterSums) gives the butterfly's dqkv bit for bit: split 8 and 4, 4 and 2 keys per group, stored dS, f16 storage, T=136, dropout",
   ignore: noGpu,
   async fn() {
@@ -399,9 +360,7 @@ const scoreCases: Array<[string, number, RunOptions]> = [
 // Every dQ tiling the bench chooses from, at T = 136 with dropout (lavapipe: those that fit it).
 for (const t of DQ_SCORES_TILES) {
   scoreCases.push([
-    `dQ tiling ${t.BQ}x${t.BK}, ${t.CP} columns, ${t.RQ ?? 4} queries a thread${
-      t.prefetch ? ", the next tile prefetched" : ""
-    }, T=136, dropout`,
+    `dQ tiling ${t.BQ}x${t.BK}, ${t.CP} columns, ${t.RQ ?? 4} queries a thread, T=136, dropout`,
     0.2,
     { T: 136, scores: t },
   ]);
