@@ -600,7 +600,8 @@ export function allreduce(label: string, buffer: GPUBuffer, count: number): Sync
 
 /**
  * The uniform a matmul kernel reading its sizes binds at group 1 (MatmulKernel.dims): one 16-byte
- * buffer per distinct value, made and written once, destroyed with the model.
+ * buffer per distinct value, made and written once, outside the plan (GpuModel.uniforms), destroyed
+ * with the model.
  */
 export function dimsUniform(g: GraphBuilder, dims: readonly number[]): GPUBuffer {
   const key = dims.join(",");
@@ -613,7 +614,6 @@ export function dimsUniform(g: GraphBuilder, dims: readonly number[]): GPUBuffer
     });
     g.ctx.device.queue.writeBuffer(b, 0, new Uint32Array(dims));
     g.dimsUniforms.set(key, b);
-    g.buffers.push(b);
   }
   return b;
 }

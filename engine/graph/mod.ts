@@ -114,6 +114,7 @@ export async function buildModel(
     microBatches: g.microBatches,
     dataParallel: g.dataParallel,
     buffers: g.buffers,
+    uniforms: [...g.dimsUniforms.values()],
     plan: g.plan,
   };
 }
@@ -122,7 +123,7 @@ export async function buildModel(
  * Compiles every kernel of the build, against a known total (the buffers are freed if one fails).
  * On a CPU adapter each is also dispatched once, since Mesa compiles at the first dispatch: on
  * buffers that hold nothing yet (a shared parameter buffer only feeds a forward pass, which never
- * writes it), cleared again after (all but the matmuls' size uniforms).
+ * writes it), cleared again after.
  */
 async function compile(g: GraphBuilder): Promise<void> {
   const { ctx, opts, train, buffers } = g;
@@ -130,20 +131,19 @@ async function compile(g: GraphBuilder): Promise<void> {
   try {
     await g.batch.compile(opts.onCompile, warm);
   } catch (e) {
-    for (const b of buffers) b.destroy();
+    for (const b of [...buffers, ...g.dimsUniforms.values()]) b.destroy();
     throw e;
   }
   if (warm) {
-    // The matmuls' size uniforms hold their values from the start (dimsUniform).
-    const sizes = new Set(g.dimsUniforms.values());
     const enc = ctx.device.createCommandEncoder();
-    for (const b of buffers) if (!sizes.has(b)) enc.clearBuffer(b);
+    for (const b of buffers) enc.clearBuffer(b);
     ctx.device.queue.submit([enc.finish()]);
   }
 }
 
 /** Frees every buffer of the model. */
 export function destroyModel(m: GpuModel): void {
-  for (const b of m.buffers) b.destroy();
+  for (const b of [...m.buffers, ...m.uniforms]) b.destroy();
   m.buffers.length = 0;
+  m.uniforms.length = 0;
 }

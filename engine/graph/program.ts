@@ -227,6 +227,8 @@ export interface GpuModel {
    */
   program: { forward: Step[]; loss: Step[]; evalLoss: Step[]; backward: Step[]; optimizer: Step[] };
   buffers: GPUBuffer[];
+  /** Small uniforms the build made outside the plan (the matmuls' sizes: dimsUniform), freed with it. */
+  uniforms: GPUBuffer[];
   /** The memory plan the buffers were allocated from. */
   plan: ModelPlan;
 }

@@ -42,13 +42,21 @@ Deno.test({
       const page = await browser.newPage();
       page.on("pageerror", (e) => pageErrors.push(String(e)));
       const signIn = async (token: string) => {
+        // A hash-only navigation keeps the page, and #whoami the previous user's line until the new
+        // sign-in's answer replaces it: wait for a line that differs from it.
+        const before = await page.$eval("#whoami", (el) => el.textContent).catch(() => "");
         await page.goto(`${url}/#/jobs`);
         await page.waitForSelector("#token-bar.alert:not([hidden])", { timeout: 15_000 });
         await page.type("#token-input", token);
         await page.click('#token-bar button[type="submit"]');
-        await page.waitForFunction(() => document.getElementById("whoami")!.textContent !== "", {
-          timeout: 15_000,
-        });
+        await page.waitForFunction(
+          (prev) => {
+            const now = document.getElementById("whoami")!.textContent;
+            return now !== "" && now !== prev;
+          },
+          { timeout: 15_000 },
+          before,
+        );
       };
       await page.goto(`${url}/`);
       await page.evaluate(() => sessionStorage.clear());
