@@ -48,7 +48,8 @@ function arg(name: string, def: string): string {
 /**
  * The candidate tiles, tried on every shape: the second kernel generation on 128 × 128 blocks of
  * 8 × 8 per thread with each depth, buffering, warp shape and transposing load, the half-size
- * blocks, the first generation's 128 × 128 at depths 8, 16 and 32, and blocks 96 wide or tall.
+ * blocks, the first generation's 128 × 128 at depths 8, 16 and 32, blocks 96 wide or tall, and
+ * threads 12 columns wide.
  */
 export function sweepTiles(): MatmulTile[] {
   const g2 = { gen: 2 } as const;
@@ -76,6 +77,25 @@ export function sweepTiles(): MatmulTile[] {
     { BM: 128, BN: 96, BK: 24, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 4, transposeLoad: "k" },
     { BM: 96, BN: 128, BK: 24, TM: 8, TN: 8, ...g2, buffers: 2, warpN: 8 },
     { BM: 64, BN: 96, BK: 24, TM: 8, TN: 4, ...g2, buffers: 2, warpN: 8 },
+    // Threads 12 columns wide for the same shapes: 128 × 96 blocks of 128 threads (512 blocks, one
+    // wave at 4 an SM, if a thread fits in 128 registers), 128 × 192 of 256 threads (256 blocks, one
+    // wave at 2 an SM), and 4 × 12 threads on 128 × 96 (256 threads, two waves at 2 an SM).
+    { BM: 128, BN: 96, BK: 16, TM: 8, TN: 12 },
+    { BM: 128, BN: 96, BK: 16, TM: 8, TN: 12, ...g2, buffers: 2, warpN: 8 },
+    { BM: 128, BN: 96, BK: 16, TM: 8, TN: 12, ...g2, buffers: 1, warpN: 8 },
+    { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12 },
+    { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12, ...g2, buffers: 2, warpN: 8 },
+    { BM: 128, BN: 96, BK: 32, TM: 4, TN: 12 },
+    // 128 × 192 in the second generation for the input gradient's transposed B (the first
+    // generation's ran attn_proj at 38.2 TFLOP/s on the H200 but its dx at 36.0).
+    { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12, ...g2, buffers: 1, warpN: 8, transposeLoad: "k" },
+    { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12, ...g2, buffers: 1 },
+    { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12, ...g2, buffers: 2, transposeLoad: "k" },
+    // 12 rows or columns a thread for the other shapes whose sides divide by 192 (N = 2304, 3072 and
+    // 50304; the weight gradients' M = 768, 2304, 3072, 50304), at the weight gradients' depth too.
+    { BM: 192, BN: 128, BK: 16, TM: 12, TN: 8 },
+    { BM: 192, BN: 128, BK: 32, TM: 12, TN: 8, ...g2, buffers: 1, warpN: 8 },
+    { BM: 128, BN: 192, BK: 32, TM: 8, TN: 12, ...g2, buffers: 1, warpN: 8 },
   ];
 }
 

@@ -48,9 +48,9 @@ export interface MatmulTile {
   BM: number;
   BN: number;
   BK: number;
-  /** Rows per thread: 4 or 8. */
+  /** Rows per thread: 4, 8 or 12. */
   TM: number;
-  /** Columns per thread: 4 or 8. */
+  /** Columns per thread: 4, 8 or 12 (12: 96-wide blocks of 8 threads, for N = 768). */
   TN: number;
   /** Kernel generation (see the file header); default 1. The fields below need 2. */
   gen?: 1 | 2;
@@ -154,7 +154,9 @@ export function matmulTileError(spec: MatmulSpec, tile: MatmulTile): string | nu
 export function checkTile(spec: MatmulSpec, tile: MatmulTile): void {
   const { M, N, K, transA, transB } = spec;
   const { BM, BN, BK, TM, TN } = tile;
-  if (![4, 8].includes(TM) || ![4, 8].includes(TN)) throw new RangeError(`Matmul tile TM/TN must be 4 or 8`);
+  if (![4, 8, 12].includes(TM) || ![4, 8, 12].includes(TN)) {
+    throw new RangeError(`Matmul tile TM/TN must be 4, 8 or 12`);
+  }
   if (BK % 4 !== 0) throw new RangeError(`Matmul tile BK ${BK} must be a multiple of 4`);
   if ((transA ? M : K) % 4 !== 0) {
     throw new RangeError(`Matmul A's contiguous dimension must be a multiple of 4`);

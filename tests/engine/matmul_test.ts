@@ -13,6 +13,7 @@ import {
   matmulScratchBytes,
   type MatmulSpec,
   type MatmulTile,
+  matmulTileError,
   matmulWgsl,
   tileName,
 } from "../../engine/kernels/matmul.ts";
@@ -295,6 +296,43 @@ Deno.test({
         }
       }
     }
+  },
+});
+
+Deno.test({
+  name:
+    "matmulWgsl() runs thread tiles 12 wide or tall (blocks 96 or 192) in both generations, split-K included",
+  ignore: noGpu,
+  fn: async () => {
+    // The tiles matmul_tiles.json picks for 124M's and 345M's shapes whose sides divide by 96 or
+    // 192: 8 × 12 a thread on 128 × 192 (first generation) or 128 × 96 (second, split-K), and the
+    // weight gradients' 12 × 8 and 8 × 12 at depth 32; a small 12-row tile for the guarded paths.
+    const g2 = { gen: 2, buffers: 1, warpN: 8 } as const;
+    const tiles: MatmulTile[] = [
+      { BM: 128, BN: 192, BK: 16, TM: 8, TN: 12 },
+      { BM: 128, BN: 96, BK: 16, TM: 8, TN: 12, ...g2, splitK: 3 },
+      { BM: 192, BN: 128, BK: 32, TM: 12, TN: 8, ...g2 },
+      { BM: 128, BN: 192, BK: 32, TM: 8, TN: 12, ...g2, splitK: 2 },
+      { BM: 96, BN: 64, BK: 16, TM: 12, TN: 8, gen: 2, buffers: 1, warpN: 4 },
+    ];
+    for (const tile of tiles) {
+      for (const [transA, transB] of [[false, false], [false, true], [true, false]]) {
+        for (const [M, N, K] of [[256, 192, 64], [200, 100, 52]]) {
+          const err = await run({ ...base, M, N, K, transA, transB, bias: true }, tile);
+          assert.ok(err < 1e-5, `${tileName(tile)} ${M}x${N}x${K} ${transA}/${transB}: rel err ${err}`);
+        }
+      }
+    }
+    assert.match(
+      matmulTileError({ ...base, M: 64, N: 64, K: 64, transA: false, transB: false }, {
+        BM: 64,
+        BN: 64,
+        BK: 16,
+        TM: 16,
+        TN: 4,
+      })!,
+      /TM\/TN must be 4, 8 or 12/,
+    );
   },
 });
 
