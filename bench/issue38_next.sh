@@ -26,8 +26,11 @@
 #   source .device/env.sh; bash bench/issue38_next.sh tiles124  # the same for 124M
 #   source .device/env.sh; bash bench/issue38_next.sh chunks    # the LM head's chunk of rows, 2048/4096/8192, matmuls by shape
 #   source .device/env.sh; bash bench/issue38_next.sh dx124     # split-K of 124M's attn_proj.dx, confirmed in the step
-#   source .device/env.sh; bash bench/issue38_next.sh n768      # 124M's attn_proj and dx on blocks 96 wide or tall, confirmed
+#   source .device/env.sh; bash bench/issue38_next.sh n768      # 124M's attn_proj and dx on threads 12 wide, confirmed
 #   source .device/env.sh; bash bench/issue38_next.sh attnpeer  # PyTorch's fp32 attention beside ours alone
+#   source .device/env.sh; bash bench/issue38_next.sh dx768     # attn_proj.dx on 128 x 192, second generation
+#   source .device/env.sh; bash bench/issue38_next.sh wide12    # threads 12 wide or tall on every shape they divide, confirmed
+#   source .device/env.sh; bash bench/issue38_next.sh mmpeer    # cuBLAS fp32 on each training matmul shape
 #   source .device/env.sh; bash bench/issue38_next.sh dims      # matmul sizes in a uniform: the step and the cold compile
 #   source .device/env.sh; bash bench/issue38_next.sh learn     # 400 iterations of 124M on sotu through the server
 #   source .device/env.sh; bash bench/issue38_next.sh final     # the step with its peer, then the cold compile
@@ -35,7 +38,7 @@
 # Every command's output goes to $OUT/<part>.log (and to the terminal), each under its own timeout so
 # that a slow one leaves the others' figures.
 set -u
-part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|attnpeer|dims|learn|final}
+part=${1:?usage: bench/issue38_next.sh train|variants|decode|head|splits|compile|gemv|unroll|fills|attn|tiles|split345|tiles124|chunks|dx124|n768|dx768|wide12|mmpeer|attnpeer|dims|learn|final}
 out=${OUT:-/tmp/issue38}
 mkdir -p "$out"
 export XDG_RUNTIME_DIR=${XDG_RUNTIME_DIR:-/tmp/xdg}
@@ -155,13 +158,43 @@ case $part in
         --variants "default;--tile-rules-json $out/split_rules_dx124.json"
     ;;
   n768)
-    # 124M's attn_proj and its dx (8192 x 768 x 768) with the blocks 96 wide or tall (tile_sweep's
-    # candidates 14-18) against the pick inside the step, then the step with what it emits, against without.
-    run 200 deno run -A bench/tile_sweep.ts --models gpt2-124M --only '^attn_proj(\.dx)?$' \
-      --candidates 14,15,16,17,18 --emit "$out/tile_rules_n768.json"
+    # 124M's attn_proj and its dx (8192 x 768 x 768) with threads 12 columns wide (tile_sweep's
+    # candidates 19-24; 14-18, blocks 96 wide or tall at 8 x 8, ran in the eighth session) against the
+    # pick inside the step, then the step with what it emits, against without.
+    run 240 deno run -A bench/tile_sweep.ts --models gpt2-124M --only '^attn_proj(\.dx)?$' \
+      --candidates 19,20,21,22,23,24 --emit "$out/tile_rules_n768.json"
     [ -s "$out/tile_rules_n768.json" ] && [ "$(cat "$out/tile_rules_n768.json")" != "[]" ] &&
       run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
         --variants "default;--tile-rules-json $out/tile_rules_n768.json"
+    ;;
+  dx768)
+    # (The ninth session merged n768's 22 for attn_proj.) attn_proj.dx's transposed B on 128 x 192 in the
+    # second generation (candidates 25-27) against 22 and the pick, then the step with what it emits.
+    run 200 deno run -A bench/tile_sweep.ts --models gpt2-124M --only '^attn_proj\.dx$' \
+      --candidates 22,25,26,27 --emit "$out/tile_rules_dx768.json"
+    [ -s "$out/tile_rules_dx768.json" ] && [ "$(cat "$out/tile_rules_dx768.json")" != "[]" ] &&
+      run 120 deno task bench train --models gpt2-124M --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
+        --variants "default;--tile-rules-json $out/tile_rules_dx768.json"
+    ;;
+  wide12)
+    # Threads 12 wide or tall (tile_sweep's 19-30) on every shape they divide, both models, inside the
+    # step; then each model's step with what it emits against without (2 rounds in one process).
+    run 200 deno run -A bench/tile_sweep.ts --models gpt2-124M --candidates 19,21,22,24,25,27,28,29,30 \
+      --emit "$out/tile_rules_w12_124.json"
+    run 150 deno run -A bench/tile_sweep.ts --models gpt2-345M --only '^(qkv|lm_head|qkv\.dw|lm_head\.dw)$' \
+      --candidates 22,25,27,28,29,30 --emit "$out/tile_rules_w12_345.json"
+    for m in 124 345; do
+      f="$out/tile_rules_w12_$m.json"
+      [ -s "$f" ] && [ "$(cat "$f")" != "[]" ] &&
+        run 150 deno task bench train --models "gpt2-${m}M" --batch 8 --seq 1024 --steps 10 --no-profile --rounds 2 \
+          --variants "default;--tile-rules-json $f"
+    done
+    ;;
+  mmpeer)
+    # cuBLAS fp32 (TF32 off) on every training matmul shape of both models, in our layouts: what the
+    # "every shape >= 36 TFLOP/s" target compares with. Ours by shape: the --ops table of `final`.
+    deno task bench matmul --list-shapes >"$out/shapes.json"
+    run 200 python3 bench/torch_matmul.py "$out/shapes.json"
     ;;
   attnpeer)
     # PyTorch's fp32 scaled-dot-product attention (memory-efficient, math, default; TF32 off and on)
@@ -188,7 +221,7 @@ case $part in
     run 500 deno run -A bench/finetune_eval_bench.ts --phase base --base-iters 400 --home ./.ft400
     ;;
   *)
-    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, attnpeer, dims, learn or final" >&2
+    echo "unknown part \"$part\": expected train, variants, decode, head, splits, compile, gemv, unroll, fills, attn, tiles, split345, tiles124, chunks, dx124, n768, dx768, wide12, mmpeer, attnpeer, dims, learn or final" >&2
     exit 2
     ;;
 esac

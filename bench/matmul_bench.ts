@@ -7,6 +7,8 @@
  *   deno task bench matmul                       chooseTile's pick for every shape
  *   deno task bench matmul --sweep [--json F]    every kernel variant × tile on every shape, in a time budget
  *   deno task bench matmul --tiny                tiny shapes (a CPU adapter runs it in under a minute)
+ *   deno task bench matmul --list-shapes [--models M] [--rows 8192]   the training shapes as JSON, for
+ *                                 bench/torch_matmul.py (no GPU)
  *   deno task bench matmul --from-json F --emit-tiles engine/kernels/matmul_tiles.json   (no GPU; rules of
  *                                 shapes F did not measure are kept unless --replace)
  *
@@ -570,6 +572,20 @@ export function tileTable(
 }
 
 async function main(args: string[]): Promise<void> {
+  if (args.includes("--list-shapes")) {
+    // For peers (bench/torch_matmul.py): the shapes, layouts and epilogues, one JSON line; no GPU.
+    const models = arg(args, "models", "gpt2-124M,gpt2-345M").split(",");
+    const BT = +arg(args, "rows", "8192");
+    const limits = { maxStorageBufferBindingSize: 2 ** 31, maxBufferSize: 2 ** 40 }; // an H100's or H200's
+    const list = models.flatMap((m) => {
+      const config = presetConfig(m);
+      return gpt2MatmulShapes(m, config, BT, headChunkRows(limits, config, BT), "fp32");
+    });
+    console.log(
+      JSON.stringify(list.map(({ model, op, spec, perStep }) => ({ model, op, ...spec, perStep }))),
+    );
+    return;
+  }
   const fromJson = arg(args, "from-json", "");
   if (fromJson) {
     const report = JSON.parse(await Deno.readTextFile(fromJson));
