@@ -3,7 +3,8 @@
 # decode ran on 2026-12-05 and their winners are the defaults (bench/RESULTS.md, "Issue 38, a fifth
 # session"); learn and final ran on an H100 in the sixth session, tiles and split345 (and the same for 124M)
 # in the seventh, whose rules are merged; final, learn, n768, dx124, attnpeer and dims on H100s in the
-# eighth. Pending: final on an H200 (the ratio lines and the cold compile on the issue's GPU).
+# eighth; n768, dx768, wide12, mmpeer, attnpeer, learn and final on an H200 in the ninth (its wide12 rules
+# are merged in part). Pending: the cold compile of the committed table on an H200 (`final`).
 # Pack .device (../shared/device/pack.sh) after a first deno run has filled node_modules: the GPU
 # machine cannot reach npm. The earlier parts stay for reruns.
 # decode, fills and split345 compare their options inside one process (`--variants`, bench/variants.ts:
