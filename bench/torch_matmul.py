@@ -6,7 +6,8 @@ of --reps batches after warmup), TFLOP/s = 2·M·N·K / time.
 
 Why: issue 38 asks every training shape of ours to reach 36 TFLOP/s. This says what NVIDIA's own
 fp32 GEMM reaches on the same shapes on the same GPU in the same call, the small ones (8192 × 768 ×
-768) among them.
+768) among them. The last lines give each model's matmuls for one training step at these rates (each
+shape's time times its runs a step), to set beside the step's matmul_fwd + matmul_bwd.
 
 The shapes come from our own list: `deno task bench matmul --list-shapes > shapes.json`, then
 `python3 bench/torch_matmul.py shapes.json`. Prints one JSON line per shape and a table.
@@ -65,13 +66,17 @@ def main():
         ms, tflops = measure(s, args.reps, args.batch)
         layout = ("T" if s["transA"] else "N") + ("T" if s["transB"] else "N")
         rec = {"model": s["model"], "op": s["op"], "M": s["M"], "N": s["N"], "K": s["K"], "layout": layout,
-               "bias": s["bias"], "ms": round(ms, 4), "tflops": round(tflops, 2)}
+               "bias": s["bias"], "per_step": s["perStep"], "ms": round(ms, 4), "tflops": round(tflops, 2)}
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     print(f"{'model':10} {'op':13} {'M x N x K':>20} {'layout':6} {'ms':>8} {'TFLOP/s':>8}")
     for r in rows:
         shape = f"{r['M']}x{r['N']}x{r['K']}"
         print(f"{r['model']:10} {r['op']:13} {shape:>20} {r['layout']:6} {r['ms']:8.4f} {r['tflops']:8.2f}")
+    # What a training step's matmuls would take at these rates (each shape times its runs a step).
+    for model in dict.fromkeys(r["model"] for r in rows):
+        total = sum(r["ms"] * r["per_step"] for r in rows if r["model"] == model)
+        print(json.dumps({"model": model, "step_matmul_ms": round(total, 2)}))
 
 
 if __name__ == "__main__":
